@@ -1,0 +1,47 @@
+"""pstore: an embedding-table parameter store for recommender systems.
+
+>>> import numpy as np, pstore
+>>> store = pstore.Store()
+>>> user = store.create_sparse_table(
+...     "user", dim=4, optimizer=pstore.optim.Adagrad(lr=0.05), initializer=pstore.init.Zeros()
+... )
+>>> user.pull(np.array([1, 2])).shape
+(2, 4)
+"""
+
+from __future__ import annotations
+
+from pstore import init, optim
+from pstore._native import MAX_DIM
+from pstore._native import __version__ as __version__
+from pstore.exceptions import (
+    DtypeError,
+    InternalError,
+    InvalidArgumentError,
+    NonFiniteError,
+    PstoreError,
+    ShapeError,
+    TableExistsError,
+    UnknownTableError,
+    WrongTableKindError,
+)
+from pstore.store import DenseTable, PushHandle, SparseTable, Store
+
+__all__ = [
+    "MAX_DIM",
+    "DenseTable",
+    "DtypeError",
+    "InternalError",
+    "InvalidArgumentError",
+    "NonFiniteError",
+    "PstoreError",
+    "PushHandle",
+    "ShapeError",
+    "SparseTable",
+    "Store",
+    "TableExistsError",
+    "UnknownTableError",
+    "WrongTableKindError",
+    "init",
+    "optim",
+]

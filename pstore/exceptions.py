@@ -1,0 +1,58 @@
+"""The exceptions pstore raises.
+
+Every class derives from :class:`PstoreError` and also from the built-in exception a Python user
+expects, so ``except ValueError`` and ``except KeyError`` keep working.
+"""
+
+from __future__ import annotations
+
+__all__ = [
+    "DtypeError",
+    "InternalError",
+    "InvalidArgumentError",
+    "NonFiniteError",
+    "PstoreError",
+    "ShapeError",
+    "TableExistsError",
+    "UnknownTableError",
+    "WrongTableKindError",
+]
+
+
+class PstoreError(Exception):
+    """Base class of every error pstore raises."""
+
+
+class InvalidArgumentError(PstoreError, ValueError):
+    """An argument or configuration value is out of range (dim 0, lr <= 0, ...)."""
+
+
+class ShapeError(InvalidArgumentError):
+    """Shapes or lengths disagree: ids and grads of different lengths, a wrong dim, ..."""
+
+
+class NonFiniteError(InvalidArgumentError):
+    """A gradient holds NaN or an infinity. Nothing of the push was applied."""
+
+
+class DtypeError(PstoreError, TypeError):
+    """An array has the wrong element type (ids must be int64/uint64, grads float32)."""
+
+
+class UnknownTableError(PstoreError, KeyError):
+    """No table of this name exists."""
+
+    def __str__(self) -> str:  # KeyError would quote the message
+        return str(self.args[0]) if self.args else ""
+
+
+class TableExistsError(PstoreError, ValueError):
+    """A table of this name exists already."""
+
+
+class WrongTableKindError(PstoreError, TypeError):
+    """A dense table was used where a sparse one is needed, or the reverse."""
+
+
+class InternalError(PstoreError, RuntimeError):
+    """A bug in pstore, never the caller's fault: please report it."""

@@ -1,0 +1,451 @@
+"""The embedded store and its tables."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Sequence
+from typing import Any
+
+import numpy as np
+import numpy.typing as npt
+
+from pstore import _native, init, optim
+from pstore.exceptions import (
+    DtypeError,
+    InvalidArgumentError,
+    ShapeError,
+    WrongTableKindError,
+)
+
+__all__ = ["DenseTable", "PushHandle", "SparseTable", "Store"]
+
+IdsLike = npt.ArrayLike
+_OPTIMIZERS = {"sgd": optim.SGD, "adagrad": optim.Adagrad, "adam": optim.Adam, "ftrl": optim.Ftrl}
+_INITIALIZERS = {
+    "zeros": init.Zeros,
+    "constant": init.Constant,
+    "uniform": init.Uniform,
+    "normal": init.Normal,
+    "truncated_normal": init.TruncatedNormal,
+}
+
+
+def _as_ids(ids: IdsLike) -> np.ndarray:
+    """Ids as a contiguous 1-D uint64 array; int64 is reinterpreted bit for bit, not converted."""
+    a = np.asarray(ids)
+    if a.dtype == np.int64:
+        a = a.view(np.uint64)
+    elif a.dtype != np.uint64:
+        if a.size == 0 and a.dtype == np.float64:  # an empty list
+            a = a.astype(np.uint64)
+        else:
+            raise DtypeError(f"ids must be an int64 or uint64 array, got dtype {a.dtype}")
+    if a.ndim != 1:
+        raise ShapeError(f"ids must be 1-D, got shape {a.shape}")
+    return np.ascontiguousarray(a)
+
+
+def _as_f32(x: npt.ArrayLike, what: str) -> np.ndarray:
+    a = np.asarray(x)
+    if a.dtype != np.float32:
+        raise DtypeError(
+            f"{what} must be float32, got dtype {a.dtype} (convert with .astype(np.float32))"
+        )
+    return np.ascontiguousarray(a)
+
+
+def _spec_to(kinds: dict[str, Any], spec: dict[str, Any]) -> Any:
+    spec = dict(spec)
+    cls = kinds[spec.pop("kind")]
+    if cls is optim.Adam:
+        spec["betas"] = (spec.pop("beta1"), spec.pop("beta2"))
+    if cls is optim.Ftrl:
+        spec["alpha"] = spec.pop("lr")
+    return cls(**spec)
+
+
+class PushHandle:
+    """A pending asynchronous push, returned by ``push_async``."""
+
+    __slots__ = ("_inner",)
+
+    def __init__(self, inner: _native.PushHandle) -> None:
+        self._inner = inner
+
+    def wait(self, timeout: float | None = None) -> None:
+        """Wait until the push has been applied.
+
+        Parameters
+        ----------
+        timeout : float, optional
+            Seconds to wait at most; ``None`` waits as long as it takes.
+
+        Raises
+        ------
+        TimeoutError
+            If the push is still pending after ``timeout`` seconds.
+        PstoreError
+            The push's own error, if applying it failed.
+        """
+        if not self._inner.wait(timeout):
+            raise TimeoutError(f"push still pending after {timeout} s")
+
+    def done(self) -> bool:
+        """True once the push has been applied (or has failed)."""
+        return self._inner.done()
+
+    def __repr__(self) -> str:
+        return f"<PushHandle {'done' if self.done() else 'pending'}>"
+
+
+class SparseTable:
+    """A sparse embedding table: u64 id -> float32 row of ``dim`` values.
+
+    Rows are created on first touch (a pull or a push) with the table's initialiser. Do not
+    create it directly: use :meth:`Store.create_sparse_table` or :meth:`Store.table`.
+
+    Ids may be uint64 or int64 arrays (int64 is reinterpreted bit for bit, so ``-1`` is
+    ``2**64 - 1``) or lists of ints. While a call runs, other Python threads keep running: do not
+    modify the arrays you passed until it returns (``push_async`` copies its inputs).
+    """
+
+    __slots__ = ("_inner",)
+
+    def __init__(self, inner: _native.SparseTable) -> None:
+        self._inner = inner
+
+    @property
+    def name(self) -> str:
+        """The table's name."""
+        return self._inner.name
+
+    @property
+    def dim(self) -> int:
+        """The row width."""
+        return self._inner.dim
+
+    @property
+    def seed(self) -> int:
+        """The initialiser's seed."""
+        return self._inner.seed
+
+    @property
+    def num_shards(self) -> int:
+        """Number of shards."""
+        return self._inner.num_shards
+
+    @property
+    def optimizer(self) -> optim.Optimizer:
+        """The optimizer, with the learning rate it was created with."""
+        return _spec_to(_OPTIMIZERS, self._inner.optimizer_spec())
+
+    @property
+    def initializer(self) -> init.Initializer:
+        """The initialiser of new rows."""
+        return _spec_to(_INITIALIZERS, self._inner.initializer_spec())
+
+    @property
+    def lr(self) -> float:
+        """The learning rate in force (``alpha`` for Ftrl); assign to change it at run time."""
+        return self._inner.lr
+
+    @lr.setter
+    def lr(self, value: float) -> None:
+        self._inner.set_lr(float(value))
+
+    def set_lr(self, lr: float) -> None:
+        """Change the learning rate for every later push."""
+        self._inner.set_lr(float(lr))
+
+    def __len__(self) -> int:
+        return len(self._inner)
+
+    def __repr__(self) -> str:
+        return f"<SparseTable {self.name!r} dim={self.dim} rows={len(self)}>"
+
+    def pull(self, ids: IdsLike) -> np.ndarray:
+        """The rows of ``ids``, as a new ``(len(ids), dim)`` float32 array.
+
+        Rows that do not exist yet are created with their initial value.
+        """
+        return self._inner.pull(_as_ids(ids))
+
+    def _args(self, ids: IdsLike, grads: npt.ArrayLike) -> tuple[np.ndarray, np.ndarray]:
+        i = _as_ids(ids)
+        g = _as_f32(grads, "grads")
+        if g.ndim != 2 or g.shape[0] != i.shape[0]:
+            raise ShapeError(
+                f"table {self.name!r}: grads must have shape (len(ids), dim) = "
+                f"({i.shape[0]}, {self.dim}), got {g.shape}"
+            )
+        return i, g
+
+    def push(self, ids: IdsLike, grads: npt.ArrayLike) -> None:
+        """Apply gradients with the table's optimizer; returns once they are applied.
+
+        Duplicate ids are coalesced: their gradient rows are summed and the optimizer is applied
+        once per unique id. Every later pull, from any thread, sees the update. A bad input
+        (dtype, shape, NaN or Inf) raises and changes nothing.
+
+        Parameters
+        ----------
+        ids : array of int64 or uint64, shape (n,)
+        grads : float32 array, shape (n, dim)
+        """
+        self._inner.push(*self._args(ids, grads))
+
+    def push_async(self, ids: IdsLike, grads: npt.ArrayLike) -> PushHandle:
+        """Queue a push and return at once.
+
+        The inputs are copied. Pushes apply in the order they were queued, so pushes from one
+        thread apply in the order they were made. When the store's in-flight budget
+        (``max_inflight_bytes``) is used up, this call blocks until room frees (backpressure).
+        Input errors raise here; :meth:`PushHandle.wait` raises errors of the application.
+        """
+        return PushHandle(self._inner.push_async(*self._args(ids, grads)))
+
+    def contains(self, ids: IdsLike) -> np.ndarray:
+        """A bool array: which ids have a row. Creates nothing."""
+        return self._inner.contains(_as_ids(ids))
+
+    def remove(self, ids: IdsLike) -> int:
+        """Remove the rows of ``ids`` (absent ids are ignored); returns how many were removed."""
+        return self._inner.remove(_as_ids(ids))
+
+    def initial_rows(self, ids: IdsLike) -> np.ndarray:
+        """The values the rows of ``ids`` have before any update. Creates nothing."""
+        return self._inner.initial_rows(_as_ids(ids))
+
+    def stats(self) -> dict[str, Any]:
+        """Counters and sizes.
+
+        Keys: ``rows``, ``dim``, ``bytes_used`` (arena, state and index), ``pushes``, ``pulls``,
+        ``ids_pushed``, ``ids_pulled`` (duplicates included), ``rows_updated`` (optimizer
+        applications), ``rows_created``, ``num_shards``, ``lr``, ``optimizer``.
+        """
+        s = self._inner.stats()
+        s.update(dim=self.dim, num_shards=self.num_shards, optimizer=self._inner.optimizer_name)
+        return s
+
+
+class DenseTable:
+    """A dense float32 tensor with its own optimizer, updated as a whole by each push."""
+
+    __slots__ = ("_inner",)
+
+    def __init__(self, inner: _native.DenseTable) -> None:
+        self._inner = inner
+
+    @property
+    def name(self) -> str:
+        """The table's name."""
+        return self._inner.name
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        """The tensor's shape."""
+        return tuple(self._inner.shape)
+
+    @property
+    def seed(self) -> int:
+        """The initialiser's seed."""
+        return self._inner.seed
+
+    @property
+    def step(self) -> int:
+        """Number of pushes applied."""
+        return self._inner.step
+
+    @property
+    def optimizer(self) -> optim.Optimizer:
+        """The optimizer, with the learning rate it was created with."""
+        return _spec_to(_OPTIMIZERS, self._inner.optimizer_spec())
+
+    @property
+    def initializer(self) -> init.Initializer:
+        """The initialiser."""
+        return _spec_to(_INITIALIZERS, self._inner.initializer_spec())
+
+    @property
+    def lr(self) -> float:
+        """The learning rate in force; assign to change it at run time."""
+        return self._inner.lr
+
+    @lr.setter
+    def lr(self, value: float) -> None:
+        self._inner.set_lr(float(value))
+
+    def set_lr(self, lr: float) -> None:
+        """Change the learning rate for every later push."""
+        self._inner.set_lr(float(lr))
+
+    def __repr__(self) -> str:
+        return f"<DenseTable {self.name!r} shape={self.shape}>"
+
+    def pull(self) -> np.ndarray:
+        """A copy of the tensor."""
+        return self._inner.pull()
+
+    def push(self, grad: npt.ArrayLike) -> None:
+        """Apply one gradient of the whole tensor (float32, the table's shape)."""
+        self._inner.push(_as_f32(grad, "grad"))
+
+    def push_async(self, grad: npt.ArrayLike) -> PushHandle:
+        """Queue one gradient and return at once (see :meth:`SparseTable.push_async`)."""
+        return PushHandle(self._inner.push_async(_as_f32(grad, "grad")))
+
+    def stats(self) -> dict[str, Any]:
+        """Counters and sizes (``pushes``, ``pulls``, ``bytes_used``, ``lr``, ...)."""
+        s = self._inner.stats()
+        s.update(shape=self.shape, step=self.step, optimizer=self._inner.optimizer_name)
+        return s
+
+
+def _wrap(t: _native.SparseTable | _native.DenseTable) -> SparseTable | DenseTable:
+    return SparseTable(t) if isinstance(t, _native.SparseTable) else DenseTable(t)
+
+
+class Store:
+    """An embedded parameter store, in this process.
+
+    Parameters
+    ----------
+    num_shards : int, optional
+        Shards per sparse table (default 64). Results do not depend on it.
+    threads : int, optional
+        Threads of the store's pool that spread one batch over the cores (default: the number
+        of cores).
+    max_inflight_bytes : int, optional
+        Bytes of queued ``push_async`` data before ``push_async`` blocks (default 256 MiB).
+
+    A store must be used in the process that created it (its threads do not survive ``fork``).
+    """
+
+    def __init__(
+        self,
+        *,
+        num_shards: int | None = None,
+        threads: int | None = None,
+        max_inflight_bytes: int | None = None,
+    ) -> None:
+        self._inner = _native.Store(num_shards, threads, max_inflight_bytes)
+
+    @property
+    def num_shards(self) -> int:
+        """Shards per sparse table."""
+        return self._inner.num_shards
+
+    @property
+    def threads(self) -> int:
+        """Threads of the store's pool."""
+        return self._inner.threads
+
+    def create_sparse_table(
+        self,
+        name: str,
+        dim: int,
+        *,
+        optimizer: optim.Optimizer | None = None,
+        initializer: init.Initializer | None = None,
+        seed: int = 0,
+    ) -> SparseTable:
+        """Create a sparse table.
+
+        Parameters
+        ----------
+        name : str
+            A new table name.
+        dim : int
+            Row width, 1 to 4096.
+        optimizer : pstore.optim.SGD | Adagrad | Adam | Ftrl, optional
+            Applied by pushes; default ``SGD(lr=0.01)``.
+        initializer : pstore.init.*, optional
+            Value of new rows, a function of (seed, id); default ``Normal(0.0, 0.01)``.
+        seed : int
+            Seed of the initialiser, 0 to 2**64 - 1.
+        """
+        opt = optimizer if optimizer is not None else optim.SGD(lr=0.01)
+        ini = initializer if initializer is not None else init.Normal(0.0, 0.01)
+        return SparseTable(
+            self._inner.create_sparse_table(
+                name, _check_int(dim, "dim"), opt._spec(), ini._spec(), _seed(seed)
+            )
+        )
+
+    def create_dense_table(
+        self,
+        name: str,
+        shape: int | Sequence[int],
+        *,
+        optimizer: optim.Optimizer | None = None,
+        initializer: init.Initializer | None = None,
+        seed: int = 0,
+    ) -> DenseTable:
+        """Create a dense table: a float32 tensor of ``shape``.
+
+        ``optimizer`` defaults to ``SGD(lr=0.01)`` and ``initializer`` to ``Zeros()``.
+        """
+        dims = [shape] if isinstance(shape, int) else list(shape)
+        opt = optimizer if optimizer is not None else optim.SGD(lr=0.01)
+        ini = initializer if initializer is not None else init.Zeros()
+        return DenseTable(
+            self._inner.create_dense_table(
+                name, [_check_int(d, "shape") for d in dims], opt._spec(), ini._spec(), _seed(seed)
+            )
+        )
+
+    def table(self, name: str) -> SparseTable | DenseTable:
+        """The table called ``name``; raises :class:`UnknownTableError` if there is none."""
+        return _wrap(self._inner.table(name))
+
+    def sparse_table(self, name: str) -> SparseTable:
+        """The sparse table called ``name``."""
+        t = self.table(name)
+        if not isinstance(t, SparseTable):
+            raise WrongTableKindError(f"table {name!r} is dense, not sparse")
+        return t
+
+    def tables(self) -> list[str]:
+        """The names of all tables, sorted."""
+        return self._inner.tables()
+
+    def __contains__(self, name: object) -> bool:
+        return isinstance(name, str) and name in self._inner.tables()
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self.tables())
+
+    def __getitem__(self, name: str) -> SparseTable | DenseTable:
+        return self.table(name)
+
+    def drop_table(self, name: str) -> None:
+        """Remove a table from the store."""
+        self._inner.drop_table(name)
+
+    def flush(self) -> None:
+        """Wait until every ``push_async`` of every table has been applied."""
+        self._inner.flush()
+
+    def close(self) -> None:
+        """Apply what is queued and refuse further asynchronous pushes."""
+        self._inner.close()
+
+    def __enter__(self) -> Store:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        return f"<Store tables={self.tables()} shards={self.num_shards} threads={self.threads}>"
+
+
+def _check_int(v: object, what: str, hi: int = 2**63) -> int:
+    if isinstance(v, bool) or not isinstance(v, int | np.integer):
+        raise DtypeError(f"{what} must be an int, got {type(v).__name__}")
+    if not 0 <= int(v) < hi:
+        raise InvalidArgumentError(f"{what} must be in [0, {hi}), got {v}")
+    return int(v)
+
+
+def _seed(seed: object) -> int:
+    return _check_int(seed, "seed", 2**64)

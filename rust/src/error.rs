@@ -1,0 +1,42 @@
+//! The one error type of the core. User errors (bad arguments, unknown names) are kept apart from
+//! internal ones so the binding layer can map each to the exception a Python user expects.
+
+/// Every error the core reports.
+#[derive(Debug, Clone, PartialEq, thiserror::Error)]
+pub enum Error {
+    /// A configuration value or argument is out of range (dim 0, lr <= 0, ...).
+    #[error("{0}")]
+    InvalidArgument(String),
+    /// Lengths or shapes of the inputs do not agree with each other or with the table.
+    #[error("{0}")]
+    Shape(String),
+    /// A gradient holds NaN or an infinity.
+    #[error("{0}")]
+    NonFinite(String),
+    /// An input has the wrong element type (raised by the binding layer).
+    #[error("{0}")]
+    Dtype(String),
+    /// No table of this name exists.
+    #[error("unknown table {0:?}")]
+    UnknownTable(String),
+    /// A table of this name exists already.
+    #[error("table {0:?} already exists")]
+    TableExists(String),
+    /// A table was used as the other kind (a dense table where a sparse one is needed).
+    #[error("{0}")]
+    WrongKind(String),
+    /// A bug or a broken invariant inside pstore, never the caller's fault.
+    #[error("internal error: {0}")]
+    Internal(String),
+}
+
+/// The result type of the core.
+pub type Result<T> = std::result::Result<T, Error>;
+
+pub(crate) fn invalid(msg: impl Into<String>) -> Error {
+    Error::InvalidArgument(msg.into())
+}
+
+pub(crate) fn shape(msg: impl Into<String>) -> Error {
+    Error::Shape(msg.into())
+}

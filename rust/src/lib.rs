@@ -1,0 +1,56 @@
+//! pstore: an embedding-table parameter store for recommender systems.
+//!
+//! The core holds sparse tables (u64 id -> float32 row, created on first touch) and dense tensors,
+//! and applies gradients with server-side optimizers. It has no Python in it; the PyO3 binding
+//! lives in `python/`, behind the `python` feature.
+//!
+//! ```
+//! use pstore::{Store, StoreConfig, SparseTableConfig, OptimizerConfig, OptimizerKind, Initializer};
+//! use std::sync::Arc;
+//!
+//! let store = Store::new(StoreConfig::default()).unwrap();
+//! let user = store
+//!     .create_sparse_table(
+//!         "user",
+//!         SparseTableConfig {
+//!             dim: 4,
+//!             optimizer: OptimizerConfig {
+//!                 kind: OptimizerKind::Adagrad {
+//!                     initial_accumulator_value: 0.1,
+//!                     eps: 1e-10,
+//!                     weight_decay: 0.0,
+//!                 },
+//!                 lr: 0.05,
+//!                 clip_value: None,
+//!                 clip_norm: None,
+//!             },
+//!             initializer: Initializer::Zeros,
+//!             seed: 7,
+//!         },
+//!     )
+//!     .unwrap();
+//! let ids = [3u64, 9, 3];
+//! let rows = user.pull(&ids);
+//! assert_eq!(rows.len(), 3 * 4);
+//! user.push(&ids, &[1.0; 12]).unwrap();
+//! assert!(user.pull(&[3])[0] < 0.0);
+//! ```
+
+pub mod error;
+pub mod executor;
+pub mod hash;
+pub mod init;
+pub mod optimizer;
+pub mod shard;
+pub mod store;
+pub mod table;
+
+#[cfg(feature = "python")]
+mod python;
+
+pub use error::{Error, Result};
+pub use executor::PushHandle;
+pub use init::Initializer;
+pub use optimizer::{OptimizerConfig, OptimizerKind};
+pub use store::{Store, StoreConfig, Table};
+pub use table::{DenseTable, DenseTableConfig, SparseTable, SparseTableConfig, TableStats};

@@ -1,0 +1,388 @@
+//! Server-side optimizers that update plain `&mut [f32]` slices.
+//!
+//! Every update reads the stored float32 weights and state, computes in float64, and rounds the
+//! results to float32 once. The formulas are those of `torch.optim` (SGD with dampening 0, Adagrad
+//! with lr_decay 0, Adam without amsgrad) and of FTRL-Proximal (McMahan et al. 2013, per coordinate).
+
+use crate::error::{invalid, Result};
+
+/// Which optimizer, with its own hyper-parameters.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub enum OptimizerKind {
+    /// `w -= lr * d`, with heavy-ball or Nesterov momentum when `momentum > 0`.
+    Sgd {
+        momentum: f64,
+        weight_decay: f64,
+        nesterov: bool,
+    },
+    /// `sum += g^2; w -= lr * g / (sqrt(sum) + eps)`.
+    Adagrad {
+        initial_accumulator_value: f64,
+        eps: f64,
+        weight_decay: f64,
+    },
+    /// Adam with bias correction by a step count (per row in sparse tables).
+    Adam {
+        beta1: f64,
+        beta2: f64,
+        eps: f64,
+        weight_decay: f64,
+    },
+    /// FTRL-Proximal; the learning rate is `alpha`.
+    Ftrl { beta: f64, l1: f64, l2: f64 },
+}
+
+/// An optimizer: its kind, its (initial) learning rate and the gradient clipping applied first.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct OptimizerConfig {
+    /// The optimizer and its hyper-parameters.
+    pub kind: OptimizerKind,
+    /// The learning rate at creation (`alpha` for FTRL); tables may change it at run time.
+    pub lr: f64,
+    /// Clamp every gradient element to `[-c, c]`.
+    pub clip_value: Option<f64>,
+    /// Scale a row's gradient (a dense table's whole gradient) down to this L2 norm.
+    pub clip_norm: Option<f64>,
+}
+
+impl Default for OptimizerConfig {
+    fn default() -> Self {
+        Self {
+            kind: OptimizerKind::Sgd {
+                momentum: 0.0,
+                weight_decay: 0.0,
+                nesterov: false,
+            },
+            lr: 0.01,
+            clip_value: None,
+            clip_norm: None,
+        }
+    }
+}
+
+fn check(name: &str, v: f64, ok: bool, want: &str) -> Result<()> {
+    if v.is_finite() && ok {
+        Ok(())
+    } else {
+        Err(invalid(format!("optimizer {name} must be {want}, got {v}")))
+    }
+}
+
+/// Checks a learning rate.
+pub fn validate_lr(lr: f64) -> Result<()> {
+    check("lr", lr, lr > 0.0, "finite and > 0")
+}
+
+impl OptimizerConfig {
+    /// A short name: "sgd", "adagrad", "adam" or "ftrl".
+    pub fn name(&self) -> &'static str {
+        match self.kind {
+            OptimizerKind::Sgd { .. } => "sgd",
+            OptimizerKind::Adagrad { .. } => "adagrad",
+            OptimizerKind::Adam { .. } => "adam",
+            OptimizerKind::Ftrl { .. } => "ftrl",
+        }
+    }
+
+    /// Checks every hyper-parameter.
+    pub fn validate(&self) -> Result<()> {
+        validate_lr(self.lr)?;
+        if let Some(c) = self.clip_value {
+            check("clip_value", c, c > 0.0, "finite and > 0")?;
+        }
+        if let Some(c) = self.clip_norm {
+            check("clip_norm", c, c > 0.0, "finite and > 0")?;
+        }
+        match self.kind {
+            OptimizerKind::Sgd {
+                momentum,
+                weight_decay,
+                nesterov,
+            } => {
+                check("momentum", momentum, momentum >= 0.0, "finite and >= 0")?;
+                check("weight_decay", weight_decay, weight_decay >= 0.0, ">= 0")?;
+                if nesterov && momentum <= 0.0 {
+                    return Err(invalid("optimizer nesterov needs momentum > 0"));
+                }
+            }
+            OptimizerKind::Adagrad {
+                initial_accumulator_value: a,
+                eps,
+                weight_decay,
+            } => {
+                check("initial_accumulator_value", a, a >= 0.0, ">= 0")?;
+                check("eps", eps, eps >= 0.0, ">= 0")?;
+                check("weight_decay", weight_decay, weight_decay >= 0.0, ">= 0")?;
+                if a == 0.0 && eps == 0.0 {
+                    return Err(invalid(
+                        "optimizer Adagrad needs initial_accumulator_value > 0 or eps > 0",
+                    ));
+                }
+            }
+            OptimizerKind::Adam {
+                beta1,
+                beta2,
+                eps,
+                weight_decay,
+            } => {
+                check("beta1", beta1, (0.0..1.0).contains(&beta1), "in [0, 1)")?;
+                check("beta2", beta2, (0.0..1.0).contains(&beta2), "in [0, 1)")?;
+                check("eps", eps, eps > 0.0, "> 0")?;
+                check("weight_decay", weight_decay, weight_decay >= 0.0, ">= 0")?;
+            }
+            OptimizerKind::Ftrl { beta, l1, l2 } => {
+                check("beta", beta, beta >= 0.0, ">= 0")?;
+                check("l1", l1, l1 >= 0.0, ">= 0")?;
+                check("l2", l2, l2 >= 0.0, ">= 0")?;
+            }
+        }
+        Ok(())
+    }
+
+    /// How many f32 of optimizer state sit next to a row of `dim` weights.
+    pub fn state_len(&self, dim: usize) -> usize {
+        match self.kind {
+            OptimizerKind::Sgd { momentum, .. } if momentum > 0.0 => dim,
+            OptimizerKind::Sgd { .. } => 0,
+            OptimizerKind::Adagrad { .. } => dim,
+            OptimizerKind::Adam { .. } | OptimizerKind::Ftrl { .. } => 2 * dim,
+        }
+    }
+
+    /// Writes the state of a fresh row.
+    pub fn init_state(&self, state: &mut [f32]) {
+        match self.kind {
+            OptimizerKind::Adagrad {
+                initial_accumulator_value,
+                ..
+            } => state.fill(initial_accumulator_value as f32),
+            _ => state.fill(0.0),
+        }
+    }
+
+    /// Clips `g` in place: by value first, then by L2 norm.
+    #[inline]
+    fn clip(&self, g: &mut [f64]) {
+        if let Some(c) = self.clip_value {
+            for x in g.iter_mut() {
+                *x = x.clamp(-c, c);
+            }
+        }
+        if let Some(c) = self.clip_norm {
+            let norm = g.iter().map(|x| x * x).sum::<f64>().sqrt();
+            if norm > c {
+                let s = c / norm;
+                for x in g.iter_mut() {
+                    *x *= s;
+                }
+            }
+        }
+    }
+
+    /// Applies one update to the weights `w` and their state.
+    ///
+    /// `g` is the (coalesced) gradient of `w`, clipped here in place. `lr` is the learning rate now
+    /// in force and `step` the step count of this update, starting at 1 (only Adam uses it).
+    #[inline]
+    pub fn apply(&self, lr: f64, step: u32, w: &mut [f32], state: &mut [f32], g: &mut [f64]) {
+        debug_assert_eq!(w.len(), g.len());
+        debug_assert_eq!(state.len(), self.state_len(w.len()));
+        self.clip(g);
+        match self.kind {
+            OptimizerKind::Sgd {
+                momentum,
+                weight_decay: wd,
+                nesterov,
+            } => {
+                if momentum > 0.0 {
+                    for ((w, b), &g) in w.iter_mut().zip(state.iter_mut()).zip(g.iter()) {
+                        let wf = *w as f64;
+                        let g = g + wd * wf;
+                        let buf = momentum * *b as f64 + g;
+                        let d = if nesterov { g + momentum * buf } else { buf };
+                        *b = buf as f32;
+                        *w = (wf - lr * d) as f32;
+                    }
+                } else {
+                    for (w, &g) in w.iter_mut().zip(g.iter()) {
+                        let wf = *w as f64;
+                        *w = (wf - lr * (g + wd * wf)) as f32;
+                    }
+                }
+            }
+            OptimizerKind::Adagrad {
+                eps,
+                weight_decay: wd,
+                ..
+            } => {
+                for ((w, s), &g) in w.iter_mut().zip(state.iter_mut()).zip(g.iter()) {
+                    let wf = *w as f64;
+                    let g = g + wd * wf;
+                    let sum = *s as f64 + g * g;
+                    *s = sum as f32;
+                    *w = (wf - lr * g / (sum.sqrt() + eps)) as f32;
+                }
+            }
+            OptimizerKind::Adam {
+                beta1,
+                beta2,
+                eps,
+                weight_decay: wd,
+            } => {
+                let t = step.max(1) as i32;
+                let step_size = lr / (1.0 - beta1.powi(t));
+                let bc2_sqrt = (1.0 - beta2.powi(t)).sqrt();
+                let (m, v) = state.split_at_mut(w.len());
+                for (((w, m), v), &g) in w.iter_mut().zip(m).zip(v).zip(g.iter()) {
+                    let wf = *w as f64;
+                    let g = g + wd * wf;
+                    let mf = beta1 * *m as f64 + (1.0 - beta1) * g;
+                    let vf = beta2 * *v as f64 + (1.0 - beta2) * g * g;
+                    *m = mf as f32;
+                    *v = vf as f32;
+                    *w = (wf - step_size * mf / (vf.sqrt() / bc2_sqrt + eps)) as f32;
+                }
+            }
+            OptimizerKind::Ftrl { beta, l1, l2 } => {
+                let alpha = lr;
+                let (z, n) = state.split_at_mut(w.len());
+                for (((w, z), n), &g) in w.iter_mut().zip(z).zip(n).zip(g.iter()) {
+                    let (wf, nf) = (*w as f64, *n as f64);
+                    let n_new = nf + g * g;
+                    let sigma = (n_new.sqrt() - nf.sqrt()) / alpha;
+                    let zf = *z as f64 + g - sigma * wf;
+                    *z = zf as f32;
+                    *n = n_new as f32;
+                    *w = if zf.abs() <= l1 {
+                        0.0
+                    } else {
+                        (-(zf - zf.signum() * l1) / ((beta + n_new.sqrt()) / alpha + l2)) as f32
+                    };
+                }
+            }
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn run(cfg: OptimizerConfig, w0: &[f32], grads: &[&[f64]]) -> (Vec<f32>, Vec<f32>) {
+        let mut w = w0.to_vec();
+        let mut s = vec![0.0; cfg.state_len(w.len())];
+        cfg.init_state(&mut s);
+        for (i, g) in grads.iter().enumerate() {
+            let mut g = g.to_vec();
+            cfg.apply(cfg.lr, i as u32 + 1, &mut w, &mut s, &mut g);
+        }
+        (w, s)
+    }
+
+    #[test]
+    fn sgd_plain() {
+        let cfg = OptimizerConfig {
+            lr: 0.5,
+            ..Default::default()
+        };
+        let (w, s) = run(cfg, &[1.0, 2.0], &[&[1.0, -2.0]]);
+        assert_eq!(w, vec![0.5, 3.0]);
+        assert!(s.is_empty());
+    }
+
+    #[test]
+    fn sgd_momentum_accumulates() {
+        let cfg = OptimizerConfig {
+            lr: 1.0,
+            kind: OptimizerKind::Sgd {
+                momentum: 0.5,
+                weight_decay: 0.0,
+                nesterov: false,
+            },
+            ..Default::default()
+        };
+        let (w, s) = run(cfg, &[0.0], &[&[1.0], &[1.0]]);
+        // buf: 1, then 1.5; w: -1, then -2.5
+        assert_eq!(w, vec![-2.5]);
+        assert_eq!(s, vec![1.5]);
+    }
+
+    #[test]
+    fn adagrad_first_step() {
+        let cfg = OptimizerConfig {
+            lr: 0.1,
+            kind: OptimizerKind::Adagrad {
+                initial_accumulator_value: 0.0,
+                eps: 0.0,
+                weight_decay: 0.0,
+            },
+            ..Default::default()
+        };
+        let (w, s) = run(cfg, &[1.0], &[&[2.0]]);
+        assert!((w[0] - 0.9).abs() < 1e-7);
+        assert_eq!(s, vec![4.0]);
+    }
+
+    #[test]
+    fn adam_first_step_moves_by_lr() {
+        let cfg = OptimizerConfig {
+            lr: 0.01,
+            kind: OptimizerKind::Adam {
+                beta1: 0.9,
+                beta2: 0.999,
+                eps: 1e-8,
+                weight_decay: 0.0,
+            },
+            ..Default::default()
+        };
+        let (w, _) = run(cfg, &[0.0, 0.0], &[&[3.0, -0.2]]);
+        assert!((w[0] + 0.01).abs() < 1e-7 && (w[1] - 0.01).abs() < 1e-7, "{w:?}");
+    }
+
+    #[test]
+    fn ftrl_l1_gives_exact_zeros() {
+        let cfg = OptimizerConfig {
+            lr: 0.1,
+            kind: OptimizerKind::Ftrl {
+                beta: 1.0,
+                l1: 10.0,
+                l2: 0.0,
+            },
+            ..Default::default()
+        };
+        let (w, _) = run(cfg, &[0.0, 0.0], &[&[0.5, 20.0]]);
+        assert_eq!(w[0], 0.0);
+        assert!(w[1] < 0.0);
+    }
+
+    #[test]
+    fn clipping_by_value_then_norm() {
+        let cfg = OptimizerConfig {
+            lr: 1.0,
+            clip_value: Some(3.0),
+            clip_norm: Some(2.5),
+            ..Default::default()
+        };
+        let (w, _) = run(cfg, &[0.0, 0.0], &[&[4.0, 10.0]]);
+        // value clip -> (3, 3), norm 4.243 -> scaled to 2.5
+        let n = ((w[0] as f64).powi(2) + (w[1] as f64).powi(2)).sqrt();
+        assert!((n - 2.5).abs() < 1e-6 && (w[0] - w[1]).abs() < 1e-7);
+    }
+
+    #[test]
+    fn validation() {
+        let mut cfg = OptimizerConfig::default();
+        cfg.lr = 0.0;
+        assert!(cfg.validate().is_err());
+        cfg.lr = f64::NAN;
+        assert!(cfg.validate().is_err());
+        cfg.lr = 0.1;
+        cfg.kind = OptimizerKind::Adam {
+            beta1: 1.0,
+            beta2: 0.9,
+            eps: 1e-8,
+            weight_decay: 0.0,
+        };
+        assert!(cfg.validate().is_err());
+    }
+}

@@ -1,0 +1,487 @@
+//! The PyO3 binding: the only module that names pyo3 or numpy.
+//!
+//! Arguments are converted while the GIL is held; all table work then runs detached from the
+//! interpreter, so other Python threads keep running. The Python package (`pstore/`) wraps these
+//! classes, checks dtypes and carries the documentation.
+
+mod convert;
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use numpy::{IntoPyArray, PyArray1, PyArray2, PyArrayDyn, PyArrayMethods, PyReadonlyArray1};
+use numpy::PyUntypedArrayMethods;
+use numpy::{PyReadonlyArray2, PyReadonlyArrayDyn};
+use pyo3::prelude::*;
+use pyo3::types::PyDict;
+
+use crate::error::Error;
+use crate::executor::PushHandle;
+use crate::store::{Store, StoreConfig, Table};
+use crate::table::{DenseTable, DenseTableConfig, SparseTable, SparseTableConfig, TableStats};
+use convert::{err, initializer_from, initializer_spec, optimizer_from, optimizer_spec, ForkGuard};
+
+/// How long a blocking wait sleeps between checks for Ctrl-C.
+const POLL: Duration = Duration::from_millis(100);
+
+fn stats_dict<'py>(py: Python<'py>, s: &TableStats) -> PyResult<Bound<'py, PyDict>> {
+    let d = PyDict::new(py);
+    d.set_item("rows", s.rows)?;
+    d.set_item("bytes_used", s.bytes_used)?;
+    d.set_item("pushes", s.pushes)?;
+    d.set_item("pulls", s.pulls)?;
+    d.set_item("ids_pushed", s.ids_pushed)?;
+    d.set_item("ids_pulled", s.ids_pulled)?;
+    d.set_item("rows_updated", s.rows_updated)?;
+    d.set_item("rows_created", s.rows_created)?;
+    d.set_item("lr", s.lr)?;
+    Ok(d)
+}
+
+fn slice<'a, T: numpy::Element, D: numpy::ndarray::Dimension>(
+    a: &'a numpy::PyReadonlyArray<'_, T, D>,
+    what: &str,
+) -> PyResult<&'a [T]> {
+    a.as_slice()
+        .map_err(|_| err(Error::Shape(format!("{what} must be C-contiguous"))))
+}
+
+/// The native store.
+#[pyclass(frozen, module = "pstore._native", name = "Store")]
+struct PyStore {
+    inner: Arc<Store>,
+    guard: ForkGuard,
+}
+
+#[pymethods]
+impl PyStore {
+    #[new]
+    #[pyo3(signature = (num_shards=None, threads=None, max_inflight_bytes=None))]
+    fn new(
+        num_shards: Option<usize>,
+        threads: Option<usize>,
+        max_inflight_bytes: Option<usize>,
+    ) -> PyResult<Self> {
+        let d = StoreConfig::default();
+        let config = StoreConfig {
+            num_shards: num_shards.unwrap_or(d.num_shards),
+            threads: threads.unwrap_or(d.threads),
+            max_inflight_bytes: max_inflight_bytes.unwrap_or(d.max_inflight_bytes),
+        };
+        Ok(Self {
+            inner: Arc::new(Store::new(config).map_err(err)?),
+            guard: ForkGuard::new(),
+        })
+    }
+
+    #[getter]
+    fn num_shards(&self) -> usize {
+        self.inner.config().num_shards
+    }
+
+    #[getter]
+    fn threads(&self) -> usize {
+        self.inner.config().threads
+    }
+
+    #[getter]
+    fn max_inflight_bytes(&self) -> usize {
+        self.inner.config().max_inflight_bytes
+    }
+
+    #[pyo3(signature = (name, dim, optimizer, initializer, seed))]
+    fn create_sparse_table(
+        &self,
+        name: &str,
+        dim: usize,
+        optimizer: &Bound<'_, PyDict>,
+        initializer: &Bound<'_, PyDict>,
+        seed: u64,
+    ) -> PyResult<PySparseTable> {
+        self.guard.check()?;
+        let config = SparseTableConfig {
+            dim,
+            optimizer: optimizer_from(optimizer)?,
+            initializer: initializer_from(initializer)?,
+            seed,
+        };
+        let t = self.inner.create_sparse_table(name, config).map_err(err)?;
+        Ok(PySparseTable {
+            inner: t,
+            guard: self.guard,
+        })
+    }
+
+    #[pyo3(signature = (name, shape, optimizer, initializer, seed))]
+    fn create_dense_table(
+        &self,
+        name: &str,
+        shape: Vec<usize>,
+        optimizer: &Bound<'_, PyDict>,
+        initializer: &Bound<'_, PyDict>,
+        seed: u64,
+    ) -> PyResult<PyDenseTable> {
+        self.guard.check()?;
+        let config = DenseTableConfig {
+            shape,
+            optimizer: optimizer_from(optimizer)?,
+            initializer: initializer_from(initializer)?,
+            seed,
+        };
+        let t = self.inner.create_dense_table(name, config).map_err(err)?;
+        Ok(PyDenseTable {
+            inner: t,
+            guard: self.guard,
+        })
+    }
+
+    /// The table called `name`, as a SparseTable or DenseTable.
+    fn table(&self, py: Python<'_>, name: &str) -> PyResult<Py<PyAny>> {
+        self.guard.check()?;
+        Ok(match self.inner.table(name).map_err(err)? {
+            Table::Sparse(t) => Py::new(
+                py,
+                PySparseTable {
+                    inner: t,
+                    guard: self.guard,
+                },
+            )?
+            .into_any(),
+            Table::Dense(t) => Py::new(
+                py,
+                PyDenseTable {
+                    inner: t,
+                    guard: self.guard,
+                },
+            )?
+            .into_any(),
+        })
+    }
+
+    fn tables(&self) -> Vec<String> {
+        self.inner.tables()
+    }
+
+    fn drop_table(&self, name: &str) -> PyResult<()> {
+        self.inner.drop_table(name).map_err(err)
+    }
+
+    /// Waits for every queued asynchronous push; Ctrl-C interrupts the wait.
+    fn flush(&self, py: Python<'_>) -> PyResult<()> {
+        self.guard.check()?;
+        loop {
+            let store = Arc::clone(&self.inner);
+            if py.detach(move || store.flush_timeout(POLL)) {
+                return Ok(());
+            }
+            py.check_signals()?;
+        }
+    }
+
+    /// Applies what is queued and refuses further asynchronous pushes.
+    fn close(&self, py: Python<'_>) {
+        let store = Arc::clone(&self.inner);
+        py.detach(move || store.close());
+    }
+}
+
+/// The native handle on an asynchronous push.
+#[pyclass(frozen, module = "pstore._native", name = "PushHandle")]
+struct PyPushHandle {
+    inner: PushHandle,
+}
+
+#[pymethods]
+impl PyPushHandle {
+    /// Waits for the push, at most `timeout` seconds; True once it has applied, False on timeout.
+    /// Raises the push's error if it failed.
+    #[pyo3(signature = (timeout=None))]
+    fn wait(&self, py: Python<'_>, timeout: Option<f64>) -> PyResult<bool> {
+        let deadline = match timeout {
+            Some(t) if !(t.is_finite() && t >= 0.0) => {
+                return Err(err(Error::InvalidArgument(format!(
+                    "timeout must be a finite number >= 0, got {t}"
+                ))))
+            }
+            Some(t) => Some(std::time::Instant::now() + Duration::from_secs_f64(t)),
+            None => None,
+        };
+        loop {
+            let step = match deadline {
+                Some(d) => d.saturating_duration_since(std::time::Instant::now()).min(POLL),
+                None => POLL,
+            };
+            let h = self.inner.clone();
+            if let Some(r) = py.detach(move || h.wait_timeout(step)) {
+                return r.map(|()| true).map_err(err);
+            }
+            if deadline.is_some_and(|d| std::time::Instant::now() >= d) {
+                return Ok(false);
+            }
+            py.check_signals()?;
+        }
+    }
+
+    fn done(&self) -> bool {
+        self.inner.is_done()
+    }
+}
+
+/// The native sparse table.
+#[pyclass(frozen, module = "pstore._native", name = "SparseTable")]
+struct PySparseTable {
+    inner: Arc<SparseTable>,
+    guard: ForkGuard,
+}
+
+#[pymethods]
+impl PySparseTable {
+    #[getter]
+    fn name(&self) -> &str {
+        self.inner.name()
+    }
+
+    fn optimizer_spec<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
+        optimizer_spec(py, &self.inner.config().optimizer)
+    }
+
+    fn initializer_spec<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
+        initializer_spec(py, &self.inner.config().initializer)
+    }
+
+    #[getter]
+    fn dim(&self) -> usize {
+        self.inner.dim()
+    }
+
+    #[getter]
+    fn seed(&self) -> u64 {
+        self.inner.config().seed
+    }
+
+    #[getter]
+    fn num_shards(&self) -> usize {
+        self.inner.num_shards()
+    }
+
+    #[getter]
+    fn optimizer_name(&self) -> &'static str {
+        self.inner.config().optimizer.name()
+    }
+
+    #[getter]
+    fn lr(&self) -> f64 {
+        self.inner.lr()
+    }
+
+    fn set_lr(&self, lr: f64) -> PyResult<()> {
+        self.inner.set_lr(lr).map_err(err)
+    }
+
+    fn __len__(&self) -> usize {
+        self.inner.len()
+    }
+
+    fn pull<'py>(
+        &self,
+        py: Python<'py>,
+        ids: PyReadonlyArray1<'py, u64>,
+    ) -> PyResult<Bound<'py, PyArray2<f32>>> {
+        self.guard.check()?;
+        let ids_s = slice(&ids, "ids")?;
+        let (n, dim) = (ids_s.len(), self.inner.dim());
+        let t = &self.inner;
+        let rows = py.detach(|| t.pull(ids_s));
+        rows.into_pyarray(py).reshape([n, dim])
+    }
+
+    fn push(
+        &self,
+        py: Python<'_>,
+        ids: PyReadonlyArray1<'_, u64>,
+        grads: PyReadonlyArray2<'_, f32>,
+    ) -> PyResult<()> {
+        self.guard.check()?;
+        let (ids_s, grads_s) = (slice(&ids, "ids")?, slice(&grads, "grads")?);
+        self.check_cols(&grads)?;
+        let t = &self.inner;
+        py.detach(|| t.push(ids_s, grads_s)).map_err(err)
+    }
+
+    fn push_async(
+        &self,
+        py: Python<'_>,
+        ids: PyReadonlyArray1<'_, u64>,
+        grads: PyReadonlyArray2<'_, f32>,
+    ) -> PyResult<PyPushHandle> {
+        self.guard.check()?;
+        let (ids_s, grads_s) = (slice(&ids, "ids")?, slice(&grads, "grads")?);
+        self.check_cols(&grads)?;
+        let t = &self.inner;
+        let h = py
+            .detach(|| t.push_async(ids_s.to_vec(), grads_s.to_vec()))
+            .map_err(err)?;
+        Ok(PyPushHandle { inner: h })
+    }
+
+    fn contains<'py>(
+        &self,
+        py: Python<'py>,
+        ids: PyReadonlyArray1<'py, u64>,
+    ) -> PyResult<Bound<'py, PyArray1<bool>>> {
+        let ids_s = slice(&ids, "ids")?;
+        let t = &self.inner;
+        Ok(py.detach(|| t.contains(ids_s)).into_pyarray(py))
+    }
+
+    fn remove(&self, py: Python<'_>, ids: PyReadonlyArray1<'_, u64>) -> PyResult<usize> {
+        self.guard.check()?;
+        let ids_s = slice(&ids, "ids")?;
+        let t = &self.inner;
+        Ok(py.detach(|| t.remove(ids_s)))
+    }
+
+    fn initial_rows<'py>(
+        &self,
+        py: Python<'py>,
+        ids: PyReadonlyArray1<'py, u64>,
+    ) -> PyResult<Bound<'py, PyArray2<f32>>> {
+        let ids_s = slice(&ids, "ids")?;
+        let (n, dim) = (ids_s.len(), self.inner.dim());
+        let t = &self.inner;
+        let rows: Vec<f32> = py.detach(|| ids_s.iter().flat_map(|&id| t.initial_row(id)).collect());
+        rows.into_pyarray(py).reshape([n, dim])
+    }
+
+    fn stats<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
+        let t = &self.inner;
+        let s = py.detach(|| t.stats());
+        stats_dict(py, &s)
+    }
+}
+
+impl PySparseTable {
+    fn check_cols(&self, grads: &PyReadonlyArray2<'_, f32>) -> PyResult<()> {
+        let cols = grads.shape()[1];
+        if cols != self.inner.dim() {
+            return Err(err(Error::Shape(format!(
+                "table {:?} has dim {}, but grads have {} columns",
+                self.inner.name(),
+                self.inner.dim(),
+                cols
+            ))));
+        }
+        Ok(())
+    }
+}
+
+/// The native dense table.
+#[pyclass(frozen, module = "pstore._native", name = "DenseTable")]
+struct PyDenseTable {
+    inner: Arc<DenseTable>,
+    guard: ForkGuard,
+}
+
+#[pymethods]
+impl PyDenseTable {
+    #[getter]
+    fn name(&self) -> &str {
+        self.inner.name()
+    }
+
+    fn optimizer_spec<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
+        optimizer_spec(py, &self.inner.config().optimizer)
+    }
+
+    fn initializer_spec<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
+        initializer_spec(py, &self.inner.config().initializer)
+    }
+
+    #[getter]
+    fn shape(&self) -> Vec<usize> {
+        self.inner.config().shape.clone()
+    }
+
+    #[getter]
+    fn seed(&self) -> u64 {
+        self.inner.config().seed
+    }
+
+    #[getter]
+    fn step(&self) -> u32 {
+        self.inner.step()
+    }
+
+    #[getter]
+    fn optimizer_name(&self) -> &'static str {
+        self.inner.config().optimizer.name()
+    }
+
+    #[getter]
+    fn lr(&self) -> f64 {
+        self.inner.lr()
+    }
+
+    fn set_lr(&self, lr: f64) -> PyResult<()> {
+        self.inner.set_lr(lr).map_err(err)
+    }
+
+    fn pull<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyArrayDyn<f32>>> {
+        self.guard.check()?;
+        let t = &self.inner;
+        let v = py.detach(|| t.pull());
+        v.into_pyarray(py).reshape(self.inner.config().shape.clone())
+    }
+
+    fn push(&self, py: Python<'_>, grad: PyReadonlyArrayDyn<'_, f32>) -> PyResult<()> {
+        self.guard.check()?;
+        self.check_shape(&grad)?;
+        let g = slice(&grad, "grad")?;
+        let t = &self.inner;
+        py.detach(|| t.push(g)).map_err(err)
+    }
+
+    fn push_async(
+        &self,
+        py: Python<'_>,
+        grad: PyReadonlyArrayDyn<'_, f32>,
+    ) -> PyResult<PyPushHandle> {
+        self.guard.check()?;
+        self.check_shape(&grad)?;
+        let g = slice(&grad, "grad")?;
+        let t = &self.inner;
+        let h = py.detach(|| t.push_async(g.to_vec())).map_err(err)?;
+        Ok(PyPushHandle { inner: h })
+    }
+
+    fn stats<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
+        stats_dict(py, &self.inner.stats())
+    }
+}
+
+impl PyDenseTable {
+    fn check_shape(&self, grad: &PyReadonlyArrayDyn<'_, f32>) -> PyResult<()> {
+        let want = &self.inner.config().shape;
+        if grad.shape() != want.as_slice() {
+            return Err(err(Error::Shape(format!(
+                "table {:?}: gradient must have shape {:?}, got {:?}",
+                self.inner.name(),
+                want,
+                grad.shape()
+            ))));
+        }
+        Ok(())
+    }
+}
+
+/// The native module `pstore._native`.
+#[pymodule]
+fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
+    m.add_class::<PyStore>()?;
+    m.add_class::<PySparseTable>()?;
+    m.add_class::<PyDenseTable>()?;
+    m.add_class::<PyPushHandle>()?;
+    m.add("MAX_DIM", crate::table::MAX_DIM)?;
+    m.add("__version__", env!("CARGO_PKG_VERSION"))?;
+    Ok(())
+}

@@ -1,0 +1,204 @@
+//! Dense tables: one named float32 tensor with its own optimizer, updated as a whole.
+
+use std::sync::{Arc, RwLock};
+
+use super::{check_finite, Counters, Lr, TableStats};
+use crate::error::{invalid, shape, Result};
+use crate::executor::{Executor, PushHandle};
+use crate::init::Initializer;
+use crate::optimizer::OptimizerConfig;
+
+/// The most elements a dense table may hold (16 GiB of float32 weights).
+const MAX_NUMEL: usize = 1 << 32;
+
+/// How a dense table is built.
+#[derive(Debug, Clone, PartialEq)]
+pub struct DenseTableConfig {
+    /// The tensor's shape; every extent at least 1.
+    pub shape: Vec<usize>,
+    /// The optimizer applied by pushes; `clip_norm` applies to the whole gradient.
+    pub optimizer: OptimizerConfig,
+    /// The tensor's initial value, one stream of `seed` over the elements in C order.
+    pub initializer: Initializer,
+    /// The seed of the initialiser.
+    pub seed: u64,
+}
+
+impl DenseTableConfig {
+    /// Number of elements.
+    pub fn numel(&self) -> usize {
+        self.shape.iter().product()
+    }
+
+    /// Checks every field.
+    pub fn validate(&self) -> Result<()> {
+        if self.shape.is_empty() || self.shape.contains(&0) {
+            return Err(invalid(format!(
+                "dense shape needs at least one dimension, each >= 1, got {:?}",
+                self.shape
+            )));
+        }
+        let numel = self
+            .shape
+            .iter()
+            .try_fold(1usize, |a, &d| a.checked_mul(d))
+            .filter(|&n| n <= MAX_NUMEL);
+        if numel.is_none() {
+            return Err(invalid(format!(
+                "dense shape {:?} has more than {MAX_NUMEL} elements",
+                self.shape
+            )));
+        }
+        self.optimizer.validate()?;
+        self.initializer.validate()
+    }
+}
+
+struct DenseState {
+    weights: Vec<f32>,
+    state: Vec<f32>,
+    step: u32,
+}
+
+/// A dense table. A push locks the tensor once; pulls share a read lock.
+pub struct DenseTable {
+    name: String,
+    config: DenseTableConfig,
+    data: RwLock<DenseState>,
+    lr: Lr,
+    exec: Arc<Executor>,
+    counters: Counters,
+}
+
+impl DenseTable {
+    pub(crate) fn new(name: String, config: DenseTableConfig, exec: Arc<Executor>) -> Result<Self> {
+        config.validate()?;
+        let n = config.numel();
+        let mut weights = vec![0.0; n];
+        config.initializer.fill(config.seed, 0, &mut weights);
+        let mut state = vec![0.0; config.optimizer.state_len(n)];
+        config.optimizer.init_state(&mut state);
+        Ok(Self {
+            name,
+            lr: Lr::new(config.optimizer.lr),
+            config,
+            data: RwLock::new(DenseState {
+                weights,
+                state,
+                step: 0,
+            }),
+            exec,
+            counters: Counters::default(),
+        })
+    }
+
+    /// The table's name.
+    pub fn name(&self) -> &str {
+        &self.name
+    }
+
+    /// The table's configuration.
+    pub fn config(&self) -> &DenseTableConfig {
+        &self.config
+    }
+
+    /// Learning rate in force.
+    pub fn lr(&self) -> f64 {
+        self.lr.get()
+    }
+
+    /// Changes the learning rate for every later push.
+    pub fn set_lr(&self, lr: f64) -> Result<()> {
+        self.lr.set(lr)
+    }
+
+    fn read(&self) -> std::sync::RwLockReadGuard<'_, DenseState> {
+        // An update writes the tensor element by element; a panic cannot occur midway (plain
+        // arithmetic), so a poisoned lock still guards a consistent tensor.
+        self.data.read().unwrap_or_else(|e| e.into_inner())
+    }
+
+    /// Number of pushes applied (Adam's step count).
+    pub fn step(&self) -> u32 {
+        self.read().step
+    }
+
+    /// A copy of the tensor, in C order.
+    pub fn pull(&self) -> Vec<f32> {
+        let v = self.read().weights.clone();
+        Counters::add(&self.counters.pulls, 1);
+        v
+    }
+
+    /// A copy of the optimizer state, in C order per state slot.
+    pub fn optimizer_state(&self) -> Vec<f32> {
+        self.read().state.clone()
+    }
+
+    /// Checks a gradient without applying it.
+    pub fn validate_push(&self, grad: &[f32]) -> Result<()> {
+        let n = self.config.numel();
+        if grad.len() != n {
+            return Err(shape(format!(
+                "table {:?}: gradient must have shape {:?} ({n} values), got {} values",
+                self.name,
+                self.config.shape,
+                grad.len()
+            )));
+        }
+        check_finite(&self.name, grad, *self.config.shape.last().unwrap_or(&1))
+    }
+
+    /// Applies one gradient of the whole tensor.
+    pub fn push(self: &Arc<Self>, grad: &[f32]) -> Result<()> {
+        self.validate_push(grad)?;
+        if self.exec.pending() > 0 {
+            return self.push_async(grad.to_vec())?.wait();
+        }
+        self.apply(grad);
+        Ok(())
+    }
+
+    /// Queues one gradient and returns at once.
+    pub fn push_async(self: &Arc<Self>, grad: Vec<f32>) -> Result<PushHandle> {
+        self.validate_push(&grad)?;
+        let me = Arc::clone(self);
+        self.exec.submit(
+            grad.len() * 4,
+            Box::new(move || {
+                me.apply(&grad);
+                Ok(())
+            }),
+        )
+    }
+
+    fn apply(&self, grad: &[f32]) {
+        let mut g: Vec<f64> = grad.iter().map(|&x| x as f64).collect();
+        let lr = self.lr();
+        let mut d = self.data.write().unwrap_or_else(|e| e.into_inner());
+        let d = &mut *d;
+        d.step = d.step.saturating_add(1);
+        self.config
+            .optimizer
+            .apply(lr, d.step, &mut d.weights, &mut d.state, &mut g);
+        Counters::add(&self.counters.pushes, 1);
+        Counters::add(&self.counters.rows_updated, 1);
+    }
+
+    /// The table's counters and sizes.
+    pub fn stats(&self) -> TableStats {
+        let d = self.read();
+        let c = &self.counters;
+        TableStats {
+            rows: 1,
+            bytes_used: ((d.weights.capacity() + d.state.capacity()) * 4) as u64,
+            pushes: Counters::get(&c.pushes),
+            pulls: Counters::get(&c.pulls),
+            ids_pushed: 0,
+            ids_pulled: 0,
+            rows_updated: Counters::get(&c.rows_updated),
+            rows_created: 0,
+            lr: self.lr(),
+        }
+    }
+}
