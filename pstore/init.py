@@ -1,7 +1,8 @@
 """Initialisers: the value of a row before its first update.
 
 A sparse row's initial value is a pure function of (table seed, id): the same whatever the shard
-count, thread timing or call order. A dense tensor is filled from one stream of its seed, in C order.
+count, thread timing or call order. A dense tensor is filled from one stream of its seed, in C
+order.
 """
 
 from __future__ import annotations

@@ -31,7 +31,9 @@ fn finite(name: &str, v: f64) -> Result<()> {
     if v.is_finite() {
         Ok(())
     } else {
-        Err(invalid(format!("initializer {name} must be finite, got {v}")))
+        Err(invalid(format!(
+            "initializer {name} must be finite, got {v}"
+        )))
     }
 }
 
@@ -73,7 +75,11 @@ impl Initializer {
                 for x in out {
                     // Rounding to f32 can reach `high`; keep the interval half-open.
                     let v = (low + (high - low) * rng.next_f64()) as f32;
-                    *x = if v >= hi32 { lo32.max(hi32.next_down()) } else { v };
+                    *x = if v >= hi32 {
+                        lo32.max(hi32.next_down())
+                    } else {
+                        v
+                    };
                 }
             }
             Initializer::Normal { mean, std } => {

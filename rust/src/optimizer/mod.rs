@@ -336,7 +336,10 @@ mod tests {
             ..Default::default()
         };
         let (w, _) = run(cfg, &[0.0, 0.0], &[&[3.0, -0.2]]);
-        assert!((w[0] + 0.01).abs() < 1e-7 && (w[1] - 0.01).abs() < 1e-7, "{w:?}");
+        assert!(
+            (w[0] + 0.01).abs() < 1e-7 && (w[1] - 0.01).abs() < 1e-7,
+            "{w:?}"
+        );
     }
 
     #[test]
@@ -371,8 +374,10 @@ mod tests {
 
     #[test]
     fn validation() {
-        let mut cfg = OptimizerConfig::default();
-        cfg.lr = 0.0;
+        let mut cfg = OptimizerConfig {
+            lr: 0.0,
+            ..Default::default()
+        };
         assert!(cfg.validate().is_err());
         cfg.lr = f64::NAN;
         assert!(cfg.validate().is_err());

@@ -40,9 +40,11 @@ fn bad(msg: String) -> PyErr {
 
 fn get_f64(d: &Bound<'_, PyDict>, key: &str, default: Option<f64>) -> PyResult<f64> {
     match d.get_item(key)? {
-        Some(v) if !v.is_none() => v
-            .extract::<f64>()
-            .map_err(|_| bad(format!("optimizer/initializer field {key:?} must be a number"))),
+        Some(v) if !v.is_none() => v.extract::<f64>().map_err(|_| {
+            bad(format!(
+                "optimizer/initializer field {key:?} must be a number"
+            ))
+        }),
         _ => default.ok_or_else(|| bad(format!("missing field {key:?}"))),
     }
 }

@@ -9,8 +9,8 @@ mod convert;
 use std::sync::Arc;
 use std::time::Duration;
 
-use numpy::{IntoPyArray, PyArray1, PyArray2, PyArrayDyn, PyArrayMethods, PyReadonlyArray1};
 use numpy::PyUntypedArrayMethods;
+use numpy::{IntoPyArray, PyArray1, PyArray2, PyArrayDyn, PyArrayMethods, PyReadonlyArray1};
 use numpy::{PyReadonlyArray2, PyReadonlyArrayDyn};
 use pyo3::prelude::*;
 use pyo3::types::PyDict;
@@ -208,7 +208,9 @@ impl PyPushHandle {
         };
         loop {
             let step = match deadline {
-                Some(d) => d.saturating_duration_since(std::time::Instant::now()).min(POLL),
+                Some(d) => d
+                    .saturating_duration_since(std::time::Instant::now())
+                    .min(POLL),
                 None => POLL,
             };
             let h = self.inner.clone();
@@ -430,7 +432,8 @@ impl PyDenseTable {
         self.guard.check()?;
         let t = &self.inner;
         let v = py.detach(|| t.pull());
-        v.into_pyarray(py).reshape(self.inner.config().shape.clone())
+        v.into_pyarray(py)
+            .reshape(self.inner.config().shape.clone())
     }
 
     fn push(&self, py: Python<'_>, grad: PyReadonlyArrayDyn<'_, f32>) -> PyResult<()> {

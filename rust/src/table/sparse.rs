@@ -50,6 +50,14 @@ unsafe impl Send for OutPtr {}
 // SAFETY: as above; the pointer is only used for those disjoint writes.
 unsafe impl Sync for OutPtr {}
 
+impl OutPtr {
+    /// The pointer (a method, so closures capture the whole `Send` wrapper).
+    #[inline]
+    fn get(self) -> *mut f32 {
+        self.0
+    }
+}
+
 /// A sharded sparse table. Every method takes `&self`; each shard has its own lock, held once per
 /// batch, so pulls and pushes from many threads proceed in parallel.
 pub struct SparseTable {
@@ -139,9 +147,7 @@ impl SparseTable {
     /// The value row `id` has before its first update.
     pub fn initial_row(&self, id: u64) -> Vec<f32> {
         let mut row = vec![0.0; self.config.dim];
-        self.config
-            .initializer
-            .fill(self.config.seed, id, &mut row);
+        self.config.initializer.fill(self.config.seed, id, &mut row);
         row
     }
 
@@ -181,13 +187,16 @@ impl SparseTable {
         let created = std::sync::atomic::AtomicU64::new(0);
         let g = Grouped::new(ids, self.shards.len());
         self.for_each_shard(&g, ids.len(), |s, pos| {
-            let ptr = ptr;
             let copy = |shard: &Shard, slot: u32, p: u32| {
                 let row = as_f32(&shard.row(slot)[HEADER..HEADER + dim]);
                 // SAFETY: `p < ids.len()`, so the row lies inside `out`'s capacity, and only
                 // this task writes row `p` (see `OutPtr`).
                 unsafe {
-                    std::ptr::copy_nonoverlapping(row.as_ptr(), ptr.0.add(p as usize * dim), dim)
+                    std::ptr::copy_nonoverlapping(
+                        row.as_ptr(),
+                        ptr.get().add(p as usize * dim),
+                        dim,
+                    )
                 };
             };
             let mut missing = Vec::new();
@@ -217,10 +226,7 @@ impl SparseTable {
         unsafe { out.set_len(ids.len() * dim) };
         Counters::add(&self.counters.pulls, 1);
         Counters::add(&self.counters.ids_pulled, ids.len());
-        Counters::add(
-            &self.counters.rows_created,
-            created.into_inner() as usize,
-        );
+        Counters::add(&self.counters.rows_created, created.into_inner() as usize);
         out
     }
 

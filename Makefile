@@ -1,0 +1,42 @@
+# pstore developer entry points. `make help` lists them.
+PYTHON ?= python3
+PIP ?= $(PYTHON) -m pip
+
+.PHONY: help install dev demo lint test test-rust test-python bench bench-full
+
+help: ## list the targets
+	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  %-12s %s\n", $$1, $$2}'
+
+install: ## build and install the wheel with the test tools
+	$(PIP) install --quiet --upgrade pip
+	$(PIP) install --quiet ".[test]"
+
+dev: ## build the extension into the source tree (editable install) with the test tools
+	$(PIP) install --quiet -e ".[test]"
+
+demo: install ## the main job: train a recommender on the embedded store (fetches MovieLens-100k from PyPI's recbole wheel)
+	$(PYTHON) -m pstore demo --fetch
+
+lint: ## cargo fmt, clippy, ruff, and the native stub check
+	cargo fmt --all -- --check
+	cargo clippy --all-targets -- -D warnings
+	cargo clippy --all-targets --features python -- -D warnings
+	$(PYTHON) -m ruff check pstore tests benches
+	$(PYTHON) -m ruff format --check pstore tests benches
+	cd tests && $(PYTHON) -m mypy.stubtest pstore._native
+
+test-rust: ## Rust unit and integration tests of the core (no Python)
+	cargo test --quiet
+
+test-python: ## the pytest suite against the installed package
+	cd tests && $(PYTHON) -m pytest -q -p no:cacheprovider
+
+test: install lint test-rust test-python ## everything CI runs: install, lint, Rust tests, pytest
+
+bench: ## peer benchmarks, quick mode (a few minutes)
+	$(PIP) install --quiet ".[bench]"
+	$(PYTHON) benches/run.py --quick
+
+bench-full: ## peer benchmarks at full size
+	$(PIP) install --quiet ".[bench]"
+	$(PYTHON) benches/run.py --full
