@@ -13,6 +13,7 @@ Examples
 
 from __future__ import annotations
 
+import shutil
 import sys
 import time
 from types import TracebackType
@@ -174,5 +175,7 @@ class Progress:
             )
         if self.postfix:
             line += f" {self.postfix}"
-        self.stream.write("\r\x1b[K" + line)
+        # A line longer than the terminal would wrap, and "\r" could not erase it.
+        columns = shutil.get_terminal_size().columns
+        self.stream.write("\r\x1b[K" + line[: max(1, columns - 1)])
         self.stream.flush()

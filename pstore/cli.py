@@ -56,6 +56,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     except KeyboardInterrupt:
         print("pstore: interrupted", file=sys.stderr)
         return 130
+    except BrokenPipeError:  # e.g. `pstore demo | head`: the reader left, nothing to report
+        sys.stderr.close()
+        return 141
 
 
 if __name__ == "__main__":

@@ -26,6 +26,7 @@ import os
 import subprocess
 import sys
 import zipfile
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -373,12 +374,15 @@ def synthetic_ratings(
         n_users=n_users,
         n_items=n_items,
         name="synthetic",
-        source=f"synthetic (seed {seed}, rank {rank} signal, noise {noise})",
+        source=f"seed {seed}, planted rank-{rank} signal, noise std {noise}",
     )
 
 
 def load_ratings(
-    data: str | os.PathLike[str] | None = None, fetch: bool = False, seed: int = 0
+    data: str | os.PathLike[str] | None = None,
+    fetch: bool = False,
+    seed: int = 0,
+    log: Callable[[str], object] | None = None,
 ) -> Ratings:
     """Load MovieLens-100k if it can be found (or fetched), else make synthetic ratings.
 
@@ -391,6 +395,8 @@ def load_ratings(
         Download the recbole wheel into the cache directory when MovieLens-100k is not found.
     seed : int
         Seed of the synthetic data set.
+    log : callable, optional
+        Called with a line of text before a download starts.
 
     Returns
     -------
@@ -400,6 +406,8 @@ def load_ratings(
         return synthetic_ratings(seed=seed)
     found = find_ml100k(data)
     if found is None and fetch:
+        if log is not None:
+            log(f"fetching the recbole wheel (it ships MovieLens-100k) into {cache_dir()} ...")
         found = fetch_ml100k()
     if found is None:
         return synthetic_ratings(seed=seed)

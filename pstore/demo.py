@@ -57,12 +57,12 @@ __all__ = [
     "run_demo",
 ]
 
-DEFAULT_EPOCHS = 20
+DEFAULT_EPOCHS = 12
 DEFAULT_DIM = 32
 DEFAULT_BATCH_SIZE = 1024
 DEFAULT_OPTIMIZER = "adagrad"
-DEFAULT_LR = {"adagrad": 0.05, "adam": 0.005}
-DEFAULT_L2 = 0.05
+DEFAULT_LR = {"adagrad": 0.1, "adam": 0.005}
+DEFAULT_L2 = 0.1
 OPTIMIZERS = ("adagrad", "adam")
 
 _TABLES = ("user_emb", "item_emb", "user_bias", "item_bias")
@@ -186,7 +186,7 @@ def run_demo(
     optimizer : {"adagrad", "adam"}
         Optimizer of every table.
     lr : float, optional
-        Learning rate; default 0.05 for Adagrad, 0.005 for Adam.
+        Learning rate; default 0.1 for Adagrad, 0.005 for Adam.
     l2 : float
         L2 regularisation of embeddings and biases, per rating.
     threads : int, optional
@@ -222,15 +222,15 @@ def run_demo(
         out.flush()
 
     start = time.perf_counter()
-    ratings = datasets.load_ratings(data, fetch=fetch, seed=seed)
+    ratings = datasets.load_ratings(data, fetch=fetch, seed=seed, log=say)
     train, test = datasets.train_test_split(ratings, 0.1, seed=seed)
     label = "MovieLens-100k" if ratings.name == "ml-100k" else "synthetic ratings"
-    say(f"dataset: {label} from {ratings.source}")
+    say(f"dataset: {label} ({ratings.source})")
     say(
         f"  {ratings.n_users} users, {ratings.n_items} items, {len(ratings)} ratings; "
         f"split {len(train)} train / {len(test)} test (seed {seed})"
     )
-    if ratings.name != "ml-100k":
+    if ratings.name != "ml-100k" and data is None:
         say("  (MovieLens-100k not found: pass --data PATH, set PSTORE_ML100K, or use --fetch)")
 
     mu = float(np.mean(train.ratings, dtype=np.float64))
@@ -257,7 +257,8 @@ def run_demo(
             for b in range(n_batches):
                 idx = order[b * batch_size : (b + 1) * batch_size]
                 sse += model.train_step(train.users[idx], train.items[idx], train.ratings[idx])
-                bar.update(postfix=f"epoch {epoch}/{epochs}")
+                seen = min((b + 1) * batch_size, len(train))
+                bar.update(postfix=f"epoch {epoch}/{epochs} running RMSE {np.sqrt(sse / seen):.4f}")
             train_rmse = model.rmse(train, lo, hi)
             test_rmse = model.rmse(test, lo, hi)
             seconds = time.perf_counter() - epoch_start
@@ -334,17 +335,34 @@ def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
         "~/.cache/pstore when the data is not found",
     )
     parser.add_argument(
-        "--epochs", type=_positive_int, default=DEFAULT_EPOCHS, help="passes over the data"
+        "--epochs",
+        type=_positive_int,
+        default=DEFAULT_EPOCHS,
+        help="passes over the data (default: %(default)s)",
     )
     parser.add_argument(
-        "--dim", type=_positive_int, default=DEFAULT_DIM, help="embedding dimension"
+        "--dim",
+        type=_positive_int,
+        default=DEFAULT_DIM,
+        help="embedding dimension (default: %(default)s)",
     )
-    parser.add_argument("--seed", type=int, default=0, help="seed of data, split and init")
     parser.add_argument(
-        "--batch-size", type=_positive_int, default=DEFAULT_BATCH_SIZE, help="ratings per batch"
+        "--seed",
+        type=int,
+        default=0,
+        help="seed of the synthetic data, split, batch order and init (default: 0)",
     )
     parser.add_argument(
-        "--optimizer", choices=OPTIMIZERS, default=DEFAULT_OPTIMIZER, help="table optimizer"
+        "--batch-size",
+        type=_positive_int,
+        default=DEFAULT_BATCH_SIZE,
+        help="ratings per batch (default: %(default)s)",
+    )
+    parser.add_argument(
+        "--optimizer",
+        choices=OPTIMIZERS,
+        default=DEFAULT_OPTIMIZER,
+        help="optimizer of every table (default: %(default)s)",
     )
     parser.add_argument(
         "--lr",
@@ -353,7 +371,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
         help=f"learning rate (default {DEFAULT_LR['adagrad']} for adagrad, "
         f"{DEFAULT_LR['adam']} for adam)",
     )
-    parser.add_argument("--l2", type=float, default=DEFAULT_L2, help="L2 regularisation per rating")
+    parser.add_argument(
+        "--l2",
+        type=float,
+        default=DEFAULT_L2,
+        help="L2 regularisation per rating (default: %(default)s)",
+    )
     parser.add_argument(
         "--threads", type=_positive_int, default=None, help="store threads (default: cores)"
     )
@@ -383,24 +406,32 @@ def main(args: argparse.Namespace | Sequence[str] | None = None) -> int:
     Returns
     -------
     int
-        The process exit code: 0.
+        The process exit code: 0, or 2 when the data cannot be found or fetched (the error is
+        printed to stderr).
     """
     if not isinstance(args, argparse.Namespace):
-        parser = argparse.ArgumentParser(prog="pstore demo", description=__doc__.splitlines()[0])
+        parser = argparse.ArgumentParser(
+            prog="pstore demo",
+            description="Train a matrix-factorisation recommender on the embedded store.",
+        )
         args = add_arguments(parser).parse_args(args)
-    metrics = run_demo(
-        data=args.data,
-        epochs=args.epochs,
-        dim=args.dim,
-        seed=args.seed,
-        fetch=args.fetch,
-        batch_size=args.batch_size,
-        optimizer=args.optimizer,
-        lr=args.lr,
-        l2=args.l2,
-        threads=args.threads,
-        progress=not args.no_progress,
-    )
+    try:
+        metrics = run_demo(
+            data=args.data,
+            epochs=args.epochs,
+            dim=args.dim,
+            seed=args.seed,
+            fetch=args.fetch,
+            batch_size=args.batch_size,
+            optimizer=args.optimizer,
+            lr=args.lr,
+            l2=args.l2,
+            threads=args.threads,
+            progress=not args.no_progress,
+        )
+    except (FileNotFoundError, RuntimeError, ValueError) as e:
+        print(f"pstore demo: error: {e}", file=sys.stderr)
+        return 2
     if args.json:
         print(json.dumps(metrics))
     return 0

@@ -161,15 +161,25 @@ def test_push_handle_wait_and_done():
 def test_push_async_copies_its_inputs():
     store = pstore.Store(num_shards=2)
     t = store.create_sparse_table("emb", 3, optimizer=optim.SGD(lr=1.0), initializer=init.Zeros())
+    # Queue some work first, so the pushes below are likely still pending when the caller
+    # overwrites its buffers.
+    busy = store.create_sparse_table("busy", 256, optimizer=optim.Adam(lr=0.1))
+    filler = np.ones((4096, 256), dtype=F32)
+    for _ in range(8):
+        busy.push_async(np.arange(4096, dtype=np.uint64), filler)
     ids = np.array([1, 2], dtype=np.uint64)
     grads = np.ones((2, 3), dtype=F32)
     handles = [t.push_async(ids, grads)]
     ids[:] = 7  # the caller may reuse its buffers right after the call
     grads[:] = 1000.0
     handles.append(t.push_async(ids, grads))
+    ids[:] = 9
+    grads[:] = -5.0
     for h in handles:
         h.wait(timeout=30)
     np.testing.assert_array_equal(t.pull([1, 2, 7]), [[-1.0] * 3, [-1.0] * 3, [-2000.0] * 3])
+    assert not t.contains([9])[0]
+    store.flush()
 
 
 def test_readers_never_see_torn_rows(rng):
@@ -224,6 +234,102 @@ def test_readers_never_see_torn_rows(rng):
     for w in work:
         np.add.at(counts, w.reshape(-1), 1)
     np.testing.assert_array_equal(t.pull(space), np.repeat(counts[:, None], dim, axis=1))
+
+
+def test_dense_readers_see_whole_tensors():
+    """A dense pull sees all of a push or none of it (every push adds 1 to every element)."""
+    store = pstore.Store(num_shards=4, threads=2)
+    d = store.create_dense_table("w", (256, 512), optimizer=optim.SGD(lr=1.0))
+    done = threading.Event()
+    minus_one = np.full((256, 512), -1.0, dtype=F32)
+
+    def writer():
+        try:
+            for i in range(60):
+                if i % 2:
+                    d.push(minus_one)
+                else:
+                    d.push_async(minus_one)
+            store.flush()
+        finally:
+            done.set()
+
+    def reader():
+        last = 0.0
+        while True:
+            finished = done.is_set()
+            a = d.pull()
+            assert a.min() == a.max(), "torn dense pull"
+            assert a.flat[0] >= last
+            last = a.flat[0]
+            if finished:
+                return
+
+    run_in_threads([writer, reader])
+    np.testing.assert_array_equal(d.pull(), 60.0)
+    assert d.step == 60
+
+
+def test_mixed_operations_from_many_threads(rng):
+    """Pushes, pulls, removes, contains and table create/drop interleave without error or hang."""
+    store = pstore.Store(num_shards=8, threads=2)
+    t = store.create_sparse_table(
+        "emb", 32, optimizer=optim.Adagrad(lr=0.1), initializer=init.Normal(0.0, 0.1)
+    )
+    space = np.arange(64, dtype=np.uint64)
+    seeds = rng.integers(0, 2**32, size=N_THREADS)
+
+    def worker(k, seed):
+        def run():
+            r = np.random.default_rng(seed)
+            for step in range(150):
+                ids = space[r.integers(0, len(space), size=16)]
+                op = r.integers(0, 5)
+                if op == 0:
+                    t.push(ids, r.standard_normal((16, 32)).astype(F32))
+                elif op == 1:
+                    t.push_async(ids, r.standard_normal((16, 32)).astype(F32))
+                elif op == 2:
+                    rows = t.pull(ids)
+                    assert rows.shape == (16, 32)
+                    assert np.isfinite(rows).all()
+                elif op == 3:
+                    assert 0 <= t.remove(ids[:4]) <= 4
+                else:
+                    assert t.contains(ids).shape == (16,)
+                if step % 50 == 0:
+                    name = f"scratch{k}"
+                    scratch = store.create_sparse_table(name, 4)
+                    scratch.pull([1, 2])
+                    store.drop_table(name)
+
+        return run
+
+    run_in_threads([worker(k, seed) for k, seed in enumerate(seeds)])
+    store.flush()
+    assert store.tables() == ["emb"]
+    present = t.contains(space)
+    assert len(t) == t.stats()["rows"] == int(present.sum())
+    assert np.isfinite(t.pull(space)).all()
+
+
+def test_wait_with_a_timeout(rng):
+    """wait(timeout) returns once applied, or raises TimeoutError while the push is pending."""
+    store = pstore.Store(num_shards=2, threads=1)
+    t = store.create_sparse_table("emb", 256, optimizer=optim.Adam(lr=0.1))
+    ids = np.arange(8192, dtype=np.uint64)
+    grads = rng.standard_normal((8192, 256)).astype(F32)
+    handles = [t.push_async(ids, grads) for _ in range(6)]
+    try:
+        handles[-1].wait(timeout=1e-4)
+    except TimeoutError:
+        pass
+    else:
+        assert handles[-1].done()
+    store.flush()
+    assert all(h.done() for h in handles)
+    assert handles[-1].wait(timeout=0) is None
+    assert t.stats()["pushes"] == 6
 
 
 @pytest.mark.timeout(60)

@@ -140,7 +140,10 @@ def test_fetch_runs_pip_download_into_the_cache(
     monkeypatch.setattr(datasets.subprocess, "run", fake_run)
     assert datasets.load_ratings().name == "synthetic"
     assert calls == []
-    _check_small(datasets.load_ratings(fetch=True))
+    said: list[str] = []
+    _check_small(datasets.load_ratings(fetch=True, log=said.append))
+    assert len(said) == 1
+    assert str(no_ml100k) in said[0]
     assert calls[0][1:] == ["-m", "pip", "download", "--no-deps", "recbole", "-d", str(no_ml100k)]
     # The next run finds the cached wheel without fetching.
     _check_small(datasets.load_ratings())
@@ -247,6 +250,13 @@ def test_main_runs_from_argv_and_prints_json(capsys: pytest.CaptureFixture[str])
     assert last["dataset"] == "synthetic"
     assert last["test_rmse"] < last["baseline_rmse"]
     assert captured.err == ""
+
+
+def test_main_reports_missing_data(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    assert demo.main(["--data", str(tmp_path / "nowhere.inter"), "--no-progress"]) == 2
+    captured = capsys.readouterr()
+    assert "nowhere.inter" in captured.err
+    assert captured.out == ""
 
 
 # --- the progress bar -----------------------------------------------------------------------------

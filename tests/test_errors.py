@@ -326,3 +326,61 @@ def test_drop_then_recreate_gives_a_fresh_table(store):
     fresh = store.create_sparse_table("emb", 2, initializer=init.Zeros())
     assert len(fresh) == 0
     np.testing.assert_array_equal(fresh.pull([1]), [[0.0, 0.0]])
+
+
+BAD_CONFIGS = {
+    "sgd_lr_inf": (lambda: optim.SGD(lr=math.inf), "lr"),
+    "clip_value_0": (lambda: optim.SGD(lr=0.1, clip_value=0.0), "clip_value"),
+    "clip_value_negative": (lambda: optim.Adam(lr=0.1, clip_value=-1.0), "clip_value"),
+    "clip_norm_0": (lambda: optim.Adagrad(lr=0.1, clip_norm=0.0), "clip_norm"),
+    "clip_norm_nan": (lambda: optim.Ftrl(alpha=0.1, clip_norm=math.nan), "clip_norm"),
+    "momentum_negative": (lambda: optim.SGD(lr=0.1, momentum=-0.5), "momentum"),
+    "weight_decay_negative": (lambda: optim.SGD(lr=0.1, weight_decay=-1.0), "weight_decay"),
+    "beta1_1": (lambda: optim.Adam(lr=0.1, betas=(1.0, 0.999)), "beta"),
+    "beta2_above_1": (lambda: optim.Adam(lr=0.1, betas=(0.9, 1.5)), "beta"),
+    "accumulator_negative": (
+        lambda: optim.Adagrad(lr=0.1, initial_accumulator_value=-1.0),
+        "initial_accumulator_value",
+    ),
+    "ftrl_l1_negative": (lambda: optim.Ftrl(alpha=0.1, l1=-1.0), "l1"),
+    "ftrl_l2_negative": (lambda: optim.Ftrl(alpha=0.1, l2=-1.0), "l2"),
+}
+
+
+@pytest.mark.parametrize("case", BAD_CONFIGS)
+def test_other_bad_optimizer_params(store, case):
+    make, keyword = BAD_CONFIGS[case]
+    with pytest.raises(pstore.InvalidArgumentError, match=keyword):
+        store.create_sparse_table("t", 4, optimizer=make())
+    assert "t" not in store
+
+
+BAD_INITIALIZERS = {
+    "uniform_low_above_high": lambda: init.Uniform(1.0, -1.0),
+    "normal_std_negative": lambda: init.Normal(0.0, -1.0),
+    "normal_std_nan": lambda: init.Normal(0.0, math.nan),
+    "constant_nan": lambda: init.Constant(math.nan),
+    "constant_inf": lambda: init.Constant(math.inf),
+}
+
+
+@pytest.mark.parametrize("kind", ["sparse", "dense"])
+@pytest.mark.parametrize("case", BAD_INITIALIZERS)
+def test_bad_initializer(store, case, kind):
+    with pytest.raises(pstore.InvalidArgumentError):
+        initializer = BAD_INITIALIZERS[case]()
+        if kind == "sparse":
+            store.create_sparse_table("t", 4, initializer=initializer)
+        else:
+            store.create_dense_table("t", (4,), initializer=initializer)
+    assert "t" not in store
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "keyword"),
+    [({"num_shards": 0}, "num_shards"), ({"threads": 0}, "threads")],
+    ids=["num_shards_0", "threads_0"],
+)
+def test_bad_store_config(kwargs, keyword):
+    with pytest.raises(pstore.InvalidArgumentError, match=keyword):
+        pstore.Store(**kwargs)
