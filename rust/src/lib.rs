@@ -36,6 +36,7 @@
 //! assert!(user.pull(&[3])[0] < 0.0);
 //! ```
 
+mod buffer;
 pub mod error;
 pub mod executor;
 pub mod hash;

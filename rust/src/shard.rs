@@ -3,11 +3,10 @@
 //!
 //! Row layout, in 32-bit words: `[id_lo, id_hi, step, reserved | weights (dim) | state]`. The id is
 //! kept in the row, so the index stores only a slot and 32 bits of the id's hash (8 bytes an entry)
-//! and is rebuilt on growth from those bits alone. The optimizer state follows the weights, so a
+//! and is rebuilt on growth from those bits alone (see `Index`). The optimizer state follows the weights, so a
 //! push reads and writes one neighbourhood of memory.
 
-use hashbrown::HashTable;
-
+use crate::buffer::Buffer;
 use crate::hash::{index_hash, shard_of};
 
 /// Words of row header before the weights.
@@ -15,27 +14,162 @@ pub const HEADER: usize = 4;
 const STEP: usize = 2;
 /// About 4 MiB of rows a chunk: chunks never move, and the last one grows geometrically.
 const CHUNK_WORDS: usize = 1 << 20;
+/// A slot value meaning "no row".
+pub const NO_SLOT: u32 = u32::MAX;
+/// How far ahead the batched lookup prefetches (ids per pipeline stage).
+const AHEAD: usize = 8;
 
+/// The 32 bits of an id's index hash that an index entry keeps.
 #[inline]
-fn entry(slot: u32, hash: u64) -> u64 {
-    ((hash >> 32) << 32) | slot as u64
+fn frag(id: u64) -> u32 {
+    (index_hash(id) >> 32) as u32
 }
 
-#[inline]
-fn entry_slot(e: u64) -> u32 {
-    e as u32
+/// Asks the CPU to start loading the cache line at `p`; a hint with no effect on memory.
+#[inline(always)]
+fn prefetch<T>(p: *const T) {
+    #[cfg(target_arch = "x86_64")]
+    // SAFETY: a prefetch never faults and never changes memory, whatever the address.
+    unsafe {
+        std::arch::x86_64::_mm_prefetch::<{ std::arch::x86_64::_MM_HINT_T0 }>(p.cast::<i8>())
+    };
+    #[cfg(not(target_arch = "x86_64"))]
+    let _ = p;
 }
 
-/// The 64-bit hash hashbrown sees, rebuilt from the 32 bits an entry keeps.
-#[inline]
-fn entry_hash(e: u64) -> u64 {
-    let hi = e >> 32;
-    (hi << 32) | (hi.wrapping_mul(0x9e37_79b9) & 0xffff_ffff)
+/// An open-addressing index with linear probing: `id -> slot` in 8 bytes an entry.
+///
+/// An entry is `(frag << 32) | (slot + 1)`, 0 meaning empty. The id itself lives in the row, so an
+/// entry's fragment only selects candidates, and a candidate is confirmed by the id in its row. An
+/// entry's home position is derived from its fragment alone, so the table grows (at a load of 0.8)
+/// without reading any row. Deletion shifts later entries back (no tombstones).
+struct Index {
+    table: Buffer<u64>,
+    bits: u32,
+    len: usize,
 }
 
-#[inline]
-fn full_hash(id: u64) -> u64 {
-    entry_hash(entry(0, index_hash(id)))
+impl Index {
+    fn new() -> Self {
+        Self {
+            table: Buffer::zeroed(16),
+            bits: 4,
+            len: 0,
+        }
+    }
+
+    #[inline]
+    fn mask(&self) -> usize {
+        self.table.len() - 1
+    }
+
+    #[inline]
+    fn home(&self, frag: u32) -> usize {
+        (frag >> (32 - self.bits)) as usize
+    }
+
+    /// The slot of the first entry with this fragment at or after the home position, whose row
+    /// `row_id` says holds `id`.
+    #[inline]
+    fn find(&self, id: u64, f: u32, row_id: impl Fn(u32) -> u64) -> Option<(usize, u32)> {
+        let mask = self.mask();
+        let mut p = self.home(f);
+        loop {
+            let e = self.table[p];
+            if e == 0 {
+                return None;
+            }
+            if (e >> 32) as u32 == f {
+                let slot = (e as u32).wrapping_sub(1);
+                if row_id(slot) == id {
+                    return Some((p, slot));
+                }
+            }
+            p = (p + 1) & mask;
+        }
+    }
+
+    /// The first slot whose entry carries fragment `f`, or `NO_SLOT` (then no row has this id).
+    #[inline]
+    fn candidate(&self, f: u32) -> u32 {
+        let mask = self.mask();
+        let mut p = self.home(f);
+        loop {
+            let e = self.table[p];
+            if e == 0 {
+                return NO_SLOT;
+            }
+            if (e >> 32) as u32 == f {
+                return (e as u32).wrapping_sub(1);
+            }
+            p = (p + 1) & mask;
+        }
+    }
+
+    /// Adds an entry for an id known to be absent.
+    fn insert(&mut self, f: u32, slot: u32) {
+        if (self.len + 1) * 5 > self.table.len() * 4 {
+            self.grow();
+        }
+        self.place(((f as u64) << 32) | (slot as u64 + 1));
+        self.len += 1;
+    }
+
+    #[inline]
+    fn place(&mut self, e: u64) {
+        let mask = self.mask();
+        let mut p = self.home((e >> 32) as u32);
+        while self.table[p] != 0 {
+            p = (p + 1) & mask;
+        }
+        self.table[p] = e;
+    }
+
+    fn grow(&mut self) {
+        assert!(self.bits < 32, "a shard index holds at most 2^31 rows");
+        let old = std::mem::replace(&mut self.table, Buffer::zeroed(1 << (self.bits + 1)));
+        self.bits += 1;
+        for &e in old.iter().filter(|&&e| e != 0) {
+            self.place(e);
+        }
+    }
+
+    /// Empties position `p` and shifts the entries after it back where their probes allow.
+    fn remove_at(&mut self, mut hole: usize) {
+        let mask = self.mask();
+        let mut j = hole;
+        loop {
+            j = (j + 1) & mask;
+            let e = self.table[j];
+            if e == 0 {
+                break;
+            }
+            let k = self.home((e >> 32) as u32);
+            // The entry at j may move into the hole unless its home lies cyclically in (hole, j].
+            let stays = if hole <= j {
+                hole < k && k <= j
+            } else {
+                hole < k || k <= j
+            };
+            if !stays {
+                self.table[hole] = e;
+                hole = j;
+            }
+        }
+        self.table[hole] = 0;
+        self.len -= 1;
+    }
+
+    fn bytes(&self) -> usize {
+        self.table.bytes()
+    }
+
+    fn slots(&self) -> impl Iterator<Item = u32> + '_ {
+        self.table
+            .iter()
+            .filter(|&&e| e != 0)
+            .map(|&e| (e as u32).wrapping_sub(1))
+    }
 }
 
 /// Views 32-bit words as f32 values.
@@ -57,8 +191,9 @@ pub fn as_f32_mut(words: &mut [u32]) -> &mut [f32] {
 pub struct Shard {
     stride: usize,
     chunk_shift: u32,
-    index: HashTable<u64>,
-    chunks: Vec<Vec<u32>>,
+    index: Index,
+    /// Row storage; every chunk but the last is full (`1 << chunk_shift` rows).
+    chunks: Vec<Buffer<u32>>,
     free: Vec<u32>,
     next_slot: u32,
 }
@@ -72,7 +207,7 @@ impl Shard {
         Self {
             stride,
             chunk_shift,
-            index: HashTable::new(),
+            index: Index::new(),
             chunks: Vec::new(),
             free: Vec::new(),
             next_slot: 0,
@@ -81,19 +216,18 @@ impl Shard {
 
     /// Rows stored.
     pub fn len(&self) -> usize {
-        self.index.len()
+        self.index.len
     }
 
     /// True when no row is stored.
     pub fn is_empty(&self) -> bool {
-        self.index.is_empty()
+        self.index.len == 0
     }
 
     /// Bytes held: the arena's allocation, the index and the free list.
     pub fn bytes(&self) -> usize {
-        let arena: usize = self.chunks.iter().map(|c| c.capacity() * 4).sum();
-        let index = self.index.capacity() * 9 + 16;
-        arena + index + self.free.capacity() * 4 + self.chunks.capacity() * 24
+        let arena: usize = self.chunks.iter().map(|c| c.bytes()).sum();
+        arena + self.index.bytes() + self.free.capacity() * 4 + self.chunks.capacity() * 24
     }
 
     #[inline]
@@ -117,24 +251,83 @@ impl Shard {
         &mut self.chunks[c][off..off + self.stride]
     }
 
+    /// Starts loading the first `words` words of the row of `slot` into the cache.
     #[inline]
-    fn id_of(chunks: &[Vec<u32>], shift: u32, stride: usize, slot: u32) -> u64 {
-        let slot = slot as usize;
-        let off = (slot & ((1usize << shift) - 1)) * stride;
-        let row = &chunks[slot >> shift][off..off + 2];
-        row[0] as u64 | ((row[1] as u64) << 32)
+    pub fn prefetch_row(&self, slot: u32, words: usize) {
+        let (c, off) = self.locate(slot);
+        if let Some(chunk) = self.chunks.get(c) {
+            let end = (off + words.min(self.stride)).min(chunk.len());
+            let mut w = off;
+            while w < end {
+                prefetch(chunk[w..].as_ptr());
+                w += 16;
+            }
+        }
+    }
+
+    /// The id stored in the row of `slot` (`u64::MAX ^ slot` for a slot past the arena, which no
+    /// candidate can be).
+    #[inline]
+    fn id_at(&self, slot: u32) -> u64 {
+        let (c, off) = self.locate(slot);
+        match self.chunks.get(c).and_then(|ch| ch.get(off..off + 2)) {
+            Some(r) => r[0] as u64 | ((r[1] as u64) << 32),
+            None => u64::MAX ^ slot as u64,
+        }
     }
 
     /// The slot of `id`, if it has a row.
     #[inline]
     pub fn find(&self, id: u64) -> Option<u32> {
-        let h = full_hash(id);
-        let (chunks, shift, stride) = (&self.chunks, self.chunk_shift, self.stride);
         self.index
-            .find(h, |&e| {
-                entry_hash(e) == h && Self::id_of(chunks, shift, stride, entry_slot(e)) == id
-            })
-            .map(|&e| entry_slot(e))
+            .find(id, frag(id), |s| self.id_at(s))
+            .map(|(_, slot)| slot)
+    }
+
+    /// The slots of `ids[p]` for every position `p` of `positions`, in order, `NO_SLOT` where
+    /// there is no row. Lookups are pipelined: the index line of an id is prefetched `AHEAD` ids
+    /// before it is probed, and the candidate row `AHEAD` ids before it is confirmed, so many
+    /// cache misses are in flight at once. `row_words` words of each found row are prefetched too,
+    /// for the caller's next pass.
+    pub fn find_many(&self, ids: &[u64], positions: &[u32], row_words: usize, out: &mut Vec<u32>) {
+        const RING: usize = 2 * AHEAD;
+        let n = positions.len();
+        out.clear();
+        out.reserve(n);
+        let mut frags = [0u32; RING];
+        let mut cands = [NO_SLOT; RING];
+        for i in 0..n + 2 * AHEAD {
+            if i < n {
+                let f = frag(ids[positions[i] as usize]);
+                frags[i % RING] = f;
+                prefetch(&self.index.table[self.index.home(f)]);
+            }
+            if i >= AHEAD && i - AHEAD < n {
+                let j = i - AHEAD;
+                let c = self.index.candidate(frags[j % RING]);
+                cands[j % RING] = c;
+                if c != NO_SLOT {
+                    self.prefetch_row(c, 2);
+                }
+            }
+            if i >= 2 * AHEAD {
+                let k = i - 2 * AHEAD;
+                let id = ids[positions[k] as usize];
+                let c = cands[k % RING];
+                let slot = if c == NO_SLOT {
+                    NO_SLOT
+                } else if self.id_at(c) == id {
+                    c
+                } else {
+                    // Two ids share the 32-bit fragment: probe past the first candidate.
+                    self.find(id).unwrap_or(NO_SLOT)
+                };
+                if slot != NO_SLOT && row_words > 0 {
+                    self.prefetch_row(slot, HEADER + row_words);
+                }
+                out.push(slot);
+            }
+        }
     }
 
     /// The slot of `id`, and whether it was created now. A new row gets its header, and its body
@@ -151,25 +344,19 @@ impl Shard {
         row[STEP] = 0;
         row[3] = 0;
         init(&mut row[HEADER..]);
-        let h = full_hash(id);
-        self.index
-            .insert_unique(h, entry(slot, h), |&e| entry_hash(e));
+        self.index.insert(frag(id), slot);
         (slot, true)
     }
 
     /// Removes the row of `id`; true if there was one.
     pub fn remove(&mut self, id: u64) -> bool {
-        let h = full_hash(id);
-        let (chunks, shift, stride) = (&self.chunks, self.chunk_shift, self.stride);
-        match self.index.find_entry(h, |&e| {
-            entry_hash(e) == h && Self::id_of(chunks, shift, stride, entry_slot(e)) == id
-        }) {
-            Ok(occupied) => {
-                let (e, _) = occupied.remove();
-                self.free.push(entry_slot(e));
+        match self.index.find(id, frag(id), |s| self.id_at(s)) {
+            Some((pos, slot)) => {
+                self.index.remove_at(pos);
+                self.free.push(slot);
                 true
             }
-            Err(_) => false,
+            None => false,
         }
     }
 
@@ -178,34 +365,31 @@ impl Shard {
             return slot;
         }
         let slot = self.next_slot;
-        let chunk_rows = 1usize << self.chunk_shift;
-        let c = slot as usize >> self.chunk_shift;
+        let full = (1usize << self.chunk_shift) * self.stride;
+        let (c, end) = self.locate(slot);
+        let end = end + self.stride;
         if c == self.chunks.len() {
-            self.chunks.push(Vec::new());
+            self.chunks
+                .push(Buffer::zeroed((self.stride * 16).min(full)));
         }
-        let stride = self.stride;
         let chunk = &mut self.chunks[c];
-        if chunk.len() == chunk.capacity() {
-            let full = chunk_rows * stride;
-            let want = (chunk.capacity() * 2).max(stride * 16).min(full);
-            chunk.reserve_exact(want - chunk.len());
+        if end > chunk.len() {
+            // Only the last chunk grows, geometrically, up to its full size; a full-size chunk is
+            // allocated once and never moves.
+            let mut grown = Buffer::zeroed((chunk.len() * 2).max(end).min(full));
+            grown[..chunk.len()].copy_from_slice(chunk);
+            *chunk = grown;
         }
-        chunk.resize(chunk.len() + stride, 0);
         self.next_slot = slot
             .checked_add(1)
-            .expect("a shard holds at most 2^32 rows");
+            .filter(|&n| n != NO_SLOT)
+            .expect("a shard holds fewer than 2^32 - 1 rows");
         slot
     }
 
     /// Every stored (id, slot), in no particular order.
     pub fn iter(&self) -> impl Iterator<Item = (u64, u32)> + '_ {
-        self.index.iter().map(move |&e| {
-            let slot = entry_slot(e);
-            (
-                Self::id_of(&self.chunks, self.chunk_shift, self.stride, slot),
-                slot,
-            )
-        })
+        self.index.slots().map(move |slot| (self.id_at(slot), slot))
     }
 }
 
@@ -278,7 +462,16 @@ mod tests {
                     assert_eq!(got, *model.entry(id).or_insert(v));
                 }
                 3 => assert_eq!(shard.remove(id), model.remove(&id).is_some()),
-                _ => assert_eq!(shard.find(id).is_some(), model.contains_key(&id)),
+                _ => {
+                    assert_eq!(shard.find(id).is_some(), model.contains_key(&id));
+                    let ids: Vec<u64> = (0..64).map(|k| (id + k * 31) % 5_000).collect();
+                    let pos: Vec<u32> = (0..64).rev().collect();
+                    let mut slots = Vec::new();
+                    shard.find_many(&ids, &pos, 1, &mut slots);
+                    for (&p, &slot) in pos.iter().zip(&slots) {
+                        assert_eq!(slot, shard.find(ids[p as usize]).unwrap_or(NO_SLOT));
+                    }
+                }
             }
             assert_eq!(shard.len(), model.len());
         }
@@ -287,6 +480,38 @@ mod tests {
         let mut want: Vec<u64> = model.keys().copied().collect();
         want.sort_unstable();
         assert_eq!(seen, want);
+    }
+
+    #[test]
+    fn index_handles_shared_fragments_wraparound_and_removal() {
+        // Ids whose "row" is the slot itself, with fragments forced to collide and to sit at the
+        // end of the table so probes wrap around.
+        let row_id = |s: u32| s as u64 * 10;
+        let mut ix = Index::new();
+        let frags = [u32::MAX, u32::MAX, u32::MAX - 1, 0, u32::MAX, 0, 7 << 28];
+        for (slot, &f) in frags.iter().enumerate() {
+            ix.insert(f, slot as u32);
+        }
+        for (slot, &f) in frags.iter().enumerate() {
+            let (_, s) = ix.find(slot as u64 * 10, f, row_id).unwrap();
+            assert_eq!(s, slot as u32);
+        }
+        let mut removed = Vec::new();
+        for victim in [1usize, 3, 0] {
+            let (p, _) = ix.find(victim as u64 * 10, frags[victim], row_id).unwrap();
+            ix.remove_at(p);
+            removed.push(victim);
+            for (slot, &f) in frags.iter().enumerate() {
+                let found = ix.find(slot as u64 * 10, f, row_id).is_some();
+                assert_eq!(found, !removed.contains(&slot), "slot {slot}");
+            }
+        }
+        assert_eq!(ix.len, frags.len() - 3);
+        for i in 0..10_000u32 {
+            ix.insert(i.wrapping_mul(0x9e37_79b9), 100 + i);
+        }
+        assert_eq!(ix.slots().count(), frags.len() - 3 + 10_000);
+        assert!(ix.table.len() * 4 >= ix.len * 5);
     }
 
     #[test]

@@ -9,10 +9,12 @@ use crate::error::{invalid, shape, Result};
 use crate::executor::{Executor, PushHandle};
 use crate::init::Initializer;
 use crate::optimizer::OptimizerConfig;
-use crate::shard::{as_f32, as_f32_mut, bump_step, Grouped, Shard, HEADER};
+use crate::shard::{as_f32, as_f32_mut, bump_step, Grouped, Shard, HEADER, NO_SLOT};
 
 /// Batches smaller than this run on the calling thread: spreading them costs more than it saves.
 const PARALLEL_MIN_IDS: usize = 2048;
+/// How many rows ahead a push prefetches the row it will update.
+const PREFETCH_RUNS: usize = 4;
 
 /// How a sparse table is built.
 #[derive(Debug, Clone, PartialEq)]
@@ -202,10 +204,13 @@ impl SparseTable {
             let mut missing = Vec::new();
             {
                 let shard = self.read(s);
-                for &p in pos {
-                    match shard.find(ids[p as usize]) {
-                        Some(slot) => copy(&shard, slot, p),
-                        None => missing.push(p),
+                let mut slots = Vec::new();
+                shard.find_many(ids, pos, dim, &mut slots);
+                for (&p, &slot) in pos.iter().zip(&slots) {
+                    if slot == NO_SLOT {
+                        missing.push(p);
+                    } else {
+                        copy(&shard, slot, p);
                     }
                 }
             }
@@ -323,20 +328,35 @@ impl SparseTable {
         self.for_each_shard(&g, ids.len(), |s, pos| {
             let mut shard = self.write(s);
             let mut made = 0u64;
+            let mut slots = Vec::new();
+            shard.find_many(ids, pos, 0, &mut slots);
             let mut pairs: Vec<u64> = pos
                 .iter()
-                .map(|&p| {
-                    let id = ids[p as usize];
-                    let (slot, new) = shard.find_or_insert(id, |b| self.init_body(id, b));
-                    made += new as u64;
+                .zip(&slots)
+                .map(|(&p, &slot)| {
+                    let slot = if slot == NO_SLOT {
+                        let id = ids[p as usize];
+                        let (slot, new) = shard.find_or_insert(id, |b| self.init_body(id, b));
+                        made += new as u64;
+                        slot
+                    } else {
+                        slot
+                    };
                     ((slot as u64) << 32) | p as u64
                 })
                 .collect();
             pairs.sort_unstable();
+            let runs_at: Vec<usize> = (0..pairs.len())
+                .filter(|&i| i == 0 || pairs[i] >> 32 != pairs[i - 1] >> 32)
+                .collect();
             let mut acc = vec![0f64; dim];
             let mut runs = 0u64;
-            for run in pairs.chunk_by(|a, b| a >> 32 == b >> 32) {
+            let stride = HEADER + dim + self.state_len;
+            for (r, run) in pairs.chunk_by(|a, b| a >> 32 == b >> 32).enumerate() {
                 let slot = (run[0] >> 32) as u32;
+                if let Some(&ahead) = runs_at.get(r + PREFETCH_RUNS) {
+                    shard.prefetch_row((pairs[ahead] >> 32) as u32, stride);
+                }
                 acc.fill(0.0);
                 for &pair in run {
                     let p = (pair & 0xffff_ffff) as usize;
