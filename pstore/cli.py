@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from collections.abc import Sequence
 
@@ -57,7 +58,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         print("pstore: interrupted", file=sys.stderr)
         return 130
     except BrokenPipeError:  # e.g. `pstore demo | head`: the reader left, nothing to report
-        sys.stderr.close()
+        # Point stdout at /dev/null so the interpreter's final flush does not fail again.
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
         return 141
 
 

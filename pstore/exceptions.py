@@ -36,7 +36,11 @@ class NonFiniteError(InvalidArgumentError):
 
 
 class DtypeError(PstoreError, TypeError):
-    """An array has the wrong element type (ids must be int64/uint64, grads float32)."""
+    """An argument has the wrong type.
+
+    Arrays of the wrong dtype (ids must be int64 or uint64, gradients float32), or a configuration
+    that is not a ``pstore.optim`` / ``pstore.init`` object.
+    """
 
 
 class UnknownTableError(PstoreError, KeyError):

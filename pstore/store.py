@@ -9,6 +9,7 @@ import numpy as np
 import numpy.typing as npt
 
 from pstore import _native, init, optim
+from pstore._native import MAX_DIM
 from pstore.exceptions import (
     DtypeError,
     InvalidArgumentError,
@@ -327,7 +328,13 @@ class Store:
         threads: int | None = None,
         max_inflight_bytes: int | None = None,
     ) -> None:
-        self._inner = _native.Store(num_shards, threads, max_inflight_bytes)
+        self._inner = _native.Store(
+            None if num_shards is None else _check_int(num_shards, "num_shards"),
+            None if threads is None else _check_int(threads, "threads"),
+            None
+            if max_inflight_bytes is None
+            else _check_int(max_inflight_bytes, "max_inflight_bytes"),
+        )
 
     @property
     def num_shards(self) -> int:
@@ -363,12 +370,12 @@ class Store:
         seed : int
             Seed of the initialiser, 0 to 2**64 - 1.
         """
-        opt = optimizer if optimizer is not None else optim.SGD(lr=0.01)
-        ini = initializer if initializer is not None else init.Normal(0.0, 0.01)
+        opt, ini = _configs(optimizer, initializer, init.Normal(0.0, 0.01))
+        d = _check_int(dim, "dim", lo=-(2**63))
+        if not 1 <= d <= MAX_DIM:
+            raise InvalidArgumentError(f"dim must be in 1..={MAX_DIM}, got {d}")
         return SparseTable(
-            self._inner.create_sparse_table(
-                name, _check_int(dim, "dim"), opt._spec(), ini._spec(), _seed(seed)
-            )
+            self._inner.create_sparse_table(name, d, opt._spec(), ini._spec(), _seed(seed))
         )
 
     def create_dense_table(
@@ -385,8 +392,7 @@ class Store:
         ``optimizer`` defaults to ``SGD(lr=0.01)`` and ``initializer`` to ``Zeros()``.
         """
         dims = [shape] if isinstance(shape, int) else list(shape)
-        opt = optimizer if optimizer is not None else optim.SGD(lr=0.01)
-        ini = initializer if initializer is not None else init.Zeros()
+        opt, ini = _configs(optimizer, initializer, init.Zeros())
         return DenseTable(
             self._inner.create_dense_table(
                 name, [_check_int(d, "shape") for d in dims], opt._spec(), ini._spec(), _seed(seed)
@@ -439,12 +445,30 @@ class Store:
         return f"<Store tables={self.tables()} shards={self.num_shards} threads={self.threads}>"
 
 
-def _check_int(v: object, what: str, hi: int = 2**63) -> int:
+def _check_int(v: object, what: str, hi: int = 2**63, lo: int = 0) -> int:
     if isinstance(v, bool) or not isinstance(v, int | np.integer):
         raise DtypeError(f"{what} must be an int, got {type(v).__name__}")
-    if not 0 <= int(v) < hi:
-        raise InvalidArgumentError(f"{what} must be in [0, {hi}), got {v}")
+    if not lo <= int(v) < hi:
+        raise InvalidArgumentError(f"{what} must be a non-negative int below {hi}, got {v}")
     return int(v)
+
+
+def _configs(
+    optimizer: object, initializer: object, default_init: init.Initializer
+) -> tuple[optim.Optimizer, init.Initializer]:
+    opt = optim.SGD(lr=0.01) if optimizer is None else optimizer
+    ini = default_init if initializer is None else initializer
+    if not isinstance(opt, optim.SGD | optim.Adagrad | optim.Adam | optim.Ftrl):
+        raise DtypeError(
+            f"optimizer must be a pstore.optim.SGD, Adagrad, Adam or Ftrl, got {type(opt).__name__}"
+        )
+    if not isinstance(
+        ini, init.Zeros | init.Constant | init.Uniform | init.Normal | init.TruncatedNormal
+    ):
+        raise DtypeError(
+            f"initializer must be one of pstore.init's classes, got {type(ini).__name__}"
+        )
+    return opt, ini
 
 
 def _seed(seed: object) -> int:

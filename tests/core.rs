@@ -72,7 +72,7 @@ fn training_is_bitwise_identical_across_shards_and_threads() {
             t.push(&ids, &grads).unwrap();
         }
         let probe: Vec<u64> = (0..3_000).collect();
-        results.push(t.pull(&probe));
+        results.push(t.pull(&probe).unwrap());
     }
     for r in &results[1..] {
         assert!(r
@@ -118,7 +118,7 @@ fn sgd_table_matches_a_hashmap_model() {
                 }
             }
             2 => {
-                let got = t.pull(&ids);
+                let got = t.pull(&ids).unwrap();
                 for (i, id) in ids.iter().enumerate() {
                     let w = model.entry(*id).or_insert_with(|| vec![1.0; dim]);
                     for k in 0..dim {
@@ -127,7 +127,7 @@ fn sgd_table_matches_a_hashmap_model() {
                 }
             }
             _ => {
-                let gone = t.remove(&ids[..ids.len() / 3]);
+                let gone = t.remove(&ids[..ids.len() / 3]).unwrap();
                 let mut want = 0;
                 for id in &ids[..ids.len() / 3] {
                     want += model.remove(id).is_some() as usize;
@@ -175,7 +175,7 @@ fn concurrent_sgd_pushes_sum_up() {
     }
     s.flush();
     // Every id in 0..500 receives the same number of gradients: 4 workers x 50 steps x 6 each.
-    let rows = t.pull(&(0..500).collect::<Vec<_>>());
+    let rows = t.pull(&(0..500).collect::<Vec<_>>()).unwrap();
     assert!(
         rows.iter().all(|&v| v == -(4.0 * 50.0 * 6.0 * 0.25)),
         "{:?}",
@@ -205,7 +205,7 @@ fn async_pushes_apply_in_order() {
     s.flush();
     assert!(handles.iter().all(|h| h.is_done()));
     let probe: Vec<u64> = (0..3_000).collect();
-    assert_eq!(a.pull(&probe), b.pull(&probe));
+    assert_eq!(a.pull(&probe).unwrap(), b.pull(&probe).unwrap());
 }
 
 #[test]
@@ -260,4 +260,26 @@ fn names_and_configs_are_checked() {
     assert!(matches!(s.table("y"), Err(pstore::Error::UnknownTable(_))));
     assert!(s.create_sparse_table("", ok).is_err());
     assert_eq!(s.tables(), vec!["x".to_string()]);
+}
+
+#[test]
+fn dropped_tables_refuse_their_handles() {
+    let s = store(2, 1);
+    let cfg = SparseTableConfig {
+        dim: 2,
+        optimizer: sgd(0.1),
+        initializer: Initializer::Zeros,
+        seed: 0,
+    };
+    let t = s.create_sparse_table("d", cfg.clone()).unwrap();
+    t.pull(&[1]).unwrap();
+    s.drop_table("d").unwrap();
+    assert!(matches!(t.pull(&[1]), Err(pstore::Error::UnknownTable(_))));
+    assert!(t.push(&[1], &[1.0, 1.0]).is_err());
+    let again = s.create_sparse_table("d", cfg).unwrap();
+    assert_eq!(again.len(), 0);
+    assert!(matches!(
+        s.drop_table("nope"),
+        Err(pstore::Error::UnknownTable(_))
+    ));
 }

@@ -384,3 +384,39 @@ def test_bad_initializer(store, case, kind):
 def test_bad_store_config(kwargs, keyword):
     with pytest.raises(pstore.InvalidArgumentError, match=keyword):
         pstore.Store(**kwargs)
+
+
+def test_config_objects_and_negative_sizes_get_pstore_errors():
+    store = pstore.Store(num_shards=2, threads=1)
+    with pytest.raises(pstore.DtypeError, match="optimizer"):
+        store.create_sparse_table("a", 4, optimizer="sgd")
+    with pytest.raises(pstore.DtypeError, match="initializer"):
+        store.create_sparse_table("a", 4, initializer=0.1)
+    with pytest.raises(pstore.InvalidArgumentError, match=r"dim must be in 1\.\.=4096, got -1"):
+        store.create_sparse_table("a", -1)
+    with pytest.raises(pstore.InvalidArgumentError, match="shape"):
+        store.create_dense_table("a", (3, -2))
+    with pytest.raises(pstore.InvalidArgumentError, match="num_shards"):
+        pstore.Store(num_shards=-1)
+    assert store.tables() == []
+
+
+def test_a_dropped_tables_handle_refuses_work():
+    store = pstore.Store(num_shards=2, threads=1)
+    t = store.create_sparse_table("x", 2, initializer=pstore.init.Zeros())
+    d = store.create_dense_table("w", (2,))
+    t.pull([1])
+    store.drop_table("x")
+    store.drop_table("w")
+    for call in (
+        lambda: t.pull([1]),
+        lambda: t.push([1], np.ones((1, 2), np.float32)),
+        lambda: t.contains([1]),
+        lambda: t.remove([1]),
+        lambda: d.pull(),
+        lambda: d.push(np.ones(2, np.float32)),
+    ):
+        with pytest.raises(pstore.UnknownTableError, match="dropped"):
+            call()
+    again = store.create_sparse_table("x", 2, initializer=pstore.init.Zeros())
+    assert len(again) == 0

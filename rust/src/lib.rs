@@ -30,10 +30,10 @@
 //!     )
 //!     .unwrap();
 //! let ids = [3u64, 9, 3];
-//! let rows = user.pull(&ids);
+//! let rows = user.pull(&ids).unwrap();
 //! assert_eq!(rows.len(), 3 * 4);
 //! user.push(&ids, &[1.0; 12]).unwrap();
-//! assert!(user.pull(&[3])[0] < 0.0);
+//! assert!(user.pull(&[3]).unwrap()[0] < 0.0);
 //! ```
 
 mod buffer;

@@ -159,13 +159,16 @@ impl Store {
         tables.keys().cloned().collect()
     }
 
-    /// Removes a table from the store. Handles still held keep working on the detached table.
+    /// Removes a table from the store. Handles still held refuse every later operation; pushes
+    /// queued before the drop still apply to the detached table and are then discarded with it.
     pub fn drop_table(&self, name: &str) -> Result<()> {
         let mut tables = self.tables.write().unwrap_or_else(|e| e.into_inner());
-        tables
-            .remove(name)
-            .map(|_| ())
-            .ok_or_else(|| Error::UnknownTable(name.to_string()))
+        match tables.remove(name) {
+            Some(Table::Sparse(t)) => t.mark_dropped(),
+            Some(Table::Dense(t)) => t.mark_dropped(),
+            None => return Err(Error::UnknownTable(name.to_string())),
+        }
+        Ok(())
     }
 
     /// Waits up to `timeout` for every queued asynchronous push; true when none is left.

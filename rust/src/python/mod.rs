@@ -293,7 +293,7 @@ impl PySparseTable {
         let ids_s = slice(&ids, "ids")?;
         let (n, dim) = (ids_s.len(), self.inner.dim());
         let t = &self.inner;
-        let rows = py.detach(|| t.pull(ids_s));
+        let rows = py.detach(|| t.pull(ids_s)).map_err(err)?;
         rows.into_pyarray(py).reshape([n, dim])
     }
 
@@ -333,14 +333,17 @@ impl PySparseTable {
     ) -> PyResult<Bound<'py, PyArray1<bool>>> {
         let ids_s = slice(&ids, "ids")?;
         let t = &self.inner;
-        Ok(py.detach(|| t.contains(ids_s)).into_pyarray(py))
+        Ok(py
+            .detach(|| t.contains(ids_s))
+            .map_err(err)?
+            .into_pyarray(py))
     }
 
     fn remove(&self, py: Python<'_>, ids: PyReadonlyArray1<'_, u64>) -> PyResult<usize> {
         self.guard.check()?;
         let ids_s = slice(&ids, "ids")?;
         let t = &self.inner;
-        Ok(py.detach(|| t.remove(ids_s)))
+        py.detach(|| t.remove(ids_s)).map_err(err)
     }
 
     fn initial_rows<'py>(
@@ -431,7 +434,7 @@ impl PyDenseTable {
     fn pull<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyArrayDyn<f32>>> {
         self.guard.check()?;
         let t = &self.inner;
-        let v = py.detach(|| t.pull());
+        let v = py.detach(|| t.pull()).map_err(err)?;
         v.into_pyarray(py)
             .reshape(self.inner.config().shape.clone())
     }

@@ -2,7 +2,7 @@
 
 use std::sync::{Arc, RwLock};
 
-use super::{check_finite, Counters, Lr, TableStats};
+use super::{check_finite, Counters, Dropped, Lr, TableStats};
 use crate::error::{invalid, shape, Result};
 use crate::executor::{Executor, PushHandle};
 use crate::init::Initializer;
@@ -68,6 +68,7 @@ pub struct DenseTable {
     lr: Lr,
     exec: Arc<Executor>,
     counters: Counters,
+    dropped: Dropped,
 }
 
 impl DenseTable {
@@ -89,7 +90,18 @@ impl DenseTable {
             }),
             exec,
             counters: Counters::default(),
+            dropped: Dropped::default(),
         })
+    }
+
+    /// Marks the table as dropped from its store; every later operation fails.
+    pub(crate) fn mark_dropped(&self) {
+        self.dropped.mark();
+    }
+
+    /// Fails once the table has been dropped from its store.
+    pub fn check_live(&self) -> Result<()> {
+        self.dropped.check(&self.name)
     }
 
     /// The table's name.
@@ -124,10 +136,11 @@ impl DenseTable {
     }
 
     /// A copy of the tensor, in C order.
-    pub fn pull(&self) -> Vec<f32> {
+    pub fn pull(&self) -> Result<Vec<f32>> {
+        self.check_live()?;
         let v = self.read().weights.clone();
         Counters::add(&self.counters.pulls, 1);
-        v
+        Ok(v)
     }
 
     /// A copy of the optimizer state, in C order per state slot.
@@ -137,6 +150,7 @@ impl DenseTable {
 
     /// Checks a gradient without applying it.
     pub fn validate_push(&self, grad: &[f32]) -> Result<()> {
+        self.check_live()?;
         let n = self.config.numel();
         if grad.len() != n {
             return Err(shape(format!(

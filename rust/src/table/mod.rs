@@ -54,6 +54,26 @@ impl Lr {
     }
 }
 
+/// Set once a table is dropped from its store: handles still held then refuse every operation.
+#[derive(Debug, Default)]
+pub(crate) struct Dropped(std::sync::atomic::AtomicBool);
+
+impl Dropped {
+    pub(crate) fn mark(&self) {
+        self.0.store(true, Ordering::Release);
+    }
+
+    pub(crate) fn check(&self, name: &str) -> Result<()> {
+        if self.0.load(Ordering::Acquire) {
+            Err(Error::UnknownTable(format!(
+                "{name} (dropped from its store; this handle is no longer usable)"
+            )))
+        } else {
+            Ok(())
+        }
+    }
+}
+
 #[derive(Debug, Default)]
 pub(crate) struct Counters {
     pub pushes: AtomicU64,

@@ -4,7 +4,7 @@ use std::sync::{Arc, RwLock, RwLockReadGuard, RwLockWriteGuard};
 
 use rayon::prelude::*;
 
-use super::{check_finite, Counters, Lr, TableStats, MAX_DIM};
+use super::{check_finite, Counters, Dropped, Lr, TableStats, MAX_DIM};
 use crate::error::{invalid, shape, Result};
 use crate::executor::{Executor, PushHandle};
 use crate::init::Initializer;
@@ -70,6 +70,7 @@ pub struct SparseTable {
     lr: Lr,
     exec: Arc<Executor>,
     counters: Counters,
+    dropped: Dropped,
 }
 
 impl SparseTable {
@@ -93,7 +94,18 @@ impl SparseTable {
                 .collect(),
             exec,
             counters: Counters::default(),
+            dropped: Dropped::default(),
         })
+    }
+
+    /// Marks the table as dropped from its store; every later operation fails.
+    pub(crate) fn mark_dropped(&self) {
+        self.dropped.mark();
+    }
+
+    /// Fails once the table has been dropped from its store.
+    pub fn check_live(&self) -> Result<()> {
+        self.dropped.check(&self.name)
     }
 
     /// The table's name.
@@ -182,7 +194,8 @@ impl SparseTable {
     }
 
     /// The rows of `ids`, as `ids.len() * dim` floats. Missing rows are created.
-    pub fn pull(&self, ids: &[u64]) -> Vec<f32> {
+    pub fn pull(&self, ids: &[u64]) -> Result<Vec<f32>> {
+        self.check_live()?;
         let dim = self.config.dim;
         let mut out: Vec<f32> = Vec::with_capacity(ids.len() * dim);
         let ptr = OutPtr(out.spare_capacity_mut().as_mut_ptr().cast::<f32>());
@@ -232,11 +245,12 @@ impl SparseTable {
         Counters::add(&self.counters.pulls, 1);
         Counters::add(&self.counters.ids_pulled, ids.len());
         Counters::add(&self.counters.rows_created, created.into_inner() as usize);
-        out
+        Ok(out)
     }
 
     /// Which of `ids` have a row. Creates nothing.
-    pub fn contains(&self, ids: &[u64]) -> Vec<bool> {
+    pub fn contains(&self, ids: &[u64]) -> Result<Vec<bool>> {
+        self.check_live()?;
         let mut out = vec![false; ids.len()];
         let g = Grouped::new(ids, self.shards.len());
         for s in 0..self.shards.len() {
@@ -249,11 +263,12 @@ impl SparseTable {
                 out[p as usize] = shard.find(ids[p as usize]).is_some();
             }
         }
-        out
+        Ok(out)
     }
 
     /// Removes the rows of `ids`; returns how many existed.
-    pub fn remove(&self, ids: &[u64]) -> usize {
+    pub fn remove(&self, ids: &[u64]) -> Result<usize> {
+        self.check_live()?;
         let g = Grouped::new(ids, self.shards.len());
         let mut removed = 0;
         for s in 0..self.shards.len() {
@@ -267,11 +282,12 @@ impl SparseTable {
                 .filter(|&&p| shard.remove(ids[p as usize]))
                 .count();
         }
-        removed
+        Ok(removed)
     }
 
     /// Checks a push without applying anything.
     pub fn validate_push(&self, ids: &[u64], grads: &[f32]) -> Result<()> {
+        self.check_live()?;
         let dim = self.config.dim;
         if grads.len() != ids.len() * dim {
             return Err(shape(format!(
