@@ -6,7 +6,7 @@
 //! for its large arrays too; a table that did not would lose to a plain `take` for that reason
 //! alone. Buffers of 2 MiB or more are aligned to 2 MiB and marked `MADV_HUGEPAGE` (Linux).
 
-use std::alloc::{alloc_zeroed, dealloc, handle_alloc_error, Layout};
+use std::alloc::{alloc, alloc_zeroed, dealloc, handle_alloc_error, Layout};
 use std::marker::PhantomData;
 use std::ptr::NonNull;
 
@@ -48,18 +48,28 @@ impl<T: Zeroable> Buffer<T> {
     /// `len` zeroed elements.
     pub fn zeroed(len: usize) -> Self {
         let layout = Self::layout(len);
-        // SAFETY: the layout has a non-zero size.
-        let raw = unsafe { alloc_zeroed(layout) };
+        let huge = layout.size() >= HUGE;
+        // SAFETY: the layout has a non-zero size. A huge buffer is zeroed below, after the
+        // advice, so that its first touch already faults in huge pages.
+        let raw = unsafe {
+            if huge {
+                alloc(layout)
+            } else {
+                alloc_zeroed(layout)
+            }
+        };
         let Some(ptr) = NonNull::new(raw.cast::<T>()) else {
             handle_alloc_error(layout)
         };
-        #[cfg(target_os = "linux")]
-        if layout.size() >= HUGE {
+        if huge {
+            #[cfg(target_os = "linux")]
             // SAFETY: the range is exactly our own allocation; the advice only changes how the
             // kernel backs it, never its contents. A refusal is harmless, so the result is ignored.
             unsafe {
                 libc::madvise(raw.cast(), layout.size(), libc::MADV_HUGEPAGE);
             }
+            // SAFETY: `raw` is valid for `layout.size()` bytes of writes.
+            unsafe { std::ptr::write_bytes(raw, 0, layout.size()) };
         }
         Self {
             ptr,

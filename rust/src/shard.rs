@@ -37,6 +37,18 @@ fn prefetch<T>(p: *const T) {
     let _ = p;
 }
 
+/// Starts loading every cache line of `s`.
+#[inline]
+pub fn prefetch_lines<T>(s: &[T]) {
+    let bytes = std::mem::size_of_val(s);
+    let base = s.as_ptr().cast::<u8>();
+    let mut off = 0;
+    while off < bytes {
+        prefetch(base.wrapping_add(off));
+        off += 64;
+    }
+}
+
 /// An open-addressing index with linear probing: `id -> slot` in 8 bytes an entry.
 ///
 /// An entry is `(frag << 32) | (slot + 1)`, 0 meaning empty. The id itself lives in the row, so an

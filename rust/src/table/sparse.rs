@@ -9,12 +9,14 @@ use crate::error::{invalid, shape, Result};
 use crate::executor::{Executor, PushHandle};
 use crate::init::Initializer;
 use crate::optimizer::OptimizerConfig;
-use crate::shard::{as_f32, as_f32_mut, bump_step, Grouped, Shard, HEADER, NO_SLOT};
+use crate::shard::{
+    as_f32, as_f32_mut, bump_step, prefetch_lines, Grouped, Shard, HEADER, NO_SLOT,
+};
 
 /// Batches smaller than this run on the calling thread: spreading them costs more than it saves.
 const PARALLEL_MIN_IDS: usize = 2048;
 /// How many rows ahead a push prefetches the row it will update.
-const PREFETCH_RUNS: usize = 4;
+const PREFETCH_RUNS: usize = 6;
 
 /// How a sparse table is built.
 #[derive(Debug, Clone, PartialEq)]
@@ -371,7 +373,10 @@ impl SparseTable {
             for (r, run) in pairs.chunk_by(|a, b| a >> 32 == b >> 32).enumerate() {
                 let slot = (run[0] >> 32) as u32;
                 if let Some(&ahead) = runs_at.get(r + PREFETCH_RUNS) {
+                    // Rows and gradient rows are both visited at random: start loading both.
                     shard.prefetch_row((pairs[ahead] >> 32) as u32, stride);
+                    let p = (pairs[ahead] & 0xffff_ffff) as usize;
+                    prefetch_lines(&grads[p * dim..(p + 1) * dim]);
                 }
                 acc.fill(0.0);
                 for &pair in run {
