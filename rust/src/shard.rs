@@ -298,9 +298,9 @@ impl Shard {
 
     /// The slots of `ids[p]` for every position `p` of `positions`, in order, `NO_SLOT` where
     /// there is no row. Lookups are pipelined: the index line of an id is prefetched `AHEAD` ids
-    /// before it is probed, and the candidate row `AHEAD` ids before it is confirmed, so many
-    /// cache misses are in flight at once. `row_words` words of each found row are prefetched too,
-    /// for the caller's next pass.
+    /// before it is probed, and the candidate row (its header and the next `row_words` words, which
+    /// the caller reads next) `AHEAD` ids before it is confirmed, so many cache misses are in
+    /// flight at once.
     pub fn find_many(&self, ids: &[u64], positions: &[u32], row_words: usize, out: &mut Vec<u32>) {
         const RING: usize = 2 * AHEAD;
         let n = positions.len();
@@ -319,7 +319,8 @@ impl Shard {
                 let c = self.index.candidate(frags[j % RING]);
                 cands[j % RING] = c;
                 if c != NO_SLOT {
-                    self.prefetch_row(c, 2);
+                    // The candidate is almost always the row: load what the caller will read.
+                    self.prefetch_row(c, HEADER + row_words);
                 }
             }
             if i >= 2 * AHEAD {
@@ -334,9 +335,6 @@ impl Shard {
                     // Two ids share the 32-bit fragment: probe past the first candidate.
                     self.find(id).unwrap_or(NO_SLOT)
                 };
-                if slot != NO_SLOT && row_words > 0 {
-                    self.prefetch_row(slot, HEADER + row_words);
-                }
                 out.push(slot);
             }
         }
