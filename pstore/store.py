@@ -98,20 +98,12 @@ class PushHandle:
         return f"<PushHandle {'done' if self.done() else 'pending'}>"
 
 
-class SparseTable:
-    """A sparse embedding table: u64 id -> float32 row of ``dim`` values.
-
-    Rows are created on first touch (a pull or a push) with the table's initialiser. Do not
-    create it directly: use :meth:`Store.create_sparse_table` or :meth:`Store.table`.
-
-    Ids may be uint64 or int64 arrays (int64 is reinterpreted bit for bit, so ``-1`` is
-    ``2**64 - 1``) or lists of ints. While a call runs, other Python threads keep running: do not
-    modify the arrays you passed until it returns (``push_async`` copies its inputs).
-    """
+class _Table:
+    """What sparse and dense tables share: name, seed, optimizer, initialiser, learning rate."""
 
     __slots__ = ("_inner",)
 
-    def __init__(self, inner: _native.SparseTable) -> None:
+    def __init__(self, inner: _native.SparseTable | _native.DenseTable) -> None:
         self._inner = inner
 
     @property
@@ -120,19 +112,9 @@ class SparseTable:
         return self._inner.name
 
     @property
-    def dim(self) -> int:
-        """The row width."""
-        return self._inner.dim
-
-    @property
     def seed(self) -> int:
         """The initialiser's seed."""
         return self._inner.seed
-
-    @property
-    def num_shards(self) -> int:
-        """Number of shards."""
-        return self._inner.num_shards
 
     @property
     def optimizer(self) -> optim.Optimizer:
@@ -141,7 +123,7 @@ class SparseTable:
 
     @property
     def initializer(self) -> init.Initializer:
-        """The initialiser of new rows."""
+        """The initialiser."""
         return _spec_to(_INITIALIZERS, self._inner.initializer_spec())
 
     @property
@@ -156,6 +138,31 @@ class SparseTable:
     def set_lr(self, lr: float) -> None:
         """Change the learning rate for every later push."""
         self._inner.set_lr(float(lr))
+
+
+class SparseTable(_Table):
+    """A sparse embedding table: u64 id -> float32 row of ``dim`` values.
+
+    Rows are created on first touch (a pull or a push) with the table's initialiser. Do not
+    create it directly: use :meth:`Store.create_sparse_table` or :meth:`Store.table`.
+
+    Ids may be uint64 or int64 arrays (int64 is reinterpreted bit for bit, so ``-1`` is
+    ``2**64 - 1``) or lists of ints. While a call runs, other Python threads keep running: do not
+    modify the arrays you passed until it returns (``push_async`` copies its inputs).
+    """
+
+    __slots__ = ()
+    _inner: _native.SparseTable
+
+    @property
+    def dim(self) -> int:
+        """The row width."""
+        return self._inner.dim
+
+    @property
+    def num_shards(self) -> int:
+        """Number of shards."""
+        return self._inner.num_shards
 
     def __len__(self) -> int:
         return len(self._inner)
@@ -228,18 +235,11 @@ class SparseTable:
         return s
 
 
-class DenseTable:
+class DenseTable(_Table):
     """A dense float32 tensor with its own optimizer, updated as a whole by each push."""
 
-    __slots__ = ("_inner",)
-
-    def __init__(self, inner: _native.DenseTable) -> None:
-        self._inner = inner
-
-    @property
-    def name(self) -> str:
-        """The table's name."""
-        return self._inner.name
+    __slots__ = ()
+    _inner: _native.DenseTable
 
     @property
     def shape(self) -> tuple[int, ...]:
@@ -247,37 +247,9 @@ class DenseTable:
         return tuple(self._inner.shape)
 
     @property
-    def seed(self) -> int:
-        """The initialiser's seed."""
-        return self._inner.seed
-
-    @property
     def step(self) -> int:
         """Number of pushes applied."""
         return self._inner.step
-
-    @property
-    def optimizer(self) -> optim.Optimizer:
-        """The optimizer, with the learning rate it was created with."""
-        return _spec_to(_OPTIMIZERS, self._inner.optimizer_spec())
-
-    @property
-    def initializer(self) -> init.Initializer:
-        """The initialiser."""
-        return _spec_to(_INITIALIZERS, self._inner.initializer_spec())
-
-    @property
-    def lr(self) -> float:
-        """The learning rate in force; assign to change it at run time."""
-        return self._inner.lr
-
-    @lr.setter
-    def lr(self, value: float) -> None:
-        self._inner.set_lr(float(value))
-
-    def set_lr(self, lr: float) -> None:
-        """Change the learning rate for every later push."""
-        self._inner.set_lr(float(lr))
 
     def __repr__(self) -> str:
         return f"<DenseTable {self.name!r} shape={self.shape}>"

@@ -54,4 +54,6 @@ pub use executor::PushHandle;
 pub use init::Initializer;
 pub use optimizer::{OptimizerConfig, OptimizerKind};
 pub use store::{Store, StoreConfig, Table};
-pub use table::{DenseTable, DenseTableConfig, SparseTable, SparseTableConfig, TableStats};
+pub use table::{
+    DenseTable, DenseTableConfig, SparseTable, SparseTableConfig, TableHandle, TableStats,
+};

@@ -6,7 +6,9 @@ use std::time::Duration;
 
 use crate::error::{invalid, Error, Result};
 use crate::executor::Executor;
-use crate::table::{validate_name, DenseTable, DenseTableConfig, SparseTable, SparseTableConfig};
+use crate::table::{
+    validate_name, DenseTable, DenseTableConfig, SparseTable, SparseTableConfig, TableHandle,
+};
 
 /// How a store is built.
 #[derive(Debug, Clone, PartialEq)]
@@ -164,8 +166,8 @@ impl Store {
     pub fn drop_table(&self, name: &str) -> Result<()> {
         let mut tables = self.tables.write().unwrap_or_else(|e| e.into_inner());
         match tables.remove(name) {
-            Some(Table::Sparse(t)) => t.mark_dropped(),
-            Some(Table::Dense(t)) => t.mark_dropped(),
+            Some(Table::Sparse(t)) => t.common().mark_dropped(),
+            Some(Table::Dense(t)) => t.common().mark_dropped(),
             None => return Err(Error::UnknownTable(name.to_string())),
         }
         Ok(())

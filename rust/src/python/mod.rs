@@ -18,7 +18,9 @@ use pyo3::types::PyDict;
 use crate::error::Error;
 use crate::executor::PushHandle;
 use crate::store::{Store, StoreConfig, Table};
-use crate::table::{DenseTable, DenseTableConfig, SparseTable, SparseTableConfig, TableStats};
+use crate::table::{
+    DenseTable, DenseTableConfig, SparseTable, SparseTableConfig, TableHandle, TableStats,
+};
 use convert::{err, initializer_from, initializer_spec, optimizer_from, optimizer_spec, ForkGuard};
 
 /// How long a blocking wait sleeps between checks for Ctrl-C.
@@ -44,6 +46,49 @@ fn slice<'a, T: numpy::Element, D: numpy::ndarray::Dimension>(
 ) -> PyResult<&'a [T]> {
     a.as_slice()
         .map_err(|_| err(Error::Shape(format!("{what} must be C-contiguous"))))
+}
+
+/// The `#[pymethods]` block of a table class: the methods every table shares (from
+/// `TableHandle` and the config), then the class's own.
+macro_rules! table_methods {
+    ($ty:ident { $($own:tt)* }) => {
+        #[pymethods]
+        impl $ty {
+            #[getter]
+            fn name(&self) -> &str {
+                self.inner.name()
+            }
+
+            #[getter]
+            fn seed(&self) -> u64 {
+                self.inner.config().seed
+            }
+
+            #[getter]
+            fn optimizer_name(&self) -> &'static str {
+                self.inner.config().optimizer.name()
+            }
+
+            #[getter]
+            fn lr(&self) -> f64 {
+                self.inner.lr()
+            }
+
+            fn set_lr(&self, lr: f64) -> PyResult<()> {
+                self.inner.set_lr(lr).map_err(err)
+            }
+
+            fn optimizer_spec<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
+                optimizer_spec(py, &self.inner.config().optimizer)
+            }
+
+            fn initializer_spec<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
+                initializer_spec(py, &self.inner.config().initializer)
+            }
+
+            $($own)*
+        }
+    };
 }
 
 /// The native store.
@@ -236,48 +281,15 @@ struct PySparseTable {
     guard: ForkGuard,
 }
 
-#[pymethods]
-impl PySparseTable {
-    #[getter]
-    fn name(&self) -> &str {
-        self.inner.name()
-    }
-
-    fn optimizer_spec<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
-        optimizer_spec(py, &self.inner.config().optimizer)
-    }
-
-    fn initializer_spec<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
-        initializer_spec(py, &self.inner.config().initializer)
-    }
-
+table_methods!(PySparseTable {
     #[getter]
     fn dim(&self) -> usize {
         self.inner.dim()
     }
 
     #[getter]
-    fn seed(&self) -> u64 {
-        self.inner.config().seed
-    }
-
-    #[getter]
     fn num_shards(&self) -> usize {
         self.inner.num_shards()
-    }
-
-    #[getter]
-    fn optimizer_name(&self) -> &'static str {
-        self.inner.config().optimizer.name()
-    }
-
-    #[getter]
-    fn lr(&self) -> f64 {
-        self.inner.lr()
-    }
-
-    fn set_lr(&self, lr: f64) -> PyResult<()> {
-        self.inner.set_lr(lr).map_err(err)
     }
 
     fn __len__(&self) -> usize {
@@ -363,7 +375,7 @@ impl PySparseTable {
         let s = py.detach(|| t.stats());
         stats_dict(py, &s)
     }
-}
+});
 
 impl PySparseTable {
     fn check_cols(&self, grads: &PyReadonlyArray2<'_, f32>) -> PyResult<()> {
@@ -387,48 +399,15 @@ struct PyDenseTable {
     guard: ForkGuard,
 }
 
-#[pymethods]
-impl PyDenseTable {
-    #[getter]
-    fn name(&self) -> &str {
-        self.inner.name()
-    }
-
-    fn optimizer_spec<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
-        optimizer_spec(py, &self.inner.config().optimizer)
-    }
-
-    fn initializer_spec<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
-        initializer_spec(py, &self.inner.config().initializer)
-    }
-
+table_methods!(PyDenseTable {
     #[getter]
     fn shape(&self) -> Vec<usize> {
         self.inner.config().shape.clone()
     }
 
     #[getter]
-    fn seed(&self) -> u64 {
-        self.inner.config().seed
-    }
-
-    #[getter]
     fn step(&self) -> u32 {
         self.inner.step()
-    }
-
-    #[getter]
-    fn optimizer_name(&self) -> &'static str {
-        self.inner.config().optimizer.name()
-    }
-
-    #[getter]
-    fn lr(&self) -> f64 {
-        self.inner.lr()
-    }
-
-    fn set_lr(&self, lr: f64) -> PyResult<()> {
-        self.inner.set_lr(lr).map_err(err)
     }
 
     fn pull<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyArrayDyn<f32>>> {
@@ -463,7 +442,7 @@ impl PyDenseTable {
     fn stats<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
         stats_dict(py, &self.inner.stats())
     }
-}
+});
 
 impl PyDenseTable {
     fn check_shape(&self, grad: &PyReadonlyArrayDyn<'_, f32>) -> PyResult<()> {

@@ -2,7 +2,7 @@
 
 use std::sync::{Arc, RwLock};
 
-use super::{check_finite, Counters, Dropped, Lr, TableStats};
+use super::{check_finite, Common, Counters, TableHandle, TableStats};
 use crate::error::{invalid, shape, Result};
 use crate::executor::{Executor, PushHandle};
 use crate::init::Initializer;
@@ -62,13 +62,9 @@ struct DenseState {
 
 /// A dense table. A push locks the tensor once; pulls share a read lock.
 pub struct DenseTable {
-    name: String,
+    common: Common,
     config: DenseTableConfig,
     data: RwLock<DenseState>,
-    lr: Lr,
-    exec: Arc<Executor>,
-    counters: Counters,
-    dropped: Dropped,
 }
 
 impl DenseTable {
@@ -80,48 +76,19 @@ impl DenseTable {
         let mut state = vec![0.0; config.optimizer.state_len(n)];
         config.optimizer.init_state(&mut state);
         Ok(Self {
-            name,
-            lr: Lr::new(config.optimizer.lr),
+            common: Common::new(name, config.optimizer.lr, exec),
             config,
             data: RwLock::new(DenseState {
                 weights,
                 state,
                 step: 0,
             }),
-            exec,
-            counters: Counters::default(),
-            dropped: Dropped::default(),
         })
-    }
-
-    /// Marks the table as dropped from its store; every later operation fails.
-    pub(crate) fn mark_dropped(&self) {
-        self.dropped.mark();
-    }
-
-    /// Fails once the table has been dropped from its store.
-    pub fn check_live(&self) -> Result<()> {
-        self.dropped.check(&self.name)
-    }
-
-    /// The table's name.
-    pub fn name(&self) -> &str {
-        &self.name
     }
 
     /// The table's configuration.
     pub fn config(&self) -> &DenseTableConfig {
         &self.config
-    }
-
-    /// Learning rate in force.
-    pub fn lr(&self) -> f64 {
-        self.lr.get()
-    }
-
-    /// Changes the learning rate for every later push.
-    pub fn set_lr(&self, lr: f64) -> Result<()> {
-        self.lr.set(lr)
     }
 
     fn read(&self) -> std::sync::RwLockReadGuard<'_, DenseState> {
@@ -139,7 +106,7 @@ impl DenseTable {
     pub fn pull(&self) -> Result<Vec<f32>> {
         self.check_live()?;
         let v = self.read().weights.clone();
-        Counters::add(&self.counters.pulls, 1);
+        Counters::add(&self.common.counters.pulls, 1);
         Ok(v)
     }
 
@@ -155,18 +122,22 @@ impl DenseTable {
         if grad.len() != n {
             return Err(shape(format!(
                 "table {:?}: gradient must have shape {:?} ({n} values), got {} values",
-                self.name,
+                self.common.name,
                 self.config.shape,
                 grad.len()
             )));
         }
-        check_finite(&self.name, grad, *self.config.shape.last().unwrap_or(&1))
+        check_finite(
+            &self.common.name,
+            grad,
+            *self.config.shape.last().unwrap_or(&1),
+        )
     }
 
     /// Applies one gradient of the whole tensor.
     pub fn push(self: &Arc<Self>, grad: &[f32]) -> Result<()> {
         self.validate_push(grad)?;
-        if self.exec.pending() > 0 {
+        if self.common.exec.pending() > 0 {
             return self.push_async(grad.to_vec())?.wait();
         }
         self.apply(grad);
@@ -177,7 +148,7 @@ impl DenseTable {
     pub fn push_async(self: &Arc<Self>, grad: Vec<f32>) -> Result<PushHandle> {
         self.validate_push(&grad)?;
         let me = Arc::clone(self);
-        self.exec.submit(
+        self.common.exec.submit(
             grad.len() * 4,
             Box::new(move || {
                 me.apply(&grad);
@@ -195,14 +166,14 @@ impl DenseTable {
         self.config
             .optimizer
             .apply(lr, d.step, &mut d.weights, &mut d.state, &mut g);
-        Counters::add(&self.counters.pushes, 1);
-        Counters::add(&self.counters.rows_updated, 1);
+        Counters::add(&self.common.counters.pushes, 1);
+        Counters::add(&self.common.counters.rows_updated, 1);
     }
 
     /// The table's counters and sizes.
     pub fn stats(&self) -> TableStats {
         let d = self.read();
-        let c = &self.counters;
+        let c = &self.common.counters;
         TableStats {
             rows: 1,
             bytes_used: ((d.weights.capacity() + d.state.capacity()) * 4) as u64,
@@ -214,5 +185,11 @@ impl DenseTable {
             rows_created: 0,
             lr: self.lr(),
         }
+    }
+}
+
+impl TableHandle for DenseTable {
+    fn common(&self) -> &Common {
+        &self.common
     }
 }

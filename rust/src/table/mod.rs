@@ -6,9 +6,11 @@ mod sparse;
 pub use dense::{DenseTable, DenseTableConfig};
 pub use sparse::{SparseTable, SparseTableConfig};
 
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::Arc;
 
 use crate::error::{Error, Result};
+use crate::executor::Executor;
 
 /// The largest row width of a sparse table.
 pub const MAX_DIM: usize = 4096;
@@ -38,7 +40,7 @@ pub struct TableStats {
 
 /// A learning rate that can be changed while pushes run.
 #[derive(Debug)]
-pub(crate) struct Lr(AtomicU64);
+pub struct Lr(AtomicU64);
 
 impl Lr {
     pub(crate) fn new(lr: f64) -> Self {
@@ -54,19 +56,59 @@ impl Lr {
     }
 }
 
-/// Set once a table is dropped from its store: handles still held then refuse every operation.
-#[derive(Debug, Default)]
-pub(crate) struct Dropped(std::sync::atomic::AtomicBool);
+/// What every table has besides its data: a name, a run-time learning rate, the store's executor,
+/// counters, and the mark set when the table is dropped from its store.
+pub struct Common {
+    pub(crate) name: String,
+    pub(crate) lr: Lr,
+    pub(crate) exec: Arc<Executor>,
+    pub(crate) counters: Counters,
+    dropped: AtomicBool,
+}
 
-impl Dropped {
-    pub(crate) fn mark(&self) {
-        self.0.store(true, Ordering::Release);
+impl Common {
+    pub(crate) fn new(name: String, lr: f64, exec: Arc<Executor>) -> Self {
+        Self {
+            name,
+            lr: Lr::new(lr),
+            exec,
+            counters: Counters::default(),
+            dropped: AtomicBool::new(false),
+        }
     }
 
-    pub(crate) fn check(&self, name: &str) -> Result<()> {
-        if self.0.load(Ordering::Acquire) {
+    /// Marks the table as dropped from its store: every later operation fails.
+    pub(crate) fn mark_dropped(&self) {
+        self.dropped.store(true, Ordering::Release);
+    }
+}
+
+/// The operations every table shares.
+pub trait TableHandle {
+    /// The shared part of the table (opaque outside the crate).
+    fn common(&self) -> &Common;
+
+    /// The table's name.
+    fn name(&self) -> &str {
+        &self.common().name
+    }
+
+    /// Learning rate in force (`alpha` for FTRL).
+    fn lr(&self) -> f64 {
+        self.common().lr.get()
+    }
+
+    /// Changes the learning rate for every later push.
+    fn set_lr(&self, lr: f64) -> Result<()> {
+        self.common().lr.set(lr)
+    }
+
+    /// Fails once the table has been dropped from its store.
+    fn check_live(&self) -> Result<()> {
+        if self.common().dropped.load(Ordering::Acquire) {
             Err(Error::UnknownTable(format!(
-                "{name} (dropped from its store; this handle is no longer usable)"
+                "{} (dropped from its store; this handle is no longer usable)",
+                self.common().name
             )))
         } else {
             Ok(())
@@ -75,7 +117,7 @@ impl Dropped {
 }
 
 #[derive(Debug, Default)]
-pub(crate) struct Counters {
+pub struct Counters {
     pub pushes: AtomicU64,
     pub pulls: AtomicU64,
     pub ids_pushed: AtomicU64,

@@ -4,7 +4,7 @@ use std::sync::{Arc, RwLock, RwLockReadGuard, RwLockWriteGuard};
 
 use rayon::prelude::*;
 
-use super::{check_finite, Counters, Dropped, Lr, TableStats, MAX_DIM};
+use super::{check_finite, Common, Counters, TableHandle, TableStats, MAX_DIM};
 use crate::error::{invalid, shape, Result};
 use crate::executor::{Executor, PushHandle};
 use crate::init::Initializer;
@@ -65,14 +65,10 @@ impl OutPtr {
 /// A sharded sparse table. Every method takes `&self`; each shard has its own lock, held once per
 /// batch, so pulls and pushes from many threads proceed in parallel.
 pub struct SparseTable {
-    name: String,
+    common: Common,
     config: SparseTableConfig,
     state_len: usize,
     shards: Vec<RwLock<Shard>>,
-    lr: Lr,
-    exec: Arc<Executor>,
-    counters: Counters,
-    dropped: Dropped,
 }
 
 impl SparseTable {
@@ -87,32 +83,13 @@ impl SparseTable {
         let state_len = config.optimizer.state_len(config.dim);
         let stride = HEADER + config.dim + state_len;
         Ok(Self {
-            name,
-            lr: Lr::new(config.optimizer.lr),
+            common: Common::new(name, config.optimizer.lr, exec),
             config,
             state_len,
             shards: (0..num_shards.max(1))
                 .map(|_| RwLock::new(Shard::new(stride)))
                 .collect(),
-            exec,
-            counters: Counters::default(),
-            dropped: Dropped::default(),
         })
-    }
-
-    /// Marks the table as dropped from its store; every later operation fails.
-    pub(crate) fn mark_dropped(&self) {
-        self.dropped.mark();
-    }
-
-    /// Fails once the table has been dropped from its store.
-    pub fn check_live(&self) -> Result<()> {
-        self.dropped.check(&self.name)
-    }
-
-    /// The table's name.
-    pub fn name(&self) -> &str {
-        &self.name
     }
 
     /// The table's configuration (with the optimizer's initial learning rate).
@@ -128,16 +105,6 @@ impl SparseTable {
     /// Number of shards.
     pub fn num_shards(&self) -> usize {
         self.shards.len()
-    }
-
-    /// Learning rate in force.
-    pub fn lr(&self) -> f64 {
-        self.lr.get()
-    }
-
-    /// Changes the learning rate for every later push (alpha for FTRL).
-    pub fn set_lr(&self, lr: f64) -> Result<()> {
-        self.lr.set(lr)
     }
 
     fn read(&self, s: usize) -> RwLockReadGuard<'_, Shard> {
@@ -176,8 +143,8 @@ impl SparseTable {
     /// Runs `f` for every non-empty shard of the batch, in parallel when the batch is large.
     fn for_each_shard(&self, g: &Grouped, n: usize, f: impl Fn(usize, &[u32]) + Sync + Send) {
         let shards = self.shards.len();
-        if n >= PARALLEL_MIN_IDS && self.exec.threads() > 1 {
-            self.exec.install(|| {
+        if n >= PARALLEL_MIN_IDS && self.common.exec.threads() > 1 {
+            self.common.exec.install(|| {
                 (0..shards).into_par_iter().for_each(|s| {
                     let pos = g.of(s);
                     if !pos.is_empty() {
@@ -244,9 +211,12 @@ impl SparseTable {
         // SAFETY: every position of `ids` belongs to one shard group and its row was written
         // above, so all `ids.len() * dim` elements are initialised.
         unsafe { out.set_len(ids.len() * dim) };
-        Counters::add(&self.counters.pulls, 1);
-        Counters::add(&self.counters.ids_pulled, ids.len());
-        Counters::add(&self.counters.rows_created, created.into_inner() as usize);
+        Counters::add(&self.common.counters.pulls, 1);
+        Counters::add(&self.common.counters.ids_pulled, ids.len());
+        Counters::add(
+            &self.common.counters.rows_created,
+            created.into_inner() as usize,
+        );
         Ok(out)
     }
 
@@ -294,13 +264,13 @@ impl SparseTable {
         if grads.len() != ids.len() * dim {
             return Err(shape(format!(
                 "table {:?}: grads must hold len(ids) x dim = {} x {} values, got {}",
-                self.name,
+                self.common.name,
                 ids.len(),
                 dim,
                 grads.len()
             )));
         }
-        check_finite(&self.name, grads, dim)
+        check_finite(&self.common.name, grads, dim)
     }
 
     /// Applies the gradients `grads` (`ids.len() * dim` floats, row per id) with the table's
@@ -309,7 +279,7 @@ impl SparseTable {
     /// one thread apply in order. On an error nothing is applied.
     pub fn push(self: &Arc<Self>, ids: &[u64], grads: &[f32]) -> Result<()> {
         self.validate_push(ids, grads)?;
-        if self.exec.pending() > 0 {
+        if self.common.exec.pending() > 0 {
             return self.queue(ids.to_vec(), grads.to_vec())?.wait();
         }
         self.apply(ids, grads);
@@ -326,7 +296,7 @@ impl SparseTable {
     fn queue(self: &Arc<Self>, ids: Vec<u64>, grads: Vec<f32>) -> Result<PushHandle> {
         let bytes = ids.len() * 8 + grads.len() * 4;
         let me = Arc::clone(self);
-        self.exec.submit(
+        self.common.exec.submit(
             bytes,
             Box::new(move || {
                 me.apply(&ids, &grads);
@@ -394,7 +364,7 @@ impl SparseTable {
             updated.fetch_add(runs, std::sync::atomic::Ordering::Relaxed);
             created.fetch_add(made, std::sync::atomic::Ordering::Relaxed);
         });
-        let c = &self.counters;
+        let c = &self.common.counters;
         Counters::add(&c.pushes, 1);
         Counters::add(&c.ids_pushed, ids.len());
         Counters::add(&c.rows_updated, updated.into_inner() as usize);
@@ -409,7 +379,7 @@ impl SparseTable {
             rows += shard.len() as u64;
             bytes += shard.bytes() as u64;
         }
-        let c = &self.counters;
+        let c = &self.common.counters;
         TableStats {
             rows,
             bytes_used: bytes,
@@ -437,5 +407,11 @@ impl SparseTable {
         let body = as_f32(&row[HEADER..]);
         let (w, st) = body.split_at(self.config.dim);
         Some((w.to_vec(), st.to_vec(), row[2]))
+    }
+}
+
+impl TableHandle for SparseTable {
+    fn common(&self) -> &Common {
+        &self.common
     }
 }
