@@ -53,13 +53,67 @@ impl SplitMix64 {
         (self.next_u64() >> 11) as f64 * (1.0 / (1u64 << 53) as f64)
     }
 
-    /// A standard normal draw (Box-Muller; one of the pair is used, which keeps the stream simple).
+    /// A uniform draw from the open interval (0, 1).
+    #[inline]
+    pub fn next_open01(&mut self) -> f64 {
+        ((self.next_u64() >> 11) as f64 + 0.5) * (1.0 / (1u64 << 53) as f64)
+    }
+
+    /// A standard normal draw: the inverse normal CDF of one uniform draw.
     #[inline]
     pub fn next_normal(&mut self) -> f64 {
-        // 1 - u lies in (0, 1], so the logarithm is finite.
-        let u1 = 1.0 - self.next_f64();
-        let u2 = self.next_f64();
-        (-2.0 * u1.ln()).sqrt() * (std::f64::consts::TAU * u2).cos()
+        inverse_normal_cdf(self.next_open01())
+    }
+}
+
+/// The standard normal quantile of `p` in (0, 1), by P. J. Acklam's rational approximation
+/// (relative error below 1.2e-9): one uniform draw per normal draw, no trigonometry, and a
+/// truncated normal is a quantile of a narrowed uniform, with no rejection.
+#[inline]
+pub fn inverse_normal_cdf(p: f64) -> f64 {
+    const A: [f64; 6] = [
+        -3.969_683_028_665_376e1,
+        2.209_460_984_245_205e2,
+        -2.759_285_104_469_687e2,
+        1.383_577_518_672_69e2,
+        -3.066_479_806_614_716e1,
+        2.506_628_277_459_239,
+    ];
+    const B: [f64; 5] = [
+        -5.447_609_879_822_406e1,
+        1.615_858_368_580_409e2,
+        -1.556_989_798_598_866e2,
+        6.680_131_188_771_972e1,
+        -1.328_068_155_288_572e1,
+    ];
+    const C: [f64; 6] = [
+        -7.784_894_002_430_293e-3,
+        -3.223_964_580_411_365e-1,
+        -2.400_758_277_161_838,
+        -2.549_732_539_343_734,
+        4.374_664_141_464_968,
+        2.938_163_982_698_783,
+    ];
+    const D: [f64; 4] = [
+        7.784_695_709_041_462e-3,
+        3.224_671_290_700_398e-1,
+        2.445_134_137_142_996,
+        3.754_408_661_907_416,
+    ];
+    const LOW: f64 = 0.02425;
+    let tail = |q: f64| {
+        (((((C[0] * q + C[1]) * q + C[2]) * q + C[3]) * q + C[4]) * q + C[5])
+            / ((((D[0] * q + D[1]) * q + D[2]) * q + D[3]) * q + 1.0)
+    };
+    if p < LOW {
+        tail((-2.0 * p.ln()).sqrt())
+    } else if p > 1.0 - LOW {
+        -tail((-2.0 * (1.0 - p).ln()).sqrt())
+    } else {
+        let q = p - 0.5;
+        let r = q * q;
+        (((((A[0] * r + A[1]) * r + A[2]) * r + A[3]) * r + A[4]) * r + A[5]) * q
+            / (((((B[0] * r + B[1]) * r + B[2]) * r + B[3]) * r + B[4]) * r + 1.0)
     }
 }
 
@@ -85,6 +139,18 @@ mod tests {
         assert_eq!(a, SplitMix64::for_row(1, 5).next_u64());
         assert_ne!(a, SplitMix64::for_row(2, 5).next_u64());
         assert_ne!(a, SplitMix64::for_row(1, 6).next_u64());
+    }
+
+    #[test]
+    fn quantiles_match_known_values() {
+        for (p, z) in [
+            (0.5, 0.0),
+            (0.975, 1.959_963_984_540_054),
+            (0.022_750_131_948_179_2, -2.0),
+            (1e-6, -4.753_424_308_822_899),
+        ] {
+            assert!((inverse_normal_cdf(p) - z).abs() < 1e-8, "{p}");
+        }
     }
 
     #[test]

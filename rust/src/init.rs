@@ -14,7 +14,7 @@ pub enum Initializer {
     Uniform { low: f64, high: f64 },
     /// Normal with the given mean and standard deviation.
     Normal { mean: f64, std: f64 },
-    /// Normal restricted to [mean - 2 std, mean + 2 std] by rejection.
+    /// Normal restricted to [mean - 2 std, mean + 2 std].
     TruncatedNormal { mean: f64, std: f64 },
 }
 
@@ -88,14 +88,12 @@ impl Initializer {
                 }
             }
             Initializer::TruncatedNormal { mean, std } => {
+                // The quantiles of [Phi(-2), Phi(2)]: the normal restricted to 2 std, exactly.
+                const PHI_MINUS_2: f64 = 0.022_750_131_948_179_2;
                 let (lo, hi) = ((mean - 2.0 * std) as f32, (mean + 2.0 * std) as f32);
                 for x in out {
-                    let z = loop {
-                        let z = rng.next_normal();
-                        if z.abs() <= 2.0 {
-                            break z;
-                        }
-                    };
+                    let p = PHI_MINUS_2 + (1.0 - 2.0 * PHI_MINUS_2) * rng.next_open01();
+                    let z = crate::hash::inverse_normal_cdf(p).clamp(-2.0, 2.0);
                     *x = ((mean + std * z) as f32).clamp(lo, hi);
                 }
             }

@@ -6,6 +6,7 @@
 
 mod convert;
 
+use std::mem::MaybeUninit;
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -25,6 +26,19 @@ use convert::{err, initializer_from, initializer_spec, optimizer_from, optimizer
 
 /// How long a blocking wait sleeps between checks for Ctrl-C.
 const POLL: Duration = Duration::from_millis(100);
+
+/// The data pointer of a freshly allocated numpy array, carried into a detached closure.
+#[derive(Clone, Copy)]
+struct OutData(*mut f32);
+// SAFETY: the array it points into is owned by the calling function, unreachable from any other
+// thread until that function returns, and outlives the detached closure that writes it.
+unsafe impl Send for OutData {}
+
+impl OutData {
+    fn get(self) -> *mut f32 {
+        self.0
+    }
+}
 
 fn stats_dict<'py>(py: Python<'py>, s: &TableStats) -> PyResult<Bound<'py, PyDict>> {
     let d = PyDict::new(py);
@@ -304,9 +318,23 @@ table_methods!(PySparseTable {
         self.guard.check()?;
         let ids_s = slice(&ids, "ids")?;
         let (n, dim) = (ids_s.len(), self.inner.dim());
+        // numpy allocates the result (with its own huge-page advice for large arrays); the rows
+        // are written straight into it.
+        // SAFETY: a new C-ordered array of n x dim float32; its elements are written below
+        // before it is returned, and on an error it is dropped without being read.
+        let out = unsafe { PyArray2::<f32>::new(py, [n, dim], false) };
+        let data = OutData(out.data());
         let t = &self.inner;
-        let rows = py.detach(|| t.pull(ids_s)).map_err(err)?;
-        rows.into_pyarray(py).reshape([n, dim])
+        py.detach(move || {
+            // SAFETY: `data` points to the n * dim elements of `out`, which no other code can
+            // reach until this function returns it; MaybeUninit makes no claim on their values.
+            let slice = unsafe {
+                std::slice::from_raw_parts_mut(data.get().cast::<MaybeUninit<f32>>(), n * dim)
+            };
+            t.pull_into(ids_s, slice)
+        })
+        .map_err(err)?;
+        Ok(out)
     }
 
     fn push(

@@ -128,6 +128,7 @@ impl DenseTable {
             )));
         }
         check_finite(
+            &self.common.exec,
             &self.common.name,
             grad,
             *self.config.shape.last().unwrap_or(&1),

@@ -135,9 +135,19 @@ impl Counters {
     }
 }
 
+/// Inputs at least this long are scanned on the pool, in parallel.
+const PARALLEL_SCAN: usize = 1 << 18;
+
 /// Fails with the position of the first NaN or infinity in `grads`, read as rows of `dim`.
-pub(crate) fn check_finite(table: &str, grads: &[f32], dim: usize) -> Result<()> {
-    if grads.iter().all(|g| g.is_finite()) {
+pub(crate) fn check_finite(exec: &Executor, table: &str, grads: &[f32], dim: usize) -> Result<()> {
+    let all_finite = |c: &[f32]| c.iter().all(|g| g.is_finite());
+    let ok = if grads.len() >= PARALLEL_SCAN && exec.threads() > 1 {
+        use rayon::prelude::*;
+        exec.install(|| grads.par_chunks(1 << 16).all(all_finite))
+    } else {
+        all_finite(grads)
+    };
+    if ok {
         return Ok(());
     }
     let i = grads.iter().position(|g| !g.is_finite()).unwrap_or(0);
@@ -147,6 +157,17 @@ pub(crate) fn check_finite(table: &str, grads: &[f32], dim: usize) -> Result<()>
         i / dim.max(1),
         i % dim.max(1)
     )))
+}
+
+/// The shard of every id, computed on the pool when the batch is large.
+pub(crate) fn shards_of(exec: &Executor, ids: &[u64], num_shards: usize) -> Vec<u32> {
+    let f = |&id: &u64| crate::hash::shard_of(id, num_shards) as u32;
+    if ids.len() >= PARALLEL_SCAN / 4 && exec.threads() > 1 {
+        use rayon::prelude::*;
+        exec.install(|| ids.par_iter().map(f).collect())
+    } else {
+        ids.iter().map(f).collect()
+    }
 }
 
 /// A table name must be non-empty printable text.

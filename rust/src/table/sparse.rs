@@ -1,10 +1,11 @@
 //! Sparse embedding tables: u64 id -> float32 row, created on first touch.
 
+use std::mem::MaybeUninit;
 use std::sync::{Arc, RwLock, RwLockReadGuard, RwLockWriteGuard};
 
 use rayon::prelude::*;
 
-use super::{check_finite, Common, Counters, TableHandle, TableStats, MAX_DIM};
+use super::{check_finite, shards_of, Common, Counters, TableHandle, TableStats, MAX_DIM};
 use crate::error::{invalid, shape, Result};
 use crate::executor::{Executor, PushHandle};
 use crate::init::Initializer;
@@ -140,6 +141,11 @@ impl SparseTable {
         self.config.optimizer.init_state(state);
     }
 
+    fn group(&self, ids: &[u64]) -> Grouped {
+        let n = self.shards.len();
+        Grouped::from_shards(&shards_of(&self.common.exec, ids, n), n)
+    }
+
     /// Runs `f` for every non-empty shard of the batch, in parallel when the batch is large.
     fn for_each_shard(&self, g: &Grouped, n: usize, f: impl Fn(usize, &[u32]) + Sync + Send) {
         let shards = self.shards.len();
@@ -164,12 +170,30 @@ impl SparseTable {
 
     /// The rows of `ids`, as `ids.len() * dim` floats. Missing rows are created.
     pub fn pull(&self, ids: &[u64]) -> Result<Vec<f32>> {
+        let n = ids.len() * self.config.dim;
+        let mut out: Vec<f32> = Vec::with_capacity(n);
+        self.pull_into(ids, &mut out.spare_capacity_mut()[..n])?;
+        // SAFETY: `pull_into` returned Ok, so it wrote all `n` elements.
+        unsafe { out.set_len(n) };
+        Ok(out)
+    }
+
+    /// Writes the rows of `ids` into `out` (`ids.len() * dim` floats, row after row), creating
+    /// missing rows. On success every element of `out` has been written.
+    pub fn pull_into(&self, ids: &[u64], out: &mut [MaybeUninit<f32>]) -> Result<()> {
         self.check_live()?;
         let dim = self.config.dim;
-        let mut out: Vec<f32> = Vec::with_capacity(ids.len() * dim);
-        let ptr = OutPtr(out.spare_capacity_mut().as_mut_ptr().cast::<f32>());
+        if out.len() != ids.len() * dim {
+            return Err(shape(format!(
+                "table {:?}: the output holds {} values, not len(ids) x dim = {}",
+                self.common.name,
+                out.len(),
+                ids.len() * dim
+            )));
+        }
+        let ptr = OutPtr(out.as_mut_ptr().cast::<f32>());
         let created = std::sync::atomic::AtomicU64::new(0);
-        let g = Grouped::new(ids, self.shards.len());
+        let g = self.group(ids);
         self.for_each_shard(&g, ids.len(), |s, pos| {
             let copy = |shard: &Shard, slot: u32, p: u32| {
                 let row = as_f32(&shard.row(slot)[HEADER..HEADER + dim]);
@@ -208,23 +232,20 @@ impl SparseTable {
                 created.fetch_add(made, std::sync::atomic::Ordering::Relaxed);
             }
         });
-        // SAFETY: every position of `ids` belongs to one shard group and its row was written
-        // above, so all `ids.len() * dim` elements are initialised.
-        unsafe { out.set_len(ids.len() * dim) };
         Counters::add(&self.common.counters.pulls, 1);
         Counters::add(&self.common.counters.ids_pulled, ids.len());
         Counters::add(
             &self.common.counters.rows_created,
             created.into_inner() as usize,
         );
-        Ok(out)
+        Ok(())
     }
 
     /// Which of `ids` have a row. Creates nothing.
     pub fn contains(&self, ids: &[u64]) -> Result<Vec<bool>> {
         self.check_live()?;
         let mut out = vec![false; ids.len()];
-        let g = Grouped::new(ids, self.shards.len());
+        let g = self.group(ids);
         for s in 0..self.shards.len() {
             let pos = g.of(s);
             if pos.is_empty() {
@@ -241,7 +262,7 @@ impl SparseTable {
     /// Removes the rows of `ids`; returns how many existed.
     pub fn remove(&self, ids: &[u64]) -> Result<usize> {
         self.check_live()?;
-        let g = Grouped::new(ids, self.shards.len());
+        let g = self.group(ids);
         let mut removed = 0;
         for s in 0..self.shards.len() {
             let pos = g.of(s);
@@ -270,7 +291,7 @@ impl SparseTable {
                 grads.len()
             )));
         }
-        check_finite(&self.common.name, grads, dim)
+        check_finite(&self.common.exec, &self.common.name, grads, dim)
     }
 
     /// Applies the gradients `grads` (`ids.len() * dim` floats, row per id) with the table's
@@ -312,7 +333,7 @@ impl SparseTable {
         let lr = self.lr();
         let updated = std::sync::atomic::AtomicU64::new(0);
         let created = std::sync::atomic::AtomicU64::new(0);
-        let g = Grouped::new(ids, self.shards.len());
+        let g = self.group(ids);
         self.for_each_shard(&g, ids.len(), |s, pos| {
             let mut shard = self.write(s);
             let mut made = 0u64;

@@ -1,0 +1,145 @@
+"""The peers pstore is measured against: numpy, a Python dict index, and torch.
+
+Each peer does what a user without pstore would write, in its fastest ordinary form.
+"""
+
+from __future__ import annotations
+
+from types import ModuleType
+
+import numpy as np
+
+
+class NumpyTake:
+    """A dense float32 array indexed by row position: no hashing at all."""
+
+    def __init__(self, table: np.ndarray) -> None:
+        self.table = table
+
+    def pull(self, pos: np.ndarray) -> np.ndarray:
+        return self.table.take(pos, axis=0)
+
+
+class DictTake:
+    """A Python dict id -> row position, then `take` on the dense array."""
+
+    def __init__(self, ids: np.ndarray, table: np.ndarray) -> None:
+        self.index = dict(zip(ids.tolist(), range(len(ids)), strict=True))
+        self.table = table
+
+    def pull(self, ids: np.ndarray) -> np.ndarray:
+        idx = np.fromiter(map(self.index.__getitem__, ids.tolist()), np.int64, len(ids))
+        return self.table.take(idx, axis=0)
+
+
+class TorchEmbeddingPull:
+    """torch.nn.functional.embedding on a tensor sharing the numpy table's memory."""
+
+    def __init__(self, torch: ModuleType, table: np.ndarray) -> None:
+        self.torch = torch
+        self.weight = torch.from_numpy(table)
+        self.embedding = torch.nn.functional.embedding
+
+    def pull(self, pos: np.ndarray):
+        return self.embedding(self.torch.from_numpy(pos), self.weight)
+
+
+class NumpyAddAt:
+    """SGD as `np.add.at(table, idx, -lr * grads)`; duplicates accumulate."""
+
+    def __init__(self, table: np.ndarray, lr: float) -> None:
+        self.table = table
+        self.lr = np.float32(lr)
+
+    def push(self, pos: np.ndarray, grads: np.ndarray) -> None:
+        np.add.at(self.table, pos, -self.lr * grads)
+
+
+class TorchSparseStep:
+    """nn.Embedding(sparse=True) plus a torch optimizer doing a full sparse step per batch:
+    build the sparse COO gradient from (positions, grads), optimizer.step(), zero_grad()."""
+
+    def __init__(self, torch: ModuleType, table: np.ndarray, optimizer: str, **kw: float) -> None:
+        self.torch = torch
+        # Explicitly what torch does by default (no invariant checks), minus its warning per step.
+        torch.sparse.check_sparse_tensor_invariants.disable()
+        self.emb = torch.nn.Embedding.from_pretrained(
+            torch.from_numpy(table), freeze=False, sparse=True
+        )
+        self.weight = self.emb.weight
+        self.shape = tuple(table.shape)
+        params = [self.weight]
+        if optimizer == "SGD":
+            self.opt = torch.optim.SGD(params, lr=kw["lr"])
+        elif optimizer == "Adagrad":
+            self.opt = torch.optim.Adagrad(
+                params, lr=kw["lr"], initial_accumulator_value=kw["init_acc"], eps=kw["eps"]
+            )
+        elif optimizer == "Adam":
+            self.opt = torch.optim.SparseAdam(
+                params, lr=kw["lr"], betas=(kw["beta1"], kw["beta2"]), eps=kw["eps"]
+            )
+        else:
+            raise ValueError(optimizer)
+
+    def push(self, pos: np.ndarray, grads: np.ndarray) -> None:
+        torch = self.torch
+        idx = torch.from_numpy(pos).unsqueeze(0)
+        self.weight.grad = torch.sparse_coo_tensor(
+            idx, torch.from_numpy(grads), self.shape, check_invariants=False
+        )
+        self.opt.step()
+        self.opt.zero_grad()
+
+    def prefault_state(self) -> None:
+        """Write every page of the optimizer state once (SparseAdam allocates it lazily with
+        zeros_like, whose untouched pages would fault during the timed steps); pstore's state
+        is likewise allocated when the table is populated before timing."""
+        for state in self.opt.state.values():
+            for value in state.values():
+                if isinstance(value, self.torch.Tensor) and value.numel() > 1:
+                    value.add_(0)
+
+
+class DictNumpyGrowth:
+    """A growing table in plain Python: dict id -> row, numpy weight and Adagrad accumulator
+    arrays with capacity doubling; missing ids get Normal(0, 0.01) rows like pstore's default."""
+
+    def __init__(self, dim: int, init_acc: float = 0.1, capacity: int = 1024, seed: int = 0):
+        self.dim = dim
+        self.init_acc = np.float32(init_acc)
+        self.index: dict[int, int] = {}
+        self.weights = np.empty((capacity, dim), np.float32)
+        self.accum = np.empty((capacity, dim), np.float32)
+        self.rows = 0
+        self.rng = np.random.default_rng(seed)
+
+    def _grow(self, need: int) -> None:
+        cap = len(self.weights)
+        while cap < need:
+            cap *= 2
+        if cap == len(self.weights):
+            return
+        for name in ("weights", "accum"):
+            old = getattr(self, name)
+            new = np.empty((cap, self.dim), np.float32)
+            new[: self.rows] = old[: self.rows]
+            setattr(self, name, new)
+
+    def pull(self, ids: np.ndarray) -> np.ndarray:
+        get = self.index.get
+        idx = np.fromiter((get(k, -1) for k in ids.tolist()), np.int64, len(ids))
+        missing = np.flatnonzero(idx < 0)
+        if missing.size:
+            new_ids, inverse = np.unique(ids[missing], return_inverse=True)
+            start, m = self.rows, len(new_ids)
+            self._grow(start + m)
+            new_rows = np.arange(start, start + m, dtype=np.int64)
+            self.index.update(zip(new_ids.tolist(), new_rows.tolist(), strict=True))
+            self.weights[start : start + m] = self.rng.standard_normal(
+                (m, self.dim), dtype=np.float32
+            ) * np.float32(0.01)
+            self.accum[start : start + m] = self.init_acc
+            self.rows += m
+            idx[missing] = new_rows[inverse]
+        return self.weights.take(idx, axis=0)

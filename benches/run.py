@@ -1,0 +1,214 @@
+"""Peer benchmarks of pstore: one command for W1-W4.
+
+    python benches/run.py --quick            # a couple of minutes, smaller tables
+    python benches/run.py --full             # the sizes of the issue (10M-row W1, 20M-id W3)
+    python benches/run.py --quick --only W1,W3 --json out.json
+
+Prints one table per workload (median rates, ratios against peers measured side by side in the
+same run) and writes every sample as JSON (default bench-results/results-<timestamp>.json).
+Nothing is asserted: the machine may be shared and noisy; read the medians and the spread.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+from dataclasses import asdict, replace
+from pathlib import Path
+
+from harness import (
+    REPO_ROOT,
+    environment,
+    format_rows,
+    format_table,
+    import_pstore,
+    import_torch,
+    log,
+)
+from workloads import FULL, QUICK, WORKLOADS, Context, Section
+
+
+def _parse_args(argv: list[str] | None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    mode = p.add_mutually_exclusive_group()
+    mode.add_argument("--quick", action="store_true", help="small sizes (the default)")
+    mode.add_argument("--full", action="store_true", help="the full sizes of the issue")
+    p.add_argument("--only", default="", help="comma-separated workloads, e.g. W1,W3")
+    p.add_argument("--reps", type=int, default=None, help="repetitions (quick 5, full 7)")
+    p.add_argument(
+        "--source-tree",
+        action="store_true",
+        help="benchmark the repo's pstore/ (built in place) even if pstore is installed",
+    )
+    p.add_argument("--json", type=Path, default=None, help="where to write the results")
+    p.add_argument(
+        "--torch-threads",
+        type=int,
+        default=None,
+        help="torch.set_num_threads value (default: torch's own default, set explicitly)",
+    )
+    return p.parse_args(argv)
+
+
+def _print_section(sec: Section) -> None:
+    print(f"\n== {sec.workload}: {sec.title}")
+    shown = {k: v for k, v in sec.config.items() if not isinstance(v, dict)}
+    print("   " + ", ".join(f"{k}={_short(v)}" for k, v in shown.items()))
+    if sec.workload == "W3":
+        print(_format_w3(sec))
+    else:
+        print(format_rows(sec.rows))
+    for note in sec.notes:
+        print(f"   NOTE: {note}")
+    sys.stdout.flush()
+
+
+def _short(v: object) -> str:
+    if isinstance(v, float):
+        return f"{v:.3g}" if abs(v) < 1e4 else f"{v:,.0f}"
+    if isinstance(v, int):
+        return f"{v:,}"
+    return str(v)
+
+
+def _format_w3(sec: Section) -> str:
+    headers = ["impl", "M ins/s median", "M ins/s min-max", "ratio", "ratio of"]
+    headers += ["B/key RSS", "B/key stats", "RSS/raw", "target", "met", "batch p50 ms", "max ms"]
+    lines = []
+    for r in sec.rows:
+        e = r.extra
+        met = e.get("bytes_target_met")
+        lines.append(
+            [
+                r.impl,
+                f"{r.median / 1e6:.2f}",
+                f"{min(r.samples) / 1e6:.2f}-{max(r.samples) / 1e6:.2f}",
+                "" if r.ratio is None else f"{r.ratio:.2f}x",
+                r.ratio_of,
+                f"{e['rss_bytes_per_key']:.1f}",
+                f"{e['stats_bytes_per_key']:.1f}" if "stats_bytes_per_key" in e else "-",
+                f"{e['rss_over_raw']:.2f}x",
+                "<=1.4x" if met is not None else "",
+                {None: "", True: "yes", False: "NO"}[met],
+                f"{e['batch_p50_ms']:.1f}",
+                f"{e['batch_max_ms']:.1f}",
+            ]
+        )
+    return format_table(headers, lines)
+
+
+def _print_targets(sections: list[Section]) -> None:
+    lines = []
+    for sec in sections:
+        for r in sec.rows:
+            if sec.workload == "W3" and "bytes_target_met" in r.extra:
+                met = r.extra["bytes_target_met"]
+                ratio, target = r.extra["rss_over_raw"], "<=1.4x"
+                what = f"{r.impl} RSS B/key / 128"
+            elif r.target and r.status == "ok" and r.ratio is not None:
+                met, ratio, what, target = r.met, r.ratio, r.ratio_of, r.target
+            else:
+                continue
+            lines.append(
+                [
+                    sec.workload,
+                    r.case,
+                    r.dist,
+                    str(r.batch or "-"),
+                    what,
+                    f"{ratio:.2f}x",
+                    target,
+                    "yes" if met else "NO",
+                ]
+            )
+    if lines:
+        headers = ["workload", "case", "dist", "batch", "ratio of", "ratio", "target", "met"]
+        print("\n== targets (medians of this run; informational, nothing is asserted)")
+        print(format_table(headers, lines))
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = _parse_args(argv)
+    sizes = FULL if args.full else QUICK
+    if args.reps is not None:
+        sizes = replace(sizes, reps=args.reps)
+    only = [w.strip().upper() for w in args.only.split(",") if w.strip()] or list(WORKLOADS)
+    unknown = [w for w in only if w not in WORKLOADS]
+    if unknown:
+        raise SystemExit(f"unknown workload(s) {unknown}; choose from {list(WORKLOADS)}")
+
+    pstore = import_pstore(source_tree=args.source_tree)
+    torch = import_torch()
+    if torch is not None:
+        torch.set_num_threads(args.torch_threads or torch.get_num_threads())
+    env = environment(pstore, torch)
+    started = time.strftime("%Y%m%d-%H%M%S")
+    json_path = args.json or REPO_ROOT / "bench-results" / f"results-{started}.json"
+
+    print(f"pstore peer benchmarks, mode={sizes.mode}, reps={sizes.reps}, workloads={only}")
+    print(
+        f"machine: {env['cpu_count']} cores ({env['cpus_usable']} usable), {env['cpu_model']}, "
+        f"{env['mem_total_gib']} GiB, loadavg {env['loadavg_start']}"
+    )
+    print(
+        f"python {env['python']}, numpy {env['numpy']}, torch {env['torch'] or 'not installed'}, "
+        f"pstore {env['pstore']} ({env['pstore_path']})"
+    )
+    for where, info in env["pstore_native"].items():
+        print(f"native module ({where}): {info['path']}, {info['bytes']:,} bytes, {info['mtime']}")
+    torch_threads = env["torch_threads"] if torch is not None else "n/a"
+    print(
+        f"threads: torch.set_num_threads({torch_threads}); numpy take/add.at are single-threaded "
+        f"(no BLAS involved); pstore Store() default pool, Store(threads=1) where stated"
+    )
+    for k, v in env["env"].items():
+        print(f"env: {k}={v}")
+    print(
+        "ids: Zipf(1.05) ranks through a random permutation of the rows, and uniform; pstore and "
+        "the dict peer see scattered 64-bit ids, numpy/torch see row positions"
+    )
+    print(
+        "rates: median of the repetitions (interleaved with the peers), in millions per second; "
+        "ratio = reference median / this row's median"
+    )
+    sys.stdout.flush()
+
+    ctx = Context(pstore=pstore, torch=torch, sizes=sizes, reps=sizes.reps)
+    sections: list[Section] = []
+    for name in only:
+        t0 = time.perf_counter()
+        sec = WORKLOADS[name](ctx)
+        sec.config["wall_s"] = round(time.perf_counter() - t0, 1)
+        sections.append(sec)
+        _print_section(sec)
+
+    _print_targets(sections)
+    env["loadavg_end"] = os.getloadavg()
+    print(f"\nloadavg at end: {env['loadavg_end']}")
+    doc = {
+        "started": started,
+        "argv": sys.argv[1:],
+        "sizes": asdict(sizes),
+        "environment": env,
+        "workloads": {
+            s.workload: {
+                "title": s.title,
+                "config": s.config,
+                "notes": s.notes,
+                "rows": [r.to_json() for r in s.rows],
+            }
+            for s in sections
+        },
+    }
+    json_path.parent.mkdir(parents=True, exist_ok=True)
+    json_path.write_text(json.dumps(doc, indent=1, default=str))
+    print(f"results written to {json_path}")
+    log("done")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
