@@ -37,6 +37,18 @@ fn prefetch<T>(p: *const T) {
     let _ = p;
 }
 
+/// Starts loading the cache line at `p` for writing (`prefetchw` where the CPU has it).
+#[inline(always)]
+pub fn prefetch_write<T>(p: *const T) {
+    #[cfg(target_arch = "x86_64")]
+    // SAFETY: a prefetch never faults and never changes memory, whatever the address.
+    unsafe {
+        std::arch::x86_64::_mm_prefetch::<{ std::arch::x86_64::_MM_HINT_ET0 }>(p.cast::<i8>())
+    };
+    #[cfg(not(target_arch = "x86_64"))]
+    let _ = p;
+}
+
 /// Starts loading every cache line of `s`.
 #[inline]
 pub fn prefetch_lines<T>(s: &[T]) {
@@ -297,31 +309,49 @@ impl Shard {
     }
 
     /// The slots of `ids[p]` for every position `p` of `positions`, in order, `NO_SLOT` where
-    /// there is no row. Lookups are pipelined: the index line of an id is prefetched `AHEAD` ids
-    /// before it is probed, and the candidate row (its header and the next `row_words` words, which
-    /// the caller reads next) `AHEAD` ids before it is confirmed, so many cache misses are in
-    /// flight at once.
+    /// there is no row (see [`Shard::for_each_found`]).
     pub fn find_many(&self, ids: &[u64], positions: &[u32], row_words: usize, out: &mut Vec<u32>) {
+        out.clear();
+        out.reserve(positions.len());
+        self.for_each_found(ids, positions, row_words, |_| {}, |_, slot| out.push(slot));
+    }
+
+    /// Calls `f(k, slot)` for every `k` in order, with the slot of `ids[positions[k]]` or
+    /// `NO_SLOT` where there is no row. `pre(k)` is called `AHEAD` ids before `f(k, _)`, for the
+    /// caller to prefetch what `f` will touch.
+    ///
+    /// Lookups are pipelined: the index line of an id is prefetched `AHEAD` ids before it is
+    /// probed, and the candidate row (its header and the next `row_words` words, which `f` reads)
+    /// `AHEAD` ids before it is confirmed and handed to `f`, so many cache misses are in flight
+    /// at once and `f` finds the row in cache.
+    #[inline]
+    pub fn for_each_found(
+        &self,
+        ids: &[u64],
+        positions: &[u32],
+        row_words: usize,
+        mut pre: impl FnMut(usize),
+        mut f: impl FnMut(usize, u32),
+    ) {
         const RING: usize = 2 * AHEAD;
         let n = positions.len();
-        out.clear();
-        out.reserve(n);
         let mut frags = [0u32; RING];
         let mut cands = [NO_SLOT; RING];
         for i in 0..n + 2 * AHEAD {
             if i < n {
-                let f = frag(ids[positions[i] as usize]);
-                frags[i % RING] = f;
-                prefetch(&self.index.table[self.index.home(f)]);
+                let fr = frag(ids[positions[i] as usize]);
+                frags[i % RING] = fr;
+                prefetch(&self.index.table[self.index.home(fr)]);
             }
             if i >= AHEAD && i - AHEAD < n {
                 let j = i - AHEAD;
                 let c = self.index.candidate(frags[j % RING]);
                 cands[j % RING] = c;
                 if c != NO_SLOT {
-                    // The candidate is almost always the row: load what the caller will read.
+                    // The candidate is almost always the row: load what `f` will read.
                     self.prefetch_row(c, HEADER + row_words);
                 }
+                pre(j);
             }
             if i >= 2 * AHEAD {
                 let k = i - 2 * AHEAD;
@@ -335,7 +365,7 @@ impl Shard {
                     // Two ids share the 32-bit fragment: probe past the first candidate.
                     self.find(id).unwrap_or(NO_SLOT)
                 };
-                out.push(slot);
+                f(k, slot);
             }
         }
     }
