@@ -161,7 +161,7 @@ impl OptimizerConfig {
     }
 
     /// Clips `g` in place: by value first, then by L2 norm.
-    #[inline]
+    #[inline(always)]
     fn clip(&self, g: &mut [f64]) {
         if let Some(c) = self.clip_value {
             for x in g.iter_mut() {
@@ -183,8 +183,28 @@ impl OptimizerConfig {
     ///
     /// `g` is the (coalesced) gradient of `w`, clipped here in place. `lr` is the learning rate now
     /// in force and `step` the step count of this update, starting at 1 (only Adam uses it).
+    ///
+    /// On x86-64 CPUs with AVX the same code runs compiled for AVX (chosen at run time): four
+    /// float64 lanes instead of two, which nearly halves the cost of the square roots and divisions.
+    /// No fused multiply-add is enabled, so both builds give bit-identical results.
     #[inline]
     pub fn apply(&self, lr: f64, step: u32, w: &mut [f32], state: &mut [f32], g: &mut [f64]) {
+        #[cfg(target_arch = "x86_64")]
+        if std::arch::is_x86_feature_detected!("avx") {
+            // SAFETY: the CPU supports AVX, checked just above.
+            return unsafe { self.apply_avx(lr, step, w, state, g) };
+        }
+        self.apply_portable(lr, step, w, state, g)
+    }
+
+    #[cfg(target_arch = "x86_64")]
+    #[target_feature(enable = "avx")]
+    fn apply_avx(&self, lr: f64, step: u32, w: &mut [f32], state: &mut [f32], g: &mut [f64]) {
+        self.apply_portable(lr, step, w, state, g)
+    }
+
+    #[inline(always)]
+    fn apply_portable(&self, lr: f64, step: u32, w: &mut [f32], state: &mut [f32], g: &mut [f64]) {
         debug_assert_eq!(w.len(), g.len());
         debug_assert_eq!(state.len(), self.state_len(w.len()));
         self.clip(g);
@@ -370,6 +390,60 @@ mod tests {
         // value clip -> (3, 3), norm 4.243 -> scaled to 2.5
         let n = ((w[0] as f64).powi(2) + (w[1] as f64).powi(2)).sqrt();
         assert!((n - 2.5).abs() < 1e-6 && (w[0] - w[1]).abs() < 1e-7);
+    }
+
+    #[test]
+    fn dispatched_and_portable_updates_are_bit_identical() {
+        let kinds = [
+            OptimizerKind::Sgd {
+                momentum: 0.9,
+                weight_decay: 0.01,
+                nesterov: true,
+            },
+            OptimizerKind::Adagrad {
+                initial_accumulator_value: 0.1,
+                eps: 1e-10,
+                weight_decay: 0.01,
+            },
+            OptimizerKind::Adam {
+                beta1: 0.9,
+                beta2: 0.999,
+                eps: 1e-8,
+                weight_decay: 0.01,
+            },
+            OptimizerKind::Ftrl {
+                beta: 1.0,
+                l1: 0.01,
+                l2: 0.1,
+            },
+        ];
+        for kind in kinds {
+            let cfg = OptimizerConfig {
+                lr: 0.05,
+                kind,
+                clip_value: Some(0.8),
+                clip_norm: Some(3.0),
+            };
+            let n = 67;
+            let (mut w1, mut s1) = (vec![0.3f32; n], vec![0.0f32; cfg.state_len(n)]);
+            cfg.init_state(&mut s1);
+            let (mut w2, mut s2) = (w1.clone(), s1.clone());
+            for step in 1..20u32 {
+                let g: Vec<f64> = (0..n)
+                    .map(|i| ((i as u32 * 7919 + step * 104_729) % 2001) as f64 / 1000.0 - 1.0)
+                    .collect();
+                cfg.apply(cfg.lr, step, &mut w1, &mut s1, &mut g.clone());
+                cfg.apply_portable(cfg.lr, step, &mut w2, &mut s2, &mut g.clone());
+            }
+            assert!(
+                w1.iter().zip(&w2).all(|(a, b)| a.to_bits() == b.to_bits()),
+                "{kind:?}"
+            );
+            assert!(
+                s1.iter().zip(&s2).all(|(a, b)| a.to_bits() == b.to_bits()),
+                "{kind:?}"
+            );
+        }
     }
 
     #[test]
