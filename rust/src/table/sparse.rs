@@ -18,6 +18,8 @@ use crate::shard::{
 const PARALLEL_MIN_IDS: usize = 2048;
 /// How many rows ahead a push prefetches the row it will update.
 const PREFETCH_RUNS: usize = 6;
+/// How many gradient rows ahead a push prefetches the one it will add up.
+const PREFETCH_GRADS: usize = 8;
 
 /// How a sparse table is built.
 #[derive(Debug, Clone, PartialEq)]
@@ -366,16 +368,21 @@ impl SparseTable {
             let mut acc = vec![0f64; dim];
             let mut runs = 0u64;
             let stride = HEADER + dim + self.state_len;
+            let mut q = 0; // index in `pairs` of the current pair
             for (r, run) in pairs.chunk_by(|a, b| a >> 32 == b >> 32).enumerate() {
                 let slot = (run[0] >> 32) as u32;
                 if let Some(&ahead) = runs_at.get(r + PREFETCH_RUNS) {
-                    // Rows and gradient rows are both visited at random: start loading both.
+                    // Rows are visited at random: start loading the row a few runs ahead.
                     shard.prefetch_row((pairs[ahead] >> 32) as u32, stride);
-                    let p = (pairs[ahead] & 0xffff_ffff) as usize;
-                    prefetch_lines(&grads[p * dim..(p + 1) * dim]);
                 }
                 acc.fill(0.0);
                 for &pair in run {
+                    // Gradient rows too (a hot id's run reads many, from all over the batch).
+                    if let Some(&later) = pairs.get(q + PREFETCH_GRADS) {
+                        let p = (later & 0xffff_ffff) as usize;
+                        prefetch_lines(&grads[p * dim..(p + 1) * dim]);
+                    }
+                    q += 1;
                     let p = (pair & 0xffff_ffff) as usize;
                     for (a, &x) in acc.iter_mut().zip(&grads[p * dim..(p + 1) * dim]) {
                         *a += x as f64;
