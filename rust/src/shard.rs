@@ -454,13 +454,8 @@ impl Grouped {
             .iter()
             .map(|&id| shard_of(id, num_shards) as u32)
             .collect();
-        Self::from_shards(&shards, num_shards)
-    }
-
-    /// Groups positions by their precomputed shard numbers (each below `num_shards`).
-    pub fn from_shards(shards: &[u32], num_shards: usize) -> Self {
         let mut offsets = vec![0usize; num_shards + 1];
-        for &s in shards {
+        for &s in &shards {
             offsets[s as usize + 1] += 1;
         }
         for s in 0..num_shards {

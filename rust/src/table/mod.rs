@@ -11,6 +11,7 @@ use std::sync::Arc;
 
 use crate::error::{Error, Result};
 use crate::executor::Executor;
+use crate::shard::Grouped;
 
 /// The largest row width of a sparse table.
 pub const MAX_DIM: usize = 4096;
@@ -159,15 +160,80 @@ pub(crate) fn check_finite(exec: &Executor, table: &str, grads: &[f32], dim: usi
     )))
 }
 
-/// The shard of every id, computed on the pool when the batch is large.
-pub(crate) fn shards_of(exec: &Executor, ids: &[u64], num_shards: usize) -> Vec<u32> {
-    let f = |&id: &u64| crate::hash::shard_of(id, num_shards) as u32;
-    if ids.len() >= PARALLEL_SCAN / 4 && exec.threads() > 1 {
-        use rayon::prelude::*;
-        exec.install(|| ids.par_iter().map(f).collect())
-    } else {
-        ids.iter().map(f).collect()
+/// A raw pointer into a buffer that parallel tasks write at disjoint positions.
+#[derive(Clone, Copy)]
+struct Disjoint(*mut u32);
+// SAFETY: used only by `group_ids`, whose tasks write disjoint ranges of one buffer that outlives
+// them (rayon joins before the buffer is read).
+unsafe impl Send for Disjoint {}
+// SAFETY: as above.
+unsafe impl Sync for Disjoint {}
+
+impl Disjoint {
+    fn get(self) -> *mut u32 {
+        self.0
     }
+}
+
+/// Groups a batch by shard (see [`Grouped`]); a large batch is grouped on the pool: each part of
+/// the batch hashes its ids and counts them per shard, then writes its positions into its own
+/// ranges, so the result is the same as the sequential grouping.
+pub(crate) fn group_ids(exec: &Executor, ids: &[u64], num_shards: usize) -> Grouped {
+    let threads = exec.threads();
+    if ids.len() < PARALLEL_SCAN / 8 || threads == 1 {
+        return Grouped::new(ids, num_shards);
+    }
+    use rayon::prelude::*;
+    let chunk = ids.len().div_ceil(2 * threads);
+    exec.install(|| {
+        let parts: Vec<(Vec<u32>, Vec<usize>)> = ids
+            .par_chunks(chunk)
+            .map(|c| {
+                let shards: Vec<u32> = c
+                    .iter()
+                    .map(|&id| crate::hash::shard_of(id, num_shards) as u32)
+                    .collect();
+                let mut counts = vec![0usize; num_shards];
+                for &s in &shards {
+                    counts[s as usize] += 1;
+                }
+                (shards, counts)
+            })
+            .collect();
+        let mut offsets = vec![0usize; num_shards + 1];
+        for s in 0..num_shards {
+            offsets[s + 1] = offsets[s] + parts.iter().map(|(_, c)| c[s]).sum::<usize>();
+        }
+        // Where each part starts writing in each shard's range: after the earlier parts.
+        let mut next = offsets[..num_shards].to_vec();
+        let starts: Vec<Vec<usize>> = parts
+            .iter()
+            .map(|(_, counts)| {
+                let here = next.clone();
+                for (n, c) in next.iter_mut().zip(counts) {
+                    *n += c;
+                }
+                here
+            })
+            .collect();
+        let mut positions = vec![0u32; ids.len()];
+        let out = Disjoint(positions.as_mut_ptr());
+        parts
+            .par_iter()
+            .zip(starts)
+            .enumerate()
+            .for_each(|(k, ((shards, _), mut at))| {
+                let base = k * chunk;
+                for (i, &s) in shards.iter().enumerate() {
+                    let slot = &mut at[s as usize];
+                    // SAFETY: `*slot` stays inside this part's range of shard `s`, which no other
+                    // part writes, and below `ids.len()`.
+                    unsafe { *out.get().add(*slot) = (base + i) as u32 };
+                    *slot += 1;
+                }
+            });
+        Grouped { positions, offsets }
+    })
 }
 
 /// A table name must be non-empty printable text.
@@ -178,4 +244,23 @@ pub(crate) fn validate_name(name: &str) -> Result<()> {
         )));
     }
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn parallel_grouping_equals_sequential_grouping() {
+        let exec = Executor::new(3, 1 << 20).unwrap();
+        for n in [0usize, 5, 100_000, 262_147] {
+            let ids: Vec<u64> = (0..n as u64).map(|i| crate::hash::mix64(i) % 50_000).collect();
+            for shards in [1usize, 7, 64] {
+                let a = group_ids(&exec, &ids, shards);
+                let b = Grouped::new(&ids, shards);
+                assert_eq!(a.offsets, b.offsets);
+                assert_eq!(a.positions, b.positions, "n {n} shards {shards}");
+            }
+        }
+    }
 }

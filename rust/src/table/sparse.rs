@@ -1,11 +1,12 @@
 //! Sparse embedding tables: u64 id -> float32 row, created on first touch.
 
 use std::mem::MaybeUninit;
+use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, RwLock, RwLockReadGuard, RwLockWriteGuard};
 
 use rayon::prelude::*;
 
-use super::{check_finite, shards_of, Common, Counters, TableHandle, TableStats, MAX_DIM};
+use super::{check_finite, group_ids, Common, Counters, TableHandle, TableStats, MAX_DIM};
 use crate::error::{invalid, shape, Result};
 use crate::executor::{Executor, PushHandle};
 use crate::init::Initializer;
@@ -72,6 +73,8 @@ pub struct SparseTable {
     config: SparseTableConfig,
     state_len: usize,
     shards: Vec<RwLock<Shard>>,
+    /// Where the next batch starts its sweep over the shards.
+    sweep: AtomicUsize,
 }
 
 impl SparseTable {
@@ -87,6 +90,7 @@ impl SparseTable {
         let stride = HEADER + config.dim + state_len;
         Ok(Self {
             common: Common::new(name, config.optimizer.lr, exec),
+            sweep: AtomicUsize::new(0),
             config,
             state_len,
             shards: (0..num_shards.max(1))
@@ -144,29 +148,28 @@ impl SparseTable {
     }
 
     fn group(&self, ids: &[u64]) -> Grouped {
-        let n = self.shards.len();
-        Grouped::from_shards(&shards_of(&self.common.exec, ids, n), n)
+        group_ids(&self.common.exec, ids, self.shards.len())
     }
 
     /// Runs `f` for every non-empty shard of the batch, in parallel when the batch is large.
     fn for_each_shard(&self, g: &Grouped, n: usize, f: impl Fn(usize, &[u32]) + Sync + Send) {
         let shards = self.shards.len();
-        if n >= PARALLEL_MIN_IDS && self.common.exec.threads() > 1 {
-            self.common.exec.install(|| {
-                (0..shards).into_par_iter().for_each(|s| {
-                    let pos = g.of(s);
-                    if !pos.is_empty() {
-                        f(s, pos);
-                    }
-                })
-            });
-        } else {
-            for s in 0..shards {
-                let pos = g.of(s);
-                if !pos.is_empty() {
-                    f(s, pos);
-                }
+        // Each batch starts its sweep at another shard, so that concurrent batches do not walk
+        // the shards in lockstep, one waiting behind the other at every shard.
+        let start = self.sweep.fetch_add(1, Ordering::Relaxed) % shards;
+        let visit = |i: usize| {
+            let s = (start + i) % shards;
+            let pos = g.of(s);
+            if !pos.is_empty() {
+                f(s, pos);
             }
+        };
+        if n >= PARALLEL_MIN_IDS && self.common.exec.threads() > 1 {
+            self.common
+                .exec
+                .install(|| (0..shards).into_par_iter().for_each(visit));
+        } else {
+            (0..shards).for_each(visit);
         }
     }
 
