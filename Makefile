@@ -15,7 +15,7 @@ dev: ## build the extension into the source tree (editable install) with the tes
 	$(PIP) install --quiet -e ".[test]"
 
 demo: install ## the main job: train a recommender on the embedded store (fetches MovieLens-100k from PyPI's recbole wheel)
-	$(PYTHON) -m pstore demo --fetch
+	$(PYTHON) -P -m pstore demo --fetch
 
 lint: ## cargo fmt, clippy, ruff, and the native stub check
 	cargo fmt --all -- --check
@@ -23,7 +23,7 @@ lint: ## cargo fmt, clippy, ruff, and the native stub check
 	cargo clippy --all-targets --features python -- -D warnings
 	$(PYTHON) -m ruff check pstore tests benches
 	$(PYTHON) -m ruff format --check pstore tests benches
-	cd tests && $(PYTHON) -m mypy.stubtest pstore._native
+	$(PYTHON) -P -m mypy.stubtest pstore._native
 
 test-rust: ## Rust unit and integration tests of the core (no Python)
 	cargo test --quiet
