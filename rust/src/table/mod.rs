@@ -254,7 +254,9 @@ mod tests {
     fn parallel_grouping_equals_sequential_grouping() {
         let exec = Executor::new(3, 1 << 20).unwrap();
         for n in [0usize, 5, 100_000, 262_147] {
-            let ids: Vec<u64> = (0..n as u64).map(|i| crate::hash::mix64(i) % 50_000).collect();
+            let ids: Vec<u64> = (0..n as u64)
+                .map(|i| crate::hash::mix64(i) % 50_000)
+                .collect();
             for shards in [1usize, 7, 64] {
                 let a = group_ids(&exec, &ids, shards);
                 let b = Grouped::new(&ids, shards);
