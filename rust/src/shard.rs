@@ -37,18 +37,6 @@ fn prefetch<T>(p: *const T) {
     let _ = p;
 }
 
-/// Starts loading the cache line at `p` for writing (`prefetchw` where the CPU has it).
-#[inline(always)]
-pub fn prefetch_write<T>(p: *const T) {
-    #[cfg(target_arch = "x86_64")]
-    // SAFETY: a prefetch never faults and never changes memory, whatever the address.
-    unsafe {
-        std::arch::x86_64::_mm_prefetch::<{ std::arch::x86_64::_MM_HINT_ET0 }>(p.cast::<i8>())
-    };
-    #[cfg(not(target_arch = "x86_64"))]
-    let _ = p;
-}
-
 /// Starts loading every cache line of `s`.
 #[inline]
 pub fn prefetch_lines<T>(s: &[T]) {
@@ -313,12 +301,11 @@ impl Shard {
     pub fn find_many(&self, ids: &[u64], positions: &[u32], row_words: usize, out: &mut Vec<u32>) {
         out.clear();
         out.reserve(positions.len());
-        self.for_each_found(ids, positions, row_words, |_| {}, |_, slot| out.push(slot));
+        self.for_each_found(ids, positions, row_words, |_, slot| out.push(slot));
     }
 
     /// Calls `f(k, slot)` for every `k` in order, with the slot of `ids[positions[k]]` or
-    /// `NO_SLOT` where there is no row. `pre(k)` is called `AHEAD` ids before `f(k, _)`, for the
-    /// caller to prefetch what `f` will touch.
+    /// `NO_SLOT` where there is no row.
     ///
     /// Lookups are pipelined: the index line of an id is prefetched `AHEAD` ids before it is
     /// probed, and the candidate row (its header and the next `row_words` words, which `f` reads)
@@ -330,7 +317,6 @@ impl Shard {
         ids: &[u64],
         positions: &[u32],
         row_words: usize,
-        mut pre: impl FnMut(usize),
         mut f: impl FnMut(usize, u32),
     ) {
         const RING: usize = 2 * AHEAD;
@@ -351,7 +337,6 @@ impl Shard {
                     // The candidate is almost always the row: load what `f` will read.
                     self.prefetch_row(c, HEADER + row_words);
                 }
-                pre(j);
             }
             if i >= 2 * AHEAD {
                 let k = i - 2 * AHEAD;

@@ -12,7 +12,7 @@ use crate::executor::{Executor, PushHandle};
 use crate::init::Initializer;
 use crate::optimizer::OptimizerConfig;
 use crate::shard::{
-    as_f32, as_f32_mut, bump_step, prefetch_lines, prefetch_write, Grouped, Shard, HEADER, NO_SLOT,
+    as_f32, as_f32_mut, bump_step, prefetch_lines, Grouped, Shard, HEADER, NO_SLOT,
 };
 
 /// Batches smaller than this run on the calling thread: spreading them costs more than it saves.
@@ -215,14 +215,7 @@ impl SparseTable {
             let mut missing = Vec::new();
             {
                 let shard = self.read(s);
-                let dest = |k: usize| ptr.get().wrapping_add(pos[k] as usize * dim);
-                let prefetch_dest = |k: usize| {
-                    let d = dest(k);
-                    for line in (0..dim).step_by(16) {
-                        prefetch_write(d.wrapping_add(line));
-                    }
-                };
-                shard.for_each_found(ids, pos, dim, prefetch_dest, |k, slot| {
+                shard.for_each_found(ids, pos, dim, |k, slot| {
                     if slot == NO_SLOT {
                         missing.push(pos[k]);
                     } else {
