@@ -80,42 +80,35 @@ impl Index {
         (frag >> (32 - self.bits)) as usize
     }
 
-    /// The slot of the first entry with this fragment at or after the home position, whose row
-    /// `row_id` says holds `id`.
+    /// The (position, slot) of every entry carrying fragment `f`, in probe order from the home
+    /// position up to the first empty entry.
     #[inline]
-    fn find(&self, id: u64, f: u32, row_id: impl Fn(u32) -> u64) -> Option<(usize, u32)> {
+    fn probe(&self, f: u32) -> impl Iterator<Item = (usize, u32)> + '_ {
         let mask = self.mask();
         let mut p = self.home(f);
-        loop {
+        std::iter::from_fn(move || loop {
             let e = self.table[p];
             if e == 0 {
                 return None;
             }
-            if (e >> 32) as u32 == f {
-                let slot = (e as u32).wrapping_sub(1);
-                if row_id(slot) == id {
-                    return Some((p, slot));
-                }
-            }
+            let here = p;
             p = (p + 1) & mask;
-        }
+            if (e >> 32) as u32 == f {
+                return Some((here, (e as u32).wrapping_sub(1)));
+            }
+        })
+    }
+
+    /// The (position, slot) of the entry whose row `row_id` says holds `id`.
+    #[inline]
+    fn find(&self, id: u64, f: u32, row_id: impl Fn(u32) -> u64) -> Option<(usize, u32)> {
+        self.probe(f).find(|&(_, slot)| row_id(slot) == id)
     }
 
     /// The first slot whose entry carries fragment `f`, or `NO_SLOT` (then no row has this id).
     #[inline]
     fn candidate(&self, f: u32) -> u32 {
-        let mask = self.mask();
-        let mut p = self.home(f);
-        loop {
-            let e = self.table[p];
-            if e == 0 {
-                return NO_SLOT;
-            }
-            if (e >> 32) as u32 == f {
-                return (e as u32).wrapping_sub(1);
-            }
-            p = (p + 1) & mask;
-        }
+        self.probe(f).next().map_or(NO_SLOT, |(_, slot)| slot)
     }
 
     /// Adds an entry for an id known to be absent.

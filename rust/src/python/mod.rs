@@ -394,7 +394,7 @@ table_methods!(PySparseTable {
         let ids_s = slice(&ids, "ids")?;
         let (n, dim) = (ids_s.len(), self.inner.dim());
         let t = &self.inner;
-        let rows: Vec<f32> = py.detach(|| ids_s.iter().flat_map(|&id| t.initial_row(id)).collect());
+        let rows = py.detach(|| t.initial_rows(ids_s));
         rows.into_pyarray(py).reshape([n, dim])
     }
 

@@ -134,11 +134,15 @@ impl SparseTable {
         self.len() == 0
     }
 
-    /// The value row `id` has before its first update.
-    pub fn initial_row(&self, id: u64) -> Vec<f32> {
-        let mut row = vec![0.0; self.config.dim];
-        self.config.initializer.fill(self.config.seed, id, &mut row);
-        row
+    /// The values the rows of `ids` have before their first update, row after row. Creates
+    /// nothing.
+    pub fn initial_rows(&self, ids: &[u64]) -> Vec<f32> {
+        let dim = self.config.dim;
+        let mut rows = vec![0.0; ids.len() * dim];
+        for (row, &id) in rows.chunks_exact_mut(dim).zip(ids) {
+            self.config.initializer.fill(self.config.seed, id, row);
+        }
+        rows
     }
 
     fn init_body(&self, id: u64, body: &mut [u32]) {
@@ -420,22 +424,6 @@ impl SparseTable {
             rows_created: Counters::get(&c.rows_created),
             lr: self.lr(),
         }
-    }
-
-    /// Floats of optimizer state per row.
-    pub fn state_len(&self) -> usize {
-        self.state_len
-    }
-
-    /// Weights and optimizer state of `id` without creating it: `(weights, state, step)`.
-    pub fn row_state(&self, id: u64) -> Option<(Vec<f32>, Vec<f32>, u32)> {
-        let s = crate::hash::shard_of(id, self.shards.len());
-        let shard = self.read(s);
-        let slot = shard.find(id)?;
-        let row = shard.row(slot);
-        let body = as_f32(&row[HEADER..]);
-        let (w, st) = body.split_at(self.config.dim);
-        Some((w.to_vec(), st.to_vec(), row[2]))
     }
 }
 
