@@ -7,12 +7,14 @@ expects, so ``except ValueError`` and ``except KeyError`` keep working.
 from __future__ import annotations
 
 __all__ = [
+    "CorruptError",
     "DtypeError",
     "InternalError",
     "InvalidArgumentError",
     "NonFiniteError",
     "PstoreError",
     "ShapeError",
+    "StorageError",
     "TableExistsError",
     "UnknownTableError",
     "WrongTableKindError",
@@ -56,6 +58,21 @@ class TableExistsError(PstoreError, ValueError):
 
 class WrongTableKindError(PstoreError, TypeError):
     """A dense table was used where a sparse one is needed, or the reverse."""
+
+
+class StorageError(PstoreError, OSError):
+    """Reading or writing the disk failed: no space left, no permission, an LMDB error.
+
+    The message names the path and the cause. What is in memory is unchanged, and once the cause
+    is gone (space freed) the store goes on.
+    """
+
+
+class CorruptError(PstoreError, ValueError):
+    """A file is not what pstore wrote: truncated, altered, or of an unknown format version.
+
+    The message names the file. Nothing was loaded from it.
+    """
 
 
 class InternalError(PstoreError, RuntimeError):

@@ -25,6 +25,14 @@ pub enum Error {
     /// A table was used as the other kind (a dense table where a sparse one is needed).
     #[error("{0}")]
     WrongKind(String),
+    /// Reading or writing the disk failed (no space, permissions, an LMDB error): the message
+    /// names the path and the cause. What was in memory is unchanged.
+    #[error("{0}")]
+    Storage(String),
+    /// A file on disk is not what pstore wrote (truncated, altered, unknown format version): the
+    /// message names the file.
+    #[error("{0}")]
+    Corrupt(String),
     /// A bug or a broken invariant inside pstore, never the caller's fault.
     #[error("internal error: {0}")]
     Internal(String),
@@ -39,4 +47,12 @@ pub(crate) fn invalid(msg: impl Into<String>) -> Error {
 
 pub(crate) fn shape(msg: impl Into<String>) -> Error {
     Error::Shape(msg.into())
+}
+
+pub(crate) fn storage(msg: impl Into<String>) -> Error {
+    Error::Storage(msg.into())
+}
+
+pub(crate) fn corrupt(msg: impl Into<String>) -> Error {
+    Error::Corrupt(msg.into())
 }

@@ -43,6 +43,7 @@ pub mod hash;
 pub mod init;
 pub mod optimizer;
 pub mod shard;
+pub mod snapshot;
 pub mod store;
 pub mod table;
 

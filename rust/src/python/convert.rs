@@ -19,6 +19,8 @@ pub fn err(e: Error) -> PyErr {
         Error::UnknownTable(_) => "UnknownTableError",
         Error::TableExists(_) => "TableExistsError",
         Error::WrongKind(_) => "WrongTableKindError",
+        Error::Storage(_) => "StorageError",
+        Error::Corrupt(_) => "CorruptError",
         Error::Internal(_) => "InternalError",
     };
     let msg = e.to_string();

@@ -1,0 +1,1 @@
+//! Snapshot part files (Arrow IPC). Written by a helper; see the task description.
