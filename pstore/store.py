@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import os
+import time
 from collections.abc import Iterator, Sequence
-from typing import Any
+from typing import Any, Literal
 
 import numpy as np
 import numpy.typing as npt
@@ -223,12 +225,75 @@ class SparseTable(_Table):
         """The values the rows of ``ids`` have before any update. Creates nothing."""
         return self._inner.initial_rows(_as_ids(ids))
 
+    @property
+    def seq(self) -> int:
+        """The update sequence number: pushes applied over the table's life.
+
+        A row's ``version`` (in snapshots) is the ``seq`` of its last update.
+        """
+        return self._inner.seq
+
+    @property
+    def admit_after(self) -> int:
+        """Pushes an id needs before it gets a row (0 or 1: at once)."""
+        return self._inner.lifecycle[0]
+
+    @property
+    def max_rows(self) -> int | None:
+        """The row budget, or None."""
+        return self._inner.lifecycle[1]
+
+    @property
+    def evict_policy(self) -> str:
+        """Which rows the ``max_rows`` budget evicts first: ``"lru"`` or ``"lfu"``."""
+        return self._inner.lifecycle[2]
+
+    def evict(
+        self,
+        *,
+        not_updated_for_steps: int | None = None,
+        not_updated_for_seconds: float | None = None,
+    ) -> int:
+        """Remove the rows not updated lately; returns how many were removed.
+
+        Parameters
+        ----------
+        not_updated_for_steps : int, optional
+            Remove rows whose last update is more than this many pushes (of this table) ago:
+            rows whose version is below ``seq - not_updated_for_steps``.
+        not_updated_for_seconds : float, optional
+            Remove rows whose last update is older than this many seconds.
+
+        A row created by a pull and never pushed counts as updated when it was created. Evicted
+        ids become tombstones of the next incremental snapshot. With both arguments, a row is
+        removed if either applies.
+        """
+        if not_updated_for_steps is None and not_updated_for_seconds is None:
+            raise InvalidArgumentError(
+                "evict needs not_updated_for_steps or not_updated_for_seconds"
+            )
+        before_seq = None
+        if not_updated_for_steps is not None:
+            n = _check_int(not_updated_for_steps, "not_updated_for_steps")
+            before_seq = max(self.seq - n, 0)
+        before_secs = None
+        if not_updated_for_seconds is not None:
+            secs = float(not_updated_for_seconds)
+            if not secs >= 0:
+                raise InvalidArgumentError(
+                    f"not_updated_for_seconds must be >= 0, got {not_updated_for_seconds}"
+                )
+            before_secs = max(int(time.time() - secs), 0)
+        return self._inner.evict(before_seq, before_secs)
+
     def stats(self) -> dict[str, Any]:
         """Counters and sizes.
 
-        Keys: ``rows``, ``dim``, ``bytes_used`` (arena, state and index), ``pushes``, ``pulls``,
-        ``ids_pushed``, ``ids_pulled`` (duplicates included), ``rows_updated`` (optimizer
-        applications), ``rows_created``, ``num_shards``, ``lr``, ``optimizer``.
+        Keys: ``rows`` (including ``rows_unloaded``), ``dim``, ``bytes_used`` (arena, state and
+        index), ``pushes``, ``pulls``, ``ids_pushed``, ``ids_pulled`` (duplicates included),
+        ``rows_updated`` (optimizer applications), ``rows_created``, ``rows_evicted``,
+        ``rows_unloaded`` (rows of a durable store's replica not loaded into memory yet),
+        ``seq``, ``num_shards``, ``lr``, ``optimizer``.
         """
         s = self._inner.stats()
         s.update(dim=self.dim, num_shards=self.num_shards, optimizer=self._inner.optimizer_name)
@@ -289,16 +354,34 @@ class Store:
         of cores).
     max_inflight_bytes : int, optional
         Bytes of queued ``push_async`` data before ``push_async`` blocks (default 256 MiB).
+    path : str or os.PathLike, optional
+        A directory: the store is durable. Tables, configs, rows, optimizer state and counters
+        are kept in an LMDB replica there, and opening the directory again restores them (rows
+        are loaded when first touched, so opening is fast for any size). Without a path the
+        store lives in memory only.
+    durability : "sync", "async" or "none"
+        With a path: ``"sync"``, a push returns once the transaction holding its rows has
+        committed to disk; ``"async"`` (default), a background flusher commits every
+        ``flush_interval`` seconds, so a crash loses at most the pushes of the last interval
+        plus the commit in progress; ``"none"``, rows reach disk only on :meth:`flush`,
+        :meth:`close` and snapshots.
+    flush_interval : float
+        Seconds between commits in ``"async"`` mode (default 1.0).
 
     A store must be used in the process that created it (its threads do not survive ``fork``).
+    One process at a time may open a store directory.
     """
 
     def __init__(
         self,
+        path: str | os.PathLike[str] | None = None,
         *,
+        durability: Literal["sync", "async", "none"] = "async",
+        flush_interval: float = 1.0,
         num_shards: int | None = None,
         threads: int | None = None,
         max_inflight_bytes: int | None = None,
+        map_size: int | None = None,
     ) -> None:
         self._inner = _native.Store(
             None if num_shards is None else _check_int(num_shards, "num_shards"),
@@ -306,7 +389,31 @@ class Store:
             None
             if max_inflight_bytes is None
             else _check_int(max_inflight_bytes, "max_inflight_bytes"),
+            None if path is None else os.fspath(path),
+            durability,
+            float(flush_interval),
+            None if map_size is None else _check_int(map_size, "map_size"),
         )
+
+    @property
+    def path(self) -> str | None:
+        """The store directory of a durable store, else None."""
+        p = self._inner.path
+        return None if p is None else str(p)
+
+    @property
+    def durability(self) -> str | None:
+        """``"sync"``, ``"async"`` or ``"none"`` for an open durable store, else None."""
+        return self._inner.durability
+
+    def storage_info(self) -> dict[str, Any] | None:
+        """The LMDB replica of an open durable store, else None.
+
+        Keys: ``path``, ``cycle`` (flush cycles completed over the store's life),
+        ``file_bytes``, ``map_bytes``, ``flush_interval``, ``last_error`` (the message of the
+        last failed flush, or None once a flush succeeds again).
+        """
+        return self._inner.storage_info()
 
     @property
     def num_shards(self) -> int:
@@ -326,6 +433,9 @@ class Store:
         optimizer: optim.Optimizer | None = None,
         initializer: init.Initializer | None = None,
         seed: int = 0,
+        admit_after: int = 0,
+        max_rows: int | None = None,
+        evict_policy: Literal["lru", "lfu"] = "lru",
     ) -> SparseTable:
         """Create a sparse table.
 
@@ -341,13 +451,33 @@ class Store:
             Value of new rows, a function of (seed, id); default ``Normal(0.0, 0.01)``.
         seed : int
             Seed of the initialiser, 0 to 2**64 - 1.
+        admit_after : int
+            An id gets a trainable row only once it has been pushed this many times (duplicates
+            in one push count each); until then pulls return its initial value without storing
+            a row, and pushes only count it. 0 or 1 admits at once. Counts of ids not yet
+            admitted are kept in memory only.
+        max_rows : int, optional
+            A row budget: when a push or pull takes the table past it, rows are evicted by
+            ``evict_policy`` down to 99% of the budget.
+        evict_policy : "lru" or "lfu"
+            ``"lru"`` evicts the least recently updated rows, ``"lfu"`` the least often pushed
+            (then the least recently updated).
         """
         opt, ini = _configs(optimizer, initializer, init.Normal(0.0, 0.01))
         d = _check_int(dim, "dim", lo=-(2**63))
         if not 1 <= d <= MAX_DIM:
             raise InvalidArgumentError(f"dim must be in 1..={MAX_DIM}, got {d}")
         return SparseTable(
-            self._inner.create_sparse_table(name, d, opt._spec(), ini._spec(), _seed(seed))
+            self._inner.create_sparse_table(
+                name,
+                d,
+                opt._spec(),
+                ini._spec(),
+                _seed(seed),
+                _check_int(admit_after, "admit_after", 2**32),
+                None if max_rows is None else _check_int(max_rows, "max_rows"),
+                evict_policy,
+            )
         )
 
     def create_dense_table(
@@ -400,11 +530,19 @@ class Store:
         self._inner.drop_table(name)
 
     def flush(self) -> None:
-        """Wait until every ``push_async`` of every table has been applied."""
+        """Wait until every ``push_async`` of every table has been applied.
+
+        A durable store then commits everything to disk; a failed write raises
+        :class:`StorageError`.
+        """
         self._inner.flush()
 
     def close(self) -> None:
-        """Apply what is queued and refuse further asynchronous pushes."""
+        """Apply what is queued and refuse further asynchronous pushes.
+
+        A durable store writes everything to disk and releases its directory, so another
+        ``Store`` may open it. Calling it again does nothing.
+        """
         self._inner.close()
 
     def __enter__(self) -> Store:
@@ -414,7 +552,10 @@ class Store:
         self.close()
 
     def __repr__(self) -> str:
-        return f"<Store tables={self.tables()} shards={self.num_shards} threads={self.threads}>"
+        where = f" path={self.path!r} durability={self.durability}" if self.path else ""
+        return (
+            f"<Store tables={self.tables()} shards={self.num_shards} threads={self.threads}{where}>"
+        )
 
 
 def _check_int(v: object, what: str, hi: int = 2**63, lo: int = 0) -> int:

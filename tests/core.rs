@@ -64,6 +64,7 @@ fn training_is_bitwise_identical_across_shards_and_threads() {
                         std: 0.1,
                     },
                     seed: 11,
+                    lifecycle: Default::default(),
                 },
             )
             .unwrap();
@@ -94,6 +95,7 @@ fn sgd_table_matches_a_hashmap_model() {
                 optimizer: sgd(0.5),
                 initializer: Initializer::Constant(1.0),
                 seed: 0,
+                lifecycle: Default::default(),
             },
         )
         .unwrap();
@@ -151,6 +153,7 @@ fn concurrent_sgd_pushes_sum_up() {
                 optimizer: sgd(1.0),
                 initializer: Initializer::Zeros,
                 seed: 0,
+                lifecycle: Default::default(),
             },
         )
         .unwrap();
@@ -193,6 +196,7 @@ fn async_pushes_apply_in_order() {
         optimizer: adam(),
         initializer: Initializer::Zeros,
         seed: 0,
+        lifecycle: Default::default(),
     };
     let a = s.create_sparse_table("a", cfg.clone()).unwrap();
     let b = s.create_sparse_table("b", cfg).unwrap();
@@ -219,6 +223,7 @@ fn rejected_push_changes_nothing() {
                 optimizer: sgd(0.1),
                 initializer: Initializer::Zeros,
                 seed: 0,
+                lifecycle: Default::default(),
             },
         )
         .unwrap();
@@ -246,6 +251,7 @@ fn names_and_configs_are_checked() {
         optimizer: sgd(0.1),
         initializer: Initializer::Zeros,
         seed: 0,
+        lifecycle: Default::default(),
     };
     assert!(matches!(
         s.create_sparse_table("x", cfg.clone()),
@@ -270,6 +276,7 @@ fn dropped_tables_refuse_their_handles() {
         optimizer: sgd(0.1),
         initializer: Initializer::Zeros,
         seed: 0,
+        lifecycle: Default::default(),
     };
     let t = s.create_sparse_table("d", cfg.clone()).unwrap();
     t.pull(&[1]).unwrap();

@@ -4,7 +4,8 @@ use crate::error::{invalid, Result};
 use crate::hash::SplitMix64;
 
 /// How new rows (sparse) or a new tensor (dense) are filled.
-#[derive(Debug, Clone, Copy, PartialEq)]
+#[derive(Debug, Clone, Copy, PartialEq, serde::Serialize, serde::Deserialize)]
+#[serde(rename_all = "snake_case")]
 pub enum Initializer {
     /// All zeros.
     Zeros,

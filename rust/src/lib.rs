@@ -26,6 +26,7 @@
 //!             },
 //!             initializer: Initializer::Zeros,
 //!             seed: 7,
+//!             lifecycle: Default::default(),
 //!         },
 //!     )
 //!     .unwrap();
@@ -37,6 +38,7 @@
 //! ```
 
 mod buffer;
+pub mod durable;
 pub mod error;
 pub mod executor;
 pub mod hash;
@@ -44,17 +46,20 @@ pub mod init;
 pub mod optimizer;
 pub mod shard;
 pub mod snapshot;
+pub mod storage;
 pub mod store;
 pub mod table;
 
 #[cfg(feature = "python")]
 mod python;
 
+pub use durable::Durability;
 pub use error::{Error, Result};
 pub use executor::PushHandle;
 pub use init::Initializer;
 pub use optimizer::{OptimizerConfig, OptimizerKind};
-pub use store::{Store, StoreConfig, Table};
+pub use store::{DurableConfig, Store, StoreConfig, Table};
 pub use table::{
-    DenseTable, DenseTableConfig, SparseTable, SparseTableConfig, TableHandle, TableStats,
+    DenseTable, DenseTableConfig, EvictPolicy, Lifecycle, SparseTable, SparseTableConfig,
+    TableHandle, TableStats,
 };

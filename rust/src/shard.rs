@@ -1,8 +1,9 @@
 //! One shard of a sparse table: an id -> slot index and a chunked arena of rows, plus the grouping
 //! of a batch by shard.
 //!
-//! Row layout, in 32-bit words: `[id_lo, id_hi, step, reserved | weights (dim) | state]`. The id is
-//! kept in the row, so the index stores only a slot and 32 bits of the id's hash (8 bytes an entry)
+//! Row layout, in 32-bit words: `[id_lo, id_hi, step, flags, version_lo, version_hi, updated_at,
+//! freq | weights (dim) | state]`. Everything after the id (with `flags` zeroed) is what the LMDB
+//! replica and snapshots store for a row. The id is kept in the row, so the index stores only a slot and 32 bits of the id's hash (8 bytes an entry)
 //! and is rebuilt on growth from those bits alone (see `Index`). The optimizer state follows the weights, so a
 //! push reads and writes one neighbourhood of memory.
 
@@ -10,8 +11,19 @@ use crate::buffer::Buffer;
 use crate::hash::{index_hash, shard_of};
 
 /// Words of row header before the weights.
-pub const HEADER: usize = 4;
+pub const HEADER: usize = 8;
 const STEP: usize = 2;
+const FLAGS: usize = 3;
+/// Header word of the row's version: the table's update sequence number at its last update (u64).
+pub const VERSION: usize = 4;
+/// Header word of the unix second of the row's last update.
+pub const UPDATED_AT: usize = 6;
+/// Header word counting how often the id was pushed (saturating).
+pub const FREQ: usize = 7;
+/// Words of a row after its id: the metadata the replica and snapshots keep, then the body.
+pub const META: usize = HEADER - 2;
+/// Flag: the row is in the shard's change list.
+const MARKED: u32 = 1;
 /// About 4 MiB of rows a chunk: chunks never move, and the last one grows geometrically.
 const CHUNK_WORDS: usize = 1 << 20;
 /// A slot value meaning "no row".
@@ -201,6 +213,13 @@ pub struct Shard {
     chunks: Vec<Buffer<u32>>,
     free: Vec<u32>,
     next_slot: u32,
+    /// Whether changes are recorded (in `changed` and `gone`) for a consumer: the flusher of a
+    /// durable store, or the next incremental snapshot of an in-memory one.
+    track: bool,
+    /// Ids whose rows changed since the consumer last took them (each row once: `MARKED`).
+    changed: Vec<u64>,
+    /// Ids removed since the consumer last took them.
+    gone: std::collections::HashSet<u64>,
 }
 
 impl Shard {
@@ -216,6 +235,9 @@ impl Shard {
             chunks: Vec::new(),
             free: Vec::new(),
             next_slot: 0,
+            track: false,
+            changed: Vec::new(),
+            gone: Default::default(),
         }
     }
 
@@ -359,8 +381,7 @@ impl Shard {
         let row = self.row_mut(slot);
         row[0] = id as u32;
         row[1] = (id >> 32) as u32;
-        row[STEP] = 0;
-        row[3] = 0;
+        row[2..HEADER].fill(0);
         init(&mut row[HEADER..]);
         self.index.insert(frag(id), slot);
         (slot, true)
@@ -372,6 +393,9 @@ impl Shard {
             Some((pos, slot)) => {
                 self.index.remove_at(pos);
                 self.free.push(slot);
+                if self.track {
+                    self.gone.insert(id);
+                }
                 true
             }
             None => false,
@@ -405,10 +429,113 @@ impl Shard {
         slot
     }
 
+    /// Starts or stops recording changes; stopping forgets what was recorded.
+    pub fn set_tracking(&mut self, on: bool) {
+        self.track = on;
+        if !on {
+            for id in std::mem::take(&mut self.changed) {
+                if let Some(slot) = self.find(id) {
+                    self.row_mut(slot)[FLAGS] &= !MARKED;
+                }
+            }
+            self.gone.clear();
+        }
+    }
+
+    /// Records that the row of `slot` changed (when tracking).
+    #[inline]
+    pub fn mark(&mut self, slot: u32) {
+        if !self.track {
+            return;
+        }
+        let row = self.row_mut(slot);
+        if row[FLAGS] & MARKED == 0 {
+            row[FLAGS] |= MARKED;
+            let id = row[0] as u64 | ((row[1] as u64) << 32);
+            self.changed.push(id);
+        }
+    }
+
+    /// Records an update of the row of `slot`: its version, time and `hits` more pushes.
+    #[inline]
+    pub fn touch(&mut self, slot: u32, version: u64, now: u32, hits: u32) {
+        let row = self.row_mut(slot);
+        row[VERSION] = version as u32;
+        row[VERSION + 1] = (version >> 32) as u32;
+        row[UPDATED_AT] = now;
+        row[FREQ] = row[FREQ].saturating_add(hits);
+        self.mark(slot);
+    }
+
+    /// Hands every changed row (id and its words after the id, `flags` zeroed) to `f` and clears
+    /// the change list.
+    pub fn take_changed(&mut self, mut f: impl FnMut(u64, &[u32])) {
+        let changed = std::mem::take(&mut self.changed);
+        let mut words = vec![0u32; self.stride - 2];
+        for &id in &changed {
+            if let Some(slot) = self.find(id) {
+                let row = self.row_mut(slot);
+                if row[FLAGS] & MARKED != 0 {
+                    row[FLAGS] &= !MARKED;
+                    words.copy_from_slice(&row[2..]);
+                    words[FLAGS - 2] = 0;
+                    f(id, &words);
+                }
+            }
+        }
+        // Keep the allocation for the next round.
+        self.changed = changed;
+        self.changed.clear();
+    }
+
+    /// The ids removed since [`Shard::forget_gone`] last dropped them.
+    pub fn gone(&self) -> Vec<u64> {
+        self.gone.iter().copied().collect()
+    }
+
+    /// True when `id` was removed and not yet forgotten.
+    #[inline]
+    pub fn is_gone(&self, id: u64) -> bool {
+        !self.gone.is_empty() && self.gone.contains(&id)
+    }
+
+    /// Drops `ids` from the removed set (their removal has been consumed).
+    pub fn forget_gone(&mut self, ids: &[u64]) {
+        for id in ids {
+            self.gone.remove(id);
+        }
+    }
+
+    /// Stores a row given as its words after the id (metadata and body, as
+    /// [`Shard::take_changed`] hands them out), replacing any row of `id`; the flags stay. Returns
+    /// the slot and whether the row is new.
+    pub fn put_words(&mut self, id: u64, words: &[u32]) -> (u32, bool) {
+        let (slot, new) = self.find_or_insert(id, |_| {});
+        let row = self.row_mut(slot);
+        let flags = row[FLAGS];
+        row[2..].copy_from_slice(words);
+        row[FLAGS] = flags;
+        self.gone.remove(&id);
+        (slot, new)
+    }
+
+    /// The words of the row of `slot` after its id (metadata and body), `flags` zeroed.
+    pub fn words(&self, slot: u32, out: &mut Vec<u32>) {
+        let start = out.len();
+        out.extend_from_slice(&self.row(slot)[2..]);
+        out[start + FLAGS - 2] = 0;
+    }
+
     /// Every stored (id, slot), in no particular order.
     pub fn iter(&self) -> impl Iterator<Item = (u64, u32)> + '_ {
         self.index.slots().map(move |slot| (self.id_at(slot), slot))
     }
+}
+
+/// The version (update sequence number) of a row.
+#[inline]
+pub fn row_version(row: &[u32]) -> u64 {
+    row[VERSION] as u64 | ((row[VERSION + 1] as u64) << 32)
 }
 
 /// Reads and bumps the per-row step count (used for Adam's bias correction).

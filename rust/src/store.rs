@@ -1,14 +1,47 @@
-//! The embedded store: named tables sharing one thread pool and one ordered async applier.
+//! The embedded store: named tables sharing one thread pool and one ordered async applier, and,
+//! when it has a path, an LMDB replica kept by a background flusher.
 
 use std::collections::BTreeMap;
-use std::sync::{Arc, RwLock};
+use std::path::{Path, PathBuf};
+use std::sync::atomic::AtomicU64;
+use std::sync::{Arc, Mutex, RwLock};
 use std::time::Duration;
 
-use crate::error::{invalid, Error, Result};
-use crate::executor::Executor;
-use crate::table::{
-    validate_name, DenseTable, DenseTableConfig, SparseTable, SparseTableConfig, TableHandle,
+use crate::durable::{
+    dense_key, restore_counters, table_key, Durability, Flusher, TableRecord, CYCLE_KEY,
 };
+use crate::error::{corrupt, invalid, storage, Error, Result};
+use crate::executor::Executor;
+use crate::storage::{words_into, Db, Storage, DEFAULT_MAP_SIZE};
+use crate::table::{
+    validate_name, Backing, Common, DenseTable, DenseTableConfig, SparseTable, SparseTableConfig,
+    TableHandle,
+};
+
+/// Where and how a durable store keeps its replica.
+#[derive(Debug, Clone, PartialEq)]
+pub struct DurableConfig {
+    /// The store directory.
+    pub path: PathBuf,
+    /// When pushes are durable.
+    pub durability: Durability,
+    /// How often the flusher commits in `async` mode.
+    pub flush_interval: Duration,
+    /// The LMDB map to start with (it doubles when full).
+    pub map_size: usize,
+}
+
+impl DurableConfig {
+    /// A durable store at `path` with the defaults: `async`, every second.
+    pub fn new(path: impl Into<PathBuf>) -> Self {
+        Self {
+            path: path.into(),
+            durability: Durability::Async,
+            flush_interval: Duration::from_secs(1),
+            map_size: DEFAULT_MAP_SIZE,
+        }
+    }
+}
 
 /// How a store is built.
 #[derive(Debug, Clone, PartialEq)]
@@ -64,23 +97,185 @@ pub enum Table {
     Dense(Arc<DenseTable>),
 }
 
+impl Table {
+    /// The table as its shared handle.
+    pub fn handle(&self) -> &dyn TableHandle {
+        match self {
+            Table::Sparse(t) => t.as_ref(),
+            Table::Dense(t) => t.as_ref(),
+        }
+    }
+}
+
 /// An embedded store.
 pub struct Store {
     config: StoreConfig,
     exec: Arc<Executor>,
-    tables: RwLock<BTreeMap<String, Table>>,
+    tables: Arc<RwLock<BTreeMap<String, Table>>>,
+    /// The flusher of a durable store, until it is closed.
+    flusher: Mutex<Option<Arc<Flusher>>>,
+    path: Option<PathBuf>,
+    /// Snapshots of an in-memory store: the id of the last one (the parent of an increment).
+    pub(crate) last_snapshot: Mutex<Option<crate::snapshot::Parent>>,
+    /// Numbers the snapshots of an in-memory store.
+    pub(crate) snapshot_seq: AtomicU64,
 }
 
 impl Store {
-    /// A new empty store.
+    /// A new empty in-memory store.
     pub fn new(config: StoreConfig) -> Result<Self> {
         config.validate()?;
         let exec = Executor::new(config.threads, config.max_inflight_bytes)?;
         Ok(Self {
             config,
             exec,
-            tables: RwLock::new(BTreeMap::new()),
+            tables: Arc::new(RwLock::new(BTreeMap::new())),
+            flusher: Mutex::new(None),
+            path: None,
+            last_snapshot: Mutex::new(None),
+            snapshot_seq: AtomicU64::new(0),
         })
+    }
+
+    /// Opens the durable store at `durable.path`, creating it if it does not exist; tables,
+    /// configs, counters and rows are those it held. Rows are not read now: each is loaded from
+    /// the replica when first touched (LMDB maps the file), so opening takes the same time for
+    /// any table size.
+    pub fn open(config: StoreConfig, durable: DurableConfig) -> Result<Self> {
+        config.validate()?;
+        if durable.flush_interval.is_zero() {
+            return Err(invalid("flush_interval must be > 0"));
+        }
+        let (st, _created) = Storage::open(&durable.path, true, durable.map_size)?;
+        let st = Arc::new(st);
+        let (records, cycle) = st.read(|r| {
+            let cycle = r
+                .meta(CYCLE_KEY)?
+                .map(|v| crate::storage::cycle_of(&v))
+                .unwrap_or(0);
+            let mut out = Vec::new();
+            for (k, v) in r.meta_prefix("table/")? {
+                let name = k["table/".len()..].to_string();
+                let rec: TableRecord = serde_json::from_slice(&v).map_err(|e| {
+                    corrupt(format!(
+                        "{}: the record of table {name:?} is not readable: {e}",
+                        durable.path.display()
+                    ))
+                })?;
+                let dense = match rec {
+                    TableRecord::Dense { .. } => r.meta(&dense_key(&name))?,
+                    TableRecord::Sparse { .. } => None,
+                };
+                out.push((name, rec, dense));
+            }
+            Ok((out, cycle))
+        })?;
+        let exec = Executor::new(config.threads, config.max_inflight_bytes)?;
+        let tables = Arc::new(RwLock::new(BTreeMap::new()));
+        let flusher = Flusher::start(
+            Arc::clone(&st),
+            durable.durability,
+            durable.flush_interval,
+            Arc::clone(&tables),
+            cycle,
+        )?;
+        let store = Self {
+            config,
+            exec,
+            tables,
+            flusher: Mutex::new(Some(Arc::clone(&flusher))),
+            path: Some(durable.path.clone()),
+            last_snapshot: Mutex::new(None),
+            snapshot_seq: AtomicU64::new(0),
+        };
+        for (name, rec, dense) in records {
+            let t = flusher.exclusive(|| store.build(&name, &rec, dense.as_deref(), &flusher))?;
+            flusher.record_loaded(&name, rec.to_json());
+            store
+                .tables
+                .write()
+                .unwrap_or_else(|e| e.into_inner())
+                .insert(name, t);
+        }
+        Ok(store)
+    }
+
+    /// Builds a table of a durable store from its record (and a dense table's stored value).
+    fn build(
+        &self,
+        name: &str,
+        rec: &TableRecord,
+        dense: Option<&[u8]>,
+        flusher: &Arc<Flusher>,
+    ) -> Result<Table> {
+        let st = flusher.storage();
+        let mut common = Common::new(name.to_string(), 0.01, Arc::clone(&self.exec));
+        common.durable = Some(Arc::downgrade(flusher));
+        let table = match rec {
+            TableRecord::Sparse { config, seq, .. } => {
+                st.ensure_table(name)?;
+                let rows = st.read(|r| r.len(Db::Rows, name))?;
+                let backing = Backing {
+                    storage: Arc::downgrade(st),
+                    unloaded: AtomicU64::new(rows),
+                };
+                common.lr = crate::table::Lr::new(config.optimizer.lr);
+                let t = SparseTable::new(
+                    common,
+                    config.clone(),
+                    self.config.num_shards,
+                    Some(backing),
+                )?;
+                t.set_seq(*seq);
+                Table::Sparse(Arc::new(t))
+            }
+            TableRecord::Dense { config, .. } => {
+                common.lr = crate::table::Lr::new(config.optimizer.lr);
+                let t = DenseTable::new(common, config.clone())?;
+                if let Some(v) = dense {
+                    let mut w = Vec::new();
+                    words_into(v, &mut w);
+                    t.set_words(&w)?;
+                }
+                let _ = t.take_dirty_words();
+                Table::Dense(Arc::new(t))
+            }
+        };
+        let lr = match rec {
+            TableRecord::Sparse { lr, .. } | TableRecord::Dense { lr, .. } => *lr,
+        };
+        table.handle().set_lr(lr)?;
+        restore_counters(table.handle(), rec.counters());
+        Ok(table)
+    }
+
+    /// The store directory of a durable store.
+    pub fn path(&self) -> Option<&Path> {
+        self.path.as_deref()
+    }
+
+    /// The flusher of an open durable store.
+    pub fn flusher(&self) -> Option<Arc<Flusher>> {
+        self.flusher
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .clone()
+    }
+
+    /// The durable store's flusher, or the error saying why there is none.
+    fn durable(&self) -> Result<Option<Arc<Flusher>>> {
+        match (self.flusher(), &self.path) {
+            (Some(f), _) => Ok(Some(f)),
+            (None, Some(p)) => Err(storage(format!("the store at {} is closed", p.display()))),
+            (None, None) => Ok(None),
+        }
+    }
+
+    /// A table's common part, tied to this store.
+    fn common(&self, name: &str, lr: f64, flusher: &Option<Arc<Flusher>>) -> Common {
+        let mut c = Common::new(name.to_string(), lr, Arc::clone(&self.exec));
+        c.durable = flusher.as_ref().map(Arc::downgrade);
+        c
     }
 
     /// The store's configuration.
@@ -90,13 +285,34 @@ impl Store {
 
     fn insert(&self, name: &str, make: impl FnOnce() -> Result<Table>) -> Result<Table> {
         validate_name(name)?;
-        let mut tables = self.tables.write().unwrap_or_else(|e| e.into_inner());
-        if tables.contains_key(name) {
-            return Err(Error::TableExists(name.to_string()));
+        let flusher = self.durable()?;
+        let add = || {
+            let mut tables = self.tables.write().unwrap_or_else(|e| e.into_inner());
+            if tables.contains_key(name) {
+                return Err(Error::TableExists(name.to_string()));
+            }
+            let t = make()?;
+            if let Some(f) = &flusher {
+                // The table exists on disk before anyone can push to it.
+                let rec = TableRecord::of(&t).to_json();
+                let st = f.storage();
+                st.ensure_table(name)?;
+                st.write(|w| {
+                    w.put_meta(&table_key(name), &rec)?;
+                    if let Table::Dense(d) = &t {
+                        w.put_meta(&dense_key(name), crate::storage::bytes_of(&d.words()))?;
+                    }
+                    Ok(())
+                })?;
+                f.record_loaded(name, rec);
+            }
+            tables.insert(name.to_string(), t.clone());
+            Ok(t)
+        };
+        match &flusher {
+            Some(f) => f.exclusive(add),
+            None => add(),
         }
-        let t = make()?;
-        tables.insert(name.to_string(), t.clone());
-        Ok(t)
     }
 
     /// Creates a sparse table.
@@ -106,12 +322,13 @@ impl Store {
         config: SparseTableConfig,
     ) -> Result<Arc<SparseTable>> {
         let t = self.insert(name, || {
-            let t = SparseTable::new(
-                name.to_string(),
-                config,
-                self.config.num_shards,
-                Arc::clone(&self.exec),
-            )?;
+            let flusher = self.durable()?;
+            let backing = flusher.as_ref().map(|f| Backing {
+                storage: Arc::downgrade(f.storage()),
+                unloaded: AtomicU64::new(0),
+            });
+            let common = self.common(name, config.optimizer.lr, &flusher);
+            let t = SparseTable::new(common, config, self.config.num_shards, backing)?;
             Ok(Table::Sparse(Arc::new(t)))
         })?;
         match t {
@@ -127,7 +344,8 @@ impl Store {
         config: DenseTableConfig,
     ) -> Result<Arc<DenseTable>> {
         let t = self.insert(name, || {
-            let t = DenseTable::new(name.to_string(), config, Arc::clone(&self.exec))?;
+            let common = self.common(name, config.optimizer.lr, &self.durable()?);
+            let t = DenseTable::new(common, config)?;
             Ok(Table::Dense(Arc::new(t)))
         })?;
         match t {
@@ -163,14 +381,34 @@ impl Store {
 
     /// Removes a table from the store. Handles still held refuse every later operation; pushes
     /// queued before the drop still apply to the detached table and are then discarded with it.
+    /// A durable store deletes the table's records and rows from its replica too.
     pub fn drop_table(&self, name: &str) -> Result<()> {
-        let mut tables = self.tables.write().unwrap_or_else(|e| e.into_inner());
-        match tables.remove(name) {
-            Some(Table::Sparse(t)) => t.common().mark_dropped(),
-            Some(Table::Dense(t)) => t.common().mark_dropped(),
-            None => return Err(Error::UnknownTable(name.to_string())),
+        let flusher = self.durable()?;
+        let drop = || {
+            let mut tables = self.tables.write().unwrap_or_else(|e| e.into_inner());
+            if !tables.contains_key(name) {
+                return Err(Error::UnknownTable(name.to_string()));
+            }
+            if let Some(f) = &flusher {
+                f.storage().write(|w| {
+                    w.delete_meta(&table_key(name))?;
+                    w.delete_meta(&dense_key(name))?;
+                    for db in [Db::Rows, Db::Changed, Db::Removed] {
+                        w.clear(db, name)?;
+                    }
+                    Ok(())
+                })?;
+                f.record_dropped(name);
+            }
+            if let Some(t) = tables.remove(name) {
+                t.handle().common().mark_dropped();
+            }
+            Ok(())
+        };
+        match &flusher {
+            Some(f) => f.exclusive(drop),
+            None => drop(),
         }
-        Ok(())
     }
 
     /// Waits up to `timeout` for every queued asynchronous push; true when none is left.
@@ -178,19 +416,35 @@ impl Store {
         self.exec.flush_timeout(timeout)
     }
 
-    /// Waits for every queued asynchronous push.
-    pub fn flush(&self) {
+    /// Waits for every queued asynchronous push; a durable store then commits everything to
+    /// disk.
+    pub fn flush(&self) -> Result<()> {
         while !self.flush_timeout(Duration::from_secs(3600)) {}
+        match self.durable()? {
+            Some(f) => f.flush(),
+            None => Ok(()),
+        }
     }
 
-    /// Applies what is queued, then refuses further asynchronous pushes.
-    pub fn close(&self) {
+    /// Applies what is queued, then refuses further asynchronous pushes; a durable store writes
+    /// everything and releases its directory (another `Store` may open it then). Idempotent.
+    pub fn close(&self) -> Result<()> {
         self.exec.close();
+        let f = self
+            .flusher
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .take();
+        match f {
+            Some(f) => f.shutdown(),
+            None => Ok(()),
+        }
     }
 }
 
 impl Drop for Store {
     fn drop(&mut self) {
-        self.exec.close();
+        // Errors cannot be reported from a drop; `close` reports them.
+        let _ = self.close();
     }
 }

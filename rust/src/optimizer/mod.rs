@@ -7,7 +7,8 @@
 use crate::error::{invalid, Result};
 
 /// Which optimizer, with its own hyper-parameters.
-#[derive(Debug, Clone, Copy, PartialEq)]
+#[derive(Debug, Clone, Copy, PartialEq, serde::Serialize, serde::Deserialize)]
+#[serde(rename_all = "snake_case")]
 pub enum OptimizerKind {
     /// `w -= lr * d`, with heavy-ball or Nesterov momentum when `momentum > 0`.
     Sgd {
@@ -33,7 +34,7 @@ pub enum OptimizerKind {
 }
 
 /// An optimizer: its kind, its (initial) learning rate and the gradient clipping applied first.
-#[derive(Debug, Clone, Copy, PartialEq)]
+#[derive(Debug, Clone, Copy, PartialEq, serde::Serialize, serde::Deserialize)]
 pub struct OptimizerConfig {
     /// The optimizer and its hyper-parameters.
     pub kind: OptimizerKind,

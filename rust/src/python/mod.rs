@@ -16,11 +16,13 @@ use numpy::{PyReadonlyArray2, PyReadonlyArrayDyn};
 use pyo3::prelude::*;
 use pyo3::types::PyDict;
 
+use crate::durable::Durability;
 use crate::error::Error;
 use crate::executor::PushHandle;
-use crate::store::{Store, StoreConfig, Table};
+use crate::store::{DurableConfig, Store, StoreConfig, Table};
 use crate::table::{
-    DenseTable, DenseTableConfig, SparseTable, SparseTableConfig, TableHandle, TableStats,
+    DenseTable, DenseTableConfig, EvictPolicy, Lifecycle, SparseTable, SparseTableConfig,
+    TableHandle, TableStats,
 };
 use convert::{err, initializer_from, initializer_spec, optimizer_from, optimizer_spec, ForkGuard};
 
@@ -50,6 +52,9 @@ fn stats_dict<'py>(py: Python<'py>, s: &TableStats) -> PyResult<Bound<'py, PyDic
     d.set_item("ids_pulled", s.ids_pulled)?;
     d.set_item("rows_updated", s.rows_updated)?;
     d.set_item("rows_created", s.rows_created)?;
+    d.set_item("rows_evicted", s.rows_evicted)?;
+    d.set_item("rows_unloaded", s.rows_unloaded)?;
+    d.set_item("seq", s.seq)?;
     d.set_item("lr", s.lr)?;
     Ok(d)
 }
@@ -115,11 +120,20 @@ struct PyStore {
 #[pymethods]
 impl PyStore {
     #[new]
-    #[pyo3(signature = (num_shards=None, threads=None, max_inflight_bytes=None))]
+    #[pyo3(signature = (
+        num_shards=None, threads=None, max_inflight_bytes=None, path=None,
+        durability="async", flush_interval=1.0, map_size=None
+    ))]
+    #[allow(clippy::too_many_arguments)]
     fn new(
+        py: Python<'_>,
         num_shards: Option<usize>,
         threads: Option<usize>,
         max_inflight_bytes: Option<usize>,
+        path: Option<std::path::PathBuf>,
+        durability: &str,
+        flush_interval: f64,
+        map_size: Option<usize>,
     ) -> PyResult<Self> {
         let d = StoreConfig::default();
         let config = StoreConfig {
@@ -127,10 +141,59 @@ impl PyStore {
             threads: threads.unwrap_or(d.threads),
             max_inflight_bytes: max_inflight_bytes.unwrap_or(d.max_inflight_bytes),
         };
+        let durability: Durability = durability.parse().map_err(err)?;
+        let store = match path {
+            None => Store::new(config),
+            Some(path) => {
+                if !(flush_interval.is_finite() && flush_interval > 0.0 && flush_interval < 1e6) {
+                    return Err(err(Error::InvalidArgument(format!(
+                        "flush_interval must be a positive number of seconds, got {flush_interval}"
+                    ))));
+                }
+                let mut dc = DurableConfig::new(path);
+                dc.durability = durability;
+                dc.flush_interval = Duration::from_secs_f64(flush_interval);
+                if let Some(m) = map_size {
+                    dc.map_size = m;
+                }
+                py.detach(move || Store::open(config, dc))
+            }
+        };
         Ok(Self {
-            inner: Arc::new(Store::new(config).map_err(err)?),
+            inner: Arc::new(store.map_err(err)?),
             guard: ForkGuard::new(),
         })
+    }
+
+    /// The store directory of a durable store.
+    #[getter]
+    fn path(&self) -> Option<std::path::PathBuf> {
+        self.inner.path().map(|p| p.to_path_buf())
+    }
+
+    /// The durability mode of an open durable store ("sync", "async", "none"), else None.
+    #[getter]
+    fn durability(&self) -> Option<&'static str> {
+        self.inner.flusher().map(|f| match f.mode() {
+            Durability::Sync => "sync",
+            Durability::Async => "async",
+            Durability::None => "none",
+        })
+    }
+
+    /// The replica of an open durable store: cycle, file and map bytes, last error.
+    fn storage_info<'py>(&self, py: Python<'py>) -> PyResult<Option<Bound<'py, PyDict>>> {
+        let Some(f) = self.inner.flusher() else {
+            return Ok(None);
+        };
+        let d = PyDict::new(py);
+        d.set_item("path", f.storage().path())?;
+        d.set_item("cycle", f.done_cycle())?;
+        d.set_item("file_bytes", f.storage().file_size())?;
+        d.set_item("map_bytes", f.storage().map_size())?;
+        d.set_item("flush_interval", f.interval().as_secs_f64())?;
+        d.set_item("last_error", f.last_error().map(|e| e.to_string()))?;
+        Ok(Some(d))
     }
 
     #[getter]
@@ -148,23 +211,47 @@ impl PyStore {
         self.inner.config().max_inflight_bytes
     }
 
-    #[pyo3(signature = (name, dim, optimizer, initializer, seed))]
+    #[pyo3(signature = (
+        name, dim, optimizer, initializer, seed, admit_after=0, max_rows=None, evict_policy="lru"
+    ))]
+    #[allow(clippy::too_many_arguments)]
     fn create_sparse_table(
         &self,
+        py: Python<'_>,
         name: &str,
         dim: usize,
         optimizer: &Bound<'_, PyDict>,
         initializer: &Bound<'_, PyDict>,
         seed: u64,
+        admit_after: u32,
+        max_rows: Option<u64>,
+        evict_policy: &str,
     ) -> PyResult<PySparseTable> {
         self.guard.check()?;
+        let policy = match evict_policy {
+            "lru" => EvictPolicy::Lru,
+            "lfu" => EvictPolicy::Lfu,
+            _ => {
+                return Err(err(Error::InvalidArgument(format!(
+                    "evict_policy must be \"lru\" or \"lfu\", got {evict_policy:?}"
+                ))))
+            }
+        };
         let config = SparseTableConfig {
             dim,
             optimizer: optimizer_from(optimizer)?,
             initializer: initializer_from(initializer)?,
             seed,
+            lifecycle: Lifecycle {
+                admit_after,
+                max_rows,
+                policy,
+            },
         };
-        let t = self.inner.create_sparse_table(name, config).map_err(err)?;
+        let store = &self.inner;
+        let t = py
+            .detach(|| store.create_sparse_table(name, config))
+            .map_err(err)?;
         Ok(PySparseTable {
             inner: t,
             guard: self.guard,
@@ -174,6 +261,7 @@ impl PyStore {
     #[pyo3(signature = (name, shape, optimizer, initializer, seed))]
     fn create_dense_table(
         &self,
+        py: Python<'_>,
         name: &str,
         shape: Vec<usize>,
         optimizer: &Bound<'_, PyDict>,
@@ -187,7 +275,10 @@ impl PyStore {
             initializer: initializer_from(initializer)?,
             seed,
         };
-        let t = self.inner.create_dense_table(name, config).map_err(err)?;
+        let store = &self.inner;
+        let t = py
+            .detach(|| store.create_dense_table(name, config))
+            .map_err(err)?;
         Ok(PyDenseTable {
             inner: t,
             guard: self.guard,
@@ -221,26 +312,31 @@ impl PyStore {
         self.inner.tables()
     }
 
-    fn drop_table(&self, name: &str) -> PyResult<()> {
-        self.inner.drop_table(name).map_err(err)
+    fn drop_table(&self, py: Python<'_>, name: &str) -> PyResult<()> {
+        let store = &self.inner;
+        py.detach(|| store.drop_table(name)).map_err(err)
     }
 
-    /// Waits for every queued asynchronous push; Ctrl-C interrupts the wait.
+    /// Waits for every queued asynchronous push (Ctrl-C interrupts the wait); a durable store
+    /// then commits everything to disk.
     fn flush(&self, py: Python<'_>) -> PyResult<()> {
         self.guard.check()?;
         loop {
             let store = Arc::clone(&self.inner);
             if py.detach(move || store.flush_timeout(POLL)) {
-                return Ok(());
+                break;
             }
             py.check_signals()?;
         }
+        let store = &self.inner;
+        py.detach(|| store.flush()).map_err(err)
     }
 
-    /// Applies what is queued and refuses further asynchronous pushes.
-    fn close(&self, py: Python<'_>) {
+    /// Applies what is queued and refuses further asynchronous pushes; a durable store writes
+    /// everything and releases its directory.
+    fn close(&self, py: Python<'_>) -> PyResult<()> {
         let store = Arc::clone(&self.inner);
-        py.detach(move || store.close());
+        py.detach(move || store.close()).map_err(err)
     }
 }
 
@@ -384,6 +480,31 @@ table_methods!(PySparseTable {
         let ids_s = slice(&ids, "ids")?;
         let t = &self.inner;
         py.detach(|| t.remove(ids_s)).map_err(err)
+    }
+
+    /// Removes rows last updated before version `before_seq` or unix second `before_secs`.
+    #[pyo3(signature = (before_seq=None, before_secs=None))]
+    fn evict(&self, py: Python<'_>, before_seq: Option<u64>, before_secs: Option<u32>) -> PyResult<usize> {
+        self.guard.check()?;
+        let t = &self.inner;
+        py.detach(|| t.evict(before_seq, before_secs)).map_err(err)
+    }
+
+    /// The update sequence number (pushes applied over the table's life).
+    #[getter]
+    fn seq(&self) -> u64 {
+        self.inner.seq()
+    }
+
+    /// (admit_after, max_rows, evict_policy)
+    #[getter]
+    fn lifecycle(&self) -> (u32, Option<u64>, &'static str) {
+        let l = self.inner.config().lifecycle;
+        let p = match l.policy {
+            EvictPolicy::Lru => "lru",
+            EvictPolicy::Lfu => "lfu",
+        };
+        (l.admit_after, l.max_rows, p)
     }
 
     fn initial_rows<'py>(

@@ -1,10 +1,11 @@
 //! Dense tables: one named float32 tensor with its own optimizer, updated as a whole.
 
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, RwLock};
 
 use super::{check_finite, Common, Counters, TableHandle, TableStats};
 use crate::error::{invalid, shape, Result};
-use crate::executor::{Executor, PushHandle};
+use crate::executor::PushHandle;
 use crate::init::Initializer;
 use crate::optimizer::OptimizerConfig;
 
@@ -12,7 +13,7 @@ use crate::optimizer::OptimizerConfig;
 const MAX_NUMEL: usize = 1 << 32;
 
 /// How a dense table is built.
-#[derive(Debug, Clone, PartialEq)]
+#[derive(Debug, Clone, PartialEq, serde::Serialize, serde::Deserialize)]
 pub struct DenseTableConfig {
     /// The tensor's shape; every extent at least 1.
     pub shape: Vec<usize>,
@@ -65,10 +66,12 @@ pub struct DenseTable {
     common: Common,
     config: DenseTableConfig,
     data: RwLock<DenseState>,
+    /// Changed since the flusher last took the value.
+    dirty: AtomicBool,
 }
 
 impl DenseTable {
-    pub(crate) fn new(name: String, config: DenseTableConfig, exec: Arc<Executor>) -> Result<Self> {
+    pub(crate) fn new(common: Common, config: DenseTableConfig) -> Result<Self> {
         config.validate()?;
         let n = config.numel();
         let mut weights = vec![0.0; n];
@@ -76,7 +79,8 @@ impl DenseTable {
         let mut state = vec![0.0; config.optimizer.state_len(n)];
         config.optimizer.init_state(&mut state);
         Ok(Self {
-            common: Common::new(name, config.optimizer.lr, exec),
+            common,
+            dirty: AtomicBool::new(true),
             config,
             data: RwLock::new(DenseState {
                 weights,
@@ -132,7 +136,8 @@ impl DenseTable {
             &self.common.name,
             grad,
             *self.config.shape.last().unwrap_or(&1),
-        )
+        )?;
+        self.common.durable_check()
     }
 
     /// Applies one gradient of the whole tensor.
@@ -142,7 +147,7 @@ impl DenseTable {
             return self.push_async(grad.to_vec())?.wait();
         }
         self.apply(grad);
-        Ok(())
+        self.common.durable_wait()
     }
 
     /// Queues one gradient and returns at once.
@@ -153,7 +158,7 @@ impl DenseTable {
             grad.len() * 4,
             Box::new(move || {
                 me.apply(&grad);
-                Ok(())
+                me.common.durable_wait()
             }),
         )
     }
@@ -167,8 +172,60 @@ impl DenseTable {
         self.config
             .optimizer
             .apply(lr, d.step, &mut d.weights, &mut d.state, &mut g);
+        self.dirty.store(true, Ordering::Release);
         Counters::add(&self.common.counters.pushes, 1);
         Counters::add(&self.common.counters.rows_updated, 1);
+    }
+
+    /// The value as words `[step, 0, weights, state]`, if it changed since the last take.
+    pub(crate) fn take_dirty_words(&self) -> Option<Vec<u32>> {
+        let d = self.read();
+        if !self.dirty.swap(false, Ordering::AcqRel) {
+            return None;
+        }
+        Some(Self::words_of(&d))
+    }
+
+    fn words_of(d: &DenseState) -> Vec<u32> {
+        let mut w = Vec::with_capacity(2 + d.weights.len() + d.state.len());
+        w.push(d.step);
+        w.push(0);
+        w.extend(d.weights.iter().map(|x| x.to_bits()));
+        w.extend(d.state.iter().map(|x| x.to_bits()));
+        w
+    }
+
+    /// The value as words `[step, 0, weights, state]`.
+    pub fn words(&self) -> Vec<u32> {
+        Self::words_of(&self.read())
+    }
+
+    /// Marks the value changed (a failed flush gives it back).
+    pub(crate) fn mark_dirty(&self) {
+        self.dirty.store(true, Ordering::Release);
+    }
+
+    /// Replaces the value by words `[step, 0, weights, state]`.
+    pub fn set_words(&self, words: &[u32]) -> Result<()> {
+        let mut d = self.data.write().unwrap_or_else(|e| e.into_inner());
+        let (n, m) = (d.weights.len(), d.state.len());
+        if words.len() != 2 + n + m {
+            return Err(crate::error::corrupt(format!(
+                "dense table {:?}: a stored value of {} words, not {}",
+                self.common.name,
+                words.len(),
+                2 + n + m
+            )));
+        }
+        d.step = words[0];
+        for (x, &w) in d.weights.iter_mut().zip(&words[2..2 + n]) {
+            *x = f32::from_bits(w);
+        }
+        for (x, &w) in d.state.iter_mut().zip(&words[2 + n..]) {
+            *x = f32::from_bits(w);
+        }
+        self.dirty.store(true, Ordering::Release);
+        Ok(())
     }
 
     /// The table's counters and sizes.
@@ -184,6 +241,9 @@ impl DenseTable {
             ids_pulled: 0,
             rows_updated: Counters::get(&c.rows_updated),
             rows_created: 0,
+            rows_evicted: 0,
+            seq: Counters::get(&c.pushes),
+            rows_unloaded: 0,
             lr: self.lr(),
         }
     }

@@ -4,11 +4,13 @@ mod dense;
 mod sparse;
 
 pub use dense::{DenseTable, DenseTableConfig};
-pub use sparse::{SparseTable, SparseTableConfig};
+pub(crate) use sparse::{Backing, Taken};
+pub use sparse::{EvictPolicy, Lifecycle, SparseTable, SparseTableConfig};
 
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
-use std::sync::Arc;
+use std::sync::{Arc, Weak};
 
+use crate::durable::Flusher;
 use crate::error::{Error, Result};
 use crate::executor::Executor;
 use crate::shard::Grouped;
@@ -35,6 +37,12 @@ pub struct TableStats {
     pub rows_updated: u64,
     /// Rows created by first touch.
     pub rows_created: u64,
+    /// Rows removed by eviction (by age or by the `max_rows` budget).
+    pub rows_evicted: u64,
+    /// The update sequence number: pushes applied over the table's life.
+    pub seq: u64,
+    /// Rows of the LMDB replica not loaded into memory yet (included in `rows`).
+    pub rows_unloaded: u64,
     /// Learning rate in force.
     pub lr: f64,
 }
@@ -65,6 +73,8 @@ pub struct Common {
     pub(crate) exec: Arc<Executor>,
     pub(crate) counters: Counters,
     dropped: AtomicBool,
+    /// The flusher of a durable store.
+    pub(crate) durable: Option<Weak<Flusher>>,
 }
 
 impl Common {
@@ -75,6 +85,24 @@ impl Common {
             exec,
             counters: Counters::default(),
             dropped: AtomicBool::new(false),
+            durable: None,
+        }
+    }
+
+    /// Refuses a push while the replica cannot be written (after retrying the write once).
+    pub(crate) fn durable_check(&self) -> Result<()> {
+        match self.durable.as_ref().and_then(Weak::upgrade) {
+            Some(f) => f.check(),
+            None if self.durable.is_some() => Err(Error::Storage("the store is closed".into())),
+            None => Ok(()),
+        }
+    }
+
+    /// In a `sync` store, waits until what was applied is committed to disk.
+    pub(crate) fn durable_wait(&self) -> Result<()> {
+        match self.durable.as_ref().and_then(Weak::upgrade) {
+            Some(f) => f.after_push(),
+            None => Ok(()),
         }
     }
 
@@ -125,6 +153,7 @@ pub struct Counters {
     pub ids_pulled: AtomicU64,
     pub rows_updated: AtomicU64,
     pub rows_created: AtomicU64,
+    pub rows_evicted: AtomicU64,
 }
 
 impl Counters {
@@ -134,6 +163,13 @@ impl Counters {
     pub(crate) fn get(c: &AtomicU64) -> u64 {
         c.load(Ordering::Relaxed)
     }
+}
+
+/// The current unix second (0 before 1970, saturating in 2106).
+pub(crate) fn unix_now() -> u32 {
+    std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0, |d| d.as_secs().min(u32::MAX as u64) as u32)
 }
 
 /// Inputs at least this long are scanned on the pool, in parallel.

@@ -1,19 +1,24 @@
 //! Sparse embedding tables: u64 id -> float32 row, created on first touch.
 
+use std::collections::HashMap;
 use std::mem::MaybeUninit;
-use std::sync::atomic::{AtomicUsize, Ordering};
-use std::sync::{Arc, RwLock, RwLockReadGuard, RwLockWriteGuard};
+use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
+use std::sync::{Arc, Mutex, RwLock, RwLockReadGuard, RwLockWriteGuard, Weak};
 
 use rayon::prelude::*;
 
-use super::{check_finite, group_ids, Common, Counters, TableHandle, TableStats, MAX_DIM};
-use crate::error::{invalid, shape, Result};
-use crate::executor::{Executor, PushHandle};
+use super::{
+    check_finite, group_ids, unix_now, Common, Counters, TableHandle, TableStats, MAX_DIM,
+};
+use crate::error::{invalid, shape, storage, Result};
+use crate::executor::PushHandle;
 use crate::init::Initializer;
 use crate::optimizer::OptimizerConfig;
 use crate::shard::{
-    as_f32, as_f32_mut, bump_step, prefetch_lines, Grouped, Shard, HEADER, NO_SLOT,
+    as_f32, as_f32_mut, bump_step, prefetch_lines, row_version, Grouped, Shard, FREQ, HEADER, META,
+    NO_SLOT,
 };
+use crate::storage::{words_into, Db, Storage};
 
 /// Batches smaller than this run on the calling thread: spreading them costs more than it saves.
 const PARALLEL_MIN_IDS: usize = 2048;
@@ -23,7 +28,7 @@ const PREFETCH_RUNS: usize = 6;
 const PREFETCH_GRADS: usize = 8;
 
 /// How a sparse table is built.
-#[derive(Debug, Clone, PartialEq)]
+#[derive(Debug, Clone, PartialEq, serde::Serialize, serde::Deserialize)]
 pub struct SparseTableConfig {
     /// Row width, 1..=4096.
     pub dim: usize,
@@ -33,6 +38,32 @@ pub struct SparseTableConfig {
     pub initializer: Initializer,
     /// The seed of the initialiser.
     pub seed: u64,
+    /// Admission and eviction.
+    #[serde(default)]
+    pub lifecycle: Lifecycle,
+}
+
+/// Which rows a `max_rows` budget evicts first.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, serde::Serialize, serde::Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum EvictPolicy {
+    /// Least recently updated first.
+    #[default]
+    Lru,
+    /// Least frequently pushed first (then least recently updated).
+    Lfu,
+}
+
+/// What recommender id spaces need: admission of ids seen often enough, and a row budget.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, serde::Serialize, serde::Deserialize)]
+pub struct Lifecycle {
+    /// An id gets a row once it has been pushed this many times (0 and 1: at once). Until then
+    /// pulls return its initial value without storing a row, and pushes only count it.
+    pub admit_after: u32,
+    /// The most rows the table keeps; past it, the policy evicts down to 99% of the budget.
+    pub max_rows: Option<u64>,
+    /// Which rows the budget evicts first.
+    pub policy: EvictPolicy,
 }
 
 impl SparseTableConfig {
@@ -44,9 +75,36 @@ impl SparseTableConfig {
                 self.dim
             )));
         }
+        if self.lifecycle.max_rows == Some(0) {
+            return Err(invalid("max_rows must be >= 1"));
+        }
         self.optimizer.validate()?;
         self.initializer.validate()
     }
+}
+
+/// The LMDB replica behind a table of a durable store.
+pub(crate) struct Backing {
+    pub(crate) storage: Weak<Storage>,
+    /// Rows in the replica that are not in memory yet (loaded on first touch).
+    pub(crate) unloaded: AtomicU64,
+}
+
+impl Backing {
+    fn storage(&self) -> Result<Arc<Storage>> {
+        self.storage
+            .upgrade()
+            .ok_or_else(|| storage("the store is closed"))
+    }
+}
+
+/// What a flush took from one shard: the changed rows and the removed ids.
+pub(crate) struct Taken {
+    pub(crate) shard: usize,
+    pub(crate) ids: Vec<u64>,
+    /// `ids.len()` rows of [`SparseTable::row_words`] words.
+    pub(crate) words: Vec<u32>,
+    pub(crate) gone: Vec<u64>,
 }
 
 /// A raw pointer to an output buffer that shard tasks write at disjoint rows.
@@ -75,28 +133,174 @@ pub struct SparseTable {
     shards: Vec<RwLock<Shard>>,
     /// Where the next batch starts its sweep over the shards.
     sweep: AtomicUsize,
+    /// The update sequence number: pushes applied over the table's life (a row's version).
+    seq: AtomicU64,
+    /// Per shard, how often each not yet admitted id has been pushed.
+    candidates: Vec<Mutex<HashMap<u64, u32>>>,
+    /// Set while a thread enforces `max_rows`.
+    evicting: Mutex<()>,
+    backing: Option<Backing>,
 }
 
 impl SparseTable {
     /// A new empty table; `config` must be valid.
     pub(crate) fn new(
-        name: String,
+        common: Common,
         config: SparseTableConfig,
         num_shards: usize,
-        exec: Arc<Executor>,
+        backing: Option<Backing>,
     ) -> Result<Self> {
         config.validate()?;
         let state_len = config.optimizer.state_len(config.dim);
         let stride = HEADER + config.dim + state_len;
+        let track = backing.is_some();
         Ok(Self {
-            common: Common::new(name, config.optimizer.lr, exec),
+            common,
             sweep: AtomicUsize::new(0),
             config,
             state_len,
             shards: (0..num_shards.max(1))
-                .map(|_| RwLock::new(Shard::new(stride)))
+                .map(|_| {
+                    let mut s = Shard::new(stride);
+                    s.set_tracking(track);
+                    RwLock::new(s)
+                })
                 .collect(),
+            seq: AtomicU64::new(0),
+            candidates: (0..num_shards.max(1)).map(|_| Mutex::default()).collect(),
+            evicting: Mutex::new(()),
+            backing,
         })
+    }
+
+    /// Words of a row after its id: metadata, weights and state.
+    pub fn row_words(&self) -> usize {
+        META + self.config.dim + self.state_len
+    }
+
+    /// Floats of optimizer state per row.
+    pub fn state_len(&self) -> usize {
+        self.state_len
+    }
+
+    /// The update sequence number (pushes applied over the table's life).
+    pub fn seq(&self) -> u64 {
+        self.seq.load(Ordering::Relaxed)
+    }
+
+    pub(crate) fn set_seq(&self, seq: u64) {
+        self.seq.store(seq, Ordering::Relaxed);
+    }
+
+    /// Rows of the replica not loaded into memory yet (0 without a replica).
+    pub fn unloaded(&self) -> u64 {
+        self.backing
+            .as_ref()
+            .map_or(0, |b| b.unloaded.load(Ordering::Acquire))
+    }
+
+    fn admit_after(&self) -> u32 {
+        self.config.lifecycle.admit_after.max(1)
+    }
+
+    /// The replica, when rows may still wait in it.
+    fn lazy(&self) -> Option<(&Backing, Arc<Storage>)> {
+        let b = self.backing.as_ref()?;
+        if b.unloaded.load(Ordering::Acquire) == 0 {
+            return None;
+        }
+        b.storage().ok().map(|s| (b, s))
+    }
+
+    /// Loads the replica's rows of `ids` (absent from memory) into the shard; returns, for each,
+    /// whether it had one. Ids removed since (`gone`) are not loaded.
+    fn fault_in(&self, shard: &mut Shard, ids: &[u64]) -> Result<Vec<bool>> {
+        let Some((b, st)) = self.lazy() else {
+            return Ok(vec![false; ids.len()]);
+        };
+        let name = &self.common.name;
+        let mut words = Vec::with_capacity(self.row_words());
+        st.read(|r| {
+            let mut found = Vec::with_capacity(ids.len());
+            for &id in ids {
+                if shard.find(id).is_some() {
+                    found.push(true);
+                    continue;
+                }
+                if shard.is_gone(id) {
+                    found.push(false);
+                    continue;
+                }
+                match r.get(Db::Rows, name, id)? {
+                    Some(v) => {
+                        words.clear();
+                        words_into(v, &mut words);
+                        if words.len() != self.row_words() {
+                            return Err(crate::error::corrupt(format!(
+                                "{}: table {name:?} row {id} holds {} words, not {}",
+                                st.path().display(),
+                                words.len(),
+                                self.row_words()
+                            )));
+                        }
+                        shard.put_words(id, &words);
+                        b.unloaded.fetch_sub(1, Ordering::AcqRel);
+                        found.push(true);
+                    }
+                    None => found.push(false),
+                }
+            }
+            Ok(found)
+        })
+    }
+
+    /// Loads every row still waiting in the replica (before a whole-table operation).
+    pub fn load_all(&self) -> Result<()> {
+        let Some((b, st)) = self.lazy() else {
+            return Ok(());
+        };
+        let n = self.shards.len();
+        let m = self.row_words();
+        let mut batch: Vec<(u64, Vec<u32>)> = Vec::new();
+        let flush = |batch: &mut Vec<(u64, Vec<u32>)>| {
+            batch.sort_unstable_by_key(|(id, _)| crate::hash::shard_of(*id, n));
+            for part in batch
+                .chunk_by(|a, c| crate::hash::shard_of(a.0, n) == crate::hash::shard_of(c.0, n))
+            {
+                let mut shard = self.write(crate::hash::shard_of(part[0].0, n));
+                for (id, w) in part {
+                    if shard.find(*id).is_none() && !shard.is_gone(*id) {
+                        shard.put_words(*id, w);
+                        b.unloaded.fetch_sub(1, Ordering::AcqRel);
+                    }
+                }
+            }
+            batch.clear();
+        };
+        // No flush may commit during the scan: a row it deletes after the scan read it could
+        // otherwise come back.
+        st.read_exclusive(|r| {
+            r.scan(Db::Rows, &self.common.name, |id, v| {
+                let mut w = Vec::with_capacity(m);
+                words_into(v, &mut w);
+                if w.len() != m {
+                    return Err(crate::error::corrupt(format!(
+                        "{}: table {:?} row {id} holds {} words, not {m}",
+                        st.path().display(),
+                        self.common.name,
+                        w.len()
+                    )));
+                }
+                batch.push((id, w));
+                if batch.len() >= 65536 {
+                    flush(&mut batch);
+                }
+                Ok(())
+            })
+        })?;
+        flush(&mut batch);
+        b.unloaded.store(0, Ordering::Release);
+        Ok(())
     }
 
     /// The table's configuration (with the optimizer's initial learning rate).
@@ -124,9 +328,12 @@ impl SparseTable {
         self.shards[s].write().unwrap_or_else(|e| e.into_inner())
     }
 
-    /// Rows stored.
+    /// Rows stored (in memory, plus those of the replica not loaded yet).
     pub fn len(&self) -> usize {
-        (0..self.shards.len()).map(|s| self.read(s).len()).sum()
+        (0..self.shards.len())
+            .map(|s| self.read(s).len())
+            .sum::<usize>()
+            + self.unloaded() as usize
     }
 
     /// True when no row is stored.
@@ -202,6 +409,7 @@ impl SparseTable {
         }
         let ptr = OutPtr(out.as_mut_ptr().cast::<f32>());
         let created = std::sync::atomic::AtomicU64::new(0);
+        let failure: Mutex<Option<crate::Error>> = Mutex::new(None);
         let g = self.group(ids);
         self.for_each_shard(&g, ids.len(), |s, pos| {
             let copy = |shard: &Shard, slot: u32, p: u32| {
@@ -227,25 +435,50 @@ impl SparseTable {
                     }
                 });
             }
-            if !missing.is_empty() {
-                let mut shard = self.write(s);
-                let mut made = 0;
-                for &p in &missing {
-                    let id = ids[p as usize];
-                    let (slot, new) = shard.find_or_insert(id, |b| self.init_body(id, b));
-                    made += new as u64;
-                    copy(&shard, slot, p);
-                }
-                created.fetch_add(made, std::sync::atomic::Ordering::Relaxed);
+            if missing.is_empty() {
+                return;
             }
+            let mut shard = self.write(s);
+            let missing_ids: Vec<u64> = missing.iter().map(|&p| ids[p as usize]).collect();
+            if let Err(e) = self.fault_in(&mut shard, &missing_ids) {
+                failure
+                    .lock()
+                    .unwrap_or_else(|e| e.into_inner())
+                    .get_or_insert(e);
+                return;
+            }
+            let admit_now = self.admit_after() <= 1;
+            let (version, now) = (self.seq(), unix_now());
+            let mut made = 0;
+            for (&p, &id) in missing.iter().zip(&missing_ids) {
+                if !admit_now && shard.find(id).is_none() {
+                    // Not admitted yet: its initial value, and no row.
+                    // SAFETY: as in `copy`.
+                    let out = unsafe {
+                        std::slice::from_raw_parts_mut(ptr.get().add(p as usize * dim), dim)
+                    };
+                    self.config.initializer.fill(self.config.seed, id, out);
+                    continue;
+                }
+                let (slot, new) = shard.find_or_insert(id, |b| self.init_body(id, b));
+                if new {
+                    shard.touch(slot, version, now, 0);
+                    made += 1;
+                }
+                copy(&shard, slot, p);
+            }
+            created.fetch_add(made, std::sync::atomic::Ordering::Relaxed);
         });
+        if let Some(e) = failure.into_inner().unwrap_or_else(|e| e.into_inner()) {
+            return Err(e);
+        }
         Counters::add(&self.common.counters.pulls, 1);
         Counters::add(&self.common.counters.ids_pulled, ids.len());
         Counters::add(
             &self.common.counters.rows_created,
             created.into_inner() as usize,
         );
-        Ok(())
+        self.enforce_budget()
     }
 
     /// Which of `ids` have a row. Creates nothing.
@@ -253,20 +486,37 @@ impl SparseTable {
         self.check_live()?;
         let mut out = vec![false; ids.len()];
         let g = self.group(ids);
+        let lazy = self.lazy();
         for s in 0..self.shards.len() {
             let pos = g.of(s);
             if pos.is_empty() {
                 continue;
             }
             let shard = self.read(s);
+            let mut ask = Vec::new();
             for &p in pos {
-                out[p as usize] = shard.find(ids[p as usize]).is_some();
+                let id = ids[p as usize];
+                out[p as usize] = shard.find(id).is_some();
+                if !out[p as usize] && lazy.is_some() && !shard.is_gone(id) {
+                    ask.push(p);
+                }
+            }
+            if let (Some((_, st)), false) = (&lazy, ask.is_empty()) {
+                st.read(|r| {
+                    for &p in &ask {
+                        out[p as usize] = r
+                            .get(Db::Rows, &self.common.name, ids[p as usize])?
+                            .is_some();
+                    }
+                    Ok(())
+                })?;
             }
         }
         Ok(out)
     }
 
-    /// Removes the rows of `ids`; returns how many existed.
+    /// Removes the rows of `ids` (and forgets their admission counts); returns how many existed.
+    /// Removed ids become tombstones of the next incremental snapshot.
     pub fn remove(&self, ids: &[u64]) -> Result<usize> {
         self.check_live()?;
         let g = self.group(ids);
@@ -277,12 +527,120 @@ impl SparseTable {
                 continue;
             }
             let mut shard = self.write(s);
-            removed += pos
-                .iter()
-                .filter(|&&p| shard.remove(ids[p as usize]))
-                .count();
+            let mut absent = Vec::new();
+            for &p in pos {
+                let id = ids[p as usize];
+                if shard.remove(id) {
+                    removed += 1;
+                } else {
+                    absent.push(id);
+                }
+            }
+            if !absent.is_empty() && self.lazy().is_some() {
+                absent.sort_unstable();
+                absent.dedup();
+                // A row still in the replica: load it, then remove it like any other.
+                let found = self.fault_in(&mut shard, &absent)?;
+                for (&id, f) in absent.iter().zip(found) {
+                    if f && shard.remove(id) {
+                        removed += 1;
+                    }
+                }
+            }
+            let mut cand = self.candidates[s].lock().unwrap_or_else(|e| e.into_inner());
+            if !cand.is_empty() {
+                for &p in pos {
+                    cand.remove(&ids[p as usize]);
+                }
+            }
         }
         Ok(removed)
+    }
+
+    /// Removes the rows whose last update is older than `before_seq` (a version) or
+    /// `before_secs` (a unix second); returns how many. Rows still waiting in the replica are
+    /// loaded first.
+    pub fn evict(&self, before_seq: Option<u64>, before_secs: Option<u32>) -> Result<usize> {
+        self.check_live()?;
+        self.load_all()?;
+        let mut evicted = 0;
+        for s in 0..self.shards.len() {
+            let mut shard = self.write(s);
+            let old: Vec<u64> = shard
+                .iter()
+                .filter(|&(_, slot)| {
+                    let row = shard.row(slot);
+                    before_seq.is_some_and(|v| row_version(row) < v)
+                        || before_secs.is_some_and(|t| row[crate::shard::UPDATED_AT] < t)
+                })
+                .map(|(id, _)| id)
+                .collect();
+            for id in old {
+                evicted += shard.remove(id) as usize;
+            }
+        }
+        Counters::add(&self.common.counters.rows_evicted, evicted);
+        Ok(evicted)
+    }
+
+    /// Keeps the table within `max_rows`: past it, evicts by the policy down to 99% of it.
+    fn enforce_budget(&self) -> Result<()> {
+        let Some(max) = self.config.lifecycle.max_rows else {
+            return Ok(());
+        };
+        if (self.len() as u64) <= max {
+            return Ok(());
+        }
+        let Ok(_one) = self.evicting.try_lock() else {
+            return Ok(()); // another thread is at it
+        };
+        self.load_all()?;
+        let len = self.len() as u64;
+        if len <= max {
+            return Ok(());
+        }
+        let target = max - max / 100;
+        let excess = (len - target) as usize;
+        let lfu = self.config.lifecycle.policy == EvictPolicy::Lfu;
+        // Scores: LFU by push count then version; LRU by version.
+        let score = |row: &[u32]| -> (u64, u64) {
+            if lfu {
+                (row[FREQ] as u64, row_version(row))
+            } else {
+                (row_version(row), 0)
+            }
+        };
+        let mut scores: Vec<(u64, u64)> = Vec::with_capacity(len as usize);
+        for s in 0..self.shards.len() {
+            let shard = self.read(s);
+            scores.extend(shard.iter().map(|(_, slot)| score(shard.row(slot))));
+        }
+        if excess == 0 || scores.is_empty() {
+            return Ok(());
+        }
+        let k = excess.min(scores.len()) - 1;
+        let (_, &mut cut, _) = scores.select_nth_unstable(k);
+        let below = scores.iter().filter(|&&x| x < cut).count();
+        let mut ties = excess.saturating_sub(below);
+        let mut evicted = 0;
+        for s in 0..self.shards.len() {
+            let mut shard = self.write(s);
+            let mut victims = Vec::new();
+            for (id, slot) in shard.iter() {
+                let x = score(shard.row(slot));
+                if x < cut {
+                    victims.push(id);
+                } else if x == cut && ties > 0 {
+                    ties -= 1;
+                    victims.push(id);
+                }
+            }
+            for id in victims {
+                evicted += shard.remove(id) as usize;
+            }
+        }
+        Counters::add(&self.common.counters.rows_evicted, evicted);
+        Ok(())
     }
 
     /// Checks a push without applying anything.
@@ -298,20 +656,22 @@ impl SparseTable {
                 grads.len()
             )));
         }
-        check_finite(&self.common.exec, &self.common.name, grads, dim)
+        check_finite(&self.common.exec, &self.common.name, grads, dim)?;
+        self.common.durable_check()
     }
 
     /// Applies the gradients `grads` (`ids.len() * dim` floats, row per id) with the table's
     /// optimizer. Duplicate ids are summed and updated once. Returns once the update is visible to
-    /// every later pull; if asynchronous pushes are in flight, it queues behind them so pushes from
-    /// one thread apply in order. On an error nothing is applied.
+    /// every later pull (and, in a `sync` durable store, committed to disk); if asynchronous
+    /// pushes are in flight, it queues behind them so pushes from one thread apply in order. On
+    /// an error of the inputs nothing is applied.
     pub fn push(self: &Arc<Self>, ids: &[u64], grads: &[f32]) -> Result<()> {
         self.validate_push(ids, grads)?;
         if self.common.exec.pending() > 0 {
             return self.queue(ids.to_vec(), grads.to_vec())?.wait();
         }
-        self.apply(ids, grads);
-        Ok(())
+        self.apply(ids, grads)?;
+        self.common.durable_wait()
     }
 
     /// Queues a push and returns at once; the inputs are moved into the queue. Errors of the
@@ -327,39 +687,119 @@ impl SparseTable {
         self.common.exec.submit(
             bytes,
             Box::new(move || {
-                me.apply(&ids, &grads);
-                Ok(())
+                me.apply(&ids, &grads)?;
+                me.common.durable_wait()
             }),
         )
     }
 
+    /// Loads the replica rows of the batch's ids that are not in memory, before anything is
+    /// applied, so a failing read leaves every row as it was.
+    fn fault_in_batch(&self, ids: &[u64], g: &Grouped) -> Result<()> {
+        if self.lazy().is_none() {
+            return Ok(());
+        }
+        for s in 0..self.shards.len() {
+            let pos = g.of(s);
+            if pos.is_empty() {
+                continue;
+            }
+            let mut shard = self.write(s);
+            let mut absent: Vec<u64> = pos
+                .iter()
+                .map(|&p| ids[p as usize])
+                .filter(|&id| shard.find(id).is_none())
+                .collect();
+            if !absent.is_empty() {
+                absent.sort_unstable();
+                absent.dedup();
+                self.fault_in(&mut shard, &absent)?;
+            }
+        }
+        Ok(())
+    }
+
+    /// Creates the rows of the shard's missing ids that are admitted now; returns the slot of
+    /// every position (`NO_SLOT` for an id still waiting for admission).
+    #[allow(clippy::too_many_arguments)]
+    fn admit(
+        &self,
+        s: usize,
+        shard: &mut Shard,
+        ids: &[u64],
+        pos: &[u32],
+        slots: &mut [u32],
+        version: u64,
+        now: u32,
+    ) -> u64 {
+        let after = self.admit_after();
+        let mut made = 0u64;
+        if after <= 1 {
+            for (&p, slot) in pos.iter().zip(slots.iter_mut()) {
+                if *slot == NO_SLOT {
+                    let id = ids[p as usize];
+                    let (sl, new) = shard.find_or_insert(id, |b| self.init_body(id, b));
+                    if new {
+                        shard.touch(sl, version, now, 0);
+                        made += 1;
+                    }
+                    *slot = sl;
+                }
+            }
+            return made;
+        }
+        let mut seen: HashMap<u64, u32> = HashMap::new();
+        for (&p, &slot) in pos.iter().zip(slots.iter()) {
+            if slot == NO_SLOT {
+                *seen.entry(ids[p as usize]).or_default() += 1;
+            }
+        }
+        let mut cand = self.candidates[s].lock().unwrap_or_else(|e| e.into_inner());
+        let mut admitted: HashMap<u64, u32> = HashMap::new();
+        for (id, n) in seen {
+            let total = cand.get(&id).copied().unwrap_or(0).saturating_add(n);
+            if total >= after {
+                cand.remove(&id);
+                let (sl, new) = shard.find_or_insert(id, |b| self.init_body(id, b));
+                if new {
+                    // Counts of the pushes before this one; this one adds its own.
+                    shard.touch(sl, version, now, total - n);
+                    made += 1;
+                }
+                admitted.insert(id, sl);
+            } else {
+                cand.insert(id, total);
+            }
+        }
+        for (&p, slot) in pos.iter().zip(slots.iter_mut()) {
+            if *slot == NO_SLOT {
+                *slot = admitted.get(&ids[p as usize]).copied().unwrap_or(NO_SLOT);
+            }
+        }
+        made
+    }
+
     /// Applies a validated push.
-    fn apply(&self, ids: &[u64], grads: &[f32]) {
+    fn apply(&self, ids: &[u64], grads: &[f32]) -> Result<()> {
         let dim = self.config.dim;
         let opt = self.config.optimizer;
         let lr = self.lr();
         let updated = std::sync::atomic::AtomicU64::new(0);
         let created = std::sync::atomic::AtomicU64::new(0);
         let g = self.group(ids);
+        self.fault_in_batch(ids, &g)?;
+        let version = self.seq.fetch_add(1, Ordering::Relaxed) + 1;
+        let now = unix_now();
         self.for_each_shard(&g, ids.len(), |s, pos| {
             let mut shard = self.write(s);
-            let mut made = 0u64;
             let mut slots = Vec::new();
             shard.find_many(ids, pos, 0, &mut slots);
+            let made = self.admit(s, &mut shard, ids, pos, &mut slots, version, now);
             let mut pairs: Vec<u64> = pos
                 .iter()
                 .zip(&slots)
-                .map(|(&p, &slot)| {
-                    let slot = if slot == NO_SLOT {
-                        let id = ids[p as usize];
-                        let (slot, new) = shard.find_or_insert(id, |b| self.init_body(id, b));
-                        made += new as u64;
-                        slot
-                    } else {
-                        slot
-                    };
-                    ((slot as u64) << 32) | p as u64
-                })
+                .filter(|&(_, &slot)| slot != NO_SLOT)
+                .map(|(&p, &slot)| ((slot as u64) << 32) | p as u64)
                 .collect();
             pairs.sort_unstable();
             let runs_at: Vec<usize> = (0..pairs.len())
@@ -392,6 +832,7 @@ impl SparseTable {
                 let step = bump_step(row);
                 let (w, state) = as_f32_mut(&mut row[HEADER..]).split_at_mut(dim);
                 opt.apply(lr, step, w, state, &mut acc);
+                shard.touch(slot, version, now, run.len().min(u32::MAX as usize) as u32);
                 runs += 1;
             }
             updated.fetch_add(runs, std::sync::atomic::Ordering::Relaxed);
@@ -402,6 +843,96 @@ impl SparseTable {
         Counters::add(&c.ids_pushed, ids.len());
         Counters::add(&c.rows_updated, updated.into_inner() as usize);
         Counters::add(&c.rows_created, created.into_inner() as usize);
+        self.enforce_budget()
+    }
+
+    /// Takes what changed in shard `s` since the last take, for a flush.
+    pub(crate) fn take_shard(&self, s: usize) -> Taken {
+        let m = self.row_words();
+        let mut shard = self.write(s);
+        let mut t = Taken {
+            shard: s,
+            ids: Vec::new(),
+            words: Vec::new(),
+            gone: Vec::new(),
+        };
+        shard.take_changed(|id, w| {
+            t.ids.push(id);
+            t.words.extend_from_slice(&w[..m]);
+        });
+        t.gone = shard
+            .gone()
+            .into_iter()
+            .filter(|&id| shard.find(id).is_none())
+            .collect();
+        t
+    }
+
+    /// Gives back what a failed flush took: the rows are marked changed again.
+    pub(crate) fn untake(&self, t: &Taken) {
+        let mut shard = self.write(t.shard);
+        for &id in &t.ids {
+            if let Some(slot) = shard.find(id) {
+                shard.mark(slot);
+            }
+        }
+    }
+
+    /// After a flush committed: the removals it wrote are done.
+    pub(crate) fn forget(&self, t: &Taken) {
+        if !t.gone.is_empty() {
+            self.write(t.shard).forget_gone(&t.gone);
+        }
+    }
+
+    /// Calls `f(shard, id, words)` for every row in memory, shard by shard, each shard under its
+    /// read lock (so each row is one update's state).
+    pub(crate) fn for_each_row(
+        &self,
+        shards: &[usize],
+        mut f: impl FnMut(usize, u64, &[u32]) -> Result<()>,
+    ) -> Result<()> {
+        let mut w = Vec::with_capacity(self.row_words());
+        for &s in shards {
+            let shard = self.read(s);
+            for (id, slot) in shard.iter() {
+                w.clear();
+                shard.words(slot, &mut w);
+                f(s, id, &w)?;
+            }
+        }
+        Ok(())
+    }
+
+    /// Stores rows given as words (a restore); each replaces any row of its id.
+    pub fn put_rows(&self, ids: &[u64], words: &[u32]) -> Result<()> {
+        let m = self.row_words();
+        if words.len() != ids.len() * m {
+            return Err(shape(format!(
+                "table {:?}: {} rows need {} words, got {}",
+                self.common.name,
+                ids.len(),
+                ids.len() * m,
+                words.len()
+            )));
+        }
+        let g = self.group(ids);
+        self.for_each_shard(&g, ids.len(), |s, pos| {
+            let mut shard = self.write(s);
+            for &p in pos {
+                let p = p as usize;
+                let (slot, _) = shard.put_words(ids[p], &words[p * m..(p + 1) * m]);
+                shard.mark(slot);
+            }
+        });
+        Ok(())
+    }
+
+    /// Starts (or stops) recording changes for incremental snapshots of an in-memory store.
+    pub(crate) fn set_tracking(&self, on: bool) {
+        for s in 0..self.shards.len() {
+            self.write(s).set_tracking(on);
+        }
     }
 
     /// The table's counters and sizes.
@@ -413,6 +944,7 @@ impl SparseTable {
             bytes += shard.bytes() as u64;
         }
         let c = &self.common.counters;
+        rows += self.unloaded();
         TableStats {
             rows,
             bytes_used: bytes,
@@ -422,6 +954,9 @@ impl SparseTable {
             ids_pulled: Counters::get(&c.ids_pulled),
             rows_updated: Counters::get(&c.rows_updated),
             rows_created: Counters::get(&c.rows_created),
+            rows_evicted: Counters::get(&c.rows_evicted),
+            seq: self.seq(),
+            rows_unloaded: self.unloaded(),
             lr: self.lr(),
         }
     }

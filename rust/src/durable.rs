@@ -1,0 +1,505 @@
+//! Durability of a store with a path: the background flusher that copies changed rows from the
+//! in-memory tables into the LMDB replica in batched write transactions (group commit).
+//!
+//! A *cycle* takes every changed row and removed id from every table, shard by shard (each under
+//! its lock, so a row is copied whole: weights and optimizer state of one update), and writes
+//! them in transactions of at most [`CHUNK_BYTES`]. A cycle that fails gives back what it took,
+//! so the next cycle writes it again. Cycles are numbered for life; the number of the cycle that
+//! last wrote a row (or deleted it) is kept in `changed/` (`removed/`) for incremental
+//! snapshots.
+
+use std::collections::{BTreeMap, HashMap};
+use std::sync::{Arc, Condvar, Mutex, MutexGuard, RwLock};
+use std::thread::JoinHandle;
+use std::time::{Duration, Instant};
+
+use serde::{Deserialize, Serialize};
+
+use crate::error::{invalid, storage, Error, Result};
+use crate::storage::{bytes_of, Db, Storage};
+use crate::store::Table;
+use crate::table::{
+    DenseTable, DenseTableConfig, SparseTable, SparseTableConfig, TableHandle, Taken,
+};
+
+/// Bytes of rows one write transaction carries at most.
+pub const CHUNK_BYTES: usize = 64 << 20;
+
+/// When a push is durable.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum Durability {
+    /// A push returns after the transaction holding its rows has committed to disk.
+    Sync,
+    /// A background flusher commits every `flush_interval`: a crash loses at most the pushes
+    /// of the last interval plus the cycle in progress.
+    Async,
+    /// Rows reach disk only on `flush()`, `close()` and snapshots.
+    None,
+}
+
+impl std::str::FromStr for Durability {
+    type Err = Error;
+    fn from_str(s: &str) -> Result<Self> {
+        match s {
+            "sync" => Ok(Self::Sync),
+            "async" => Ok(Self::Async),
+            "none" => Ok(Self::None),
+            _ => Err(invalid(format!(
+                "durability must be \"sync\", \"async\" or \"none\", got {s:?}"
+            ))),
+        }
+    }
+}
+
+/// The counters a table record keeps.
+#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
+pub struct CountersRecord {
+    pub pushes: u64,
+    pub pulls: u64,
+    pub ids_pushed: u64,
+    pub ids_pulled: u64,
+    pub rows_updated: u64,
+    pub rows_created: u64,
+    pub rows_evicted: u64,
+}
+
+/// The meta record of a table (`table/<name>`), also a snapshot manifest's entry.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(tag = "kind", rename_all = "snake_case")]
+pub enum TableRecord {
+    /// A sparse table.
+    Sparse {
+        config: SparseTableConfig,
+        lr: f64,
+        seq: u64,
+        counters: CountersRecord,
+    },
+    /// A dense table; its value is under `dense/<name>` in the meta database.
+    Dense {
+        config: DenseTableConfig,
+        lr: f64,
+        seq: u64,
+        counters: CountersRecord,
+    },
+}
+
+impl TableRecord {
+    /// The record of a table as it is now.
+    pub fn of(table: &Table) -> Self {
+        match table {
+            Table::Sparse(t) => TableRecord::Sparse {
+                config: t.config().clone(),
+                lr: t.lr(),
+                seq: t.seq(),
+                counters: counters_of(t.as_ref()),
+            },
+            Table::Dense(t) => TableRecord::Dense {
+                config: t.config().clone(),
+                lr: t.lr(),
+                seq: t.stats().seq,
+                counters: counters_of(t.as_ref()),
+            },
+        }
+    }
+
+    /// The counters.
+    pub fn counters(&self) -> &CountersRecord {
+        match self {
+            TableRecord::Sparse { counters, .. } | TableRecord::Dense { counters, .. } => counters,
+        }
+    }
+
+    /// Serialised.
+    pub fn to_json(&self) -> Vec<u8> {
+        serde_json::to_vec(self).expect("a table record serialises")
+    }
+}
+
+fn counters_of(t: &dyn TableHandle) -> CountersRecord {
+    use std::sync::atomic::Ordering::Relaxed;
+    let c = &t.common().counters;
+    CountersRecord {
+        pushes: c.pushes.load(Relaxed),
+        pulls: c.pulls.load(Relaxed),
+        ids_pushed: c.ids_pushed.load(Relaxed),
+        ids_pulled: c.ids_pulled.load(Relaxed),
+        rows_updated: c.rows_updated.load(Relaxed),
+        rows_created: c.rows_created.load(Relaxed),
+        rows_evicted: c.rows_evicted.load(Relaxed),
+    }
+}
+
+/// Sets a table's counters from a record.
+pub(crate) fn restore_counters(t: &dyn TableHandle, r: &CountersRecord) {
+    use std::sync::atomic::Ordering::Relaxed;
+    let c = &t.common().counters;
+    c.pushes.store(r.pushes, Relaxed);
+    c.pulls.store(r.pulls, Relaxed);
+    c.ids_pushed.store(r.ids_pushed, Relaxed);
+    c.ids_pulled.store(r.ids_pulled, Relaxed);
+    c.rows_updated.store(r.rows_updated, Relaxed);
+    c.rows_created.store(r.rows_created, Relaxed);
+    c.rows_evicted.store(r.rows_evicted, Relaxed);
+}
+
+/// The meta key of a table's record.
+pub fn table_key(name: &str) -> String {
+    format!("table/{name}")
+}
+
+/// The meta key of a dense table's value.
+pub fn dense_key(name: &str) -> String {
+    format!("dense/{name}")
+}
+
+/// The meta key of the last cycle number.
+pub const CYCLE_KEY: &str = "cycle";
+
+struct FlushState {
+    /// The number the next cycle gets.
+    next: u64,
+    /// The last cycle completed.
+    done: u64,
+    /// The highest cycle someone waits for.
+    wanted: u64,
+    /// The error of the last completed cycle, if it failed.
+    failed: Option<Error>,
+    stop: bool,
+    last_end: Instant,
+}
+
+/// The background flusher of a durable store.
+pub struct Flusher {
+    storage: Arc<Storage>,
+    mode: Durability,
+    interval: Duration,
+    tables: Arc<RwLock<BTreeMap<String, Table>>>,
+    state: Mutex<FlushState>,
+    cv: Condvar,
+    /// Held by a running cycle; table creation, drop and snapshots take it to see no cycle
+    /// half done.
+    cycle_lock: Mutex<()>,
+    /// The record last written per table, to skip writing an unchanged one.
+    written: Mutex<HashMap<String, Vec<u8>>>,
+    thread: Mutex<Option<JoinHandle<()>>>,
+}
+
+impl Flusher {
+    /// Starts the flusher; cycles are numbered from `last_cycle + 1`.
+    pub(crate) fn start(
+        storage: Arc<Storage>,
+        mode: Durability,
+        interval: Duration,
+        tables: Arc<RwLock<BTreeMap<String, Table>>>,
+        last_cycle: u64,
+    ) -> Result<Arc<Self>> {
+        let f = Arc::new(Self {
+            storage,
+            mode,
+            interval,
+            tables,
+            state: Mutex::new(FlushState {
+                next: last_cycle + 1,
+                done: last_cycle,
+                wanted: 0,
+                failed: None,
+                stop: false,
+                last_end: Instant::now(),
+            }),
+            cv: Condvar::new(),
+            cycle_lock: Mutex::new(()),
+            written: Mutex::new(HashMap::new()),
+            thread: Mutex::new(None),
+        });
+        let me = Arc::clone(&f);
+        let h = std::thread::Builder::new()
+            .name("pstore-flusher".into())
+            .spawn(move || me.run())
+            .map_err(|e| crate::error::storage(format!("starting the flusher thread: {e}")))?;
+        *f.thread.lock().unwrap_or_else(|e| e.into_inner()) = Some(h);
+        Ok(f)
+    }
+
+    /// The durability mode.
+    pub fn mode(&self) -> Durability {
+        self.mode
+    }
+
+    /// The flush interval of `async` mode.
+    pub fn interval(&self) -> Duration {
+        self.interval
+    }
+
+    /// The storage.
+    pub fn storage(&self) -> &Arc<Storage> {
+        &self.storage
+    }
+
+    fn lock(&self) -> MutexGuard<'_, FlushState> {
+        self.state.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    /// Holds off cycles while `f` runs (table creation and drop, snapshots).
+    pub(crate) fn exclusive<R>(&self, f: impl FnOnce() -> R) -> R {
+        let _g = self.cycle_lock.lock().unwrap_or_else(|e| e.into_inner());
+        f()
+    }
+
+    fn run(&self) {
+        loop {
+            let cycle = {
+                let mut st = self.lock();
+                loop {
+                    if st.wanted >= st.next {
+                        break;
+                    }
+                    if st.stop {
+                        return;
+                    }
+                    if self.mode == Durability::Async {
+                        let due = st.last_end + self.interval;
+                        let now = Instant::now();
+                        if now >= due {
+                            break;
+                        }
+                        st = self
+                            .cv
+                            .wait_timeout(st, due - now)
+                            .unwrap_or_else(|e| e.into_inner())
+                            .0;
+                    } else {
+                        st = self.cv.wait(st).unwrap_or_else(|e| e.into_inner());
+                    }
+                }
+                st.next += 1;
+                st.next - 1
+            };
+            let r = self.exclusive(|| self.cycle(cycle));
+            let mut st = self.lock();
+            st.done = cycle;
+            st.failed = r.err();
+            st.last_end = Instant::now();
+            self.cv.notify_all();
+        }
+    }
+
+    /// Runs a cycle that starts after this call and waits for it; its error, if it failed.
+    pub fn flush(&self) -> Result<()> {
+        let mut st = self.lock();
+        if st.stop {
+            return Err(storage("the store is closed"));
+        }
+        let target = st.next;
+        st.wanted = st.wanted.max(target);
+        self.cv.notify_all();
+        while st.done < target {
+            st = self.cv.wait(st).unwrap_or_else(|e| e.into_inner());
+        }
+        match &st.failed {
+            Some(e) => Err(e.clone()),
+            None => Ok(()),
+        }
+    }
+
+    /// Before a push: refuses it while the replica cannot be written. After a failed cycle it
+    /// tries once more; the push goes ahead when that succeeds.
+    pub(crate) fn check(&self) -> Result<()> {
+        let failed = self.lock().failed.is_some();
+        if !failed {
+            return Ok(());
+        }
+        self.flush().map_err(|e| {
+            storage(format!(
+                "{e}; the push was not applied (it will be accepted once the store can write \
+                 again)"
+            ))
+        })
+    }
+
+    /// After a push was applied: in `sync` mode, waits until it is committed.
+    pub(crate) fn after_push(&self) -> Result<()> {
+        if self.mode != Durability::Sync {
+            return Ok(());
+        }
+        self.flush().map_err(|e| {
+            storage(format!(
+                "{e}; the push was applied in memory but is not durable yet (it will be written \
+                 once the store can write again)"
+            ))
+        })
+    }
+
+    /// Records that `name`'s record on disk is `rec` (a table just created or loaded).
+    pub(crate) fn record_loaded(&self, name: &str, rec: Vec<u8>) {
+        self.record_written(name, rec);
+    }
+
+    /// Forgets a dropped table's record.
+    pub(crate) fn record_dropped(&self, name: &str) {
+        self.written
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .remove(name);
+    }
+
+    /// The last cycle completed.
+    pub fn done_cycle(&self) -> u64 {
+        self.lock().done
+    }
+
+    /// The error of the last cycle, if it failed.
+    pub fn last_error(&self) -> Option<Error> {
+        self.lock().failed.clone()
+    }
+
+    /// Writes what is left and stops the thread. Returns the final cycle's error.
+    pub(crate) fn shutdown(&self) -> Result<()> {
+        let r = self.flush();
+        self.lock().stop = true;
+        self.cv.notify_all();
+        if let Some(h) = self.thread.lock().unwrap_or_else(|e| e.into_inner()).take() {
+            let _ = h.join();
+        }
+        r
+    }
+
+    /// One cycle over every table.
+    fn cycle(&self, cycle: u64) -> Result<()> {
+        let tables: Vec<(String, Table)> = self
+            .tables
+            .read()
+            .unwrap_or_else(|e| e.into_inner())
+            .iter()
+            .map(|(k, v)| (k.clone(), v.clone()))
+            .collect();
+        for (name, table) in tables {
+            match &table {
+                Table::Sparse(t) => self.flush_sparse(&name, t, &table, cycle)?,
+                Table::Dense(t) => self.flush_dense(&name, t, &table, cycle)?,
+            }
+        }
+        Ok(())
+    }
+
+    /// The record to write for `table`, unless it equals the last one written.
+    fn record_if_changed(&self, name: &str, table: &Table) -> Option<Vec<u8>> {
+        let rec = TableRecord::of(table).to_json();
+        let written = self.written.lock().unwrap_or_else(|e| e.into_inner());
+        (written.get(name) != Some(&rec)).then_some(rec)
+    }
+
+    fn record_written(&self, name: &str, rec: Vec<u8>) {
+        self.written
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .insert(name.to_string(), rec);
+    }
+
+    fn flush_sparse(&self, name: &str, t: &SparseTable, table: &Table, cycle: u64) -> Result<()> {
+        let mut chunk: Vec<Taken> = Vec::new();
+        let mut bytes = 0;
+        for s in 0..t.num_shards() {
+            let taken = t.take_shard(s);
+            if taken.ids.is_empty() && taken.gone.is_empty() {
+                continue;
+            }
+            bytes += taken.words.len() * 4 + taken.ids.len() * 8 + taken.gone.len() * 8;
+            chunk.push(taken);
+            if bytes >= CHUNK_BYTES {
+                self.write_chunk(name, t, &mut chunk, cycle, None)?;
+                bytes = 0;
+            }
+        }
+        let rec = self.record_if_changed(name, table);
+        if chunk.is_empty() && rec.is_none() {
+            return Ok(());
+        }
+        self.write_chunk(name, t, &mut chunk, cycle, rec.clone())?;
+        if let Some(rec) = rec {
+            self.record_written(name, rec);
+        }
+        Ok(())
+    }
+
+    /// Writes what `chunk` took in one transaction; on failure, gives it back to the table
+    /// (and the rest of the cycle is left for the next one).
+    fn write_chunk(
+        &self,
+        name: &str,
+        t: &SparseTable,
+        chunk: &mut Vec<Taken>,
+        cycle: u64,
+        record: Option<Vec<u8>>,
+    ) -> Result<()> {
+        let m = t.row_words();
+        let tag = cycle.to_le_bytes();
+        let r = self.storage.write(|w| {
+            for taken in chunk.iter() {
+                for (i, &id) in taken.ids.iter().enumerate() {
+                    w.put(
+                        Db::Rows,
+                        name,
+                        id,
+                        bytes_of(&taken.words[i * m..(i + 1) * m]),
+                    )?;
+                    w.put(Db::Changed, name, id, &tag)?;
+                }
+                for &id in &taken.gone {
+                    w.delete(Db::Rows, name, id)?;
+                    w.put(Db::Removed, name, id, &tag)?;
+                }
+            }
+            if let Some(rec) = &record {
+                w.put_meta(&table_key(name), rec)?;
+            }
+            w.put_meta(CYCLE_KEY, &tag)
+        });
+        match r {
+            Ok(()) => {
+                for taken in chunk.drain(..) {
+                    t.forget(&taken);
+                }
+                Ok(())
+            }
+            Err(e) => {
+                for taken in chunk.drain(..) {
+                    t.untake(&taken);
+                }
+                Err(e)
+            }
+        }
+    }
+
+    fn flush_dense(&self, name: &str, t: &DenseTable, table: &Table, cycle: u64) -> Result<()> {
+        let value = t.take_dirty_words();
+        let rec = self.record_if_changed(name, table);
+        if value.is_none() && rec.is_none() {
+            return Ok(());
+        }
+        let tag = cycle.to_le_bytes();
+        let r = self.storage.write(|w| {
+            if let Some(v) = &value {
+                w.put_meta(&dense_key(name), bytes_of(v))?;
+            }
+            if let Some(rec) = &rec {
+                w.put_meta(&table_key(name), rec)?;
+            }
+            w.put_meta(CYCLE_KEY, &tag)
+        });
+        match r {
+            Ok(()) => {
+                if let Some(rec) = rec {
+                    self.record_written(name, rec);
+                }
+                Ok(())
+            }
+            Err(e) => {
+                if value.is_some() {
+                    t.mark_dirty();
+                }
+                Err(e)
+            }
+        }
+    }
+}

@@ -1,0 +1,631 @@
+//! The LMDB replica of a durable store (format in docs/FORMAT.md).
+//!
+//! One LMDB environment per store directory. The in-memory tables stay the hot copy; this module
+//! only moves bytes: it opens and checks the environment, runs write transactions (growing the
+//! map when it fills), and gives readers a consistent view. Every key of a row database is the id
+//! as 8 big-endian bytes, so LMDB's order is the numeric order of the ids; every value is the
+//! row's words after its id, little-endian.
+
+use std::collections::HashMap;
+use std::fs::File;
+use std::os::fd::AsRawFd;
+use std::path::{Path, PathBuf};
+use std::sync::{Mutex, RwLock};
+
+use heed::types::Bytes;
+use heed::{Database, Env, EnvOpenOptions, MdbError, RoTxn, RwTxn, WithoutTls};
+use serde::{Deserialize, Serialize};
+
+use crate::error::{corrupt, invalid, storage, Error, Result};
+
+#[cfg(target_endian = "big")]
+compile_error!("the LMDB replica stores little-endian words; big-endian hosts are not supported");
+
+/// The format's name, in the `format` key of the meta database.
+pub const FORMAT_NAME: &str = "pstore-lmdb";
+/// The version of the on-disk format this build reads and writes.
+pub const FORMAT_VERSION: u32 = 1;
+/// The most named databases (three per sparse table).
+const MAX_DBS: u32 = 3072;
+/// The map a new environment starts with; it doubles whenever a write fills it.
+pub const DEFAULT_MAP_SIZE: usize = 64 << 30;
+
+/// The `format` record.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct FormatRecord {
+    /// Always [`FORMAT_NAME`].
+    pub format: String,
+    /// The format version.
+    pub version: u32,
+}
+
+/// A database of the environment, by role.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum Db {
+    /// `rows/<table>`: id -> row words.
+    Rows,
+    /// `changed/<table>`: id -> the flush cycle (u64 LE) that last wrote the row; kept until a
+    /// snapshot covers it, for incremental snapshots.
+    Changed,
+    /// `removed/<table>`: id -> the flush cycle that deleted the row; kept until a snapshot
+    /// covers it (tombstones of incremental snapshots).
+    Removed,
+}
+
+impl Db {
+    fn prefix(self) -> &'static str {
+        match self {
+            Db::Rows => "rows/",
+            Db::Changed => "changed/",
+            Db::Removed => "removed/",
+        }
+    }
+}
+
+/// The id as a key.
+#[inline]
+pub fn key(id: u64) -> [u8; 8] {
+    id.to_be_bytes()
+}
+
+/// The id of a key.
+pub fn id_of(key: &[u8]) -> Result<u64> {
+    let k: [u8; 8] = key
+        .try_into()
+        .map_err(|_| corrupt(format!("a row key of {} bytes, not 8", key.len())))?;
+    Ok(u64::from_be_bytes(k))
+}
+
+/// The bytes of words (little-endian, as the host holds them).
+#[inline]
+pub fn bytes_of(words: &[u32]) -> &[u8] {
+    // SAFETY: any u32 is 4 initialised bytes; u8 has alignment 1; the borrow is carried over.
+    unsafe { std::slice::from_raw_parts(words.as_ptr().cast::<u8>(), std::mem::size_of_val(words)) }
+}
+
+/// Appends the words of `bytes` (a multiple of 4, any alignment) to `out`.
+pub fn words_into(bytes: &[u8], out: &mut Vec<u32>) {
+    out.extend(
+        bytes
+            .chunks_exact(4)
+            .map(|b| u32::from_le_bytes([b[0], b[1], b[2], b[3]])),
+    );
+}
+
+fn lmdb_err(path: &Path, what: &str, e: heed::Error) -> Error {
+    storage(format!(
+        "{what} the LMDB replica at {}: {e}",
+        path.display()
+    ))
+}
+
+fn is_map_full(e: &heed::Error) -> bool {
+    matches!(e, heed::Error::Mdb(MdbError::MapFull))
+}
+
+/// An open store directory.
+pub struct Storage {
+    path: PathBuf,
+    /// Held for the life of the store: one process owns a store directory.
+    _lock: File,
+    env: Env<WithoutTls>,
+    meta: Database<Bytes, Bytes>,
+    dbs: Mutex<HashMap<(Db, String), Database<Bytes, Bytes>>>,
+    /// Readers and writers hold it shared; growing the map takes it alone (LMDB allows a resize
+    /// only while no transaction is open).
+    gate: RwLock<usize>,
+    /// Serialises writers (LMDB has one writer; this keeps the resize retry simple).
+    writer: Mutex<()>,
+}
+
+impl Storage {
+    /// Opens the store directory `path`, creating it when `create` and it holds no store yet.
+    /// Returns the storage and whether it was created now. A directory of another format or
+    /// version is refused.
+    pub fn open(path: &Path, create: bool, map_size: usize) -> Result<(Self, bool)> {
+        let io = |what: &str, e: std::io::Error| storage(format!("{what} {}: {e}", path.display()));
+        if !path.exists() {
+            if !create {
+                return Err(invalid(format!("no store at {}", path.display())));
+            }
+            std::fs::create_dir_all(path).map_err(|e| io("creating", e))?;
+        } else if !path.is_dir() {
+            return Err(invalid(format!(
+                "{} is not a directory (a store is a directory)",
+                path.display()
+            )));
+        }
+        let lock = File::options()
+            .create(true)
+            .truncate(false)
+            .write(true)
+            .open(path.join("pstore.lock"))
+            .map_err(|e| io("locking", e))?;
+        // SAFETY: flock on a valid descriptor we own; it only reads its arguments.
+        if unsafe { libc::flock(lock.as_raw_fd(), libc::LOCK_EX | libc::LOCK_NB) } != 0 {
+            return Err(storage(format!(
+                "the store at {} is open in another process (or another Store of this one)",
+                path.display()
+            )));
+        }
+        let fresh = !path.join("data.mdb").exists();
+        if fresh && !create {
+            return Err(invalid(format!("no store at {}", path.display())));
+        }
+        let page = page_size();
+        let map_size = map_size.max(page).div_ceil(page) * page;
+        let existing = std::fs::metadata(path.join("data.mdb"))
+            .map(|m| m.len() as usize)
+            .unwrap_or(0);
+        let map_size = map_size.max((existing * 2).div_ceil(page) * page);
+        let mut opts = EnvOpenOptions::new().read_txn_without_tls();
+        opts.map_size(map_size).max_dbs(MAX_DBS).max_readers(1024);
+        // SAFETY: the directory is locked above, so no other process (nor another Store in this
+        // one) opens this environment while we hold it.
+        let env = unsafe { opts.open(path) }.map_err(|e| lmdb_err(path, "opening", e))?;
+        let mut wtxn = env.write_txn().map_err(|e| lmdb_err(path, "opening", e))?;
+        let meta: Database<Bytes, Bytes> = env
+            .create_database(&mut wtxn, Some("meta"))
+            .map_err(|e| lmdb_err(path, "opening", e))?;
+        let record = meta
+            .get(&wtxn, b"format")
+            .map_err(|e| lmdb_err(path, "reading", e))?
+            .map(<[u8]>::to_vec);
+        let created = match record {
+            None if fresh || create => {
+                let rec = FormatRecord {
+                    format: FORMAT_NAME.into(),
+                    version: FORMAT_VERSION,
+                };
+                let bytes = serde_json::to_vec(&rec).map_err(|e| Error::Internal(e.to_string()))?;
+                meta.put(&mut wtxn, b"format", &bytes)
+                    .map_err(|e| lmdb_err(path, "writing", e))?;
+                true
+            }
+            None => {
+                return Err(corrupt(format!(
+                    "{} holds an LMDB environment that is not a pstore store (no format record)",
+                    path.display()
+                )))
+            }
+            Some(bytes) => {
+                let rec: FormatRecord = serde_json::from_slice(&bytes).map_err(|e| {
+                    corrupt(format!(
+                        "{}: the format record is not readable: {e}",
+                        path.display()
+                    ))
+                })?;
+                if rec.format != FORMAT_NAME {
+                    return Err(corrupt(format!(
+                        "{} is a {:?} store, not {FORMAT_NAME:?}",
+                        path.display(),
+                        rec.format
+                    )));
+                }
+                if rec.version != FORMAT_VERSION {
+                    return Err(corrupt(format!(
+                        "{} is a store of format version {}; this pstore reads version \
+                         {FORMAT_VERSION} only",
+                        path.display(),
+                        rec.version
+                    )));
+                }
+                false
+            }
+        };
+        wtxn.commit().map_err(|e| lmdb_err(path, "opening", e))?;
+        Ok((
+            Self {
+                path: path.to_path_buf(),
+                _lock: lock,
+                env,
+                meta,
+                dbs: Mutex::new(HashMap::new()),
+                gate: RwLock::new(map_size),
+                writer: Mutex::new(()),
+            },
+            created,
+        ))
+    }
+
+    /// The store directory.
+    pub fn path(&self) -> &Path {
+        &self.path
+    }
+
+    /// Bytes of the map (the most the data file may grow to before the map doubles).
+    pub fn map_size(&self) -> usize {
+        *self.gate.read().unwrap_or_else(|e| e.into_inner())
+    }
+
+    /// Bytes of the data file on disk.
+    pub fn file_size(&self) -> u64 {
+        std::fs::metadata(self.path.join("data.mdb"))
+            .map(|m| m.len())
+            .unwrap_or(0)
+    }
+
+    fn db_name(db: Db, table: &str) -> String {
+        format!("{}{table}", db.prefix())
+    }
+
+    /// The handle of a table's database, if it has been created and committed.
+    fn handle(&self, db: Db, table: &str) -> Option<Database<Bytes, Bytes>> {
+        let dbs = self.dbs.lock().unwrap_or_else(|e| e.into_inner());
+        dbs.get(&(db, table.to_string())).copied()
+    }
+
+    /// Creates (or opens) the databases of a table, committed, so readers find them.
+    pub fn ensure_table(&self, table: &str) -> Result<()> {
+        self.write(|w| {
+            for db in [Db::Rows, Db::Changed, Db::Removed] {
+                w.db(db, table)?;
+            }
+            Ok(())
+        })
+    }
+
+    /// Runs `f` with a read transaction: a consistent view of the last committed state.
+    pub fn read<R>(&self, f: impl FnOnce(&Reader<'_>) -> Result<R>) -> Result<R> {
+        let _gate = self.gate.read().unwrap_or_else(|e| e.into_inner());
+        let txn = self
+            .env
+            .read_txn()
+            .map_err(|e| lmdb_err(&self.path, "reading", e))?;
+        f(&Reader { storage: self, txn })
+    }
+
+    /// Like [`Storage::read`], with no write committing meanwhile: what `f` reads stays the
+    /// newest state until it returns.
+    pub fn read_exclusive<R>(&self, f: impl FnOnce(&Reader<'_>) -> Result<R>) -> Result<R> {
+        let _one = self.writer.lock().unwrap_or_else(|e| e.into_inner());
+        self.read(f)
+    }
+
+    /// Runs `f` in one write transaction and commits it (to disk, with fsync). When the map is
+    /// full the transaction is dropped, the map doubles and `f` runs again, so `f` must be
+    /// repeatable. On any other error nothing of `f` is kept.
+    pub fn write<R>(&self, mut f: impl FnMut(&mut Writer<'_, '_>) -> Result<R>) -> Result<R> {
+        let _one = self.writer.lock().unwrap_or_else(|e| e.into_inner());
+        loop {
+            let attempt = {
+                let _gate = self.gate.read().unwrap_or_else(|e| e.into_inner());
+                let mut txn = self
+                    .env
+                    .write_txn()
+                    .map_err(|e| lmdb_err(&self.path, "writing", e))?;
+                let mut w = Writer {
+                    storage: self,
+                    txn: &mut txn,
+                    map_full: false,
+                    created: Vec::new(),
+                };
+                let r = f(&mut w);
+                let (map_full, created) = (w.map_full, std::mem::take(&mut w.created));
+                match r {
+                    Ok(r) if !map_full => match txn.commit() {
+                        Ok(()) => {
+                            // Handles of databases created by a transaction are valid only once
+                            // it has committed.
+                            let mut dbs = self.dbs.lock().unwrap_or_else(|e| e.into_inner());
+                            dbs.extend(created);
+                            return Ok(r);
+                        }
+                        Err(e) if is_map_full(&e) => Err(None),
+                        Err(e) => Err(Some(lmdb_err(&self.path, "committing to", e))),
+                    },
+                    Ok(_) => Err(None),
+                    Err(_) if map_full => Err(None),
+                    Err(e) => Err(Some(e)),
+                }
+            };
+            match attempt {
+                Err(Some(e)) => return Err(e),
+                Err(None) => self.grow()?,
+                Ok(()) => unreachable!(),
+            }
+        }
+    }
+
+    /// Doubles the map. No transaction is open: the gate is held alone.
+    fn grow(&self) -> Result<()> {
+        let mut size = self.gate.write().unwrap_or_else(|e| e.into_inner());
+        let new = size
+            .checked_mul(2)
+            .ok_or_else(|| storage("the LMDB map cannot grow past the address space"))?;
+        // SAFETY: the gate is held exclusively, so no transaction of this process is open, and
+        // the directory lock keeps every other process out.
+        unsafe { self.env.resize(new) }.map_err(|e| lmdb_err(&self.path, "growing", e))?;
+        *size = new;
+        Ok(())
+    }
+
+    /// Writes the data file's buffers to disk (commits already do; this is for `none` mode).
+    pub fn sync(&self) -> Result<()> {
+        self.env
+            .force_sync()
+            .map_err(|e| lmdb_err(&self.path, "syncing", e))
+    }
+}
+
+/// Read access to the last committed state.
+pub struct Reader<'s> {
+    storage: &'s Storage,
+    txn: RoTxn<'s, WithoutTls>,
+}
+
+impl Reader<'_> {
+    /// The value of a meta key.
+    pub fn meta(&self, key: &str) -> Result<Option<Vec<u8>>> {
+        self.storage
+            .meta
+            .get(&self.txn, key.as_bytes())
+            .map(|v| v.map(<[u8]>::to_vec))
+            .map_err(|e| lmdb_err(&self.storage.path, "reading", e))
+    }
+
+    /// Every meta (key, value) whose key starts with `prefix`, in key order.
+    pub fn meta_prefix(&self, prefix: &str) -> Result<Vec<(String, Vec<u8>)>> {
+        let err = |e| lmdb_err(&self.storage.path, "reading", e);
+        let mut out = Vec::new();
+        for item in self
+            .storage
+            .meta
+            .prefix_iter(&self.txn, prefix.as_bytes())
+            .map_err(err)?
+        {
+            let (k, v) = item.map_err(err)?;
+            out.push((String::from_utf8_lossy(k).into_owned(), v.to_vec()));
+        }
+        Ok(out)
+    }
+
+    /// The value of `id` in a table's database.
+    pub fn get(&self, db: Db, table: &str, id: u64) -> Result<Option<&[u8]>> {
+        match self.storage.handle(db, table) {
+            None => Ok(None),
+            Some(d) => d
+                .get(&self.txn, &key(id))
+                .map_err(|e| lmdb_err(&self.storage.path, "reading", e)),
+        }
+    }
+
+    /// Entries of a table's database.
+    pub fn len(&self, db: Db, table: &str) -> Result<u64> {
+        match self.storage.handle(db, table) {
+            None => Ok(0),
+            Some(d) => d
+                .len(&self.txn)
+                .map_err(|e| lmdb_err(&self.storage.path, "reading", e)),
+        }
+    }
+
+    /// Calls `f(id, value)` for every entry of a table's database, in id order.
+    pub fn scan(
+        &self,
+        db: Db,
+        table: &str,
+        mut f: impl FnMut(u64, &[u8]) -> Result<()>,
+    ) -> Result<()> {
+        let err = |e| lmdb_err(&self.storage.path, "reading", e);
+        let Some(d) = self.storage.handle(db, table) else {
+            return Ok(());
+        };
+        for item in d.iter(&self.txn).map_err(err)? {
+            let (k, v) = item.map_err(err)?;
+            f(id_of(k)?, v)?;
+        }
+        Ok(())
+    }
+}
+
+/// Write access inside one transaction.
+pub struct Writer<'s, 't> {
+    storage: &'s Storage,
+    txn: &'t mut RwTxn<'s>,
+    map_full: bool,
+    created: Vec<((Db, String), Database<Bytes, Bytes>)>,
+}
+
+impl Writer<'_, '_> {
+    fn fail(&mut self, what: &str, e: heed::Error) -> Error {
+        if is_map_full(&e) {
+            self.map_full = true;
+        }
+        lmdb_err(&self.storage.path, what, e)
+    }
+
+    fn check(&mut self, what: &str, r: heed::Result<()>) -> Result<()> {
+        r.map_err(|e| self.fail(what, e))
+    }
+
+    fn db(&mut self, db: Db, table: &str) -> Result<Database<Bytes, Bytes>> {
+        if let Some(d) = self.storage.handle(db, table) {
+            return Ok(d);
+        }
+        let k = (db, table.to_string());
+        if let Some((_, d)) = self.created.iter().find(|(c, _)| *c == k) {
+            return Ok(*d);
+        }
+        let r = self
+            .storage
+            .env
+            .create_database::<Bytes, Bytes>(self.txn, Some(&Storage::db_name(db, table)));
+        match r {
+            Ok(d) => {
+                self.created.push((k, d));
+                Ok(d)
+            }
+            Err(e) => Err(self.fail("writing", e)),
+        }
+    }
+
+    /// Sets a meta key.
+    pub fn put_meta(&mut self, key: &str, value: &[u8]) -> Result<()> {
+        let r = self.storage.meta.put(self.txn, key.as_bytes(), value);
+        self.check("writing", r)
+    }
+
+    /// Deletes a meta key.
+    pub fn delete_meta(&mut self, key: &str) -> Result<()> {
+        let r = self
+            .storage
+            .meta
+            .delete(self.txn, key.as_bytes())
+            .map(|_| ());
+        self.check("writing", r)
+    }
+
+    /// Sets `id`'s value in a table's database.
+    pub fn put(&mut self, db: Db, table: &str, id: u64, value: &[u8]) -> Result<()> {
+        let d = self.db(db, table)?;
+        let r = d.put(self.txn, &key(id), value);
+        self.check("writing", r)
+    }
+
+    /// Deletes `id` from a table's database; true if it was there.
+    pub fn delete(&mut self, db: Db, table: &str, id: u64) -> Result<bool> {
+        let d = self.db(db, table)?;
+        d.delete(self.txn, &key(id))
+            .map_err(|e| self.fail("writing", e))
+    }
+
+    /// The value of `id` as this transaction sees it.
+    pub fn get(&mut self, db: Db, table: &str, id: u64) -> Result<Option<Vec<u8>>> {
+        let d = self.db(db, table)?;
+        d.get(self.txn, &key(id))
+            .map(|v| v.map(<[u8]>::to_vec))
+            .map_err(|e| lmdb_err(&self.storage.path, "reading", e))
+    }
+
+    /// Empties a table's database.
+    pub fn clear(&mut self, db: Db, table: &str) -> Result<()> {
+        let d = self.db(db, table)?;
+        let r = d.clear(self.txn);
+        self.check("writing", r)
+    }
+
+    /// Deletes the entries of a table's database whose value (a u64 LE cycle) is at most `upto`.
+    pub fn prune(&mut self, db: Db, table: &str, upto: u64) -> Result<()> {
+        let d = self.db(db, table)?;
+        let mut old = Vec::new();
+        {
+            let iter = d
+                .iter(self.txn)
+                .map_err(|e| lmdb_err(&self.storage.path, "reading", e))?;
+            for item in iter {
+                let (k, v) = item.map_err(|e| lmdb_err(&self.storage.path, "reading", e))?;
+                if cycle_of(v) <= upto {
+                    old.push(id_of(k)?);
+                }
+            }
+        }
+        for id in old {
+            let r = d.delete(self.txn, &key(id)).map(|_| ());
+            self.check("writing", r)?;
+        }
+        Ok(())
+    }
+}
+
+/// The cycle stored in a `changed` or `removed` value.
+pub fn cycle_of(v: &[u8]) -> u64 {
+    v.try_into().map(u64::from_le_bytes).unwrap_or(0)
+}
+
+fn page_size() -> usize {
+    // SAFETY: sysconf only reads its argument.
+    let p = unsafe { libc::sysconf(libc::_SC_PAGESIZE) };
+    if p > 0 {
+        p as usize
+    } else {
+        4096
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn dir(name: &str) -> PathBuf {
+        let d = std::env::temp_dir().join(format!("pstore-storage-{name}-{}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&d);
+        d
+    }
+
+    #[test]
+    fn rows_survive_reopen_and_the_map_grows() {
+        let d = dir("grow");
+        {
+            let (s, created) = Storage::open(&d, true, 1 << 20).unwrap();
+            assert!(created);
+            let row = vec![7u32; 1024];
+            // 4 MiB of rows into a 1 MiB map: it must double a few times.
+            s.write(|w| {
+                for id in 0..1000u64 {
+                    w.put(Db::Rows, "t", id, bytes_of(&row))?;
+                }
+                Ok(())
+            })
+            .unwrap();
+            assert!(s.map_size() > 4 << 20);
+        }
+        let (s, created) = Storage::open(&d, false, 1 << 20).unwrap();
+        assert!(!created);
+        s.ensure_table("t").unwrap();
+        s.read(|r| {
+            assert_eq!(r.len(Db::Rows, "t")?, 1000);
+            let v = r.get(Db::Rows, "t", 999)?.unwrap();
+            let mut w = Vec::new();
+            words_into(v, &mut w);
+            assert_eq!(w, vec![7u32; 1024]);
+            let mut ids = Vec::new();
+            r.scan(Db::Rows, "t", |id, _| {
+                ids.push(id);
+                Ok(())
+            })?;
+            assert_eq!(ids, (0..1000).collect::<Vec<_>>());
+            Ok(())
+        })
+        .unwrap();
+        std::fs::remove_dir_all(&d).unwrap();
+    }
+
+    #[test]
+    fn a_second_open_is_refused_and_a_failed_write_keeps_nothing() {
+        let d = dir("lock");
+        let (s, _) = Storage::open(&d, true, 1 << 20).unwrap();
+        let e = Storage::open(&d, true, 1 << 20).err().unwrap();
+        assert!(matches!(e, Error::Storage(ref m) if m.contains("open in another")));
+        let e = s
+            .write(|w| {
+                w.put(Db::Rows, "t", 1, b"abcd")?;
+                Err::<(), _>(invalid("no"))
+            })
+            .unwrap_err();
+        assert_eq!(e, invalid("no"));
+        s.read(|r| {
+            assert!(r.get(Db::Rows, "t", 1)?.is_none());
+            Ok(())
+        })
+        .unwrap();
+        drop(s);
+        std::fs::remove_dir_all(&d).unwrap();
+    }
+
+    #[test]
+    fn an_unknown_version_is_refused() {
+        let d = dir("version");
+        {
+            let (s, _) = Storage::open(&d, true, 1 << 20).unwrap();
+            s.write(|w| w.put_meta("format", br#"{"format":"pstore-lmdb","version":99}"#))
+                .unwrap();
+        }
+        let e = Storage::open(&d, false, 1 << 20).err().unwrap();
+        assert!(
+            matches!(e, Error::Corrupt(ref m) if m.contains("version 99")),
+            "{e}"
+        );
+        std::fs::remove_dir_all(&d).unwrap();
+    }
+}
