@@ -5,10 +5,24 @@ from typing import Any, final
 import numpy as np
 import numpy.typing as npt
 
-__all__ = ["MAX_DIM", "DenseTable", "PushHandle", "SparseTable", "Store", "__version__"]
+__all__ = [
+    "MAX_DIM",
+    "DenseTable",
+    "PushHandle",
+    "SparseTable",
+    "Store",
+    "__version__",
+    "inspect_store",
+    "snapshot_chain",
+    "verify_snapshot",
+]
 
 MAX_DIM: int
 __version__: str
+
+def snapshot_chain(dir: str) -> list[tuple[str, str]]: ...
+def verify_snapshot(dir: str) -> int: ...
+def inspect_store(path: str) -> dict[str, Any]: ...
 
 @final
 class Store:
@@ -27,6 +41,18 @@ class Store:
     @property
     def durability(self) -> str | None: ...
     def storage_info(self) -> dict[str, Any] | None: ...
+    @staticmethod
+    def restore(
+        snapshot: str,
+        num_shards: int | None = None,
+        threads: int | None = None,
+        max_inflight_bytes: int | None = None,
+        path: str | None = None,
+        durability: str = "async",
+        flush_interval: float = 1.0,
+        map_size: int | None = None,
+    ) -> Store: ...
+    def snapshot(self, dir: str, incremental: bool = False) -> tuple[str, int]: ...
     @property
     def num_shards(self) -> int: ...
     @property

@@ -246,6 +246,11 @@ impl Flusher {
         f()
     }
 
+    /// Holds off cycles until the guard is dropped.
+    pub(crate) fn hold_cycles(&self) -> MutexGuard<'_, ()> {
+        self.cycle_lock.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
     fn run(&self) {
         loop {
             let cycle = {

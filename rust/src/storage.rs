@@ -348,6 +348,91 @@ impl Storage {
     }
 }
 
+/// What `inspect` reports of a store directory.
+#[derive(Debug, Clone, PartialEq)]
+pub struct StoreSummary {
+    /// The format record.
+    pub format: FormatRecord,
+    /// The last flush cycle.
+    pub cycle: u64,
+    /// Bytes of the data file.
+    pub file_bytes: u64,
+    /// The record of the last snapshot taken (JSON), if any.
+    pub snapshot: Option<String>,
+    /// Per table: name, record (JSON), rows in the replica, ids changed and removed since the
+    /// last snapshot.
+    pub tables: Vec<(String, String, u64, u64, u64)>,
+}
+
+/// Reads a store directory without opening it for writing (it may be open in another process).
+pub fn inspect(path: &Path) -> Result<StoreSummary> {
+    if !path.join("data.mdb").is_file() {
+        return Err(invalid(format!(
+            "no store at {} (no data.mdb)",
+            path.display()
+        )));
+    }
+    let mut opts = EnvOpenOptions::new().read_txn_without_tls();
+    opts.max_dbs(MAX_DBS);
+    // SAFETY: read-only: this process writes nothing; LMDB's reader table handles concurrent
+    // writers in other processes.
+    let env = unsafe {
+        let mut o = opts;
+        o.flags(heed::EnvFlags::READ_ONLY);
+        o.open(path)
+    }
+    .map_err(|e| lmdb_err(path, "opening", e))?;
+    let err = |e| lmdb_err(path, "reading", e);
+    let txn = env.read_txn().map_err(err)?;
+    let meta: Database<Bytes, Bytes> = env
+        .open_database(&txn, Some("meta"))
+        .map_err(err)?
+        .ok_or_else(|| {
+            corrupt(format!(
+                "{} is not a pstore store (no meta)",
+                path.display()
+            ))
+        })?;
+    let format: FormatRecord = meta
+        .get(&txn, b"format")
+        .map_err(err)?
+        .and_then(|v| serde_json::from_slice(v).ok())
+        .ok_or_else(|| corrupt(format!("{}: no readable format record", path.display())))?;
+    let cycle = meta.get(&txn, b"cycle").map_err(err)?.map_or(0, cycle_of);
+    let snapshot = meta
+        .get(&txn, b"snapshot")
+        .map_err(err)?
+        .map(|v| String::from_utf8_lossy(v).into_owned());
+    let mut tables = Vec::new();
+    for item in meta.prefix_iter(&txn, b"table/").map_err(err)? {
+        let (k, v) = item.map_err(err)?;
+        let name = String::from_utf8_lossy(&k[6..]).into_owned();
+        let mut n = [0u64; 3];
+        for (i, db) in [Db::Rows, Db::Changed, Db::Removed].into_iter().enumerate() {
+            let d: Option<Database<Bytes, Bytes>> = env
+                .open_database(&txn, Some(&Storage::db_name(db, &name)))
+                .map_err(err)?;
+            if let Some(d) = d {
+                n[i] = d.len(&txn).map_err(err)?;
+            }
+        }
+        tables.push((
+            name,
+            String::from_utf8_lossy(v).into_owned(),
+            n[0],
+            n[1],
+            n[2],
+        ));
+    }
+    Ok(StoreSummary {
+        format,
+        cycle,
+        file_bytes: std::fs::metadata(path.join("data.mdb")).map_or(0, |m| m.len()),
+        snapshot,
+        tables,
+    })
+}
+
 /// Read access to the last committed state.
 pub struct Reader<'s> {
     storage: &'s Storage,

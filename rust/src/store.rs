@@ -117,8 +117,6 @@ pub struct Store {
     path: Option<PathBuf>,
     /// Snapshots of an in-memory store: the id of the last one (the parent of an increment).
     pub(crate) last_snapshot: Mutex<Option<crate::snapshot::Parent>>,
-    /// Numbers the snapshots of an in-memory store.
-    pub(crate) snapshot_seq: AtomicU64,
 }
 
 impl Store {
@@ -133,7 +131,6 @@ impl Store {
             flusher: Mutex::new(None),
             path: None,
             last_snapshot: Mutex::new(None),
-            snapshot_seq: AtomicU64::new(0),
         })
     }
 
@@ -186,7 +183,6 @@ impl Store {
             flusher: Mutex::new(Some(Arc::clone(&flusher))),
             path: Some(durable.path.clone()),
             last_snapshot: Mutex::new(None),
-            snapshot_seq: AtomicU64::new(0),
         };
         for (name, rec, dense) in records {
             let t = flusher.exclusive(|| store.build(&name, &rec, dense.as_deref(), &flusher))?;
@@ -247,6 +243,11 @@ impl Store {
         table.handle().set_lr(lr)?;
         restore_counters(table.handle(), rec.counters());
         Ok(table)
+    }
+
+    /// Runs `f` on the store's thread pool.
+    pub(crate) fn pool_install<R: Send>(&self, f: impl FnOnce() -> R + Send) -> R {
+        self.exec.install(f)
     }
 
     /// The store directory of a durable store.
@@ -329,6 +330,16 @@ impl Store {
             });
             let common = self.common(name, config.optimizer.lr, &flusher);
             let t = SparseTable::new(common, config, self.config.num_shards, backing)?;
+            if flusher.is_none()
+                && self
+                    .last_snapshot
+                    .lock()
+                    .unwrap_or_else(|e| e.into_inner())
+                    .is_some()
+            {
+                // An increment on the last snapshot must carry this table's rows.
+                t.set_tracking(true);
+            }
             Ok(Table::Sparse(Arc::new(t)))
         })?;
         match t {

@@ -135,34 +135,77 @@ impl PyStore {
         flush_interval: f64,
         map_size: Option<usize>,
     ) -> PyResult<Self> {
-        let d = StoreConfig::default();
-        let config = StoreConfig {
-            num_shards: num_shards.unwrap_or(d.num_shards),
-            threads: threads.unwrap_or(d.threads),
-            max_inflight_bytes: max_inflight_bytes.unwrap_or(d.max_inflight_bytes),
-        };
-        let durability: Durability = durability.parse().map_err(err)?;
-        let store = match path {
+        let (config, dc) = configs(
+            num_shards,
+            threads,
+            max_inflight_bytes,
+            path,
+            durability,
+            flush_interval,
+            map_size,
+        )?;
+        let store = match dc {
             None => Store::new(config),
-            Some(path) => {
-                if !(flush_interval.is_finite() && flush_interval > 0.0 && flush_interval < 1e6) {
-                    return Err(err(Error::InvalidArgument(format!(
-                        "flush_interval must be a positive number of seconds, got {flush_interval}"
-                    ))));
-                }
-                let mut dc = DurableConfig::new(path);
-                dc.durability = durability;
-                dc.flush_interval = Duration::from_secs_f64(flush_interval);
-                if let Some(m) = map_size {
-                    dc.map_size = m;
-                }
-                py.detach(move || Store::open(config, dc))
-            }
+            Some(dc) => py.detach(move || Store::open(config, dc)),
         };
         Ok(Self {
             inner: Arc::new(store.map_err(err)?),
             guard: ForkGuard::new(),
         })
+    }
+
+    /// Rebuilds a store from a snapshot and its chain of increments.
+    #[staticmethod]
+    #[pyo3(signature = (
+        snapshot, num_shards=None, threads=None, max_inflight_bytes=None, path=None,
+        durability="async", flush_interval=1.0, map_size=None
+    ))]
+    #[allow(clippy::too_many_arguments)]
+    fn restore(
+        py: Python<'_>,
+        snapshot: std::path::PathBuf,
+        num_shards: Option<usize>,
+        threads: Option<usize>,
+        max_inflight_bytes: Option<usize>,
+        path: Option<std::path::PathBuf>,
+        durability: &str,
+        flush_interval: f64,
+        map_size: Option<usize>,
+    ) -> PyResult<Self> {
+        let (config, dc) = configs(
+            num_shards,
+            threads,
+            max_inflight_bytes,
+            path,
+            durability,
+            flush_interval,
+            map_size,
+        )?;
+        let store = py
+            .detach(move || Store::restore(&snapshot, config, dc))
+            .map_err(err)?;
+        Ok(Self {
+            inner: Arc::new(store),
+            guard: ForkGuard::new(),
+        })
+    }
+
+    /// Writes a snapshot into the new directory `dir`; returns (manifest JSON, bytes written).
+    #[pyo3(signature = (dir, incremental=false))]
+    fn snapshot(
+        &self,
+        py: Python<'_>,
+        dir: std::path::PathBuf,
+        incremental: bool,
+    ) -> PyResult<(String, u64)> {
+        self.guard.check()?;
+        let store = &self.inner;
+        let info = py
+            .detach(|| store.snapshot(&dir, incremental))
+            .map_err(err)?;
+        let json = serde_json::to_string(&info.manifest)
+            .map_err(|e| err(Error::Internal(e.to_string())))?;
+        Ok((json, info.bytes))
     }
 
     /// The store directory of a durable store.
@@ -338,6 +381,86 @@ impl PyStore {
         let store = Arc::clone(&self.inner);
         py.detach(move || store.close()).map_err(err)
     }
+}
+
+/// The store and durable configurations from the constructor's arguments.
+#[allow(clippy::too_many_arguments)]
+fn configs(
+    num_shards: Option<usize>,
+    threads: Option<usize>,
+    max_inflight_bytes: Option<usize>,
+    path: Option<std::path::PathBuf>,
+    durability: &str,
+    flush_interval: f64,
+    map_size: Option<usize>,
+) -> PyResult<(StoreConfig, Option<DurableConfig>)> {
+    let d = StoreConfig::default();
+    let config = StoreConfig {
+        num_shards: num_shards.unwrap_or(d.num_shards),
+        threads: threads.unwrap_or(d.threads),
+        max_inflight_bytes: max_inflight_bytes.unwrap_or(d.max_inflight_bytes),
+    };
+    let durability: Durability = durability.parse().map_err(err)?;
+    let Some(path) = path else {
+        return Ok((config, None));
+    };
+    if !(flush_interval.is_finite() && flush_interval > 0.0 && flush_interval < 1e6) {
+        return Err(err(Error::InvalidArgument(format!(
+            "flush_interval must be a positive number of seconds, got {flush_interval}"
+        ))));
+    }
+    let mut dc = DurableConfig::new(path);
+    dc.durability = durability;
+    dc.flush_interval = Duration::from_secs_f64(flush_interval);
+    if let Some(m) = map_size {
+        dc.map_size = m;
+    }
+    Ok((config, Some(dc)))
+}
+
+/// The manifests of a snapshot's chain, base first, as JSON.
+#[pyfunction]
+fn snapshot_chain(py: Python<'_>, dir: std::path::PathBuf) -> PyResult<Vec<(String, String)>> {
+    let chain = py
+        .detach(|| crate::snapshot::Manifest::chain(&dir))
+        .map_err(err)?;
+    chain
+        .into_iter()
+        .map(|(p, m)| {
+            let j = serde_json::to_string(&m).map_err(|e| err(Error::Internal(e.to_string())))?;
+            Ok((p.to_string_lossy().into_owned(), j))
+        })
+        .collect()
+}
+
+/// Checks every file of a snapshot's chain (sizes and checksums); the first damaged one fails.
+#[pyfunction]
+fn verify_snapshot(py: Python<'_>, dir: std::path::PathBuf) -> PyResult<u64> {
+    py.detach(|| crate::snapshot::verify(&dir)).map_err(err)
+}
+
+/// What a store directory holds, read without opening it for writing.
+#[pyfunction]
+fn inspect_store<'py>(py: Python<'py>, path: std::path::PathBuf) -> PyResult<Bound<'py, PyDict>> {
+    let s = py.detach(|| crate::storage::inspect(&path)).map_err(err)?;
+    let d = PyDict::new(py);
+    d.set_item("format", &s.format.format)?;
+    d.set_item("version", s.format.version)?;
+    d.set_item("cycle", s.cycle)?;
+    d.set_item("file_bytes", s.file_bytes)?;
+    d.set_item("snapshot", s.snapshot)?;
+    let tables = pyo3::types::PyList::empty(py);
+    for (name, rec, rows, changed, removed) in s.tables {
+        let t = PyDict::new(py);
+        t.set_item("name", name)?;
+        t.set_item("record", rec)?;
+        t.set_item("rows", rows)?;
+        t.set_item("changed_since_snapshot", changed)?;
+        t.set_item("removed_since_snapshot", removed)?;
+        tables.append(t)?;
+    }
+    d.set_item("tables", tables)?;
+    Ok(d)
 }
 
 /// The native handle on an asynchronous push.
@@ -615,6 +738,9 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<PySparseTable>()?;
     m.add_class::<PyDenseTable>()?;
     m.add_class::<PyPushHandle>()?;
+    m.add_function(wrap_pyfunction!(snapshot_chain, m)?)?;
+    m.add_function(wrap_pyfunction!(verify_snapshot, m)?)?;
+    m.add_function(wrap_pyfunction!(inspect_store, m)?)?;
     m.add("MAX_DIM", crate::table::MAX_DIM)?;
     m.add("__version__", env!("CARGO_PKG_VERSION"))?;
     Ok(())

@@ -1,10 +1,904 @@
-//! Snapshots: full and incremental copies of a store's tables as Arrow IPC files plus a manifest.
+//! Snapshots: full and incremental copies of a store's tables as Arrow IPC files plus a manifest
+//! (format in docs/FORMAT.md).
+//!
+//! A snapshot is written into a temporary directory beside its destination: the part files of
+//! every table (fsynced), then `manifest.json` (fsynced), then the directory is renamed into place
+//! and its parent fsynced. A directory without a manifest is not a snapshot.
+//!
+//! Every row is copied whole under its shard's lock (in-memory stores) or read from one LMDB
+//! read transaction (durable stores), so its weights and optimizer state belong to one update,
+//! while training goes on.
 
 pub mod files;
 
+use std::path::{Path, PathBuf};
+use std::sync::atomic::Ordering;
+use std::sync::{Arc, Mutex};
+
+use rayon::prelude::*;
+use serde::{Deserialize, Serialize};
+
+use crate::durable::{Durability, TableRecord};
+use crate::error::{corrupt, invalid, storage, Error, Result};
+use crate::hash::shard_of;
+use crate::storage::{cycle_of, words_into, Db};
+use crate::store::{DurableConfig, Store, StoreConfig, Table};
+use crate::table::{SparseTable, TableHandle};
+use files::{FileInfo, PartSchema, PartWriter, RowBatch};
+
+/// The format's name, in every manifest.
+pub const FORMAT_NAME: &str = "pstore-snapshot";
+/// The manifest version this build writes and reads.
+pub const FORMAT_VERSION: u32 = 1;
+/// The manifest's file name.
+pub const MANIFEST: &str = "manifest.json";
+/// Part files per sparse table at most (rows go to part `shard % parts`).
+const MAX_PARTS: usize = 16;
+/// Rows per record batch.
+const BATCH_ROWS: usize = 8192;
+
 /// The snapshot an increment builds on.
-#[derive(Debug, Clone, PartialEq)]
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct Parent {
     /// The parent's id.
     pub id: String,
+    /// The parent's directory, relative to the child's parent directory when both share it.
+    pub path: String,
+    /// The store's flush cycle the parent was taken at (durable stores).
+    pub cycle: u64,
+}
+
+/// One table of a manifest.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct TableEntry {
+    /// The table's name.
+    pub name: String,
+    /// Its directory inside the snapshot.
+    pub dir: String,
+    /// Configuration, learning rate, update sequence number and counters.
+    pub record: TableRecord,
+    /// Row width (sparse) or element count (dense).
+    pub dim: usize,
+    /// Floats of optimizer state per row (sparse) or in all (dense).
+    pub state_len: usize,
+    /// Rows in the files of this snapshot (all rows of a full one, changed ones of an increment).
+    pub rows: u64,
+    /// Rows of the table at the snapshot.
+    pub total_rows: u64,
+    /// The part files.
+    pub files: Vec<FileInfo>,
+    /// Ids removed since the parent (increments).
+    pub tombstones: Option<FileInfo>,
+}
+
+/// A snapshot's manifest.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct Manifest {
+    /// Always [`FORMAT_NAME`].
+    pub format: String,
+    /// The format version.
+    pub version: u32,
+    /// A unique id.
+    pub id: String,
+    /// `"full"` or `"incremental"`.
+    pub kind: String,
+    /// The snapshot an increment builds on.
+    pub parent: Option<Parent>,
+    /// Unix seconds when it was taken.
+    pub created_at: f64,
+    /// The store's directory, if durable.
+    pub source_path: Option<String>,
+    /// The store's flush cycle the rows were read at (durable stores; 0 otherwise).
+    pub cycle: u64,
+    /// The tables.
+    pub tables: Vec<TableEntry>,
+}
+
+impl Manifest {
+    /// Reads and checks the manifest of the snapshot in `dir`.
+    pub fn read(dir: &Path) -> Result<Self> {
+        let path = dir.join(MANIFEST);
+        let bytes = match std::fs::read(&path) {
+            Ok(b) => b,
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => {
+                return Err(invalid(format!(
+                    "{} is not a snapshot: it has no {MANIFEST} (a snapshot without its \
+                     manifest does not exist)",
+                    dir.display()
+                )))
+            }
+            Err(e) => return Err(storage(format!("reading {}: {e}", path.display()))),
+        };
+        let m: Manifest = serde_json::from_slice(&bytes)
+            .map_err(|e| corrupt(format!("{}: not a readable manifest: {e}", path.display())))?;
+        if m.format != FORMAT_NAME {
+            return Err(corrupt(format!(
+                "{}: format {:?}, not {FORMAT_NAME:?}",
+                path.display(),
+                m.format
+            )));
+        }
+        if m.version != FORMAT_VERSION {
+            return Err(corrupt(format!(
+                "{}: a snapshot of format version {}; this pstore reads version {FORMAT_VERSION}",
+                path.display(),
+                m.version
+            )));
+        }
+        Ok(m)
+    }
+
+    /// The chain from the base snapshot to `dir`, base first.
+    pub fn chain(dir: &Path) -> Result<Vec<(PathBuf, Manifest)>> {
+        let mut out = Vec::new();
+        let mut at = dir.to_path_buf();
+        loop {
+            let m = Manifest::read(&at)?;
+            let parent = m.parent.clone();
+            out.push((at.clone(), m));
+            let Some(p) = parent else { break };
+            let next = resolve(&at, &p.path);
+            if out.len() > 100_000 {
+                return Err(corrupt(format!(
+                    "{}: the chain of parents loops",
+                    dir.display()
+                )));
+            }
+            let pm = Manifest::read(&next).map_err(|e| match e {
+                Error::InvalidArgument(msg) => invalid(format!(
+                    "{msg} (the parent of {}, which the increment needs)",
+                    at.display()
+                )),
+                e => e,
+            })?;
+            if pm.id != p.id {
+                return Err(corrupt(format!(
+                    "{}: its parent should be snapshot {}, but {} holds snapshot {}",
+                    at.display(),
+                    p.id,
+                    next.display(),
+                    pm.id
+                )));
+            }
+            at = next;
+        }
+        out.reverse();
+        if out[0].1.kind != "full" {
+            return Err(corrupt(format!(
+                "{}: the chain does not start with a full snapshot",
+                out[0].0.display()
+            )));
+        }
+        Ok(out)
+    }
+}
+
+/// The parent directory named by `rel`, as seen from the snapshot directory `child`.
+fn resolve(child: &Path, rel: &str) -> PathBuf {
+    let p = Path::new(rel);
+    if p.is_absolute() {
+        p.to_path_buf()
+    } else {
+        child.parent().unwrap_or(Path::new(".")).join(p)
+    }
+}
+
+/// How `parent` is named from `child`'s directory: by file name when they share a directory.
+fn relative_to(child: &Path, parent: &Path) -> String {
+    let same = match (
+        child.parent().and_then(|p| p.canonicalize().ok()),
+        parent.parent().and_then(|p| p.canonicalize().ok()),
+    ) {
+        (Some(a), Some(b)) => a == b,
+        _ => false,
+    };
+    match (same, parent.file_name()) {
+        (true, Some(n)) => n.to_string_lossy().into_owned(),
+        _ => parent
+            .canonicalize()
+            .unwrap_or_else(|_| parent.to_path_buf())
+            .to_string_lossy()
+            .into_owned(),
+    }
+}
+
+fn unix_time() -> f64 {
+    std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0.0, |d| d.as_secs_f64())
+}
+
+fn new_id() -> String {
+    let t = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0, |d| d.as_nanos() as u64);
+    let salt = crate::hash::mix64(t ^ ((std::process::id() as u64) << 40));
+    format!("{t:016x}-{salt:016x}")
+}
+
+fn fsync_dir(dir: &Path) -> Result<()> {
+    std::fs::File::open(dir)
+        .and_then(|f| f.sync_all())
+        .map_err(|e| storage(format!("syncing {}: {e}", dir.display())))
+}
+
+/// What a snapshot reports.
+#[derive(Debug, Clone, PartialEq)]
+pub struct SnapshotInfo {
+    /// The manifest written.
+    pub manifest: Manifest,
+    /// Bytes of all files, the manifest included.
+    pub bytes: u64,
+}
+
+/// The meta key of a durable store's last snapshot.
+const SNAPSHOT_KEY: &str = "snapshot";
+
+/// Rows headed for one part file: batches are written when full.
+struct Part {
+    writer: PartWriter,
+    batch: RowBatch,
+    schema: PartSchema,
+}
+
+impl Part {
+    fn add(&mut self, id: u64, words: &[u32]) -> Result<()> {
+        self.batch.push_words(id, words, self.schema);
+        if self.batch.len() >= BATCH_ROWS {
+            self.writer.write(&self.batch)?;
+            self.batch.clear();
+        }
+        Ok(())
+    }
+
+    fn finish(mut self) -> Result<FileInfo> {
+        if !self.batch.is_empty() {
+            self.writer.write(&self.batch)?;
+        }
+        self.writer.finish()
+    }
+}
+
+fn open_parts(tmp: &Path, dir: &str, n: usize, schema: PartSchema) -> Result<Vec<Part>> {
+    (0..n)
+        .map(|k| {
+            let name = format!("{dir}/part-{k:05}.arrow");
+            Ok(Part {
+                writer: PartWriter::create(&tmp.join(&name), &name, schema)?,
+                batch: RowBatch::default(),
+                schema,
+            })
+        })
+        .collect()
+}
+
+fn parts_of(t: &SparseTable) -> usize {
+    t.num_shards().min(MAX_PARTS)
+}
+
+impl Store {
+    /// Writes a snapshot of every table into the new directory `dir`: all rows, or with
+    /// `incremental` only the rows changed since this store's previous snapshot plus tombstones
+    /// for ids removed or evicted since then. Training may go on meanwhile.
+    pub fn snapshot(&self, dir: &Path, incremental: bool) -> Result<SnapshotInfo> {
+        if dir.exists() {
+            return Err(invalid(format!(
+                "{} exists; a snapshot is written into a new directory",
+                dir.display()
+            )));
+        }
+        let parent_dir = dir.parent().filter(|p| !p.as_os_str().is_empty());
+        let parent_dir = parent_dir.unwrap_or(Path::new("."));
+        if !parent_dir.is_dir() {
+            return Err(invalid(format!(
+                "cannot write a snapshot into {}: {} is not a directory",
+                dir.display(),
+                parent_dir.display()
+            )));
+        }
+        // Pushes queued before the call are in the snapshot.
+        while !self.flush_timeout(std::time::Duration::from_secs(3600)) {}
+        let parent = if incremental {
+            Some(self.last_parent()?.ok_or_else(|| {
+                invalid("no previous snapshot of this store to build an increment on; take a full one first")
+            })?)
+        } else {
+            None
+        };
+        let name = dir
+            .file_name()
+            .ok_or_else(|| invalid(format!("{} has no file name", dir.display())))?
+            .to_string_lossy()
+            .into_owned();
+        let id = new_id();
+        let tmp = parent_dir.join(format!(".{name}.tmp-{id}"));
+        std::fs::create_dir(&tmp)
+            .map_err(|e| storage(format!("creating {}: {e}", tmp.display())))?;
+        let r = self.write_snapshot(&tmp, dir, id, parent);
+        match r {
+            Ok((manifest, bytes, after)) => {
+                std::fs::rename(&tmp, dir).map_err(|e| {
+                    let _ = std::fs::remove_dir_all(&tmp);
+                    storage(format!(
+                        "renaming {} to {}: {e}",
+                        tmp.display(),
+                        dir.display()
+                    ))
+                })?;
+                fsync_dir(parent_dir)?;
+                after(self, dir, &manifest)?;
+                Ok(SnapshotInfo { manifest, bytes })
+            }
+            Err(e) => {
+                let _ = std::fs::remove_dir_all(&tmp);
+                if self.path().is_none() {
+                    // The shards' change records were consumed: only a full snapshot is safe now.
+                    *self.last_snapshot.lock().unwrap_or_else(|e| e.into_inner()) = None;
+                }
+                Err(e)
+            }
+        }
+    }
+
+    /// The last snapshot of this store, if any.
+    fn last_parent(&self) -> Result<Option<Parent>> {
+        match self.flusher() {
+            Some(f) => f
+                .storage()
+                .read(|r| r.meta(SNAPSHOT_KEY))?
+                .map(|v| {
+                    serde_json::from_slice(&v)
+                        .map_err(|e| corrupt(format!("the store's snapshot record: {e}")))
+                })
+                .transpose(),
+            None if self.path().is_some() => Err(storage("the store is closed")),
+            None => Ok(self
+                .last_snapshot
+                .lock()
+                .unwrap_or_else(|e| e.into_inner())
+                .clone()),
+        }
+    }
+
+    /// Writes the files and the manifest into `tmp`; returns the manifest, the bytes, and what
+    /// to do once the directory is in place.
+    #[allow(clippy::type_complexity)]
+    fn write_snapshot(
+        &self,
+        tmp: &Path,
+        dir: &Path,
+        id: String,
+        parent: Option<Parent>,
+    ) -> Result<(
+        Manifest,
+        u64,
+        Box<dyn FnOnce(&Store, &Path, &Manifest) -> Result<()>>,
+    )> {
+        let tables: Vec<(String, Table)> = self
+            .tables()
+            .into_iter()
+            .filter_map(|n| self.table(&n).ok().map(|t| (n, t)))
+            .collect();
+        let incremental = parent.is_some();
+        let (entries, cycle) = match self.flusher() {
+            Some(f) => self.write_from_replica(&f, tmp, &tables, parent.as_ref())?,
+            None if self.path().is_some() => return Err(storage("the store is closed")),
+            None => (self.write_from_memory(tmp, &tables, incremental)?, 0),
+        };
+        let manifest = Manifest {
+            format: FORMAT_NAME.into(),
+            version: FORMAT_VERSION,
+            id: id.clone(),
+            kind: if incremental { "incremental" } else { "full" }.into(),
+            parent: parent.map(|p| Parent {
+                path: relative_to(dir, &resolve_parent_dir(&p)),
+                ..p
+            }),
+            created_at: unix_time(),
+            source_path: self.path().map(|p| p.to_string_lossy().into_owned()),
+            cycle,
+            tables: entries,
+        };
+        let bytes =
+            serde_json::to_vec_pretty(&manifest).map_err(|e| Error::Internal(e.to_string()))?;
+        let mpath = tmp.join(MANIFEST);
+        {
+            use std::io::Write;
+            let mut f = std::fs::File::create(&mpath)
+                .map_err(|e| storage(format!("writing {}: {e}", mpath.display())))?;
+            f.write_all(&bytes)
+                .and_then(|_| f.sync_all())
+                .map_err(|e| storage(format!("writing {}: {e}", mpath.display())))?;
+        }
+        for e in &manifest.tables {
+            fsync_dir(&tmp.join(&e.dir))?;
+        }
+        fsync_dir(tmp)?;
+        let total: u64 = manifest
+            .tables
+            .iter()
+            .flat_map(|e| e.files.iter().chain(e.tombstones.iter()))
+            .map(|f| f.bytes)
+            .sum::<u64>()
+            + bytes.len() as u64;
+        let after: Box<dyn FnOnce(&Store, &Path, &Manifest) -> Result<()>> =
+            Box::new(move |store: &Store, dir: &Path, m: &Manifest| store.snapshot_taken(dir, m));
+        Ok((manifest, total, after))
+    }
+
+    /// Records the snapshot as the parent of the next increment (and, in a durable store, drops
+    /// the change records it covers).
+    fn snapshot_taken(&self, dir: &Path, m: &Manifest) -> Result<()> {
+        let abs = dir.canonicalize().unwrap_or_else(|_| dir.to_path_buf());
+        let p = Parent {
+            id: m.id.clone(),
+            path: abs.to_string_lossy().into_owned(),
+            cycle: m.cycle,
+        };
+        match self.flusher() {
+            Some(f) => {
+                let rec = serde_json::to_vec(&p).map_err(|e| Error::Internal(e.to_string()))?;
+                let names: Vec<String> = m.tables.iter().map(|t| t.name.clone()).collect();
+                f.exclusive(|| {
+                    f.storage().write(|w| {
+                        for n in &names {
+                            w.prune(Db::Changed, n, m.cycle)?;
+                            w.prune(Db::Removed, n, m.cycle)?;
+                        }
+                        w.put_meta(SNAPSHOT_KEY, &rec)
+                    })
+                })
+            }
+            None => {
+                *self.last_snapshot.lock().unwrap_or_else(|e| e.into_inner()) = Some(p);
+                Ok(())
+            }
+        }
+    }
+
+    /// An in-memory store's tables, shard by shard under each shard's lock; from the first
+    /// snapshot on, shards record their changes for the next increment.
+    fn write_from_memory(
+        &self,
+        tmp: &Path,
+        tables: &[(String, Table)],
+        incremental: bool,
+    ) -> Result<Vec<TableEntry>> {
+        let mut entries = Vec::new();
+        for (i, (name, table)) in tables.iter().enumerate() {
+            let dir = format!("table-{i:04}");
+            std::fs::create_dir(tmp.join(&dir))
+                .map_err(|e| storage(format!("creating {}: {e}", tmp.join(&dir).display())))?;
+            let record = TableRecord::of(table);
+            let entry = match table {
+                Table::Sparse(t) => {
+                    let schema = PartSchema {
+                        dim: t.dim(),
+                        state_len: t.state_len(),
+                    };
+                    let parts = parts_of(t);
+                    let rows = std::sync::atomic::AtomicU64::new(0);
+                    let gone = Mutex::new(Vec::new());
+                    let files: Vec<FileInfo> = self.pool_install(|| {
+                        (0..parts)
+                            .into_par_iter()
+                            .map(|k| {
+                                let fname = format!("{dir}/part-{k:05}.arrow");
+                                let mut part = Part {
+                                    writer: PartWriter::create(&tmp.join(&fname), &fname, schema)?,
+                                    batch: RowBatch::default(),
+                                    schema,
+                                };
+                                let shards: Vec<usize> =
+                                    (k..t.num_shards()).step_by(parts).collect();
+                                for s in shards {
+                                    let (ids, words, g) = t.copy_shard(s, incremental);
+                                    let m = t.row_words();
+                                    for (j, &id) in ids.iter().enumerate() {
+                                        part.add(id, &words[j * m..(j + 1) * m])?;
+                                    }
+                                    rows.fetch_add(ids.len() as u64, Ordering::Relaxed);
+                                    gone.lock().unwrap_or_else(|e| e.into_inner()).extend(g);
+                                }
+                                part.finish()
+                            })
+                            .collect::<Result<Vec<_>>>()
+                    })?;
+                    let mut gone = gone.into_inner().unwrap_or_else(|e| e.into_inner());
+                    gone.sort_unstable();
+                    let tombstones = if incremental {
+                        let fname = format!("{dir}/tombstones.arrow");
+                        Some(files::write_ids(&tmp.join(&fname), &fname, &gone)?)
+                    } else {
+                        None
+                    };
+                    TableEntry {
+                        name: name.clone(),
+                        dir,
+                        record,
+                        dim: t.dim(),
+                        state_len: t.state_len(),
+                        rows: rows.into_inner(),
+                        total_rows: t.len() as u64,
+                        files,
+                        tombstones,
+                    }
+                }
+                Table::Dense(d) => self.dense_entry(tmp, name, dir, record, d.words())?,
+            };
+            entries.push(entry);
+        }
+        Ok(entries)
+    }
+
+    fn dense_entry(
+        &self,
+        tmp: &Path,
+        name: &str,
+        dir: String,
+        record: TableRecord,
+        words: Vec<u32>,
+    ) -> Result<TableEntry> {
+        let TableRecord::Dense { config, .. } = &record else {
+            return Err(Error::Internal("a dense entry of a sparse table".into()));
+        };
+        let numel = config.numel();
+        let schema = PartSchema {
+            dim: numel,
+            state_len: words.len() - 2 - numel,
+        };
+        // One row, id 0: [step, version, updated_at, freq] then the tensor and its state.
+        let mut w = vec![words[0], 0, 0, 0, 0, 0];
+        w.extend_from_slice(&words[2..]);
+        let fname = format!("{dir}/value.arrow");
+        let mut writer = PartWriter::create(&tmp.join(&fname), &fname, schema)?;
+        let mut b = RowBatch::default();
+        b.push_words(0, &w, schema);
+        writer.write(&b)?;
+        Ok(TableEntry {
+            name: name.to_string(),
+            dir,
+            record,
+            dim: schema.dim,
+            state_len: schema.state_len,
+            rows: 1,
+            total_rows: 1,
+            files: vec![writer.finish()?],
+            tombstones: None,
+        })
+    }
+
+    /// A durable store's tables from one read transaction of its replica, after a flush.
+    fn write_from_replica(
+        &self,
+        f: &Arc<crate::durable::Flusher>,
+        tmp: &Path,
+        tables: &[(String, Table)],
+        parent: Option<&Parent>,
+    ) -> Result<(Vec<TableEntry>, u64)> {
+        f.flush()?;
+        let guard = f.hold_cycles();
+        let cycle = f.done_cycle();
+        let st = Arc::clone(f.storage());
+        st.read(|r| {
+            // The read transaction is open: later cycles may commit, this view stays.
+            drop(guard);
+            let mut entries = Vec::new();
+            for (i, (name, table)) in tables.iter().enumerate() {
+                let dir = format!("table-{i:04}");
+                std::fs::create_dir(tmp.join(&dir))
+                    .map_err(|e| storage(format!("creating {}: {e}", tmp.join(&dir).display())))?;
+                let record = match r.meta(&crate::durable::table_key(name))? {
+                    Some(v) => serde_json::from_slice(&v).map_err(|e| {
+                        corrupt(format!("the record of table {name:?} in the replica: {e}"))
+                    })?,
+                    None => continue, // dropped meanwhile
+                };
+                let entry = match table {
+                    Table::Sparse(t) => {
+                        let schema = PartSchema {
+                            dim: t.dim(),
+                            state_len: t.state_len(),
+                        };
+                        let m = t.row_words();
+                        let n = parts_of(t);
+                        let mut parts = open_parts(tmp, &dir, n, schema)?;
+                        let mut rows = 0u64;
+                        let mut words = Vec::with_capacity(m);
+                        let mut add = |id: u64, v: &[u8]| -> Result<()> {
+                            words.clear();
+                            words_into(v, &mut words);
+                            if words.len() != m {
+                                return Err(corrupt(format!(
+                                    "{}: table {name:?} row {id} holds {} words, not {m}",
+                                    st.path().display(),
+                                    words.len()
+                                )));
+                            }
+                            rows += 1;
+                            parts[shard_of(id, t.num_shards()) % n].add(id, &words)
+                        };
+                        let mut gone = Vec::new();
+                        match parent {
+                            None => r.scan(Db::Rows, name, |id, v| add(id, v))?,
+                            Some(p) => {
+                                let mut changed = Vec::new();
+                                r.scan(Db::Changed, name, |id, v| {
+                                    if cycle_of(v) > p.cycle {
+                                        changed.push(id);
+                                    }
+                                    Ok(())
+                                })?;
+                                for id in changed {
+                                    if let Some(v) = r.get(Db::Rows, name, id)? {
+                                        add(id, v)?;
+                                    }
+                                }
+                                r.scan(Db::Removed, name, |id, v| {
+                                    if cycle_of(v) > p.cycle {
+                                        gone.push(id);
+                                    }
+                                    Ok(())
+                                })?;
+                                let mut live = Vec::with_capacity(gone.len());
+                                for id in gone.drain(..) {
+                                    if r.get(Db::Rows, name, id)?.is_none() {
+                                        live.push(id);
+                                    }
+                                }
+                                gone = live;
+                            }
+                        }
+                        let files = parts
+                            .into_iter()
+                            .map(Part::finish)
+                            .collect::<Result<Vec<_>>>()?;
+                        let tombstones = match parent {
+                            Some(_) => {
+                                let fname = format!("{dir}/tombstones.arrow");
+                                Some(files::write_ids(&tmp.join(&fname), &fname, &gone)?)
+                            }
+                            None => None,
+                        };
+                        TableEntry {
+                            name: name.clone(),
+                            dir,
+                            record,
+                            dim: t.dim(),
+                            state_len: t.state_len(),
+                            rows,
+                            total_rows: r.len(Db::Rows, name)?,
+                            files,
+                            tombstones,
+                        }
+                    }
+                    Table::Dense(_) => {
+                        let v = r.meta(&crate::durable::dense_key(name))?.ok_or_else(|| {
+                            corrupt(format!("dense table {name:?} has no value in the replica"))
+                        })?;
+                        let mut w = Vec::new();
+                        words_into(&v, &mut w);
+                        self.dense_entry(tmp, name, dir, record, w)?
+                    }
+                };
+                entries.push(entry);
+            }
+            Ok((entries, cycle))
+        })
+    }
+
+    /// Rebuilds a store from the snapshot in `dir` and its chain of increments, into any shard
+    /// count; a durable store when `durable` names a directory that holds no store yet. A
+    /// damaged file fails the restore with an error naming it, and no store is left behind.
+    pub fn restore(
+        dir: &Path,
+        config: StoreConfig,
+        durable: Option<DurableConfig>,
+    ) -> Result<Store> {
+        let chain = Manifest::chain(dir)?;
+        let created_dir = match &durable {
+            Some(d) if d.path.join("data.mdb").exists() => {
+                return Err(invalid(format!(
+                    "{} holds a store already; restore into a new directory",
+                    d.path.display()
+                )))
+            }
+            Some(d) => !d.path.exists(),
+            None => false,
+        };
+        let target = durable.as_ref().map(|d| d.path.clone());
+        let r = Self::restore_into(&chain, config, durable);
+        if r.is_err() {
+            if let (Some(p), true) = (target, created_dir) {
+                let _ = std::fs::remove_dir_all(p);
+            }
+        }
+        r
+    }
+
+    fn restore_into(
+        chain: &[(PathBuf, Manifest)],
+        config: StoreConfig,
+        durable: Option<DurableConfig>,
+    ) -> Result<Store> {
+        let (_, last) = chain.last().expect("a chain has a snapshot");
+        let store = match durable {
+            // Writing happens once at the end: no flush cycles while loading.
+            Some(mut d) => {
+                let mode = d.durability;
+                d.durability = Durability::None;
+                (Store::open(config.clone(), d.clone())?, Some((d, mode)))
+            }
+            None => (Store::new(config.clone())?, None),
+        };
+        let (store, reopen) = store;
+        if !store.tables().is_empty() {
+            return Err(invalid("restore needs an empty store"));
+        }
+        for entry in &last.tables {
+            match &entry.record {
+                TableRecord::Sparse { config, .. } => {
+                    store.create_sparse_table(&entry.name, config.clone())?;
+                }
+                TableRecord::Dense { config, .. } => {
+                    store.create_dense_table(&entry.name, config.clone())?;
+                }
+            }
+        }
+        for (path, m) in chain {
+            for entry in &m.tables {
+                let Ok(table) = store.table(&entry.name) else {
+                    continue; // dropped later in the chain
+                };
+                store.load_entry(path, entry, &table)?;
+            }
+        }
+        for entry in &last.tables {
+            let table = store.table(&entry.name)?;
+            match (&entry.record, &table) {
+                (
+                    TableRecord::Sparse {
+                        lr, seq, counters, ..
+                    },
+                    Table::Sparse(t),
+                ) => {
+                    t.set_seq(*seq);
+                    t.set_lr(*lr)?;
+                    crate::durable::restore_counters(t.as_ref(), counters);
+                    if t.len() as u64 != entry.total_rows {
+                        return Err(corrupt(format!(
+                            "{}: table {:?} should have {} rows after the chain, has {}",
+                            dir_of(chain),
+                            entry.name,
+                            entry.total_rows,
+                            t.len()
+                        )));
+                    }
+                }
+                (TableRecord::Dense { lr, counters, .. }, Table::Dense(t)) => {
+                    t.set_lr(*lr)?;
+                    crate::durable::restore_counters(t.as_ref(), counters);
+                }
+                _ => return Err(corrupt(format!("table {:?} changed kind", entry.name))),
+            }
+        }
+        if let Some(f) = store.flusher() {
+            f.flush()?;
+        }
+        match reopen {
+            None => Ok(store),
+            Some((mut d, mode)) => {
+                store.close()?;
+                drop(store);
+                d.durability = mode;
+                Store::open(config, d)
+            }
+        }
+    }
+
+    fn load_entry(&self, dir: &Path, entry: &TableEntry, table: &Table) -> Result<()> {
+        let schema = PartSchema {
+            dim: entry.dim,
+            state_len: entry.state_len,
+        };
+        match table {
+            Table::Sparse(t) => {
+                if t.dim() != entry.dim || t.state_len() != entry.state_len {
+                    return Err(corrupt(format!(
+                        "{}: table {:?} has rows of dim {} and state {}, the chain's last \
+                         config says {} and {}",
+                        dir.display(),
+                        entry.name,
+                        entry.dim,
+                        entry.state_len,
+                        t.dim(),
+                        t.state_len()
+                    )));
+                }
+                self.pool_install(|| {
+                    entry.files.par_iter().try_for_each(|fi| {
+                        let path = dir.join(&fi.name);
+                        let mut ids = Vec::new();
+                        let mut words = Vec::new();
+                        files::read_part(&path, schema, fi, |b| {
+                            ids.clear();
+                            words.clear();
+                            for i in 0..b.len() {
+                                ids.push(b.ids[i]);
+                                b.row_words(i, schema, &mut words);
+                            }
+                            t.put_rows(&ids, &words)
+                        })
+                    })
+                })?;
+                if let Some(fi) = &entry.tombstones {
+                    let gone = files::read_ids(&dir.join(&fi.name), fi)?;
+                    t.remove(&gone)?;
+                }
+                Ok(())
+            }
+            Table::Dense(d) => {
+                let fi = entry.files.first().ok_or_else(|| {
+                    corrupt(format!(
+                        "{}: dense table {:?} has no file",
+                        dir.display(),
+                        entry.name
+                    ))
+                })?;
+                let mut value = None;
+                files::read_part(&dir.join(&fi.name), schema, fi, |b| {
+                    if b.len() == 1 {
+                        let mut w = Vec::new();
+                        b.row_words(0, schema, &mut w);
+                        value = Some(w);
+                    }
+                    Ok(())
+                })?;
+                let w = value.ok_or_else(|| {
+                    corrupt(format!(
+                        "{}: dense table {:?} has no value",
+                        dir.display(),
+                        entry.name
+                    ))
+                })?;
+                let mut words = vec![w[0], 0];
+                words.extend_from_slice(&w[crate::shard::META..]);
+                d.set_words(&words)
+            }
+        }
+    }
+}
+
+/// Checks every file of the chain ending at `dir` against its manifest (sizes and checksums);
+/// returns the bytes checked.
+pub fn verify(dir: &Path) -> Result<u64> {
+    let mut bytes = 0;
+    for (path, m) in Manifest::chain(dir)? {
+        for e in &m.tables {
+            let schema = PartSchema {
+                dim: e.dim,
+                state_len: e.state_len,
+            };
+            for fi in &e.files {
+                files::read_part(&path.join(&fi.name), schema, fi, |_| Ok(()))?;
+                bytes += fi.bytes;
+            }
+            if let Some(fi) = &e.tombstones {
+                files::read_ids(&path.join(&fi.name), fi)?;
+                bytes += fi.bytes;
+            }
+        }
+    }
+    Ok(bytes)
+}
+
+fn dir_of(chain: &[(PathBuf, Manifest)]) -> String {
+    chain
+        .last()
+        .map(|(p, _)| p.display().to_string())
+        .unwrap_or_default()
+}
+
+fn resolve_parent_dir(p: &Parent) -> PathBuf {
+    PathBuf::from(&p.path)
 }

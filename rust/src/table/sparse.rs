@@ -885,25 +885,6 @@ impl SparseTable {
         }
     }
 
-    /// Calls `f(shard, id, words)` for every row in memory, shard by shard, each shard under its
-    /// read lock (so each row is one update's state).
-    pub(crate) fn for_each_row(
-        &self,
-        shards: &[usize],
-        mut f: impl FnMut(usize, u64, &[u32]) -> Result<()>,
-    ) -> Result<()> {
-        let mut w = Vec::with_capacity(self.row_words());
-        for &s in shards {
-            let shard = self.read(s);
-            for (id, slot) in shard.iter() {
-                w.clear();
-                shard.words(slot, &mut w);
-                f(s, id, &w)?;
-            }
-        }
-        Ok(())
-    }
-
     /// Stores rows given as words (a restore); each replaces any row of its id.
     pub fn put_rows(&self, ids: &[u64], words: &[u32]) -> Result<()> {
         let m = self.row_words();
@@ -926,6 +907,38 @@ impl SparseTable {
             }
         });
         Ok(())
+    }
+
+    /// Copies shard `s` for a snapshot of an in-memory store, under its lock: all rows, or with
+    /// `incremental` the rows changed since the last copy and the ids removed since then. Either
+    /// way the shard then records changes anew for the next increment.
+    pub(crate) fn copy_shard(&self, s: usize, incremental: bool) -> (Vec<u64>, Vec<u32>, Vec<u64>) {
+        let m = self.row_words();
+        let mut shard = self.write(s);
+        shard.set_tracking(true);
+        let (mut ids, mut words) = (Vec::new(), Vec::new());
+        if incremental {
+            shard.take_changed(|id, w| {
+                ids.push(id);
+                words.extend_from_slice(&w[..m]);
+            });
+        } else {
+            shard.take_changed(|_, _| {});
+            ids.reserve(shard.len());
+            words.reserve(shard.len() * m);
+            for (id, slot) in shard.iter() {
+                ids.push(id);
+                shard.words(slot, &mut words);
+            }
+        }
+        let gone: Vec<u64> = shard
+            .gone()
+            .into_iter()
+            .filter(|&id| shard.find(id).is_none())
+            .collect();
+        let all = shard.gone();
+        shard.forget_gone(&all);
+        (ids, words, if incremental { gone } else { Vec::new() })
     }
 
     /// Starts (or stops) recording changes for incremental snapshots of an in-memory store.
