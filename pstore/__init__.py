@@ -15,12 +15,14 @@ from pstore import init, optim
 from pstore._native import MAX_DIM
 from pstore._native import __version__ as __version__
 from pstore.exceptions import (
+    CorruptError,
     DtypeError,
     InternalError,
     InvalidArgumentError,
     NonFiniteError,
     PstoreError,
     ShapeError,
+    StorageError,
     TableExistsError,
     UnknownTableError,
     WrongTableKindError,
@@ -29,6 +31,7 @@ from pstore.store import DenseTable, PushHandle, SparseTable, Store
 
 __all__ = [
     "MAX_DIM",
+    "CorruptError",
     "DenseTable",
     "DtypeError",
     "InternalError",
@@ -38,6 +41,7 @@ __all__ = [
     "PushHandle",
     "ShapeError",
     "SparseTable",
+    "StorageError",
     "Store",
     "TableExistsError",
     "UnknownTableError",

@@ -7,6 +7,7 @@ import numpy.typing as npt
 
 __all__ = [
     "MAX_DIM",
+    "Counter",
     "DenseTable",
     "PushHandle",
     "SparseTable",
@@ -51,8 +52,11 @@ class Store:
         durability: str = "async",
         flush_interval: float = 1.0,
         map_size: int | None = None,
+        counter: Counter | None = None,
     ) -> Store: ...
-    def snapshot(self, dir: str, incremental: bool = False) -> tuple[str, int]: ...
+    def snapshot(
+        self, dir: str, incremental: bool = False, counter: Counter | None = None
+    ) -> tuple[str, int]: ...
     @property
     def num_shards(self) -> int: ...
     @property
@@ -83,6 +87,12 @@ class Store:
     def drop_table(self, name: str) -> None: ...
     def flush(self) -> None: ...
     def close(self) -> None: ...
+
+@final
+class Counter:
+    def __new__(cls) -> Counter: ...
+    @property
+    def value(self) -> int: ...
 
 @final
 class PushHandle:

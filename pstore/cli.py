@@ -3,13 +3,17 @@
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import sys
+import time
 from collections.abc import Sequence
+from typing import Any
 
 import numpy as np
 
 import pstore
+from pstore._progress import Progress, format_seconds
 
 
 def _cmd_demo(args: argparse.Namespace) -> int:
@@ -21,6 +25,145 @@ def _cmd_demo(args: argparse.Namespace) -> int:
 def _cmd_version(args: argparse.Namespace) -> int:
     print(f"pstore {pstore.__version__} (numpy {np.__version__}, python {sys.version.split()[0]})")
     return 0
+
+
+def _bytes(n: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if n < 1024 or unit == "GiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    return f"{n:.1f} TiB"
+
+
+def _existing_store(path: str) -> str:
+    if not os.path.isdir(path):
+        raise pstore.InvalidArgumentError(f"{path}: no such directory")
+    if not os.path.isfile(os.path.join(path, "data.mdb")):
+        raise pstore.InvalidArgumentError(f"{path} is not a pstore store (it has no data.mdb)")
+    return path
+
+
+def _bar(total: int, desc: str, quiet: bool) -> Progress:
+    return Progress(total=total, desc=desc, unit="row", disable=quiet)
+
+
+def _advance(bar: Progress):
+    def update(done: int) -> None:
+        bar.update(done - bar.n)
+
+    return update
+
+
+def _cmd_snapshot(args: argparse.Namespace) -> int:
+    store_path = _existing_store(args.store)
+    start = time.perf_counter()
+    with pstore.Store(store_path, durability="none") as store:
+        total = sum(
+            len(t) if isinstance(t, pstore.SparseTable) else 1
+            for t in map(store.table, store.tables())
+        )
+        with _bar(0 if args.incremental else total, "snapshot", args.quiet) as bar:
+            m = store.snapshot(args.out, incremental=args.incremental, progress=_advance(bar))
+    rows = sum(t["rows"] for t in m["tables"])
+    print(
+        f"{m['kind']} snapshot {m['id']} of {store_path} -> {args.out}: {len(m['tables'])} tables, "
+        f"{rows} rows, {_bytes(m['bytes'])} in {format_seconds(time.perf_counter() - start)}"
+    )
+    return 0
+
+
+def _cmd_restore(args: argparse.Namespace) -> int:
+    chain = _chain(args.snapshot)
+    total = sum(t["rows"] for _, m in chain for t in m["tables"])
+    if os.path.exists(os.path.join(args.out, "data.mdb")):
+        raise pstore.InvalidArgumentError(
+            f"{args.out} holds a store already; restore into a new directory"
+        )
+    start = time.perf_counter()
+    with _bar(total, "restore", args.quiet) as bar:
+        store = pstore.Store.restore(
+            args.snapshot, args.out, num_shards=args.num_shards, progress=_advance(bar)
+        )
+    with store:
+        rows = sum(
+            len(t) if isinstance(t, pstore.SparseTable) else 1
+            for t in map(store.table, store.tables())
+        )
+        print(
+            f"restored {len(chain)} snapshot(s) into {args.out}: {len(store.tables())} tables, "
+            f"{rows} rows in {format_seconds(time.perf_counter() - start)}"
+        )
+    return 0
+
+
+def _chain(path: str) -> list[tuple[str, dict[str, Any]]]:
+    return [(p, json.loads(m)) for p, m in pstore._native.snapshot_chain(path)]
+
+
+def _record(rec: dict[str, Any]) -> str:
+    cfg = rec["config"]
+    opt = cfg["optimizer"]["kind"]
+    name = opt if isinstance(opt, str) else next(iter(opt))
+    shape = f"dim {cfg['dim']}" if rec["kind"] == "sparse" else f"shape {tuple(cfg['shape'])}"
+    return f"{rec['kind']:6} {shape}, {name} lr {rec['lr']:g}, seq {rec['seq']}"
+
+
+def _cmd_inspect(args: argparse.Namespace) -> int:
+    path = args.path
+    if os.path.isfile(os.path.join(path, "manifest.json")):
+        chain = _chain(path)
+        if args.verify:
+            checked = pstore._native.verify_snapshot(path)
+        if args.json:
+            print(json.dumps({"kind": "snapshot", "chain": [m for _, m in chain]}, indent=2))
+            return 0
+        print(f"snapshot {path}: a chain of {len(chain)} (base first)")
+        for p, m in chain:
+            size = sum(
+                f["bytes"]
+                for t in m["tables"]
+                for f in [*t["files"], *([t["tombstones"]] if t["tombstones"] else [])]
+            )
+            when = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(m["created_at"]))
+            print(f"  {m['kind']:11} {m['id']}  {when}  {_bytes(size):>10}  {p}")
+        print("tables (the last snapshot):")
+        for t in chain[-1][1]["tables"]:
+            tomb = t["tombstones"]["rows"] if t["tombstones"] else 0
+            print(
+                f"  {t['name']:20} {_record(t['record'])}; {t['total_rows']} rows, "
+                f"{t['rows']} in this snapshot, {tomb} tombstones"
+            )
+        if args.verify:
+            print(f"verified: every file's size and checksum ({_bytes(checked)})")
+        return 0
+    if os.path.isfile(os.path.join(path, "data.mdb")):
+        info = pstore._native.inspect_store(path)
+        if args.json:
+            for t in info["tables"]:
+                t["record"] = json.loads(t["record"])
+            info["snapshot"] = json.loads(info["snapshot"]) if info["snapshot"] else None
+            print(json.dumps({"kind": "store", **info}, indent=2))
+            return 0
+        print(
+            f"store {path}: format {info['format']} version {info['version']}, "
+            f"{_bytes(info['file_bytes'])} on disk, flush cycle {info['cycle']}"
+        )
+        snap = json.loads(info["snapshot"]) if info["snapshot"] else None
+        print(f"  last snapshot: {snap['id'] + ' at ' + snap['path'] if snap else 'none'}")
+        for t in info["tables"]:
+            rec = json.loads(t["record"])
+            rows = t["rows"] if rec["kind"] == "sparse" else 1
+            print(
+                f"  {t['name']:20} {_record(rec)}; {rows} rows, "
+                f"{t['changed_since_snapshot']} changed and {t['removed_since_snapshot']} "
+                "removed since the last snapshot"
+            )
+        return 0
+    if not os.path.exists(path):
+        raise pstore.InvalidArgumentError(f"{path}: no such file or directory")
+    raise pstore.InvalidArgumentError(
+        f"{path} is neither a pstore store (no data.mdb) nor a snapshot (no manifest.json)"
+    )
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -39,6 +182,45 @@ def build_parser() -> argparse.ArgumentParser:
     )
     demo.add_arguments(p)
     p.set_defaults(func=_cmd_demo)
+
+    p = sub.add_parser(
+        "snapshot",
+        help="write a snapshot of a durable store (not open in another process)",
+        description="Write a full (or, with --incremental, an incremental) snapshot of the "
+        "durable store STORE into the new directory OUT.",
+    )
+    p.add_argument("store", metavar="STORE", help="a durable store directory")
+    p.add_argument("out", metavar="OUT", help="the snapshot directory to create")
+    p.add_argument(
+        "--incremental",
+        action="store_true",
+        help="only rows changed since the store's previous snapshot, plus tombstones",
+    )
+    p.add_argument("-q", "--quiet", action="store_true", help="no progress bar")
+    p.set_defaults(func=_cmd_snapshot)
+
+    p = sub.add_parser(
+        "restore",
+        help="rebuild a durable store from a snapshot and its increments",
+        description="Rebuild the durable store OUT (a new directory) from SNAPSHOT, following "
+        "an increment's parents back to its full snapshot.",
+    )
+    p.add_argument("snapshot", metavar="SNAPSHOT", help="a snapshot directory")
+    p.add_argument("out", metavar="OUT", help="the store directory to create")
+    p.add_argument("--num-shards", type=int, default=None, help="shards per table (default 64)")
+    p.add_argument("-q", "--quiet", action="store_true", help="no progress bar")
+    p.set_defaults(func=_cmd_restore)
+
+    p = sub.add_parser(
+        "inspect",
+        help="show a store or a snapshot: tables, rows, bytes, versions, chain of increments",
+    )
+    p.add_argument("path", metavar="PATH", help="a store directory or a snapshot directory")
+    p.add_argument("--json", action="store_true", help="print JSON")
+    p.add_argument(
+        "--verify", action="store_true", help="check every snapshot file's size and checksum"
+    )
+    p.set_defaults(func=_cmd_inspect)
 
     p = sub.add_parser("version", help="print the versions of pstore and numpy")
     p.set_defaults(func=_cmd_version)

@@ -4,9 +4,10 @@ from __future__ import annotations
 
 import json
 import os
+import threading
 import time
-from collections.abc import Iterator, Sequence
-from typing import Any, Literal
+from collections.abc import Callable, Iterator, Sequence
+from typing import Any, Literal, TypeVar
 
 import numpy as np
 import numpy.typing as npt
@@ -530,7 +531,13 @@ class Store:
         """Remove a table from the store."""
         self._inner.drop_table(name)
 
-    def snapshot(self, dir: str | os.PathLike[str], *, incremental: bool = False) -> dict[str, Any]:
+    def snapshot(
+        self,
+        dir: str | os.PathLike[str],
+        *,
+        incremental: bool = False,
+        progress: Callable[[int], object] | None = None,
+    ) -> dict[str, Any]:
         """Write a snapshot of every table into the new directory ``dir``; returns its manifest.
 
         A full snapshot holds every row; with ``incremental=True`` only the rows changed since
@@ -541,9 +548,14 @@ class Store:
         when complete. Training may go on meanwhile: every row's weights and optimizer state
         belong to one update. Pushes queued with ``push_async`` before the call are included.
 
-        The manifest gains a ``bytes`` key: bytes written, manifest included.
+        The manifest gains a ``bytes`` key: bytes written, manifest included. ``progress``, if
+        given, is called from this thread with the rows written so far, every 0.1 s or so.
         """
-        manifest_json, nbytes = self._inner.snapshot(os.fspath(dir), incremental)
+        counter = _native.Counter()
+        target = os.fspath(dir)
+        manifest_json, nbytes = _with_progress(
+            lambda: self._inner.snapshot(target, incremental, counter), counter, progress
+        )
         manifest: dict[str, Any] = json.loads(manifest_json)
         manifest["bytes"] = nbytes
         return manifest
@@ -560,6 +572,7 @@ class Store:
         threads: int | None = None,
         max_inflight_bytes: int | None = None,
         map_size: int | None = None,
+        progress: Callable[[int], object] | None = None,
     ) -> Store:
         """Rebuild a store from a snapshot and its chain of increments.
 
@@ -567,10 +580,11 @@ class Store:
         the base. The result is an in-memory store, or a durable one at ``path`` (a directory
         that holds no store yet), with any ``num_shards``. Every file is checked against the
         size and checksum its manifest records: a truncated or altered file raises
-        :class:`CorruptError` naming it, and no store is left behind.
+        :class:`CorruptError` naming it, and no store is left behind. ``progress``, if given, is
+        called from this thread with the rows loaded so far, every 0.1 s or so.
         """
-        self = cls.__new__(cls)
-        self._inner = _native.Store.restore(
+        counter = _native.Counter()
+        args = (
             os.fspath(snapshot_dir),
             None if num_shards is None else _check_int(num_shards, "num_shards"),
             None if threads is None else _check_int(threads, "threads"),
@@ -581,7 +595,10 @@ class Store:
             durability,
             float(flush_interval),
             None if map_size is None else _check_int(map_size, "map_size"),
+            counter,
         )
+        self = cls.__new__(cls)
+        self._inner = _with_progress(lambda: _native.Store.restore(*args), counter, progress)
         return self
 
     def flush(self) -> None:
@@ -611,6 +628,34 @@ class Store:
         return (
             f"<Store tables={self.tables()} shards={self.num_shards} threads={self.threads}{where}>"
         )
+
+
+_T = TypeVar("_T")
+
+
+def _with_progress(
+    call: Callable[[], _T], counter: _native.Counter, progress: Callable[[int], object] | None
+) -> _T:
+    """Run ``call`` (a native call that releases the GIL), reporting ``counter`` to ``progress``."""
+    if progress is None:
+        return call()
+    result: list[_T] = []
+    error: list[BaseException] = []
+
+    def run() -> None:
+        try:
+            result.append(call())
+        except BaseException as e:  # handed to the caller's thread below
+            error.append(e)
+
+    worker = threading.Thread(target=run, name="pstore-progress", daemon=True)
+    worker.start()
+    while worker.is_alive():
+        worker.join(0.1)
+        progress(counter.value)
+    if error:
+        raise error[0]
+    return result[0]
 
 
 def _check_int(v: object, what: str, hi: int = 2**63, lo: int = 0) -> int:

@@ -176,7 +176,7 @@ fn concurrent_sgd_pushes_sum_up() {
     for w in workers {
         w.join().unwrap();
     }
-    s.flush();
+    s.flush().unwrap();
     // Every id in 0..500 receives the same number of gradients: 4 workers x 50 steps x 6 each.
     let rows = t.pull(&(0..500).collect::<Vec<_>>()).unwrap();
     assert!(
@@ -206,7 +206,7 @@ fn async_pushes_apply_in_order() {
         b.push(&ids, &grads).unwrap();
         handles.push(a.push_async(ids, grads).unwrap());
     }
-    s.flush();
+    s.flush().unwrap();
     assert!(handles.iter().all(|h| h.is_done()));
     let probe: Vec<u64> = (0..3_000).collect();
     assert_eq!(a.pull(&probe).unwrap(), b.pull(&probe).unwrap());

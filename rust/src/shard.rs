@@ -142,6 +142,13 @@ impl Index {
         self.table[p] = e;
     }
 
+    /// Grows the table so that `n` entries fit without another growth.
+    fn reserve(&mut self, n: usize) {
+        while n * 5 > self.table.len() * 4 {
+            self.grow();
+        }
+    }
+
     fn grow(&mut self) {
         assert!(self.bits < 32, "a shard index holds at most 2^31 rows");
         let old = std::mem::replace(&mut self.table, Buffer::zeroed(1 << (self.bits + 1)));
@@ -377,6 +384,12 @@ impl Shard {
         if let Some(slot) = self.find(id) {
             return (slot, false);
         }
+        (self.insert_absent(id, init), true)
+    }
+
+    /// Adds a row for `id`, which the caller knows has none; its body is written by `init`.
+    #[inline]
+    pub fn insert_absent(&mut self, id: u64, init: impl FnOnce(&mut [u32])) -> u32 {
         let slot = self.alloc_slot();
         let row = self.row_mut(slot);
         row[0] = id as u32;
@@ -384,7 +397,7 @@ impl Shard {
         row[2..HEADER].fill(0);
         init(&mut row[HEADER..]);
         self.index.insert(frag(id), slot);
-        (slot, true)
+        slot
     }
 
     /// Removes the row of `id`; true if there was one.
@@ -427,6 +440,11 @@ impl Shard {
             .filter(|&n| n != NO_SLOT)
             .expect("a shard holds fewer than 2^32 - 1 rows");
         slot
+    }
+
+    /// Makes room for `n` rows in the index (a bulk load sized in advance).
+    pub fn reserve(&mut self, n: usize) {
+        self.index.reserve(n);
     }
 
     /// Starts or stops recording changes; stopping forgets what was recorded.
@@ -510,12 +528,25 @@ impl Shard {
     /// [`Shard::take_changed`] hands them out), replacing any row of `id`; the flags stay. Returns
     /// the slot and whether the row is new.
     pub fn put_words(&mut self, id: u64, words: &[u32]) -> (u32, bool) {
-        let (slot, new) = self.find_or_insert(id, |_| {});
+        let slot = self.find(id).unwrap_or(NO_SLOT);
+        self.put_words_at(id, slot, words)
+    }
+
+    /// Stores a row's words (as in [`Shard::put_words`]) at the slot of `id`, or in a new row
+    /// when `slot` is `NO_SLOT` (the caller found no row of `id`).
+    pub fn put_words_at(&mut self, id: u64, slot: u32, words: &[u32]) -> (u32, bool) {
+        let (slot, new) = if slot == NO_SLOT {
+            (self.insert_absent(id, |_| {}), true)
+        } else {
+            (slot, false)
+        };
         let row = self.row_mut(slot);
         let flags = row[FLAGS];
         row[2..].copy_from_slice(words);
         row[FLAGS] = flags;
-        self.gone.remove(&id);
+        if !self.gone.is_empty() {
+            self.gone.remove(&id);
+        }
         (slot, new)
     }
 

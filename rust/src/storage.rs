@@ -2,9 +2,14 @@
 //!
 //! One LMDB environment per store directory. The in-memory tables stay the hot copy; this module
 //! only moves bytes: it opens and checks the environment, runs write transactions (growing the
-//! map when it fills), and gives readers a consistent view. Every key of a row database is the id
-//! as 8 big-endian bytes, so LMDB's order is the numeric order of the ids; every value is the
-//! row's words after its id, little-endian.
+//! map when it fills), and gives readers a consistent view.
+//!
+//! Every key of a table's database is the id's placement hash (`mix64(id)`, the hash whose high
+//! bits choose the shard) as 8 big-endian bytes: the rows of one shard, for any shard count, are
+//! one contiguous key range, so a flush that writes shard after shard writes LMDB pages in order
+//! (a cycle rewrites each page it touches once, not once per shard). The id itself is in the value:
+//! a row's value is the id (u64 LE) then the row's words after its id (u32 LE); a `changed` or
+//! `removed` value is the cycle (u64 LE) then the id (u64 LE).
 
 use std::collections::HashMap;
 use std::fs::File;
@@ -62,18 +67,43 @@ impl Db {
     }
 }
 
-/// The id as a key.
+/// The key of `id`: its placement hash, big-endian.
 #[inline]
 pub fn key(id: u64) -> [u8; 8] {
-    id.to_be_bytes()
+    crate::hash::mix64(id).to_be_bytes()
 }
 
-/// The id of a key.
-pub fn id_of(key: &[u8]) -> Result<u64> {
-    let k: [u8; 8] = key
-        .try_into()
-        .map_err(|_| corrupt(format!("a row key of {} bytes, not 8", key.len())))?;
-    Ok(u64::from_be_bytes(k))
+/// A stored value: the payload with the id, as `db` keeps it.
+fn encode(db: Db, id: u64, payload: &[u8]) -> Vec<u8> {
+    let mut v = Vec::with_capacity(payload.len() + 8);
+    match db {
+        Db::Rows => {
+            v.extend_from_slice(&id.to_le_bytes());
+            v.extend_from_slice(payload);
+        }
+        Db::Changed | Db::Removed => {
+            v.extend_from_slice(payload);
+            v.extend_from_slice(&id.to_le_bytes());
+        }
+    }
+    v
+}
+
+/// The id and payload of a stored value.
+fn decode<'v>(db: Db, table: &str, v: &'v [u8]) -> Result<(u64, &'v [u8])> {
+    let bad = || {
+        corrupt(format!(
+            "table {table:?}: a value of {} bytes in {}{table}",
+            v.len(),
+            db.prefix()
+        ))
+    };
+    let id = |b: &[u8]| u64::from_le_bytes(b.try_into().expect("8 bytes"));
+    match db {
+        Db::Rows if v.len() >= 8 => Ok((id(&v[..8]), &v[8..])),
+        Db::Changed | Db::Removed if v.len() == 16 => Ok((id(&v[8..]), &v[..8])),
+        _ => Err(bad()),
+    }
 }
 
 /// The bytes of words (little-endian, as the host holds them).
@@ -465,13 +495,26 @@ impl Reader<'_> {
         Ok(out)
     }
 
-    /// The value of `id` in a table's database.
+    /// The payload of `id` in a table's database.
     pub fn get(&self, db: Db, table: &str, id: u64) -> Result<Option<&[u8]>> {
-        match self.storage.handle(db, table) {
+        let Some(d) = self.storage.handle(db, table) else {
+            return Ok(None);
+        };
+        let v = d
+            .get(&self.txn, &key(id))
+            .map_err(|e| lmdb_err(&self.storage.path, "reading", e))?;
+        match v {
             None => Ok(None),
-            Some(d) => d
-                .get(&self.txn, &key(id))
-                .map_err(|e| lmdb_err(&self.storage.path, "reading", e)),
+            Some(v) => {
+                let (stored, payload) = decode(db, table, v)?;
+                if stored != id {
+                    return Err(corrupt(format!(
+                        "{}: table {table:?}: the key of id {id} holds id {stored}",
+                        self.storage.path.display()
+                    )));
+                }
+                Ok(Some(payload))
+            }
         }
     }
 
@@ -485,7 +528,8 @@ impl Reader<'_> {
         }
     }
 
-    /// Calls `f(id, value)` for every entry of a table's database, in id order.
+    /// Calls `f(id, payload)` for every entry of a table's database, in key order (shard by
+    /// shard).
     pub fn scan(
         &self,
         db: Db,
@@ -497,8 +541,9 @@ impl Reader<'_> {
             return Ok(());
         };
         for item in d.iter(&self.txn).map_err(err)? {
-            let (k, v) = item.map_err(err)?;
-            f(id_of(k)?, v)?;
+            let (_, v) = item.map_err(err)?;
+            let (id, payload) = decode(db, table, v)?;
+            f(id, payload)?;
         }
         Ok(())
     }
@@ -561,10 +606,10 @@ impl Writer<'_, '_> {
         self.check("writing", r)
     }
 
-    /// Sets `id`'s value in a table's database.
-    pub fn put(&mut self, db: Db, table: &str, id: u64, value: &[u8]) -> Result<()> {
+    /// Sets `id`'s payload in a table's database.
+    pub fn put(&mut self, db: Db, table: &str, id: u64, payload: &[u8]) -> Result<()> {
         let d = self.db(db, table)?;
-        let r = d.put(self.txn, &key(id), value);
+        let r = d.put(self.txn, &key(id), &encode(db, id, payload));
         self.check("writing", r)
     }
 
@@ -573,14 +618,6 @@ impl Writer<'_, '_> {
         let d = self.db(db, table)?;
         d.delete(self.txn, &key(id))
             .map_err(|e| self.fail("writing", e))
-    }
-
-    /// The value of `id` as this transaction sees it.
-    pub fn get(&mut self, db: Db, table: &str, id: u64) -> Result<Option<Vec<u8>>> {
-        let d = self.db(db, table)?;
-        d.get(self.txn, &key(id))
-            .map(|v| v.map(<[u8]>::to_vec))
-            .map_err(|e| lmdb_err(&self.storage.path, "reading", e))
     }
 
     /// Empties a table's database.
@@ -600,13 +637,14 @@ impl Writer<'_, '_> {
                 .map_err(|e| lmdb_err(&self.storage.path, "reading", e))?;
             for item in iter {
                 let (k, v) = item.map_err(|e| lmdb_err(&self.storage.path, "reading", e))?;
-                if cycle_of(v) <= upto {
-                    old.push(id_of(k)?);
+                let (_, cycle) = decode(db, table, v)?;
+                if cycle_of(cycle) <= upto {
+                    old.push(k.to_vec());
                 }
             }
         }
-        for id in old {
-            let r = d.delete(self.txn, &key(id)).map(|_| ());
+        for k in old {
+            let r = d.delete(self.txn, &k).map(|_| ());
             self.check("writing", r)?;
         }
         Ok(())
@@ -669,7 +707,10 @@ mod tests {
                 ids.push(id);
                 Ok(())
             })?;
-            assert_eq!(ids, (0..1000).collect::<Vec<_>>());
+            // Key order is placement-hash order.
+            let mut want: Vec<u64> = (0..1000).collect();
+            want.sort_by_key(|&id| crate::hash::mix64(id));
+            assert_eq!(ids, want);
             Ok(())
         })
         .unwrap();

@@ -7,6 +7,7 @@
 mod convert;
 
 use std::mem::MaybeUninit;
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -158,7 +159,7 @@ impl PyStore {
     #[staticmethod]
     #[pyo3(signature = (
         snapshot, num_shards=None, threads=None, max_inflight_bytes=None, path=None,
-        durability="async", flush_interval=1.0, map_size=None
+        durability="async", flush_interval=1.0, map_size=None, counter=None
     ))]
     #[allow(clippy::too_many_arguments)]
     fn restore(
@@ -171,6 +172,7 @@ impl PyStore {
         durability: &str,
         flush_interval: f64,
         map_size: Option<usize>,
+        counter: Option<&PyCounter>,
     ) -> PyResult<Self> {
         let (config, dc) = configs(
             num_shards,
@@ -181,8 +183,9 @@ impl PyStore {
             flush_interval,
             map_size,
         )?;
+        let c = counter.map_or_else(|| Arc::new(AtomicU64::new(0)), |c| Arc::clone(&c.0));
         let store = py
-            .detach(move || Store::restore(&snapshot, config, dc))
+            .detach(move || Store::restore_counted(&snapshot, config, dc, &c))
             .map_err(err)?;
         Ok(Self {
             inner: Arc::new(store),
@@ -191,17 +194,20 @@ impl PyStore {
     }
 
     /// Writes a snapshot into the new directory `dir`; returns (manifest JSON, bytes written).
-    #[pyo3(signature = (dir, incremental=false))]
+    /// Rows written are added to `counter` as they go.
+    #[pyo3(signature = (dir, incremental=false, counter=None))]
     fn snapshot(
         &self,
         py: Python<'_>,
         dir: std::path::PathBuf,
         incremental: bool,
+        counter: Option<&PyCounter>,
     ) -> PyResult<(String, u64)> {
         self.guard.check()?;
         let store = &self.inner;
+        let c = counter.map_or_else(|| Arc::new(AtomicU64::new(0)), |c| Arc::clone(&c.0));
         let info = py
-            .detach(|| store.snapshot(&dir, incremental))
+            .detach(|| store.snapshot_counted(&dir, incremental, &c))
             .map_err(err)?;
         let json = serde_json::to_string(&info.manifest)
             .map_err(|e| err(Error::Internal(e.to_string())))?;
@@ -461,6 +467,24 @@ fn inspect_store<'py>(py: Python<'py>, path: std::path::PathBuf) -> PyResult<Bou
     }
     d.set_item("tables", tables)?;
     Ok(d)
+}
+
+/// A count that long native calls raise as they go (rows written or loaded), read by another
+/// thread to draw progress.
+#[pyclass(frozen, module = "pstore._native", name = "Counter")]
+struct PyCounter(Arc<AtomicU64>);
+
+#[pymethods]
+impl PyCounter {
+    #[new]
+    fn new() -> Self {
+        Self(Arc::new(AtomicU64::new(0)))
+    }
+
+    #[getter]
+    fn value(&self) -> u64 {
+        self.0.load(Ordering::Relaxed)
+    }
 }
 
 /// The native handle on an asynchronous push.
@@ -738,6 +762,7 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<PySparseTable>()?;
     m.add_class::<PyDenseTable>()?;
     m.add_class::<PyPushHandle>()?;
+    m.add_class::<PyCounter>()?;
     m.add_function(wrap_pyfunction!(snapshot_chain, m)?)?;
     m.add_function(wrap_pyfunction!(verify_snapshot, m)?)?;
     m.add_function(wrap_pyfunction!(inspect_store, m)?)?;

@@ -12,7 +12,7 @@
 pub mod files;
 
 use std::path::{Path, PathBuf};
-use std::sync::atomic::Ordering;
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 
 use rayon::prelude::*;
@@ -235,17 +235,20 @@ pub struct SnapshotInfo {
 const SNAPSHOT_KEY: &str = "snapshot";
 
 /// Rows headed for one part file: batches are written when full.
-struct Part {
+struct Part<'c> {
     writer: PartWriter,
     batch: RowBatch,
     schema: PartSchema,
+    done: &'c AtomicU64,
 }
 
-impl Part {
+impl Part<'_> {
     fn add(&mut self, id: u64, words: &[u32]) -> Result<()> {
         self.batch.push_words(id, words, self.schema);
         if self.batch.len() >= BATCH_ROWS {
             self.writer.write(&self.batch)?;
+            self.done
+                .fetch_add(self.batch.len() as u64, Ordering::Relaxed);
             self.batch.clear();
         }
         Ok(())
@@ -254,12 +257,20 @@ impl Part {
     fn finish(mut self) -> Result<FileInfo> {
         if !self.batch.is_empty() {
             self.writer.write(&self.batch)?;
+            self.done
+                .fetch_add(self.batch.len() as u64, Ordering::Relaxed);
         }
         self.writer.finish()
     }
 }
 
-fn open_parts(tmp: &Path, dir: &str, n: usize, schema: PartSchema) -> Result<Vec<Part>> {
+fn open_parts<'c>(
+    tmp: &Path,
+    dir: &str,
+    n: usize,
+    schema: PartSchema,
+    done: &'c AtomicU64,
+) -> Result<Vec<Part<'c>>> {
     (0..n)
         .map(|k| {
             let name = format!("{dir}/part-{k:05}.arrow");
@@ -267,6 +278,7 @@ fn open_parts(tmp: &Path, dir: &str, n: usize, schema: PartSchema) -> Result<Vec
                 writer: PartWriter::create(&tmp.join(&name), &name, schema)?,
                 batch: RowBatch::default(),
                 schema,
+                done,
             })
         })
         .collect()
@@ -281,6 +293,16 @@ impl Store {
     /// `incremental` only the rows changed since this store's previous snapshot plus tombstones
     /// for ids removed or evicted since then. Training may go on meanwhile.
     pub fn snapshot(&self, dir: &Path, incremental: bool) -> Result<SnapshotInfo> {
+        self.snapshot_counted(dir, incremental, &AtomicU64::new(0))
+    }
+
+    /// [`Store::snapshot`], adding the rows written to `done` as it goes (for progress bars).
+    pub fn snapshot_counted(
+        &self,
+        dir: &Path,
+        incremental: bool,
+        done: &AtomicU64,
+    ) -> Result<SnapshotInfo> {
         if dir.exists() {
             return Err(invalid(format!(
                 "{} exists; a snapshot is written into a new directory",
@@ -314,7 +336,7 @@ impl Store {
         let tmp = parent_dir.join(format!(".{name}.tmp-{id}"));
         std::fs::create_dir(&tmp)
             .map_err(|e| storage(format!("creating {}: {e}", tmp.display())))?;
-        let r = self.write_snapshot(&tmp, dir, id, parent);
+        let r = self.write_snapshot(&tmp, dir, id, parent, done);
         match r {
             Ok((manifest, bytes, after)) => {
                 std::fs::rename(&tmp, dir).map_err(|e| {
@@ -369,6 +391,7 @@ impl Store {
         dir: &Path,
         id: String,
         parent: Option<Parent>,
+        done: &AtomicU64,
     ) -> Result<(
         Manifest,
         u64,
@@ -381,9 +404,9 @@ impl Store {
             .collect();
         let incremental = parent.is_some();
         let (entries, cycle) = match self.flusher() {
-            Some(f) => self.write_from_replica(&f, tmp, &tables, parent.as_ref())?,
+            Some(f) => self.write_from_replica(&f, tmp, &tables, parent.as_ref(), done)?,
             None if self.path().is_some() => return Err(storage("the store is closed")),
-            None => (self.write_from_memory(tmp, &tables, incremental)?, 0),
+            None => (self.write_from_memory(tmp, &tables, incremental, done)?, 0),
         };
         let manifest = Manifest {
             format: FORMAT_NAME.into(),
@@ -463,6 +486,7 @@ impl Store {
         tmp: &Path,
         tables: &[(String, Table)],
         incremental: bool,
+        done: &AtomicU64,
     ) -> Result<Vec<TableEntry>> {
         let mut entries = Vec::new();
         for (i, (name, table)) in tables.iter().enumerate() {
@@ -488,6 +512,7 @@ impl Store {
                                     writer: PartWriter::create(&tmp.join(&fname), &fname, schema)?,
                                     batch: RowBatch::default(),
                                     schema,
+                                    done,
                                 };
                                 let shards: Vec<usize> =
                                     (k..t.num_shards()).step_by(parts).collect();
@@ -575,6 +600,7 @@ impl Store {
         tmp: &Path,
         tables: &[(String, Table)],
         parent: Option<&Parent>,
+        done: &AtomicU64,
     ) -> Result<(Vec<TableEntry>, u64)> {
         f.flush()?;
         let guard = f.hold_cycles();
@@ -602,7 +628,7 @@ impl Store {
                         };
                         let m = t.row_words();
                         let n = parts_of(t);
-                        let mut parts = open_parts(tmp, &dir, n, schema)?;
+                        let mut parts = open_parts(tmp, &dir, n, schema, done)?;
                         let mut rows = 0u64;
                         let mut words = Vec::with_capacity(m);
                         let mut add = |id: u64, v: &[u8]| -> Result<()> {
@@ -695,6 +721,16 @@ impl Store {
         config: StoreConfig,
         durable: Option<DurableConfig>,
     ) -> Result<Store> {
+        Self::restore_counted(dir, config, durable, &AtomicU64::new(0))
+    }
+
+    /// [`Store::restore`], adding the rows loaded to `done` as it goes (for progress bars).
+    pub fn restore_counted(
+        dir: &Path,
+        config: StoreConfig,
+        durable: Option<DurableConfig>,
+        done: &AtomicU64,
+    ) -> Result<Store> {
         let chain = Manifest::chain(dir)?;
         let created_dir = match &durable {
             Some(d) if d.path.join("data.mdb").exists() => {
@@ -707,7 +743,7 @@ impl Store {
             None => false,
         };
         let target = durable.as_ref().map(|d| d.path.clone());
-        let r = Self::restore_into(&chain, config, durable);
+        let r = Self::restore_into(&chain, config, durable, done);
         if r.is_err() {
             if let (Some(p), true) = (target, created_dir) {
                 let _ = std::fs::remove_dir_all(p);
@@ -720,6 +756,7 @@ impl Store {
         chain: &[(PathBuf, Manifest)],
         config: StoreConfig,
         durable: Option<DurableConfig>,
+        done: &AtomicU64,
     ) -> Result<Store> {
         let (_, last) = chain.last().expect("a chain has a snapshot");
         let store = match durable {
@@ -745,12 +782,17 @@ impl Store {
                 }
             }
         }
+        for entry in &last.tables {
+            if let Ok(Table::Sparse(t)) = store.table(&entry.name) {
+                t.reserve(entry.total_rows as usize);
+            }
+        }
         for (path, m) in chain {
             for entry in &m.tables {
                 let Ok(table) = store.table(&entry.name) else {
                     continue; // dropped later in the chain
                 };
-                store.load_entry(path, entry, &table)?;
+                store.load_entry(path, entry, &table, done)?;
             }
         }
         for entry in &last.tables {
@@ -796,7 +838,13 @@ impl Store {
         }
     }
 
-    fn load_entry(&self, dir: &Path, entry: &TableEntry, table: &Table) -> Result<()> {
+    fn load_entry(
+        &self,
+        dir: &Path,
+        entry: &TableEntry,
+        table: &Table,
+        done: &AtomicU64,
+    ) -> Result<()> {
         let schema = PartSchema {
             dim: entry.dim,
             state_len: entry.state_len,
@@ -827,7 +875,9 @@ impl Store {
                                 ids.push(b.ids[i]);
                                 b.row_words(i, schema, &mut words);
                             }
-                            t.put_rows(&ids, &words)
+                            t.put_rows(&ids, &words)?;
+                            done.fetch_add(ids.len() as u64, Ordering::Relaxed);
+                            Ok(())
                         })
                     })
                 })?;

@@ -900,13 +900,23 @@ impl SparseTable {
         let g = self.group(ids);
         self.for_each_shard(&g, ids.len(), |s, pos| {
             let mut shard = self.write(s);
-            for &p in pos {
+            let mut slots = Vec::new();
+            shard.find_many(ids, pos, 0, &mut slots);
+            for (&p, &slot) in pos.iter().zip(&slots) {
                 let p = p as usize;
-                let (slot, _) = shard.put_words(ids[p], &words[p * m..(p + 1) * m]);
+                let (slot, _) = shard.put_words_at(ids[p], slot, &words[p * m..(p + 1) * m]);
                 shard.mark(slot);
             }
         });
         Ok(())
+    }
+
+    /// Makes room for `rows` rows in all (a bulk load sized in advance).
+    pub fn reserve(&self, rows: usize) {
+        let per = rows.div_ceil(self.shards.len()) + rows.div_ceil(self.shards.len()) / 16 + 16;
+        for s in 0..self.shards.len() {
+            self.write(s).reserve(per);
+        }
     }
 
     /// Copies shard `s` for a snapshot of an in-memory store, under its lock: all rows, or with
