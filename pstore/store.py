@@ -261,8 +261,8 @@ class SparseTable(_Table):
         Parameters
         ----------
         not_updated_for_steps : int, optional
-            Remove rows whose last update is more than this many pushes (of this table) ago:
-            rows whose version is below ``seq - not_updated_for_steps``.
+            Remove rows that none of the last ``not_updated_for_steps`` pushes (of this table)
+            updated: rows whose version is at most ``seq - not_updated_for_steps``.
         not_updated_for_seconds : float, optional
             Remove rows whose last update is older than this many seconds.
 
@@ -277,7 +277,7 @@ class SparseTable(_Table):
         before_seq = None
         if not_updated_for_steps is not None:
             n = _check_int(not_updated_for_steps, "not_updated_for_steps")
-            before_seq = max(self.seq - n, 0)
+            before_seq = max(self.seq - n + 1, 0)
         before_secs = None
         if not_updated_for_seconds is not None:
             secs = float(not_updated_for_seconds)

@@ -123,8 +123,21 @@ pub fn words_into(bytes: &[u8], out: &mut Vec<u32>) {
 }
 
 fn lmdb_err(path: &Path, what: &str, e: heed::Error) -> Error {
+    // LMDB reports a short write (what a full disk or a file size limit causes) as EIO.
+    let full = match &e {
+        heed::Error::Io(io) => matches!(
+            io.raw_os_error(),
+            Some(libc::EIO | libc::ENOSPC | libc::EFBIG | libc::EDQUOT)
+        ),
+        _ => false,
+    };
+    let hint = if full {
+        " (the disk may be full or failing: free space and the store goes on)"
+    } else {
+        ""
+    };
     storage(format!(
-        "{what} the LMDB replica at {}: {e}",
+        "{what} the LMDB replica at {}: {e}{hint}",
         path.display()
     ))
 }

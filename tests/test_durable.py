@@ -1,0 +1,239 @@
+"""Durable stores: the LMDB replica, reopening, durability modes, a full disk."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import textwrap
+import time
+
+import numpy as np
+import pytest
+
+import pstore
+from pstore import init, optim
+
+
+def ones(n: int, dim: int) -> np.ndarray:
+    return np.ones((n, dim), dtype=np.float32)
+
+
+def arange(a: int, b: int | None = None) -> np.ndarray:
+    return np.arange(a, b, dtype=np.uint64) if b is not None else np.arange(a, dtype=np.uint64)
+
+
+def make_tables(store: pstore.Store) -> None:
+    store.create_sparse_table(
+        "adam", 6, optimizer=optim.Adam(lr=0.01), initializer=init.Uniform(-1, 1), seed=5
+    )
+    store.create_sparse_table("sgd", 3, optimizer=optim.SGD(lr=0.1, momentum=0.9))
+    store.create_dense_table("bias", (2, 3), optimizer=optim.Adagrad(lr=0.1))
+
+
+def train(store: pstore.Store, steps: int, seed: int) -> None:
+    rng = np.random.default_rng(seed)
+    for _ in range(steps):
+        ids = rng.integers(0, 5000, 1000).astype(np.uint64)
+        for name, dim in (("adam", 6), ("sgd", 3)):
+            store.sparse_table(name).push(ids, rng.standard_normal((1000, dim)).astype(np.float32))
+        bias = store.table("bias")
+        assert isinstance(bias, pstore.DenseTable)
+        bias.push(rng.standard_normal((2, 3)).astype(np.float32))
+
+
+@pytest.mark.parametrize("durability", ["sync", "async", "none"])
+def test_reopen_restores_everything_and_training_continues_identically(tmp_path, durability):
+    live = pstore.Store(num_shards=8)
+    disk = pstore.Store(tmp_path / "s", durability=durability, flush_interval=0.05, num_shards=8)
+    for s in (live, disk):
+        make_tables(s)
+        train(s, 5, seed=1)
+        s.sparse_table("sgd").lr = 0.05
+        s.sparse_table("sgd").remove(arange(100))
+    disk.close()
+    # Any shard count: rows are found by id.
+    disk = pstore.Store(tmp_path / "s", num_shards=3)
+    assert disk.tables() == live.tables() == ["adam", "bias", "sgd"]
+    for name in ("adam", "sgd"):
+        a, b = live.sparse_table(name), disk.sparse_table(name)
+        assert len(b) == len(a) and b.stats()["rows_unloaded"] == len(a), "rows load lazily"
+        assert b.lr == a.lr and b.seq == a.seq
+        assert b.optimizer == a.optimizer and b.initializer == a.initializer
+        for key in ("pushes", "ids_pushed", "rows_updated", "rows_created"):
+            assert b.stats()[key] == a.stats()[key], key
+        ids = arange(5000)
+        np.testing.assert_array_equal(b.contains(ids), a.contains(ids))
+    # Training goes on the same way: weights, optimizer state and Adam's steps were restored.
+    train(live, 3, seed=2)
+    train(disk, 3, seed=2)
+    for name in ("adam", "sgd"):
+        ids = arange(5000)
+        np.testing.assert_array_equal(disk.sparse_table(name).pull(ids), live.sparse_table(name).pull(ids))
+    np.testing.assert_array_equal(disk.table("bias").pull(), live.table("bias").pull())
+    assert disk.sparse_table("adam").stats()["rows_unloaded"] == 0
+    disk.close()
+
+
+def test_lazy_rows_answer_contains_remove_and_len_without_loading(tmp_path):
+    with pstore.Store(tmp_path / "s", num_shards=4) as s:
+        s.create_sparse_table("t", 2).push(arange(1000), ones(1000, 2))
+    s = pstore.Store(tmp_path / "s", num_shards=4)
+    t = s.sparse_table("t")
+    assert len(t) == 1000
+    assert t.contains(arange(995, 1005)).tolist() == [True] * 5 + [False] * 5
+    assert t.stats()["rows_unloaded"] == 1000
+    assert t.remove(arange(990, 1010)) == 10
+    assert len(t) == 990
+    assert not t.contains(arange(990, 1000)).any()
+    s.close()
+    s = pstore.Store(tmp_path / "s")
+    t = s.sparse_table("t")
+    assert len(t) == 990 and not t.contains(arange(990, 1000)).any()
+    # A removed id starts afresh: its old row does not come back from the replica.
+    t.pull(arange(995, 996))
+    assert t.stats()["rows_unloaded"] == 990
+    np.testing.assert_array_equal(t.pull(arange(995, 996)), t.initial_rows(arange(995, 996)))
+    s.close()
+
+
+def test_dropped_tables_leave_the_replica(tmp_path):
+    with pstore.Store(tmp_path / "s") as s:
+        s.create_sparse_table("t", 2).push(arange(10), ones(10, 2))
+        s.create_dense_table("d", 3)
+    with pstore.Store(tmp_path / "s") as s:
+        s.drop_table("t")
+        s.drop_table("d")
+    with pstore.Store(tmp_path / "s") as s:
+        assert s.tables() == []
+        t = s.create_sparse_table("t", 2)
+        assert len(t) == 0 and not t.contains(arange(10)).any()
+
+
+def test_modes_commit_when_they_say(tmp_path):
+    def cycle(s: pstore.Store) -> int:
+        info = s.storage_info()
+        assert info is not None
+        return info["cycle"]
+
+    sync = pstore.Store(tmp_path / "sync", durability="sync")
+    t = sync.create_sparse_table("t", 2)
+    c0 = cycle(sync)
+    t.push(arange(5), ones(5, 2))
+    assert cycle(sync) > c0, "a sync push returns after its commit"
+    assert sync.durability == "sync"
+    sync.close()
+
+    none = pstore.Store(tmp_path / "none", durability="none")
+    t = none.create_sparse_table("t", 2)
+    c0 = cycle(none)
+    t.push(arange(5), ones(5, 2))
+    time.sleep(0.3)
+    assert cycle(none) == c0, "none never writes by itself"
+    none.flush()
+    assert cycle(none) == c0 + 1
+    none.close()
+
+    asyn = pstore.Store(tmp_path / "async", durability="async", flush_interval=0.1)
+    t = asyn.create_sparse_table("t", 2)
+    c0 = cycle(asyn)
+    t.push(arange(5), ones(5, 2))
+    deadline = time.monotonic() + 5
+    while cycle(asyn) == c0 and time.monotonic() < deadline:
+        time.sleep(0.02)
+    assert cycle(asyn) > c0, "the flusher commits within the interval"
+    asyn.close()
+    assert asyn.storage_info() is None and asyn.durability is None
+    asyn.close()  # idempotent
+    with pytest.raises(pstore.StorageError, match="closed"):
+        t.push(arange(1), ones(1, 2))
+
+
+def test_bad_arguments_and_a_second_opener(tmp_path):
+    with pytest.raises(pstore.InvalidArgumentError, match="durability"):
+        pstore.Store(tmp_path / "a", durability="fast")  # type: ignore[arg-type]
+    with pytest.raises(pstore.InvalidArgumentError, match="flush_interval"):
+        pstore.Store(tmp_path / "b", flush_interval=0)
+    (tmp_path / "file").write_text("x")
+    with pytest.raises(pstore.InvalidArgumentError, match="not a directory"):
+        pstore.Store(tmp_path / "file")
+    s = pstore.Store(tmp_path / "c")
+    with pytest.raises(pstore.StorageError, match="open in another"):
+        pstore.Store(tmp_path / "c")
+    s.close()
+    pstore.Store(tmp_path / "c").close()  # released by close
+
+
+def test_the_map_grows_as_needed(tmp_path):
+    s = pstore.Store(tmp_path / "s", durability="none", map_size=1 << 20)
+    t = s.create_sparse_table("t", 64, optimizer=optim.Adagrad(lr=0.1))
+    t.push(arange(20000), ones(20000, 64))  # about 11 MB of rows into a 1 MiB map
+    s.flush()
+    info = s.storage_info()
+    assert info is not None and info["map_bytes"] > 8 << 20 and info["last_error"] is None
+    s.close()
+    s = pstore.Store(tmp_path / "s")
+    assert len(s.sparse_table("t")) == 20000
+    s.close()
+
+
+FULL_DISK = textwrap.dedent(
+    """
+    import resource, signal, sys
+    import numpy as np
+    import pstore
+
+    path, limit = sys.argv[1], int(sys.argv[2])
+    signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # a write past the limit fails with EFBIG
+    soft, hard = resource.getrlimit(resource.RLIMIT_FSIZE)
+    store = pstore.Store(path, durability="sync")
+    t = store.create_sparse_table("t", 64)
+    ids = np.arange(1000, dtype=np.uint64)
+    t.push(ids, np.ones((1000, 64), np.float32))
+    before = t.pull(ids)
+    resource.setrlimit(resource.RLIMIT_FSIZE, (limit, hard))  # "the disk is full"
+    big = np.arange(1000, 200000, dtype=np.uint64)
+    try:
+        t.push(big, np.ones((len(big), 64), np.float32))
+        print("no error")
+    except pstore.StorageError as e:
+        print("first:", e)
+    try:
+        t.push(ids, np.ones((1000, 64), np.float32))
+        print("no error")
+    except pstore.StorageError as e:
+        print("refused:", e)
+    np.testing.assert_array_equal(t.pull(ids), before)  # the refused push applied nothing
+    resource.setrlimit(resource.RLIMIT_FSIZE, (soft, hard))  # "space was freed"
+    t.push(ids, np.ones((1000, 64), np.float32))
+    store.flush()
+    after = t.pull(ids)
+    store.close()
+    store = pstore.Store(path)
+    t = store.table("t")
+    assert len(t) == 200000, len(t)
+    np.testing.assert_array_equal(t.pull(ids), after)
+    store.close()
+    print("recovered")
+    """
+)
+
+
+def test_a_full_disk_gives_a_clear_error_and_training_goes_on_after(tmp_path):
+    # RLIMIT_FSIZE makes writes past the limit fail (EFBIG), as a full disk fails them (ENOSPC),
+    # without needing a small file system.
+    path = tmp_path / "s"
+    with pstore.Store(path) as s:
+        s.create_sparse_table("warm", 2)
+    size = (path / "data.mdb").stat().st_size
+    r = subprocess.run(
+        [sys.executable, "-c", FULL_DISK, str(path), str(size + (2 << 20))],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert r.returncode == 0, r.stdout + r.stderr
+    lines = r.stdout.splitlines()
+    assert lines[0].startswith("first:") and "not durable yet" in lines[0], lines
+    assert "disk may be full" in lines[0] and str(path) in lines[0], lines
+    assert lines[1].startswith("refused:") and "not applied" in lines[1], lines
+    assert lines[-1] == "recovered"
