@@ -90,6 +90,34 @@ def import_torch() -> ModuleType | None:
         return None
 
 
+def import_pyarrow() -> ModuleType | None:
+    try:
+        pa = importlib.import_module("pyarrow")
+        importlib.import_module("pyarrow.ipc")
+        return pa
+    except ImportError:
+        return None
+
+
+def mem_available_bytes() -> int:
+    """MemAvailable from /proc/meminfo (what can be allocated without swapping)."""
+    with open("/proc/meminfo") as f:
+        for line in f:
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) * 1024
+    return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+
+
+def fsync_path(path: Path) -> None:
+    """fsync a file or a directory (a snapshot's files and directory are fsynced by pstore; the
+    file peers do the same so that every contender's write has reached the disk)."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
 def rss_bytes() -> int:
     """Resident set size of this process, from /proc/self/statm."""
     with open("/proc/self/statm") as f:
@@ -166,6 +194,36 @@ def measure_interleaved(
     return rates
 
 
+def measure_phases(
+    fns: dict[str, Callable[[], dict[str, float]]], reps: int, warmup: int = 1
+) -> dict[str, list[dict[str, float]]]:
+    """Interleaved like `measure_interleaved`, for contenders that time their own phases.
+
+    Each callable does one repetition's work, times its phases itself (setup and cleanup, such
+    as deleting the files it wrote, stay outside those timings) and returns a dict of numbers
+    (seconds per phase, bytes written, checks). Returns the dicts of the timed repetitions.
+    """
+    names = list(fns)
+
+    def call(name: str) -> dict[str, float]:
+        gc.collect()
+        gc.disable()
+        try:
+            return fns[name]()
+        finally:
+            gc.enable()
+
+    for _ in range(warmup):
+        for name in names:
+            call(name)
+    out: dict[str, list[dict[str, float]]] = {name: [] for name in names}
+    for r in range(reps):
+        k = r % len(names)
+        for name in names[k:] + names[:k]:
+            out[name].append(call(name))
+    return out
+
+
 def run_child(script: Path, args: dict[str, Any]) -> dict[str, Any]:
     """Run `python script '<json args>'` and parse the JSON on the last line of its stdout."""
     proc = subprocess.run(
@@ -192,6 +250,7 @@ class Row:
     ratio_of: str = ""
     target: str = ""
     target_min: float | None = None
+    target_max: float | None = None
     status: str = "ok"
     extra: dict[str, Any] = field(default_factory=dict)
 
@@ -201,7 +260,11 @@ class Row:
 
     @property
     def met(self) -> bool | None:
-        if self.ratio is None or self.target_min is None:
+        if self.ratio is None:
+            return None
+        if self.target_max is not None:
+            return self.ratio <= self.target_max
+        if self.target_min is None:
             return None
         return self.ratio >= self.target_min
 
@@ -264,7 +327,7 @@ def _fmt_rate(x: float | None) -> str:
 def format_table(headers: list[str], lines: Iterable[list[str]]) -> str:
     lines = list(lines)
     widths = [max(len(h), *(len(row[i]) for row in lines)) for i, h in enumerate(headers)]
-    numeric = ("batch", "M ", "M/s", "B/key", "ratio", "RSS/raw", "max ms")
+    numeric = ("batch", "M ", "M/s", "B/key", "ratio", "RSS/raw", "max ms", "s ", "rate")
     right = [i for i, h in enumerate(headers) if h.startswith(numeric) and h != "ratio of"]
 
     def fmt(row: list[str]) -> str:

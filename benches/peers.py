@@ -1,13 +1,15 @@
-"""The peers pstore is measured against: numpy, a Python dict index, and torch.
+"""The peers pstore is measured against: numpy, a Python dict index, torch and pyarrow.
 
 Each peer does what a user without pstore would write, in its fastest ordinary form.
 """
 
 from __future__ import annotations
 
+from pathlib import Path
 from types import ModuleType
 
 import numpy as np
+from harness import fsync_path
 
 
 class NumpyTake:
@@ -143,3 +145,70 @@ class DictNumpyGrowth:
             self.rows += m
             idx[missing] = new_rows[inverse]
         return self.weights.take(idx, axis=0)
+
+
+class ArrowIpcFile:
+    """pyarrow: the snapshot's columns as one table in one Arrow IPC file.
+
+    The table is built once from the given numpy arrays (no copy: 2-D arrays become
+    FixedSizeList columns). `write` writes it with `ipc.new_file` and fsyncs the file and its
+    directory; `read` reads it back with `ipc.open_file(OSFile).read_all()` (an OSFile, not a
+    memory map, so the bytes are read into memory) and returns numpy arrays over that memory.
+    """
+
+    def __init__(self, pa: ModuleType, columns: dict[str, np.ndarray], schema: object) -> None:
+        self.pa = pa
+        arrays = []
+        for a in columns.values():
+            if a.ndim == 2:
+                flat = pa.array(a.reshape(-1))
+                arrays.append(pa.FixedSizeListArray.from_arrays(flat, a.shape[1]))
+            else:
+                arrays.append(pa.array(a))
+        self.table = pa.Table.from_arrays(arrays, schema=schema)
+
+    def write(self, d: Path) -> int:
+        pa = self.pa
+        d.mkdir()
+        path = d / "table.arrow"
+        with pa.OSFile(str(path), "wb") as sink, pa.ipc.new_file(sink, self.table.schema) as w:
+            w.write_table(self.table)
+        fsync_path(path)
+        fsync_path(d)
+        return path.stat().st_size
+
+    def read(self, d: Path) -> dict[str, np.ndarray]:
+        pa = self.pa
+        with pa.OSFile(str(d / "table.arrow")) as src:
+            table = pa.ipc.open_file(src).read_all()
+        out = {}
+        for name in table.column_names:
+            col = table.column(name)
+            arr = col.chunk(0) if col.num_chunks == 1 else pa.concat_arrays(col.chunks)
+            if pa.types.is_fixed_size_list(arr.type):
+                out[name] = arr.flatten().to_numpy().reshape(len(arr), arr.type.list_size)
+            else:
+                out[name] = arr.to_numpy()
+        return out
+
+
+class NumpySave:
+    """`np.save` / `np.load` of the id, weight and state arrays, one .npy file each (fsynced,
+    like the other contenders' files)."""
+
+    def __init__(self, arrays: dict[str, np.ndarray]) -> None:
+        self.arrays = arrays
+
+    def write(self, d: Path) -> int:
+        d.mkdir()
+        nbytes = 0
+        for name, a in self.arrays.items():
+            path = d / f"{name}.npy"
+            np.save(path, a)
+            fsync_path(path)
+            nbytes += path.stat().st_size
+        fsync_path(d)
+        return nbytes
+
+    def read(self, d: Path) -> dict[str, np.ndarray]:
+        return {name: np.load(d / f"{name}.npy") for name in self.arrays}

@@ -1,8 +1,9 @@
-"""Peer benchmarks of pstore: one command for W1-W4.
+"""Peer benchmarks of pstore: one command for W1-W5.
 
-    python benches/run.py --quick            # a couple of minutes, smaller tables
+    python benches/run.py --quick            # a few minutes, smaller tables
     python benches/run.py --full             # the sizes of the issue (10M-row W1, 20M-id W3)
     python benches/run.py --quick --only W1,W3 --json out.json
+    python benches/run.py --quick --only W5 --tmp /some/disk   # where W5 writes its files
 
 Prints one table per workload (median rates, ratios against peers measured side by side in the
 same run) and writes every sample as JSON (default bench-results/results-<timestamp>.json).
@@ -14,6 +15,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import statistics
 import sys
 import time
 from dataclasses import asdict, replace
@@ -21,10 +23,12 @@ from pathlib import Path
 
 from harness import (
     REPO_ROOT,
+    Row,
     environment,
     format_rows,
     format_table,
     import_pstore,
+    import_pyarrow,
     import_torch,
     log,
 )
@@ -45,6 +49,13 @@ def _parse_args(argv: list[str] | None) -> argparse.Namespace:
     )
     p.add_argument("--json", type=Path, default=None, help="where to write the results")
     p.add_argument(
+        "--tmp",
+        type=Path,
+        default=None,
+        help="directory in which W5 creates its temporary directory of stores and snapshots\n"
+        "(default: the repository's bench-results/; deleted when W5 ends)",
+    )
+    p.add_argument(
         "--torch-threads",
         type=int,
         default=None,
@@ -59,6 +70,8 @@ def _print_section(sec: Section) -> None:
     print("   " + ", ".join(f"{k}={_short(v)}" for k, v in shown.items()))
     if sec.workload == "W3":
         print(_format_w3(sec))
+    elif sec.workload == "W5":
+        print(_format_w5(sec))
     else:
         print(format_rows(sec.rows))
     for note in sec.notes:
@@ -100,6 +113,48 @@ def _format_w3(sec: Section) -> str:
     return format_table(headers, lines)
 
 
+def _fmt_ratio(r: Row) -> str:
+    if r.ratio is None:
+        return ""
+    if r.extra.get("ratio_fmt") == "pct":
+        return f"{100 * r.ratio:.3g}%"
+    return f"{r.ratio:.2f}x"
+
+
+def _format_w5(sec: Section) -> str:
+    """W5's parts, one table each: seconds (median, min-max), a rate, the ratio and details."""
+    headers = ["case", "dist", "impl", "s median", "s min-max", "rate", "ratio", "ratio of"]
+    headers += ["target", "met", "detail"]
+    out = []
+    for part, title in sec.config.get("parts", {}).items():
+        rows = [r for r in sec.rows if r.extra.get("part") == part]
+        if not rows:
+            continue
+        lines = []
+        for r in rows:
+            secs = r.extra.get("seconds")
+            if r.status != "ok":
+                lines.append([r.case, r.dist, r.impl, "-", "-", "", "", "", r.target, r.status, ""])
+                continue
+            lines.append(
+                [
+                    r.case,
+                    r.dist,
+                    r.impl,
+                    f"{statistics.median(secs):.3g}" if secs else "",
+                    f"{min(secs):.3g}-{max(secs):.3g}" if secs and len(secs) > 1 else "",
+                    r.extra.get("rate", ""),
+                    _fmt_ratio(r),
+                    r.ratio_of,
+                    r.target,
+                    {None: "", True: "yes", False: "NO"}[r.met],
+                    r.extra.get("detail", ""),
+                ]
+            )
+        out.append(f"-- {part}: {title}\n" + format_table(headers, lines))
+    return "\n".join(out) if out else "   (no rows)"
+
+
 def _print_targets(sections: list[Section]) -> None:
     lines = []
     for sec in sections:
@@ -119,7 +174,7 @@ def _print_targets(sections: list[Section]) -> None:
                     r.dist,
                     str(r.batch or "-"),
                     what,
-                    f"{ratio:.2f}x",
+                    _fmt_ratio(r) if sec.workload == "W5" else f"{ratio:.2f}x",
                     target,
                     "yes" if met else "NO",
                 ]
@@ -142,9 +197,11 @@ def main(argv: list[str] | None = None) -> int:
 
     pstore = import_pstore(source_tree=args.source_tree)
     torch = import_torch()
+    pyarrow = import_pyarrow()
     if torch is not None:
         torch.set_num_threads(args.torch_threads or torch.get_num_threads())
     env = environment(pstore, torch)
+    env["pyarrow"] = pyarrow.__version__ if pyarrow is not None else None
     started = time.strftime("%Y%m%d-%H%M%S")
     json_path = args.json or REPO_ROOT / "bench-results" / f"results-{started}.json"
 
@@ -155,6 +212,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     print(
         f"python {env['python']}, numpy {env['numpy']}, torch {env['torch'] or 'not installed'}, "
+        f"pyarrow {env['pyarrow'] or 'not installed'}, "
         f"pstore {env['pstore']} ({env['pstore_path']})"
     )
     for where, info in env["pstore_native"].items():
@@ -176,7 +234,14 @@ def main(argv: list[str] | None = None) -> int:
     )
     sys.stdout.flush()
 
-    ctx = Context(pstore=pstore, torch=torch, sizes=sizes, reps=sizes.reps)
+    ctx = Context(
+        pstore=pstore,
+        torch=torch,
+        sizes=sizes,
+        reps=sizes.reps,
+        pyarrow=pyarrow,
+        tmp_parent=args.tmp,
+    )
     sections: list[Section] = []
     for name in only:
         t0 = time.perf_counter()

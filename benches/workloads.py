@@ -1,9 +1,12 @@
-"""The four workloads W1-W4. Each returns a Section: its configuration and result rows."""
+"""The workloads W1-W5. Each returns a Section: its configuration and result rows."""
 
 from __future__ import annotations
 
 import gc
+import itertools
+import shutil
 import statistics
+import tempfile
 import threading
 import time
 from collections.abc import Callable
@@ -15,16 +18,27 @@ from typing import Any
 import numpy as np
 from harness import (
     DISTS,
+    REPO_ROOT,
     PositionSampler,
     Row,
     ids_of,
     log,
     measure_interleaved,
+    measure_phases,
+    mem_available_bytes,
     pstore_search_dir,
     rows_from_rates,
     run_child,
 )
-from peers import DictTake, NumpyAddAt, NumpyTake, TorchEmbeddingPull, TorchSparseStep
+from peers import (
+    ArrowIpcFile,
+    DictTake,
+    NumpyAddAt,
+    NumpySave,
+    NumpyTake,
+    TorchEmbeddingPull,
+    TorchSparseStep,
+)
 
 POPULATE_BATCH = 65536
 RAW_W3_BYTES_PER_KEY = (16 + 16) * 4
@@ -42,6 +56,9 @@ class Sizes:
     w3_reps: int
     w4_rows: int
     w4_ids_per_rep: int
+    w5_rows: int
+    w5_train_seconds: float
+    w5_train_reps: int
 
 
 QUICK = Sizes(
@@ -55,6 +72,9 @@ QUICK = Sizes(
     w3_reps=3,
     w4_rows=1_000_000,
     w4_ids_per_rep=1 << 19,
+    w5_rows=1_000_000,
+    w5_train_seconds=5.0,
+    w5_train_reps=3,
 )
 FULL = Sizes(
     mode="full",
@@ -67,6 +87,9 @@ FULL = Sizes(
     w3_reps=3,
     w4_rows=4_000_000,
     w4_ids_per_rep=1 << 21,
+    w5_rows=10_000_000,
+    w5_train_seconds=10.0,
+    w5_train_reps=3,
 )
 
 
@@ -76,6 +99,8 @@ class Context:
     torch: ModuleType | None
     sizes: Sizes
     reps: int
+    pyarrow: ModuleType | None = None
+    tmp_parent: Path | None = None
 
 
 @dataclass
@@ -419,9 +444,483 @@ def w4_concurrency(ctx: Context) -> Section:
     return sec
 
 
+W5_DIM = 64
+W5_BATCH = 65536
+W5_TABLE = "w5"
+W5_LR = 0.01
+W5_INIT_ACC = 0.1
+W5_FLUSH_INTERVAL = 1.0
+W5_INCREMENT = 0.01
+W5_PARTS = {
+    "a": "full snapshot and restore against peers writing and reading the same arrays "
+    "(every contender fsyncs its files; reads come from the page cache)",
+    "b": f"incremental snapshot after pushing {W5_INCREMENT:.0%} of the rows (distinct ids), "
+    "against the full snapshot taken just before it",
+    "c": "training: pull+push of batches for a fixed time, then flush(); rates over the loop "
+    "plus the final flush",
+    "d": "reopening a durable store (rows load lazily) and pulling every row once, against the "
+    "first write of the store",
+}
+# Peak memory and disk of W5 in units of the raw row bytes (rows x bytes of one snapshot row).
+# Memory: the in-memory store (~1.06), the peers' arrays (~0.96) and one restored copy (~1.06)
+# in part a; three populated stores plus the replicas' dirty pages in part c. Disk: an LMDB
+# replica takes ~3x the raw bytes; part c holds two of them, plus room for their growth.
+W5_MEM_FACTOR = 4.0
+W5_DISK_FACTOR = 8.0
+W5_MIN_ROWS = 1 << 17
+GIB = 1 << 30
+
+
+def _w5_fit(requested: int, row_bytes: int, parent: Path) -> tuple[int, dict[str, Any], list[str]]:
+    """The row count that fits 80% of the available memory and 90% of the free disk."""
+    mem = mem_available_bytes()
+    disk = shutil.disk_usage(parent).free
+    fit_mem = int((0.8 * mem - GIB) / (W5_MEM_FACTOR * row_bytes))
+    fit_disk = int((0.9 * disk - GIB) / (W5_DISK_FACTOR * row_bytes))
+    n = min(requested, fit_mem, fit_disk)
+    info = {
+        "mem_available_gib": round(mem / GIB, 1),
+        "disk_free_gib": round(disk / GIB, 1),
+        "mem_needed_gib": round((W5_MEM_FACTOR * requested * row_bytes + GIB) / GIB, 1),
+        "disk_needed_gib": round((W5_DISK_FACTOR * requested * row_bytes + GIB) / GIB, 1),
+    }
+    notes = []
+    if n < requested:
+        n = max(n // W5_BATCH * W5_BATCH, 0)
+        why = "memory" if fit_mem <= fit_disk else "disk space"
+        notes.append(
+            f"SCALED DOWN from {requested:,} to {n:,} rows: not enough {why} (needs about "
+            f"{info['mem_needed_gib']} GiB memory with {info['mem_available_gib']} GiB "
+            f"available, {info['disk_needed_gib']} GiB disk with {info['disk_free_gib']} GiB "
+            f"free)"
+        )
+    return n, info, notes
+
+
+def _w5_table(pstore: ModuleType, store: Any) -> Any:
+    opt = pstore.optim.Adagrad(lr=W5_LR, initial_accumulator_value=W5_INIT_ACC)
+    return store.create_sparse_table(W5_TABLE, W5_DIM, optimizer=opt, seed=5)
+
+
+def _w5_fill(store: Any, table: Any, n: int) -> float:
+    """Create the rows of positions 0..n-1 by pushing each id once (so weights and state are
+    updated values), then flush(); returns the seconds taken."""
+    grads = np.random.default_rng(50).standard_normal((W5_BATCH, W5_DIM), dtype=np.float32)
+    t0 = time.perf_counter()
+    for start in range(0, n, W5_BATCH):
+        ids = ids_of(np.arange(start, min(start + W5_BATCH, n), dtype=np.int64))
+        table.push(ids, grads[: len(ids)])
+    store.flush()
+    return time.perf_counter() - t0
+
+
+def _w5_all_ids(n: int) -> list[np.ndarray]:
+    return [
+        ids_of(np.arange(s, min(s + W5_BATCH, n), dtype=np.int64)) for s in range(0, n, W5_BATCH)
+    ]
+
+
+def _w5_read_snapshot(
+    pa: ModuleType, d: Path, entry: dict[str, Any], n: int
+) -> tuple[dict[str, np.ndarray], Any]:
+    """Every column of a snapshot's table as numpy arrays, read part by part with pyarrow."""
+    cols: dict[str, np.ndarray] = {}
+    schema = None
+    at = 0
+    for fi in entry["files"]:
+        with pa.OSFile(str(d / fi["name"])) as src:
+            reader = pa.ipc.open_file(src)
+            if schema is None:
+                schema = reader.schema.remove_metadata()
+                for f in schema:
+                    if pa.types.is_fixed_size_list(f.type):
+                        cols[f.name] = np.empty((n, f.type.list_size), np.float32)
+                    else:
+                        cols[f.name] = np.empty(n, f.type.to_pandas_dtype())
+            for i in range(reader.num_record_batches):
+                b = reader.get_batch(i)
+                m = b.num_rows
+                for name in schema.names:
+                    col = b.column(name)
+                    if pa.types.is_fixed_size_list(col.type):
+                        cols[name][at : at + m] = col.flatten().to_numpy().reshape(m, -1)
+                    else:
+                        cols[name][at : at + m] = col.to_numpy()
+                at += m
+    if at != n:
+        raise RuntimeError(f"the snapshot holds {at:,} rows, expected {n:,}")
+    return cols, schema
+
+
+def _w5_snapshot_restore(ctx: Context, sec: Section, tmp: Path, store: Any, table: Any, n: int):
+    pstore, pa = ctx.pstore, ctx.pyarrow
+    base = tmp / "a-source"
+    entry = store.snapshot(base)["tables"][0]
+    sec.config["state_len"] = entry["state_len"]
+    arrays = schema = None
+    if pa is not None:
+        log("W5a: reading the peers' arrays from a snapshot")
+        arrays, schema = _w5_read_snapshot(pa, base, entry, n)
+    shutil.rmtree(base)
+    if arrays is not None:
+        probe = arrays["id"][:4096]
+        if not np.array_equal(table.pull(probe), arrays["weights"][:4096]):
+            sec.notes.append("a: the snapshot's weights differ from pull() of the same ids")
+    seq = itertools.count()
+
+    def run_pstore() -> dict[str, float]:
+        d = tmp / f"a-pstore-{next(seq)}"
+        t0 = time.perf_counter()
+        manifest = store.snapshot(d)
+        t1 = time.perf_counter()
+        restored = pstore.Store.restore(d)
+        t2 = time.perf_counter()
+        rows = len(restored.sparse_table(W5_TABLE))
+        restored.close()
+        del restored
+        shutil.rmtree(d)
+        return {"write_s": t1 - t0, "read_s": t2 - t1, "bytes": manifest["bytes"], "rows": rows}
+
+    def run_peer(peer: Any) -> Callable[[], dict[str, float]]:
+        def run() -> dict[str, float]:
+            d = tmp / f"a-peer-{next(seq)}"
+            t0 = time.perf_counter()
+            nbytes = peer.write(d)
+            t1 = time.perf_counter()
+            got = peer.read(d)
+            t2 = time.perf_counter()
+            rows = len(got["id"])
+            del got
+            shutil.rmtree(d)
+            return {"write_s": t1 - t0, "read_s": t2 - t1, "bytes": nbytes, "rows": rows}
+
+        return run
+
+    fns: dict[str, Callable[[], dict[str, float]]] = {"pstore": run_pstore}
+    skipped: dict[str, str] = {}
+    if arrays is not None:
+        fns["pyarrow_ipc"] = run_peer(ArrowIpcFile(pa, arrays, schema))
+        fns["numpy_save"] = run_peer(NumpySave({k: arrays[k] for k in ("id", "weights", "state")}))
+    else:
+        skipped["pyarrow_ipc"] = "pyarrow not installed"
+        skipped["numpy_save"] = "pyarrow not installed (it reads the peers' arrays)"
+    log(f"W5a: snapshot+restore vs peers, {ctx.reps} reps")
+    res = measure_phases(fns, ctx.reps)
+    del arrays, fns
+    targets = {"pyarrow_ipc": (">=0.7x", 0.7)}
+    for phase, case in (("write_s", "snapshot (write)"), ("read_s", "restore (read)")):
+        rates = {name: [n / r[phase] for r in reps] for name, reps in res.items()}
+        rows = rows_from_rates("W5", case, "-", None, rates, "pstore", targets, skipped, "rows/s")
+        for row in rows:
+            row.extra = {"part": "a"}
+            if row.status != "ok":
+                continue
+            reps = res[row.impl]
+            nbytes = statistics.median(r["bytes"] for r in reps)
+            gbps = statistics.median(r["bytes"] / r[phase] for r in reps) / 1e9
+            assert row.median is not None
+            row.extra.update(
+                seconds=[r[phase] for r in reps],
+                bytes=nbytes,
+                gb_per_s=gbps,
+                rate=f"{gbps:.2f} GB/s",
+                detail=f"{nbytes / 1e6:,.0f} MB, {row.median / 1e6:.2f} M rows/s",
+            )
+        sec.rows += rows
+    for name, reps in res.items():
+        if any(r["rows"] != n for r in reps):
+            sec.notes.append(f"a: {name} read back {[r['rows'] for r in reps]} rows, not {n:,}")
+
+
+def _w5_incremental(ctx: Context, sec: Section, tmp: Path, stores: dict[str, Any], n: int):
+    k = max(1, int(n * W5_INCREMENT))
+    rng = np.random.default_rng(51)
+    grads = rng.standard_normal((k, W5_DIM), dtype=np.float32)
+    seq = itertools.count()
+
+    def run_for(name: str, store: Any, table: Any) -> Callable[[], dict[str, float]]:
+        def run() -> dict[str, float]:
+            i = next(seq)
+            full, inc = tmp / f"b-{i}-full", tmp / f"b-{i}-inc"
+            ids = ids_of(rng.choice(n, size=k, replace=False))
+            store.flush()
+            t0 = time.perf_counter()
+            m_full = store.snapshot(full)
+            t1 = time.perf_counter()
+            table.push(ids, grads)
+            store.flush()
+            t2 = time.perf_counter()
+            m_inc = store.snapshot(inc, incremental=True)
+            t3 = time.perf_counter()
+            shutil.rmtree(inc)
+            shutil.rmtree(full)
+            return {
+                "full_s": t1 - t0,
+                "full_bytes": m_full["bytes"],
+                "full_rows": m_full["tables"][0]["rows"],
+                "inc_s": t3 - t2,
+                "inc_bytes": m_inc["bytes"],
+                "inc_rows": m_inc["tables"][0]["rows"],
+            }
+
+        return run
+
+    fns = {name: run_for(name, s, t) for name, (s, t) in stores.items()}
+    log(f"W5b: full then incremental snapshots, {ctx.reps} reps")
+    res = measure_phases(fns, ctx.reps)
+    sec.config["incremental_rows_pushed"] = k
+    for name, reps in res.items():
+        full_s = [r["full_s"] for r in reps]
+        inc_s = [r["inc_s"] for r in reps]
+        full_b = statistics.median(r["full_bytes"] for r in reps)
+        inc_b = statistics.median(r["inc_bytes"] for r in reps)
+        inc_rows = sorted({r["inc_rows"] for r in reps})
+        full_gbps = statistics.median(r["full_bytes"] / r["full_s"] for r in reps) / 1e9
+        fs, ins = statistics.median(full_s), statistics.median(inc_s)
+        sec.rows += [
+            Row("W5", "full snapshot", "-", None, name, "s", full_s,
+                extra={"part": "b", "seconds": full_s, "bytes": full_b,
+                       "rate": f"{full_gbps:.2f} GB/s",
+                       "detail": f"{full_b / 1e6:,.1f} MB, {reps[0]['full_rows']:,} rows"}),
+            Row("W5", "incremental: time", "-", None, name, "s", inc_s, ratio=ins / fs,
+                ratio_of="incremental/full seconds", target="<=5%", target_max=0.05,
+                extra={"part": "b", "seconds": inc_s, "ratio_fmt": "pct",
+                       "detail": f"{k:,} ids pushed, rows written {inc_rows}"}),
+            Row("W5", "incremental: bytes", "-", None, name, "bytes",
+                [r["inc_bytes"] for r in reps], ratio=inc_b / full_b,
+                ratio_of="incremental/full bytes", target="<=5%", target_max=0.05,
+                extra={"part": "b", "bytes": inc_b, "ratio_fmt": "pct",
+                       "detail": f"{inc_b / 1e6:,.2f} MB of {full_b / 1e6:,.1f} MB"}),
+        ]  # fmt: skip
+        if inc_rows != [k]:
+            sec.notes.append(f"b: {name}: increments held {inc_rows} rows after pushing {k:,}")
+
+
+def _w5_train_for(
+    store: Any, table: Any, batches: list[np.ndarray], grads: list[np.ndarray], seconds: float
+) -> Callable[[], dict[str, float]]:
+    """Pull+push batches (cycling through them) until `seconds` have passed, then flush()."""
+
+    def cycle() -> int:
+        info = store.storage_info()
+        return 0 if info is None else int(info["cycle"])
+
+    def run() -> dict[str, float]:
+        c0 = cycle()
+        k = 0
+        t0 = time.perf_counter()
+        while True:
+            b = batches[k % len(batches)]
+            table.pull(b)
+            table.push(b, grads[k % len(grads)])
+            k += 1
+            if time.perf_counter() - t0 >= seconds:
+                break
+        t1 = time.perf_counter()
+        c1 = cycle()
+        t2 = time.perf_counter()
+        store.flush()
+        t3 = time.perf_counter()
+        return {
+            "ids": k * len(batches[0]),
+            "loop_s": t1 - t0,
+            "flush_s": t3 - t2,
+            "total_s": (t1 - t0) + (t3 - t2),
+            "cycles_loop": c1 - c0,
+            "cycles": cycle() - c0,
+        }
+
+    return run
+
+
+def _w5_training(ctx: Context, sec: Section, stores: dict[str, Any], n: int):
+    seconds = ctx.sizes.w5_train_seconds
+    reps = min(ctx.reps, ctx.sizes.w5_train_reps)
+    sec.config["train_seconds"] = seconds
+    sec.config["train_reps"] = reps
+    sampler = PositionSampler(n, seed=53)
+    grads = _grads(W5_BATCH, W5_DIM, 4, seed=54)
+    mem, asy, syn = "in-memory", "durable async", "durable sync"
+    for dist in DISTS:
+        pos = [sampler.sample(dist, W5_BATCH) for _ in range(16)]
+        sec.config[f"unique_frac_{dist}"] = _unique_frac(pos)
+        batches = [ids_of(p) for p in pos]
+        log(f"W5c: {dist}: warm-up, 1 s each")
+        for s, t in stores.values():
+            _w5_train_for(s, t, batches, grads, 1.0)()
+        fns = {name: _w5_train_for(*st, batches, grads, seconds) for name, st in stores.items()}
+        log(f"W5c: {dist}: {seconds:g} s per run x {reps} reps")
+        res = measure_phases(fns, reps, warmup=0)
+        rates = {name: [r["ids"] / r["total_s"] for r in rs] for name, rs in res.items()}
+        case = "pull+push, incl. final flush"
+        rows = rows_from_rates(
+            "W5", case, dist, W5_BATCH, {asy: rates[asy], mem: rates[mem]}, asy,
+            {mem: (">=0.8x", 0.8)}, unit="ids/s",
+        )  # fmt: skip
+        rows += rows_from_rates(
+            "W5", case, dist, W5_BATCH, {syn: rates[syn], mem: rates[mem]}, syn, unit="ids/s"
+        )
+        for row in rows:
+            rs = res[row.impl]
+            loop_rate = statistics.median(r["ids"] / r["loop_s"] for r in rs)
+            flush_s = statistics.median(r["flush_s"] for r in rs)
+            cycles = statistics.median(r["cycles_loop"] for r in rs)
+            assert row.median is not None
+            row.extra = {
+                "part": "c",
+                "seconds": [r["total_s"] for r in rs],
+                "runs": rs,
+                "rate": f"{row.median / 1e6:.2f} M ids/s",
+                "detail": f"loop alone {loop_rate / 1e6:.2f} M ids/s, final flush "
+                f"{flush_s:.2f} s, {cycles:g} flush cycles during the loop",
+            }
+        sec.rows += rows
+
+
+def _w5_reopen(
+    ctx: Context, sec: Section, path: Path, write_s: float, mem_table: Any, n: int
+) -> None:
+    pstore = ctx.pstore
+    all_ids = _w5_all_ids(n)
+
+    def reopen() -> dict[str, float]:
+        t0 = time.perf_counter()
+        store = pstore.Store(path, durability="async", flush_interval=W5_FLUSH_INTERVAL)
+        t1 = time.perf_counter()
+        table = store.sparse_table(W5_TABLE)
+        before = table.stats()["rows_unloaded"]
+        t2 = time.perf_counter()
+        for b in all_ids:
+            table.pull(b)
+        t3 = time.perf_counter()
+        after = table.stats()["rows_unloaded"]
+        rows = len(table)
+        store.close()
+        return {
+            "open_s": t1 - t0,
+            "pull_s": t3 - t2,
+            "unloaded_before": before,
+            "unloaded_after": after,
+            "rows": rows,
+        }
+
+    def pull_loaded() -> dict[str, float]:
+        t0 = time.perf_counter()
+        for b in all_ids:
+            mem_table.pull(b)
+        return {"pull_s": time.perf_counter() - t0}
+
+    reo, loaded = "durable, reopened", "in-memory (loaded)"
+    log(f"W5d: reopen + full pull, {ctx.reps} reps")
+    res = measure_phases({reo: reopen, loaded: pull_loaded}, ctx.reps)
+    rs = res[reo]
+    open_s = [r["open_s"] for r in rs]
+    pull_s = [r["pull_s"] for r in rs]
+    both_s = [r["open_s"] + r["pull_s"] for r in rs]
+    mem_s = [r["pull_s"] for r in res[loaded]]
+    before = sorted({r["unloaded_before"] for r in rs})
+    after = sorted({r["unloaded_after"] for r in rs})
+    of = "this/first write"
+
+    def row(case: str, impl: str, secs: list[float], detail: str, rate: bool = True) -> Row:
+        m = statistics.median(secs)
+        return Row("W5", case, "-", None, impl, "s", secs, ratio=m / write_s, ratio_of=of,
+                   extra={"part": "d", "seconds": secs, "ratio_fmt": "pct", "detail": detail,
+                          "rate": f"{n / m / 1e6:.2f} M rows/s" if rate else ""})  # fmt: skip
+
+    sec.rows += [
+        Row("W5", "first write: Store(path), push every id once, flush()", "-", None,
+            "durable async", "s", [write_s],
+            extra={"part": "d", "seconds": [write_s], "rate": f"{n / write_s / 1e6:.2f} M rows/s",
+                   "detail": "one run"}),
+        row("reopen: Store(path)", reo, open_s, f"rows_unloaded after open: {before}", False),
+        row("first pull of every row", reo, pull_s, f"rows_unloaded after the pull: {after}"),
+        row("reopen + first pull of every row", reo, both_s, ""),
+        row("pull of every row", loaded, mem_s, "rows already in memory"),
+    ]  # fmt: skip
+    if before != [n]:
+        sec.notes.append(f"d: rows_unloaded right after reopening = {before}, expected {n:,}")
+    if after != [0] or any(r["rows"] != n for r in rs):
+        sec.notes.append(f"d: after pulling every row: rows_unloaded {after}, len {rs[0]['rows']}")
+
+
+def w5_durability(ctx: Context) -> Section:
+    pstore = ctx.pstore
+    state_len = W5_DIM  # Adagrad: one accumulator per weight
+    row_bytes = 8 + 4 + 8 + 4 + 4 + 4 * (W5_DIM + state_len)  # one row of a snapshot file
+    parent = ctx.tmp_parent or REPO_ROOT / "bench-results"
+    parent.mkdir(parents=True, exist_ok=True)
+    n, room, notes = _w5_fit(ctx.sizes.w5_rows, row_bytes, parent)
+    sec = Section(
+        "W5",
+        f"durability and snapshots, {n:,} rows x {W5_DIM} float32, Adagrad (lr {W5_LR}, "
+        f"acc {W5_INIT_ACC}: {state_len} state floats per row)",
+        {"rows": n, "requested_rows": ctx.sizes.w5_rows, "dim": W5_DIM,
+         "snapshot_row_bytes": row_bytes, "raw_gb": n * row_bytes / 1e9, "batch": W5_BATCH,
+         "flush_interval": W5_FLUSH_INTERVAL, **room, "parts": W5_PARTS},
+    )  # fmt: skip
+    sec.notes += notes
+    if n < W5_MIN_ROWS:
+        sec.notes.append(f"skipped: {n:,} rows is too few to measure anything")
+        return sec
+    tmp = Path(tempfile.mkdtemp(prefix="w5-", dir=parent))
+    sec.config["tmp_parent"] = str(parent)
+    opened: list[Any] = []
+
+    def durable(durability: str) -> tuple[Any, Any, float]:
+        fi = W5_FLUSH_INTERVAL
+        store = pstore.Store(tmp / durability, durability=durability, flush_interval=fi)
+        opened.append(store)
+        table = _w5_table(pstore, store)
+        log(f"W5: populating a durable {durability} store ({n:,} rows)")
+        write_s = _w5_fill(store, table, n)
+        sec.config[f"durable_{durability}_write_s"] = write_s
+        sec.config[f"durable_{durability}_file_bytes"] = store.storage_info()["file_bytes"]
+        return store, table, write_s
+
+    try:
+        mem = pstore.Store()
+        opened.append(mem)
+        mem_t = _w5_table(pstore, mem)
+        log(f"W5: populating an in-memory store ({n:,} rows)")
+        sec.config["in_memory_write_s"] = _w5_fill(mem, mem_t, n)
+        sec.config["bytes_used_per_row"] = mem_t.stats()["bytes_used"] / n
+        _w5_snapshot_restore(ctx, sec, tmp, mem, mem_t, n)
+        gc.collect()
+
+        asy, asy_t, write_s = durable("async")
+        both = {"in-memory": (mem, mem_t), "durable async": (asy, asy_t)}
+        _w5_incremental(ctx, sec, tmp, both, n)
+
+        syn, syn_t, _ = durable("sync")
+        stores = {"in-memory": (mem, mem_t), "durable async": (asy, asy_t),
+                  "durable sync": (syn, syn_t)}  # fmt: skip
+        _w5_training(ctx, sec, stores, n)
+        syn.close()
+        del stores, both, syn, syn_t
+        shutil.rmtree(tmp / "sync")
+
+        t0 = time.perf_counter()
+        asy.close()
+        sec.config["durable_async_close_s"] = time.perf_counter() - t0
+        del asy, asy_t
+        opened[:] = [mem]
+        _w5_reopen(ctx, sec, tmp / "async", write_s, mem_t, n)
+    finally:
+        for store in opened:
+            try:
+                store.close()
+            except Exception as exc:  # report, then clean up anyway
+                sec.notes.append(f"closing a store: {exc!r}")
+        opened.clear()
+        shutil.rmtree(tmp, ignore_errors=True)
+    return sec
+
+
 WORKLOADS: dict[str, Callable[[Context], Section]] = {
     "W1": w1_pull,
     "W2": w2_push,
     "W3": w3_growth,
     "W4": w4_concurrency,
+    "W5": w5_durability,
 }
