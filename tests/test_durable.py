@@ -68,7 +68,8 @@ def test_reopen_restores_everything_and_training_continues_identically(tmp_path,
     train(disk, 3, seed=2)
     for name in ("adam", "sgd"):
         ids = arange(5000)
-        np.testing.assert_array_equal(disk.sparse_table(name).pull(ids), live.sparse_table(name).pull(ids))
+        got, want = disk.sparse_table(name).pull(ids), live.sparse_table(name).pull(ids)
+        np.testing.assert_array_equal(got, want)
     np.testing.assert_array_equal(disk.table("bias").pull(), live.table("bias").pull())
     assert disk.sparse_table("adam").stats()["rows_unloaded"] == 0
     disk.close()
