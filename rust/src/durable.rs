@@ -1,12 +1,13 @@
 //! Durability of a store with a path: the background flusher that copies changed rows from the
 //! in-memory tables into the LMDB replica in batched write transactions (group commit).
 //!
-//! A *cycle* takes every changed row and removed id from every table, shard by shard (each under
-//! its lock, so a row is copied whole: weights and optimizer state of one update), and writes
-//! them in transactions of at most [`CHUNK_BYTES`]. A cycle that fails gives back what it took,
-//! so the next cycle writes it again. Cycles are numbered for life; the number of the cycle that
-//! last wrote a row (or deleted it) is kept in `changed/` (`removed/`) for incremental
-//! snapshots.
+//! A *cycle* takes, table by table, every changed row and removed id, shard by shard (each under
+//! its lock, so a row is copied whole: weights and optimizer state of one update) while the
+//! table's changes are held off, so it takes each push whole; it then writes a table's rows and
+//! record in one transaction (beyond [`ONE_TXN_BYTES`], a bulk load, in transactions of
+//! [`CHUNK_BYTES`]). A cycle that fails gives back what it took, so the next cycle writes it
+//! again. Cycles that write are numbered for the store's life; the number of the cycle that last
+//! wrote a row (or deleted it) is kept in `changed/` (`removed/`) for incremental snapshots.
 
 use std::collections::{BTreeMap, HashMap};
 use std::sync::{Arc, Condvar, Mutex, MutexGuard, RwLock};
@@ -22,7 +23,10 @@ use crate::table::{
     DenseTable, DenseTableConfig, SparseTable, SparseTableConfig, TableHandle, Taken,
 };
 
-/// Bytes of rows one write transaction carries at most.
+/// A table's changes up to this size are written in one transaction (a push is then all or
+/// nothing in the replica).
+pub const ONE_TXN_BYTES: usize = 1 << 30;
+/// Past [`ONE_TXN_BYTES`] (a bulk load), the transactions carry this much each.
 pub const CHUNK_BYTES: usize = 64 << 20;
 
 /// When a push is durable.
@@ -157,12 +161,14 @@ pub fn dense_key(name: &str) -> String {
 pub const CYCLE_KEY: &str = "cycle";
 
 struct FlushState {
-    /// The number the next cycle gets.
+    /// The ticket of the next cycle run.
     next: u64,
-    /// The last cycle completed.
+    /// The ticket of the last cycle run.
     done: u64,
-    /// The highest cycle someone waits for.
+    /// The highest ticket someone waits for.
     wanted: u64,
+    /// The number of the last cycle that wrote (kept on disk under `cycle`).
+    cycle: u64,
     /// The error of the last completed cycle, if it failed.
     failed: Option<Error>,
     stop: bool,
@@ -200,9 +206,10 @@ impl Flusher {
             interval,
             tables,
             state: Mutex::new(FlushState {
-                next: last_cycle + 1,
-                done: last_cycle,
+                next: 1,
+                done: 0,
                 wanted: 0,
+                cycle: last_cycle,
                 failed: None,
                 stop: false,
                 last_end: Instant::now(),
@@ -253,7 +260,7 @@ impl Flusher {
 
     fn run(&self) {
         loop {
-            let cycle = {
+            let ticket = {
                 let mut st = self.lock();
                 loop {
                     if st.wanted >= st.next {
@@ -280,10 +287,18 @@ impl Flusher {
                 st.next += 1;
                 st.next - 1
             };
-            let r = self.exclusive(|| self.cycle(cycle));
+            let number = self.lock().cycle + 1;
+            let r = self.exclusive(|| self.cycle(number));
             let mut st = self.lock();
-            st.done = cycle;
-            st.failed = r.err();
+            st.done = ticket;
+            match r {
+                Ok(true) => {
+                    st.cycle = number;
+                    st.failed = None;
+                }
+                Ok(false) => st.failed = None,
+                Err(e) => st.failed = Some(e),
+            }
             st.last_end = Instant::now();
             self.cv.notify_all();
         }
@@ -348,9 +363,9 @@ impl Flusher {
             .remove(name);
     }
 
-    /// The last cycle completed.
+    /// The number of the last cycle that wrote (over the store's life).
     pub fn done_cycle(&self) -> u64 {
-        self.lock().done
+        self.lock().cycle
     }
 
     /// The error of the last cycle, if it failed.
@@ -369,8 +384,8 @@ impl Flusher {
         r
     }
 
-    /// One cycle over every table.
-    fn cycle(&self, cycle: u64) -> Result<()> {
+    /// One cycle over every table; true if it wrote anything.
+    fn cycle(&self, cycle: u64) -> Result<bool> {
         let tables: Vec<(String, Table)> = self
             .tables
             .read()
@@ -378,13 +393,14 @@ impl Flusher {
             .iter()
             .map(|(k, v)| (k.clone(), v.clone()))
             .collect();
+        let mut wrote = false;
         for (name, table) in tables {
-            match &table {
+            wrote |= match &table {
                 Table::Sparse(t) => self.flush_sparse(&name, t, &table, cycle)?,
                 Table::Dense(t) => self.flush_dense(&name, t, &table, cycle)?,
-            }
+            };
         }
-        Ok(())
+        Ok(wrote)
     }
 
     /// The record to write for `table`, unless it equals the last one written.
@@ -401,30 +417,51 @@ impl Flusher {
             .insert(name.to_string(), rec);
     }
 
-    fn flush_sparse(&self, name: &str, t: &SparseTable, table: &Table, cycle: u64) -> Result<()> {
-        let mut chunk: Vec<Taken> = Vec::new();
+    fn flush_sparse(&self, name: &str, t: &SparseTable, table: &Table, cycle: u64) -> Result<bool> {
+        let mut taken: Vec<Taken> = Vec::new();
         let mut bytes = 0;
-        for s in 0..t.num_shards() {
-            let taken = t.take_shard(s);
-            if taken.ids.is_empty() && taken.gone.is_empty() {
-                continue;
+        let rec = {
+            // No push runs while the shards are taken: each is taken whole, with the record
+            // (its seq) that matches the rows.
+            let _held = t.hold_changes();
+            for s in 0..t.num_shards() {
+                let one = t.take_shard(s);
+                if one.ids.is_empty() && one.forget.is_empty() {
+                    continue;
+                }
+                bytes += one.words.len() * 4 + one.ids.len() * 8 + one.gone.len() * 8;
+                taken.push(one);
             }
-            bytes += taken.words.len() * 4 + taken.ids.len() * 8 + taken.gone.len() * 8;
-            chunk.push(taken);
-            if bytes >= CHUNK_BYTES {
-                self.write_chunk(name, t, &mut chunk, cycle, None)?;
-                bytes = 0;
+            self.record_if_changed(name, table)
+        };
+        if taken.is_empty() && rec.is_none() {
+            return Ok(false);
+        }
+        if bytes > ONE_TXN_BYTES {
+            // A bulk load: bounded transactions; the record goes with the last.
+            let mut rest = taken.into_iter().peekable();
+            let mut chunk = Vec::new();
+            let mut size = 0;
+            while let Some(one) = rest.next() {
+                size += one.words.len() * 4 + one.ids.len() * 8 + one.gone.len() * 8;
+                chunk.push(one);
+                if size >= CHUNK_BYTES && rest.peek().is_some() {
+                    if let Err(e) = self.write_chunk(name, t, &mut chunk, cycle, None) {
+                        for one in rest {
+                            t.untake(&one);
+                        }
+                        return Err(e);
+                    }
+                    size = 0;
+                }
             }
+            taken = chunk;
         }
-        let rec = self.record_if_changed(name, table);
-        if chunk.is_empty() && rec.is_none() {
-            return Ok(());
-        }
-        self.write_chunk(name, t, &mut chunk, cycle, rec.clone())?;
+        self.write_chunk(name, t, &mut taken, cycle, rec.clone())?;
         if let Some(rec) = rec {
             self.record_written(name, rec);
         }
-        Ok(())
+        Ok(true)
     }
 
     /// Writes what `chunk` took in one transaction; on failure, gives it back to the table
@@ -476,11 +513,10 @@ impl Flusher {
         }
     }
 
-    fn flush_dense(&self, name: &str, t: &DenseTable, table: &Table, cycle: u64) -> Result<()> {
-        let value = t.take_dirty_words();
-        let rec = self.record_if_changed(name, table);
+    fn flush_dense(&self, name: &str, t: &DenseTable, table: &Table, cycle: u64) -> Result<bool> {
+        let (value, rec) = t.take_dirty_words_with(|| self.record_if_changed(name, table));
         if value.is_none() && rec.is_none() {
-            return Ok(());
+            return Ok(false);
         }
         let tag = cycle.to_le_bytes();
         let r = self.storage.write(|w| {
@@ -497,7 +533,7 @@ impl Flusher {
                 if let Some(rec) = rec {
                     self.record_written(name, rec);
                 }
-                Ok(())
+                Ok(true)
             }
             Err(e) => {
                 if value.is_some() {

@@ -30,7 +30,7 @@ compile_error!("the LMDB replica stores little-endian words; big-endian hosts ar
 pub const FORMAT_NAME: &str = "pstore-lmdb";
 /// The version of the on-disk format this build reads and writes.
 pub const FORMAT_VERSION: u32 = 1;
-/// The most named databases (three per sparse table).
+/// The most named databases (three per table, so at most 1023 tables, plus `meta`).
 const MAX_DBS: u32 = 3072;
 /// The map a new environment starts with; it doubles whenever a write fills it.
 pub const DEFAULT_MAP_SIZE: usize = 64 << 30;
@@ -207,6 +207,27 @@ impl Storage {
         // one) opens this environment while we hold it.
         let env = unsafe { opts.open(path) }.map_err(|e| lmdb_err(path, "opening", e))?;
         let mut wtxn = env.write_txn().map_err(|e| lmdb_err(path, "opening", e))?;
+        // An environment holding anything but our databases is somebody else's: refuse it. An
+        // empty one is a store whose creation was interrupted.
+        let main: Option<Database<Bytes, Bytes>> = env
+            .open_database(&wtxn, None)
+            .map_err(|e| lmdb_err(path, "reading", e))?;
+        let empty = match main {
+            None => true,
+            Some(m) => m
+                .is_empty(&wtxn)
+                .map_err(|e| lmdb_err(path, "reading", e))?,
+        };
+        let has_meta = env
+            .open_database::<Bytes, Bytes>(&wtxn, Some("meta"))
+            .map_err(|e| lmdb_err(path, "reading", e))?
+            .is_some();
+        if !empty && !has_meta {
+            return Err(corrupt(format!(
+                "{} holds an LMDB environment that is not a pstore store (no format record)",
+                path.display()
+            )));
+        }
         let meta: Database<Bytes, Bytes> = env
             .create_database(&mut wtxn, Some("meta"))
             .map_err(|e| lmdb_err(path, "opening", e))?;
@@ -215,7 +236,7 @@ impl Storage {
             .map_err(|e| lmdb_err(path, "reading", e))?
             .map(<[u8]>::to_vec);
         let created = match record {
-            None if fresh || create => {
+            None if fresh || empty => {
                 let rec = FormatRecord {
                     format: FORMAT_NAME.into(),
                     version: FORMAT_VERSION,

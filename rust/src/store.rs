@@ -240,7 +240,7 @@ impl Store {
         let lr = match rec {
             TableRecord::Sparse { lr, .. } | TableRecord::Dense { lr, .. } => *lr,
         };
-        table.handle().set_lr(lr)?;
+        table.handle().common().lr.set(lr)?;
         restore_counters(table.handle(), rec.counters());
         Ok(table)
     }

@@ -604,11 +604,14 @@ impl Store {
     ) -> Result<(Vec<TableEntry>, u64)> {
         f.flush()?;
         let guard = f.hold_cycles();
-        let cycle = f.done_cycle();
         let st = Arc::clone(f.storage());
         st.read(|r| {
             // The read transaction is open: later cycles may commit, this view stays.
             drop(guard);
+            // The last cycle this view holds: every change entry up to it is in the view.
+            let cycle = r
+                .meta(crate::durable::CYCLE_KEY)?
+                .map_or(0, |v| cycle_of(&v));
             let mut entries = Vec::new();
             for (i, (name, table)) in tables.iter().enumerate() {
                 let dir = format!("table-{i:04}");

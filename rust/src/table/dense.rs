@@ -179,11 +179,18 @@ impl DenseTable {
 
     /// The value as words `[step, 0, weights, state]`, if it changed since the last take.
     pub(crate) fn take_dirty_words(&self) -> Option<Vec<u32>> {
+        self.take_dirty_words_with(|| ()).0
+    }
+
+    /// [`DenseTable::take_dirty_words`], with what `f` returns while no push can run (the
+    /// record that matches the value).
+    pub(crate) fn take_dirty_words_with<R>(&self, f: impl FnOnce() -> R) -> (Option<Vec<u32>>, R) {
         let d = self.read();
-        if !self.dirty.swap(false, Ordering::AcqRel) {
-            return None;
-        }
-        Some(Self::words_of(&d))
+        let words = self
+            .dirty
+            .swap(false, Ordering::AcqRel)
+            .then(|| Self::words_of(&d));
+        (words, f())
     }
 
     fn words_of(d: &DenseState) -> Vec<u32> {

@@ -127,9 +127,11 @@ pub trait TableHandle {
         self.common().lr.get()
     }
 
-    /// Changes the learning rate for every later push.
+    /// Changes the learning rate for every later push (in a `sync` durable store, committed to
+    /// disk on return).
     fn set_lr(&self, lr: f64) -> Result<()> {
-        self.common().lr.set(lr)
+        self.common().lr.set(lr)?;
+        self.common().durable_wait()
     }
 
     /// Fails once the table has been dropped from its store.

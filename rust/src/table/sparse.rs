@@ -104,7 +104,10 @@ pub(crate) struct Taken {
     pub(crate) ids: Vec<u64>,
     /// `ids.len()` rows of [`SparseTable::row_words`] words.
     pub(crate) words: Vec<u32>,
+    /// Removed ids to delete from the replica (those without a row again since).
     pub(crate) gone: Vec<u64>,
+    /// Every removed id taken: forgotten once the deletions are committed.
+    pub(crate) forget: Vec<u64>,
 }
 
 /// A raw pointer to an output buffer that shard tasks write at disjoint rows.
@@ -139,6 +142,8 @@ pub struct SparseTable {
     candidates: Vec<Mutex<HashMap<u64, u32>>>,
     /// Set while a thread enforces `max_rows`.
     evicting: Mutex<()>,
+    /// Held shared by every change of rows, alone by a flush taking them (see `hold_changes`).
+    changes: RwLock<()>,
     backing: Option<Backing>,
 }
 
@@ -169,6 +174,7 @@ impl SparseTable {
             seq: AtomicU64::new(0),
             candidates: (0..num_shards.max(1)).map(|_| Mutex::default()).collect(),
             evicting: Mutex::new(()),
+            changes: RwLock::new(()),
             backing,
         })
     }
@@ -519,6 +525,15 @@ impl SparseTable {
     /// Removed ids become tombstones of the next incremental snapshot.
     pub fn remove(&self, ids: &[u64]) -> Result<usize> {
         self.check_live()?;
+        let removed = {
+            let _changing = self.changing();
+            self.remove_rows(ids)?
+        };
+        self.common.durable_wait()?;
+        Ok(removed)
+    }
+
+    fn remove_rows(&self, ids: &[u64]) -> Result<usize> {
         let g = self.group(ids);
         let mut removed = 0;
         for s in 0..self.shards.len() {
@@ -563,6 +578,7 @@ impl SparseTable {
     pub fn evict(&self, before_seq: Option<u64>, before_secs: Option<u32>) -> Result<usize> {
         self.check_live()?;
         self.load_all()?;
+        let changing = self.changing();
         let mut evicted = 0;
         for s in 0..self.shards.len() {
             let mut shard = self.write(s);
@@ -579,7 +595,9 @@ impl SparseTable {
                 evicted += shard.remove(id) as usize;
             }
         }
+        drop(changing);
         Counters::add(&self.common.counters.rows_evicted, evicted);
+        self.common.durable_wait()?;
         Ok(evicted)
     }
 
@@ -622,6 +640,7 @@ impl SparseTable {
         let (_, &mut cut, _) = scores.select_nth_unstable(k);
         let below = scores.iter().filter(|&&x| x < cut).count();
         let mut ties = excess.saturating_sub(below);
+        let _changing = self.changing();
         let mut evicted = 0;
         for s in 0..self.shards.len() {
             let mut shard = self.write(s);
@@ -788,6 +807,7 @@ impl SparseTable {
         let created = std::sync::atomic::AtomicU64::new(0);
         let g = self.group(ids);
         self.fault_in_batch(ids, &g)?;
+        let changing = self.changing();
         let version = self.seq.fetch_add(1, Ordering::Relaxed) + 1;
         let now = unix_now();
         self.for_each_shard(&g, ids.len(), |s, pos| {
@@ -843,6 +863,7 @@ impl SparseTable {
         Counters::add(&c.ids_pushed, ids.len());
         Counters::add(&c.rows_updated, updated.into_inner() as usize);
         Counters::add(&c.rows_created, created.into_inner() as usize);
+        drop(changing);
         self.enforce_budget()
     }
 
@@ -855,17 +876,29 @@ impl SparseTable {
             ids: Vec::new(),
             words: Vec::new(),
             gone: Vec::new(),
+            forget: shard.gone(),
         };
         shard.take_changed(|id, w| {
             t.ids.push(id);
             t.words.extend_from_slice(&w[..m]);
         });
-        t.gone = shard
-            .gone()
-            .into_iter()
+        t.gone = t
+            .forget
+            .iter()
+            .copied()
             .filter(|&id| shard.find(id).is_none())
             .collect();
         t
+    }
+
+    /// Holds off every change to the rows (pushes, removals, restores) while the guard lives, so
+    /// a flush takes each push whole: all of its rows or none.
+    pub(crate) fn hold_changes(&self) -> RwLockWriteGuard<'_, ()> {
+        self.changes.write().unwrap_or_else(|e| e.into_inner())
+    }
+
+    fn changing(&self) -> RwLockReadGuard<'_, ()> {
+        self.changes.read().unwrap_or_else(|e| e.into_inner())
     }
 
     /// Gives back what a failed flush took: the rows are marked changed again.
@@ -880,8 +913,8 @@ impl SparseTable {
 
     /// After a flush committed: the removals it wrote are done.
     pub(crate) fn forget(&self, t: &Taken) {
-        if !t.gone.is_empty() {
-            self.write(t.shard).forget_gone(&t.gone);
+        if !t.forget.is_empty() {
+            self.write(t.shard).forget_gone(&t.forget);
         }
     }
 
@@ -898,6 +931,7 @@ impl SparseTable {
             )));
         }
         let g = self.group(ids);
+        let _changing = self.changing();
         self.for_each_shard(&g, ids.len(), |s, pos| {
             let mut shard = self.write(s);
             let mut slots = Vec::new();
