@@ -59,6 +59,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--ids", type=int, default=2000, help="rows pushed by every push")
     ap.add_argument("--flush-every", type=int, default=0, help="store.flush() every N pushes")
     ap.add_argument("--max-pushes", type=int, default=0, help="stop after N pushes (0: never)")
+    ap.add_argument(
+        "--snapshot-every", type=int, default=0, help="a snapshot every N pushes (0: never)"
+    )
+    ap.add_argument("--snapshots", default="", help="the directory snapshots are written in")
     args = ap.parse_args(argv)
 
     store = pstore.Store(
@@ -76,8 +80,26 @@ def main(argv: list[str] | None = None) -> int:
         store.flush()
         say("flushed", k, repr(time.time()))
 
+    taken = [0]
+
+    def snapshot() -> None:
+        # Every third one full, the others increments on the store's previous snapshot (which
+        # the store remembers across reopening).
+        incremental = taken[0] % 3 != 0
+        out = f"{args.snapshots}/snap-{k:08d}"
+        try:
+            store.snapshot(out, incremental=incremental)
+        except pstore.InvalidArgumentError:
+            # No previous snapshot (a fresh store), or its parent is gone: a full one.
+            store.snapshot(out)
+        taken[0] += 1
+        say("snapshot", k, repr(time.time()))
+
     # (every n pushes, what to do); n == 0 disables a chore.
-    chores: list[tuple[int, Callable[[], None]]] = [(args.flush_every, flush)]
+    chores: list[tuple[int, Callable[[], None]]] = [
+        (args.flush_every, flush),
+        (args.snapshot_every, snapshot),
+    ]
 
     say("start", k, repr(time.time()))
     pushed = 0

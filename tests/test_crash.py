@@ -303,3 +303,38 @@ def test_sigkill_in_async_mode_loses_at_most_one_interval(tmp_path):
         if ASYNC_PUSHES_MAY_TEAR:
             pytest.xfail(f"known bug: {message}")
         raise AssertionError(message)
+
+
+def test_sigkill_during_snapshots_leaves_whole_snapshots_or_none(tmp_path):
+    snaps = tmp_path / "snaps"
+    snaps.mkdir()
+    options = ["--snapshot-every", "10", "--snapshots", str(snaps)]
+    outcomes = run_chains(tmp_path, "sync", chains=1, trials=4, options=options, seed=4242)
+    report = describe(outcomes)
+    for o in outcomes:
+        assert o.acked <= o.present_min == o.present_max <= o.acked + 1, report
+    complete = sorted(d for d in snaps.iterdir() if (d / "manifest.json").exists())
+    partial = [d for d in snaps.iterdir() if not (d / "manifest.json").exists()]
+    # A snapshot interrupted by the kill is a hidden temporary directory, never a snapshot.
+    assert all(d.name.startswith(".snap-") and ".tmp-" in d.name for d in partial), partial
+    assert len(complete) >= 4, report
+    print(f"\n{len(complete)} snapshots, {len(partial)} interrupted by a kill\n{report}")
+    for d in complete[-3:]:
+        pstore._native.verify_snapshot(str(d))
+        store = pstore.Store.restore(d, num_shards=3)
+        table = store.sparse_table(worker.TABLE)
+        assert len(table) == N_IDS
+        # One read transaction: every row of a snapshot is at the same step, the one its name
+        # says (snap-<k> is taken after push k).
+        pulled = table.pull(IDS)
+        k = int(d.name.split("-")[1])
+        assert table.seq == k, (d.name, table.seq)
+        rows = AdagradReference(
+            store.create_sparse_table(
+                "probe",
+                worker.DIM,
+                optimizer=optim.Adagrad(lr=worker.LR, initial_accumulator_value=0.1),
+                seed=worker.SEED,
+            ).initial_rows(IDS)
+        ).rows_at(np.full(N_IDS, k))[0]
+        assert (pulled.view(np.uint32) == rows.view(np.uint32)).all(), d.name
