@@ -191,6 +191,11 @@ class ArrowIpcFile:
                 out[name] = arr.to_numpy()
         return out
 
+    def release(self) -> None:
+        """Hand the memory of dropped reads back (untimed, after each repetition), so that each
+        read allocates afresh like the other contenders' instead of reusing the pool's pages."""
+        self.pa.default_memory_pool().release_unused()
+
 
 class NumpySave:
     """`np.save` / `np.load` of the id, weight and state arrays, one .npy file each (fsynced,

@@ -549,7 +549,9 @@ class Store:
         belong to one update. Pushes queued with ``push_async`` before the call are included.
 
         The manifest gains a ``bytes`` key: bytes written, manifest included. ``progress``, if
-        given, is called from this thread with the rows written so far, every 0.1 s or so.
+        given, is called from this thread with the rows written so far, every 0.1 s or so; if it
+        raises, the snapshot still completes (it cannot be stopped midway), then the error is
+        raised.
         """
         counter = _native.Counter()
         target = os.fspath(dir)
@@ -650,9 +652,15 @@ def _with_progress(
 
     worker = threading.Thread(target=run, name="pstore-progress", daemon=True)
     worker.start()
-    while worker.is_alive():
-        worker.join(0.1)
-        progress(counter.value)
+    try:
+        while worker.is_alive():
+            worker.join(0.1)
+            progress(counter.value)
+    except BaseException:
+        # The native work cannot be stopped midway: let it finish, so nothing goes on behind
+        # the caller's back, then raise the callback's error (Ctrl-C included).
+        worker.join()
+        raise
     if error:
         raise error[0]
     return result[0]

@@ -78,6 +78,9 @@ pub enum TableRecord {
         lr: f64,
         seq: u64,
         counters: CountersRecord,
+        /// Tells a table from an earlier one of the same name (dropped and created again).
+        #[serde(default)]
+        uid: u64,
     },
     /// A dense table; its value is under `dense/<name>` in the meta database.
     Dense {
@@ -85,6 +88,9 @@ pub enum TableRecord {
         lr: f64,
         seq: u64,
         counters: CountersRecord,
+        /// As for sparse tables.
+        #[serde(default)]
+        uid: u64,
     },
 }
 
@@ -97,13 +103,22 @@ impl TableRecord {
                 lr: t.lr(),
                 seq: t.seq(),
                 counters: counters_of(t.as_ref()),
+                uid: t.common().uid(),
             },
             Table::Dense(t) => TableRecord::Dense {
                 config: t.config().clone(),
                 lr: t.lr(),
                 seq: t.stats().seq,
                 counters: counters_of(t.as_ref()),
+                uid: t.common().uid(),
             },
+        }
+    }
+
+    /// The table's unique id (0 in records written before it existed).
+    pub fn uid(&self) -> u64 {
+        match self {
+            TableRecord::Sparse { uid, .. } | TableRecord::Dense { uid, .. } => *uid,
         }
     }
 

@@ -478,9 +478,13 @@ impl Shard {
     #[inline]
     pub fn touch(&mut self, slot: u32, version: u64, now: u32, hits: u32) {
         let row = self.row_mut(slot);
-        row[VERSION] = version as u32;
-        row[VERSION + 1] = (version >> 32) as u32;
-        row[UPDATED_AT] = now;
+        // Concurrent pushes take their versions before they reach the shard, so a later one may
+        // carry the smaller number: a row's version and time only move forward.
+        if version > row_version(row) {
+            row[VERSION] = version as u32;
+            row[VERSION + 1] = (version >> 32) as u32;
+        }
+        row[UPDATED_AT] = row[UPDATED_AT].max(now);
         row[FREQ] = row[FREQ].saturating_add(hits);
         self.mark(slot);
     }

@@ -241,6 +241,7 @@ impl Store {
             TableRecord::Sparse { lr, .. } | TableRecord::Dense { lr, .. } => *lr,
         };
         table.handle().common().lr.set(lr)?;
+        table.handle().common().set_uid(rec.uid());
         restore_counters(table.handle(), rec.counters());
         Ok(table)
     }

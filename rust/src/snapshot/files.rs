@@ -454,7 +454,13 @@ fn size_mismatch(path: &Path, expected: u64, found: u64) -> Error {
 fn read_verified(path: &Path, expect: &FileInfo) -> Result<Vec<u8>> {
     let p = path.display();
     let io = |e: std::io::Error| storage(format!("reading {p}: {e}"));
-    let mut file = File::open(path).map_err(io)?;
+    let mut file = File::open(path).map_err(|e| {
+        if e.kind() == std::io::ErrorKind::NotFound {
+            corrupt(format!("{p} is missing: the snapshot is incomplete"))
+        } else {
+            io(e)
+        }
+    })?;
     let len = file.metadata().map_err(io)?.len();
     if len != expect.bytes {
         return Err(size_mismatch(path, expect.bytes, len));

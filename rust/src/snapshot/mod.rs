@@ -735,21 +735,40 @@ impl Store {
         done: &AtomicU64,
     ) -> Result<Store> {
         let chain = Manifest::chain(dir)?;
-        let created_dir = match &durable {
+        // What to clean up if the restore fails: the directory if it creates it, else the
+        // files it puts into an empty one.
+        let cleanup = match &durable {
             Some(d) if d.path.join("data.mdb").exists() => {
                 return Err(invalid(format!(
                     "{} holds a store already; restore into a new directory",
                     d.path.display()
                 )))
             }
-            Some(d) => !d.path.exists(),
-            None => false,
+            Some(d) if !d.path.exists() => Some((d.path.clone(), true)),
+            Some(d) => {
+                let empty = std::fs::read_dir(&d.path)
+                    .map(|mut it| it.next().is_none())
+                    .unwrap_or(false);
+                if !empty {
+                    return Err(invalid(format!(
+                        "{} is not empty; restore into a new or empty directory",
+                        d.path.display()
+                    )));
+                }
+                Some((d.path.clone(), false))
+            }
+            None => None,
         };
-        let target = durable.as_ref().map(|d| d.path.clone());
         let r = Self::restore_into(&chain, config, durable, done);
         if r.is_err() {
-            if let (Some(p), true) = (target, created_dir) {
-                let _ = std::fs::remove_dir_all(p);
+            if let Some((path, created)) = cleanup {
+                if created {
+                    let _ = std::fs::remove_dir_all(&path);
+                } else if let Ok(entries) = std::fs::read_dir(&path) {
+                    for e in entries.flatten() {
+                        let _ = std::fs::remove_file(e.path());
+                    }
+                }
             }
         }
         r
@@ -778,10 +797,12 @@ impl Store {
         for entry in &last.tables {
             match &entry.record {
                 TableRecord::Sparse { config, .. } => {
-                    store.create_sparse_table(&entry.name, config.clone())?;
+                    let t = store.create_sparse_table(&entry.name, config.clone())?;
+                    t.common().set_uid(entry.record.uid());
                 }
                 TableRecord::Dense { config, .. } => {
-                    store.create_dense_table(&entry.name, config.clone())?;
+                    let t = store.create_dense_table(&entry.name, config.clone())?;
+                    t.common().set_uid(entry.record.uid());
                 }
             }
         }
@@ -795,6 +816,10 @@ impl Store {
                 let Ok(table) = store.table(&entry.name) else {
                     continue; // dropped later in the chain
                 };
+                let uid = entry.record.uid();
+                if uid != 0 && uid != table.handle().common().uid() {
+                    continue; // an earlier table of that name, dropped later in the chain
+                }
                 store.load_entry(path, entry, &table, done)?;
             }
         }

@@ -75,6 +75,8 @@ pub struct Common {
     dropped: AtomicBool,
     /// The flusher of a durable store.
     pub(crate) durable: Option<Weak<Flusher>>,
+    /// Tells this table from an earlier one of the same name (snapshot chains, the replica).
+    uid: AtomicU64,
 }
 
 impl Common {
@@ -86,6 +88,19 @@ impl Common {
             counters: Counters::default(),
             dropped: AtomicBool::new(false),
             durable: None,
+            uid: AtomicU64::new(new_uid()),
+        }
+    }
+
+    /// The table's unique id.
+    pub fn uid(&self) -> u64 {
+        self.uid.load(Ordering::Relaxed)
+    }
+
+    /// Takes the unique id of the table this one restores (reopening, restoring).
+    pub(crate) fn set_uid(&self, uid: u64) {
+        if uid != 0 {
+            self.uid.store(uid, Ordering::Relaxed);
         }
     }
 
@@ -165,6 +180,16 @@ impl Counters {
     pub(crate) fn get(c: &AtomicU64) -> u64 {
         c.load(Ordering::Relaxed)
     }
+}
+
+/// A fresh table id: time, process and a counter, mixed.
+fn new_uid() -> u64 {
+    static COUNT: AtomicU64 = AtomicU64::new(0);
+    let t = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0, |d| d.as_nanos() as u64);
+    let n = COUNT.fetch_add(1, Ordering::Relaxed);
+    crate::hash::mix64(t ^ crate::hash::mix64(n ^ ((std::process::id() as u64) << 32))).max(1)
 }
 
 /// The current unix second (0 before 1970, saturating in 2106).

@@ -620,40 +620,34 @@ impl SparseTable {
         let target = max - max / 100;
         let excess = (len - target) as usize;
         let lfu = self.config.lifecycle.policy == EvictPolicy::Lfu;
-        // Scores: LFU by push count then version; LRU by version.
-        let score = |row: &[u32]| -> (u64, u64) {
+        // Scores: LFU by push count then version; LRU by version; ties by id, so the rows kept
+        // do not depend on the shard layout.
+        let score = |id: u64, row: &[u32]| -> (u64, u64, u64) {
             if lfu {
-                (row[FREQ] as u64, row_version(row))
+                (row[FREQ] as u64, row_version(row), id)
             } else {
-                (row_version(row), 0)
+                (row_version(row), 0, id)
             }
         };
-        let mut scores: Vec<(u64, u64)> = Vec::with_capacity(len as usize);
+        let mut scores: Vec<(u64, u64, u64)> = Vec::with_capacity(len as usize);
         for s in 0..self.shards.len() {
             let shard = self.read(s);
-            scores.extend(shard.iter().map(|(_, slot)| score(shard.row(slot))));
+            scores.extend(shard.iter().map(|(id, slot)| score(id, shard.row(slot))));
         }
         if excess == 0 || scores.is_empty() {
             return Ok(());
         }
         let k = excess.min(scores.len()) - 1;
         let (_, &mut cut, _) = scores.select_nth_unstable(k);
-        let below = scores.iter().filter(|&&x| x < cut).count();
-        let mut ties = excess.saturating_sub(below);
         let _changing = self.changing();
         let mut evicted = 0;
         for s in 0..self.shards.len() {
             let mut shard = self.write(s);
-            let mut victims = Vec::new();
-            for (id, slot) in shard.iter() {
-                let x = score(shard.row(slot));
-                if x < cut {
-                    victims.push(id);
-                } else if x == cut && ties > 0 {
-                    ties -= 1;
-                    victims.push(id);
-                }
-            }
+            let victims: Vec<u64> = shard
+                .iter()
+                .filter(|&(id, slot)| score(id, shard.row(slot)) <= cut)
+                .map(|(id, _)| id)
+                .collect();
             for id in victims {
                 evicted += shard.remove(id) as usize;
             }
