@@ -24,6 +24,9 @@ pub const FREQ: usize = 7;
 pub const META: usize = HEADER - 2;
 /// Flag: the row is in the shard's change list.
 const MARKED: u32 = 1;
+/// The flags word's bits above this hold the generation in which the row's change was last
+/// logged for incremental snapshots (see [`Shard::take_changed`]).
+const LOGGED_SHIFT: u32 = 8;
 /// About 4 MiB of rows a chunk: chunks never move, and the last one grows geometrically.
 const CHUNK_WORDS: usize = 1 << 20;
 /// A slot value meaning "no row".
@@ -474,6 +477,13 @@ impl Shard {
         }
     }
 
+    /// Marks the row of `slot` changed again after a failed flush took it, and forgets that its
+    /// change was logged (the log entry was not committed either).
+    pub fn remark(&mut self, slot: u32) {
+        self.row_mut(slot)[FLAGS] &= (1 << LOGGED_SHIFT) - 1;
+        self.mark(slot);
+    }
+
     /// Records an update of the row of `slot`: its version, time and `hits` more pushes.
     #[inline]
     pub fn touch(&mut self, slot: u32, version: u64, now: u32, hits: u32) {
@@ -489,25 +499,36 @@ impl Shard {
         self.mark(slot);
     }
 
-    /// Hands every changed row (id and its words after the id, `flags` zeroed) to `f` and clears
-    /// the change list.
-    pub fn take_changed(&mut self, mut f: impl FnMut(u64, &[u32])) {
+    /// Hands every changed row to `f` and clears the change list: its id, its words after the id
+    /// (with the `flags` word as stored: the caller zeroes it in its copy), and whether its change
+    /// is the first since generation `gen` began (then the row is noted as logged in `gen`).
+    /// Lookups are pipelined as in [`Shard::for_each_found`].
+    pub fn take_changed(&mut self, gen: u32, mut f: impl FnMut(u64, &[u32], bool)) {
         let changed = std::mem::take(&mut self.changed);
-        let mut words = vec![0u32; self.stride - 2];
-        for &id in &changed {
-            if let Some(slot) = self.find(id) {
-                let row = self.row_mut(slot);
-                if row[FLAGS] & MARKED != 0 {
-                    row[FLAGS] &= !MARKED;
-                    words.copy_from_slice(&row[2..]);
-                    words[FLAGS - 2] = 0;
-                    f(id, &words);
-                }
+        let positions: Vec<u32> = (0..changed.len() as u32).collect();
+        let mut slots = Vec::new();
+        self.find_many(&changed, &positions, self.stride - HEADER, &mut slots);
+        let gen = gen & (u32::MAX >> LOGGED_SHIFT);
+        for (&id, &slot) in changed.iter().zip(&slots) {
+            if slot == NO_SLOT {
+                continue;
+            }
+            let row = self.row_mut(slot);
+            let flags = row[FLAGS];
+            if flags & MARKED != 0 {
+                let first = flags >> LOGGED_SHIFT != gen;
+                row[FLAGS] = (flags & !MARKED & ((1 << LOGGED_SHIFT) - 1)) | (gen << LOGGED_SHIFT);
+                f(id, &row[2..], first);
             }
         }
         // Keep the allocation for the next round.
         self.changed = changed;
         self.changed.clear();
+    }
+
+    /// Rows in the change list (an upper bound of what [`Shard::take_changed`] hands out).
+    pub fn changed_len(&self) -> usize {
+        self.changed.len()
     }
 
     /// The ids removed since [`Shard::forget_gone`] last dropped them.

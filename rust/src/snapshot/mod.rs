@@ -516,8 +516,9 @@ impl Store {
                                 };
                                 let shards: Vec<usize> =
                                     (k..t.num_shards()).step_by(parts).collect();
+                                let (mut ids, mut words) = (Vec::new(), Vec::new());
                                 for s in shards {
-                                    let (ids, words, g) = t.copy_shard(s, incremental);
+                                    let g = t.copy_shard(s, incremental, &mut ids, &mut words);
                                     let m = t.row_words();
                                     for (j, &id) in ids.iter().enumerate() {
                                         part.add(id, &words[j * m..(j + 1) * m])?;
@@ -604,6 +605,7 @@ impl Store {
     ) -> Result<(Vec<TableEntry>, u64)> {
         f.flush()?;
         let guard = f.hold_cycles();
+        f.next_log_gen();
         let st = Arc::clone(f.storage());
         st.read(|r| {
             // The read transaction is open: later cycles may commit, this view stays.

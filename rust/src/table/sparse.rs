@@ -108,6 +108,9 @@ pub(crate) struct Taken {
     pub(crate) gone: Vec<u64>,
     /// Every removed id taken: forgotten once the deletions are committed.
     pub(crate) forget: Vec<u64>,
+    /// Per row: its first change in the flusher's current log generation, so its id must be
+    /// (re)written to `changed/` (later changes in the generation need not: the entry exists).
+    pub(crate) log: Vec<bool>,
 }
 
 /// A raw pointer to an output buffer that shard tasks write at disjoint rows.
@@ -861,20 +864,26 @@ impl SparseTable {
         self.enforce_budget()
     }
 
-    /// Takes what changed in shard `s` since the last take, for a flush.
-    pub(crate) fn take_shard(&self, s: usize) -> Taken {
+    /// Takes what changed in shard `s` since the last take, for a flush; `gen` is the
+    /// flusher's log generation (see [`Taken::log`]).
+    pub(crate) fn take_shard(&self, s: usize, gen: u32) -> Taken {
         let m = self.row_words();
         let mut shard = self.write(s);
+        let n = shard.changed_len();
         let mut t = Taken {
             shard: s,
-            ids: Vec::new(),
-            words: Vec::new(),
+            ids: Vec::with_capacity(n),
+            words: Vec::with_capacity(n * m),
             gone: Vec::new(),
             forget: shard.gone(),
+            log: Vec::with_capacity(n),
         };
-        shard.take_changed(|id, w| {
+        shard.take_changed(gen, |id, w, first| {
             t.ids.push(id);
+            let at = t.words.len();
             t.words.extend_from_slice(&w[..m]);
+            t.words[at + 1] = 0; // the flags word is not stored
+            t.log.push(first);
         });
         t.gone = t
             .forget
@@ -900,7 +909,7 @@ impl SparseTable {
         let mut shard = self.write(t.shard);
         for &id in &t.ids {
             if let Some(slot) = shard.find(id) {
-                shard.mark(slot);
+                shard.remark(slot);
             }
         }
     }
@@ -950,23 +959,34 @@ impl SparseTable {
     /// Copies shard `s` for a snapshot of an in-memory store, under its lock: all rows, or with
     /// `incremental` the rows changed since the last copy and the ids removed since then. Either
     /// way the shard then records changes anew for the next increment.
-    pub(crate) fn copy_shard(&self, s: usize, incremental: bool) -> (Vec<u64>, Vec<u32>, Vec<u64>) {
+    /// The rows go to `ids` and `words` (cleared first: buffers the caller reuses); returns the
+    /// removed ids.
+    pub(crate) fn copy_shard(
+        &self,
+        s: usize,
+        incremental: bool,
+        ids: &mut Vec<u64>,
+        words: &mut Vec<u32>,
+    ) -> Vec<u64> {
         let m = self.row_words();
         let mut shard = self.write(s);
         shard.set_tracking(true);
-        let (mut ids, mut words) = (Vec::new(), Vec::new());
+        ids.clear();
+        words.clear();
         if incremental {
-            shard.take_changed(|id, w| {
+            shard.take_changed(0, |id, w, _| {
                 ids.push(id);
+                let at = words.len();
                 words.extend_from_slice(&w[..m]);
+                words[at + 1] = 0; // the flags word is not stored
             });
         } else {
-            shard.take_changed(|_, _| {});
+            shard.take_changed(0, |_, _, _| {});
             ids.reserve(shard.len());
             words.reserve(shard.len() * m);
             for (id, slot) in shard.iter() {
                 ids.push(id);
-                shard.words(slot, &mut words);
+                shard.words(slot, words);
             }
         }
         let gone: Vec<u64> = shard
@@ -976,7 +996,11 @@ impl SparseTable {
             .collect();
         let all = shard.gone();
         shard.forget_gone(&all);
-        (ids, words, if incremental { gone } else { Vec::new() })
+        if incremental {
+            gone
+        } else {
+            Vec::new()
+        }
     }
 
     /// Starts (or stops) recording changes for incremental snapshots of an in-memory store.
