@@ -292,15 +292,6 @@ impl Flusher {
     }
 
     fn run(&self) {
-        if self.mode != Durability::Sync {
-            // In the background modes the replica yields the cores to training (nothing waits
-            // on a cycle but `flush()`): nice 10 weighs about a tenth of a training thread.
-            // SAFETY: gettid and setpriority only read their arguments.
-            unsafe {
-                let tid = libc::syscall(libc::SYS_gettid) as libc::id_t;
-                libc::setpriority(libc::PRIO_PROCESS, tid, 10);
-            }
-        }
         loop {
             let ticket = {
                 let mut st = self.lock();
@@ -467,8 +458,9 @@ impl Flusher {
             // (its seq) that matches the rows.
             let _held = t.hold_changes();
             let gen = self.log_gen();
-            for s in 0..t.num_shards() {
-                let one = t.take_shard(s, gen);
+            // The pushes wait meanwhile: take the shards on all cores.
+            let all: Vec<Taken> = t.take_all(gen);
+            for one in all {
                 if one.ids.is_empty() && one.forget.is_empty() {
                     continue;
                 }

@@ -226,8 +226,9 @@ pub struct Shard {
     /// Whether changes are recorded (in `changed` and `gone`) for a consumer: the flusher of a
     /// durable store, or the next incremental snapshot of an in-memory one.
     track: bool,
-    /// Ids whose rows changed since the consumer last took them (each row once: `MARKED`).
-    changed: Vec<u64>,
+    /// Slots of the rows changed since the consumer last took them (each row once: `MARKED`; a
+    /// slot freed meanwhile has its flags cleared, so a stale entry is skipped).
+    changed: Vec<u32>,
     /// Ids removed since the consumer last took them.
     gone: std::collections::HashSet<u64>,
 }
@@ -409,6 +410,8 @@ impl Shard {
             Some((pos, slot)) => {
                 self.index.remove_at(pos);
                 self.free.push(slot);
+                // A stale entry of the change list must not take the freed row.
+                self.row_mut(slot)[FLAGS] = 0;
                 if self.track {
                     self.gone.insert(id);
                 }
@@ -454,10 +457,8 @@ impl Shard {
     pub fn set_tracking(&mut self, on: bool) {
         self.track = on;
         if !on {
-            for id in std::mem::take(&mut self.changed) {
-                if let Some(slot) = self.find(id) {
-                    self.row_mut(slot)[FLAGS] &= !MARKED;
-                }
+            for slot in std::mem::take(&mut self.changed) {
+                self.row_mut(slot)[FLAGS] &= !MARKED;
             }
             self.gone.clear();
         }
@@ -472,8 +473,7 @@ impl Shard {
         let row = self.row_mut(slot);
         if row[FLAGS] & MARKED == 0 {
             row[FLAGS] |= MARKED;
-            let id = row[0] as u64 | ((row[1] as u64) << 32);
-            self.changed.push(id);
+            self.changed.push(slot);
         }
     }
 
@@ -502,22 +502,21 @@ impl Shard {
     /// Hands every changed row to `f` and clears the change list: its id, its words after the id
     /// (with the `flags` word as stored: the caller zeroes it in its copy), and whether its change
     /// is the first since generation `gen` began (then the row is noted as logged in `gen`).
-    /// Lookups are pipelined as in [`Shard::for_each_found`].
+    /// Rows are prefetched a few entries ahead.
     pub fn take_changed(&mut self, gen: u32, mut f: impl FnMut(u64, &[u32], bool)) {
         let changed = std::mem::take(&mut self.changed);
-        let positions: Vec<u32> = (0..changed.len() as u32).collect();
-        let mut slots = Vec::new();
-        self.find_many(&changed, &positions, self.stride - HEADER, &mut slots);
         let gen = gen & (u32::MAX >> LOGGED_SHIFT);
-        for (&id, &slot) in changed.iter().zip(&slots) {
-            if slot == NO_SLOT {
-                continue;
+        let words = self.stride;
+        for (k, &slot) in changed.iter().enumerate() {
+            if let Some(&ahead) = changed.get(k + 8) {
+                self.prefetch_row(ahead, words);
             }
             let row = self.row_mut(slot);
             let flags = row[FLAGS];
             if flags & MARKED != 0 {
                 let first = flags >> LOGGED_SHIFT != gen;
                 row[FLAGS] = (flags & !MARKED & ((1 << LOGGED_SHIFT) - 1)) | (gen << LOGGED_SHIFT);
+                let id = row[0] as u64 | ((row[1] as u64) << 32);
                 f(id, &row[2..], first);
             }
         }

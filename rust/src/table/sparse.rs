@@ -904,6 +904,21 @@ impl SparseTable {
         self.changes.read().unwrap_or_else(|e| e.into_inner())
     }
 
+    /// [`SparseTable::take_shard`] of every shard, on the store's pool.
+    pub(crate) fn take_all(&self, gen: u32) -> Vec<Taken> {
+        let n = self.shards.len();
+        if self.common.exec.threads() > 1 && n > 1 {
+            self.common.exec.install(|| {
+                (0..n)
+                    .into_par_iter()
+                    .map(|s| self.take_shard(s, gen))
+                    .collect()
+            })
+        } else {
+            (0..n).map(|s| self.take_shard(s, gen)).collect()
+        }
+    }
+
     /// Gives back what a failed flush took: the rows are marked changed again.
     pub(crate) fn untake(&self, t: &Taken) {
         let mut shard = self.write(t.shard);
