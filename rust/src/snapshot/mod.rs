@@ -284,8 +284,10 @@ fn open_parts<'c>(
         .collect()
 }
 
-fn parts_of(t: &SparseTable) -> usize {
-    t.num_shards().min(MAX_PARTS)
+/// Part files for `rows` rows of `t`: one per 256Ki rows, at most [`MAX_PARTS`] and the shard
+/// count (a small increment is one file, not sixteen fsynced ones).
+fn parts_for(t: &SparseTable, rows: u64) -> usize {
+    (rows.div_ceil(1 << 18) as usize).clamp(1, t.num_shards().min(MAX_PARTS))
 }
 
 impl Store {
@@ -500,7 +502,12 @@ impl Store {
                         dim: t.dim(),
                         state_len: t.state_len(),
                     };
-                    let parts = parts_of(t);
+                    let expect = if incremental {
+                        t.changed_rows()
+                    } else {
+                        t.len() as u64
+                    };
+                    let parts = parts_for(t, expect);
                     let rows = std::sync::atomic::AtomicU64::new(0);
                     let gone = Mutex::new(Vec::new());
                     let files: Vec<FileInfo> = self.pool_install(|| {
@@ -632,7 +639,24 @@ impl Store {
                             state_len: t.state_len(),
                         };
                         let m = t.row_words();
-                        let n = parts_of(t);
+                        let changed = match parent {
+                            None => None,
+                            Some(p) => {
+                                let mut changed = Vec::new();
+                                r.scan(Db::Changed, name, |id, v| {
+                                    if cycle_of(v) > p.cycle {
+                                        changed.push(id);
+                                    }
+                                    Ok(())
+                                })?;
+                                Some(changed)
+                            }
+                        };
+                        let expect = match &changed {
+                            None => r.len(Db::Rows, name)?,
+                            Some(c) => c.len() as u64,
+                        };
+                        let n = parts_for(t, expect);
                         let mut parts = open_parts(tmp, &dir, n, schema, done)?;
                         let mut rows = 0u64;
                         let mut words = Vec::with_capacity(m);
@@ -650,16 +674,9 @@ impl Store {
                             parts[shard_of(id, t.num_shards()) % n].add(id, &words)
                         };
                         let mut gone = Vec::new();
-                        match parent {
-                            None => r.scan(Db::Rows, name, |id, v| add(id, v))?,
-                            Some(p) => {
-                                let mut changed = Vec::new();
-                                r.scan(Db::Changed, name, |id, v| {
-                                    if cycle_of(v) > p.cycle {
-                                        changed.push(id);
-                                    }
-                                    Ok(())
-                                })?;
+                        match (parent, changed) {
+                            (None, _) | (_, None) => r.scan(Db::Rows, name, |id, v| add(id, v))?,
+                            (Some(p), Some(changed)) => {
                                 for id in changed {
                                     if let Some(v) = r.get(Db::Rows, name, id)? {
                                         add(id, v)?;

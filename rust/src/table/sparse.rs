@@ -904,6 +904,13 @@ impl SparseTable {
         self.changes.read().unwrap_or_else(|e| e.into_inner())
     }
 
+    /// Rows in the shards' change lists (an upper bound of the rows an increment takes).
+    pub(crate) fn changed_rows(&self) -> u64 {
+        (0..self.shards.len())
+            .map(|s| self.read(s).changed_len() as u64)
+            .sum()
+    }
+
     /// [`SparseTable::take_shard`] of every shard, on the store's pool.
     pub(crate) fn take_all(&self, gen: u32) -> Vec<Taken> {
         let n = self.shards.len();
