@@ -73,22 +73,6 @@ pub fn key(id: u64) -> [u8; 8] {
     crate::hash::mix64(id).to_be_bytes()
 }
 
-/// A stored value: the payload with the id, as `db` keeps it.
-fn encode(db: Db, id: u64, payload: &[u8]) -> Vec<u8> {
-    let mut v = Vec::with_capacity(payload.len() + 8);
-    match db {
-        Db::Rows => {
-            v.extend_from_slice(&id.to_le_bytes());
-            v.extend_from_slice(payload);
-        }
-        Db::Changed | Db::Removed => {
-            v.extend_from_slice(payload);
-            v.extend_from_slice(&id.to_le_bytes());
-        }
-    }
-    v
-}
-
 /// The id and payload of a stored value.
 fn decode<'v>(db: Db, table: &str, v: &'v [u8]) -> Result<(u64, &'v [u8])> {
     let bad = || {
@@ -640,10 +624,21 @@ impl Writer<'_, '_> {
         self.check("writing", r)
     }
 
-    /// Sets `id`'s payload in a table's database.
+    /// Sets `id`'s payload in a table's database. The value is written straight into LMDB's
+    /// page (`MDB_RESERVE`), with no intermediate copy.
     pub fn put(&mut self, db: Db, table: &str, id: u64, payload: &[u8]) -> Result<()> {
+        use std::io::Write;
         let d = self.db(db, table)?;
-        let r = d.put(self.txn, &key(id), &encode(db, id, payload));
+        let r = d.put_reserved(self.txn, &key(id), payload.len() + 8, |space| match db {
+            Db::Rows => {
+                space.write_all(&id.to_le_bytes())?;
+                space.write_all(payload)
+            }
+            Db::Changed | Db::Removed => {
+                space.write_all(payload)?;
+                space.write_all(&id.to_le_bytes())
+            }
+        });
         self.check("writing", r)
     }
 
