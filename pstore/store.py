@@ -386,15 +386,9 @@ class Store:
         map_size: int | None = None,
     ) -> None:
         self._inner = _native.Store(
-            None if num_shards is None else _check_int(num_shards, "num_shards"),
-            None if threads is None else _check_int(threads, "threads"),
-            None
-            if max_inflight_bytes is None
-            else _check_int(max_inflight_bytes, "max_inflight_bytes"),
-            None if path is None else os.fspath(path),
-            durability,
-            float(flush_interval),
-            None if map_size is None else _check_int(map_size, "map_size"),
+            *_store_args(
+                num_shards, threads, max_inflight_bytes, path, durability, flush_interval, map_size
+            )
         )
 
     @property
@@ -588,15 +582,9 @@ class Store:
         counter = _native.Counter()
         args = (
             os.fspath(snapshot_dir),
-            None if num_shards is None else _check_int(num_shards, "num_shards"),
-            None if threads is None else _check_int(threads, "threads"),
-            None
-            if max_inflight_bytes is None
-            else _check_int(max_inflight_bytes, "max_inflight_bytes"),
-            None if path is None else os.fspath(path),
-            durability,
-            float(flush_interval),
-            None if map_size is None else _check_int(map_size, "map_size"),
+            *_store_args(
+                num_shards, threads, max_inflight_bytes, path, durability, flush_interval, map_size
+            ),
             counter,
         )
         self = cls.__new__(cls)
@@ -633,6 +621,31 @@ class Store:
 
 
 _T = TypeVar("_T")
+
+
+def _store_args(
+    num_shards: int | None,
+    threads: int | None,
+    max_inflight_bytes: int | None,
+    path: str | os.PathLike[str] | None,
+    durability: str,
+    flush_interval: float,
+    map_size: int | None,
+) -> tuple[int | None, int | None, int | None, str | None, str, float, int | None]:
+    """The native store's arguments, checked and converted (the order of its signature)."""
+
+    def opt(v: int | None, what: str) -> int | None:
+        return None if v is None else _check_int(v, what)
+
+    return (
+        opt(num_shards, "num_shards"),
+        opt(threads, "threads"),
+        opt(max_inflight_bytes, "max_inflight_bytes"),
+        None if path is None else os.fspath(path),
+        durability,
+        float(flush_interval),
+        opt(map_size, "map_size"),
+    )
 
 
 def _with_progress(
