@@ -113,6 +113,11 @@ pub(crate) struct Taken {
     pub(crate) log: Vec<bool>,
 }
 
+/// A shard's lock and fields on cache lines of their own: the lock word of one shard, written by
+/// every reader, must not share a line with the next shard's fields another thread reads.
+#[repr(align(128))]
+struct Padded<T>(T);
+
 /// A raw pointer to an output buffer that shard tasks write at disjoint rows.
 #[derive(Clone, Copy)]
 struct OutPtr(*mut f32);
@@ -136,7 +141,7 @@ pub struct SparseTable {
     common: Common,
     config: SparseTableConfig,
     state_len: usize,
-    shards: Vec<RwLock<Shard>>,
+    shards: Vec<Padded<RwLock<Shard>>>,
     /// Where the next batch starts its sweep over the shards.
     sweep: AtomicUsize,
     /// The update sequence number: pushes applied over the table's life (a row's version).
@@ -171,7 +176,7 @@ impl SparseTable {
                 .map(|_| {
                     let mut s = Shard::new(stride);
                     s.set_tracking(track);
-                    RwLock::new(s)
+                    Padded(RwLock::new(s))
                 })
                 .collect(),
             seq: AtomicU64::new(0),
@@ -330,11 +335,11 @@ impl SparseTable {
     fn read(&self, s: usize) -> RwLockReadGuard<'_, Shard> {
         // Shard mutations leave the shard consistent at every point a panic could occur, so a
         // poisoned lock still guards valid data.
-        self.shards[s].read().unwrap_or_else(|e| e.into_inner())
+        self.shards[s].0.read().unwrap_or_else(|e| e.into_inner())
     }
 
     fn write(&self, s: usize) -> RwLockWriteGuard<'_, Shard> {
-        self.shards[s].write().unwrap_or_else(|e| e.into_inner())
+        self.shards[s].0.write().unwrap_or_else(|e| e.into_inner())
     }
 
     /// Rows stored (in memory, plus those of the replica not loaded yet).
