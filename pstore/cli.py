@@ -14,6 +14,7 @@ import numpy as np
 
 import pstore
 from pstore._progress import Progress, format_seconds
+from pstore.inspect import inspect_store, snapshot_chain, verify_snapshot
 
 
 def _cmd_demo(args: argparse.Namespace) -> int:
@@ -97,7 +98,7 @@ def _cmd_restore(args: argparse.Namespace) -> int:
 
 
 def _chain(path: str) -> list[tuple[str, dict[str, Any]]]:
-    return [(p, json.loads(m)) for p, m in pstore._native.snapshot_chain(path)]
+    return snapshot_chain(path)
 
 
 def _record(rec: dict[str, Any]) -> str:
@@ -113,7 +114,7 @@ def _cmd_inspect(args: argparse.Namespace) -> int:
     if os.path.isfile(os.path.join(path, "manifest.json")):
         chain = _chain(path)
         if args.verify:
-            checked = pstore._native.verify_snapshot(path)
+            checked = verify_snapshot(path)
         if args.json:
             print(json.dumps({"kind": "snapshot", "chain": [m for _, m in chain]}, indent=2))
             return 0
@@ -137,21 +138,18 @@ def _cmd_inspect(args: argparse.Namespace) -> int:
             print(f"verified: every file's size and checksum ({_bytes(checked)})")
         return 0
     if os.path.isfile(os.path.join(path, "data.mdb")):
-        info = pstore._native.inspect_store(path)
+        info = inspect_store(path)
         if args.json:
-            for t in info["tables"]:
-                t["record"] = json.loads(t["record"])
-            info["snapshot"] = json.loads(info["snapshot"]) if info["snapshot"] else None
             print(json.dumps({"kind": "store", **info}, indent=2))
             return 0
         print(
             f"store {path}: format {info['format']} version {info['version']}, "
             f"{_bytes(info['file_bytes'])} on disk, flush cycle {info['cycle']}"
         )
-        snap = json.loads(info["snapshot"]) if info["snapshot"] else None
+        snap = info["snapshot"]
         print(f"  last snapshot: {snap['id'] + ' at ' + snap['path'] if snap else 'none'}")
         for t in info["tables"]:
-            rec = json.loads(t["record"])
+            rec = t["record"]
             rows = t["rows"] if rec["kind"] == "sparse" else 1
             print(
                 f"  {t['name']:20} {_record(rec)}; {rows} rows, "
