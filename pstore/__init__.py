@@ -11,7 +11,7 @@
 
 from __future__ import annotations
 
-from pstore import init, inspect, optim
+from pstore import init, inspection, optim
 from pstore._native import MAX_DIM
 from pstore._native import __version__ as __version__
 from pstore.exceptions import (
@@ -47,6 +47,6 @@ __all__ = [
     "UnknownTableError",
     "WrongTableKindError",
     "init",
-    "inspect",
+    "inspection",
     "optim",
 ]

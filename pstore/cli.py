@@ -14,7 +14,7 @@ import numpy as np
 
 import pstore
 from pstore._progress import Progress, format_seconds
-from pstore.inspect import inspect_store, snapshot_chain, verify_snapshot
+from pstore.inspection import inspect_store, snapshot_chain, verify_snapshot
 
 
 def _cmd_demo(args: argparse.Namespace) -> int:

@@ -115,16 +115,16 @@ def test_the_inspection_functions_behind_the_command(tmp_path):
     make_store(store, rows=100)
     with pstore.Store(store, durability="none") as s:
         m = s.snapshot(tmp_path / "full")
-    info = pstore.inspect.inspect_store(store)
+    info = pstore.inspection.inspect_store(store)
     assert info["format"] == "pstore-lmdb" and info["version"] == 1
     assert info["snapshot"]["id"] == m["id"]
     (emb,) = [t for t in info["tables"] if t["name"] == "emb"]
     assert emb["rows"] == 100 and emb["record"]["config"]["dim"] == 8
     assert emb["changed_since_snapshot"] == 0
-    chain = pstore.inspect.snapshot_chain(tmp_path / "full")
+    chain = pstore.inspection.snapshot_chain(tmp_path / "full")
     assert [c["id"] for _, c in chain] == [m["id"]]
-    assert pstore.inspect.verify_snapshot(tmp_path / "full") == m["bytes"] - len(
+    assert pstore.inspection.verify_snapshot(tmp_path / "full") == m["bytes"] - len(
         (tmp_path / "full" / "manifest.json").read_bytes()
     )
     with pytest.raises(pstore.InvalidArgumentError, match="no store"):
-        pstore.inspect.inspect_store(tmp_path)
+        pstore.inspection.inspect_store(tmp_path)

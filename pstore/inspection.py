@@ -1,6 +1,8 @@
 """Reading stores and snapshots without opening them for training.
 
-These are what ``pstore inspect`` shows, for use from Python: the chain of a snapshot, a check of
+These are what ``pstore inspect`` shows, for use from Python (the module is not called
+``inspect``: that would shadow the standard library's module when a file of this package is run
+as a script): the chain of a snapshot, a check of
 its files, and the contents of a store directory (which may be open in another process).
 """
 
