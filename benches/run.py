@@ -3,7 +3,7 @@
     python benches/run.py --quick            # a few minutes, smaller tables
     python benches/run.py --full             # the sizes of the issue (10M-row W1, 20M-id W3)
     python benches/run.py --quick --only W1,W3 --json out.json
-    python benches/run.py --quick --only W5 --tmp /some/disk   # where W5 writes its files
+    python benches/run.py --quick --only W5 --tmp DIR   # DIR: where W5 writes its files
 
 Prints one table per workload (median rates, ratios against peers measured side by side in the
 same run) and writes every sample as JSON (default bench-results/results-<timestamp>.json).

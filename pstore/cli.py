@@ -55,14 +55,20 @@ def _advance(bar: Progress):
     return update
 
 
+def _rows(store: pstore.Store, *, dense: bool = True) -> int:
+    """Rows of every table; a dense table counts as one, or not at all (progress counts the rows
+    of sparse tables only)."""
+    return sum(
+        len(t) if isinstance(t, pstore.SparseTable) else int(dense)
+        for t in map(store.table, store.tables())
+    )
+
+
 def _cmd_snapshot(args: argparse.Namespace) -> int:
     store_path = _existing_store(args.store)
     start = time.perf_counter()
     with pstore.Store(store_path, durability="none") as store:
-        total = sum(
-            len(t) if isinstance(t, pstore.SparseTable) else 1
-            for t in map(store.table, store.tables())
-        )
+        total = _rows(store, dense=False)
         with _bar(0 if args.incremental else total, "snapshot", args.quiet) as bar:
             m = store.snapshot(args.out, incremental=args.incremental, progress=_advance(bar))
     rows = sum(t["rows"] for t in m["tables"])
@@ -75,7 +81,7 @@ def _cmd_snapshot(args: argparse.Namespace) -> int:
 
 def _cmd_restore(args: argparse.Namespace) -> int:
     chain = _chain(args.snapshot)
-    total = sum(t["rows"] for _, m in chain for t in m["tables"])
+    total = sum(t["rows"] for _, m in chain for t in m["tables"] if t["record"]["kind"] == "sparse")
     if os.path.exists(os.path.join(args.out, "data.mdb")):
         raise pstore.InvalidArgumentError(
             f"{args.out} holds a store already; restore into a new directory"
@@ -86,10 +92,7 @@ def _cmd_restore(args: argparse.Namespace) -> int:
             args.snapshot, args.out, num_shards=args.num_shards, progress=_advance(bar)
         )
     with store:
-        rows = sum(
-            len(t) if isinstance(t, pstore.SparseTable) else 1
-            for t in map(store.table, store.tables())
-        )
+        rows = _rows(store)
         print(
             f"restored {len(chain)} snapshot(s) into {args.out}: {len(store.tables())} tables, "
             f"{rows} rows in {format_seconds(time.perf_counter() - start)}"

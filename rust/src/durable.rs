@@ -269,7 +269,7 @@ impl Flusher {
 
     /// Holds off cycles while `f` runs (table creation and drop, snapshots).
     pub(crate) fn exclusive<R>(&self, f: impl FnOnce() -> R) -> R {
-        let _g = self.cycle_lock.lock().unwrap_or_else(|e| e.into_inner());
+        let _held = self.hold_cycles();
         f()
     }
 
@@ -549,7 +549,7 @@ impl Flusher {
     }
 
     fn flush_dense(&self, name: &str, t: &DenseTable, table: &Table, cycle: u64) -> Result<bool> {
-        let (value, rec) = t.take_dirty_words_with(|| self.record_if_changed(name, table));
+        let (value, rec) = t.take_dirty_words(|| self.record_if_changed(name, table));
         if value.is_none() && rec.is_none() {
             return Ok(false);
         }

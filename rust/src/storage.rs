@@ -387,13 +387,6 @@ impl Storage {
         *size = new;
         Ok(())
     }
-
-    /// Writes the data file's buffers to disk (commits already do; this is for `none` mode).
-    pub fn sync(&self) -> Result<()> {
-        self.env
-            .force_sync()
-            .map_err(|e| lmdb_err(&self.path, "syncing", e))
-    }
 }
 
 /// What `inspect` reports of a store directory.

@@ -233,7 +233,7 @@ impl Store {
                     words_into(v, &mut w);
                     t.set_words(&w)?;
                 }
-                let _ = t.take_dirty_words();
+                t.mark_clean();
                 Table::Dense(Arc::new(t))
             }
         };

@@ -340,7 +340,7 @@ impl Store {
             .map_err(|e| storage(format!("creating {}: {e}", tmp.display())))?;
         let r = self.write_snapshot(&tmp, dir, id, parent, done);
         match r {
-            Ok((manifest, bytes, after)) => {
+            Ok((manifest, bytes)) => {
                 std::fs::rename(&tmp, dir).map_err(|e| {
                     let _ = std::fs::remove_dir_all(&tmp);
                     storage(format!(
@@ -350,7 +350,7 @@ impl Store {
                     ))
                 })?;
                 fsync_dir(parent_dir)?;
-                after(self, dir, &manifest)?;
+                self.snapshot_taken(dir, &manifest)?;
                 Ok(SnapshotInfo { manifest, bytes })
             }
             Err(e) => {
@@ -384,9 +384,7 @@ impl Store {
         }
     }
 
-    /// Writes the files and the manifest into `tmp`; returns the manifest, the bytes, and what
-    /// to do once the directory is in place.
-    #[allow(clippy::type_complexity)]
+    /// Writes the files and the manifest into `tmp`; returns the manifest and the bytes.
     fn write_snapshot(
         &self,
         tmp: &Path,
@@ -394,11 +392,7 @@ impl Store {
         id: String,
         parent: Option<Parent>,
         done: &AtomicU64,
-    ) -> Result<(
-        Manifest,
-        u64,
-        Box<dyn FnOnce(&Store, &Path, &Manifest) -> Result<()>>,
-    )> {
+    ) -> Result<(Manifest, u64)> {
         let tables: Vec<(String, Table)> = self
             .tables()
             .into_iter()
@@ -416,7 +410,7 @@ impl Store {
             id: id.clone(),
             kind: if incremental { "incremental" } else { "full" }.into(),
             parent: parent.map(|p| Parent {
-                path: relative_to(dir, &resolve_parent_dir(&p)),
+                path: relative_to(dir, Path::new(&p.path)),
                 ..p
             }),
             created_at: unix_time(),
@@ -446,9 +440,7 @@ impl Store {
             .map(|f| f.bytes)
             .sum::<u64>()
             + bytes.len() as u64;
-        let after: Box<dyn FnOnce(&Store, &Path, &Manifest) -> Result<()>> =
-            Box::new(move |store: &Store, dir: &Path, m: &Manifest| store.snapshot_taken(dir, m));
-        Ok((manifest, total, after))
+        Ok((manifest, total))
     }
 
     /// Records the snapshot as the parent of the next increment (and, in a durable store, drops
@@ -584,10 +576,15 @@ impl Store {
         let mut w = vec![words[0], 0, 0, 0, 0, 0];
         w.extend_from_slice(&words[2..]);
         let fname = format!("{dir}/value.arrow");
-        let mut writer = PartWriter::create(&tmp.join(&fname), &fname, schema)?;
-        let mut b = RowBatch::default();
-        b.push_words(0, &w, schema);
-        writer.write(&b)?;
+        // Progress counts the rows of sparse tables only.
+        let uncounted = AtomicU64::new(0);
+        let mut part = Part {
+            writer: PartWriter::create(&tmp.join(&fname), &fname, schema)?,
+            batch: RowBatch::default(),
+            schema,
+            done: &uncounted,
+        };
+        part.add(0, &w)?;
         Ok(TableEntry {
             name: name.to_string(),
             dir,
@@ -596,7 +593,7 @@ impl Store {
             state_len: schema.state_len,
             rows: 1,
             total_rows: 1,
-            files: vec![writer.finish()?],
+            files: vec![part.finish()?],
             tombstones: None,
         })
     }
@@ -661,15 +658,7 @@ impl Store {
                         let mut rows = 0u64;
                         let mut words = Vec::with_capacity(m);
                         let mut add = |id: u64, v: &[u8]| -> Result<()> {
-                            words.clear();
-                            words_into(v, &mut words);
-                            if words.len() != m {
-                                return Err(corrupt(format!(
-                                    "{}: table {name:?} row {id} holds {} words, not {m}",
-                                    st.path().display(),
-                                    words.len()
-                                )));
-                            }
+                            t.replica_row(st.path(), id, v, &mut words)?;
                             rows += 1;
                             parts[shard_of(id, t.num_shards()) % n].add(id, &words)
                         };
@@ -994,8 +983,4 @@ fn dir_of(chain: &[(PathBuf, Manifest)]) -> String {
         .last()
         .map(|(p, _)| p.display().to_string())
         .unwrap_or_default()
-}
-
-fn resolve_parent_dir(p: &Parent) -> PathBuf {
-    PathBuf::from(&p.path)
 }

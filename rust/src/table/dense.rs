@@ -177,14 +177,9 @@ impl DenseTable {
         Counters::add(&self.common.counters.rows_updated, 1);
     }
 
-    /// The value as words `[step, 0, weights, state]`, if it changed since the last take.
-    pub(crate) fn take_dirty_words(&self) -> Option<Vec<u32>> {
-        self.take_dirty_words_with(|| ()).0
-    }
-
-    /// [`DenseTable::take_dirty_words`], with what `f` returns while no push can run (the
-    /// record that matches the value).
-    pub(crate) fn take_dirty_words_with<R>(&self, f: impl FnOnce() -> R) -> (Option<Vec<u32>>, R) {
+    /// The value as words `[step, 0, weights, state]` if it changed since the last take, with
+    /// what `f` returns while no push can run (the record that matches the value).
+    pub(crate) fn take_dirty_words<R>(&self, f: impl FnOnce() -> R) -> (Option<Vec<u32>>, R) {
         let d = self.read();
         let words = self
             .dirty
@@ -205,6 +200,11 @@ impl DenseTable {
     /// The value as words `[step, 0, weights, state]`.
     pub fn words(&self) -> Vec<u32> {
         Self::words_of(&self.read())
+    }
+
+    /// Marks the value as written (it was just loaded from the replica).
+    pub(crate) fn mark_clean(&self) {
+        self.dirty.store(false, Ordering::Release);
     }
 
     /// Marks the value changed (a failed flush gives it back).

@@ -247,16 +247,7 @@ impl SparseTable {
                 }
                 match r.get(Db::Rows, name, id)? {
                     Some(v) => {
-                        words.clear();
-                        words_into(v, &mut words);
-                        if words.len() != self.row_words() {
-                            return Err(crate::error::corrupt(format!(
-                                "{}: table {name:?} row {id} holds {} words, not {}",
-                                st.path().display(),
-                                words.len(),
-                                self.row_words()
-                            )));
-                        }
+                        self.replica_row(st.path(), id, v, &mut words)?;
                         shard.put_words(id, &words);
                         b.unloaded.fetch_sub(1, Ordering::AcqRel);
                         found.push(true);
@@ -266,6 +257,29 @@ impl SparseTable {
             }
             Ok(found)
         })
+    }
+
+    /// The words of a row as the replica at `store` holds them (its payload), into `out`
+    /// (cleared first); a payload of the wrong length is a corrupt replica.
+    pub(crate) fn replica_row(
+        &self,
+        store: &std::path::Path,
+        id: u64,
+        payload: &[u8],
+        out: &mut Vec<u32>,
+    ) -> Result<()> {
+        out.clear();
+        words_into(payload, out);
+        if out.len() == self.row_words() {
+            return Ok(());
+        }
+        Err(crate::error::corrupt(format!(
+            "{}: table {:?} row {id} holds {} words, not {}",
+            store.display(),
+            self.common.name,
+            out.len(),
+            self.row_words()
+        )))
     }
 
     /// Loads every row still waiting in the replica (before a whole-table operation).
@@ -296,15 +310,7 @@ impl SparseTable {
         st.read_exclusive(|r| {
             r.scan(Db::Rows, &self.common.name, |id, v| {
                 let mut w = Vec::with_capacity(m);
-                words_into(v, &mut w);
-                if w.len() != m {
-                    return Err(crate::error::corrupt(format!(
-                        "{}: table {:?} row {id} holds {} words, not {m}",
-                        st.path().display(),
-                        self.common.name,
-                        w.len()
-                    )));
-                }
+                self.replica_row(st.path(), id, v, &mut w)?;
                 batch.push((id, w));
                 if batch.len() >= 65536 {
                     flush(&mut batch);
@@ -905,8 +911,12 @@ impl SparseTable {
         self.changes.write().unwrap_or_else(|e| e.into_inner())
     }
 
-    fn changing(&self) -> RwLockReadGuard<'_, ()> {
-        self.changes.read().unwrap_or_else(|e| e.into_inner())
+    /// Held by a change of rows; only a durable store's flusher ever waits on it, so an
+    /// in-memory table takes nothing.
+    fn changing(&self) -> Option<RwLockReadGuard<'_, ()>> {
+        self.backing
+            .as_ref()
+            .map(|_| self.changes.read().unwrap_or_else(|e| e.into_inner()))
     }
 
     /// Rows in the shards' change lists (an upper bound of the rows an increment takes).
