@@ -11,16 +11,20 @@
 
 from __future__ import annotations
 
-from pstore import init, inspection, optim
+from pstore import init, inspection, optim, server
 from pstore._native import MAX_DIM
 from pstore._native import __version__ as __version__
+from pstore.client import RemoteStore, connect
 from pstore.exceptions import (
+    AuthenticationError,
     CorruptError,
     DtypeError,
     InternalError,
     InvalidArgumentError,
     NonFiniteError,
     PstoreError,
+    ServerError,
+    ServerTimeoutError,
     ShapeError,
     StorageError,
     TableExistsError,
@@ -31,6 +35,7 @@ from pstore.store import DenseTable, PushHandle, SparseTable, Store
 
 __all__ = [
     "MAX_DIM",
+    "AuthenticationError",
     "CorruptError",
     "DenseTable",
     "DtypeError",
@@ -39,6 +44,9 @@ __all__ = [
     "NonFiniteError",
     "PstoreError",
     "PushHandle",
+    "RemoteStore",
+    "ServerError",
+    "ServerTimeoutError",
     "ShapeError",
     "SparseTable",
     "StorageError",
@@ -46,7 +54,9 @@ __all__ = [
     "TableExistsError",
     "UnknownTableError",
     "WrongTableKindError",
+    "connect",
     "init",
     "inspection",
     "optim",
+    "server",
 ]

@@ -167,6 +167,82 @@ def _cmd_inspect(args: argparse.Namespace) -> int:
     )
 
 
+def _secret(direct_env: str, file: str | None) -> str | None:
+    """A token from a file (whitespace stripped) or, without one, from an environment variable."""
+    if file is not None:
+        with open(file, encoding="utf-8") as f:
+            value = f.read().strip()
+        if not value:
+            raise pstore.InvalidArgumentError(f"token file {file!r} is empty")
+        return value
+    return os.environ.get(direct_env) or None
+
+
+def _cmd_serve(args: argparse.Namespace) -> int:
+    from pstore.server import serve
+
+    store = pstore.Store(
+        path=args.path,
+        durability=args.durability,
+        flush_interval=args.flush_interval,
+        num_shards=args.num_shards,
+        threads=args.threads,
+    )
+    return serve(
+        store,
+        host=args.host,
+        port=args.port,
+        metrics_port=args.metrics_port,
+        token=_secret("PSTORE_TOKEN", args.token_file),
+        read_token=_secret("PSTORE_READ_TOKEN", args.read_token_file),
+        tls_cert=args.tls_cert,
+        tls_key=args.tls_key,
+        log_interval=args.log_interval,
+        grace=args.grace,
+    )
+
+
+def _cmd_status(args: argparse.Namespace) -> int:
+    remote = pstore.connect(
+        args.servers,
+        _secret("PSTORE_TOKEN", args.token_file),
+        timeout=args.timeout,
+        retries=0,
+        tls_ca=args.tls_ca,
+    )
+    health = remote.health()
+    status = remote.status()
+    if args.json:
+        for s, h in zip(status, health, strict=True):
+            s["health"] = h
+        print(json.dumps(status, indent=2, sort_keys=True))
+        return 0
+    for s, h in zip(status, health, strict=True):
+        print(
+            f"{s['server']}: {h}  pstore {s['version']} (protocol {s['protocol']})  "
+            f"{s['durability']}{'  ' + s['path'] if s['path'] else ''}  "
+            f"up {format_seconds(s['uptime_seconds'])}  "
+            f"flush lag {s['flush_lag_seconds']:.2f} s"
+        )
+        if s["clocks"]:
+            c = s["clocks"]
+            print(f"  worker clocks: {c} (min {min(c)}, max {max(c)})")
+        for t in s["tables"]:
+            st = t["stats"]["staleness"]
+            mean = st["total"] / st["pushes"] if st["pushes"] else 0.0
+            shape = (
+                f"dim {t['config']['dim']}"
+                if t["kind"] == "sparse"
+                else f"shape {tuple(t['config']['shape'])}"
+            )
+            print(
+                f"  {t['name']:<20} {t['kind']:<6} {shape:<14} rows {t['rows']:>12,}  "
+                f"seq {t['seq']:>10,}  lr {t['lr']:g}  stale {t['stale_policy']} "
+                f"(mean {mean:.2f}, max {st['max']}, dropped {st['dropped']})"
+            )
+    return 0 if all(h == "SERVING" for h in health) else 1
+
+
 def build_parser() -> argparse.ArgumentParser:
     """The argument parser of the ``pstore`` command."""
     parser = argparse.ArgumentParser(
@@ -222,6 +298,44 @@ def build_parser() -> argparse.ArgumentParser:
         "--verify", action="store_true", help="check every snapshot file's size and checksum"
     )
     p.set_defaults(func=_cmd_inspect)
+
+    p = sub.add_parser(
+        "serve",
+        help="run a store server (gRPC) until SIGTERM or SIGINT",
+        description="Serve a store over gRPC (proto/pstore/v1/pstore.proto). Durable with "
+        "--path, in memory without. Tokens come from --token-file or $PSTORE_TOKEN (read-only: "
+        "--read-token-file or $PSTORE_READ_TOKEN); without one the server is open. On SIGTERM "
+        "or SIGINT it finishes the calls in flight, flushes and exits 0.",
+    )
+    p.add_argument("--port", type=int, default=7070, help="gRPC port (default 7070; 0: any)")
+    p.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1)")
+    p.add_argument("--path", default=None, help="durable store directory (default: in memory)")
+    p.add_argument(
+        "--durability", choices=["sync", "async", "none"], default="async",
+        help="when pushes reach disk (with --path; default async)",
+    )
+    p.add_argument("--flush-interval", type=float, default=1.0, help="async flush period, s")
+    p.add_argument("--num-shards", type=int, default=None, help="shards per table")
+    p.add_argument("--threads", type=int, default=None, help="threads of the store's pool")
+    p.add_argument("--metrics-port", type=int, default=None, help="serve Prometheus metrics")
+    p.add_argument("--token-file", default=None, help="file holding the read-write token")
+    p.add_argument("--read-token-file", default=None, help="file holding a read-only token")
+    p.add_argument("--tls-cert", default=None, help="PEM certificate chain: serve TLS")
+    p.add_argument("--tls-key", default=None, help="PEM private key of --tls-cert")
+    p.add_argument("--log-interval", type=float, default=60.0, help="seconds between stats logs")
+    p.add_argument("--grace", type=float, default=30.0, help="seconds to finish calls on stop")
+    p.set_defaults(func=_cmd_serve)
+
+    p = sub.add_parser(
+        "status",
+        help="show store servers: health, tables, rows, clocks, staleness",
+    )
+    p.add_argument("servers", nargs="+", metavar="HOST:PORT")
+    p.add_argument("--token-file", default=None, help="file holding a token ($PSTORE_TOKEN)")
+    p.add_argument("--tls-ca", default=None, help="PEM of the CA of the servers' certificates")
+    p.add_argument("--timeout", type=float, default=5.0, help="seconds per call (default 5)")
+    p.add_argument("--json", action="store_true", help="print JSON")
+    p.set_defaults(func=_cmd_status)
 
     p = sub.add_parser("version", help="print the versions of pstore and numpy")
     p.set_defaults(func=_cmd_version)

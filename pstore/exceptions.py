@@ -7,12 +7,15 @@ expects, so ``except ValueError`` and ``except KeyError`` keep working.
 from __future__ import annotations
 
 __all__ = [
+    "AuthenticationError",
     "CorruptError",
     "DtypeError",
     "InternalError",
     "InvalidArgumentError",
     "NonFiniteError",
     "PstoreError",
+    "ServerError",
+    "ServerTimeoutError",
     "ShapeError",
     "StorageError",
     "TableExistsError",
@@ -77,3 +80,22 @@ class CorruptError(PstoreError, ValueError):
 
 class InternalError(PstoreError, RuntimeError):
     """A bug in pstore, never the caller's fault: please report it."""
+
+
+class ServerError(PstoreError, ConnectionError):
+    """A store server could not be reached or failed the call (connection refused, server gone,
+    an unexpected gRPC status). The message names the server; ``code`` is the gRPC status code.
+    """
+
+    @property
+    def code(self) -> int | None:
+        """The gRPC status code (14 is UNAVAILABLE, 4 DEADLINE_EXCEEDED, ...)."""
+        return getattr(self, "_code", None)
+
+
+class ServerTimeoutError(ServerError, TimeoutError):
+    """A call to a store server did not finish within its timeout."""
+
+
+class AuthenticationError(ServerError, PermissionError):
+    """The server refused the call: no token, a wrong token, or a read-only token used to write."""

@@ -42,6 +42,17 @@ pub enum Durability {
     None,
 }
 
+impl Durability {
+    /// The mode's name: `"sync"`, `"async"` or `"none"`.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Self::Sync => "sync",
+            Self::Async => "async",
+            Self::None => "none",
+        }
+    }
+}
+
 impl std::str::FromStr for Durability {
     type Err = Error;
     fn from_str(s: &str) -> Result<Self> {
@@ -188,6 +199,8 @@ struct FlushState {
     failed: Option<Error>,
     stop: bool,
     last_end: Instant,
+    /// When the last cycle that succeeded started: everything applied before is durable.
+    last_ok_start: Instant,
 }
 
 /// The background flusher of a durable store.
@@ -232,6 +245,7 @@ impl Flusher {
                 failed: None,
                 stop: false,
                 last_end: Instant::now(),
+                last_ok_start: Instant::now(),
             }),
             cv: Condvar::new(),
             cycle_lock: Mutex::new(()),
@@ -321,6 +335,7 @@ impl Flusher {
                 st.next - 1
             };
             let number = self.lock().cycle + 1;
+            let started = Instant::now();
             let r = self.exclusive(|| self.cycle(number));
             let mut st = self.lock();
             st.done = ticket;
@@ -328,13 +343,23 @@ impl Flusher {
                 Ok(true) => {
                     st.cycle = number;
                     st.failed = None;
+                    st.last_ok_start = started;
                 }
-                Ok(false) => st.failed = None,
+                Ok(false) => {
+                    st.failed = None;
+                    st.last_ok_start = started;
+                }
                 Err(e) => st.failed = Some(e),
             }
             st.last_end = Instant::now();
             self.cv.notify_all();
         }
+    }
+
+    /// The flush lag: how long ago the last successful cycle started. What was applied before
+    /// then is on disk; what came after may not be yet.
+    pub fn lag(&self) -> Duration {
+        self.lock().last_ok_start.elapsed()
     }
 
     /// Runs a cycle that starts after this call and waits for it; its error, if it failed.

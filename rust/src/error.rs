@@ -33,6 +33,17 @@ pub enum Error {
     /// message names the file.
     #[error("{0}")]
     Corrupt(String),
+    /// A store server could not be reached or answered with a transport-level error (timeout,
+    /// connection refused, unauthenticated, permission denied, ...).
+    #[error("server {server}: {message}")]
+    Remote {
+        /// The server's address as the client was given it.
+        server: String,
+        /// The gRPC status code.
+        code: i32,
+        /// What went wrong.
+        message: String,
+    },
     /// A bug or a broken invariant inside pstore, never the caller's fault.
     #[error("internal error: {0}")]
     Internal(String),

@@ -38,12 +38,15 @@
 //! ```
 
 mod buffer;
+pub mod client;
 pub mod durable;
 pub mod error;
 pub mod executor;
 pub mod hash;
 pub mod init;
+pub mod net;
 pub mod optimizer;
+pub mod server;
 pub mod shard;
 pub mod snapshot;
 pub mod storage;

@@ -22,6 +22,14 @@ pub fn err(e: Error) -> PyErr {
         Error::Storage(_) => "StorageError",
         Error::Corrupt(_) => "CorruptError",
         Error::Internal(_) => "InternalError",
+        // DEADLINE_EXCEEDED, UNAUTHENTICATED, PERMISSION_DENIED.
+        Error::Remote { code: 4, .. } => "ServerTimeoutError",
+        Error::Remote { code: 7 | 16, .. } => "AuthenticationError",
+        Error::Remote { .. } => "ServerError",
+    };
+    let code = match &e {
+        Error::Remote { code, .. } => Some(*code),
+        _ => None,
     };
     let msg = e.to_string();
     Python::attach(|py| {
@@ -30,7 +38,14 @@ pub fn err(e: Error) -> PyErr {
             .and_then(|m| m.getattr(class))
             .and_then(|c| c.cast_into::<PyType>().map_err(PyErr::from));
         match ty {
-            Ok(ty) => PyErr::from_type(ty, msg),
+            Ok(ty) => {
+                let e = PyErr::from_type(ty, msg);
+                if let Some(code) = code {
+                    // A Python attribute of the exception instance (`ServerError.code`).
+                    let _ = e.value(py).setattr("_code", code);
+                }
+                e
+            }
             Err(import_error) => import_error,
         }
     })

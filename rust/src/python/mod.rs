@@ -5,6 +5,7 @@
 //! classes, checks dtypes and carries the documentation.
 
 mod convert;
+mod net;
 
 use std::mem::MaybeUninit;
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -223,11 +224,7 @@ impl PyStore {
     /// The durability mode of an open durable store ("sync", "async", "none"), else None.
     #[getter]
     fn durability(&self) -> Option<&'static str> {
-        self.inner.flusher().map(|f| match f.mode() {
-            Durability::Sync => "sync",
-            Durability::Async => "async",
-            Durability::None => "none",
-        })
+        self.inner.flusher().map(|f| f.mode().as_str())
     }
 
     /// The replica of an open durable store: cycle, file and map bytes, last error.
@@ -277,26 +274,15 @@ impl PyStore {
         evict_policy: &str,
     ) -> PyResult<PySparseTable> {
         self.guard.check()?;
-        let policy = match evict_policy {
-            "lru" => EvictPolicy::Lru,
-            "lfu" => EvictPolicy::Lfu,
-            _ => {
-                return Err(err(Error::InvalidArgument(format!(
-                    "evict_policy must be \"lru\" or \"lfu\", got {evict_policy:?}"
-                ))))
-            }
-        };
-        let config = SparseTableConfig {
+        let config = sparse_config(
             dim,
-            optimizer: optimizer_from(optimizer)?,
-            initializer: initializer_from(initializer)?,
+            optimizer,
+            initializer,
             seed,
-            lifecycle: Lifecycle {
-                admit_after,
-                max_rows,
-                policy,
-            },
-        };
+            admit_after,
+            max_rows,
+            evict_policy,
+        )?;
         let store = &self.inner;
         let t = py
             .detach(|| store.create_sparse_table(name, config))
@@ -387,6 +373,38 @@ impl PyStore {
         let store = Arc::clone(&self.inner);
         py.detach(move || store.close()).map_err(err)
     }
+}
+
+/// A sparse table's configuration from `create_sparse_table`'s arguments.
+fn sparse_config(
+    dim: usize,
+    optimizer: &Bound<'_, PyDict>,
+    initializer: &Bound<'_, PyDict>,
+    seed: u64,
+    admit_after: u32,
+    max_rows: Option<u64>,
+    evict_policy: &str,
+) -> PyResult<SparseTableConfig> {
+    let policy = match evict_policy {
+        "lru" => EvictPolicy::Lru,
+        "lfu" => EvictPolicy::Lfu,
+        _ => {
+            return Err(err(Error::InvalidArgument(format!(
+                "evict_policy must be \"lru\" or \"lfu\", got {evict_policy:?}"
+            ))))
+        }
+    };
+    Ok(SparseTableConfig {
+        dim,
+        optimizer: optimizer_from(optimizer)?,
+        initializer: initializer_from(initializer)?,
+        seed,
+        lifecycle: Lifecycle {
+            admit_after,
+            max_rows,
+            policy,
+        },
+    })
 }
 
 /// The store and durable configurations from the constructor's arguments.
@@ -499,35 +517,44 @@ impl PyPushHandle {
     /// Raises the push's error if it failed.
     #[pyo3(signature = (timeout=None))]
     fn wait(&self, py: Python<'_>, timeout: Option<f64>) -> PyResult<bool> {
-        let deadline = match timeout {
-            Some(t) if !(t.is_finite() && t >= 0.0) => {
-                return Err(err(Error::InvalidArgument(format!(
-                    "timeout must be a finite number >= 0, got {t}"
-                ))))
-            }
-            Some(t) => Some(std::time::Instant::now() + Duration::from_secs_f64(t)),
-            None => None,
-        };
-        loop {
-            let step = match deadline {
-                Some(d) => d
-                    .saturating_duration_since(std::time::Instant::now())
-                    .min(POLL),
-                None => POLL,
-            };
-            let h = self.inner.clone();
-            if let Some(r) = py.detach(move || h.wait_timeout(step)) {
-                return r.map(|()| true).map_err(err);
-            }
-            if deadline.is_some_and(|d| std::time::Instant::now() >= d) {
-                return Ok(false);
-            }
-            py.check_signals()?;
-        }
+        wait_polling(py, timeout, |step| self.inner.clone().wait_timeout(step))
     }
 
     fn done(&self) -> bool {
         self.inner.is_done()
+    }
+}
+
+/// Waits for `poll` to give a result, at most `timeout` seconds (forever with None), polling in
+/// steps so Ctrl-C is seen; True once done, False on timeout, the error if it failed.
+fn wait_polling(
+    py: Python<'_>,
+    timeout: Option<f64>,
+    poll: impl Fn(Duration) -> Option<Result<(), Error>> + Sync,
+) -> PyResult<bool> {
+    let deadline = match timeout {
+        Some(t) if !(t.is_finite() && t >= 0.0) => {
+            return Err(err(Error::InvalidArgument(format!(
+                "timeout must be a finite number >= 0, got {t}"
+            ))))
+        }
+        Some(t) => Some(std::time::Instant::now() + Duration::from_secs_f64(t)),
+        None => None,
+    };
+    loop {
+        let step = match deadline {
+            Some(d) => d
+                .saturating_duration_since(std::time::Instant::now())
+                .min(POLL),
+            None => POLL,
+        };
+        if let Some(r) = py.detach(|| poll(step)) {
+            return r.map(|()| true).map_err(err);
+        }
+        if deadline.is_some_and(|d| std::time::Instant::now() >= d) {
+            return Ok(false);
+        }
+        py.check_signals()?;
     }
 }
 
@@ -763,6 +790,7 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<PyDenseTable>()?;
     m.add_class::<PyPushHandle>()?;
     m.add_class::<PyCounter>()?;
+    net::register(m)?;
     m.add_function(wrap_pyfunction!(snapshot_chain, m)?)?;
     m.add_function(wrap_pyfunction!(verify_snapshot, m)?)?;
     m.add_function(wrap_pyfunction!(inspect_store, m)?)?;

@@ -142,30 +142,40 @@ impl DenseTable {
 
     /// Applies one gradient of the whole tensor.
     pub fn push(self: &Arc<Self>, grad: &[f32]) -> Result<()> {
+        self.push_scaled(grad, 1.0)
+    }
+
+    /// [`push`](Self::push) with the learning rate multiplied by `lr_scale` for this push only.
+    pub fn push_scaled(self: &Arc<Self>, grad: &[f32], lr_scale: f64) -> Result<()> {
         self.validate_push(grad)?;
+        super::check_scale(lr_scale)?;
         if self.common.exec.pending() > 0 {
-            return self.push_async(grad.to_vec())?.wait();
+            return self.queue(grad.to_vec(), lr_scale)?.wait();
         }
-        self.apply(grad);
+        self.apply(grad, lr_scale);
         self.common.durable_wait()
     }
 
     /// Queues one gradient and returns at once.
     pub fn push_async(self: &Arc<Self>, grad: Vec<f32>) -> Result<PushHandle> {
         self.validate_push(&grad)?;
+        self.queue(grad, 1.0)
+    }
+
+    fn queue(self: &Arc<Self>, grad: Vec<f32>, lr_scale: f64) -> Result<PushHandle> {
         let me = Arc::clone(self);
         self.common.exec.submit(
             grad.len() * 4,
             Box::new(move || {
-                me.apply(&grad);
+                me.apply(&grad, lr_scale);
                 me.common.durable_wait()
             }),
         )
     }
 
-    fn apply(&self, grad: &[f32]) {
+    fn apply(&self, grad: &[f32], lr_scale: f64) {
         let mut g: Vec<f64> = grad.iter().map(|&x| x as f64).collect();
-        let lr = self.lr();
+        let lr = self.lr() * lr_scale;
         let mut d = self.data.write().unwrap_or_else(|e| e.into_inner());
         let d = &mut *d;
         d.step = d.step.saturating_add(1);

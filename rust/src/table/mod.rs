@@ -47,6 +47,17 @@ pub struct TableStats {
     pub lr: f64,
 }
 
+/// Checks a per-push learning-rate factor.
+pub(crate) fn check_scale(lr_scale: f64) -> Result<()> {
+    if lr_scale.is_finite() && lr_scale > 0.0 && lr_scale <= 1.0 {
+        Ok(())
+    } else {
+        Err(Error::InvalidArgument(format!(
+            "lr_scale must be in (0, 1], got {lr_scale}"
+        )))
+    }
+}
+
 /// A learning rate that can be changed while pushes run.
 #[derive(Debug)]
 pub struct Lr(AtomicU64);
@@ -214,7 +225,14 @@ pub(crate) fn check_finite(exec: &Executor, table: &str, grads: &[f32], dim: usi
     if ok {
         return Ok(());
     }
-    let i = grads.iter().position(|g| !g.is_finite()).unwrap_or(0);
+    check_finite_slice(table, grads, dim)
+}
+
+/// [`check_finite`] on the calling thread.
+pub(crate) fn check_finite_slice(table: &str, grads: &[f32], dim: usize) -> Result<()> {
+    let Some(i) = grads.iter().position(|g| !g.is_finite()) else {
+        return Ok(());
+    };
     Err(Error::NonFinite(format!(
         "table {table:?}: gradient holds {} at row {}, column {}; nothing was applied",
         grads[i],

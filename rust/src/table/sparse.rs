@@ -693,11 +693,18 @@ impl SparseTable {
     /// pushes are in flight, it queues behind them so pushes from one thread apply in order. On
     /// an error of the inputs nothing is applied.
     pub fn push(self: &Arc<Self>, ids: &[u64], grads: &[f32]) -> Result<()> {
+        self.push_scaled(ids, grads, 1.0)
+    }
+
+    /// [`push`](Self::push) with the learning rate multiplied by `lr_scale` for this push only
+    /// (a store server scales stale gradients this way).
+    pub fn push_scaled(self: &Arc<Self>, ids: &[u64], grads: &[f32], lr_scale: f64) -> Result<()> {
         self.validate_push(ids, grads)?;
+        super::check_scale(lr_scale)?;
         if self.common.exec.pending() > 0 {
-            return self.queue(ids.to_vec(), grads.to_vec())?.wait();
+            return self.queue(ids.to_vec(), grads.to_vec(), lr_scale)?.wait();
         }
-        self.apply(ids, grads)?;
+        self.apply(ids, grads, lr_scale)?;
         self.common.durable_wait()
     }
 
@@ -705,16 +712,16 @@ impl SparseTable {
     /// inputs are reported here, before anything is queued.
     pub fn push_async(self: &Arc<Self>, ids: Vec<u64>, grads: Vec<f32>) -> Result<PushHandle> {
         self.validate_push(&ids, &grads)?;
-        self.queue(ids, grads)
+        self.queue(ids, grads, 1.0)
     }
 
-    fn queue(self: &Arc<Self>, ids: Vec<u64>, grads: Vec<f32>) -> Result<PushHandle> {
+    fn queue(self: &Arc<Self>, ids: Vec<u64>, grads: Vec<f32>, lr_scale: f64) -> Result<PushHandle> {
         let bytes = ids.len() * 8 + grads.len() * 4;
         let me = Arc::clone(self);
         self.common.exec.submit(
             bytes,
             Box::new(move || {
-                me.apply(&ids, &grads)?;
+                me.apply(&ids, &grads, lr_scale)?;
                 me.common.durable_wait()
             }),
         )
@@ -807,10 +814,10 @@ impl SparseTable {
     }
 
     /// Applies a validated push.
-    fn apply(&self, ids: &[u64], grads: &[f32]) -> Result<()> {
+    fn apply(&self, ids: &[u64], grads: &[f32], lr_scale: f64) -> Result<()> {
         let dim = self.config.dim;
         let opt = self.config.optimizer;
-        let lr = self.lr();
+        let lr = self.lr() * lr_scale;
         let updated = std::sync::atomic::AtomicU64::new(0);
         let created = std::sync::atomic::AtomicU64::new(0);
         let g = self.group(ids);

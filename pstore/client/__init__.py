@@ -1,0 +1,368 @@
+"""The distributed client: the tables of store servers, with the embedded store's API.
+
+>>> store = pstore.connect(["10.0.0.1:7070", "10.0.0.2:7070"], token=...)  # doctest: +SKIP
+>>> user = store.create_sparse_table("user", dim=32)  # doctest: +SKIP
+>>> rows = user.pull(ids)  # the same calls as on pstore.Store  # doctest: +SKIP
+
+Training code switches between the embedded store and servers by changing the line that makes
+the store. The client is written in Rust: the requests of one call go to all servers at once,
+with the GIL released. See docs/SERVING_CLUSTER.md for running servers.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterator, Sequence
+from typing import Any, Literal
+
+from pstore import _native, init, optim
+from pstore.exceptions import InvalidArgumentError, WrongTableKindError
+from pstore.store import (
+    MAX_DIM,
+    DenseTable,
+    SparseTable,
+    _check_int,
+    _configs,
+    _seed,
+)
+
+__all__ = ["RemoteDenseTable", "RemoteSparseTable", "RemoteStore", "connect"]
+
+StalePolicy = Literal["apply", "drop", "scale"]
+Mode = Literal["async", "bsp", "ssp"]
+
+
+class RemoteSparseTable(SparseTable):
+    """A sparse table spread over store servers by id (rendezvous hashing).
+
+    It has every method of :class:`pstore.SparseTable`. The differences: ``num_shards`` is the
+    number of servers; ``seq`` and ``stats()`` add up the servers' numbers (``stats()`` also
+    lists each server's under ``"servers"`` and the staleness of pushes under
+    ``"staleness"``); ``evict(not_updated_for_steps=n)`` counts each server's own pushes.
+    """
+
+    __slots__ = ()
+    _inner: Any
+
+    def __repr__(self) -> str:
+        return f"<RemoteSparseTable {self.name!r} dim={self.dim} servers={self.num_shards}>"
+
+    def evict(
+        self,
+        *,
+        not_updated_for_steps: int | None = None,
+        not_updated_for_seconds: float | None = None,
+    ) -> int:
+        """Remove the rows not updated lately on every server; returns how many.
+
+        ``not_updated_for_steps`` counts the pushes each server applied to its part of the
+        table; ``not_updated_for_seconds`` uses the servers' clocks.
+        """
+        if not_updated_for_steps is None and not_updated_for_seconds is None:
+            raise InvalidArgumentError(
+                "evict needs not_updated_for_steps or not_updated_for_seconds"
+            )
+        steps = 0 if not_updated_for_steps is None else _check_int(not_updated_for_steps, "steps")
+        secs = 0.0 if not_updated_for_seconds is None else float(not_updated_for_seconds)
+        if not secs >= 0:
+            raise InvalidArgumentError(
+                f"not_updated_for_seconds must be >= 0, got {not_updated_for_seconds}"
+            )
+        return self._inner.evict_remote(steps, secs)
+
+
+class RemoteDenseTable(DenseTable):
+    """A dense table held whole by one store server (the one its name routes to)."""
+
+    __slots__ = ()
+    _inner: Any
+
+    def __repr__(self) -> str:
+        return f"<RemoteDenseTable {self.name!r} shape={self.shape}>"
+
+
+def _wrap(t: Any) -> RemoteSparseTable | RemoteDenseTable:
+    if isinstance(t, _native.RemoteSparseTable):
+        return RemoteSparseTable(t)
+    return RemoteDenseTable(t)
+
+
+def _read_secret(value: str | None, file: str | os.PathLike[str] | None, env: str) -> str | None:
+    """A secret given directly, in a file (stripped of surrounding whitespace), or in ``env``."""
+    if value is not None and file is not None:
+        raise InvalidArgumentError("give a token or a token file, not both")
+    if file is not None:
+        with open(file, encoding="utf-8") as f:
+            value = f.read().strip()
+        if not value:
+            raise InvalidArgumentError(f"token file {os.fspath(file)!r} is empty")
+    if value is None:
+        value = os.environ.get(env) or None
+    return value
+
+
+class RemoteStore:
+    """Tables on store servers, with the API of :class:`pstore.Store`.
+
+    Made by :func:`connect`. Sparse rows are spread over the servers by id; a dense table lives
+    on one server. ``create_*_table`` creates the table on every server, or returns it when a
+    table of that name and config exists (so every worker may call it). Training clocks
+    (:meth:`end_step`) implement the BSP and SSP modes.
+    """
+
+    def __init__(self, inner: _native.Client, mode: Mode, staleness: int, worker: int | None,
+                 num_workers: int | None, barrier_timeout: float) -> None:
+        self._inner = inner
+        self._mode = mode
+        self._staleness = staleness
+        self._worker = worker
+        self._num_workers = num_workers
+        self._barrier_timeout = barrier_timeout
+        self._clock = 0
+
+    @property
+    def servers(self) -> list[str]:
+        """The server addresses."""
+        return self._inner.servers
+
+    @property
+    def mode(self) -> Mode:
+        """The training mode: ``"async"``, ``"bsp"`` or ``"ssp"``."""
+        return self._mode
+
+    @property
+    def clock(self) -> int:
+        """Steps this worker has finished (calls of :meth:`end_step`)."""
+        return self._clock
+
+    @property
+    def wire_dtype(self) -> str:
+        """Element type of rows and gradients on the wire."""
+        return self._inner.wire_dtype
+
+    def create_sparse_table(
+        self,
+        name: str,
+        dim: int,
+        *,
+        optimizer: optim.Optimizer | None = None,
+        initializer: init.Initializer | None = None,
+        seed: int = 0,
+        admit_after: int = 0,
+        max_rows: int | None = None,
+        evict_policy: Literal["lru", "lfu"] = "lru",
+        stale_policy: StalePolicy = "apply",
+        max_staleness: int = 0,
+    ) -> RemoteSparseTable:
+        """Create a sparse table on every server (see :meth:`pstore.Store.create_sparse_table`).
+
+        ``max_rows`` is a budget per server. ``stale_policy`` says what a stale push does: its
+        staleness is the number of pushes the server applied to the table between this
+        worker's last pull and the push. ``"apply"`` applies it, ``"drop"`` drops pushes staler
+        than ``max_staleness``, ``"scale"`` divides the learning rate by the staleness.
+        """
+        opt, ini = _configs(optimizer, initializer, init.Normal(0.0, 0.01))
+        d = _check_int(dim, "dim", lo=-(2**63))
+        if not 1 <= d <= MAX_DIM:
+            raise InvalidArgumentError(f"dim must be in 1..={MAX_DIM}, got {d}")
+        return RemoteSparseTable(
+            self._inner.create_sparse_table(
+                name,
+                d,
+                opt._spec(),
+                ini._spec(),
+                _seed(seed),
+                _check_int(admit_after, "admit_after", 2**32),
+                None if max_rows is None else _check_int(max_rows, "max_rows"),
+                evict_policy,
+                stale_policy,
+                _check_int(max_staleness, "max_staleness"),
+            )
+        )
+
+    def create_dense_table(
+        self,
+        name: str,
+        shape: int | Sequence[int],
+        *,
+        optimizer: optim.Optimizer | None = None,
+        initializer: init.Initializer | None = None,
+        seed: int = 0,
+        stale_policy: StalePolicy = "apply",
+        max_staleness: int = 0,
+    ) -> RemoteDenseTable:
+        """Create a dense table on its server (see :meth:`pstore.Store.create_dense_table`)."""
+        dims = [shape] if isinstance(shape, int) else list(shape)
+        opt, ini = _configs(optimizer, initializer, init.Zeros())
+        return RemoteDenseTable(
+            self._inner.create_dense_table(
+                name,
+                [_check_int(d, "shape") for d in dims],
+                opt._spec(),
+                ini._spec(),
+                _seed(seed),
+                stale_policy,
+                _check_int(max_staleness, "max_staleness"),
+            )
+        )
+
+    def table(self, name: str) -> RemoteSparseTable | RemoteDenseTable:
+        """The table called ``name``; raises :class:`UnknownTableError` if there is none."""
+        return _wrap(self._inner.table(name))
+
+    def sparse_table(self, name: str) -> RemoteSparseTable:
+        """The sparse table called ``name``."""
+        t = self.table(name)
+        if not isinstance(t, RemoteSparseTable):
+            raise WrongTableKindError(f"table {name!r} is dense, not sparse")
+        return t
+
+    def tables(self) -> list[str]:
+        """The names of all tables, sorted."""
+        return sorted(self._inner.tables())
+
+    def __contains__(self, name: object) -> bool:
+        return isinstance(name, str) and name in self.tables()
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self.tables())
+
+    def __getitem__(self, name: str) -> RemoteSparseTable | RemoteDenseTable:
+        return self.table(name)
+
+    def drop_table(self, name: str) -> None:
+        """Remove a table from every server."""
+        self._inner.drop_table(name)
+
+    def flush(self) -> None:
+        """Wait for this client's queued pushes, then make every server durable."""
+        self._inner.flush()
+
+    def snapshot(self, dir: str, *, incremental: bool = False) -> list[dict[str, Any]]:
+        """Every server writes a snapshot of its part into ``dir/server-<i>`` on its machine.
+
+        ``i`` is the server's position in the list given to :func:`connect`. Each part is an
+        ordinary snapshot: ``pstore restore dir/server-<i> --path ...`` rebuilds that server's
+        store. Returns ``[{"server", "dir", "rows"}]``.
+        """
+        out = self._inner.snapshot(os.fspath(dir), incremental)
+        return [
+            {"server": s, "dir": d, "rows": r}
+            for s, (d, r) in zip(self.servers, out, strict=True)
+        ]
+
+    def status(self) -> list[dict[str, Any]]:
+        """Each server's status: version, durability, tables with rows and seq, clocks."""
+        return self._inner.status()
+
+    def health(self) -> list[str]:
+        """Each server's gRPC health status (``"SERVING"`` when up)."""
+        return self._inner.health()
+
+    def end_step(self) -> int:
+        """Mark the end of this worker's training step; returns the new clock.
+
+        Queued pushes are sent first. In ``"bsp"`` mode it then waits until every worker has
+        ended this step, so the next pull sees every worker's pushes of it; in ``"ssp"`` mode it
+        waits until the slowest worker is at most ``staleness`` steps behind. In ``"async"``
+        mode with a worker index it only reports the clock (for ``pstore status``).
+        """
+        self._clock += 1
+        if self._worker is None or self._num_workers is None:
+            self._inner.drain()
+            return self._clock
+        wait = {"async": None, "bsp": 0, "ssp": self._staleness}[self._mode]
+        self._inner.clock(
+            self._worker, self._num_workers, self._clock, wait, self._barrier_timeout
+        )
+        return self._clock
+
+    def close(self) -> None:
+        """Send what is queued. The connections close when the object is collected."""
+        self._inner.drain()
+
+    def __enter__(self) -> RemoteStore:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        return f"<RemoteStore servers={self.servers} mode={self._mode}>"
+
+
+def connect(
+    servers: str | Sequence[str],
+    token: str | None = None,
+    *,
+    token_file: str | os.PathLike[str] | None = None,
+    timeout: float = 30.0,
+    retries: int = 3,
+    wire_dtype: Literal["float32", "float16", "bfloat16"] = "float32",
+    mode: Mode = "async",
+    staleness: int = 0,
+    worker: int | None = None,
+    num_workers: int | None = None,
+    barrier_timeout: float = 300.0,
+    tls_ca: str | os.PathLike[str] | None = None,
+    tls_domain: str | None = None,
+    max_message: int | None = None,
+    max_inflight_bytes: int | None = None,
+) -> RemoteStore:
+    """Connect to store servers; returns a store with the API of :class:`pstore.Store`.
+
+    Parameters
+    ----------
+    servers : list of "host:port"
+        Every server of the cluster. Every worker must give the same addresses (in any order):
+        ids are routed by rendezvous hashing of these strings.
+    token, token_file :
+        The token (or a file holding it); default: the ``PSTORE_TOKEN`` environment variable.
+    timeout : float
+        Deadline of each request in seconds. Calls that fail as UNAVAILABLE or
+        DEADLINE_EXCEEDED are retried ``retries`` times with exponential backoff; a retried
+        push carries the same request id, and the server applies it once.
+    wire_dtype : "float32", "float16" or "bfloat16"
+        Element type of rows and gradients on the wire: 16-bit types halve the bytes at a
+        relative rounding error of at most 2**-11 (float16, whose largest value is 65504) or
+        2**-8 (bfloat16). The servers keep and update float32 rows.
+    mode : "async", "bsp" or "ssp"
+        Training mode across workers, enforced at :meth:`RemoteStore.end_step`; "bsp" and "ssp"
+        need ``worker`` (0..num_workers-1) and ``num_workers``; "ssp" takes ``staleness``.
+    barrier_timeout : float
+        Seconds ``end_step`` waits for slow workers before raising ServerTimeoutError.
+    tls_ca : path, optional
+        PEM file of the CA that signed the servers' certificates: connect over TLS.
+    """
+    addrs = [servers] if isinstance(servers, str) else list(servers)
+    if mode not in ("async", "bsp", "ssp"):
+        raise InvalidArgumentError(f'mode must be "async", "bsp" or "ssp", got {mode!r}')
+    if mode != "async" and (worker is None or num_workers is None):
+        raise InvalidArgumentError(f"mode {mode!r} needs worker and num_workers")
+    if num_workers is not None:
+        num_workers = _check_int(num_workers, "num_workers", 2**32)
+        if num_workers < 1:
+            raise InvalidArgumentError("num_workers must be >= 1")
+    if worker is not None:
+        worker = _check_int(worker, "worker", 2**32)
+        if num_workers is None or worker >= num_workers:
+            raise InvalidArgumentError(f"worker must be in 0..num_workers, got {worker}")
+    stale = _check_int(staleness, "staleness")
+    secret = _read_secret(token, token_file, "PSTORE_TOKEN")
+    ca = None
+    if tls_ca is not None:
+        with open(tls_ca, "rb") as f:
+            ca = f.read()
+    inner = _native.Client(
+        addrs,
+        secret,
+        float(timeout),
+        _check_int(retries, "retries", 2**32),
+        wire_dtype,
+        ca,
+        tls_domain,
+        max_message,
+        max_inflight_bytes,
+    )
+    return RemoteStore(inner, mode, stale, worker, num_workers, float(barrier_timeout))
+

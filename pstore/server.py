@@ -1,0 +1,190 @@
+"""Store servers: a :class:`pstore.Store` answering the gRPC contract of
+``proto/pstore/v1/pstore.proto`` (what ``pstore serve`` runs).
+
+>>> store = pstore.Store(path="data", durability="sync")  # doctest: +SKIP
+>>> with pstore.server.Server(store, port=7070, token="s3cret") as srv:  # doctest: +SKIP
+...     srv.wait()  # until srv.stop() from another thread, or a signal in serve()
+"""
+
+from __future__ import annotations
+
+import datetime as _dt
+import os
+import signal
+import sys
+import threading
+import time
+from typing import Any, TextIO
+
+from pstore import _native
+from pstore.exceptions import InvalidArgumentError
+from pstore.store import Store
+
+__all__ = ["Server", "log_event", "serve"]
+
+
+def log_event(event: str, stream: TextIO | None = None, **fields: Any) -> None:
+    """One structured log line (logfmt): ``ts=... level=info event=... key=value ...``."""
+    level = fields.pop("level", "info")
+    ts = _dt.datetime.now(_dt.UTC).isoformat(timespec="milliseconds").replace("+00:00", "Z")
+    parts = [f"ts={ts}", f"level={level}", f"event={event}"]
+    for k, v in fields.items():
+        s = str(v)
+        if not s or any(c in s for c in ' "=\n'):
+            s = '"' + s.replace("\\", "\\\\").replace('"', '\\"').replace("\n", "\\n") + '"'
+        parts.append(f"{k}={s}")
+    print(" ".join(parts), file=stream or sys.stderr, flush=True)
+
+
+class Server:
+    """A running store server: ``store`` served on ``host:port`` (port 0: a free port).
+
+    Parameters
+    ----------
+    token : str, optional
+        Every call must carry it (``authorization: Bearer <token>``). Without a token the
+        server is open: bind it to a private address.
+    read_token : str, optional
+        A second token that may only read (pull, contains, get, list, status): for serving.
+    tls_cert, tls_key : path, optional
+        PEM certificate chain and key: serve TLS.
+    metrics_port : int, optional
+        Serve Prometheus text on ``http://host:metrics_port/metrics``.
+    max_message : int, optional
+        The largest request accepted, in bytes (default 64 MiB); clients split bigger batches.
+    """
+
+    def __init__(
+        self,
+        store: Store,
+        *,
+        host: str = "127.0.0.1",
+        port: int = 0,
+        metrics_port: int | None = None,
+        token: str | None = None,
+        read_token: str | None = None,
+        tls_cert: str | os.PathLike[str] | None = None,
+        tls_key: str | os.PathLike[str] | None = None,
+        max_message: int | None = None,
+    ) -> None:
+        _check_port(port, "port")
+        _check_port(metrics_port, "metrics_port")
+        cert = _read(tls_cert)
+        key = _read(tls_key)
+        self.store = store
+        self.host = host
+        self._inner = _native.Server(
+            store._inner, host, port, metrics_port, token, read_token, cert, key, max_message
+        )
+        self._stopped = threading.Event()
+
+    @property
+    def port(self) -> int:
+        """The gRPC port."""
+        return self._inner.port
+
+    @property
+    def metrics_port(self) -> int | None:
+        """The metrics port, if metrics are served."""
+        return self._inner.metrics_port
+
+    @property
+    def address(self) -> str:
+        """``host:port``, as clients connect to it."""
+        return f"{self.host}:{self.port}"
+
+    @property
+    def running(self) -> bool:
+        """True until stopped."""
+        return self._inner.running
+
+    def stop(self, grace: float = 10.0) -> None:
+        """Stop taking calls, let calls in flight finish (at most ``grace`` seconds), then
+        flush the store. Calling it again does nothing."""
+        try:
+            self._inner.stop(grace)
+        finally:
+            self._stopped.set()
+
+    def wait(self, timeout: float | None = None) -> bool:
+        """Wait until stopped (True) or ``timeout`` seconds pass (False)."""
+        return self._stopped.wait(timeout)
+
+    def __enter__(self) -> Server:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+    def __repr__(self) -> str:
+        return f"<Server {self.address} running={self.running}>"
+
+
+def _read(path: str | os.PathLike[str] | None) -> bytes | None:
+    if path is None:
+        return None
+    with open(path, "rb") as f:
+        return f.read()
+
+
+def serve(
+    store: Store,
+    *,
+    log_interval: float = 60.0,
+    grace: float = 30.0,
+    ready: threading.Event | None = None,
+    **server_args: Any,
+) -> int:
+    """Run a server until SIGTERM or SIGINT, logging in logfmt to stderr; returns 0.
+
+    On the signal it stops taking calls, lets the calls in flight finish (at most ``grace``
+    seconds), flushes and closes the store. Every ``log_interval`` seconds it logs the tables'
+    rows and pushes.
+    """
+    srv = Server(store, **server_args)
+    got: list[int] = []
+
+    def on_signal(signum: int, _frame: object) -> None:
+        got.append(signum)
+
+    old = {s: signal.signal(s, on_signal) for s in (signal.SIGTERM, signal.SIGINT)}
+    try:
+        log_event(
+            "serving",
+            address=srv.address,
+            metrics_port=srv.metrics_port or "",
+            path=store.path or "memory",
+            durability=store.durability or "memory",
+            auth="token" if server_args.get("token") else "none",
+            tls="yes" if server_args.get("tls_cert") else "no",
+            pid=os.getpid(),
+        )
+        if ready is not None:
+            ready.set()
+        next_log = time.monotonic() + log_interval
+        while not got and srv.running:
+            time.sleep(0.1)
+            if log_interval > 0 and time.monotonic() >= next_log:
+                next_log += log_interval
+                for name in store.tables():
+                    s = store.table(name).stats()
+                    log_event(
+                        "table", table=name, rows=s["rows"], pushes=s["pushes"],
+                        pulls=s["pulls"], bytes=s["bytes_used"],
+                    )
+        if got:
+            log_event("stopping", signal=signal.Signals(got[0]).name, grace_seconds=grace)
+        else:
+            log_event("stopping", level="error", reason="the transport stopped")
+        srv.stop(grace)
+        store.close()
+        log_event("stopped")
+        return 0 if got else 1
+    finally:
+        for s, h in old.items():
+            signal.signal(s, h)
+
+
+def _check_port(p: int | None, what: str) -> None:
+    if p is not None and not 0 <= p <= 65535:
+        raise InvalidArgumentError(f"{what} must be in 0..65535, got {p}")

@@ -1,0 +1,825 @@
+//! The distributed client: one object that talks to every store server of a cluster.
+//!
+//! Sparse ids are routed to servers by rendezvous hashing ([`crate::net::routing`]); a dense table
+//! lives whole on the server its name routes to. A call that spans several servers sends its
+//! requests to all of them at once and returns when all have answered. Every request has a
+//! deadline; calls that fail with UNAVAILABLE or DEADLINE_EXCEEDED are retried with exponential
+//! backoff, writes with the same request id so the server applies them once.
+//!
+//! The methods block the calling thread; the binding layer calls them with the GIL released.
+
+use std::collections::HashMap;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{mpsc, Arc, Mutex};
+use std::time::Duration;
+
+use bytes::Bytes;
+use tonic::transport::{Channel, Endpoint};
+use tonic::{Code, Request, Status};
+
+use crate::error::{invalid, shape, Error, Result};
+use crate::net::proto::p_store_client::PStoreClient;
+use crate::net::proto::*;
+use crate::net::routing::Router;
+use crate::net::{error_of, wire, DEFAULT_MAX_MESSAGE};
+
+/// How a client connects.
+#[derive(Debug, Clone)]
+pub struct ClientConfig {
+    /// `host:port` of every server, the same list (in any order) on every worker.
+    pub servers: Vec<String>,
+    /// The token sent with every call.
+    pub token: Option<String>,
+    /// Deadline of each request.
+    pub timeout: Duration,
+    /// Retries after the first attempt of a failed call.
+    pub retries: u32,
+    /// Element type of rows and gradients on the wire.
+    pub wire: Dtype,
+    /// PEM of the CA that signed the servers' certificates: connect with TLS.
+    pub tls_ca: Option<Vec<u8>>,
+    /// The name the servers' certificates carry (default: the host of each address).
+    pub tls_domain: Option<String>,
+    /// The largest request sent; bigger batches are split.
+    pub max_message: usize,
+    /// Bytes of queued asynchronous pushes before `push_async` blocks.
+    pub max_inflight_bytes: usize,
+}
+
+impl ClientConfig {
+    /// The defaults for `servers`: no token, 30 s deadline, 3 retries, float32, no TLS.
+    pub fn new(servers: Vec<String>) -> Self {
+        Self {
+            servers,
+            token: None,
+            timeout: Duration::from_secs(30),
+            retries: 3,
+            wire: Dtype::Float32,
+            tls_ca: None,
+            tls_domain: None,
+            max_message: DEFAULT_MAX_MESSAGE,
+            max_inflight_bytes: 256 << 20,
+        }
+    }
+}
+
+/// What a push did on the servers it reached.
+#[derive(Debug, Clone, Copy, Default, PartialEq)]
+pub struct PushOutcome {
+    /// Requests applied and dropped as too stale.
+    pub applied: u32,
+    pub dropped: u32,
+    /// The largest staleness reported.
+    pub staleness: u64,
+}
+
+struct Server {
+    name: String,
+    stub: PStoreClient<Channel>,
+    channel: Channel,
+}
+
+type Job = Box<dyn FnOnce() + Send>;
+
+/// The pending result of an asynchronous push.
+pub struct RemotePush {
+    rx: Mutex<Option<mpsc::Receiver<Result<PushOutcome>>>>,
+    result: Mutex<Option<Result<PushOutcome>>>,
+}
+
+impl RemotePush {
+    /// Waits up to `timeout` (forever with `None`); `None` while still pending.
+    pub fn wait(&self, timeout: Option<Duration>) -> Option<Result<PushOutcome>> {
+        let mut res = self.result.lock().unwrap_or_else(|e| e.into_inner());
+        if res.is_none() {
+            let lost = || Err(Error::Internal("the push thread ended early".into()));
+            let rx = self.rx.lock().unwrap_or_else(|e| e.into_inner());
+            let got = match (rx.as_ref(), timeout) {
+                (None, _) => lost(),
+                (Some(rx), None) => rx.recv().unwrap_or_else(|_| lost()),
+                (Some(rx), Some(t)) => match rx.recv_timeout(t) {
+                    Ok(r) => r,
+                    Err(mpsc::RecvTimeoutError::Timeout) => return None,
+                    Err(mpsc::RecvTimeoutError::Disconnected) => lost(),
+                },
+            };
+            *res = Some(got);
+        }
+        res.clone()
+    }
+
+    /// True once the push has finished.
+    pub fn done(&self) -> bool {
+        self.wait(Some(Duration::ZERO)).is_some()
+    }
+}
+
+/// A connection to a cluster of store servers.
+pub struct Client {
+    rt: tokio::runtime::Runtime,
+    servers: Vec<Server>,
+    router: Router,
+    config: ClientConfig,
+    /// Random per client: with `seq`, the ids of write requests.
+    id: u64,
+    seq: AtomicU64,
+    /// The seq each server answered the last pull of each table with.
+    pulled: Mutex<HashMap<(String, usize), u64>>,
+    /// The queue of pushes, applied in order by one thread.
+    queue: Mutex<mpsc::Sender<Job>>,
+    inflight: Arc<(Mutex<usize>, std::sync::Condvar)>,
+}
+
+fn is_retryable(s: &Status) -> bool {
+    matches!(s.code(), Code::Unavailable | Code::DeadlineExceeded | Code::Unknown)
+}
+
+fn random_id() -> u64 {
+    use std::hash::{BuildHasher, Hasher};
+    let mut h = std::collections::hash_map::RandomState::new().build_hasher();
+    h.write_u128(
+        std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .map(|d| d.as_nanos())
+            .unwrap_or(0),
+    );
+    h.write_u32(std::process::id());
+    h.finish() | 1
+}
+
+impl Client {
+    /// Connects to every server and checks that each speaks this protocol.
+    pub fn connect(config: ClientConfig) -> Result<Arc<Self>> {
+        if config.servers.is_empty() {
+            return Err(invalid("connect needs at least one server address"));
+        }
+        let mut seen = std::collections::HashSet::new();
+        for s in &config.servers {
+            if !seen.insert(s) {
+                return Err(invalid(format!("server {s} is listed twice")));
+            }
+        }
+        if config.timeout.is_zero() {
+            return Err(invalid("timeout must be > 0"));
+        }
+        let rt = tokio::runtime::Builder::new_multi_thread()
+            .worker_threads(2)
+            .thread_name("pstore-client")
+            .enable_all()
+            .build()
+            .map_err(|e| Error::Internal(format!("starting the client runtime: {e}")))?;
+        let mut servers = Vec::new();
+        for name in &config.servers {
+            let scheme = if config.tls_ca.is_some() { "https" } else { "http" };
+            let mut ep = Endpoint::from_shared(format!("{scheme}://{name}"))
+                .map_err(|e| invalid(format!("server address {name:?}: {e}")))?
+                .connect_timeout(config.timeout)
+                .tcp_nodelay(true)
+                .http2_keep_alive_interval(Duration::from_secs(30));
+            if let Some(ca) = &config.tls_ca {
+                let host = name.rsplit_once(':').map_or(name.as_str(), |(h, _)| h);
+                let domain = config.tls_domain.clone().unwrap_or_else(|| host.to_string());
+                let tls = tonic::transport::ClientTlsConfig::new()
+                    .ca_certificate(tonic::transport::Certificate::from_pem(ca))
+                    .domain_name(domain);
+                ep = ep
+                    .tls_config(tls)
+                    .map_err(|e| invalid(format!("TLS settings for {name}: {e}")))?;
+            }
+            let channel = {
+                let _g = rt.enter();
+                ep.connect_lazy()
+            };
+            let stub = PStoreClient::new(channel.clone())
+                .max_decoding_message_size(usize::MAX)
+                .max_encoding_message_size(config.max_message.saturating_mul(2));
+            servers.push(Server {
+                name: name.clone(),
+                stub,
+                channel,
+            });
+        }
+        let (tx, rx) = mpsc::channel::<Job>();
+        std::thread::Builder::new()
+            .name("pstore-client-push".into())
+            .spawn(move || {
+                for job in rx {
+                    job();
+                }
+            })
+            .map_err(|e| Error::Internal(format!("starting the push thread: {e}")))?;
+        let c = Arc::new(Self {
+            rt,
+            router: Router::new(&config.servers),
+            servers,
+            config,
+            id: random_id(),
+            seq: AtomicU64::new(0),
+            pulled: Mutex::new(HashMap::new()),
+            queue: Mutex::new(tx),
+            inflight: Arc::new((Mutex::new(0), std::sync::Condvar::new())),
+        });
+        let status = c.status()?;
+        for (s, st) in c.servers.iter().zip(&status) {
+            if st.protocol != crate::net::PROTOCOL {
+                return Err(invalid(format!(
+                    "server {} speaks protocol {}, this client {}",
+                    s.name,
+                    st.protocol,
+                    crate::net::PROTOCOL
+                )));
+            }
+        }
+        Ok(c)
+    }
+
+    /// The server addresses, in the order given.
+    pub fn servers(&self) -> Vec<String> {
+        self.servers.iter().map(|s| s.name.clone()).collect()
+    }
+
+    /// The configuration.
+    pub fn config(&self) -> &ClientConfig {
+        &self.config
+    }
+
+    fn next_id(&self) -> Option<RequestId> {
+        Some(RequestId {
+            client: self.id,
+            seq: self.seq.fetch_add(1, Ordering::Relaxed) + 1,
+        })
+    }
+
+    fn request<T>(&self, msg: T, timeout: Duration) -> Request<T> {
+        let mut r = Request::new(msg);
+        r.set_timeout(timeout);
+        if let Some(t) = &self.config.token {
+            if let Ok(v) = format!("Bearer {t}").parse() {
+                r.metadata_mut().insert("authorization", v);
+            }
+        }
+        r
+    }
+
+    /// One call to server `i`, retried with backoff while it fails with a retryable status.
+    async fn call<M, R, F, Fut>(&self, i: usize, msg: M, timeout: Duration, f: F) -> Result<R>
+    where
+        M: Clone,
+        F: Fn(PStoreClient<Channel>, Request<M>) -> Fut,
+        Fut: std::future::Future<Output = std::result::Result<tonic::Response<R>, Status>>,
+    {
+        let server = &self.servers[i];
+        let mut delay = Duration::from_millis(50);
+        let mut attempt = 0;
+        loop {
+            let req = self.request(msg.clone(), timeout);
+            let fut = f(server.stub.clone(), req);
+            let out = match tokio::time::timeout(timeout + Duration::from_millis(200), fut).await {
+                Ok(r) => r,
+                Err(_) => Err(Status::deadline_exceeded(format!(
+                    "no answer within {:.1} s",
+                    timeout.as_secs_f64()
+                ))),
+            };
+            match out {
+                Ok(r) => return Ok(r.into_inner()),
+                Err(s) if is_retryable(&s) && attempt < self.config.retries => {
+                    attempt += 1;
+                    // Jitter in [delay/2, delay).
+                    let j = (random_id() % 1000) as f64 / 2000.0 + 0.5;
+                    tokio::time::sleep(delay.mul_f64(j)).await;
+                    delay = (delay * 2).min(Duration::from_secs(2));
+                }
+                Err(s) => return Err(error_of(&s, &server.name)),
+            }
+        }
+    }
+
+    /// Runs one call per server in `targets` at once; the answers in the same order.
+    fn fan_out<M, R, F, Fut>(&self, targets: Vec<(usize, M)>, f: F) -> Result<Vec<R>>
+    where
+        M: Clone,
+        F: Fn(PStoreClient<Channel>, Request<M>) -> Fut + Clone,
+        Fut: std::future::Future<Output = std::result::Result<tonic::Response<R>, Status>>,
+    {
+        let t = self.config.timeout;
+        self.rt.block_on(async {
+            let calls = targets
+                .into_iter()
+                .map(|(i, m)| self.call(i, m, t, f.clone()));
+            let mut out = Vec::new();
+            for r in futures_join_all(calls).await {
+                out.push(r?);
+            }
+            Ok(out)
+        })
+    }
+
+    fn all<M: Clone>(&self, msg: M) -> Vec<(usize, M)> {
+        (0..self.servers.len()).map(|i| (i, msg.clone())).collect()
+    }
+
+    /// The server of a dense table.
+    pub fn dense_home(&self, name: &str) -> usize {
+        self.router
+            .server_of(crate::hash::mix64(name.bytes().fold(0u64, |h, b| {
+                h.wrapping_mul(31).wrapping_add(b as u64)
+            })))
+    }
+
+    /// Status of every server, in the order of the list.
+    pub fn status(&self) -> Result<Vec<StatusResponse>> {
+        self.fan_out(self.all(StatusRequest {}), |mut c, r| async move {
+            c.status(r).await
+        })
+    }
+
+    /// The standard gRPC health status of the `pstore.v1.PStore` service on every server
+    /// (`"SERVING"`, `"NOT_SERVING"`, ...; the error text for a server that does not answer).
+    pub fn health(&self) -> Vec<String> {
+        use tonic_health::pb::health_client::HealthClient;
+        use tonic_health::pb::HealthCheckRequest;
+        self.rt.block_on(async {
+            let checks = self.servers.iter().map(|s| async move {
+                let mut c = HealthClient::new(s.channel.clone());
+                let req = self.request(
+                    HealthCheckRequest {
+                        service: "pstore.v1.PStore".to_string(),
+                    },
+                    self.config.timeout,
+                );
+                match c.check(req).await {
+                    Ok(r) => r.into_inner().status().as_str_name().to_string(),
+                    Err(e) => format!("{:?}: {}", e.code(), e.message()),
+                }
+            });
+            futures_join_all(checks).await
+        })
+    }
+
+    /// Creates a table on every server (or checks that the same one exists).
+    pub fn create_table(&self, req: CreateTableRequest) -> Result<Vec<TableInfo>> {
+        self.fan_out(self.all(req), |mut c, r| async move { c.create_table(r).await })
+    }
+
+    /// The table's info from every server.
+    pub fn get_table(&self, name: &str) -> Result<Vec<TableInfo>> {
+        let m = GetTableRequest {
+            name: name.to_string(),
+        };
+        self.fan_out(self.all(m), |mut c, r| async move { c.get_table(r).await })
+    }
+
+    /// The names of the tables on the first server (every server has the same).
+    pub fn list_tables(&self) -> Result<Vec<String>> {
+        let r = self.fan_out(vec![(0, ListTablesRequest {})], |mut c, r| async move {
+            c.list_tables(r).await
+        })?;
+        Ok(r.into_iter()
+            .flat_map(|x| x.tables)
+            .map(|t| t.name)
+            .collect())
+    }
+
+    /// Drops a table on every server.
+    pub fn drop_table(&self, name: &str) -> Result<bool> {
+        let m = DropTableRequest {
+            name: name.to_string(),
+        };
+        let r = self.fan_out(self.all(m), |mut c, r| async move { c.drop_table(r).await })?;
+        Ok(r.iter().any(|x| x.dropped))
+    }
+
+    /// Sets a table's learning rate on every server.
+    pub fn set_lr(&self, name: &str, lr: f64) -> Result<()> {
+        let m = SetLrRequest {
+            table: name.to_string(),
+            lr,
+        };
+        self.fan_out(self.all(m), |mut c, r| async move { c.set_lr(r).await })?;
+        Ok(())
+    }
+
+    /// Waits for queued pushes, then makes every server durable.
+    pub fn flush(&self) -> Result<()> {
+        self.drain();
+        self.fan_out(self.all(FlushRequest {}), |mut c, r| async move {
+            c.flush(r).await
+        })?;
+        Ok(())
+    }
+
+    /// Each server writes a snapshot of its part into `dir/server-<i>` on its own machine
+    /// (`i` is the server's position in the list).
+    pub fn snapshot(&self, dir: &str, incremental: bool) -> Result<Vec<SnapshotResponse>> {
+        self.drain();
+        let targets = (0..self.servers.len())
+            .map(|i| {
+                (
+                    i,
+                    SnapshotRequest {
+                        dir: format!("{}/server-{i}", dir.trim_end_matches('/')),
+                        incremental,
+                    },
+                )
+            })
+            .collect();
+        self.fan_out(targets, |mut c, r| async move { c.snapshot(r).await })
+    }
+
+    /// Splits the positions of one server's ids into requests under the message limit.
+    fn chunks(&self, pos: &[u32], bytes_per_id: usize) -> Vec<Vec<u32>> {
+        let per = (self.config.max_message * 7 / 8 / bytes_per_id.max(1)).max(1);
+        pos.chunks(per).map(<[u32]>::to_vec).collect()
+    }
+
+    fn pick_ids(ids: &[u64], pos: &[u32]) -> Bytes {
+        let v: Vec<u64> = pos.iter().map(|&p| ids[p as usize]).collect();
+        wire::encode_ids(&v)
+    }
+
+    /// The rows of `ids` (`dim` wide) into `out`.
+    pub fn pull_into(&self, table: &str, dim: usize, ids: &[u64], out: &mut [f32]) -> Result<()> {
+        if out.len() != ids.len() * dim {
+            return Err(shape("pull_into: out must hold len(ids) x dim floats"));
+        }
+        let d = self.config.wire;
+        let mut targets = Vec::new();
+        let mut parts = Vec::new();
+        for (i, pos) in self.router.split(ids).into_iter().enumerate() {
+            for c in self.chunks(&pos, 8 + dim * wire::width(d)) {
+                let m = PullRequest {
+                    table: table.to_string(),
+                    ids: Self::pick_ids(ids, &c),
+                    dtype: d as i32,
+                };
+                targets.push((i, m));
+                parts.push((i, c));
+            }
+        }
+        let answers = self.fan_out(targets, |mut c, r| async move { c.pull(r).await })?;
+        let mut seqs = HashMap::new();
+        for ((i, pos), a) in parts.iter().zip(&answers) {
+            let dt = wire::dtype(a.dtype)?;
+            let rows = wire::values(&a.rows, dt, pos.len() * dim, "rows")?;
+            if a.dim as usize != dim {
+                return Err(shape(format!(
+                    "table {table:?} has dim {} on server {}, the client expected {dim}",
+                    a.dim, self.servers[*i].name
+                )));
+            }
+            for (k, &p) in pos.iter().enumerate() {
+                let p = p as usize;
+                out[p * dim..(p + 1) * dim].copy_from_slice(&rows[k * dim..(k + 1) * dim]);
+            }
+            let e = seqs.entry(*i).or_insert(a.seq);
+            *e = (*e).min(a.seq);
+        }
+        let mut pulled = self.pulled.lock().unwrap_or_else(|e| e.into_inner());
+        for (i, s) in seqs {
+            pulled.insert((table.to_string(), i), s);
+        }
+        Ok(())
+    }
+
+    fn pulled_seq(&self, table: &str, i: usize) -> Option<u64> {
+        let p = self.pulled.lock().unwrap_or_else(|e| e.into_inner());
+        p.get(&(table.to_string(), i)).copied()
+    }
+
+    /// Applies gradients now (after the queued asynchronous pushes).
+    pub fn push(self: &Arc<Self>, table: &str, dim: usize, ids: &[u64], grads: &[f32]) -> Result<PushOutcome> {
+        if grads.len() != ids.len() * dim {
+            return Err(shape(format!(
+                "table {table:?}: grads must hold len(ids) x dim = {} x {dim} values, got {}",
+                ids.len(),
+                grads.len()
+            )));
+        }
+        if self.pending() > 0 {
+            let h = self.push_async(table, dim, ids.to_vec(), grads.to_vec())?;
+            return h.wait(None).unwrap_or_else(|| Err(Error::Internal("push lost".into())));
+        }
+        self.push_now(table, dim, ids, grads)
+    }
+
+    fn push_now(&self, table: &str, dim: usize, ids: &[u64], grads: &[f32]) -> Result<PushOutcome> {
+        self.check_grads(table, grads, dim)?;
+        let d = self.config.wire;
+        let mut targets = Vec::new();
+        for (i, pos) in self.router.split(ids).into_iter().enumerate() {
+            for c in self.chunks(&pos, 8 + dim * wire::width(d)) {
+                let g: Vec<f32> = c
+                    .iter()
+                    .flat_map(|&p| grads[p as usize * dim..(p as usize + 1) * dim].iter().copied())
+                    .collect();
+                targets.push((
+                    i,
+                    PushRequest {
+                        table: table.to_string(),
+                        ids: Self::pick_ids(ids, &c),
+                        grads: wire::encode_values(&g, d),
+                        dtype: d as i32,
+                        request_id: self.next_id(),
+                        pulled_seq: self.pulled_seq(table, i),
+                    },
+                ));
+            }
+        }
+        let answers = self.fan_out(targets, |mut c, r| async move { c.push(r).await })?;
+        Ok(outcome(&answers))
+    }
+
+    /// Refuses a gradient a server would refuse, before any server gets any part of it, so a
+    /// push spread over several servers applies everywhere or nowhere: NaN or infinite values,
+    /// and values that the 16-bit wire types cannot carry.
+    fn check_grads(&self, table: &str, grads: &[f32], dim: usize) -> Result<()> {
+        crate::table::check_finite_slice(table, grads, dim)?;
+        let fits = |x: f32| match self.config.wire {
+            Dtype::Float32 => true,
+            Dtype::Float16 => half::f16::from_f32(x).is_finite(),
+            Dtype::Bfloat16 => half::bf16::from_f32(x).is_finite(),
+        };
+        if let Some(i) = grads.iter().position(|&g| !fits(g)) {
+            return Err(Error::NonFinite(format!(
+                "table {table:?}: gradient {} at row {}, column {} overflows {} on the wire; \
+                 nothing was applied",
+                grads[i],
+                i / dim.max(1),
+                i % dim.max(1),
+                self.config.wire.as_str_name().to_ascii_lowercase()
+            )));
+        }
+        Ok(())
+    }
+
+    fn pending(&self) -> usize {
+        *self.inflight.0.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    /// Queues a push and returns at once (blocking while the queue holds too many bytes).
+    pub fn push_async(
+        self: &Arc<Self>,
+        table: &str,
+        dim: usize,
+        ids: Vec<u64>,
+        grads: Vec<f32>,
+    ) -> Result<Arc<RemotePush>> {
+        if grads.len() != ids.len() * dim {
+            return Err(shape(format!(
+                "table {table:?}: grads must hold len(ids) x dim = {} x {dim} values, got {}",
+                ids.len(),
+                grads.len()
+            )));
+        }
+        self.check_grads(table, &grads, dim)?;
+        let bytes = (ids.len() * 8 + grads.len() * 4).max(1);
+        let me = Arc::clone(self);
+        let table = table.to_string();
+        self.submit(bytes, move || me.push_now(&table, dim, &ids, &grads))
+    }
+
+    fn submit(
+        &self,
+        bytes: usize,
+        f: impl FnOnce() -> Result<PushOutcome> + Send + 'static,
+    ) -> Result<Arc<RemotePush>> {
+        let budget = self.config.max_inflight_bytes;
+        {
+            let (m, cv) = &*self.inflight;
+            let mut used = m.lock().unwrap_or_else(|e| e.into_inner());
+            // One push larger than the budget runs alone.
+            while *used > 0 && *used + bytes > budget {
+                used = cv.wait(used).unwrap_or_else(|e| e.into_inner());
+            }
+            *used += bytes;
+        }
+        let (tx, rx) = mpsc::channel();
+        let infl = Arc::clone(&self.inflight);
+        let job: Job = Box::new(move || {
+            let r = f();
+            {
+                let (m, cv) = &*infl;
+                let mut used = m.lock().unwrap_or_else(|e| e.into_inner());
+                *used -= bytes;
+                cv.notify_all();
+            }
+            let _ = tx.send(r);
+        });
+        self.queue
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .send(job)
+            .map_err(|_| Error::Internal("the push thread is gone".into()))?;
+        Ok(Arc::new(RemotePush {
+            rx: Mutex::new(Some(rx)),
+            result: Mutex::new(None),
+        }))
+    }
+
+    /// Waits until every queued push has been sent and answered.
+    pub fn drain(&self) {
+        let (m, cv) = &*self.inflight;
+        let mut used = m.lock().unwrap_or_else(|e| e.into_inner());
+        while *used > 0 {
+            used = cv.wait(used).unwrap_or_else(|e| e.into_inner());
+        }
+    }
+
+    /// Which ids have a row.
+    pub fn contains(&self, table: &str, ids: &[u64]) -> Result<Vec<bool>> {
+        let mut targets = Vec::new();
+        let mut parts = Vec::new();
+        for (i, pos) in self.router.split(ids).into_iter().enumerate() {
+            for c in self.chunks(&pos, 9) {
+                targets.push((
+                    i,
+                    ContainsRequest {
+                        table: table.to_string(),
+                        ids: Self::pick_ids(ids, &c),
+                    },
+                ));
+                parts.push(c);
+            }
+        }
+        let answers = self.fan_out(targets, |mut c, r| async move { c.contains(r).await })?;
+        let mut out = vec![false; ids.len()];
+        for (pos, a) in parts.iter().zip(&answers) {
+            if a.mask.len() != pos.len() {
+                return Err(Error::Internal("contains: mask of the wrong length".into()));
+            }
+            for (&p, &m) in pos.iter().zip(a.mask.iter()) {
+                out[p as usize] = m != 0;
+            }
+        }
+        Ok(out)
+    }
+
+    /// Removes rows; returns how many existed.
+    pub fn remove(&self, table: &str, ids: &[u64]) -> Result<u64> {
+        self.drain();
+        let mut targets = Vec::new();
+        for (i, pos) in self.router.split(ids).into_iter().enumerate() {
+            for c in self.chunks(&pos, 8) {
+                targets.push((
+                    i,
+                    RemoveRequest {
+                        table: table.to_string(),
+                        ids: Self::pick_ids(ids, &c),
+                        request_id: self.next_id(),
+                    },
+                ));
+            }
+        }
+        let answers = self.fan_out(targets, |mut c, r| async move { c.remove(r).await })?;
+        Ok(answers.iter().map(|a| a.removed).sum())
+    }
+
+    /// Evicts rows not updated lately on every server (steps count each server's pushes).
+    pub fn evict(&self, table: &str, steps: u64, seconds: f64) -> Result<u64> {
+        self.drain();
+        let targets = (0..self.servers.len())
+            .map(|i| {
+                (
+                    i,
+                    EvictRequest {
+                        table: table.to_string(),
+                        not_updated_for_steps: steps,
+                        not_updated_for_seconds: seconds,
+                        request_id: self.next_id(),
+                    },
+                )
+            })
+            .collect();
+        let answers = self.fan_out(targets, |mut c, r| async move { c.evict(r).await })?;
+        Ok(answers.iter().map(|a| a.removed).sum())
+    }
+
+    /// The value of a dense table.
+    pub fn dense_pull(&self, table: &str, numel: usize) -> Result<Vec<f32>> {
+        let i = self.dense_home(table);
+        let m = DensePullRequest {
+            table: table.to_string(),
+            dtype: self.config.wire as i32,
+        };
+        let mut a = self.fan_out(vec![(i, m)], |mut c, r| async move { c.dense_pull(r).await })?;
+        let a = a.pop().ok_or_else(|| Error::Internal("no answer".into()))?;
+        let v = wire::values(&a.values, wire::dtype(a.dtype)?, numel, "values")?.into_owned();
+        self.pulled
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .insert((table.to_string(), i), a.seq);
+        Ok(v)
+    }
+
+    /// Applies one gradient of a dense table (after the queued asynchronous pushes).
+    pub fn dense_push(self: &Arc<Self>, table: &str, grad: &[f32]) -> Result<PushOutcome> {
+        if self.pending() > 0 {
+            let h = self.dense_push_async(table, grad.to_vec())?;
+            return h.wait(None).unwrap_or_else(|| Err(Error::Internal("push lost".into())));
+        }
+        self.dense_push_now(table, grad)
+    }
+
+    fn dense_push_now(&self, table: &str, grad: &[f32]) -> Result<PushOutcome> {
+        self.check_grads(table, grad, grad.len().max(1))?;
+        let i = self.dense_home(table);
+        let m = DensePushRequest {
+            table: table.to_string(),
+            grad: wire::encode_values(grad, self.config.wire),
+            dtype: self.config.wire as i32,
+            request_id: self.next_id(),
+            pulled_seq: self.pulled_seq(table, i),
+        };
+        let a = self.fan_out(vec![(i, m)], |mut c, r| async move { c.dense_push(r).await })?;
+        Ok(outcome(&a))
+    }
+
+    /// Queues one dense gradient.
+    pub fn dense_push_async(self: &Arc<Self>, table: &str, grad: Vec<f32>) -> Result<Arc<RemotePush>> {
+        self.check_grads(table, &grad, grad.len().max(1))?;
+        let me = Arc::clone(self);
+        let table = table.to_string();
+        self.submit(grad.len() * 4, move || me.dense_push_now(&table, &grad))
+    }
+
+    /// Reports this worker's clock to the coordinator (the first server in sorted order) and,
+    /// with `wait`, waits until the slowest worker is within `staleness` clocks; `timeout`
+    /// bounds the wait. Queued pushes are sent first.
+    pub fn clock(
+        &self,
+        worker: u32,
+        num_workers: u32,
+        clock: u64,
+        wait: Option<u64>,
+        timeout: Duration,
+    ) -> Result<ClockResponse> {
+        self.drain();
+        let coord = self
+            .servers
+            .iter()
+            .enumerate()
+            .min_by(|a, b| a.1.name.cmp(&b.1.name))
+            .map(|(i, _)| i)
+            .unwrap_or(0);
+        let m = ClockRequest {
+            worker,
+            num_workers,
+            clock,
+            wait: wait.is_some(),
+            staleness: wait.unwrap_or(0),
+            advance: true,
+        };
+        let r = self.rt.block_on(self.call(coord, m, timeout, |mut c, r| async move {
+            c.clock(r).await
+        }));
+        r.map_err(|e| match e {
+            Error::Remote { server, code: 4, .. } => Error::Remote {
+                server,
+                code: 4,
+                message: format!(
+                    "worker {worker} waited {:.1} s at clock {clock} for the slowest worker",
+                    timeout.as_secs_f64()
+                ),
+            },
+            e => e,
+        })
+    }
+}
+
+fn outcome(answers: &[PushResponse]) -> PushOutcome {
+    let mut o = PushOutcome::default();
+    for a in answers {
+        if a.applied {
+            o.applied += 1;
+        } else {
+            o.dropped += 1;
+        }
+        o.staleness = o.staleness.max(a.staleness);
+    }
+    o
+}
+
+/// Polls every future until all are done (a small join_all, to keep the dependency list short).
+async fn futures_join_all<F: std::future::Future>(futs: impl IntoIterator<Item = F>) -> Vec<F::Output> {
+    let mut futs: Vec<_> = futs.into_iter().map(Box::pin).collect();
+    let mut out: Vec<Option<F::Output>> = (0..futs.len()).map(|_| None).collect();
+    std::future::poll_fn(|cx| {
+        let mut pending = false;
+        for (f, o) in futs.iter_mut().zip(out.iter_mut()) {
+            if o.is_none() {
+                match f.as_mut().poll(cx) {
+                    std::task::Poll::Ready(v) => *o = Some(v),
+                    std::task::Poll::Pending => pending = true,
+                }
+            }
+        }
+        if pending {
+            std::task::Poll::Pending
+        } else {
+            std::task::Poll::Ready(())
+        }
+    })
+    .await;
+    out.into_iter().map(|o| o.expect("every future finished")).collect()
+}

@@ -1,0 +1,112 @@
+//! What the store server and the distributed client share: the generated wire contract
+//! (`proto/pstore/v1/pstore.proto`), the array codecs, the routing of ids to servers and the
+//! token check.
+
+pub mod routing;
+pub mod wire;
+
+/// The generated messages and service stubs of `pstore.v1`.
+#[allow(clippy::all, missing_docs)]
+pub mod proto {
+    tonic::include_proto!("pstore.v1");
+}
+
+/// The version of the wire contract these stubs speak.
+pub const PROTOCOL: u32 = 1;
+
+/// The largest message a server accepts and a client sends, by default.
+pub const DEFAULT_MAX_MESSAGE: usize = 64 << 20;
+
+/// Compares two secrets in time that depends only on their lengths, not on where they differ.
+pub fn token_eq(given: &[u8], expected: &[u8]) -> bool {
+    let mut diff = (given.len() ^ expected.len()) as u64;
+    for (i, &e) in expected.iter().enumerate() {
+        let g = given.get(i).copied().unwrap_or(!e);
+        diff |= (g ^ e) as u64;
+    }
+    std::hint::black_box(diff) == 0
+}
+
+#[cfg(test)]
+mod tests {
+    use super::token_eq;
+
+    #[test]
+    fn tokens_compare_exactly() {
+        assert!(token_eq(b"secret", b"secret"));
+        assert!(!token_eq(b"secreT", b"secret"));
+        assert!(!token_eq(b"secret!", b"secret"));
+        assert!(!token_eq(b"secre", b"secret"));
+        assert!(!token_eq(b"", b"secret"));
+        assert!(token_eq(b"", b""));
+    }
+}
+
+/// The metadata key that carries the kind of a pstore error next to its gRPC status, so a
+/// client raises the same exception the embedded store would.
+pub const ERROR_KIND: &str = "pstore-error";
+
+/// The gRPC status of a core error (code, message, and the error's kind in metadata).
+pub fn status_of(e: &crate::Error) -> tonic::Status {
+    use crate::Error as E;
+    use tonic::Code;
+    let (code, kind, msg) = match e {
+        E::InvalidArgument(m) => (Code::InvalidArgument, "invalid_argument", m.clone()),
+        E::Shape(m) => (Code::InvalidArgument, "shape", m.clone()),
+        E::NonFinite(m) => (Code::InvalidArgument, "non_finite", m.clone()),
+        E::Dtype(m) => (Code::InvalidArgument, "dtype", m.clone()),
+        E::WrongKind(m) => (Code::InvalidArgument, "wrong_kind", m.clone()),
+        E::UnknownTable(n) => (Code::NotFound, "unknown_table", n.clone()),
+        E::TableExists(n) => (Code::AlreadyExists, "table_exists", n.clone()),
+        E::Storage(m) => (Code::FailedPrecondition, "storage", m.clone()),
+        E::Corrupt(m) => (Code::DataLoss, "corrupt", m.clone()),
+        E::Internal(m) => (Code::Internal, "internal", m.clone()),
+        E::Remote { message, .. } => (Code::Unavailable, "remote", message.clone()),
+    };
+    let shown = match e {
+        E::UnknownTable(_) | E::TableExists(_) => e.to_string(),
+        _ => msg.clone(),
+    };
+    let mut s = tonic::Status::new(code, shown);
+    if let Ok(v) = kind.parse() {
+        s.metadata_mut().insert(ERROR_KIND, v);
+    }
+    if let E::UnknownTable(n) | E::TableExists(n) = e {
+        if let Ok(v) = n.parse() {
+            s.metadata_mut().insert("pstore-table", v);
+        }
+    }
+    s
+}
+
+/// The core error a client reports for a status; `server` names who answered.
+pub fn error_of(s: &tonic::Status, server: &str) -> crate::Error {
+    use crate::Error as E;
+    let kind = s
+        .metadata()
+        .get(ERROR_KIND)
+        .and_then(|v| v.to_str().ok())
+        .unwrap_or("");
+    let table = s
+        .metadata()
+        .get("pstore-table")
+        .and_then(|v| v.to_str().ok())
+        .map(str::to_string);
+    let m = s.message().to_string();
+    match (kind, table) {
+        ("invalid_argument", _) => E::InvalidArgument(m),
+        ("shape", _) => E::Shape(m),
+        ("non_finite", _) => E::NonFinite(m),
+        ("dtype", _) => E::Dtype(m),
+        ("wrong_kind", _) => E::WrongKind(m),
+        ("unknown_table", Some(t)) => E::UnknownTable(t),
+        ("table_exists", Some(t)) => E::TableExists(t),
+        ("storage", _) => E::Storage(format!("server {server}: {m}")),
+        ("corrupt", _) => E::Corrupt(format!("server {server}: {m}")),
+        _ => E::Remote {
+            server: server.to_string(),
+            code: s.code() as i32,
+            message: format!("{:?}: {m}", s.code()),
+        },
+    }
+}

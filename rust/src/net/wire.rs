@@ -1,0 +1,158 @@
+//! Arrays on the wire: ids as little-endian u64, rows as little-endian float32, float16 or
+//! bfloat16, packed in `bytes` fields.
+//!
+//! Decoding copies at most once: a field whose bytes are suitably aligned in the received buffer
+//! is read in place, any other is copied once into an aligned vector (or converted once, for the
+//! 16-bit types).
+
+use std::borrow::Cow;
+
+use bytes::Bytes;
+
+use super::proto::Dtype;
+use crate::error::{invalid, shape, Result};
+
+/// The element type of a values field, checked.
+pub fn dtype(raw: i32) -> Result<Dtype> {
+    Dtype::try_from(raw).map_err(|_| invalid(format!("unknown dtype {raw} on the wire")))
+}
+
+/// Bytes per element of a values field.
+pub fn width(d: Dtype) -> usize {
+    match d {
+        Dtype::Float32 => 4,
+        Dtype::Float16 | Dtype::Bfloat16 => 2,
+    }
+}
+
+/// Reads `b` as `[T]` in place when it is aligned and the machine is little-endian.
+fn in_place<T: Copy>(b: &[u8]) -> Option<&[T]> {
+    let size = std::mem::size_of::<T>();
+    if cfg!(target_endian = "little") && (b.as_ptr() as usize) % std::mem::align_of::<T>() == 0 {
+        // SAFETY: the pointer is aligned for T, the length is a whole number of T (checked by the
+        // callers), the bytes live as long as the borrow, and T (u64 or f32) is valid for every
+        // bit pattern.
+        Some(unsafe { std::slice::from_raw_parts(b.as_ptr().cast::<T>(), b.len() / size) })
+    } else {
+        None
+    }
+}
+
+/// The ids of an `ids` field.
+pub fn ids(b: &Bytes) -> Result<Cow<'_, [u64]>> {
+    if b.len() % 8 != 0 {
+        return Err(shape(format!(
+            "ids must be little-endian u64 (8 bytes each), got {} bytes",
+            b.len()
+        )));
+    }
+    Ok(match in_place::<u64>(b) {
+        Some(s) => Cow::Borrowed(s),
+        None => Cow::Owned(
+            b.chunks_exact(8)
+                .map(|c| u64::from_le_bytes(c.try_into().expect("8 bytes")))
+                .collect(),
+        ),
+    })
+}
+
+/// The values of a rows or gradients field, `expected` of them.
+pub fn values<'a>(b: &'a Bytes, d: Dtype, expected: usize, what: &str) -> Result<Cow<'a, [f32]>> {
+    let w = width(d);
+    if b.len() != expected * w {
+        return Err(shape(format!(
+            "{what} must hold {expected} {} values ({} bytes), got {} bytes",
+            d.as_str_name().to_ascii_lowercase(),
+            expected * w,
+            b.len()
+        )));
+    }
+    Ok(match d {
+        Dtype::Float32 => match in_place::<f32>(b) {
+            Some(s) => Cow::Borrowed(s),
+            None => Cow::Owned(
+                b.chunks_exact(4)
+                    .map(|c| f32::from_le_bytes(c.try_into().expect("4 bytes")))
+                    .collect(),
+            ),
+        },
+        Dtype::Float16 => Cow::Owned(
+            b.chunks_exact(2)
+                .map(|c| half::f16::from_le_bytes([c[0], c[1]]).to_f32())
+                .collect(),
+        ),
+        Dtype::Bfloat16 => Cow::Owned(
+            b.chunks_exact(2)
+                .map(|c| half::bf16::from_le_bytes([c[0], c[1]]).to_f32())
+                .collect(),
+        ),
+    })
+}
+
+/// Packs ids.
+pub fn encode_ids(ids: &[u64]) -> Bytes {
+    let mut out = Vec::with_capacity(ids.len() * 8);
+    for &i in ids {
+        out.extend_from_slice(&i.to_le_bytes());
+    }
+    Bytes::from(out)
+}
+
+/// Packs values in the element type `d` (rounding to nearest even for the 16-bit types).
+pub fn encode_values(v: &[f32], d: Dtype) -> Bytes {
+    let mut out = Vec::with_capacity(v.len() * width(d));
+    match d {
+        Dtype::Float32 => {
+            for &x in v {
+                out.extend_from_slice(&x.to_le_bytes());
+            }
+        }
+        Dtype::Float16 => {
+            for &x in v {
+                out.extend_from_slice(&half::f16::from_f32(x).to_le_bytes());
+            }
+        }
+        Dtype::Bfloat16 => {
+            for &x in v {
+                out.extend_from_slice(&half::bf16::from_f32(x).to_le_bytes());
+            }
+        }
+    }
+    Bytes::from(out)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn ids_round_trip_aligned_and_not() {
+        let ids_in = [0u64, 1, u64::MAX, 1 << 63, 42];
+        let b = encode_ids(&ids_in);
+        assert_eq!(&*ids(&b).unwrap(), &ids_in);
+        let mut shifted = vec![0u8];
+        shifted.extend_from_slice(&b);
+        let b2 = Bytes::from(shifted).slice(1..);
+        assert_eq!(&*ids(&b2).unwrap(), &ids_in);
+        assert!(ids(&Bytes::from_static(&[1, 2, 3])).is_err());
+    }
+
+    #[test]
+    fn values_round_trip_within_the_dtype_bound() {
+        let v: Vec<f32> = (0..1000).map(|i| (i as f32 - 500.0) * 0.0137).collect();
+        for (d, rel) in [
+            (Dtype::Float32, 0.0f32),
+            (Dtype::Float16, 2f32.powi(-11)),
+            (Dtype::Bfloat16, 2f32.powi(-8)),
+        ] {
+            let b = encode_values(&v, d);
+            assert_eq!(b.len(), v.len() * width(d));
+            let back = values(&b, d, v.len(), "rows").unwrap();
+            for (&x, &y) in v.iter().zip(back.iter()) {
+                assert!((x - y).abs() <= rel * x.abs() + 1e-7, "{d:?}: {x} -> {y}");
+            }
+        }
+        assert!(values(&Bytes::from_static(&[0; 6]), Dtype::Float32, 2, "rows").is_err());
+        assert!(dtype(7).is_err());
+    }
+}

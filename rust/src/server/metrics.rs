@@ -1,0 +1,230 @@
+//! Prometheus metrics of a store server, in the text exposition format, served over plain HTTP
+//! on `--metrics-port` (`GET /metrics`).
+
+use std::collections::BTreeMap;
+use std::fmt::Write as _;
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
+use tokio::net::TcpListener;
+
+/// Upper bounds (seconds) of the latency histogram's buckets.
+const BUCKETS: [f64; 14] = [
+    0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 5.0,
+];
+
+#[derive(Default)]
+struct Method {
+    requests: u64,
+    errors: BTreeMap<&'static str, u64>,
+    /// Counts per bucket (not cumulative); the last is +Inf.
+    buckets: [u64; BUCKETS.len() + 1],
+    seconds: f64,
+}
+
+/// Request counters and latency histograms by method.
+#[derive(Default)]
+pub struct Metrics {
+    methods: Mutex<BTreeMap<&'static str, Method>>,
+}
+
+/// A table's numbers at scrape time.
+pub struct TableSample {
+    pub name: String,
+    pub kind: &'static str,
+    pub rows: u64,
+    pub bytes: u64,
+    pub pushes: u64,
+    pub pulls: u64,
+    pub ids_pushed: u64,
+    pub ids_pulled: u64,
+    pub staleness: super::state::Staleness,
+}
+
+/// The server-wide numbers at scrape time.
+pub struct Sample {
+    pub tables: Vec<TableSample>,
+    pub flush_lag: Option<Duration>,
+    pub uptime: Duration,
+    pub clocks: Vec<u64>,
+}
+
+fn escape(s: &str) -> String {
+    s.replace('\\', "\\\\")
+        .replace('"', "\\\"")
+        .replace('\n', "\\n")
+}
+
+impl Metrics {
+    /// Counts one call of `method`; `error` is the gRPC code name of a failed one.
+    pub fn observe(&self, method: &'static str, took: Duration, error: Option<&'static str>) {
+        let secs = took.as_secs_f64();
+        let mut m = self.methods.lock().unwrap_or_else(|e| e.into_inner());
+        let e = m.entry(method).or_default();
+        e.requests += 1;
+        e.seconds += secs;
+        let b = BUCKETS.iter().position(|&b| secs <= b).unwrap_or(BUCKETS.len());
+        e.buckets[b] += 1;
+        if let Some(code) = error {
+            *e.errors.entry(code).or_default() += 1;
+        }
+    }
+
+    /// The exposition text.
+    pub fn render(&self, s: &Sample) -> String {
+        let mut o = String::new();
+        let m = self.methods.lock().unwrap_or_else(|e| e.into_inner());
+        o.push_str("# HELP pstore_requests_total Requests answered, by method.\n");
+        o.push_str("# TYPE pstore_requests_total counter\n");
+        for (k, v) in m.iter() {
+            let _ = writeln!(o, "pstore_requests_total{{method=\"{k}\"}} {}", v.requests);
+        }
+        o.push_str("# HELP pstore_request_errors_total Requests that failed, by method and code.\n");
+        o.push_str("# TYPE pstore_request_errors_total counter\n");
+        for (k, v) in m.iter() {
+            for (code, n) in &v.errors {
+                let _ = writeln!(
+                    o,
+                    "pstore_request_errors_total{{method=\"{k}\",code=\"{code}\"}} {n}"
+                );
+            }
+        }
+        o.push_str("# HELP pstore_request_seconds Latency of requests, by method.\n");
+        o.push_str("# TYPE pstore_request_seconds histogram\n");
+        for (k, v) in m.iter() {
+            let mut cum = 0;
+            for (i, &b) in BUCKETS.iter().enumerate() {
+                cum += v.buckets[i];
+                let _ = writeln!(
+                    o,
+                    "pstore_request_seconds_bucket{{method=\"{k}\",le=\"{b}\"}} {cum}"
+                );
+            }
+            cum += v.buckets[BUCKETS.len()];
+            let _ = writeln!(
+                o,
+                "pstore_request_seconds_bucket{{method=\"{k}\",le=\"+Inf\"}} {cum}"
+            );
+            let _ = writeln!(o, "pstore_request_seconds_sum{{method=\"{k}\"}} {}", v.seconds);
+            let _ = writeln!(o, "pstore_request_seconds_count{{method=\"{k}\"}} {cum}");
+        }
+        drop(m);
+        type Get = fn(&TableSample) -> f64;
+        let gauges: [(&str, &str, &str, Get); 9] = [
+            ("pstore_table_rows", "gauge", "Rows stored.", |t| t.rows as f64),
+            ("pstore_table_bytes", "gauge", "Bytes of rows, state and index.", |t| {
+                t.bytes as f64
+            }),
+            ("pstore_table_pushes_total", "counter", "Pushes applied.", |t| {
+                t.pushes as f64
+            }),
+            ("pstore_table_pulls_total", "counter", "Pulls answered.", |t| {
+                t.pulls as f64
+            }),
+            ("pstore_table_ids_pushed_total", "counter", "Ids pushed.", |t| {
+                t.ids_pushed as f64
+            }),
+            ("pstore_table_ids_pulled_total", "counter", "Ids pulled.", |t| {
+                t.ids_pulled as f64
+            }),
+            (
+                "pstore_table_staleness_mean",
+                "gauge",
+                "Mean staleness (pushes applied between a pull and its push).",
+                |t| {
+                    let s = &t.staleness;
+                    if s.pushes == 0 {
+                        0.0
+                    } else {
+                        s.total as f64 / s.pushes as f64
+                    }
+                },
+            ),
+            ("pstore_table_staleness_max", "gauge", "Largest staleness seen.", |t| {
+                t.staleness.max as f64
+            }),
+            (
+                "pstore_table_stale_dropped_total",
+                "counter",
+                "Pushes dropped as too stale.",
+                |t| t.staleness.dropped as f64,
+            ),
+        ];
+        for (name, kind, help, get) in gauges {
+            let _ = writeln!(o, "# HELP {name} {help}\n# TYPE {name} {kind}");
+            for t in &s.tables {
+                let _ = writeln!(
+                    o,
+                    "{name}{{table=\"{}\",kind=\"{}\"}} {}",
+                    escape(&t.name),
+                    t.kind,
+                    get(t)
+                );
+            }
+        }
+        o.push_str("# HELP pstore_flush_lag_seconds Age of the oldest change that may not be on disk yet.\n");
+        o.push_str("# TYPE pstore_flush_lag_seconds gauge\n");
+        if let Some(l) = s.flush_lag {
+            let _ = writeln!(o, "pstore_flush_lag_seconds {}", l.as_secs_f64());
+        }
+        o.push_str("# HELP pstore_worker_clock Training clock reported by each worker.\n");
+        o.push_str("# TYPE pstore_worker_clock gauge\n");
+        for (w, c) in s.clocks.iter().enumerate() {
+            let _ = writeln!(o, "pstore_worker_clock{{worker=\"{w}\"}} {c}");
+        }
+        o.push_str("# HELP pstore_uptime_seconds Seconds since the server started.\n");
+        o.push_str("# TYPE pstore_uptime_seconds gauge\n");
+        let _ = writeln!(o, "pstore_uptime_seconds {}", s.uptime.as_secs_f64());
+        o
+    }
+}
+
+/// Answers `GET /metrics` (and `GET /`) with `render()` until the listener is dropped.
+pub async fn serve(listener: TcpListener, render: Arc<dyn Fn() -> String + Send + Sync>) {
+    loop {
+        let Ok((mut sock, _)) = listener.accept().await else {
+            continue;
+        };
+        let render = Arc::clone(&render);
+        tokio::spawn(async move {
+            let mut buf = Vec::with_capacity(1024);
+            let mut chunk = [0u8; 1024];
+            let head = loop {
+                let read = tokio::time::timeout(Duration::from_secs(5), sock.read(&mut chunk));
+                match read.await {
+                    Ok(Ok(n)) if n > 0 => buf.extend_from_slice(&chunk[..n]),
+                    _ => return,
+                }
+                if let Some(end) = buf.windows(4).position(|w| w == b"\r\n\r\n") {
+                    break String::from_utf8_lossy(&buf[..end]).into_owned();
+                }
+                if buf.len() > 16 * 1024 {
+                    return;
+                }
+            };
+            let mut parts = head.split_whitespace();
+            let (method, path) = (parts.next().unwrap_or(""), parts.next().unwrap_or(""));
+            let path = path.split('?').next().unwrap_or("");
+            let (status, ctype, body) = match (method, path) {
+                ("GET", "/metrics" | "/") => (
+                    "200 OK",
+                    "text/plain; version=0.0.4; charset=utf-8",
+                    render(),
+                ),
+                ("GET", _) => ("404 Not Found", "text/plain", "not found\n".to_string()),
+                _ => (
+                    "405 Method Not Allowed",
+                    "text/plain",
+                    "only GET\n".to_string(),
+                ),
+            };
+            let resp = format!(
+                "HTTP/1.1 {status}\r\nContent-Type: {ctype}\r\nContent-Length: {}\r\nConnection: close\r\n\r\n{body}",
+                body.len()
+            );
+            let _ = sock.write_all(resp.as_bytes()).await;
+            let _ = sock.shutdown().await;
+        });
+    }
+}

@@ -1,0 +1,798 @@
+//! The store server: a store (in memory or durable) behind the gRPC service of
+//! `proto/pstore/v1/pstore.proto`, with the standard health service, token authentication,
+//! optional TLS, and Prometheus metrics.
+//!
+//! Each call is checked (token, then the request), then its work runs on tokio's blocking pool,
+//! where the store's own thread pool spreads it over the cores; async clock waits stay on the
+//! runtime. A request that fails changes nothing, and nothing a client sends can stop the server:
+//! decoding errors, wrong lengths, NaN gradients, unknown tables all become error statuses.
+
+pub mod metrics;
+pub mod state;
+
+use std::net::SocketAddr;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use tokio::sync::oneshot;
+use tonic::{Request, Response, Status};
+
+use crate::error::{invalid, Error, Result};
+use crate::net::proto::p_store_server::{PStore, PStoreServer};
+use crate::net::proto::*;
+use crate::net::{status_of, token_eq, wire, DEFAULT_MAX_MESSAGE, PROTOCOL};
+use crate::store::{Store, Table};
+use crate::table::{DenseTableConfig, SparseTableConfig, TableStats};
+use metrics::{Metrics, Sample, TableSample};
+use state::{Clocks, Decision, Dedup, Policies, Policy};
+
+/// Who may call what.
+#[derive(Debug, Clone, Default)]
+pub struct Tokens {
+    /// May call everything.
+    pub write: Option<Vec<u8>>,
+    /// May call the read methods only.
+    pub read: Option<Vec<u8>>,
+}
+
+/// How a server runs.
+#[derive(Debug, Clone)]
+pub struct ServerConfig {
+    /// The gRPC address (port 0: any free port).
+    pub addr: SocketAddr,
+    /// Where to serve Prometheus metrics, if anywhere.
+    pub metrics_addr: Option<SocketAddr>,
+    /// Tokens; with none set, every call is allowed.
+    pub tokens: Tokens,
+    /// PEM certificate chain and private key: serve TLS.
+    pub tls: Option<(Vec<u8>, Vec<u8>)>,
+    /// The largest message accepted or sent.
+    pub max_message: usize,
+}
+
+impl ServerConfig {
+    /// Serves on `addr` with no auth, no TLS and no metrics.
+    pub fn new(addr: SocketAddr) -> Self {
+        Self {
+            addr,
+            metrics_addr: None,
+            tokens: Tokens::default(),
+            tls: None,
+            max_message: DEFAULT_MAX_MESSAGE,
+        }
+    }
+}
+
+#[derive(Clone, Copy, PartialEq)]
+enum Access {
+    Read,
+    Write,
+}
+
+/// What the handlers share.
+struct Inner {
+    store: Arc<Store>,
+    tokens: Tokens,
+    metrics: Metrics,
+    pushes: Dedup<PushResponse>,
+    removes: Dedup<RemoveResponse>,
+    clocks: Clocks,
+    policies: Policies,
+    started: Instant,
+    max_message: usize,
+}
+
+impl Inner {
+    fn sample(&self) -> Sample {
+        let mut tables = Vec::new();
+        for name in self.store.tables() {
+            if let Ok(t) = self.store.table(&name) {
+                let (kind, s) = stats_of(&t);
+                tables.push(TableSample {
+                    staleness: self.policies.stats(&name),
+                    name,
+                    kind,
+                    rows: s.rows,
+                    bytes: s.bytes_used,
+                    pushes: s.pushes,
+                    pulls: s.pulls,
+                    ids_pushed: s.ids_pushed,
+                    ids_pulled: s.ids_pulled,
+                });
+            }
+        }
+        Sample {
+            tables,
+            flush_lag: self.store.flusher().map(|f| f.lag()),
+            uptime: self.started.elapsed(),
+            clocks: self.clocks.get(),
+        }
+    }
+
+    fn info(&self, name: &str, t: &Table) -> Result<TableInfo> {
+        let (kind, s) = stats_of(t);
+        let p = self.policies.get(name);
+        let st = self.policies.stats(name);
+        let stats = serde_json::json!({
+            "rows": s.rows, "bytes_used": s.bytes_used, "pushes": s.pushes, "pulls": s.pulls,
+            "ids_pushed": s.ids_pushed, "ids_pulled": s.ids_pulled,
+            "rows_updated": s.rows_updated, "rows_created": s.rows_created,
+            "rows_evicted": s.rows_evicted, "rows_unloaded": s.rows_unloaded, "seq": s.seq,
+            "lr": s.lr, "staleness": st,
+        });
+        let (config, dim, shape) = match t {
+            Table::Sparse(t) => (
+                serde_json::to_string(t.config()),
+                t.dim() as u32,
+                Vec::new(),
+            ),
+            Table::Dense(t) => (
+                serde_json::to_string(t.config()),
+                0,
+                t.config().shape.iter().map(|&x| x as u64).collect(),
+            ),
+        };
+        Ok(TableInfo {
+            name: name.to_string(),
+            kind: if kind == "sparse" {
+                TableKind::Sparse
+            } else {
+                TableKind::Dense
+            } as i32,
+            config_json: config.map_err(|e| Error::Internal(e.to_string()))?,
+            dim,
+            shape,
+            lr: s.lr,
+            rows: s.rows,
+            seq: s.seq,
+            stale_policy: p.policy as i32,
+            max_staleness: p.max_staleness,
+            stats_json: stats.to_string(),
+        })
+    }
+
+    fn clocks(&self) -> ClockResponse {
+        let c = self.clocks.get();
+        ClockResponse {
+            min_clock: c.iter().min().copied().unwrap_or(0),
+            max_clock: c.iter().max().copied().unwrap_or(0),
+            clocks: c,
+        }
+    }
+}
+
+fn stats_of(t: &Table) -> (&'static str, TableStats) {
+    match t {
+        Table::Sparse(t) => ("sparse", t.stats()),
+        Table::Dense(t) => ("dense", t.stats()),
+    }
+}
+
+fn request_id(r: &Option<RequestId>) -> Option<(u64, u64)> {
+    r.as_ref().map(|r| (r.client, r.seq))
+}
+
+/// The service.
+#[derive(Clone)]
+struct Service(Arc<Inner>);
+
+impl Service {
+    fn check<T>(&self, req: &Request<T>, access: Access) -> std::result::Result<(), Status> {
+        let t = &self.0.tokens;
+        if t.write.is_none() && t.read.is_none() {
+            return Ok(());
+        }
+        let given = req
+            .metadata()
+            .get("authorization")
+            .and_then(|v| v.to_str().ok())
+            .and_then(|v| v.strip_prefix("Bearer "))
+            .map(str::as_bytes);
+        let Some(given) = given else {
+            return Err(Status::unauthenticated(
+                "this server needs a token: metadata `authorization: Bearer <token>`",
+            ));
+        };
+        // Both comparisons run whatever the first one says.
+        let w = t.write.as_deref().is_some_and(|w| token_eq(given, w));
+        let r = t.read.as_deref().is_some_and(|r| token_eq(given, r));
+        match (w, r, access) {
+            (true, _, _) | (false, true, Access::Read) => Ok(()),
+            (false, true, Access::Write) => Err(Status::permission_denied(
+                "a read-only token cannot change the store",
+            )),
+            (false, false, _) => Err(Status::unauthenticated("wrong token")),
+        }
+    }
+
+    /// Checks the token, runs `f` on the blocking pool, and counts the call.
+    async fn run<T, R>(
+        &self,
+        method: &'static str,
+        access: Access,
+        req: Request<T>,
+        f: impl FnOnce(&Inner, T) -> Result<R> + Send + 'static,
+    ) -> std::result::Result<Response<R>, Status>
+    where
+        T: Send + 'static,
+        R: Send + 'static,
+    {
+        let t0 = Instant::now();
+        let out = match self.check(&req, access) {
+            Err(s) => Err(s),
+            Ok(()) => {
+                let inner = Arc::clone(&self.0);
+                let msg = req.into_inner();
+                match tokio::task::spawn_blocking(move || f(&inner, msg)).await {
+                    Ok(r) => r.map_err(|e| status_of(&e)),
+                    Err(e) => Err(Status::internal(format!("the request's task failed: {e}"))),
+                }
+            }
+        };
+        let code = out.as_ref().err().map(|s| code_name(s.code()));
+        self.0.metrics.observe(method, t0.elapsed(), code);
+        out.map(Response::new)
+    }
+}
+
+fn code_name(c: tonic::Code) -> &'static str {
+    use tonic::Code::*;
+    match c {
+        Ok => "OK",
+        Cancelled => "CANCELLED",
+        Unknown => "UNKNOWN",
+        InvalidArgument => "INVALID_ARGUMENT",
+        DeadlineExceeded => "DEADLINE_EXCEEDED",
+        NotFound => "NOT_FOUND",
+        AlreadyExists => "ALREADY_EXISTS",
+        PermissionDenied => "PERMISSION_DENIED",
+        ResourceExhausted => "RESOURCE_EXHAUSTED",
+        FailedPrecondition => "FAILED_PRECONDITION",
+        Aborted => "ABORTED",
+        OutOfRange => "OUT_OF_RANGE",
+        Unimplemented => "UNIMPLEMENTED",
+        Internal => "INTERNAL",
+        Unavailable => "UNAVAILABLE",
+        DataLoss => "DATA_LOSS",
+        Unauthenticated => "UNAUTHENTICATED",
+    }
+}
+
+fn sparse(store: &Store, name: &str) -> Result<Arc<crate::SparseTable>> {
+    store.sparse(name)
+}
+
+fn dense(store: &Store, name: &str) -> Result<Arc<crate::DenseTable>> {
+    match store.table(name)? {
+        Table::Dense(d) => Ok(d),
+        Table::Sparse(_) => Err(Error::WrongKind(format!(
+            "table {name:?} is sparse, not dense"
+        ))),
+    }
+}
+
+fn staleness(seq_now: u64, pulled: Option<u64>) -> Option<u64> {
+    pulled.map(|p| seq_now.saturating_sub(p))
+}
+
+fn policy_of(policy: i32, max_staleness: u64) -> Result<Policy> {
+    let policy = StalePolicy::try_from(policy)
+        .map_err(|_| invalid(format!("unknown stale policy {policy}")))?;
+    Ok(Policy {
+        policy,
+        max_staleness,
+    })
+}
+
+#[tonic::async_trait]
+impl PStore for Service {
+    async fn create_table(
+        &self,
+        req: Request<CreateTableRequest>,
+    ) -> std::result::Result<Response<TableInfo>, Status> {
+        self.run("CreateTable", Access::Write, req, |s, r| {
+            let policy = policy_of(r.stale_policy, r.max_staleness)?;
+            let bad = |e: serde_json::Error| invalid(format!("config_json: {e}"));
+            let t = match TableKind::try_from(r.kind) {
+                Ok(TableKind::Sparse) => {
+                    let c: SparseTableConfig = serde_json::from_str(&r.config_json).map_err(bad)?;
+                    match s.store.create_sparse_table(&r.name, c.clone()) {
+                        Ok(t) => Table::Sparse(t),
+                        Err(Error::TableExists(_)) => match s.store.table(&r.name)? {
+                            Table::Sparse(t) if *t.config() == c => Table::Sparse(t),
+                            _ => return Err(Error::TableExists(r.name)),
+                        },
+                        Err(e) => return Err(e),
+                    }
+                }
+                Ok(TableKind::Dense) => {
+                    let c: DenseTableConfig = serde_json::from_str(&r.config_json).map_err(bad)?;
+                    match s.store.create_dense_table(&r.name, c.clone()) {
+                        Ok(t) => Table::Dense(t),
+                        Err(Error::TableExists(_)) => match s.store.table(&r.name)? {
+                            Table::Dense(t) if *t.config() == c => Table::Dense(t),
+                            _ => return Err(Error::TableExists(r.name)),
+                        },
+                        Err(e) => return Err(e),
+                    }
+                }
+                Err(_) => return Err(invalid(format!("unknown table kind {}", r.kind))),
+            };
+            s.policies.set(&r.name, policy)?;
+            s.info(&r.name, &t)
+        })
+        .await
+    }
+
+    async fn get_table(
+        &self,
+        req: Request<GetTableRequest>,
+    ) -> std::result::Result<Response<TableInfo>, Status> {
+        self.run("GetTable", Access::Read, req, |s, r| {
+            let t = s.store.table(&r.name)?;
+            s.info(&r.name, &t)
+        })
+        .await
+    }
+
+    async fn list_tables(
+        &self,
+        req: Request<ListTablesRequest>,
+    ) -> std::result::Result<Response<ListTablesResponse>, Status> {
+        self.run("ListTables", Access::Read, req, |s, _| {
+            let mut tables = Vec::new();
+            for name in s.store.tables() {
+                if let Ok(t) = s.store.table(&name) {
+                    tables.push(s.info(&name, &t)?);
+                }
+            }
+            Ok(ListTablesResponse { tables })
+        })
+        .await
+    }
+
+    async fn drop_table(
+        &self,
+        req: Request<DropTableRequest>,
+    ) -> std::result::Result<Response<DropTableResponse>, Status> {
+        self.run("DropTable", Access::Write, req, |s, r| {
+            match s.store.drop_table(&r.name) {
+                Ok(()) => {}
+                // Dropping twice (a retry) is not an error.
+                Err(Error::UnknownTable(_)) => return Ok(DropTableResponse { dropped: false }),
+                Err(e) => return Err(e),
+            }
+            s.policies.remove(&r.name)?;
+            Ok(DropTableResponse { dropped: true })
+        })
+        .await
+    }
+
+    async fn pull(
+        &self,
+        req: Request<PullRequest>,
+    ) -> std::result::Result<Response<PullResponse>, Status> {
+        self.run("Pull", Access::Read, req, |s, r| {
+            let t = sparse(&s.store, &r.table)?;
+            let d = wire::dtype(r.dtype)?;
+            let ids = wire::ids(&r.ids)?;
+            let seq = t.seq();
+            let rows = t.pull(&ids)?;
+            Ok(PullResponse {
+                rows: wire::encode_values(&rows, d),
+                dtype: d as i32,
+                dim: t.dim() as u32,
+                seq,
+            })
+        })
+        .await
+    }
+
+    async fn push(
+        &self,
+        req: Request<PushRequest>,
+    ) -> std::result::Result<Response<PushResponse>, Status> {
+        self.run("Push", Access::Write, req, |s, r| {
+            let t = sparse(&s.store, &r.table)?;
+            let d = wire::dtype(r.dtype)?;
+            let ids = wire::ids(&r.ids)?;
+            let grads = wire::values(&r.grads, d, ids.len() * t.dim(), "grads")?;
+            t.validate_push(&ids, &grads)?;
+            s.pushes.once(request_id(&r.request_id), || {
+                let stale = staleness(t.seq(), r.pulled_seq);
+                let decision = s.policies.decide(&r.table, stale);
+                let applied = match decision {
+                    Decision::Drop => false,
+                    Decision::Apply(scale) => {
+                        t.push_scaled(&ids, &grads, scale)?;
+                        true
+                    }
+                };
+                s.policies.record(&r.table, stale, decision);
+                Ok(PushResponse {
+                    applied,
+                    staleness: stale.unwrap_or(0),
+                    seq: t.seq(),
+                })
+            })
+        })
+        .await
+    }
+
+    async fn contains(
+        &self,
+        req: Request<ContainsRequest>,
+    ) -> std::result::Result<Response<ContainsResponse>, Status> {
+        self.run("Contains", Access::Read, req, |s, r| {
+            let t = sparse(&s.store, &r.table)?;
+            let ids = wire::ids(&r.ids)?;
+            let mask = t.contains(&ids)?;
+            Ok(ContainsResponse {
+                mask: mask.into_iter().map(u8::from).collect::<Vec<u8>>().into(),
+            })
+        })
+        .await
+    }
+
+    async fn remove(
+        &self,
+        req: Request<RemoveRequest>,
+    ) -> std::result::Result<Response<RemoveResponse>, Status> {
+        self.run("Remove", Access::Write, req, |s, r| {
+            let t = sparse(&s.store, &r.table)?;
+            let ids = wire::ids(&r.ids)?;
+            s.removes.once(request_id(&r.request_id), || {
+                Ok(RemoveResponse {
+                    removed: t.remove(&ids)? as u64,
+                })
+            })
+        })
+        .await
+    }
+
+    async fn evict(
+        &self,
+        req: Request<EvictRequest>,
+    ) -> std::result::Result<Response<RemoveResponse>, Status> {
+        self.run("Evict", Access::Write, req, |s, r| {
+            let t = sparse(&s.store, &r.table)?;
+            let secs = r.not_updated_for_seconds;
+            if !(secs.is_finite() && secs >= 0.0) {
+                return Err(invalid(format!(
+                    "not_updated_for_seconds must be >= 0, got {secs}"
+                )));
+            }
+            if r.not_updated_for_steps == 0 && secs == 0.0 {
+                return Err(invalid(
+                    "evict needs not_updated_for_steps or not_updated_for_seconds",
+                ));
+            }
+            s.removes.once(request_id(&r.request_id), || {
+                let before_seq = (r.not_updated_for_steps > 0)
+                    .then(|| (t.seq() + 1).saturating_sub(r.not_updated_for_steps));
+                let before_secs = (secs > 0.0).then(|| {
+                    let now = std::time::SystemTime::now()
+                        .duration_since(std::time::UNIX_EPOCH)
+                        .map(|d| d.as_secs_f64())
+                        .unwrap_or(0.0);
+                    (now - secs).max(0.0) as u32
+                });
+                Ok(RemoveResponse {
+                    removed: t.evict(before_seq, before_secs)? as u64,
+                })
+            })
+        })
+        .await
+    }
+
+    async fn dense_pull(
+        &self,
+        req: Request<DensePullRequest>,
+    ) -> std::result::Result<Response<DensePullResponse>, Status> {
+        self.run("DensePull", Access::Read, req, |s, r| {
+            let t = dense(&s.store, &r.table)?;
+            let d = wire::dtype(r.dtype)?;
+            let seq = t.step() as u64;
+            let v = t.pull()?;
+            Ok(DensePullResponse {
+                values: wire::encode_values(&v, d),
+                dtype: d as i32,
+                shape: t.config().shape.iter().map(|&x| x as u64).collect(),
+                seq,
+            })
+        })
+        .await
+    }
+
+    async fn dense_push(
+        &self,
+        req: Request<DensePushRequest>,
+    ) -> std::result::Result<Response<PushResponse>, Status> {
+        self.run("DensePush", Access::Write, req, |s, r| {
+            let t = dense(&s.store, &r.table)?;
+            let d = wire::dtype(r.dtype)?;
+            let grad = wire::values(&r.grad, d, t.config().numel(), "grad")?;
+            t.validate_push(&grad)?;
+            s.pushes.once(request_id(&r.request_id), || {
+                let stale = staleness(t.step() as u64, r.pulled_seq);
+                let decision = s.policies.decide(&r.table, stale);
+                let applied = match decision {
+                    Decision::Drop => false,
+                    Decision::Apply(scale) => {
+                        t.push_scaled(&grad, scale)?;
+                        true
+                    }
+                };
+                s.policies.record(&r.table, stale, decision);
+                Ok(PushResponse {
+                    applied,
+                    staleness: stale.unwrap_or(0),
+                    seq: t.step() as u64,
+                })
+            })
+        })
+        .await
+    }
+
+    async fn set_lr(
+        &self,
+        req: Request<SetLrRequest>,
+    ) -> std::result::Result<Response<TableInfo>, Status> {
+        self.run("SetLr", Access::Write, req, |s, r| {
+            let t = s.store.table(&r.table)?;
+            t.handle().set_lr(r.lr)?;
+            s.info(&r.table, &t)
+        })
+        .await
+    }
+
+    async fn flush(
+        &self,
+        req: Request<FlushRequest>,
+    ) -> std::result::Result<Response<FlushResponse>, Status> {
+        self.run("Flush", Access::Write, req, |s, _| {
+            s.store.flush()?;
+            Ok(FlushResponse {
+                durable: s.store.path().is_some(),
+            })
+        })
+        .await
+    }
+
+    async fn snapshot(
+        &self,
+        req: Request<SnapshotRequest>,
+    ) -> std::result::Result<Response<SnapshotResponse>, Status> {
+        self.run("Snapshot", Access::Write, req, |s, r| {
+            if r.dir.is_empty() {
+                return Err(invalid("snapshot needs a directory"));
+            }
+            let info = s
+                .store
+                .snapshot(std::path::Path::new(&r.dir), r.incremental)?;
+            Ok(SnapshotResponse {
+                dir: r.dir,
+                rows: info.manifest.tables.iter().map(|t| t.rows).sum(),
+            })
+        })
+        .await
+    }
+
+    async fn clock(
+        &self,
+        req: Request<ClockRequest>,
+    ) -> std::result::Result<Response<ClockResponse>, Status> {
+        let t0 = Instant::now();
+        let access = if req.get_ref().advance {
+            Access::Write
+        } else {
+            Access::Read
+        };
+        let out = async {
+            self.check(&req, access)?;
+            let r = req.into_inner();
+            if r.advance {
+                self.0
+                    .clocks
+                    .advance(r.worker, r.num_workers, r.clock)
+                    .map_err(|e| status_of(&e))?;
+            }
+            if r.wait {
+                // Cancelled with the call when the client's deadline passes or it goes away.
+                self.0
+                    .clocks
+                    .wait_min(r.clock.saturating_sub(r.staleness))
+                    .await;
+            }
+            Ok(self.0.clocks())
+        }
+        .await;
+        let code = out.as_ref().err().map(|s: &Status| code_name(s.code()));
+        self.0.metrics.observe("Clock", t0.elapsed(), code);
+        out.map(Response::new)
+    }
+
+    async fn status(
+        &self,
+        req: Request<StatusRequest>,
+    ) -> std::result::Result<Response<StatusResponse>, Status> {
+        self.run("Status", Access::Read, req, |s, _| {
+            let mut tables = Vec::new();
+            for name in s.store.tables() {
+                if let Ok(t) = s.store.table(&name) {
+                    tables.push(s.info(&name, &t)?);
+                }
+            }
+            let f = s.store.flusher();
+            Ok(StatusResponse {
+                version: env!("CARGO_PKG_VERSION").to_string(),
+                protocol: PROTOCOL,
+                path: s
+                    .store
+                    .path()
+                    .map(|p| p.display().to_string())
+                    .unwrap_or_default(),
+                durability: f
+                    .as_ref()
+                    .map(|f| f.mode().as_str().to_string())
+                    .unwrap_or_else(|| "memory".to_string()),
+                uptime_seconds: s.started.elapsed().as_secs_f64(),
+                max_message_bytes: s.max_message as u64,
+                tables,
+                clocks: Some(s.clocks()),
+                flush_lag_seconds: f.map(|f| f.lag().as_secs_f64()).unwrap_or(0.0),
+            })
+        })
+        .await
+    }
+}
+
+/// A running server. Dropping it stops it (as [`ServerHandle::stop`] with no grace).
+pub struct ServerHandle {
+    rt: Option<tokio::runtime::Runtime>,
+    stop: Option<oneshot::Sender<()>>,
+    done: Option<tokio::task::JoinHandle<std::result::Result<(), tonic::transport::Error>>>,
+    addr: SocketAddr,
+    metrics_addr: Option<SocketAddr>,
+    inner: Arc<Inner>,
+}
+
+/// Starts serving `store`; returns once the ports are bound.
+pub fn start(store: Arc<Store>, config: ServerConfig) -> Result<ServerHandle> {
+    if config.max_message < 1024 {
+        return Err(invalid("max_message must be at least 1024 bytes"));
+    }
+    let policies = Policies::load(store.path().map(|p| p.join("stale_policies.json")))?;
+    let rt = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(2)
+        .thread_name("pstore-server")
+        .enable_all()
+        .build()
+        .map_err(|e| Error::Internal(format!("starting the server runtime: {e}")))?;
+    let bind = |a: SocketAddr, what: &str| {
+        let l = std::net::TcpListener::bind(a)
+            .map_err(|e| invalid(format!("cannot listen on {a} ({what}): {e}")))?;
+        l.set_nonblocking(true)
+            .map_err(|e| Error::Internal(e.to_string()))?;
+        Ok::<_, Error>(l)
+    };
+    let grpc = bind(config.addr, "gRPC")?;
+    let addr = grpc.local_addr().map_err(|e| Error::Internal(e.to_string()))?;
+    let metrics_listener = config.metrics_addr.map(|a| bind(a, "metrics")).transpose()?;
+    let metrics_addr = metrics_listener
+        .as_ref()
+        .map(|l| l.local_addr().map_err(|e| Error::Internal(e.to_string())))
+        .transpose()?;
+    let inner = Arc::new(Inner {
+        store,
+        tokens: config.tokens.clone(),
+        metrics: Metrics::default(),
+        pushes: Dedup::new(state::DEDUP_CAPACITY),
+        removes: Dedup::new(state::DEDUP_CAPACITY),
+        clocks: Clocks::default(),
+        policies,
+        started: Instant::now(),
+        max_message: config.max_message,
+    });
+    let svc = PStoreServer::new(Service(Arc::clone(&inner)))
+        .max_decoding_message_size(config.max_message)
+        .max_encoding_message_size(config.max_message);
+    let (stop_tx, stop_rx) = oneshot::channel::<()>();
+    let tls = match &config.tls {
+        Some((cert, key)) => Some(tonic::transport::ServerTlsConfig::new().identity(
+            tonic::transport::Identity::from_pem(cert, key),
+        )),
+        None => None,
+    };
+    let done = {
+        let _g = rt.enter();
+        let listener = tokio::net::TcpListener::from_std(grpc)
+            .map_err(|e| Error::Internal(e.to_string()))?;
+        if let Some(l) = metrics_listener {
+            let l = tokio::net::TcpListener::from_std(l)
+                .map_err(|e| Error::Internal(e.to_string()))?;
+            let m = Arc::clone(&inner);
+            rt.spawn(metrics::serve(
+                l,
+                Arc::new(move || m.metrics.render(&m.sample())),
+            ));
+        }
+        let (reporter, health) = tonic_health::server::health_reporter();
+        let mut builder = tonic::transport::Server::builder()
+            .tcp_nodelay(true)
+            .http2_keepalive_interval(Some(Duration::from_secs(30)));
+        if let Some(tls) = tls {
+            builder = builder
+                .tls_config(tls)
+                .map_err(|e| invalid(format!("TLS certificate or key: {e}")))?;
+        }
+        let router = builder.add_service(health).add_service(svc);
+        let incoming = tokio_stream::wrappers::TcpListenerStream::new(listener);
+        rt.spawn(async move {
+            reporter
+                .set_serving::<PStoreServer<Service>>()
+                .await;
+            router
+                .serve_with_incoming_shutdown(incoming, async {
+                    let _ = stop_rx.await;
+                    reporter
+                        .set_not_serving::<PStoreServer<Service>>()
+                        .await;
+                })
+                .await
+        })
+    };
+    Ok(ServerHandle {
+        rt: Some(rt),
+        stop: Some(stop_tx),
+        done: Some(done),
+        addr,
+        metrics_addr,
+        inner,
+    })
+}
+
+impl ServerHandle {
+    /// The gRPC address it listens on.
+    pub fn addr(&self) -> SocketAddr {
+        self.addr
+    }
+
+    /// The metrics address, if it serves metrics.
+    pub fn metrics_addr(&self) -> Option<SocketAddr> {
+        self.metrics_addr
+    }
+
+    /// The store it serves.
+    pub fn store(&self) -> &Arc<Store> {
+        &self.inner.store
+    }
+
+    /// True once the server has stopped (after [`stop`](Self::stop) or a fatal transport error).
+    pub fn is_finished(&self) -> bool {
+        self.done.as_ref().is_none_or(|d| d.is_finished())
+    }
+
+    /// Stops accepting calls, lets the calls in flight finish (waiting at most `grace`), then
+    /// flushes the store. Returns the flush's error, if any.
+    pub fn stop(&mut self, grace: Duration) -> Result<()> {
+        if let Some(tx) = self.stop.take() {
+            let _ = tx.send(());
+        }
+        if let (Some(rt), Some(done)) = (self.rt.as_ref(), self.done.take()) {
+            let _ = rt.block_on(async { tokio::time::timeout(grace, done).await });
+        }
+        if let Some(rt) = self.rt.take() {
+            rt.shutdown_timeout(Duration::from_millis(100));
+        }
+        self.inner.store.flush()
+    }
+}
+
+impl Drop for ServerHandle {
+    fn drop(&mut self) {
+        if self.rt.is_some() {
+            let _ = self.stop(Duration::ZERO);
+        }
+    }
+}
