@@ -99,6 +99,13 @@ def import_pyarrow() -> ModuleType | None:
         return None
 
 
+def import_redis() -> ModuleType | None:
+    try:
+        return importlib.import_module("redis")
+    except ImportError:
+        return None
+
+
 def mem_available_bytes() -> int:
     """MemAvailable from /proc/meminfo (what can be allocated without swapping)."""
     with open("/proc/meminfo") as f:
@@ -327,7 +334,8 @@ def _fmt_rate(x: float | None) -> str:
 def format_table(headers: list[str], lines: Iterable[list[str]]) -> str:
     lines = list(lines)
     widths = [max(len(h), *(len(row[i]) for row in lines)) for i, h in enumerate(headers)]
-    numeric = ("batch", "M ", "M/s", "B/key", "ratio", "RSS/raw", "max ms", "s ", "rate")
+    numeric = ("batch", "M ", "M/s", "B/key", "ratio", "RSS/raw", "max ms", "s ", "rate", "p50")
+    numeric += ("p99", "calls", "threads", "ids/s")
     right = [i for i, h in enumerate(headers) if h.startswith(numeric) and h != "ratio of"]
 
     def fmt(row: list[str]) -> str:

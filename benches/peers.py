@@ -1,12 +1,14 @@
-"""The peers pstore is measured against: numpy, a Python dict index, torch and pyarrow.
+"""The peers pstore is measured against: numpy, a Python dict index, torch, pyarrow and Redis.
 
 Each peer does what a user without pstore would write, in its fastest ordinary form.
 """
 
 from __future__ import annotations
 
+import itertools
 from pathlib import Path
 from types import ModuleType
+from typing import Any
 
 import numpy as np
 from harness import fsync_path
@@ -217,3 +219,49 @@ class NumpySave:
 
     def read(self, d: Path) -> dict[str, np.ndarray]:
         return {name: np.load(d / f"{name}.npy") for name in self.arrays}
+
+
+class RedisRows:
+    """Rows as Redis strings through redis-py: key = the id's 8 bytes, value = the row's float32
+    bytes (dim 64: 256 bytes). Redis does no optimizer math: a push stores the rows it is given.
+
+    The keys of a batch are made once, before timing (`keys`); converting rows to and from
+    values is part of every call, since the caller has and wants numpy arrays, as with pstore.
+    - pull: one MGET of the batch's keys, the values joined into an (n, dim) float32 array;
+    - push_set_pipeline: one pipeline (no MULTI/EXEC, one round trip) of a SET per row;
+    - push_mset: one MSET of all the batch's (key, row) pairs, duplicates included.
+    """
+
+    def __init__(self, client: Any, dim: int) -> None:
+        self.client = client
+        self.dim = dim
+        self.row_dtype = np.dtype((np.void, 4 * dim))
+
+    @staticmethod
+    def keys(ids: np.ndarray) -> list[bytes]:
+        return np.ascontiguousarray(ids, dtype=np.uint64).view("V8").tolist()
+
+    def values(self, rows: np.ndarray) -> list[bytes]:
+        return np.ascontiguousarray(rows, dtype=np.float32).view(self.row_dtype).ravel().tolist()
+
+    def pull(self, keys: list[bytes]) -> np.ndarray:
+        vals = self.client.mget(keys)
+        return np.frombuffer(b"".join(vals), np.float32).reshape(len(keys), self.dim)
+
+    def push_set_pipeline(self, keys: list[bytes], rows: np.ndarray) -> None:
+        pipe = self.client.pipeline(transaction=False)
+        for k, v in zip(keys, self.values(rows), strict=True):
+            pipe.set(k, v)
+        pipe.execute()
+
+    def push_mset(self, keys: list[bytes], rows: np.ndarray) -> None:
+        pairs = zip(keys, self.values(rows), strict=True)
+        self.client.execute_command("MSET", *itertools.chain.from_iterable(pairs))
+
+    def populate(self, keys: list[bytes], rows: np.ndarray, chunk: int = 8192) -> None:
+        """Store rows with MSETs of `chunk` rows, sent in one pipeline."""
+        pipe = self.client.pipeline(transaction=False)
+        for s in range(0, len(keys), chunk):
+            pairs = zip(keys[s : s + chunk], self.values(rows[s : s + chunk]), strict=True)
+            pipe.execute_command("MSET", *itertools.chain.from_iterable(pairs))
+        pipe.execute()

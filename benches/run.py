@@ -1,9 +1,10 @@
-"""Peer benchmarks of pstore: one command for W1-W5.
+"""Peer benchmarks of pstore: one command for W1-W6.
 
     python benches/run.py --quick            # a few minutes, smaller tables
     python benches/run.py --full             # the sizes of the issue (10M-row W1, 20M-id W3)
     python benches/run.py --quick --only W1,W3 --json out.json
     python benches/run.py --quick --only W5 --tmp DIR   # DIR: where W5 writes its files
+    python benches/run.py --quick --only W6 --source-tree  # a server process, Redis on loopback
 
 Prints one table per workload (median rates, ratios against peers measured side by side in the
 same run) and writes every sample as JSON (default bench-results/results-<timestamp>.json).
@@ -72,6 +73,8 @@ def _print_section(sec: Section) -> None:
         print(_format_w3(sec))
     elif sec.workload == "W5":
         print(_format_w5(sec))
+    elif sec.workload == "W6":
+        print(_format_w6(sec))
     else:
         print(format_rows(sec.rows))
     for note in sec.notes:
@@ -153,6 +156,55 @@ def _format_w5(sec: Section) -> str:
             )
         out.append(f"-- {part}: {title}\n" + format_table(headers, lines))
     return "\n".join(out) if out else "   (no rows)"
+
+
+def _fmt_ids(x: float) -> str:
+    if x >= 1e6:
+        return f"{x / 1e6:.3g}M"
+    if x >= 1e3:
+        return f"{x / 1e3:.3g}k"
+    return f"{x:.3g}"
+
+
+def _fmt_ms(x: float) -> str:
+    return f"{x:.0f}" if x >= 100 else f"{x:.3g}"
+
+
+def _fmt_small_ratio(ratio: float | None) -> str:
+    if ratio is None:
+        return ""
+    return f"{ratio:.2f}x" if ratio >= 0.1 else f"{ratio:.2g}x"
+
+
+def _format_w6(sec: Section) -> str:
+    """W6: aggregate ids/s (median, min-max of the repetitions), ratio, target, and the per-call
+    latency percentiles over all the timed calls of the repetitions."""
+    headers = ["case", "batch", "impl", "ids/s median", "ids/s min-max", "ratio", "ratio of"]
+    headers += ["target", "met", "p50 ms", "p99 ms", "calls"]
+    lines = []
+    for r in sec.rows:
+        if r.status != "ok":
+            lines.append([r.case, str(r.batch), r.impl, "-", "-", "", "", r.target, r.status])
+            lines[-1] += ["", "", ""]
+            continue
+        e = r.extra
+        lines.append(
+            [
+                r.case,
+                str(r.batch),
+                r.impl,
+                _fmt_ids(statistics.median(r.samples)),
+                f"{_fmt_ids(min(r.samples))}-{_fmt_ids(max(r.samples))}",
+                _fmt_small_ratio(r.ratio),
+                r.ratio_of,
+                r.target,
+                {None: "", True: "yes", False: "NO"}[r.met],
+                _fmt_ms(e["p50_ms"]),
+                _fmt_ms(e["p99_ms"]),
+                str(e["calls"]),
+            ]
+        )
+    return format_table(headers, lines) if lines else "   (no rows)"
 
 
 def _print_targets(sections: list[Section]) -> None:

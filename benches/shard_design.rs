@@ -460,7 +460,7 @@ fn make_ids(n: usize, seed: u64) -> Vec<u64> {
             r = xorshift(r);
             let u = (r >> 11) as f64 / (1u64 << 53) as f64;
             r = xorshift(r);
-            let x = if r % 10 == 0 { u } else { u.powi(6) };
+            let x = if r.is_multiple_of(10) { u } else { u.powi(6) };
             ((x * NUM_ROWS as f64) as u64).min(NUM_ROWS - 1)
         })
         .collect()

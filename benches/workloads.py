@@ -1,7 +1,8 @@
-"""The workloads W1-W5. Each returns a Section: its configuration and result rows."""
+"""The workloads W1-W6. Each returns a Section: its configuration and result rows."""
 
 from __future__ import annotations
 
+import functools
 import gc
 import itertools
 import shutil
@@ -22,6 +23,7 @@ from harness import (
     PositionSampler,
     Row,
     ids_of,
+    import_redis,
     log,
     measure_interleaved,
     measure_phases,
@@ -30,12 +32,14 @@ from harness import (
     rows_from_rates,
     run_child,
 )
+from net import ServerProcess, redis_server_path, start_pstore_server, start_redis
 from peers import (
     ArrowIpcFile,
     DictTake,
     NumpyAddAt,
     NumpySave,
     NumpyTake,
+    RedisRows,
     TorchEmbeddingPull,
     TorchSparseStep,
 )
@@ -59,6 +63,10 @@ class Sizes:
     w5_rows: int
     w5_train_seconds: float
     w5_train_reps: int
+    w6_rows: int
+    w6_calls: dict[int, int]  # batch size -> calls per repetition (all threads together)
+    w6_cap_s: float  # a repetition's calls stop after this many seconds
+    w6_reps: int
 
 
 QUICK = Sizes(
@@ -75,6 +83,10 @@ QUICK = Sizes(
     w5_rows=1_000_000,
     w5_train_seconds=10.0,
     w5_train_reps=3,
+    w6_rows=1_000_000,
+    w6_calls={1: 2000, 256: 200, 4096: 40, 65536: 8},
+    w6_cap_s=2.0,
+    w6_reps=4,
 )
 FULL = Sizes(
     mode="full",
@@ -90,6 +102,10 @@ FULL = Sizes(
     w5_rows=10_000_000,
     w5_train_seconds=20.0,
     w5_train_reps=3,
+    w6_rows=10_000_000,
+    w6_calls={1: 4000, 256: 400, 4096: 80, 65536: 16},
+    w6_cap_s=5.0,
+    w6_reps=7,
 )
 
 
@@ -929,10 +945,291 @@ def w5_durability(ctx: Context) -> Section:
     return sec
 
 
+W6_DIM = 64
+W6_LR = 0.01
+W6_BATCHES = (1, 256, 4096, 65536)
+W6_THREADS = (1, 4)
+W6_TABLE = "w6"
+W6_REF = "pstore server"
+W6_LOCAL = "in-process"
+W6_REDIS = {"pull": ("redis MGET",), "push": ("redis SET pipeline", "redis MSET")}
+# Memory per row: the server's table, the in-process table and Redis's copy (~400 B each).
+W6_MEM_PER_ROW = 3 * 400
+
+
+class _W6Stop(Exception):
+    """The pstore server is gone: the remaining cases cannot run."""
+
+
+def _w6_fit(requested: int) -> tuple[int, list[str]]:
+    mem = mem_available_bytes()
+    fit = int((0.8 * mem - GIB) / W6_MEM_PER_ROW)
+    if fit >= requested:
+        return requested, []
+    n = max(fit // POPULATE_BATCH * POPULATE_BATCH, 0)
+    need = (requested * W6_MEM_PER_ROW + GIB) / GIB
+    return n, [
+        f"SCALED DOWN from {requested:,} to {n:,} rows: about {need:.1f} GiB of memory needed, "
+        f"{mem / GIB:.1f} GiB available"
+    ]
+
+
+def _w6_run(
+    fn: Callable[[int], Any], sizes: list[int], threads: int, cap_s: float
+) -> dict[str, Any]:
+    """One repetition: `threads` threads (1: the calling thread) each call fn(i) for their share
+    of the batches (thread j: j, j + threads, ...), one call per batch, timing every call, and
+    stop early once `cap_s` seconds have passed since they started. Returns the ids done, the
+    wall seconds from the first start to the last end, and the calls' seconds."""
+    lats: list[list[float]] = [[] for _ in range(threads)]
+    spans: list[tuple[float, float, int]] = []
+    errors: list[BaseException] = []
+
+    def worker(j: int) -> None:
+        lat = lats[j]
+        done = 0
+        start = time.perf_counter()
+        try:
+            for i in range(j, len(sizes), threads):
+                t0 = time.perf_counter()
+                fn(i)
+                t1 = time.perf_counter()
+                lat.append(t1 - t0)
+                done += sizes[i]
+                if t1 - start >= cap_s:
+                    break
+        except BaseException as exc:
+            errors.append(exc)
+        spans.append((start, time.perf_counter(), done))
+
+    if threads == 1:
+        worker(0)
+    else:
+        barrier = threading.Barrier(threads)
+
+        def go(j: int) -> None:
+            barrier.wait()
+            worker(j)
+
+        pool = [threading.Thread(target=go, args=(j,)) for j in range(threads)]
+        for t in pool:
+            t.start()
+        for t in pool:
+            t.join()
+    if errors:
+        raise errors[0]
+    begin = min(s[0] for s in spans)
+    end = max(s[1] for s in spans)
+    return {
+        "ids": sum(s[2] for s in spans),
+        "seconds": end - begin,
+        "calls": sum(len(x) for x in lats),
+        "lat": [x for lat in lats for x in lat],
+    }
+
+
+def _w6_case(
+    sec: Section,
+    op: str,
+    threads: int,
+    batch: int,
+    calls: dict[str, Callable[[int], Any]],
+    sizes: list[int],
+    reps: int,
+    cap_s: float,
+    skipped: dict[str, str],
+    server: ServerProcess,
+) -> None:
+    """Time one (op, threads, batch) case for every contender, interleaved, and add its rows."""
+    case = f"{op}, {threads} thread{'s' if threads > 1 else ''}"
+    targets: dict[str, tuple[str, float]] = {}
+    if batch == 4096:
+        targets = {name: (">=5x", 5.0) for name in W6_REDIS[op]}
+    if batch == 65536 and op == "pull":
+        targets[W6_LOCAL] = (">=0.5x", 0.5)
+    fns = {name: functools.partial(_w6_run, f, sizes, threads, cap_s) for name, f in calls.items()}
+    log(f"W6: {case}, batch {batch}: {len(sizes)} calls (at most {cap_s:g} s) x {reps} reps")
+    try:
+        for fn in calls.values():  # warm-up: a quarter of the time cap each
+            _w6_run(fn, sizes, threads, cap_s / 4)
+        res = measure_phases(fns, reps, warmup=0)
+    except Exception as exc:
+        msg = f"{case}, batch {batch}: {type(exc).__name__}: {exc}"
+        sec.notes.append(f"FAILED {msg}")
+        log(f"W6: FAILED {msg}")
+        for name in calls:
+            target = targets.get(name, ("", None))[0]
+            sec.rows.append(
+                Row("W6", case, "zipf", batch, name, status="failed", target=target,
+                    extra={"threads": threads, "error": repr(exc)})
+            )  # fmt: skip
+        if not server.running():
+            raise _W6Stop(f"the pstore server exited ({server.log_tail()})") from exc
+        return
+    rates = {name: [r["ids"] / r["seconds"] for r in rs] for name, rs in res.items()}
+    rows = rows_from_rates("W6", case, "zipf", batch, rates, W6_REF, targets, skipped)
+    for row in rows:
+        row.extra["threads"] = threads
+        if row.status != "ok":
+            continue
+        rs = res[row.impl]
+        lat_ms = np.array([x for r in rs for x in r["lat"]]) * 1e3
+        p50, p90, p99 = np.percentile(lat_ms, [50, 90, 99])
+        row.extra.update(
+            calls=int(sum(r["calls"] for r in rs)),
+            calls_per_rep=[r["calls"] for r in rs],
+            p50_ms=float(p50),
+            p90_ms=float(p90),
+            p99_ms=float(p99),
+            max_ms=float(lat_ms.max()),
+            mean_ms=float(lat_ms.mean()),
+        )
+    sec.rows += rows
+
+
+def _w6_calls(
+    op: str,
+    rt: Any,
+    lt: Any,
+    peer: RedisRows | None,
+    ids: list[np.ndarray],
+    keys: list[list[bytes]],
+    grads: list[np.ndarray],
+) -> dict[str, Callable[[int], Any]]:
+    """The contenders' calls for batch i: the same ids (and gradients) for every contender."""
+    ng = len(grads)
+    if op == "pull":
+        calls = {W6_REF: lambda i: rt.pull(ids[i]), W6_LOCAL: lambda i: lt.pull(ids[i])}
+        if peer is not None:
+            calls["redis MGET"] = lambda i: peer.pull(keys[i])
+        return calls
+    calls = {
+        W6_REF: lambda i: rt.push(ids[i], grads[i % ng]),
+        W6_LOCAL: lambda i: lt.push(ids[i], grads[i % ng]),
+    }
+    if peer is not None:
+        calls["redis SET pipeline"] = lambda i: peer.push_set_pipeline(keys[i], grads[i % ng])
+        calls["redis MSET"] = lambda i: peer.push_mset(keys[i], grads[i % ng])
+    return calls
+
+
+def w6_network(ctx: Context) -> Section:
+    pstore = ctx.pstore
+    sz = ctx.sizes
+    reps = min(ctx.reps, sz.w6_reps)
+    n, notes = _w6_fit(sz.w6_rows)
+    sec = Section(
+        "W6",
+        f"loopback: a pstore server process against the in-process Store() and Redis; pull and "
+        f"push of Zipf batches, {n:,} rows x {W6_DIM} float32, SGD (lr {W6_LR})",
+        {"rows": n, "requested_rows": sz.w6_rows, "dim": W6_DIM, "batches": W6_BATCHES,
+         "threads": W6_THREADS, "reps": reps, "cap_s": sz.w6_cap_s,
+         "calls_per_rep": dict(sz.w6_calls)},
+    )  # fmt: skip
+    sec.notes += notes
+    if not hasattr(pstore, "connect"):
+        sec.notes.append(
+            f"skipped: this pstore ({pstore.__file__}) has no pstore.connect, so no server; "
+            "run with --source-tree to measure the repository's build"
+        )
+        return sec
+    redis = import_redis()
+    redis_path = redis_server_path()
+    redis_skip = None
+    if redis_path is None:
+        redis_skip = "redis-server not found"
+    elif redis is None:
+        redis_skip = "redis (redis-py) not installed"
+    if redis_skip is not None:
+        sec.notes.append(f"skipped: {redis_skip}; the Redis peer is not measured")
+    work = Path(tempfile.mkdtemp(prefix="pstore-w6-"))
+    servers: list[ServerProcess] = []
+    local = pstore.Store()
+    try:
+        log("W6: starting a pstore server")
+        server = start_pstore_server(pstore, pstore_search_dir(pstore), work)
+        servers.append(server)
+        sec.config["pstore_server"] = f"{server.address} pid {server.pid}"
+        remote = pstore.connect([server.address])
+        sgd = pstore.optim.SGD(lr=W6_LR)
+        rt = remote.create_sparse_table(W6_TABLE, W6_DIM, optimizer=sgd)
+        lt = local.create_sparse_table(W6_TABLE, W6_DIM, optimizer=pstore.optim.SGD(lr=W6_LR))
+        sec.config["in_process_threads"] = local.threads
+        log(f"W6: populating the server's table ({n:,} pulls of new ids)")
+        sec.config["server_populate_ids_per_s"] = _populate(rt, n)
+        log(f"W6: populating the in-process table ({n:,} rows)")
+        sec.config["in_process_populate_ids_per_s"] = _populate(lt, n)
+        peer = None
+        if redis_skip is None:
+            assert redis is not None and redis_path is not None
+            log(f"W6: starting {redis_path}")
+            rserver, client = start_redis(redis, redis_path, work)
+            servers.append(rserver)
+            peer = RedisRows(client, W6_DIM)
+            info = client.info("server")
+            hiredis = bool(getattr(getattr(redis, "utils", None), "HIREDIS_AVAILABLE", False))
+            sec.config.update(
+                redis_server=f"{redis_path} {info.get('redis_version')} at {rserver.address} "
+                f"pid {rserver.pid}",
+                redis_py=redis.__version__,
+                redis_py_parser="hiredis" if hiredis else "pure Python (hiredis not installed)",
+            )
+            log(f"W6: populating Redis with the in-process table's rows ({n:,}, MSETs)")
+            t0 = time.perf_counter()
+            for start in range(0, n, POPULATE_BATCH):
+                ids = ids_of(np.arange(start, min(start + POPULATE_BATCH, n), dtype=np.int64))
+                peer.populate(RedisRows.keys(ids), lt.pull(ids))
+            sec.config["redis_populate_ids_per_s"] = n / (time.perf_counter() - t0)
+            sec.config["redis_keys"] = client.dbsize()
+            sec.config["redis_used_memory"] = client.info("memory").get("used_memory_human")
+            probe = ids_of(PositionSampler(n, seed=60).sample("zipf", 4096))
+            if not np.array_equal(peer.pull(RedisRows.keys(probe)), lt.pull(probe)):
+                sec.notes.append("Redis's rows differ from the in-process table's after populating")
+        if len(rt) != n or (peer is not None and sec.config["redis_keys"] != n):
+            sec.notes.append(
+                f"after populating: server rows {len(rt):,}, Redis keys "
+                f"{sec.config.get('redis_keys')}, expected {n:,}"
+            )
+        sampler = PositionSampler(n, seed=61)
+        for batch in W6_BATCHES:
+            count = sz.w6_calls[batch]
+            ids = [ids_of(sampler.sample("zipf", batch)) for _ in range(count)]
+            sizes = [batch] * count
+            sec.config[f"unique_frac_{batch}"] = _unique_frac(ids)
+            grads = _grads(batch, W6_DIM, 4, seed=62)
+            keys = [RedisRows.keys(b) for b in ids] if peer is not None else []
+            for op in ("pull", "push"):
+                calls = _w6_calls(op, rt, lt, peer, ids, keys, grads)
+                skipped = {name: redis_skip for name in W6_REDIS[op]} if redis_skip else {}
+                for threads in W6_THREADS:
+                    _w6_case(
+                        sec, op, threads, batch, calls, sizes, reps, sz.w6_cap_s, skipped, server
+                    )
+            del ids, keys, grads
+        if len(rt) != n or len(lt) != n:
+            sec.notes.append(f"after W6: rows {len(rt):,} (server), {len(lt):,} (in-process)")
+        remote.close()
+    except _W6Stop as exc:
+        sec.notes.append(f"stopped early: {exc}")
+    finally:
+        for srv in reversed(servers):
+            rc = srv.stop()
+            sec.config[f"{srv.name}_exit_code"] = rc
+            if rc != 0:
+                sec.notes.append(f"{srv.name} (pid {srv.pid}) exited with {rc}: {srv.log_tail()}")
+            errs = srv.log_errors()
+            if errs:
+                sec.notes.append(f"{srv.name} logged {len(errs)} error/warning line(s): {errs[0]}")
+        local.close()
+        shutil.rmtree(work, ignore_errors=True)
+    return sec
+
+
 WORKLOADS: dict[str, Callable[[Context], Section]] = {
     "W1": w1_pull,
     "W2": w2_push,
     "W3": w3_growth,
     "W4": w4_concurrency,
     "W5": w5_durability,
+    "W6": w6_network,
 }

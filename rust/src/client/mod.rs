@@ -131,7 +131,10 @@ pub struct Client {
 }
 
 fn is_retryable(s: &Status) -> bool {
-    matches!(s.code(), Code::Unavailable | Code::DeadlineExceeded | Code::Unknown)
+    matches!(
+        s.code(),
+        Code::Unavailable | Code::DeadlineExceeded | Code::Unknown
+    )
 }
 
 fn random_id() -> u64 {
@@ -170,7 +173,11 @@ impl Client {
             .map_err(|e| Error::Internal(format!("starting the client runtime: {e}")))?;
         let mut servers = Vec::new();
         for name in &config.servers {
-            let scheme = if config.tls_ca.is_some() { "https" } else { "http" };
+            let scheme = if config.tls_ca.is_some() {
+                "https"
+            } else {
+                "http"
+            };
             let mut ep = Endpoint::from_shared(format!("{scheme}://{name}"))
                 .map_err(|e| invalid(format!("server address {name:?}: {e}")))?
                 .connect_timeout(config.timeout)
@@ -178,7 +185,10 @@ impl Client {
                 .http2_keep_alive_interval(Duration::from_secs(30));
             if let Some(ca) = &config.tls_ca {
                 let host = name.rsplit_once(':').map_or(name.as_str(), |(h, _)| h);
-                let domain = config.tls_domain.clone().unwrap_or_else(|| host.to_string());
+                let domain = config
+                    .tls_domain
+                    .clone()
+                    .unwrap_or_else(|| host.to_string());
                 let tls = tonic::transport::ClientTlsConfig::new()
                     .ca_certificate(tonic::transport::Certificate::from_pem(ca))
                     .domain_name(domain);
@@ -262,7 +272,14 @@ impl Client {
     }
 
     /// One call to server `i`, retried with backoff while it fails with a retryable status.
-    async fn call<M, R, F, Fut>(&self, i: usize, msg: M, timeout: Duration, f: F) -> Result<R>
+    async fn call<M, R, F, Fut>(
+        &self,
+        i: usize,
+        msg: M,
+        timeout: Duration,
+        retry_late: bool,
+        f: F,
+    ) -> Result<R>
     where
         M: Clone,
         F: Fn(PStoreClient<Channel>, Request<M>) -> Fut,
@@ -274,16 +291,28 @@ impl Client {
         loop {
             let req = self.request(msg.clone(), timeout);
             let fut = f(server.stub.clone(), req);
-            let out = match tokio::time::timeout(timeout + Duration::from_millis(200), fut).await {
-                Ok(r) => r,
-                Err(_) => Err(Status::deadline_exceeded(format!(
+            let started = std::time::Instant::now();
+            let late = || {
+                Status::deadline_exceeded(format!(
                     "no answer within {:.1} s",
                     timeout.as_secs_f64()
-                ))),
+                ))
+            };
+            let out = match tokio::time::timeout(timeout + Duration::from_millis(200), fut).await {
+                // tonic reports its own deadline as CANCELLED.
+                Ok(Err(s)) if s.code() == Code::Cancelled && started.elapsed() >= timeout => {
+                    Err(late())
+                }
+                Ok(r) => r,
+                Err(_) => Err(late()),
             };
             match out {
                 Ok(r) => return Ok(r.into_inner()),
-                Err(s) if is_retryable(&s) && attempt < self.config.retries => {
+                Err(s)
+                    if is_retryable(&s)
+                        && (retry_late || s.code() != Code::DeadlineExceeded)
+                        && attempt < self.config.retries =>
+                {
                     attempt += 1;
                     // Jitter in [delay/2, delay).
                     let j = (random_id() % 1000) as f64 / 2000.0 + 0.5;
@@ -306,7 +335,7 @@ impl Client {
         self.rt.block_on(async {
             let calls = targets
                 .into_iter()
-                .map(|(i, m)| self.call(i, m, t, f.clone()));
+                .map(|(i, m)| self.call(i, m, t, true, f.clone()));
             let mut out = Vec::new();
             for r in futures_join_all(calls).await {
                 out.push(r?);
@@ -321,10 +350,10 @@ impl Client {
 
     /// The server of a dense table.
     pub fn dense_home(&self, name: &str) -> usize {
-        self.router
-            .server_of(crate::hash::mix64(name.bytes().fold(0u64, |h, b| {
-                h.wrapping_mul(31).wrapping_add(b as u64)
-            })))
+        self.router.server_of(crate::hash::mix64(
+            name.bytes()
+                .fold(0u64, |h, b| h.wrapping_mul(31).wrapping_add(b as u64)),
+        ))
     }
 
     /// Status of every server, in the order of the list.
@@ -359,7 +388,10 @@ impl Client {
 
     /// Creates a table on every server (or checks that the same one exists).
     pub fn create_table(&self, req: CreateTableRequest) -> Result<Vec<TableInfo>> {
-        self.fan_out(self.all(req), |mut c, r| async move { c.create_table(r).await })
+        self.fan_out(
+            self.all(req),
+            |mut c, r| async move { c.create_table(r).await },
+        )
     }
 
     /// The table's info from every server.
@@ -488,7 +520,13 @@ impl Client {
     }
 
     /// Applies gradients now (after the queued asynchronous pushes).
-    pub fn push(self: &Arc<Self>, table: &str, dim: usize, ids: &[u64], grads: &[f32]) -> Result<PushOutcome> {
+    pub fn push(
+        self: &Arc<Self>,
+        table: &str,
+        dim: usize,
+        ids: &[u64],
+        grads: &[f32],
+    ) -> Result<PushOutcome> {
         if grads.len() != ids.len() * dim {
             return Err(shape(format!(
                 "table {table:?}: grads must hold len(ids) x dim = {} x {dim} values, got {}",
@@ -498,7 +536,9 @@ impl Client {
         }
         if self.pending() > 0 {
             let h = self.push_async(table, dim, ids.to_vec(), grads.to_vec())?;
-            return h.wait(None).unwrap_or_else(|| Err(Error::Internal("push lost".into())));
+            return h
+                .wait(None)
+                .unwrap_or_else(|| Err(Error::Internal("push lost".into())));
         }
         self.push_now(table, dim, ids, grads)
     }
@@ -511,7 +551,11 @@ impl Client {
             for c in self.chunks(&pos, 8 + dim * wire::width(d)) {
                 let g: Vec<f32> = c
                     .iter()
-                    .flat_map(|&p| grads[p as usize * dim..(p as usize + 1) * dim].iter().copied())
+                    .flat_map(|&p| {
+                        grads[p as usize * dim..(p as usize + 1) * dim]
+                            .iter()
+                            .copied()
+                    })
                     .collect();
                 targets.push((
                     i,
@@ -702,7 +746,10 @@ impl Client {
             table: table.to_string(),
             dtype: self.config.wire as i32,
         };
-        let mut a = self.fan_out(vec![(i, m)], |mut c, r| async move { c.dense_pull(r).await })?;
+        let mut a = self.fan_out(
+            vec![(i, m)],
+            |mut c, r| async move { c.dense_pull(r).await },
+        )?;
         let a = a.pop().ok_or_else(|| Error::Internal("no answer".into()))?;
         let v = wire::values(&a.values, wire::dtype(a.dtype)?, numel, "values")?.into_owned();
         self.pulled
@@ -716,7 +763,9 @@ impl Client {
     pub fn dense_push(self: &Arc<Self>, table: &str, grad: &[f32]) -> Result<PushOutcome> {
         if self.pending() > 0 {
             let h = self.dense_push_async(table, grad.to_vec())?;
-            return h.wait(None).unwrap_or_else(|| Err(Error::Internal("push lost".into())));
+            return h
+                .wait(None)
+                .unwrap_or_else(|| Err(Error::Internal("push lost".into())));
         }
         self.dense_push_now(table, grad)
     }
@@ -731,12 +780,19 @@ impl Client {
             request_id: self.next_id(),
             pulled_seq: self.pulled_seq(table, i),
         };
-        let a = self.fan_out(vec![(i, m)], |mut c, r| async move { c.dense_push(r).await })?;
+        let a = self.fan_out(
+            vec![(i, m)],
+            |mut c, r| async move { c.dense_push(r).await },
+        )?;
         Ok(outcome(&a))
     }
 
     /// Queues one dense gradient.
-    pub fn dense_push_async(self: &Arc<Self>, table: &str, grad: Vec<f32>) -> Result<Arc<RemotePush>> {
+    pub fn dense_push_async(
+        self: &Arc<Self>,
+        table: &str,
+        grad: Vec<f32>,
+    ) -> Result<Arc<RemotePush>> {
         self.check_grads(table, &grad, grad.len().max(1))?;
         let me = Arc::clone(self);
         let table = table.to_string();
@@ -770,11 +826,16 @@ impl Client {
             staleness: wait.unwrap_or(0),
             advance: true,
         };
-        let r = self.rt.block_on(self.call(coord, m, timeout, |mut c, r| async move {
-            c.clock(r).await
-        }));
+        // A wait that ran out is not retried: the caller asked for at most `timeout`.
+        let r = self
+            .rt
+            .block_on(self.call(coord, m, timeout, false, |mut c, r| async move {
+                c.clock(r).await
+            }));
         r.map_err(|e| match e {
-            Error::Remote { server, code: 4, .. } => Error::Remote {
+            Error::Remote {
+                server, code: 4, ..
+            } => Error::Remote {
                 server,
                 code: 4,
                 message: format!(
@@ -801,7 +862,9 @@ fn outcome(answers: &[PushResponse]) -> PushOutcome {
 }
 
 /// Polls every future until all are done (a small join_all, to keep the dependency list short).
-async fn futures_join_all<F: std::future::Future>(futs: impl IntoIterator<Item = F>) -> Vec<F::Output> {
+async fn futures_join_all<F: std::future::Future>(
+    futs: impl IntoIterator<Item = F>,
+) -> Vec<F::Output> {
     let mut futs: Vec<_> = futs.into_iter().map(Box::pin).collect();
     let mut out: Vec<Option<F::Output>> = (0..futs.len()).map(|_| None).collect();
     std::future::poll_fn(|cx| {
@@ -821,5 +884,7 @@ async fn futures_join_all<F: std::future::Future>(futs: impl IntoIterator<Item =
         }
     })
     .await;
-    out.into_iter().map(|o| o.expect("every future finished")).collect()
+    out.into_iter()
+        .map(|o| o.expect("every future finished"))
+        .collect()
 }

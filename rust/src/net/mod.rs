@@ -27,21 +27,6 @@ pub fn token_eq(given: &[u8], expected: &[u8]) -> bool {
     std::hint::black_box(diff) == 0
 }
 
-#[cfg(test)]
-mod tests {
-    use super::token_eq;
-
-    #[test]
-    fn tokens_compare_exactly() {
-        assert!(token_eq(b"secret", b"secret"));
-        assert!(!token_eq(b"secreT", b"secret"));
-        assert!(!token_eq(b"secret!", b"secret"));
-        assert!(!token_eq(b"secre", b"secret"));
-        assert!(!token_eq(b"", b"secret"));
-        assert!(token_eq(b"", b""));
-    }
-}
-
 /// The metadata key that carries the kind of a pstore error next to its gRPC status, so a
 /// client raises the same exception the embedded store would.
 pub const ERROR_KIND: &str = "pstore-error";
@@ -108,5 +93,20 @@ pub fn error_of(s: &tonic::Status, server: &str) -> crate::Error {
             code: s.code() as i32,
             message: format!("{:?}: {m}", s.code()),
         },
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::token_eq;
+
+    #[test]
+    fn tokens_compare_exactly() {
+        assert!(token_eq(b"secret", b"secret"));
+        assert!(!token_eq(b"secreT", b"secret"));
+        assert!(!token_eq(b"secret!", b"secret"));
+        assert!(!token_eq(b"secre", b"secret"));
+        assert!(!token_eq(b"", b"secret"));
+        assert!(token_eq(b"", b""));
     }
 }

@@ -108,7 +108,10 @@ mod tests {
                 }
             }
             let want = n as f64 / (servers + 1) as f64;
-            assert!((moved as f64 - want).abs() < 0.05 * want, "{servers}: {moved}");
+            assert!(
+                (moved as f64 - want).abs() < 0.05 * want,
+                "{servers}: {moved}"
+            );
         }
     }
 

@@ -28,7 +28,9 @@ pub fn width(d: Dtype) -> usize {
 /// Reads `b` as `[T]` in place when it is aligned and the machine is little-endian.
 fn in_place<T: Copy>(b: &[u8]) -> Option<&[T]> {
     let size = std::mem::size_of::<T>();
-    if cfg!(target_endian = "little") && (b.as_ptr() as usize) % std::mem::align_of::<T>() == 0 {
+    if cfg!(target_endian = "little")
+        && (b.as_ptr() as usize).is_multiple_of(std::mem::align_of::<T>())
+    {
         // SAFETY: the pointer is aligned for T, the length is a whole number of T (checked by the
         // callers), the bytes live as long as the borrow, and T (u64 or f32) is valid for every
         // bit pattern.
@@ -40,7 +42,7 @@ fn in_place<T: Copy>(b: &[u8]) -> Option<&[T]> {
 
 /// The ids of an `ids` field.
 pub fn ids(b: &Bytes) -> Result<Cow<'_, [u64]>> {
-    if b.len() % 8 != 0 {
+    if !b.len().is_multiple_of(8) {
         return Err(shape(format!(
             "ids must be little-endian u64 (8 bytes each), got {} bytes",
             b.len()

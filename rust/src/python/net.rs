@@ -62,9 +62,7 @@ impl PyServer {
     ) -> PyResult<Self> {
         store.guard.check()?;
         let mut cfg = ServerConfig::new(addr(host, port, "server")?);
-        cfg.metrics_addr = metrics_port
-            .map(|p| addr(host, p, "metrics"))
-            .transpose()?;
+        cfg.metrics_addr = metrics_port.map(|p| addr(host, p, "metrics")).transpose()?;
         if token.as_deref() == Some("") || read_token.as_deref() == Some("") {
             return Err(bad("a token must not be empty"));
         }
@@ -186,7 +184,11 @@ fn info_dict<'py>(py: Python<'py>, t: &TableInfo) -> PyResult<Bound<'py, PyDict>
 }
 
 /// Sums the stats of a table's servers; per-server dicts under "servers".
-fn merged_stats<'py>(py: Python<'py>, infos: &[TableInfo], servers: &[String]) -> PyResult<Bound<'py, PyDict>> {
+fn merged_stats<'py>(
+    py: Python<'py>,
+    infos: &[TableInfo],
+    servers: &[String],
+) -> PyResult<Bound<'py, PyDict>> {
     let d = PyDict::new(py);
     let mut sums = serde_json::Map::new();
     let mut stale = [0u64; 5];
@@ -482,7 +484,12 @@ impl PyClient {
 
     /// Each server writes `dir/server-<i>`; returns [(dir, rows)].
     #[pyo3(signature = (dir, incremental=false))]
-    fn snapshot(&self, py: Python<'_>, dir: &str, incremental: bool) -> PyResult<Vec<(String, u64)>> {
+    fn snapshot(
+        &self,
+        py: Python<'_>,
+        dir: &str,
+        incremental: bool,
+    ) -> PyResult<Vec<(String, u64)>> {
         let c = &self.inner;
         let r = py.detach(|| c.snapshot(dir, incremental)).map_err(err)?;
         Ok(r.into_iter().map(|s| (s.dir, s.rows)).collect())

@@ -64,7 +64,10 @@ impl Metrics {
         let e = m.entry(method).or_default();
         e.requests += 1;
         e.seconds += secs;
-        let b = BUCKETS.iter().position(|&b| secs <= b).unwrap_or(BUCKETS.len());
+        let b = BUCKETS
+            .iter()
+            .position(|&b| secs <= b)
+            .unwrap_or(BUCKETS.len());
         e.buckets[b] += 1;
         if let Some(code) = error {
             *e.errors.entry(code).or_default() += 1;
@@ -80,7 +83,9 @@ impl Metrics {
         for (k, v) in m.iter() {
             let _ = writeln!(o, "pstore_requests_total{{method=\"{k}\"}} {}", v.requests);
         }
-        o.push_str("# HELP pstore_request_errors_total Requests that failed, by method and code.\n");
+        o.push_str(
+            "# HELP pstore_request_errors_total Requests that failed, by method and code.\n",
+        );
         o.push_str("# TYPE pstore_request_errors_total counter\n");
         for (k, v) in m.iter() {
             for (code, n) in &v.errors {
@@ -106,28 +111,49 @@ impl Metrics {
                 o,
                 "pstore_request_seconds_bucket{{method=\"{k}\",le=\"+Inf\"}} {cum}"
             );
-            let _ = writeln!(o, "pstore_request_seconds_sum{{method=\"{k}\"}} {}", v.seconds);
+            let _ = writeln!(
+                o,
+                "pstore_request_seconds_sum{{method=\"{k}\"}} {}",
+                v.seconds
+            );
             let _ = writeln!(o, "pstore_request_seconds_count{{method=\"{k}\"}} {cum}");
         }
         drop(m);
         type Get = fn(&TableSample) -> f64;
         let gauges: [(&str, &str, &str, Get); 9] = [
-            ("pstore_table_rows", "gauge", "Rows stored.", |t| t.rows as f64),
-            ("pstore_table_bytes", "gauge", "Bytes of rows, state and index.", |t| {
-                t.bytes as f64
+            ("pstore_table_rows", "gauge", "Rows stored.", |t| {
+                t.rows as f64
             }),
-            ("pstore_table_pushes_total", "counter", "Pushes applied.", |t| {
-                t.pushes as f64
-            }),
-            ("pstore_table_pulls_total", "counter", "Pulls answered.", |t| {
-                t.pulls as f64
-            }),
-            ("pstore_table_ids_pushed_total", "counter", "Ids pushed.", |t| {
-                t.ids_pushed as f64
-            }),
-            ("pstore_table_ids_pulled_total", "counter", "Ids pulled.", |t| {
-                t.ids_pulled as f64
-            }),
+            (
+                "pstore_table_bytes",
+                "gauge",
+                "Bytes of rows, state and index.",
+                |t| t.bytes as f64,
+            ),
+            (
+                "pstore_table_pushes_total",
+                "counter",
+                "Pushes applied.",
+                |t| t.pushes as f64,
+            ),
+            (
+                "pstore_table_pulls_total",
+                "counter",
+                "Pulls answered.",
+                |t| t.pulls as f64,
+            ),
+            (
+                "pstore_table_ids_pushed_total",
+                "counter",
+                "Ids pushed.",
+                |t| t.ids_pushed as f64,
+            ),
+            (
+                "pstore_table_ids_pulled_total",
+                "counter",
+                "Ids pulled.",
+                |t| t.ids_pulled as f64,
+            ),
             (
                 "pstore_table_staleness_mean",
                 "gauge",
@@ -141,9 +167,12 @@ impl Metrics {
                     }
                 },
             ),
-            ("pstore_table_staleness_max", "gauge", "Largest staleness seen.", |t| {
-                t.staleness.max as f64
-            }),
+            (
+                "pstore_table_staleness_max",
+                "gauge",
+                "Largest staleness seen.",
+                |t| t.staleness.max as f64,
+            ),
             (
                 "pstore_table_stale_dropped_total",
                 "counter",

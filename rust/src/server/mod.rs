@@ -677,8 +677,13 @@ pub fn start(store: Arc<Store>, config: ServerConfig) -> Result<ServerHandle> {
         Ok::<_, Error>(l)
     };
     let grpc = bind(config.addr, "gRPC")?;
-    let addr = grpc.local_addr().map_err(|e| Error::Internal(e.to_string()))?;
-    let metrics_listener = config.metrics_addr.map(|a| bind(a, "metrics")).transpose()?;
+    let addr = grpc
+        .local_addr()
+        .map_err(|e| Error::Internal(e.to_string()))?;
+    let metrics_listener = config
+        .metrics_addr
+        .map(|a| bind(a, "metrics"))
+        .transpose()?;
     let metrics_addr = metrics_listener
         .as_ref()
         .map(|l| l.local_addr().map_err(|e| Error::Internal(e.to_string())))
@@ -698,19 +703,17 @@ pub fn start(store: Arc<Store>, config: ServerConfig) -> Result<ServerHandle> {
         .max_decoding_message_size(config.max_message)
         .max_encoding_message_size(config.max_message);
     let (stop_tx, stop_rx) = oneshot::channel::<()>();
-    let tls = match &config.tls {
-        Some((cert, key)) => Some(tonic::transport::ServerTlsConfig::new().identity(
-            tonic::transport::Identity::from_pem(cert, key),
-        )),
-        None => None,
-    };
+    let tls = config.tls.as_ref().map(|(cert, key)| {
+        tonic::transport::ServerTlsConfig::new()
+            .identity(tonic::transport::Identity::from_pem(cert, key))
+    });
     let done = {
         let _g = rt.enter();
-        let listener = tokio::net::TcpListener::from_std(grpc)
-            .map_err(|e| Error::Internal(e.to_string()))?;
+        let listener =
+            tokio::net::TcpListener::from_std(grpc).map_err(|e| Error::Internal(e.to_string()))?;
         if let Some(l) = metrics_listener {
-            let l = tokio::net::TcpListener::from_std(l)
-                .map_err(|e| Error::Internal(e.to_string()))?;
+            let l =
+                tokio::net::TcpListener::from_std(l).map_err(|e| Error::Internal(e.to_string()))?;
             let m = Arc::clone(&inner);
             rt.spawn(metrics::serve(
                 l,
@@ -729,15 +732,11 @@ pub fn start(store: Arc<Store>, config: ServerConfig) -> Result<ServerHandle> {
         let router = builder.add_service(health).add_service(svc);
         let incoming = tokio_stream::wrappers::TcpListenerStream::new(listener);
         rt.spawn(async move {
-            reporter
-                .set_serving::<PStoreServer<Service>>()
-                .await;
+            reporter.set_serving::<PStoreServer<Service>>().await;
             router
                 .serve_with_incoming_shutdown(incoming, async {
                     let _ = stop_rx.await;
-                    reporter
-                        .set_not_serving::<PStoreServer<Service>>()
-                        .await;
+                    reporter.set_not_serving::<PStoreServer<Service>>().await;
                 })
                 .await
         })

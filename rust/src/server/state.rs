@@ -17,10 +17,17 @@ use crate::net::proto::StalePolicy;
 pub const DEDUP_CAPACITY: usize = 1 << 20;
 
 type Slot<T> = Arc<Mutex<Option<T>>>;
+type Key = (u64, u64);
+
+/// The remembered answers, and their ids oldest first.
+struct Answers<T> {
+    map: HashMap<Key, Slot<T>>,
+    order: VecDeque<Key>,
+}
 
 /// The answers of recent writes by request id.
 pub struct Dedup<T> {
-    inner: Mutex<(HashMap<(u64, u64), Slot<T>>, VecDeque<(u64, u64)>)>,
+    inner: Mutex<Answers<T>>,
     capacity: usize,
 }
 
@@ -28,7 +35,10 @@ impl<T: Clone> Dedup<T> {
     /// Remembers up to `capacity` answers.
     pub fn new(capacity: usize) -> Self {
         Self {
-            inner: Mutex::new((HashMap::new(), VecDeque::new())),
+            inner: Mutex::new(Answers {
+                map: HashMap::new(),
+                order: VecDeque::new(),
+            }),
             capacity,
         }
     }
@@ -46,7 +56,7 @@ impl<T: Clone> Dedup<T> {
         };
         let slot = {
             let mut g = self.inner.lock().unwrap_or_else(|e| e.into_inner());
-            let (map, order) = &mut *g;
+            let Answers { map, order } = &mut *g;
             match map.get(&key) {
                 Some(s) => Arc::clone(s),
                 None => {
@@ -188,10 +198,8 @@ impl Policies {
         if let Some(f) = &file {
             match std::fs::read(f) {
                 Ok(b) => {
-                    let saved: BTreeMap<String, Policy> =
-                        serde_json::from_slice(&b).map_err(|e| {
-                            crate::error::corrupt(format!("{}: {e}", f.display()))
-                        })?;
+                    let saved: BTreeMap<String, Policy> = serde_json::from_slice(&b)
+                        .map_err(|e| crate::error::corrupt(format!("{}: {e}", f.display())))?;
                     for (k, p) in saved {
                         map.insert(k, (p, Staleness::default()));
                     }
@@ -337,7 +345,10 @@ mod tests {
         p.record("t", Some(4), Decision::Apply(0.25));
         p.record("t", Some(2), Decision::Drop);
         let s = p.stats("t");
-        assert_eq!((s.pushes, s.total, s.max, s.dropped, s.scaled), (2, 6, 4, 1, 1));
+        assert_eq!(
+            (s.pushes, s.total, s.max, s.dropped, s.scaled),
+            (2, 6, 4, 1, 1)
+        );
     }
 
     #[test]

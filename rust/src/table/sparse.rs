@@ -715,7 +715,12 @@ impl SparseTable {
         self.queue(ids, grads, 1.0)
     }
 
-    fn queue(self: &Arc<Self>, ids: Vec<u64>, grads: Vec<f32>, lr_scale: f64) -> Result<PushHandle> {
+    fn queue(
+        self: &Arc<Self>,
+        ids: Vec<u64>,
+        grads: Vec<f32>,
+        lr_scale: f64,
+    ) -> Result<PushHandle> {
         let bytes = ids.len() * 8 + grads.len() * 4;
         let me = Arc::clone(self);
         self.common.exec.submit(

@@ -1,0 +1,84 @@
+"""Starting real store-server processes for the network tests (loopback only)."""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Sequence
+
+import pstore
+
+
+def free_port() -> int:
+    """A port that was free a moment ago on 127.0.0.1."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+class ServerProcess:
+    """`python -m pstore serve` on 127.0.0.1, started the way a user starts it."""
+
+    def __init__(
+        self,
+        *args: str,
+        port: int | None = None,
+        env: dict[str, str] | None = None,
+        log: str | os.PathLike[str] | None = None,
+    ) -> None:
+        self.port = port or free_port()
+        self.address = f"127.0.0.1:{self.port}"
+        cmd = [
+            sys.executable, "-m", "pstore", "serve", "--host", "127.0.0.1",
+            "--port", str(self.port), "--log-interval", "0", *args,
+        ]
+        self.log = open(log, "ab") if log else subprocess.DEVNULL  # noqa: SIM115
+        self.proc = subprocess.Popen(
+            cmd, stdout=subprocess.DEVNULL, stderr=self.log, env={**os.environ, **(env or {})}
+        )
+
+    def wait_ready(self, token: str | None = None, timeout: float = 30.0) -> pstore.RemoteStore:
+        deadline = time.monotonic() + timeout
+        while True:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"server exited with {self.proc.returncode}")
+            try:
+                return pstore.connect([self.address], token, timeout=2.0, retries=0)
+            except pstore.ServerError:
+                if time.monotonic() > deadline:
+                    raise
+                time.sleep(0.05)
+
+    def send(self, sig: int) -> None:
+        if self.proc.poll() is None:
+            self.proc.send_signal(sig)
+
+    def stop(self, sig: int = signal.SIGTERM, timeout: float = 60.0) -> int:
+        self.send(sig)
+        try:
+            return self.proc.wait(timeout)
+        finally:
+            if self.proc.poll() is None:
+                self.proc.kill()
+                self.proc.wait()
+            if self.log is not subprocess.DEVNULL:
+                self.log.close()
+
+
+def start_servers(n: int, *args: str, token: str | None = None) -> list[ServerProcess]:
+    """`n` servers, ready."""
+    env = {"PSTORE_TOKEN": token} if token else None
+    procs = [ServerProcess(*args, env=env) for _ in range(n)]
+    for p in procs:
+        p.wait_ready(token)
+    return procs
+
+
+def stop_all(procs: Sequence[ServerProcess]) -> list[int]:
+    for p in procs:
+        p.send(signal.SIGTERM)
+    return [p.stop() for p in procs]

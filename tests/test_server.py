@@ -1,0 +1,386 @@
+"""Store servers and the distributed client: the same API as the embedded store, over loopback.
+
+Servers run in this process (`pstore.server.Server`) where a test looks at the client, and as
+real `pstore serve` processes where it looks at the server's life: signals, crashes, restarts.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+import urllib.request
+
+import numpy as np
+import pytest
+from _netutil import ServerProcess, free_port, start_servers, stop_all
+
+import pstore
+from pstore import init, optim
+from pstore.server import Server
+
+
+@pytest.fixture
+def cluster():
+    """Three in-process servers (in memory) and a client of all three."""
+    servers = [Server(pstore.Store(num_shards=4, threads=2)) for _ in range(3)]
+    remote = pstore.connect([s.address for s in servers], timeout=10.0)
+    yield remote, servers
+    for s in servers:
+        s.stop(grace=1.0)
+
+
+def _embedded_twin(remote_table, store: pstore.Store):
+    """The same table in an embedded store."""
+    t = remote_table
+    return store.create_sparse_table(
+        t.name, t.dim, optimizer=t.optimizer, initializer=t.initializer, seed=t.seed
+    )
+
+
+def test_remote_tables_match_the_embedded_store_bit_for_bit(cluster, rng):
+    remote, servers = cluster
+    local = pstore.Store()
+    for opt in (optim.SGD(lr=0.3, momentum=0.9), optim.Adagrad(lr=0.1), optim.Adam(lr=0.01)):
+        name = type(opt).__name__.lower()
+        rt = remote.create_sparse_table(
+            name, 8, optimizer=opt, initializer=init.Normal(0.0, 0.1), seed=11
+        )
+        lt = _embedded_twin(rt, local)
+        for _ in range(5):
+            ids = rng.integers(-(2**62), 2**62, size=300, dtype=np.int64)
+            ids[:50] = ids[50:100]  # duplicates are coalesced the same way
+            grads = rng.standard_normal((300, 8), dtype=np.float32)
+            np.testing.assert_array_equal(rt.pull(ids), lt.pull(ids))
+            rt.push(ids, grads)
+            lt.push(ids, grads)
+        np.testing.assert_array_equal(rt.pull(ids), lt.pull(ids))
+        assert len(rt) == len(lt)
+        mask = rt.contains(np.concatenate([ids, [12345]]))
+        assert mask[:-1].all() and not mask[-1]
+    # Every server holds part of the rows.
+    per = [s["rows"] for s in remote.table("sgd").stats()["servers"]]
+    assert all(p > 0 for p in per) and sum(per) == len(remote.table("sgd"))
+
+
+def test_remote_store_has_the_store_api(cluster):
+    remote, _ = cluster
+    t = remote.create_sparse_table("emb", 4, optimizer=optim.SGD(lr=1.0), seed=3)
+    assert isinstance(t, pstore.SparseTable)
+    # Creating the same table again (another worker) returns it; another config is refused.
+    again = remote.create_sparse_table("emb", 4, optimizer=optim.SGD(lr=1.0), seed=3)
+    assert again.name == "emb" and again.dim == 4
+    with pytest.raises(pstore.TableExistsError):
+        remote.create_sparse_table("emb", 5, optimizer=optim.SGD(lr=1.0), seed=3)
+    d = remote.create_dense_table("w", (2, 3), optimizer=optim.SGD(lr=0.5))
+    assert isinstance(d, pstore.DenseTable)
+    d.push(np.ones((2, 3), np.float32))
+    np.testing.assert_allclose(d.pull(), -0.5)
+    d.push_async(np.ones((2, 3), np.float32)).wait()
+    assert d.step == 2
+    assert remote.tables() == ["emb", "w"] and "emb" in remote and set(remote) == {"emb", "w"}
+    assert isinstance(remote["w"], pstore.DenseTable)
+    with pytest.raises(pstore.WrongTableKindError):
+        remote.sparse_table("w")
+    with pytest.raises(pstore.UnknownTableError):
+        remote.table("nope")
+    t.lr = 0.25
+    assert remote.table("emb").lr == 0.25
+    ids = np.arange(10, dtype=np.uint64)
+    t.push(ids, np.ones((10, 4), np.float32))
+    np.testing.assert_allclose(t.pull(ids), t.initial_rows(ids) - 0.25, atol=1e-6)
+    assert t.remove(ids[:4]) == 4 and not t.contains(ids[:4]).any()
+    handles = [t.push_async(ids, np.ones((10, 4), np.float32)) for _ in range(5)]
+    for h in handles:
+        h.wait()
+    assert all(h.done() for h in handles)
+    np.testing.assert_allclose(t.pull(ids[4:]), t.initial_rows(ids[4:]) - 0.25 * 6, atol=1e-6)
+    remote.flush()
+    remote.drop_table("w")
+    assert remote.tables() == ["emb"]
+
+
+def test_bad_input_is_refused_and_changes_nothing(cluster, rng):
+    remote, _ = cluster
+    t = remote.create_sparse_table("emb", 4, optimizer=optim.SGD(lr=1.0))
+    ids = rng.integers(0, 2**63, size=1000, dtype=np.int64)
+    before = t.pull(ids)
+    grads = np.ones((1000, 4), np.float32)
+    grads[999, 3] = np.nan  # on one server only: no server may apply its part
+    with pytest.raises(pstore.NonFiniteError, match="NaN"):
+        t.push(ids, grads)
+    with pytest.raises(pstore.NonFiniteError):
+        t.push_async(ids, grads)
+    with pytest.raises(pstore.ShapeError):
+        t.push(ids, np.ones((1000, 5), np.float32))
+    with pytest.raises(pstore.ShapeError):
+        t.push(ids[:10], np.ones((11, 4), np.float32))
+    with pytest.raises(pstore.DtypeError):
+        t.push(ids, np.ones((1000, 4), np.float64))
+    np.testing.assert_array_equal(t.pull(ids), before)
+    assert t.stats()["pushes"] == 0
+
+
+def test_wire_dtypes_round_within_their_bound():
+    with Server(pstore.Store()) as srv:
+        exact = pstore.connect([srv.address])
+        table = exact.create_sparse_table(
+            "emb", 64, optimizer=optim.SGD(lr=1.0), initializer=init.Uniform(-3.0, 3.0)
+        )
+        ids = np.arange(5000, dtype=np.uint64)
+        truth = table.pull(ids)
+        for dtype, rel in (("float16", 2.0**-11), ("bfloat16", 2.0**-8)):
+            c = pstore.connect([srv.address], wire_dtype=dtype)
+            assert c.wire_dtype == dtype
+            got = c.table("emb").pull(ids)
+            err = np.abs(got - truth)
+            assert (err <= rel * np.abs(truth) + 1e-7).all()
+            assert err.max() > 0  # it really went as 16 bits
+        # A gradient a 16-bit wire cannot carry is refused before any server sees it.
+        half = pstore.connect([srv.address], wire_dtype="float16")
+        with pytest.raises(pstore.NonFiniteError, match="float16"):
+            half.table("emb").push(ids[:2], np.full((2, 64), 1e6, np.float32))
+        np.testing.assert_array_equal(table.pull(ids), truth)
+        with pytest.raises(pstore.InvalidArgumentError):
+            pstore.connect([srv.address], wire_dtype="int8")  # type: ignore[arg-type]
+
+
+def test_batches_over_the_message_limit_are_split():
+    with Server(pstore.Store(), max_message=64 * 1024) as srv:
+        remote = pstore.connect([srv.address], max_message=48 * 1024)
+        local = pstore.Store()
+        t = remote.create_sparse_table("emb", 16, optimizer=optim.Adagrad(lr=0.1), seed=1)
+        lt = _embedded_twin(t, local)
+        ids = np.arange(200_000, dtype=np.uint64)  # 13 MB of rows: ~300 requests
+        grads = np.ones((ids.size, 16), np.float32)
+        t.push(ids, grads)
+        lt.push(ids, grads)
+        np.testing.assert_array_equal(t.pull(ids), lt.pull(ids))
+        # A client that does not split gets a clear error, and the server goes on.
+        big = pstore.connect([srv.address], max_message=1 << 20)
+        with pytest.raises(pstore.ServerError):
+            big.table("emb").pull(ids)
+        assert remote.health() == ["SERVING"]
+
+
+def test_tokens(tmp_path):
+    with Server(pstore.Store(), token="rw-secret", read_token="ro-secret") as srv:
+        rw = pstore.connect([srv.address], token="rw-secret")
+        rw.create_sparse_table("emb", 4)
+        ro = pstore.connect([srv.address], token="ro-secret")
+        assert ro.table("emb").pull([1, 2]).shape == (2, 4)
+        with pytest.raises(pstore.AuthenticationError) as e:
+            ro.table("emb").push([1], np.ones((1, 4), np.float32))
+        assert e.value.code == 7  # PERMISSION_DENIED
+        with pytest.raises(pstore.AuthenticationError):
+            ro.create_sparse_table("other", 4)
+        with pytest.raises(pstore.AuthenticationError) as e:
+            pstore.connect([srv.address], token="rw-secreT")
+        assert e.value.code == 16  # UNAUTHENTICATED
+        with pytest.raises(pstore.AuthenticationError):
+            pstore.connect([srv.address])
+        f = tmp_path / "token"
+        f.write_text("rw-secret\n")
+        assert pstore.connect([srv.address], token_file=f).tables() == ["emb"]
+    with pytest.raises(pstore.InvalidArgumentError):
+        Server(pstore.Store(), read_token="only-read")
+
+
+def test_stale_pushes_are_applied_dropped_or_scaled():
+    with Server(pstore.Store()) as srv:
+        a = pstore.connect([srv.address])
+        b = pstore.connect([srv.address])
+        ids = np.array([7], np.uint64)
+        one = np.ones((1, 1), np.float32)
+        for policy, expected in (("apply", -4.0), ("drop", -3.0), ("scale", -3.0 - 1.0 / 3)):
+            ta = a.create_sparse_table(
+                policy, 1, optimizer=optim.SGD(lr=1.0), initializer=init.Zeros(),
+                stale_policy=policy, max_staleness=2,
+            )
+            tb = b.table(policy)
+            ta.pull(ids)  # worker a reads at seq 0
+            for _ in range(3):
+                tb.pull(ids)
+                tb.push(ids, one)  # worker b pushes three fresh gradients
+            ta.push(ids, one)  # staleness 3
+            assert tb.pull(ids)[0, 0] == pytest.approx(expected, abs=1e-6)
+            st = ta.stats()["staleness"]
+            assert st["max"] == 3 and st["pushes"] == 4
+            assert st["dropped"] == (policy == "drop")
+            assert st["scaled"] == (policy == "scale")
+
+
+def test_training_clocks_bsp_and_ssp():
+    with Server(pstore.Store()) as srv:
+        w0 = pstore.connect([srv.address], mode="bsp", worker=0, num_workers=2)
+        w1 = pstore.connect([srv.address], mode="bsp", worker=1, num_workers=2)
+        done = threading.Event()
+
+        def step0() -> None:
+            w0.end_step()
+            done.set()
+
+        th = threading.Thread(target=step0)
+        th.start()
+        assert not done.wait(0.5), "BSP: worker 0 went on before worker 1 ended the step"
+        w1.end_step()
+        assert done.wait(10)
+        th.join()
+    # SSP(1): a worker may run one step ahead of the slowest, not two.
+    with Server(pstore.Store()) as srv:
+        s0 = pstore.connect([srv.address], mode="ssp", staleness=1, worker=0, num_workers=2,
+                            barrier_timeout=0.5)
+        s1 = pstore.connect([srv.address], mode="ssp", staleness=1, worker=1, num_workers=2)
+        assert s0.end_step() == 1  # needs the slowest at >= 0
+        with pytest.raises(pstore.ServerTimeoutError, match="slowest worker"):
+            s0.end_step()  # clock 2 needs the slowest at >= 1: worker 1 is at 0
+        s1.end_step()
+        s1.end_step()
+        assert s0.status()[0]["clocks"] == [2, 2]
+    with pytest.raises(pstore.InvalidArgumentError):
+        pstore.connect(["127.0.0.1:1"], mode="bsp")
+
+
+def test_metrics_endpoint():
+    with Server(pstore.Store(), metrics_port=0) as srv:
+        assert srv.metrics_port
+        remote = pstore.connect([srv.address])
+        t = remote.create_sparse_table("emb", 4)
+        t.pull(np.arange(100))
+        with pytest.raises(pstore.UnknownTableError):
+            remote.table("missing")
+        url = f"http://127.0.0.1:{srv.metrics_port}/metrics"
+        with urllib.request.urlopen(url, timeout=10) as r:
+            assert r.status == 200
+            text = r.read().decode()
+        assert 'pstore_requests_total{method="Pull"} 1' in text
+        assert 'pstore_request_errors_total{method="GetTable",code="NOT_FOUND"} 1' in text
+        assert 'pstore_request_seconds_count{method="Pull"} 1' in text
+        assert 'pstore_table_rows{table="emb",kind="sparse"} 100' in text
+        assert "pstore_table_staleness_mean" in text and "pstore_uptime_seconds" in text
+        with pytest.raises(urllib.error.HTTPError):
+            urllib.request.urlopen(f"http://127.0.0.1:{srv.metrics_port}/nope", timeout=10)
+
+
+def test_pulls_retry_until_a_restarted_server_answers(tmp_path):
+    path = tmp_path / "store"
+    port = free_port()
+    srv = Server(pstore.Store(path=path, durability="sync"), port=port)
+    remote = pstore.connect([srv.address], timeout=5.0, retries=8)
+    t = remote.create_sparse_table("emb", 4, optimizer=optim.SGD(lr=1.0), initializer=init.Zeros())
+    t.push([1], np.ones((1, 4), np.float32))
+    srv.stop()
+    srv.store.close()
+
+    def restart() -> None:
+        time.sleep(0.3)
+        restarted.append(Server(pstore.Store(path=path, durability="sync"), port=port))
+
+    restarted: list[Server] = []
+    th = threading.Thread(target=restart)
+    th.start()
+    try:
+        np.testing.assert_array_equal(t.pull([1]), -np.ones((1, 4), np.float32))
+    finally:
+        th.join()
+        for s in restarted:
+            s.stop()
+
+
+def test_unreachable_server_fails_within_the_timeout():
+    port = free_port()
+    t0 = time.monotonic()
+    with pytest.raises(pstore.ServerError) as e:
+        pstore.connect([f"127.0.0.1:{port}"], timeout=1.0, retries=1)
+    assert time.monotonic() - t0 < 10
+    assert f"127.0.0.1:{port}" in str(e.value)
+
+
+def test_serve_process_stops_cleanly_on_sigterm_and_sigint(tmp_path):
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        log = tmp_path / f"log-{sig}"
+        p = ServerProcess("--path", str(tmp_path / f"s{sig}"), "--durability", "async",
+                          log=log)
+        remote = p.wait_ready()
+        t = remote.create_sparse_table("emb", 4, optimizer=optim.SGD(lr=1.0),
+                                       initializer=init.Zeros())
+        t.push(np.arange(100), np.ones((100, 4), np.float32))
+        assert p.stop(sig) == 0
+        lines = log.read_text().splitlines()
+        assert any("event=serving" in x and f"address={p.address}" in x for x in lines)
+        assert any("event=stopping" in x and signal.Signals(sig).name in x for x in lines)
+        assert lines[-1].split()[2] == "event=stopped"
+        # The store was flushed on the way out: async durability lost nothing.
+        with pstore.Store(path=tmp_path / f"s{sig}") as s:
+            np.testing.assert_array_equal(s.sparse_table("emb").pull(np.arange(100)), -1.0)
+
+
+def test_killed_server_keeps_every_acknowledged_sync_push(tmp_path):
+    path = str(tmp_path / "store")
+    token = "t0ken"
+    p = ServerProcess("--path", path, "--durability", "sync", env={"PSTORE_TOKEN": token})
+    remote = p.wait_ready(token)
+    remote = pstore.connect([p.address], token, timeout=2.0, retries=0)
+    t = remote.create_sparse_table("emb", 8, optimizer=optim.SGD(lr=1.0), initializer=init.Zeros())
+    acked = 0
+    stop = threading.Event()
+    errors: list[BaseException] = []
+
+    def train() -> None:
+        nonlocal acked
+        try:
+            while not stop.is_set():
+                t.push([acked % 50], np.ones((1, 8), np.float32))
+                acked += 1
+        except pstore.ServerError as e:
+            errors.append(e)
+
+    th = threading.Thread(target=train)
+    th.start()
+    time.sleep(1.0)
+    p.proc.kill()  # SIGKILL: no flush, no goodbye
+    t0 = time.monotonic()
+    th.join(30)
+    stop.set()
+    assert errors, "the client did not notice the dead server"
+    assert time.monotonic() - t0 < 10  # within its timeout (2 s) and retries
+    assert acked > 10
+    p.stop()
+    p2 = ServerProcess("--path", path, "--durability", "sync", env={"PSTORE_TOKEN": token})
+    try:
+        r2 = p2.wait_ready(token)
+        rows = r2.table("emb").pull(np.arange(50))
+        # Every acknowledged push is there; the one in flight at the kill may be too.
+        applied = -rows[:, 0]
+        want = np.bincount(np.arange(acked) % 50, minlength=50)
+        assert (applied >= want).all() and (applied <= want + 1).all()
+        assert (rows == rows[:, :1]).all()  # no torn row
+    finally:
+        assert p2.stop() == 0
+
+
+def test_status_command(tmp_path):
+    procs = start_servers(2, token="s3cret")
+    try:
+        remote = pstore.connect([p.address for p in procs], token="s3cret")
+        remote.create_sparse_table("user", 8).pull(np.arange(1000))
+        tf = tmp_path / "tok"
+        tf.write_text("s3cret")
+        cmd = [sys.executable, "-m", "pstore", "status", *[p.address for p in procs],
+               "--token-file", str(tf)]
+        out = subprocess.run(cmd, capture_output=True, text=True, timeout=60)
+        assert out.returncode == 0, out.stderr
+        assert out.stdout.count("SERVING") == 2 and "user" in out.stdout
+        js = subprocess.run([*cmd, "--json"], capture_output=True, text=True, timeout=60)
+        status = json.loads(js.stdout)
+        assert [s["health"] for s in status] == ["SERVING", "SERVING"]
+        assert sum(s["tables"][0]["rows"] for s in status) == 1000
+        env = {k: v for k, v in os.environ.items() if k != "PSTORE_TOKEN"}
+        bad = subprocess.run(cmd[:-2], capture_output=True, text=True, timeout=60, env=env)
+        assert bad.returncode == 2 and "token" in bad.stderr.lower()
+    finally:
+        assert stop_all(procs) == [0, 0]
