@@ -179,7 +179,23 @@ def _secret(direct_env: str, file: str | None) -> str | None:
 
 
 def _cmd_serve(args: argparse.Namespace) -> int:
+    from pstore.client import load_cluster
     from pstore.server import serve
+
+    token_file = args.token_file
+    if args.cluster is not None:
+        cluster = load_cluster(args.cluster)
+        if args.index is None or not 0 <= args.index < len(cluster["servers"]):
+            raise pstore.InvalidArgumentError(
+                f"--cluster needs --index in 0..{len(cluster['servers']) - 1}"
+            )
+        host, _, port = cluster["servers"][args.index].rpartition(":")
+        args.port = int(port)
+        if args.host is None:
+            args.host = host.strip("[]")
+        token_file = token_file or cluster.get("token_file")
+    elif args.index is not None:
+        raise pstore.InvalidArgumentError("--index needs --cluster")
 
     store = pstore.Store(
         path=args.path,
@@ -190,10 +206,10 @@ def _cmd_serve(args: argparse.Namespace) -> int:
     )
     return serve(
         store,
-        host=args.host,
+        host=args.host or "127.0.0.1",
         port=args.port,
         metrics_port=args.metrics_port,
-        token=_secret("PSTORE_TOKEN", args.token_file),
+        token=_secret("PSTORE_TOKEN", token_file),
         read_token=_secret("PSTORE_READ_TOKEN", args.read_token_file),
         tls_cert=args.tls_cert,
         tls_key=args.tls_key,
@@ -203,9 +219,11 @@ def _cmd_serve(args: argparse.Namespace) -> int:
 
 
 def _cmd_status(args: argparse.Namespace) -> int:
+    if (args.cluster is None) == (not args.servers):
+        raise pstore.InvalidArgumentError("give the servers (HOST:PORT ...) or --cluster FILE")
     remote = pstore.connect(
-        args.servers,
-        _secret("PSTORE_TOKEN", args.token_file),
+        args.cluster or args.servers,
+        _secret("PSTORE_TOKEN", args.token_file) if args.token_file or not args.cluster else None,
         timeout=args.timeout,
         retries=0,
         tls_ca=args.tls_ca,
@@ -308,10 +326,14 @@ def build_parser() -> argparse.ArgumentParser:
         "or SIGINT it finishes the calls in flight, flushes and exits 0.",
     )
     p.add_argument("--port", type=int, default=7070, help="gRPC port (default 7070; 0: any)")
-    p.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1)")
+    p.add_argument("--host", default=None, help="address to bind (default 127.0.0.1)")
+    p.add_argument("--cluster", default=None, help="a cluster file (docs/CLUSTER.md)")
+    p.add_argument("--index", type=int, default=None, help="this server's index in --cluster")
     p.add_argument("--path", default=None, help="durable store directory (default: in memory)")
     p.add_argument(
-        "--durability", choices=["sync", "async", "none"], default="async",
+        "--durability",
+        choices=["sync", "async", "none"],
+        default="async",
         help="when pushes reach disk (with --path; default async)",
     )
     p.add_argument("--flush-interval", type=float, default=1.0, help="async flush period, s")
@@ -330,7 +352,8 @@ def build_parser() -> argparse.ArgumentParser:
         "status",
         help="show store servers: health, tables, rows, clocks, staleness",
     )
-    p.add_argument("servers", nargs="+", metavar="HOST:PORT")
+    p.add_argument("servers", nargs="*", metavar="HOST:PORT")
+    p.add_argument("--cluster", default=None, help="a cluster file instead of the addresses")
     p.add_argument("--token-file", default=None, help="file holding a token ($PSTORE_TOKEN)")
     p.add_argument("--tls-ca", default=None, help="PEM of the CA of the servers' certificates")
     p.add_argument("--timeout", type=float, default=5.0, help="seconds per call (default 5)")

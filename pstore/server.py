@@ -169,8 +169,12 @@ def serve(
                 for name in store.tables():
                     s = store.table(name).stats()
                     log_event(
-                        "table", table=name, rows=s["rows"], pushes=s["pushes"],
-                        pulls=s["pulls"], bytes=s["bytes_used"],
+                        "table",
+                        table=name,
+                        rows=s["rows"],
+                        pushes=s["pushes"],
+                        pulls=s["pulls"],
+                        bytes=s["bytes_used"],
                     )
         if got:
             log_event("stopping", signal=signal.Signals(got[0]).name, grace_seconds=grace)

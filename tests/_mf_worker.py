@@ -50,8 +50,12 @@ def main() -> None:
     a = p.parse_args()
     train, _ = data()
     store = pstore.connect(
-        a.servers.split(","), mode=a.mode, staleness=a.staleness, worker=a.worker,
-        num_workers=a.workers, barrier_timeout=120.0,
+        a.servers.split(","),
+        mode=a.mode,
+        staleness=a.staleness,
+        worker=a.worker,
+        num_workers=a.workers,
+        barrier_timeout=120.0,
     )
     m = model(store, train)
     steps = 0

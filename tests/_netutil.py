@@ -33,10 +33,19 @@ class ServerProcess:
         self.port = port or free_port()
         self.address = f"127.0.0.1:{self.port}"
         cmd = [
-            sys.executable, "-m", "pstore", "serve", "--host", "127.0.0.1",
-            "--port", str(self.port), "--log-interval", "0", *args,
+            sys.executable,
+            "-m",
+            "pstore",
+            "serve",
+            "--host",
+            "127.0.0.1",
+            "--port",
+            str(self.port),
+            "--log-interval",
+            "0",
+            *args,
         ]
-        self.log = open(log, "ab") if log else subprocess.DEVNULL  # noqa: SIM115
+        self.log = open(log, "ab") if log else subprocess.DEVNULL
         self.proc = subprocess.Popen(
             cmd, stdout=subprocess.DEVNULL, stderr=self.log, env={**os.environ, **(env or {})}
         )

@@ -53,15 +53,30 @@ def test_workers_reach_the_embedded_rmse(mode, staleness, n_servers, embedded_rm
         worker = Path(__file__).with_name("_mf_worker.py")
         procs = [
             subprocess.Popen(
-                [sys.executable, str(worker), "--servers", addrs, "--worker", str(k),
-                 "--workers", str(WORKERS), "--mode", mode, "--staleness", str(staleness),
-                 "--epochs", str(EPOCHS)],
-                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                [
+                    sys.executable,
+                    str(worker),
+                    "--servers",
+                    addrs,
+                    "--worker",
+                    str(k),
+                    "--workers",
+                    str(WORKERS),
+                    "--mode",
+                    mode,
+                    "--staleness",
+                    str(staleness),
+                    "--epochs",
+                    str(EPOCHS),
+                ],
+                stdout=subprocess.PIPE,
+                stderr=subprocess.PIPE,
+                text=True,
             )
             for k in range(WORKERS)
         ]
         outs = [p.communicate(timeout=240) for p in procs]
-        for p, (out, err) in zip(procs, outs, strict=True):
+        for p, (_out, err) in zip(procs, outs, strict=True):
             assert p.returncode == 0, err
         steps = [json.loads(out)["steps"] for out, _ in outs]
         assert len(set(steps)) == 1 and steps[0] > 0

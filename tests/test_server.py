@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -43,7 +44,7 @@ def _embedded_twin(remote_table, store: pstore.Store):
 
 
 def test_remote_tables_match_the_embedded_store_bit_for_bit(cluster, rng):
-    remote, servers = cluster
+    remote, _servers = cluster
     local = pstore.Store()
     for opt in (optim.SGD(lr=0.3, momentum=0.9), optim.Adagrad(lr=0.1), optim.Adam(lr=0.01)):
         name = type(opt).__name__.lower()
@@ -198,8 +199,12 @@ def test_stale_pushes_are_applied_dropped_or_scaled():
         one = np.ones((1, 1), np.float32)
         for policy, expected in (("apply", -4.0), ("drop", -3.0), ("scale", -3.0 - 1.0 / 3)):
             ta = a.create_sparse_table(
-                policy, 1, optimizer=optim.SGD(lr=1.0), initializer=init.Zeros(),
-                stale_policy=policy, max_staleness=2,
+                policy,
+                1,
+                optimizer=optim.SGD(lr=1.0),
+                initializer=init.Zeros(),
+                stale_policy=policy,
+                max_staleness=2,
             )
             tb = b.table(policy)
             ta.pull(ids)  # worker a reads at seq 0
@@ -232,8 +237,9 @@ def test_training_clocks_bsp_and_ssp():
         th.join()
     # SSP(1): a worker may run one step ahead of the slowest, not two.
     with Server(pstore.Store()) as srv:
-        s0 = pstore.connect([srv.address], mode="ssp", staleness=1, worker=0, num_workers=2,
-                            barrier_timeout=0.5)
+        s0 = pstore.connect(
+            [srv.address], mode="ssp", staleness=1, worker=0, num_workers=2, barrier_timeout=0.5
+        )
         s1 = pstore.connect([srv.address], mode="ssp", staleness=1, worker=1, num_workers=2)
         assert s0.end_step() == 1  # needs the slowest at >= 0
         with pytest.raises(pstore.ServerTimeoutError, match="slowest worker"):
@@ -303,11 +309,11 @@ def test_unreachable_server_fails_within_the_timeout():
 def test_serve_process_stops_cleanly_on_sigterm_and_sigint(tmp_path):
     for sig in (signal.SIGTERM, signal.SIGINT):
         log = tmp_path / f"log-{sig}"
-        p = ServerProcess("--path", str(tmp_path / f"s{sig}"), "--durability", "async",
-                          log=log)
+        p = ServerProcess("--path", str(tmp_path / f"s{sig}"), "--durability", "async", log=log)
         remote = p.wait_ready()
-        t = remote.create_sparse_table("emb", 4, optimizer=optim.SGD(lr=1.0),
-                                       initializer=init.Zeros())
+        t = remote.create_sparse_table(
+            "emb", 4, optimizer=optim.SGD(lr=1.0), initializer=init.Zeros()
+        )
         t.push(np.arange(100), np.ones((100, 4), np.float32))
         assert p.stop(sig) == 0
         lines = log.read_text().splitlines()
@@ -370,8 +376,15 @@ def test_status_command(tmp_path):
         remote.create_sparse_table("user", 8).pull(np.arange(1000))
         tf = tmp_path / "tok"
         tf.write_text("s3cret")
-        cmd = [sys.executable, "-m", "pstore", "status", *[p.address for p in procs],
-               "--token-file", str(tf)]
+        cmd = [
+            sys.executable,
+            "-m",
+            "pstore",
+            "status",
+            *[p.address for p in procs],
+            "--token-file",
+            str(tf),
+        ]
         out = subprocess.run(cmd, capture_output=True, text=True, timeout=60)
         assert out.returncode == 0, out.stderr
         assert out.stdout.count("SERVING") == 2 and "user" in out.stdout
@@ -384,3 +397,108 @@ def test_status_command(tmp_path):
         assert bad.returncode == 2 and "token" in bad.stderr.lower()
     finally:
         assert stop_all(procs) == [0, 0]
+
+
+def _certs(d) -> tuple[str, str, str]:
+    """A throwaway CA and a server certificate for localhost and 127.0.0.1, made by openssl."""
+    run = lambda *a: subprocess.run(["openssl", *a], cwd=d, check=True, capture_output=True)  # noqa: E731
+    run(
+        "req",
+        "-x509",
+        "-newkey",
+        "rsa:2048",
+        "-nodes",
+        "-keyout",
+        "ca.key",
+        "-out",
+        "ca.pem",
+        "-days",
+        "2",
+        "-subj",
+        "/CN=pstore test CA",
+    )
+    run(
+        "req",
+        "-newkey",
+        "rsa:2048",
+        "-nodes",
+        "-keyout",
+        "srv.key",
+        "-out",
+        "srv.csr",
+        "-subj",
+        "/CN=localhost",
+    )
+    (d / "ext").write_text("subjectAltName=DNS:localhost,IP:127.0.0.1\n")
+    run(
+        "x509",
+        "-req",
+        "-in",
+        "srv.csr",
+        "-CA",
+        "ca.pem",
+        "-CAkey",
+        "ca.key",
+        "-CAcreateserial",
+        "-out",
+        "srv.pem",
+        "-days",
+        "2",
+        "-extfile",
+        "ext",
+    )
+    return str(d / "ca.pem"), str(d / "srv.pem"), str(d / "srv.key")
+
+
+@pytest.mark.skipif(shutil.which("openssl") is None, reason="needs the openssl command")
+def test_tls(tmp_path):
+    ca, cert, key = _certs(tmp_path)
+    with Server(pstore.Store(), tls_cert=cert, tls_key=key, token="tls-tok") as srv:
+        remote = pstore.connect([srv.address], "tls-tok", tls_ca=ca, tls_domain="localhost")
+        t = remote.create_sparse_table("emb", 4, initializer=init.Constant(2.0))
+        np.testing.assert_array_equal(t.pull([1, 2]), 2.0)
+        with pytest.raises(pstore.ServerError):
+            pstore.connect([srv.address], "tls-tok", timeout=2.0, retries=0)  # plaintext
+        with pytest.raises(pstore.ServerError):  # a certificate for another name
+            pstore.connect(
+                [srv.address],
+                "tls-tok",
+                tls_ca=ca,
+                tls_domain="example.org",
+                timeout=2.0,
+                retries=0,
+            )
+    with pytest.raises(pstore.InvalidArgumentError, match="TLS"):
+        Server(pstore.Store(), tls_cert=cert)
+
+
+def test_cluster_file(tmp_path):
+    ports = [free_port(), free_port()]
+    (tmp_path / "token").write_text("c-tok\n")
+    cluster = tmp_path / "cluster.json"
+    cluster.write_text(
+        json.dumps({"servers": [f"127.0.0.1:{p}" for p in ports], "token_file": "token"})
+    )
+    procs = [
+        ServerProcess("--cluster", str(cluster), "--index", str(i), port=ports[i]) for i in range(2)
+    ]
+    try:
+        for p in procs:
+            p.wait_ready("c-tok")
+        remote = pstore.connect(cluster)
+        assert remote.servers == [p.address for p in procs]
+        remote.create_sparse_table("emb", 4).pull(np.arange(100))
+        assert [s["rows"] > 0 for s in remote.status()[0]["tables"]] == [True]
+        out = subprocess.run(
+            [sys.executable, "-m", "pstore", "status", "--cluster", str(cluster)],
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
+        assert out.returncode == 0 and out.stdout.count("SERVING") == 2, out.stderr
+    finally:
+        assert stop_all(procs) == [0, 0]
+    bad = tmp_path / "bad.json"
+    bad.write_text('{"servers": ["nohostport"]}')
+    with pytest.raises(pstore.InvalidArgumentError, match="host:port"):
+        pstore.connect(bad)

@@ -11,6 +11,7 @@ with the GIL released. See docs/SERVING_CLUSTER.md for running servers.
 
 from __future__ import annotations
 
+import json
 import os
 from collections.abc import Iterator, Sequence
 from typing import Any, Literal
@@ -26,7 +27,7 @@ from pstore.store import (
     _seed,
 )
 
-__all__ = ["RemoteDenseTable", "RemoteSparseTable", "RemoteStore", "connect"]
+__all__ = ["RemoteDenseTable", "RemoteSparseTable", "RemoteStore", "connect", "load_cluster"]
 
 StalePolicy = Literal["apply", "drop", "scale"]
 Mode = Literal["async", "bsp", "ssp"]
@@ -110,8 +111,15 @@ class RemoteStore:
     (:meth:`end_step`) implement the BSP and SSP modes.
     """
 
-    def __init__(self, inner: _native.Client, mode: Mode, staleness: int, worker: int | None,
-                 num_workers: int | None, barrier_timeout: float) -> None:
+    def __init__(
+        self,
+        inner: _native.Client,
+        mode: Mode,
+        staleness: int,
+        worker: int | None,
+        num_workers: int | None,
+        barrier_timeout: float,
+    ) -> None:
         self._inner = inner
         self._mode = mode
         self._staleness = staleness
@@ -247,8 +255,7 @@ class RemoteStore:
         """
         out = self._inner.snapshot(os.fspath(dir), incremental)
         return [
-            {"server": s, "dir": d, "rows": r}
-            for s, (d, r) in zip(self.servers, out, strict=True)
+            {"server": s, "dir": d, "rows": r} for s, (d, r) in zip(self.servers, out, strict=True)
         ]
 
     def status(self) -> list[dict[str, Any]]:
@@ -272,9 +279,7 @@ class RemoteStore:
             self._inner.drain()
             return self._clock
         wait = {"async": None, "bsp": 0, "ssp": self._staleness}[self._mode]
-        self._inner.clock(
-            self._worker, self._num_workers, self._clock, wait, self._barrier_timeout
-        )
+        self._inner.clock(self._worker, self._num_workers, self._clock, wait, self._barrier_timeout)
         return self._clock
 
     def close(self) -> None:
@@ -291,8 +296,44 @@ class RemoteStore:
         return f"<RemoteStore servers={self.servers} mode={self._mode}>"
 
 
+def load_cluster(path: str | os.PathLike[str]) -> dict[str, Any]:
+    """Read a cluster file: JSON with ``servers`` (a list of "host:port"), optionally
+    ``token_file`` (relative to the file), ``tls_ca`` and ``tls_domain``.
+
+    One file describes the cluster for every machine: ``pstore serve --cluster FILE --index I``
+    runs server I, and ``pstore.connect(FILE)`` or ``pstore status --cluster FILE`` reach them
+    all (docs/CLUSTER.md).
+    """
+    with open(path, encoding="utf-8") as f:
+        try:
+            c = json.load(f)
+        except json.JSONDecodeError as e:
+            raise InvalidArgumentError(f"cluster file {os.fspath(path)!r}: {e}") from None
+    servers = c.get("servers") if isinstance(c, dict) else None
+    if (
+        not isinstance(servers, list)
+        or not servers
+        or not all(isinstance(x, str) and x.rpartition(":")[2].isdigit() for x in servers)
+    ):
+        raise InvalidArgumentError(
+            f'cluster file {os.fspath(path)!r} needs "servers": a list of "host:port" strings'
+        )
+    if len(set(servers)) != len(servers):
+        raise InvalidArgumentError(f"cluster file {os.fspath(path)!r} lists a server twice")
+    unknown = set(c) - {"servers", "token_file", "tls_ca", "tls_domain"}
+    if unknown:
+        raise InvalidArgumentError(
+            f"cluster file {os.fspath(path)!r}: unknown keys {sorted(unknown)}"
+        )
+    base = os.path.dirname(os.path.abspath(path))
+    for k in ("token_file", "tls_ca"):
+        if k in c:
+            c[k] = os.path.join(base, c[k])
+    return dict(c)
+
+
 def connect(
-    servers: str | Sequence[str],
+    servers: str | os.PathLike[str] | Sequence[str],
     token: str | None = None,
     *,
     token_file: str | os.PathLike[str] | None = None,
@@ -313,9 +354,10 @@ def connect(
 
     Parameters
     ----------
-    servers : list of "host:port"
+    servers : list of "host:port", or the path of a cluster file
         Every server of the cluster. Every worker must give the same addresses (in any order):
-        ids are routed by rendezvous hashing of these strings.
+        ids are routed by rendezvous hashing of these strings. A cluster file
+        (:func:`load_cluster`) also gives the token file and TLS settings.
     token, token_file :
         The token (or a file holding it); default: the ``PSTORE_TOKEN`` environment variable.
     timeout : float
@@ -334,6 +376,15 @@ def connect(
     tls_ca : path, optional
         PEM file of the CA that signed the servers' certificates: connect over TLS.
     """
+    if isinstance(servers, os.PathLike) or (
+        isinstance(servers, str) and servers.endswith(".json") and os.path.isfile(servers)
+    ):
+        cluster = load_cluster(servers)
+        servers = cluster["servers"]
+        if token is None and token_file is None:
+            token_file = cluster.get("token_file")
+        tls_ca = tls_ca if tls_ca is not None else cluster.get("tls_ca")
+        tls_domain = tls_domain if tls_domain is not None else cluster.get("tls_domain")
     addrs = [servers] if isinstance(servers, str) else list(servers)
     if mode not in ("async", "bsp", "ssp"):
         raise InvalidArgumentError(f'mode must be "async", "bsp" or "ssp", got {mode!r}')
@@ -365,4 +416,3 @@ def connect(
         max_inflight_bytes,
     )
     return RemoteStore(inner, mode, stale, worker, num_workers, float(barrier_timeout))
-

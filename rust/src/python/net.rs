@@ -601,7 +601,7 @@ macro_rules! remote_methods {
                 merged_stats(py, &infos, &self.client.servers())
             }
 
-            /// (applied, dropped, staleness) of a push, for tests and monitoring.
+            /// The addresses of the servers.
             #[getter]
             fn servers(&self) -> Vec<String> {
                 self.client.servers()
