@@ -213,6 +213,7 @@ def _cmd_serve(args: argparse.Namespace) -> int:
         read_token=_secret("PSTORE_READ_TOKEN", args.read_token_file),
         tls_cert=args.tls_cert,
         tls_key=args.tls_key,
+        max_message=args.max_message,
         log_interval=args.log_interval,
         grace=args.grace,
     )
@@ -344,6 +345,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--read-token-file", default=None, help="file holding a read-only token")
     p.add_argument("--tls-cert", default=None, help="PEM certificate chain: serve TLS")
     p.add_argument("--tls-key", default=None, help="PEM private key of --tls-cert")
+    p.add_argument(
+        "--max-message", type=int, default=None, help="largest request in bytes (default 64 MiB)"
+    )
     p.add_argument("--log-interval", type=float, default=60.0, help="seconds between stats logs")
     p.add_argument("--grace", type=float, default=30.0, help="seconds to finish calls on stop")
     p.set_defaults(func=_cmd_serve)
