@@ -9,6 +9,7 @@ to compare. Every server binds to 127.0.0.1.
 from __future__ import annotations
 
 import contextlib
+import functools
 import importlib
 import importlib.resources
 import json
@@ -209,16 +210,22 @@ def create(api: SimpleNamespace, stub: Any, name: str, config: str, kind: str = 
     return ok(stub.CreateTable, req)
 
 
+@functools.cache
+def handle(client: Any, table: str) -> Any:
+    """pstore's client's table (looked up once: each look-up is a GetTable call)."""
+    return client.table(table)
+
+
 def observe(api: SimpleNamespace, stub: Any, client: Any, table: str, ids: Any) -> tuple:
     """What a failed call must not change: rows (read by pstore's client), seq, counters, lr."""
-    rows = client.table(table).pull(np.asarray(ids, dtype=np.uint64))
+    rows = handle(client, table).pull(np.asarray(ids, dtype=np.uint64))
     info = ok(stub.GetTable, api.m.GetTableRequest(name=table))
     stats = json.loads(info.stats_json)
     return rows.tobytes(), info.seq, info.rows, info.lr, stats["pushes"], stats["ids_pushed"]
 
 
 def observe_dense(api: SimpleNamespace, stub: Any, client: Any, table: str) -> tuple:
-    values = client.table(table).pull()
+    values = handle(client, table).pull()
     info = ok(stub.GetTable, api.m.GetTableRequest(name=table))
     return values.tobytes(), info.seq, info.lr, json.loads(info.stats_json)["pushes"]
 
@@ -454,6 +461,26 @@ def test_list_get_set_lr_drop_and_status(api, stub, client, server):
     assert fails(stub.GetTable, m.GetTableRequest(name="lr")).code() == Code.NOT_FOUND
     assert "lr" not in {t.name for t in ok(stub.ListTables, m.ListTablesRequest()).tables}
     assert ok(stub.Flush, m.FlushRequest()).durable is False  # an in-memory server
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="bug: an answer of more than ~400 bytes (GetTable, ListTables, Status, a Pull of 50+ "
+    "ids of dim 2) takes ~40 ms on loopback: rust/src/server/mod.rs serves a TcpListenerStream "
+    "through serve_with_incoming_shutdown, where tonic ignores .tcp_nodelay(true), so Nagle's "
+    "algorithm waits for the client's delayed ACK",
+)
+def test_an_answer_of_a_few_hundred_bytes_comes_without_a_nagle_delay(api, stub):
+    m = api.m
+    create(api, stub, "latency", sparse_config(2))
+    req = m.PullRequest(table="latency", ids=ids_bytes(np.arange(200)))  # a 1600-byte answer
+    ok(stub.Pull, req)
+    took = []
+    for _ in range(9):
+        t0 = time.perf_counter()
+        ok(stub.Pull, req)
+        took.append(time.perf_counter() - t0)
+    assert sorted(took)[4] < 0.02, took
 
 
 def test_health_service_reports_serving(api, channel):
@@ -945,19 +972,27 @@ def fuzz_server(api: SimpleNamespace) -> SimpleNamespace:
     g = np.arange(len(FUZZ_POOL) * FUZZ_DIM, dtype=np.float32) / 4
     ok(stub.Push, m.PushRequest(table="fz", ids=ids_bytes(FUZZ_POOL), grads=f32_bytes(g)))
     client = pstore.connect([srv.address], token=TOKEN, timeout=10.0)
+    sparse, dense = client.table("fz"), client.table("fz_dense")
 
     def rows() -> tuple:
-        sparse = client.table("fz").pull(np.array(FUZZ_POOL, dtype=np.uint64)).tobytes()
-        dense = client.table("fz_dense").pull().tobytes()
-        seqs = [ok(stub.GetTable, m.GetTableRequest(name=n)).seq for n in ("fz", "fz_dense")]
-        return sparse, dense, seqs
+        """The rows (read by pstore's client) and seqs of the two tables.
+
+        The seqs come from small Pull answers, not GetTable: see
+        test_an_answer_of_a_few_hundred_bytes_comes_without_a_nagle_delay.
+        """
+        return (
+            sparse.pull(np.array(FUZZ_POOL, dtype=np.uint64)).tobytes(),
+            dense.pull().tobytes(),
+            ok(stub.Pull, m.PullRequest(table="fz")).seq,
+            ok(stub.DensePull, m.DensePullRequest(table="fz_dense")).seq,
+        )
 
     def status() -> Any:
         return ok(stub.Status, m.StatusRequest())
 
     return SimpleNamespace(
-        server=srv, channel=ch, stub=stub, client=client, rows=rows, status=status,
-        store=srv.store, seen={},
+        server=srv, channel=ch, stub=stub, client=client, sparse=sparse, dense=dense, rows=rows,
+        status=status, store=srv.store, seen={}, outcomes={},
     )  # fmt: skip
 
 
@@ -1008,39 +1043,44 @@ def raw_fuzz(api) -> Iterator[SimpleNamespace]:
         close_fuzz_server(f)
 
 
-@FUZZ_SETTINGS
-@given(
-    method=st.sampled_from(RAW_METHODS),
-    how=st.sampled_from(["bytes", "overwrite", "insert", "append", "truncate"]),
-    noise=st.binary(max_size=48),
-    pos=st.integers(0, 255),
-)
-def test_random_bytes_to_every_method_get_an_answer(raw_fuzz, method, how, noise, pos):
-    seed = raw_fuzz.seeds[method]
-    p = pos % (len(seed) + 1)
-    body = {
-        "bytes": noise,
-        "overwrite": seed[:p] + noise + seed[p + len(noise) :],
-        "insert": seed[:p] + noise + seed[p:],
-        "append": seed + noise,
-        "truncate": seed[:p],
-    }[how]
-    if method == "Clock":
-        # wait = false and advance = false (the last value of a field wins): no call may wait,
-        # and none may report a clock (see test_a_huge_num_workers_does_not_crash_the_server).
-        body += b"\x20\x00\x30\x00"
-    before = raw_fuzz.rows()
-    try:
-        answer = raw_fuzz.calls[method](body, metadata=WRITE, timeout=TIMEOUT)
-        assert isinstance(answer, bytes)
-    except grpc.RpcError as e:
-        code, details = e.code(), e.details() or ""
-        # INTERNAL for bytes that do not decode: the known deviation of
-        # test_an_undecodable_request_is_invalid_argument; anything else is a bug.
-        undecodable = code == Code.INTERNAL and "decode" in details
-        assert code in CONTRACT_ERRORS or undecodable, (method, body, code, details)
-        assert raw_fuzz.rows() == before, (method, body, code, details)
+def test_random_bytes_to_every_method_get_an_answer(raw_fuzz):
+    @FUZZ_SETTINGS
+    @given(
+        method=st.sampled_from(RAW_METHODS),
+        how=st.sampled_from(["bytes", "overwrite", "insert", "append", "truncate"]),
+        noise=st.binary(max_size=48),
+        pos=st.integers(0, 255),
+    )
+    def one(method: str, how: str, noise: bytes, pos: int) -> None:
+        seed = raw_fuzz.seeds[method]
+        p = pos % (len(seed) + 1)
+        body = {
+            "bytes": noise,
+            "overwrite": seed[:p] + noise + seed[p + len(noise) :],
+            "insert": seed[:p] + noise + seed[p:],
+            "append": seed + noise,
+            "truncate": seed[:p],
+        }[how]
+        if method == "Clock":
+            # wait = false and advance = false (the last value of a field wins): no call may
+            # wait, none may report a clock (see test_a_huge_num_workers_does_not_crash_...).
+            body += b"\x20\x00\x30\x00"
+        before = raw_fuzz.rows()
+        try:
+            answer = raw_fuzz.calls[method](body, metadata=WRITE, timeout=TIMEOUT)
+            assert isinstance(answer, bytes)
+        except grpc.RpcError as e:
+            code, details = e.code(), e.details() or ""
+            # INTERNAL for bytes that do not decode: the known deviation of
+            # test_an_undecodable_request_is_invalid_argument; anything else is a bug.
+            undecodable = code == Code.INTERNAL and "decode" in details
+            assert code in CONTRACT_ERRORS or undecodable, (method, body, code, details)
+            # A failed call changed nothing (rows() is also a call the server must answer).
+            assert raw_fuzz.rows() == before, (method, body, code, details)
+
+    one()
     assert raw_fuzz.status().protocol == 1
+    assert set(raw_fuzz.client.tables()) >= {"fz", "fz_dense"}
 
 
 @pytest.fixture(scope="module")
@@ -1052,35 +1092,39 @@ def push_fuzz(api) -> Iterator[SimpleNamespace]:
         close_fuzz_server(f)
 
 
-F32_GRADS = st.floats(width=32, min_value=-1e30, max_value=1e30) | st.sampled_from(
-    [math.nan, math.inf, -math.inf]
-)
+# Finite gradients stay small enough that no row can overflow in a few hundred pushes.
+F32_FINITE = st.floats(width=32, min_value=-(2.0**100), max_value=2.0**100)
 F16_BITS = st.integers(0, 0xFFFF)  # every bit pattern: largest finite 65504, inf, NaN
-# bfloat16 of magnitude below 2 (no row can overflow), or a non-finite pattern.
-BF16_BITS = st.integers(0, 0xFFFF).map(lambda u: u & 0xBFFF) | st.sampled_from(
-    [0x7F80, 0xFF80, 0x7FC0, 0x7F81, 0xFFC1]
-)
+BF16_BITS = st.integers(0, 0xFFFF).map(lambda u: u & 0xBFFF)  # finite, magnitude below 2
+NON_FINITE = {0: [math.nan, math.inf, -math.inf], 1: [0x7C00, 0xFC00, 0x7E00, 0x7C01],
+              2: [0x7F80, 0xFF80, 0x7FC0, 0x7F81, 0xFFC1]}  # fmt: skip
 
 
 @st.composite
 def push_fields(draw: st.DrawFn) -> dict[str, Any]:
-    table = draw(st.sampled_from(["fz", "fz", "fz", "fz_dense", "nope", ""]) | st.text(max_size=6))
-    dtype = draw(st.sampled_from([0, 0, 1, 2]) | st.integers(-(2**31), 2**31 - 1))
-    if draw(st.booleans()):
+    """A PushRequest's fields: mostly valid, each field sometimes wrong in its own way."""
+    table = draw(st.sampled_from(["fz"] * 8 + ["fz_dense", "nope", "", "?"]))
+    if table == "?":
+        table = draw(st.text(max_size=6))
+    dtype = draw(st.sampled_from([0, 0, 0, 1, 1, 2, 2, -1]))
+    if dtype == -1:
+        dtype = draw(st.integers(-(2**31), 2**31 - 1))
+    if draw(st.integers(0, 7)):
         ids = ids_bytes(draw(st.lists(st.sampled_from(FUZZ_POOL), max_size=4)))
     else:
         ids = draw(st.binary(max_size=40))
     n = len(ids) // 8
-    if draw(st.integers(0, 3)) == 0:
-        grads = draw(st.binary(max_size=40))
+    if draw(st.integers(0, 7)):
+        count = max(0, n * FUZZ_DIM + draw(st.sampled_from([0] * 6 + [-1, 1])))
+        elements = {1: F16_BITS, 2: BF16_BITS}.get(dtype, F32_FINITE)
+        values = draw(st.lists(elements, min_size=count, max_size=count))
+        if values and draw(st.integers(0, 3)) == 0:
+            at = draw(st.integers(0, count - 1))
+            values[at] = draw(st.sampled_from(NON_FINITE.get(dtype, NON_FINITE[0])))
+        grads = u16_bytes(values) if dtype in (1, 2) else f32_bytes(values)
     else:
-        count = max(0, n * FUZZ_DIM + draw(st.sampled_from([0, 0, 0, 0, -1, 1])))
-        if dtype == 1:
-            grads = u16_bytes(draw(st.lists(F16_BITS, min_size=count, max_size=count)))
-        elif dtype == 2:
-            grads = u16_bytes(draw(st.lists(BF16_BITS, min_size=count, max_size=count)))
-        else:
-            grads = f32_bytes(draw(st.lists(F32_GRADS, min_size=count, max_size=count)))
+        # Random bytes of an odd length: never a whole number of values.
+        grads = draw(st.binary(max_size=39).map(lambda b: b if len(b) % 2 else b + b"\x01"))
     rid = draw(st.none() | st.tuples(st.integers(0, 3), st.integers(0, 3)))
     pulled = draw(st.none() | st.integers(0, U64_MAX))
     return {"table": table, "ids": ids, "grads": grads, "dtype": dtype, "rid": rid,
@@ -1112,19 +1156,31 @@ def predict_push(store: pstore.Store, f: dict[str, Any]) -> grpc.StatusCode:
     return Code.OK
 
 
-@FUZZ_SETTINGS
-@given(f=push_fields())
-def test_random_well_formed_pushes(api, push_fuzz, f):
-    m, stub, fz = api.m, push_fuzz.stub, push_fuzz
+def test_random_well_formed_pushes(api, push_fuzz):
+    fz = push_fuzz
+
+    @FUZZ_SETTINGS
+    @given(f=push_fields())
+    def one(f: dict[str, Any]) -> None:
+        check_one_push(api, fz, f)
+
+    one()
+    assert fz.status().protocol == 1
+    # The examples reached every branch: rejections, applied pushes, retries of applied ids.
+    assert fz.outcomes.keys() >= {"rejected", "applied", "retried"}, fz.outcomes
+
+
+def check_one_push(api: SimpleNamespace, fz: SimpleNamespace, f: dict[str, Any]) -> None:
+    """Sends one push; checks its status against the contract, and what it did to the rows."""
+    m, stub = api.m, fz.stub
     ids = np.frombuffer(f["ids"], "<u8") if len(f["ids"]) % 8 == 0 else np.zeros(0, np.uint64)
     watched = np.concatenate([np.array(FUZZ_POOL, np.uint64), ids.astype(np.uint64)])
 
     def state() -> tuple[np.ndarray, int]:
-        rows = fz.client.table("fz").pull(watched)
-        return rows, ok(stub.GetTable, m.GetTableRequest(name="fz")).seq
+        return fz.sparse.pull(watched), ok(stub.Pull, m.PullRequest(table="fz")).seq
 
     before, seq = state()
-    dense_before = fz.client.table("fz_dense").pull().tobytes()
+    dense_before = fz.dense.pull().tobytes()
     req = m.PushRequest(table=f["table"], ids=f["ids"], grads=f["grads"], dtype=f["dtype"])
     if f["rid"] is not None:
         req.request_id.client, req.request_id.seq = f["rid"]
@@ -1138,11 +1194,13 @@ def test_random_well_formed_pushes(api, push_fuzz, f):
         answer, code = None, e.code()
     assert code == expected, (f, code)
     after, seq_after = state()
-    assert fz.client.table("fz_dense").pull().tobytes() == dense_before
+    assert fz.dense.pull().tobytes() == dense_before
 
-    if code != Code.OK or f["rid"] in fz.seen:
+    outcome = "rejected" if code != Code.OK else "retried" if f["rid"] in fz.seen else "applied"
+    fz.outcomes[outcome] = fz.outcomes.get(outcome, 0) + 1
+    if outcome != "applied":
         # Rejected, or a retry of an applied request id: nothing changes.
-        assert after.tobytes() == before.tobytes()
+        assert after.tobytes() == before.tobytes(), f
         assert seq_after == seq
         if code == Code.OK:
             assert answer == fz.seen[f["rid"]]
