@@ -141,14 +141,16 @@ def serve(
     seconds), flushes and closes the store. Every ``log_interval`` seconds it logs the tables'
     rows and pushes.
     """
-    srv = Server(store, **server_args)
     got: list[int] = []
 
     def on_signal(signum: int, _frame: object) -> None:
         got.append(signum)
 
+    # Installed before the port opens: a signal that comes as soon as a client got an answer is
+    # a graceful stop too.
     old = {s: signal.signal(s, on_signal) for s in (signal.SIGTERM, signal.SIGINT)}
     try:
+        srv = Server(store, **server_args)
         log_event(
             "serving",
             address=srv.address,

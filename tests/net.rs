@@ -47,7 +47,9 @@ fn two_servers_hold_one_table_like_an_embedded_store() {
     create(&client, "emb");
     let local = Store::new(StoreConfig::default()).unwrap();
     let lt = local.create_sparse_table("emb", config()).unwrap();
-    let ids: Vec<u64> = (0..5000u64).map(|i| i.wrapping_mul(0x9e37_79b9_7f4a_7c15)).collect();
+    let ids: Vec<u64> = (0..5000u64)
+        .map(|i| i.wrapping_mul(0x9e37_79b9_7f4a_7c15))
+        .collect();
     let grads: Vec<f32> = (0..ids.len() * 4).map(|i| (i % 7) as f32 - 3.0).collect();
     client.push("emb", 4, &ids, &grads).unwrap();
     lt.push(&ids, &grads).unwrap();

@@ -23,6 +23,11 @@ use crate::net::proto::*;
 use crate::net::routing::Router;
 use crate::net::{error_of, wire, DEFAULT_MAX_MESSAGE};
 
+/// The largest request or answer the client asks for in one message: bigger batches go as
+/// several requests at once, which the server works on in parallel and whose answers are
+/// decoded while the next arrive.
+const CHUNK_BYTES: usize = 4 << 20;
+
 /// How a client connects.
 #[derive(Debug, Clone)]
 pub struct ClientConfig {
@@ -182,6 +187,8 @@ impl Client {
                 .map_err(|e| invalid(format!("server address {name:?}: {e}")))?
                 .connect_timeout(config.timeout)
                 .tcp_nodelay(true)
+                .initial_stream_window_size(crate::server::WINDOW)
+                .initial_connection_window_size(crate::server::WINDOW * 4)
                 .http2_keep_alive_interval(Duration::from_secs(30));
             if let Some(ca) = &config.tls_ca {
                 let host = name.rsplit_once(':').map_or(name.as_str(), |(h, _)| h);
@@ -461,7 +468,8 @@ impl Client {
 
     /// Splits the positions of one server's ids into requests under the message limit.
     fn chunks(&self, pos: &[u32], bytes_per_id: usize) -> Vec<Vec<u32>> {
-        let per = (self.config.max_message * 7 / 8 / bytes_per_id.max(1)).max(1);
+        let limit = (self.config.max_message * 7 / 8).min(CHUNK_BYTES);
+        let per = (limit / bytes_per_id.max(1)).max(1);
         pos.chunks(per).map(<[u32]>::to_vec).collect()
     }
 
@@ -493,17 +501,13 @@ impl Client {
         let mut seqs = HashMap::new();
         for ((i, pos), a) in parts.iter().zip(&answers) {
             let dt = wire::dtype(a.dtype)?;
-            let rows = wire::values(&a.rows, dt, pos.len() * dim, "rows")?;
             if a.dim as usize != dim {
                 return Err(shape(format!(
                     "table {table:?} has dim {} on server {}, the client expected {dim}",
                     a.dim, self.servers[*i].name
                 )));
             }
-            for (k, &p) in pos.iter().enumerate() {
-                let p = p as usize;
-                out[p * dim..(p + 1) * dim].copy_from_slice(&rows[k * dim..(k + 1) * dim]);
-            }
+            wire::scatter_rows(&a.rows, dt, pos, dim, out)?;
             let e = seqs.entry(*i).or_insert(a.seq);
             *e = (*e).min(a.seq);
         }

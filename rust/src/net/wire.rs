@@ -91,6 +91,79 @@ pub fn values<'a>(b: &'a Bytes, d: Dtype, expected: usize, what: &str) -> Result
     })
 }
 
+/// A buffer of `n` little-endian float32 values written by `fill` (which must write all of
+/// them), as `Bytes` without a further copy.
+pub fn fill_f32(
+    n: usize,
+    fill: impl FnOnce(&mut [std::mem::MaybeUninit<f32>]) -> Result<()>,
+) -> Result<Bytes> {
+    if cfg!(target_endian = "big") {
+        let mut v: Vec<f32> = Vec::with_capacity(n);
+        fill(&mut v.spare_capacity_mut()[..n])?;
+        // SAFETY: `fill` returned Ok, so it wrote all n elements.
+        unsafe { v.set_len(n) };
+        return Ok(encode_values(&v, Dtype::Float32));
+    }
+    // A Vec<u32> is 4-byte aligned; its bytes become the answer, reinterpreted as u8.
+    let mut words: Vec<u32> = Vec::with_capacity(n);
+    let spare = words.spare_capacity_mut();
+    // SAFETY: MaybeUninit<u32> and MaybeUninit<f32> have the same size and alignment.
+    let as_f32 = unsafe {
+        std::slice::from_raw_parts_mut(spare.as_mut_ptr().cast::<std::mem::MaybeUninit<f32>>(), n)
+    };
+    fill(as_f32)?;
+    // SAFETY: `fill` returned Ok, so it wrote all n elements.
+    unsafe { words.set_len(n) };
+    Ok(Bytes::from_owner(U32Bytes(words)))
+}
+
+/// A `Vec<u32>` seen as its bytes (little-endian machines).
+struct U32Bytes(Vec<u32>);
+
+impl AsRef<[u8]> for U32Bytes {
+    fn as_ref(&self) -> &[u8] {
+        // SAFETY: any initialised u32 memory is valid as bytes; the length is in bytes.
+        unsafe { std::slice::from_raw_parts(self.0.as_ptr().cast::<u8>(), self.0.len() * 4) }
+    }
+}
+
+/// Writes the rows of a values field into `out`: row `k` of the field goes to row `pos[k]` of
+/// `out` (each `dim` wide). The field must hold `pos.len() * dim` values of type `d`.
+pub fn scatter_rows(b: &Bytes, d: Dtype, pos: &[u32], dim: usize, out: &mut [f32]) -> Result<()> {
+    let w = width(d);
+    if b.len() != pos.len() * dim * w {
+        return Err(shape(format!(
+            "rows must hold {} values ({} bytes), got {} bytes",
+            pos.len() * dim,
+            pos.len() * dim * w,
+            b.len()
+        )));
+    }
+    let row_bytes = dim * w;
+    for (k, &p) in pos.iter().enumerate() {
+        let src = &b[k * row_bytes..(k + 1) * row_bytes];
+        let dst = &mut out[p as usize * dim..(p as usize + 1) * dim];
+        match d {
+            Dtype::Float32 => {
+                for (o, c) in dst.iter_mut().zip(src.chunks_exact(4)) {
+                    *o = f32::from_le_bytes([c[0], c[1], c[2], c[3]]);
+                }
+            }
+            Dtype::Float16 => {
+                for (o, c) in dst.iter_mut().zip(src.chunks_exact(2)) {
+                    *o = half::f16::from_le_bytes([c[0], c[1]]).to_f32();
+                }
+            }
+            Dtype::Bfloat16 => {
+                for (o, c) in dst.iter_mut().zip(src.chunks_exact(2)) {
+                    *o = half::bf16::from_le_bytes([c[0], c[1]]).to_f32();
+                }
+            }
+        }
+    }
+    Ok(())
+}
+
 /// Packs ids.
 pub fn encode_ids(ids: &[u64]) -> Bytes {
     let mut out = Vec::with_capacity(ids.len() * 8);
@@ -104,6 +177,11 @@ pub fn encode_ids(ids: &[u64]) -> Bytes {
 pub fn encode_values(v: &[f32], d: Dtype) -> Bytes {
     let mut out = Vec::with_capacity(v.len() * width(d));
     match d {
+        Dtype::Float32 if cfg!(target_endian = "little") => {
+            // SAFETY: f32 memory is valid as bytes; the length is in bytes.
+            let b = unsafe { std::slice::from_raw_parts(v.as_ptr().cast::<u8>(), v.len() * 4) };
+            out.extend_from_slice(b);
+        }
         Dtype::Float32 => {
             for &x in v {
                 out.extend_from_slice(&x.to_le_bytes());
@@ -137,6 +215,30 @@ mod tests {
         let b2 = Bytes::from(shifted).slice(1..);
         assert_eq!(&*ids(&b2).unwrap(), &ids_in);
         assert!(ids(&Bytes::from_static(&[1, 2, 3])).is_err());
+    }
+
+    #[test]
+    fn filled_buffers_and_scattered_rows() {
+        let b = fill_f32(6, |out| {
+            for (i, o) in out.iter_mut().enumerate() {
+                o.write(i as f32 * 1.5);
+            }
+            Ok(())
+        })
+        .unwrap();
+        assert_eq!(
+            &*values(&b, Dtype::Float32, 6, "rows").unwrap(),
+            &[0.0, 1.5, 3.0, 4.5, 6.0, 7.5]
+        );
+        assert!(fill_f32(2, |_| Err(shape("no"))).is_err());
+        for d in [Dtype::Float32, Dtype::Float16, Dtype::Bfloat16] {
+            let rows = encode_values(&[1.0, 2.0, 3.0, 4.0, 5.0, 6.0], d);
+            let mut out = [0.0f32; 9];
+            scatter_rows(&rows, d, &[2, 0, 1], 3, &mut out[..]).unwrap_err();
+            let mut out = [0.0f32; 6];
+            scatter_rows(&rows, d, &[1, 0], 3, &mut out).unwrap();
+            assert_eq!(out, [4.0, 5.0, 6.0, 1.0, 2.0, 3.0]);
+        }
     }
 
     #[test]

@@ -82,6 +82,9 @@ impl<T: Clone> Dedup<T> {
     }
 }
 
+/// The most workers one job's clocks can count.
+pub const MAX_WORKERS: u32 = 1 << 16;
+
 /// Training clocks of the workers of one job.
 pub struct Clocks {
     tx: watch::Sender<Vec<u64>>,
@@ -99,6 +102,11 @@ impl Clocks {
     /// Sets worker `w`'s clock (clocks only move forward); the first call fixes the number of
     /// workers until every clock is reset by a call with a different count at clock 0.
     pub fn advance(&self, w: u32, n: u32, clock: u64) -> Result<()> {
+        if n > MAX_WORKERS {
+            return Err(invalid(format!(
+                "num_workers must be at most {MAX_WORKERS}, got {n}"
+            )));
+        }
         if n == 0 || w >= n {
             return Err(invalid(format!(
                 "worker {w} is not in 0..num_workers = 0..{n}"
@@ -389,6 +397,7 @@ mod tests {
                 .unwrap();
             assert_eq!(c.get(), vec![1, 1]);
             assert!(c.advance(0, 3, 2).is_err());
+            assert!(c.advance(0, u32::MAX, 0).is_err());
         });
     }
 }
