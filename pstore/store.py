@@ -459,20 +459,11 @@ class Store:
             ``"lru"`` evicts the least recently updated rows, ``"lfu"`` the least often pushed
             (then the least recently updated).
         """
-        opt, ini = _configs(optimizer, initializer, init.Normal(0.0, 0.01))
-        d = _check_int(dim, "dim", lo=-(2**63))
-        if not 1 <= d <= MAX_DIM:
-            raise InvalidArgumentError(f"dim must be in 1..={MAX_DIM}, got {d}")
         return SparseTable(
             self._inner.create_sparse_table(
-                name,
-                d,
-                opt._spec(),
-                ini._spec(),
-                _seed(seed),
-                _check_int(admit_after, "admit_after", 2**32),
-                None if max_rows is None else _check_int(max_rows, "max_rows"),
-                evict_policy,
+                *_sparse_args(
+                    name, dim, optimizer, initializer, seed, admit_after, max_rows, evict_policy
+                )
             )
         )
 
@@ -489,12 +480,8 @@ class Store:
 
         ``optimizer`` defaults to ``SGD(lr=0.01)`` and ``initializer`` to ``Zeros()``.
         """
-        dims = [shape] if isinstance(shape, int) else list(shape)
-        opt, ini = _configs(optimizer, initializer, init.Zeros())
         return DenseTable(
-            self._inner.create_dense_table(
-                name, [_check_int(d, "shape") for d in dims], opt._spec(), ini._spec(), _seed(seed)
-            )
+            self._inner.create_dense_table(*_dense_args(name, shape, optimizer, initializer, seed))
         )
 
     def table(self, name: str) -> SparseTable | DenseTable:
@@ -621,6 +608,46 @@ class Store:
 
 
 _T = TypeVar("_T")
+
+
+def _sparse_args(
+    name: str,
+    dim: int,
+    optimizer: optim.Optimizer | None,
+    initializer: init.Initializer | None,
+    seed: int,
+    admit_after: int,
+    max_rows: int | None,
+    evict_policy: str,
+) -> tuple[str, int, dict[str, Any], dict[str, Any], int, int, int | None, str]:
+    """The native ``create_sparse_table`` arguments, checked (embedded and remote stores)."""
+    opt, ini = _configs(optimizer, initializer, init.Normal(0.0, 0.01))
+    d = _check_int(dim, "dim", lo=-(2**63))
+    if not 1 <= d <= MAX_DIM:
+        raise InvalidArgumentError(f"dim must be in 1..={MAX_DIM}, got {d}")
+    return (
+        name,
+        d,
+        opt._spec(),
+        ini._spec(),
+        _seed(seed),
+        _check_int(admit_after, "admit_after", 2**32),
+        None if max_rows is None else _check_int(max_rows, "max_rows"),
+        evict_policy,
+    )
+
+
+def _dense_args(
+    name: str,
+    shape: int | Sequence[int],
+    optimizer: optim.Optimizer | None,
+    initializer: init.Initializer | None,
+    seed: int,
+) -> tuple[str, list[int], dict[str, Any], dict[str, Any], int]:
+    """The native ``create_dense_table`` arguments, checked (embedded and remote stores)."""
+    dims = [shape] if isinstance(shape, int) else list(shape)
+    opt, ini = _configs(optimizer, initializer, init.Zeros())
+    return name, [_check_int(d, "shape") for d in dims], opt._spec(), ini._spec(), _seed(seed)
 
 
 def _store_args(

@@ -18,14 +18,7 @@ from typing import Any, Literal
 
 from pstore import _native, init, optim
 from pstore.exceptions import InvalidArgumentError, WrongTableKindError
-from pstore.store import (
-    MAX_DIM,
-    DenseTable,
-    SparseTable,
-    _check_int,
-    _configs,
-    _seed,
-)
+from pstore.store import DenseTable, SparseTable, _check_int, _dense_args, _sparse_args
 
 __all__ = ["RemoteDenseTable", "RemoteSparseTable", "RemoteStore", "connect", "load_cluster"]
 
@@ -169,20 +162,11 @@ class RemoteStore:
         worker's last pull and the push. ``"apply"`` applies it, ``"drop"`` drops pushes staler
         than ``max_staleness``, ``"scale"`` divides the learning rate by the staleness.
         """
-        opt, ini = _configs(optimizer, initializer, init.Normal(0.0, 0.01))
-        d = _check_int(dim, "dim", lo=-(2**63))
-        if not 1 <= d <= MAX_DIM:
-            raise InvalidArgumentError(f"dim must be in 1..={MAX_DIM}, got {d}")
         return RemoteSparseTable(
             self._inner.create_sparse_table(
-                name,
-                d,
-                opt._spec(),
-                ini._spec(),
-                _seed(seed),
-                _check_int(admit_after, "admit_after", 2**32),
-                None if max_rows is None else _check_int(max_rows, "max_rows"),
-                evict_policy,
+                *_sparse_args(
+                    name, dim, optimizer, initializer, seed, admit_after, max_rows, evict_policy
+                ),
                 stale_policy,
                 _check_int(max_staleness, "max_staleness"),
             )
@@ -200,15 +184,9 @@ class RemoteStore:
         max_staleness: int = 0,
     ) -> RemoteDenseTable:
         """Create a dense table on its server (see :meth:`pstore.Store.create_dense_table`)."""
-        dims = [shape] if isinstance(shape, int) else list(shape)
-        opt, ini = _configs(optimizer, initializer, init.Zeros())
         return RemoteDenseTable(
             self._inner.create_dense_table(
-                name,
-                [_check_int(d, "shape") for d in dims],
-                opt._spec(),
-                ini._spec(),
-                _seed(seed),
+                *_dense_args(name, shape, optimizer, initializer, seed),
                 stale_policy,
                 _check_int(max_staleness, "max_staleness"),
             )

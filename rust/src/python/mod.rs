@@ -375,6 +375,15 @@ impl PyStore {
     }
 }
 
+/// `(admit_after, max_rows, evict_policy)` of a table.
+fn lifecycle_tuple(l: &Lifecycle) -> (u32, Option<u64>, &'static str) {
+    let p = match l.policy {
+        EvictPolicy::Lru => "lru",
+        EvictPolicy::Lfu => "lfu",
+    };
+    (l.admit_after, l.max_rows, p)
+}
+
 /// A sparse table's configuration from `create_sparse_table`'s arguments.
 fn sparse_config(
     dim: usize,
@@ -673,12 +682,7 @@ table_methods!(PySparseTable {
     /// (admit_after, max_rows, evict_policy)
     #[getter]
     fn lifecycle(&self) -> (u32, Option<u64>, &'static str) {
-        let l = self.inner.config().lifecycle;
-        let p = match l.policy {
-            EvictPolicy::Lru => "lru",
-            EvictPolicy::Lfu => "lfu",
-        };
-        (l.admit_after, l.max_rows, p)
+        lifecycle_tuple(&self.inner.config().lifecycle)
     }
 
     fn initial_rows<'py>(

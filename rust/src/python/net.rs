@@ -13,12 +13,12 @@ use pyo3::prelude::*;
 use pyo3::types::{PyDict, PyList};
 
 use super::convert::{err, initializer_from, initializer_spec, optimizer_from, optimizer_spec};
-use super::{slice, sparse_config, wait_polling, PyStore};
+use super::{lifecycle_tuple, slice, sparse_config, wait_polling, PyStore};
 use crate::client::{Client, ClientConfig, PushOutcome, RemotePush};
 use crate::error::Error;
 use crate::net::proto::{CreateTableRequest, Dtype, StalePolicy, TableInfo, TableKind};
 use crate::server::{ServerConfig, ServerHandle, Tokens};
-use crate::table::{DenseTableConfig, EvictPolicy, SparseTableConfig};
+use crate::table::{DenseTableConfig, SparseTableConfig};
 
 fn bad(msg: impl Into<String>) -> PyErr {
     err(Error::InvalidArgument(msg.into()))
@@ -735,12 +735,7 @@ remote_methods!(PyRemoteSparse {
 
     #[getter]
     fn lifecycle(&self) -> (u32, Option<u64>, &'static str) {
-        let l = self.config.lifecycle;
-        let p = match l.policy {
-            EvictPolicy::Lru => "lru",
-            EvictPolicy::Lfu => "lfu",
-        };
-        (l.admit_after, l.max_rows, p)
+        lifecycle_tuple(&self.config.lifecycle)
     }
 
     /// Computed here: a row's initial value is a function of (seed, id) alone.
@@ -750,12 +745,8 @@ remote_methods!(PyRemoteSparse {
         ids: PyReadonlyArray1<'py, u64>,
     ) -> PyResult<Bound<'py, PyArray2<f32>>> {
         let ids_s = slice(&ids, "ids")?;
-        let dim = self.config.dim;
-        let mut rows = vec![0.0f32; ids_s.len() * dim];
-        for (row, &id) in rows.chunks_exact_mut(dim).zip(ids_s) {
-            self.config.initializer.fill(self.config.seed, id, row);
-        }
-        rows.into_pyarray(py).reshape([ids_s.len(), dim])
+        let rows = self.config.initial_rows(ids_s);
+        rows.into_pyarray(py).reshape([ids_s.len(), self.config.dim])
     }
 });
 

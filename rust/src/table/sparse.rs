@@ -67,6 +67,16 @@ pub struct Lifecycle {
 }
 
 impl SparseTableConfig {
+    /// The values the rows of `ids` have before their first update, row after row: a function
+    /// of (seed, id) alone, the same on every store and server.
+    pub fn initial_rows(&self, ids: &[u64]) -> Vec<f32> {
+        let mut rows = vec![0.0; ids.len() * self.dim];
+        for (row, &id) in rows.chunks_exact_mut(self.dim).zip(ids) {
+            self.initializer.fill(self.seed, id, row);
+        }
+        rows
+    }
+
     /// Checks every field.
     pub fn validate(&self) -> Result<()> {
         if self.dim == 0 || self.dim > MAX_DIM {
@@ -364,12 +374,7 @@ impl SparseTable {
     /// The values the rows of `ids` have before their first update, row after row. Creates
     /// nothing.
     pub fn initial_rows(&self, ids: &[u64]) -> Vec<f32> {
-        let dim = self.config.dim;
-        let mut rows = vec![0.0; ids.len() * dim];
-        for (row, &id) in rows.chunks_exact_mut(dim).zip(ids) {
-            self.config.initializer.fill(self.config.seed, id, row);
-        }
-        rows
+        self.config.initial_rows(ids)
     }
 
     fn init_body(&self, id: u64, body: &mut [u32]) {
