@@ -150,6 +150,13 @@ impl Executor {
         self.threads
     }
 
+    /// Runs `f` on a pool thread and returns at once (a store server's short calls: the work's
+    /// own parallel iterators then run on the same pool without another hand-off). `f` must
+    /// not panic: a panic in a spawned pool job aborts the process.
+    pub fn spawn(&self, f: impl FnOnce() + Send + 'static) {
+        self.pool.spawn(f)
+    }
+
     /// Runs `f` inside the pool (so rayon's parallel iterators use it).
     pub fn install<R: Send>(&self, f: impl FnOnce() -> R + Send) -> R {
         self.pool.install(f)

@@ -251,6 +251,12 @@ impl Store {
         self.exec.install(f)
     }
 
+    /// Runs `f` on the store's pool and returns at once; `f` must not panic (see
+    /// [`Executor::spawn`]).
+    pub fn spawn(&self, f: impl FnOnce() + Send + 'static) {
+        self.exec.spawn(f)
+    }
+
     /// The store directory of a durable store.
     pub fn path(&self) -> Option<&Path> {
         self.path.as_deref()

@@ -170,8 +170,11 @@ impl Client {
         if config.timeout.is_zero() {
             return Err(invalid("timeout must be > 0"));
         }
-        let rt = tokio::runtime::Builder::new_multi_thread()
-            .worker_threads(2)
+        // A current-thread runtime: the calling thread itself sends, receives and decodes inside
+        // `block_on`, with no hand-off to runtime threads and back (on 2 cores those hand-offs
+        // cost more than a small pull). Threads calling at once take turns driving the
+        // connections, and each one's requests still go to all servers concurrently.
+        let rt = tokio::runtime::Builder::new_current_thread()
             .thread_name("pstore-client")
             .enable_all()
             .build()
