@@ -216,6 +216,7 @@ def _cmd_serve(args: argparse.Namespace) -> int:
         max_message=args.max_message,
         log_interval=args.log_interval,
         grace=args.grace,
+        restore_signals=False,
     )
 
 

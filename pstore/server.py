@@ -133,13 +133,16 @@ def serve(
     log_interval: float = 60.0,
     grace: float = 30.0,
     ready: threading.Event | None = None,
+    restore_signals: bool = True,
     **server_args: Any,
 ) -> int:
     """Run a server until SIGTERM or SIGINT, logging in logfmt to stderr; returns 0.
 
     On the signal it stops taking calls, lets the calls in flight finish (at most ``grace``
     seconds), flushes and closes the store. Every ``log_interval`` seconds it logs the tables'
-    rows and pushes.
+    rows and pushes. The previous signal handlers are put back on return unless
+    ``restore_signals`` is false (``pstore serve``: a second signal while the process exits is
+    then ignored instead of killing it).
     """
     got: list[int] = []
 
@@ -187,8 +190,9 @@ def serve(
         log_event("stopped")
         return 0 if got else 1
     finally:
-        for s, h in old.items():
-            signal.signal(s, h)
+        if restore_signals:
+            for sig, handler in old.items():
+                signal.signal(sig, handler)
 
 
 def _check_port(p: int | None, what: str) -> None:

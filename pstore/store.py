@@ -24,6 +24,10 @@ from pstore.exceptions import (
 __all__ = ["DenseTable", "PushHandle", "SparseTable", "Store"]
 
 IdsLike = npt.ArrayLike
+# What a table wraps: a table of this process's store, or one on store servers (pstore.client).
+_NativeTable = (
+    _native.SparseTable | _native.DenseTable | _native.RemoteSparseTable | _native.RemoteDenseTable
+)
 _OPTIMIZERS = {"sgd": optim.SGD, "adagrad": optim.Adagrad, "adam": optim.Adam, "ftrl": optim.Ftrl}
 _INITIALIZERS = {
     "zeros": init.Zeros,
@@ -107,7 +111,7 @@ class _Table:
 
     __slots__ = ("_inner",)
 
-    def __init__(self, inner: _native.SparseTable | _native.DenseTable) -> None:
+    def __init__(self, inner: _NativeTable) -> None:
         self._inner = inner
 
     @property

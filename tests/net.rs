@@ -53,9 +53,7 @@ fn two_servers_hold_one_table_like_an_embedded_store() {
     let grads: Vec<f32> = (0..ids.len() * 4).map(|i| (i % 7) as f32 - 3.0).collect();
     client.push("emb", 4, &ids, &grads).unwrap();
     lt.push(&ids, &grads).unwrap();
-    let mut out = vec![0.0; ids.len() * 4];
-    client.pull_into("emb", 4, &ids, &mut out).unwrap();
-    assert_eq!(out, lt.pull(&ids).unwrap());
+    assert_eq!(client.pull("emb", 4, &ids).unwrap(), lt.pull(&ids).unwrap());
     let rows: Vec<u64> = servers
         .iter()
         .map(|s| s.store().sparse("emb").unwrap().len() as u64)

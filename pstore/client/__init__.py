@@ -354,16 +354,20 @@ def connect(
     tls_ca : path, optional
         PEM file of the CA that signed the servers' certificates: connect over TLS.
     """
+    addrs: list[str]
     if isinstance(servers, os.PathLike) or (
         isinstance(servers, str) and servers.endswith(".json") and os.path.isfile(servers)
     ):
         cluster = load_cluster(servers)
-        servers = cluster["servers"]
+        addrs = list(cluster["servers"])
         if token is None and token_file is None:
             token_file = cluster.get("token_file")
         tls_ca = tls_ca if tls_ca is not None else cluster.get("tls_ca")
         tls_domain = tls_domain if tls_domain is not None else cluster.get("tls_domain")
-    addrs = [servers] if isinstance(servers, str) else list(servers)
+    elif isinstance(servers, str):
+        addrs = [servers]
+    else:
+        addrs = list(servers)
     if mode not in ("async", "bsp", "ssp"):
         raise InvalidArgumentError(f'mode must be "async", "bsp" or "ssp", got {mode!r}')
     if mode != "async" and (worker is None or num_workers is None):

@@ -482,7 +482,25 @@ impl Client {
     }
 
     /// The rows of `ids` (`dim` wide) into `out`.
-    pub fn pull_into(&self, table: &str, dim: usize, ids: &[u64], out: &mut [f32]) -> Result<()> {
+    /// The rows of `ids` (`dim` wide) as a vector.
+    pub fn pull(&self, table: &str, dim: usize, ids: &[u64]) -> Result<Vec<f32>> {
+        let n = ids.len() * dim;
+        let mut out: Vec<f32> = Vec::with_capacity(n);
+        self.pull_into(table, dim, ids, &mut out.spare_capacity_mut()[..n])?;
+        // SAFETY: `pull_into` returned Ok, so it wrote all n elements.
+        unsafe { out.set_len(n) };
+        Ok(out)
+    }
+
+    /// Writes the rows of `ids` (`dim` wide) into `out`; on success every element is written
+    /// (the servers' parts of the batch cover every position once).
+    pub fn pull_into(
+        &self,
+        table: &str,
+        dim: usize,
+        ids: &[u64],
+        out: &mut [std::mem::MaybeUninit<f32>],
+    ) -> Result<()> {
         if out.len() != ids.len() * dim {
             return Err(shape("pull_into: out must hold len(ids) x dim floats"));
         }

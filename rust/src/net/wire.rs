@@ -6,6 +6,8 @@
 //! 16-bit types).
 
 use std::borrow::Cow;
+use std::mem::MaybeUninit;
+use std::sync::Mutex;
 
 use bytes::Bytes;
 
@@ -91,6 +93,35 @@ pub fn values<'a>(b: &'a Bytes, d: Dtype, expected: usize, what: &str) -> Result
     })
 }
 
+/// Answer buffers kept for reuse, so a server's steady stream of pulls does not fault in fresh
+/// pages for every answer. At most `POOL_BYTES` are kept.
+static POOL: Mutex<Vec<Vec<u32>>> = Mutex::new(Vec::new());
+const POOL_BYTES: usize = 64 << 20;
+
+fn pooled(n: usize) -> Vec<u32> {
+    let mut pool = POOL.lock().unwrap_or_else(|e| e.into_inner());
+    // The smallest kept buffer that is large enough, if it is not more than twice too large.
+    let best = pool
+        .iter()
+        .enumerate()
+        .filter(|(_, v)| v.capacity() >= n && v.capacity() <= 2 * n.max(1024))
+        .min_by_key(|(_, v)| v.capacity())
+        .map(|(i, _)| i);
+    match best {
+        Some(i) => pool.swap_remove(i),
+        None => Vec::with_capacity(n),
+    }
+}
+
+fn give_back(mut v: Vec<u32>) {
+    v.clear();
+    let mut pool = POOL.lock().unwrap_or_else(|e| e.into_inner());
+    let kept: usize = pool.iter().map(|v| v.capacity() * 4).sum();
+    if kept + v.capacity() * 4 <= POOL_BYTES {
+        pool.push(v);
+    }
+}
+
 /// A buffer of `n` little-endian float32 values written by `fill` (which must write all of
 /// them), as `Bytes` without a further copy.
 pub fn fill_f32(
@@ -105,19 +136,22 @@ pub fn fill_f32(
         return Ok(encode_values(&v, Dtype::Float32));
     }
     // A Vec<u32> is 4-byte aligned; its bytes become the answer, reinterpreted as u8.
-    let mut words: Vec<u32> = Vec::with_capacity(n);
-    let spare = words.spare_capacity_mut();
+    let mut words: Vec<u32> = pooled(n);
+    let spare = &mut words.spare_capacity_mut()[..n];
     // SAFETY: MaybeUninit<u32> and MaybeUninit<f32> have the same size and alignment.
     let as_f32 = unsafe {
         std::slice::from_raw_parts_mut(spare.as_mut_ptr().cast::<std::mem::MaybeUninit<f32>>(), n)
     };
-    fill(as_f32)?;
+    if let Err(e) = fill(as_f32) {
+        give_back(words);
+        return Err(e);
+    }
     // SAFETY: `fill` returned Ok, so it wrote all n elements.
     unsafe { words.set_len(n) };
     Ok(Bytes::from_owner(U32Bytes(words)))
 }
 
-/// A `Vec<u32>` seen as its bytes (little-endian machines).
+/// A `Vec<u32>` seen as its bytes (little-endian machines); back to the pool when dropped.
 struct U32Bytes(Vec<u32>);
 
 impl AsRef<[u8]> for U32Bytes {
@@ -127,9 +161,21 @@ impl AsRef<[u8]> for U32Bytes {
     }
 }
 
+impl Drop for U32Bytes {
+    fn drop(&mut self) {
+        give_back(std::mem::take(&mut self.0));
+    }
+}
+
 /// Writes the rows of a values field into `out`: row `k` of the field goes to row `pos[k]` of
 /// `out` (each `dim` wide). The field must hold `pos.len() * dim` values of type `d`.
-pub fn scatter_rows(b: &Bytes, d: Dtype, pos: &[u32], dim: usize, out: &mut [f32]) -> Result<()> {
+pub fn scatter_rows(
+    b: &Bytes,
+    d: Dtype,
+    pos: &[u32],
+    dim: usize,
+    out: &mut [MaybeUninit<f32>],
+) -> Result<()> {
     let w = width(d);
     if b.len() != pos.len() * dim * w {
         return Err(shape(format!(
@@ -146,17 +192,17 @@ pub fn scatter_rows(b: &Bytes, d: Dtype, pos: &[u32], dim: usize, out: &mut [f32
         match d {
             Dtype::Float32 => {
                 for (o, c) in dst.iter_mut().zip(src.chunks_exact(4)) {
-                    *o = f32::from_le_bytes([c[0], c[1], c[2], c[3]]);
+                    o.write(f32::from_le_bytes([c[0], c[1], c[2], c[3]]));
                 }
             }
             Dtype::Float16 => {
                 for (o, c) in dst.iter_mut().zip(src.chunks_exact(2)) {
-                    *o = half::f16::from_le_bytes([c[0], c[1]]).to_f32();
+                    o.write(half::f16::from_le_bytes([c[0], c[1]]).to_f32());
                 }
             }
             Dtype::Bfloat16 => {
                 for (o, c) in dst.iter_mut().zip(src.chunks_exact(2)) {
-                    *o = half::bf16::from_le_bytes([c[0], c[1]]).to_f32();
+                    o.write(half::bf16::from_le_bytes([c[0], c[1]]).to_f32());
                 }
             }
         }
@@ -233,10 +279,12 @@ mod tests {
         assert!(fill_f32(2, |_| Err(shape("no"))).is_err());
         for d in [Dtype::Float32, Dtype::Float16, Dtype::Bfloat16] {
             let rows = encode_values(&[1.0, 2.0, 3.0, 4.0, 5.0, 6.0], d);
-            let mut out = [0.0f32; 9];
+            let mut out = [MaybeUninit::<f32>::uninit(); 9];
             scatter_rows(&rows, d, &[2, 0, 1], 3, &mut out[..]).unwrap_err();
-            let mut out = [0.0f32; 6];
+            let mut out = [MaybeUninit::<f32>::uninit(); 6];
             scatter_rows(&rows, d, &[1, 0], 3, &mut out).unwrap();
+            // SAFETY: scatter_rows wrote every row.
+            let out = out.map(|x| unsafe { x.assume_init() });
             assert_eq!(out, [4.0, 5.0, 6.0, 1.0, 2.0, 3.0]);
         }
     }

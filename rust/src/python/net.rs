@@ -3,6 +3,7 @@
 //! The remote table classes have the methods of the embedded ones (`pull`, `push`, `push_async`,
 //! ...), so the Python `SparseTable` and `DenseTable` classes wrap either.
 
+use std::mem::MaybeUninit;
 use std::net::{SocketAddr, ToSocketAddrs};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
@@ -13,7 +14,7 @@ use pyo3::prelude::*;
 use pyo3::types::{PyDict, PyList};
 
 use super::convert::{err, initializer_from, initializer_spec, optimizer_from, optimizer_spec};
-use super::{lifecycle_tuple, slice, sparse_config, wait_polling, PyStore};
+use super::{lifecycle_tuple, slice, sparse_config, wait_polling, OutData, PyStore};
 use crate::client::{Client, ClientConfig, PushOutcome, RemotePush};
 use crate::error::Error;
 use crate::net::proto::{CreateTableRequest, Dtype, StalePolicy, TableInfo, TableKind};
@@ -658,13 +659,20 @@ remote_methods!(PyRemoteSparse {
     ) -> PyResult<Bound<'py, PyArray2<f32>>> {
         let ids_s = slice(&ids, "ids")?;
         let (n, dim) = (ids_s.len(), self.config.dim);
-        let out = PyArray2::<f32>::zeros(py, [n, dim], false);
-        {
-            let mut w = out.readwrite();
-            let o = w.as_slice_mut().map_err(|e| err(Error::Internal(e.to_string())))?;
-            let (c, name) = (&self.client, &self.name);
-            py.detach(|| c.pull_into(name, dim, ids_s, o)).map_err(err)?;
-        }
+        // SAFETY: a new C-ordered array of n x dim float32; `pull_into` writes every element
+        // before it is returned, and on an error it is dropped without being read.
+        let out = unsafe { PyArray2::<f32>::new(py, [n, dim], false) };
+        let data = OutData(out.data());
+        let (c, name) = (&self.client, &self.name);
+        py.detach(move || {
+            // SAFETY: `data` points to the n * dim elements of `out`, which no other code can
+            // reach until this function returns it; MaybeUninit makes no claim on their values.
+            let o = unsafe {
+                std::slice::from_raw_parts_mut(data.get().cast::<MaybeUninit<f32>>(), n * dim)
+            };
+            c.pull_into(name, dim, ids_s, o)
+        })
+        .map_err(err)?;
         Ok(out)
     }
 
