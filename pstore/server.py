@@ -190,9 +190,10 @@ def serve(
         log_event("stopped")
         return 0 if got else 1
     finally:
-        if restore_signals:
-            for sig, handler in old.items():
-                signal.signal(sig, handler)
+        for sig, handler in old.items():
+            # Ignored, not reset: the interpreter resets Python handlers to the default (which
+            # kills) while it shuts down, and a second SIGTERM then would end a clean exit.
+            signal.signal(sig, handler if restore_signals else signal.SIG_IGN)
 
 
 def _check_port(p: int | None, what: str) -> None:
