@@ -167,19 +167,8 @@ def _cmd_inspect(args: argparse.Namespace) -> int:
     )
 
 
-def _secret(direct_env: str, file: str | None) -> str | None:
-    """A token from a file (whitespace stripped) or, without one, from an environment variable."""
-    if file is not None:
-        with open(file, encoding="utf-8") as f:
-            value = f.read().strip()
-        if not value:
-            raise pstore.InvalidArgumentError(f"token file {file!r} is empty")
-        return value
-    return os.environ.get(direct_env) or None
-
-
 def _cmd_serve(args: argparse.Namespace) -> int:
-    from pstore.client import load_cluster
+    from pstore.client import _read_secret, load_cluster
     from pstore.server import serve
 
     token_file = args.token_file
@@ -209,8 +198,8 @@ def _cmd_serve(args: argparse.Namespace) -> int:
         host=args.host or "127.0.0.1",
         port=args.port,
         metrics_port=args.metrics_port,
-        token=_secret("PSTORE_TOKEN", token_file),
-        read_token=_secret("PSTORE_READ_TOKEN", args.read_token_file),
+        token=_read_secret(None, token_file, "PSTORE_TOKEN"),
+        read_token=_read_secret(None, args.read_token_file, "PSTORE_READ_TOKEN"),
         tls_cert=args.tls_cert,
         tls_key=args.tls_key,
         max_message=args.max_message,
@@ -223,9 +212,10 @@ def _cmd_serve(args: argparse.Namespace) -> int:
 def _cmd_status(args: argparse.Namespace) -> int:
     if (args.cluster is None) == (not args.servers):
         raise pstore.InvalidArgumentError("give the servers (HOST:PORT ...) or --cluster FILE")
+    # connect reads the token file, else the cluster file's, else $PSTORE_TOKEN.
     remote = pstore.connect(
         args.cluster or args.servers,
-        _secret("PSTORE_TOKEN", args.token_file) if args.token_file or not args.cluster else None,
+        token_file=args.token_file,
         timeout=args.timeout,
         retries=0,
         tls_ca=args.tls_ca,

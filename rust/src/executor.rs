@@ -9,7 +9,8 @@ use std::time::{Duration, Instant};
 
 use crate::error::{Error, Result};
 
-type Job = Box<dyn FnOnce() -> Result<()> + Send>;
+/// A queued job.
+pub type Job = Box<dyn FnOnce() -> Result<()> + Send>;
 
 struct Queued {
     job: Job,
@@ -96,24 +97,18 @@ impl PushHandle {
     }
 }
 
-/// The thread pool and the ordered applier shared by every table of a store.
-pub struct Executor {
-    pool: rayon::ThreadPool,
-    threads: usize,
+/// A thread that runs queued jobs one after the other, in the order they were queued, with a
+/// bound on the bytes queued: the store's asynchronous pushes, and a remote client's.
+pub struct Applier {
     budget: Arc<Budget>,
     sender: Mutex<Option<Sender<Queued>>>,
-    applier: Mutex<Option<JoinHandle<()>>>,
+    thread: Mutex<Option<JoinHandle<()>>>,
     closed: AtomicBool,
 }
 
-impl Executor {
-    /// A pool of `threads` workers and an applier allowing `max_inflight_bytes` of queued pushes.
-    pub fn new(threads: usize, max_inflight_bytes: usize) -> Result<Arc<Self>> {
-        let pool = rayon::ThreadPoolBuilder::new()
-            .num_threads(threads)
-            .thread_name(|i| format!("pstore-worker-{i}"))
-            .build()
-            .map_err(|e| Error::Internal(format!("cannot start the thread pool: {e}")))?;
+impl Applier {
+    /// An applier thread called `name`, allowing `max_inflight_bytes` of queued jobs.
+    pub fn new(max_inflight_bytes: usize, name: &str) -> Result<Self> {
         let budget = Arc::new(Budget {
             max_bytes: max_inflight_bytes,
             state: Mutex::new(Inflight::default()),
@@ -121,8 +116,8 @@ impl Executor {
         });
         let (tx, rx) = channel::<Queued>();
         let b = Arc::clone(&budget);
-        let applier = std::thread::Builder::new()
-            .name("pstore-applier".into())
+        let thread = std::thread::Builder::new()
+            .name(name.into())
             .spawn(move || {
                 for q in rx {
                     let r = std::panic::catch_unwind(std::panic::AssertUnwindSafe(q.job))
@@ -135,34 +130,15 @@ impl Executor {
                 }
             })
             .map_err(|e| Error::Internal(format!("cannot start the applier thread: {e}")))?;
-        Ok(Arc::new(Self {
-            pool,
-            threads,
+        Ok(Self {
             budget,
             sender: Mutex::new(Some(tx)),
-            applier: Mutex::new(Some(applier)),
+            thread: Mutex::new(Some(thread)),
             closed: AtomicBool::new(false),
-        }))
+        })
     }
 
-    /// The number of pool threads.
-    pub fn threads(&self) -> usize {
-        self.threads
-    }
-
-    /// Runs `f` on a pool thread and returns at once (a store server's short calls: the work's
-    /// own parallel iterators then run on the same pool without another hand-off). `f` must
-    /// not panic: a panic in a spawned pool job aborts the process.
-    pub fn spawn(&self, f: impl FnOnce() + Send + 'static) {
-        self.pool.spawn(f)
-    }
-
-    /// Runs `f` inside the pool (so rayon's parallel iterators use it).
-    pub fn install<R: Send>(&self, f: impl FnOnce() -> R + Send) -> R {
-        self.pool.install(f)
-    }
-
-    /// How many asynchronous pushes are queued or being applied.
+    /// How many jobs are queued or running.
     pub fn pending(&self) -> usize {
         lock(&self.budget.state).count
     }
@@ -223,11 +199,23 @@ impl Executor {
         true
     }
 
-    /// Applies everything queued, then stops the applier; later submissions fail.
+    /// Waits until nothing is in flight.
+    pub fn flush(&self) {
+        let mut s = lock(&self.budget.state);
+        while s.count > 0 {
+            s = self
+                .budget
+                .changed
+                .wait(s)
+                .unwrap_or_else(|e| e.into_inner());
+        }
+    }
+
+    /// Runs everything queued, then stops the thread; later submissions fail.
     pub fn close(&self) {
         self.closed.store(true, Ordering::Release);
         drop(lock(&self.sender).take());
-        let handle = lock(&self.applier).take();
+        let handle = lock(&self.thread).take();
         if let Some(h) = handle {
             if h.thread().id() != std::thread::current().id() {
                 let _ = h.join();
@@ -236,9 +224,69 @@ impl Executor {
     }
 }
 
-impl Drop for Executor {
+impl Drop for Applier {
     fn drop(&mut self) {
         self.close();
+    }
+}
+
+/// The thread pool and the ordered applier shared by every table of a store.
+pub struct Executor {
+    pool: rayon::ThreadPool,
+    threads: usize,
+    applier: Applier,
+}
+
+impl Executor {
+    /// A pool of `threads` workers and an applier allowing `max_inflight_bytes` of queued pushes.
+    pub fn new(threads: usize, max_inflight_bytes: usize) -> Result<Arc<Self>> {
+        let pool = rayon::ThreadPoolBuilder::new()
+            .num_threads(threads)
+            .thread_name(|i| format!("pstore-worker-{i}"))
+            .build()
+            .map_err(|e| Error::Internal(format!("cannot start the thread pool: {e}")))?;
+        Ok(Arc::new(Self {
+            pool,
+            threads,
+            applier: Applier::new(max_inflight_bytes, "pstore-applier")?,
+        }))
+    }
+
+    /// The number of pool threads.
+    pub fn threads(&self) -> usize {
+        self.threads
+    }
+
+    /// Runs `f` on a pool thread and returns at once (a store server's short calls: the work's
+    /// own parallel iterators then run on the same pool without another hand-off). `f` must
+    /// not panic: a panic in a spawned pool job aborts the process.
+    pub fn spawn(&self, f: impl FnOnce() + Send + 'static) {
+        self.pool.spawn(f)
+    }
+
+    /// Runs `f` inside the pool (so rayon's parallel iterators use it).
+    pub fn install<R: Send>(&self, f: impl FnOnce() -> R + Send) -> R {
+        self.pool.install(f)
+    }
+
+    /// How many asynchronous pushes are queued or being applied.
+    pub fn pending(&self) -> usize {
+        self.applier.pending()
+    }
+
+    /// Queues an asynchronous push (see [`Applier::submit`]).
+    pub fn submit(&self, bytes: usize, job: Job) -> Result<PushHandle> {
+        self.applier.submit(bytes, job)
+    }
+
+    /// Waits up to `timeout` until nothing is in flight; returns true when that is so.
+    pub fn flush_timeout(&self, timeout: Duration) -> bool {
+        self.applier.flush_timeout(timeout)
+    }
+
+    /// Applies everything queued, then stops the applier; later submissions fail.
+    pub fn close(&self) {
+        self.applier.close()
     }
 }
 
@@ -277,7 +325,7 @@ mod tests {
         let peak = Arc::new(AtomicUsize::new(0));
         for _ in 0..50 {
             let p = Arc::clone(&peak);
-            let b = Arc::clone(&ex.budget);
+            let b = Arc::clone(&ex.applier.budget);
             ex.submit(
                 40,
                 Box::new(move || {

@@ -10,14 +10,14 @@
 
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::{mpsc, Arc, Mutex};
+use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
-use bytes::Bytes;
 use tonic::transport::{Channel, Endpoint};
 use tonic::{Code, Request, Status};
 
 use crate::error::{invalid, shape, Error, Result};
+use crate::executor::{Applier, PushHandle};
 use crate::net::proto::p_store_client::PStoreClient;
 use crate::net::proto::*;
 use crate::net::routing::Router;
@@ -68,55 +68,10 @@ impl ClientConfig {
     }
 }
 
-/// What a push did on the servers it reached.
-#[derive(Debug, Clone, Copy, Default, PartialEq)]
-pub struct PushOutcome {
-    /// Requests applied and dropped as too stale.
-    pub applied: u32,
-    pub dropped: u32,
-    /// The largest staleness reported.
-    pub staleness: u64,
-}
-
 struct Server {
     name: String,
     stub: PStoreClient<Channel>,
     channel: Channel,
-}
-
-type Job = Box<dyn FnOnce() + Send>;
-
-/// The pending result of an asynchronous push.
-pub struct RemotePush {
-    rx: Mutex<Option<mpsc::Receiver<Result<PushOutcome>>>>,
-    result: Mutex<Option<Result<PushOutcome>>>,
-}
-
-impl RemotePush {
-    /// Waits up to `timeout` (forever with `None`); `None` while still pending.
-    pub fn wait(&self, timeout: Option<Duration>) -> Option<Result<PushOutcome>> {
-        let mut res = self.result.lock().unwrap_or_else(|e| e.into_inner());
-        if res.is_none() {
-            let lost = || Err(Error::Internal("the push thread ended early".into()));
-            let rx = self.rx.lock().unwrap_or_else(|e| e.into_inner());
-            let got = match (rx.as_ref(), timeout) {
-                (None, _) => lost(),
-                (Some(rx), None) => rx.recv().unwrap_or_else(|_| lost()),
-                (Some(rx), Some(t)) => match rx.recv_timeout(t) {
-                    Ok(r) => r,
-                    Err(mpsc::RecvTimeoutError::Timeout) => return None,
-                    Err(mpsc::RecvTimeoutError::Disconnected) => lost(),
-                },
-            };
-            *res = Some(got);
-        }
-        res.clone()
-    }
-
-    /// True once the push has finished.
-    pub fn done(&self) -> bool {
-        self.wait(Some(Duration::ZERO)).is_some()
-    }
 }
 
 /// A connection to a cluster of store servers.
@@ -129,10 +84,10 @@ pub struct Client {
     id: u64,
     seq: AtomicU64,
     /// The seq each server answered the last pull of each table with.
-    pulled: Mutex<HashMap<(String, usize), u64>>,
-    /// The queue of pushes, applied in order by one thread.
-    queue: Mutex<mpsc::Sender<Job>>,
-    inflight: Arc<(Mutex<usize>, std::sync::Condvar)>,
+    /// Per table, per server (by position in the list).
+    pulled: Mutex<HashMap<String, Vec<Option<u64>>>>,
+    /// Asynchronous pushes, sent in the order they were queued (the embedded store's applier).
+    applier: Applier,
 }
 
 fn is_retryable(s: &Status) -> bool {
@@ -219,15 +174,7 @@ impl Client {
                 channel,
             });
         }
-        let (tx, rx) = mpsc::channel::<Job>();
-        std::thread::Builder::new()
-            .name("pstore-client-push".into())
-            .spawn(move || {
-                for job in rx {
-                    job();
-                }
-            })
-            .map_err(|e| Error::Internal(format!("starting the push thread: {e}")))?;
+        let applier = Applier::new(config.max_inflight_bytes, "pstore-client-push")?;
         let c = Arc::new(Self {
             rt,
             router: Router::new(&config.servers),
@@ -236,8 +183,7 @@ impl Client {
             id: random_id(),
             seq: AtomicU64::new(0),
             pulled: Mutex::new(HashMap::new()),
-            queue: Mutex::new(tx),
-            inflight: Arc::new((Mutex::new(0), std::sync::Condvar::new())),
+            applier,
         });
         let status = c.status()?;
         for (s, st) in c.servers.iter().zip(&status) {
@@ -358,12 +304,9 @@ impl Client {
         (0..self.servers.len()).map(|i| (i, msg.clone())).collect()
     }
 
-    /// The server of a dense table.
+    /// The server of a dense table: the one its name's key routes to.
     pub fn dense_home(&self, name: &str) -> usize {
-        self.router.server_of(crate::hash::mix64(
-            name.bytes()
-                .fold(0u64, |h, b| h.wrapping_mul(31).wrapping_add(b as u64)),
-        ))
+        self.router.server_of(crate::net::routing::key(name))
     }
 
     /// Status of every server, in the order of the list.
@@ -476,11 +419,6 @@ impl Client {
         pos.chunks(per).map(<[u32]>::to_vec).collect()
     }
 
-    fn pick_ids(ids: &[u64], pos: &[u32]) -> Bytes {
-        let v: Vec<u64> = pos.iter().map(|&p| ids[p as usize]).collect();
-        wire::encode_ids(&v)
-    }
-
     /// The rows of `ids` (`dim` wide) into `out`.
     /// The rows of `ids` (`dim` wide) as a vector.
     pub fn pull(&self, table: &str, dim: usize, ids: &[u64]) -> Result<Vec<f32>> {
@@ -511,7 +449,7 @@ impl Client {
             for c in self.chunks(&pos, 8 + dim * wire::width(d)) {
                 let m = PullRequest {
                     table: table.to_string(),
-                    ids: Self::pick_ids(ids, &c),
+                    ids: wire::encode_ids_at(ids, &c),
                     dtype: d as i32,
                 };
                 targets.push((i, m));
@@ -532,16 +470,26 @@ impl Client {
             let e = seqs.entry(*i).or_insert(a.seq);
             *e = (*e).min(a.seq);
         }
-        let mut pulled = self.pulled.lock().unwrap_or_else(|e| e.into_inner());
         for (i, s) in seqs {
-            pulled.insert((table.to_string(), i), s);
+            self.set_pulled(table, i, s);
         }
         Ok(())
     }
 
+    /// Remembers the seq server `i` answered a pull of `table` with.
+    fn set_pulled(&self, table: &str, i: usize, seq: u64) {
+        let mut p = self.pulled.lock().unwrap_or_else(|e| e.into_inner());
+        if !p.contains_key(table) {
+            p.insert(table.to_string(), vec![None; self.servers.len()]);
+        }
+        if let Some(v) = p.get_mut(table) {
+            v[i] = Some(seq);
+        }
+    }
+
     fn pulled_seq(&self, table: &str, i: usize) -> Option<u64> {
         let p = self.pulled.lock().unwrap_or_else(|e| e.into_inner());
-        p.get(&(table.to_string(), i)).copied()
+        p.get(table).and_then(|v| v[i])
     }
 
     /// Applies gradients now (after the queued asynchronous pushes).
@@ -551,7 +499,7 @@ impl Client {
         dim: usize,
         ids: &[u64],
         grads: &[f32],
-    ) -> Result<PushOutcome> {
+    ) -> Result<()> {
         if grads.len() != ids.len() * dim {
             return Err(shape(format!(
                 "table {table:?}: grads must hold len(ids) x dim = {} x {dim} values, got {}",
@@ -561,33 +509,23 @@ impl Client {
         }
         if self.pending() > 0 {
             let h = self.push_async(table, dim, ids.to_vec(), grads.to_vec())?;
-            return h
-                .wait(None)
-                .unwrap_or_else(|| Err(Error::Internal("push lost".into())));
+            return h.wait();
         }
         self.push_now(table, dim, ids, grads)
     }
 
-    fn push_now(&self, table: &str, dim: usize, ids: &[u64], grads: &[f32]) -> Result<PushOutcome> {
+    fn push_now(&self, table: &str, dim: usize, ids: &[u64], grads: &[f32]) -> Result<()> {
         self.check_grads(table, grads, dim)?;
         let d = self.config.wire;
         let mut targets = Vec::new();
         for (i, pos) in self.router.split(ids).into_iter().enumerate() {
             for c in self.chunks(&pos, 8 + dim * wire::width(d)) {
-                let g: Vec<f32> = c
-                    .iter()
-                    .flat_map(|&p| {
-                        grads[p as usize * dim..(p as usize + 1) * dim]
-                            .iter()
-                            .copied()
-                    })
-                    .collect();
                 targets.push((
                     i,
                     PushRequest {
                         table: table.to_string(),
-                        ids: Self::pick_ids(ids, &c),
-                        grads: wire::encode_values(&g, d),
+                        ids: wire::encode_ids_at(ids, &c),
+                        grads: wire::encode_rows_at(grads, dim, &c, d),
                         dtype: d as i32,
                         request_id: self.next_id(),
                         pulled_seq: self.pulled_seq(table, i),
@@ -595,8 +533,8 @@ impl Client {
                 ));
             }
         }
-        let answers = self.fan_out(targets, |mut c, r| async move { c.push(r).await })?;
-        Ok(outcome(&answers))
+        self.fan_out(targets, |mut c, r| async move { c.push(r).await })?;
+        Ok(())
     }
 
     /// Refuses a gradient a server would refuse, before any server gets any part of it, so a
@@ -622,10 +560,6 @@ impl Client {
         Ok(())
     }
 
-    fn pending(&self) -> usize {
-        *self.inflight.0.lock().unwrap_or_else(|e| e.into_inner())
-    }
-
     /// Queues a push and returns at once (blocking while the queue holds too many bytes).
     pub fn push_async(
         self: &Arc<Self>,
@@ -633,7 +567,7 @@ impl Client {
         dim: usize,
         ids: Vec<u64>,
         grads: Vec<f32>,
-    ) -> Result<Arc<RemotePush>> {
+    ) -> Result<PushHandle> {
         if grads.len() != ids.len() * dim {
             return Err(shape(format!(
                 "table {table:?}: grads must hold len(ids) x dim = {} x {dim} values, got {}",
@@ -645,54 +579,19 @@ impl Client {
         let bytes = (ids.len() * 8 + grads.len() * 4).max(1);
         let me = Arc::clone(self);
         let table = table.to_string();
-        self.submit(bytes, move || me.push_now(&table, dim, &ids, &grads))
+        self.applier.submit(
+            bytes,
+            Box::new(move || me.push_now(&table, dim, &ids, &grads)),
+        )
     }
 
-    fn submit(
-        &self,
-        bytes: usize,
-        f: impl FnOnce() -> Result<PushOutcome> + Send + 'static,
-    ) -> Result<Arc<RemotePush>> {
-        let budget = self.config.max_inflight_bytes;
-        {
-            let (m, cv) = &*self.inflight;
-            let mut used = m.lock().unwrap_or_else(|e| e.into_inner());
-            // One push larger than the budget runs alone.
-            while *used > 0 && *used + bytes > budget {
-                used = cv.wait(used).unwrap_or_else(|e| e.into_inner());
-            }
-            *used += bytes;
-        }
-        let (tx, rx) = mpsc::channel();
-        let infl = Arc::clone(&self.inflight);
-        let job: Job = Box::new(move || {
-            let r = f();
-            {
-                let (m, cv) = &*infl;
-                let mut used = m.lock().unwrap_or_else(|e| e.into_inner());
-                *used -= bytes;
-                cv.notify_all();
-            }
-            let _ = tx.send(r);
-        });
-        self.queue
-            .lock()
-            .unwrap_or_else(|e| e.into_inner())
-            .send(job)
-            .map_err(|_| Error::Internal("the push thread is gone".into()))?;
-        Ok(Arc::new(RemotePush {
-            rx: Mutex::new(Some(rx)),
-            result: Mutex::new(None),
-        }))
+    fn pending(&self) -> usize {
+        self.applier.pending()
     }
 
     /// Waits until every queued push has been sent and answered.
     pub fn drain(&self) {
-        let (m, cv) = &*self.inflight;
-        let mut used = m.lock().unwrap_or_else(|e| e.into_inner());
-        while *used > 0 {
-            used = cv.wait(used).unwrap_or_else(|e| e.into_inner());
-        }
+        self.applier.flush();
     }
 
     /// Which ids have a row.
@@ -705,7 +604,7 @@ impl Client {
                     i,
                     ContainsRequest {
                         table: table.to_string(),
-                        ids: Self::pick_ids(ids, &c),
+                        ids: wire::encode_ids_at(ids, &c),
                     },
                 ));
                 parts.push(c);
@@ -734,7 +633,7 @@ impl Client {
                     i,
                     RemoveRequest {
                         table: table.to_string(),
-                        ids: Self::pick_ids(ids, &c),
+                        ids: wire::encode_ids_at(ids, &c),
                         request_id: self.next_id(),
                     },
                 ));
@@ -777,25 +676,20 @@ impl Client {
         )?;
         let a = a.pop().ok_or_else(|| Error::Internal("no answer".into()))?;
         let v = wire::values(&a.values, wire::dtype(a.dtype)?, numel, "values")?.into_owned();
-        self.pulled
-            .lock()
-            .unwrap_or_else(|e| e.into_inner())
-            .insert((table.to_string(), i), a.seq);
+        self.set_pulled(table, i, a.seq);
         Ok(v)
     }
 
     /// Applies one gradient of a dense table (after the queued asynchronous pushes).
-    pub fn dense_push(self: &Arc<Self>, table: &str, grad: &[f32]) -> Result<PushOutcome> {
+    pub fn dense_push(self: &Arc<Self>, table: &str, grad: &[f32]) -> Result<()> {
         if self.pending() > 0 {
             let h = self.dense_push_async(table, grad.to_vec())?;
-            return h
-                .wait(None)
-                .unwrap_or_else(|| Err(Error::Internal("push lost".into())));
+            return h.wait();
         }
         self.dense_push_now(table, grad)
     }
 
-    fn dense_push_now(&self, table: &str, grad: &[f32]) -> Result<PushOutcome> {
+    fn dense_push_now(&self, table: &str, grad: &[f32]) -> Result<()> {
         self.check_grads(table, grad, grad.len().max(1))?;
         let i = self.dense_home(table);
         let m = DensePushRequest {
@@ -805,23 +699,22 @@ impl Client {
             request_id: self.next_id(),
             pulled_seq: self.pulled_seq(table, i),
         };
-        let a = self.fan_out(
+        self.fan_out(
             vec![(i, m)],
             |mut c, r| async move { c.dense_push(r).await },
         )?;
-        Ok(outcome(&a))
+        Ok(())
     }
 
     /// Queues one dense gradient.
-    pub fn dense_push_async(
-        self: &Arc<Self>,
-        table: &str,
-        grad: Vec<f32>,
-    ) -> Result<Arc<RemotePush>> {
+    pub fn dense_push_async(self: &Arc<Self>, table: &str, grad: Vec<f32>) -> Result<PushHandle> {
         self.check_grads(table, &grad, grad.len().max(1))?;
         let me = Arc::clone(self);
         let table = table.to_string();
-        self.submit(grad.len() * 4, move || me.dense_push_now(&table, &grad))
+        self.applier.submit(
+            grad.len() * 4,
+            Box::new(move || me.dense_push_now(&table, &grad)),
+        )
     }
 
     /// Reports this worker's clock to the coordinator (the first server in sorted order) and,
@@ -871,19 +764,6 @@ impl Client {
             e => e,
         })
     }
-}
-
-fn outcome(answers: &[PushResponse]) -> PushOutcome {
-    let mut o = PushOutcome::default();
-    for a in answers {
-        if a.applied {
-            o.applied += 1;
-        } else {
-            o.dropped += 1;
-        }
-        o.staleness = o.staleness.max(a.staleness);
-    }
-    o
 }
 
 /// Polls every future until all are done (a small join_all, to keep the dependency list short).

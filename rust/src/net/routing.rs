@@ -9,8 +9,8 @@
 
 use crate::hash::mix64;
 
-/// A server's key: FNV-1a of its name, mixed.
-fn key(name: &str) -> u64 {
+/// The key of a name (a server's address, a dense table's name): FNV-1a, mixed.
+pub fn key(name: &str) -> u64 {
     let mut h: u64 = 0xcbf2_9ce4_8422_2325;
     for b in name.bytes() {
         h ^= b as u64;

@@ -219,9 +219,17 @@ pub fn encode_ids(ids: &[u64]) -> Bytes {
     Bytes::from(out)
 }
 
-/// Packs values in the element type `d` (rounding to nearest even for the 16-bit types).
-pub fn encode_values(v: &[f32], d: Dtype) -> Bytes {
-    let mut out = Vec::with_capacity(v.len() * width(d));
+/// Packs the ids at positions `pos` of `ids`.
+pub fn encode_ids_at(ids: &[u64], pos: &[u32]) -> Bytes {
+    let mut out = Vec::with_capacity(pos.len() * 8);
+    for &p in pos {
+        out.extend_from_slice(&ids[p as usize].to_le_bytes());
+    }
+    Bytes::from(out)
+}
+
+/// Appends values in the element type `d` (rounding to nearest even for the 16-bit types).
+fn put_values(out: &mut Vec<u8>, v: &[f32], d: Dtype) {
     match d {
         Dtype::Float32 if cfg!(target_endian = "little") => {
             // SAFETY: f32 memory is valid as bytes; the length is in bytes.
@@ -244,6 +252,22 @@ pub fn encode_values(v: &[f32], d: Dtype) -> Bytes {
             }
         }
     }
+}
+
+/// Packs values in the element type `d`.
+pub fn encode_values(v: &[f32], d: Dtype) -> Bytes {
+    let mut out = Vec::with_capacity(v.len() * width(d));
+    put_values(&mut out, v, d);
+    Bytes::from(out)
+}
+
+/// Packs the rows (`dim` wide) at positions `pos` of `v` in the element type `d`: the rows of
+/// one server's part of a batch, gathered straight into the message.
+pub fn encode_rows_at(v: &[f32], dim: usize, pos: &[u32], d: Dtype) -> Bytes {
+    let mut out = Vec::with_capacity(pos.len() * dim * width(d));
+    for &p in pos {
+        put_values(&mut out, &v[p as usize * dim..(p as usize + 1) * dim], d);
+    }
     Bytes::from(out)
 }
 
@@ -261,6 +285,21 @@ mod tests {
         let b2 = Bytes::from(shifted).slice(1..);
         assert_eq!(&*ids(&b2).unwrap(), &ids_in);
         assert!(ids(&Bytes::from_static(&[1, 2, 3])).is_err());
+    }
+
+    #[test]
+    fn gathered_ids_and_rows() {
+        let ids = [10u64, 20, 30];
+        assert_eq!(
+            &*super::ids(&encode_ids_at(&ids, &[2, 0])).unwrap(),
+            &[30, 10]
+        );
+        let v = [1.0f32, 2.0, 3.0, 4.0, 5.0, 6.0];
+        let b = encode_rows_at(&v, 2, &[2, 0], Dtype::Float32);
+        assert_eq!(
+            &*values(&b, Dtype::Float32, 4, "rows").unwrap(),
+            &[5.0, 6.0, 1.0, 2.0]
+        );
     }
 
     #[test]

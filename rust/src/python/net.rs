@@ -14,8 +14,8 @@ use pyo3::prelude::*;
 use pyo3::types::{PyDict, PyList};
 
 use super::convert::{err, initializer_from, initializer_spec, optimizer_from, optimizer_spec};
-use super::{lifecycle_tuple, slice, sparse_config, wait_polling, OutData, PyStore};
-use crate::client::{Client, ClientConfig, PushOutcome, RemotePush};
+use super::{lifecycle_tuple, slice, sparse_config, OutData, PyPushHandle, PyStore};
+use crate::client::{Client, ClientConfig};
 use crate::error::Error;
 use crate::net::proto::{CreateTableRequest, Dtype, StalePolicy, TableInfo, TableKind};
 use crate::server::{ServerConfig, ServerHandle, Tokens};
@@ -239,10 +239,6 @@ fn merged_stats<'py>(
     }
     d.set_item("servers", per)?;
     Ok(d)
-}
-
-fn outcome_tuple(o: PushOutcome) -> (u32, u32, u64) {
-    (o.applied, o.dropped, o.staleness)
 }
 
 /// A connection to store servers.
@@ -526,34 +522,6 @@ impl PyClient {
     }
 }
 
-/// The pending result of a remote asynchronous push.
-#[pyclass(frozen, module = "pstore._native", name = "RemotePushHandle")]
-struct PyRemotePush {
-    inner: Arc<RemotePush>,
-}
-
-#[pymethods]
-impl PyRemotePush {
-    #[pyo3(signature = (timeout=None))]
-    fn wait(&self, py: Python<'_>, timeout: Option<f64>) -> PyResult<bool> {
-        wait_polling(py, timeout, |step| {
-            self.inner.wait(Some(step)).map(|r| r.map(|_| ()))
-        })
-    }
-
-    fn done(&self) -> bool {
-        self.inner.done()
-    }
-
-    /// (requests applied, requests dropped as too stale, largest staleness), once done.
-    fn outcome(&self) -> Option<(u32, u32, u64)> {
-        match self.inner.wait(Some(Duration::ZERO)) {
-            Some(Ok(o)) => Some(outcome_tuple(o)),
-            _ => None,
-        }
-    }
-}
-
 /// The methods both remote table kinds share.
 macro_rules! remote_methods {
     ($ty:ident { $($own:tt)* }) => {
@@ -676,19 +644,16 @@ remote_methods!(PyRemoteSparse {
         Ok(out)
     }
 
-    /// Applies the gradients; returns (requests applied, dropped as too stale, staleness).
     fn push(
         &self,
         py: Python<'_>,
         ids: PyReadonlyArray1<'_, u64>,
         grads: PyReadonlyArray2<'_, f32>,
-    ) -> PyResult<(u32, u32, u64)> {
+    ) -> PyResult<()> {
         let (ids_s, grads_s) = (slice(&ids, "ids")?, slice(&grads, "grads")?);
         self.check_cols(&grads)?;
         let (c, name, dim) = (&self.client, &self.name, self.config.dim);
-        py.detach(|| c.push(name, dim, ids_s, grads_s))
-            .map(outcome_tuple)
-            .map_err(err)
+        py.detach(|| c.push(name, dim, ids_s, grads_s)).map_err(err)
     }
 
     fn push_async(
@@ -696,14 +661,14 @@ remote_methods!(PyRemoteSparse {
         py: Python<'_>,
         ids: PyReadonlyArray1<'_, u64>,
         grads: PyReadonlyArray2<'_, f32>,
-    ) -> PyResult<PyRemotePush> {
+    ) -> PyResult<PyPushHandle> {
         let (ids_s, grads_s) = (slice(&ids, "ids")?, slice(&grads, "grads")?);
         self.check_cols(&grads)?;
         let (c, name, dim) = (&self.client, &self.name, self.config.dim);
         let h = py
             .detach(|| c.push_async(name, dim, ids_s.to_vec(), grads_s.to_vec()))
             .map_err(err)?;
-        Ok(PyRemotePush { inner: h })
+        Ok(PyPushHandle { inner: h })
     }
 
     fn contains<'py>(
@@ -788,23 +753,21 @@ remote_methods!(PyRemoteDense {
         v.into_pyarray(py).reshape(self.config.shape.clone())
     }
 
-    fn push(&self, py: Python<'_>, grad: PyReadonlyArrayDyn<'_, f32>) -> PyResult<(u32, u32, u64)> {
+    fn push(&self, py: Python<'_>, grad: PyReadonlyArrayDyn<'_, f32>) -> PyResult<()> {
         self.check_shape(&grad)?;
         let g = slice(&grad, "grad")?;
         let (c, n) = (&self.client, &self.name);
-        py.detach(|| c.dense_push(n, g))
-            .map(outcome_tuple)
-            .map_err(err)
+        py.detach(|| c.dense_push(n, g)).map_err(err)
     }
 
-    fn push_async(&self, py: Python<'_>, grad: PyReadonlyArrayDyn<'_, f32>) -> PyResult<PyRemotePush> {
+    fn push_async(&self, py: Python<'_>, grad: PyReadonlyArrayDyn<'_, f32>) -> PyResult<PyPushHandle> {
         self.check_shape(&grad)?;
         let g = slice(&grad, "grad")?;
         let (c, n) = (&self.client, &self.name);
         let h = py
             .detach(|| c.dense_push_async(n, g.to_vec()))
             .map_err(err)?;
-        Ok(PyRemotePush { inner: h })
+        Ok(PyPushHandle { inner: h })
     }
 });
 
@@ -825,7 +788,6 @@ impl PyRemoteDense {
 pub(super) fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<PyServer>()?;
     m.add_class::<PyClient>()?;
-    m.add_class::<PyRemotePush>()?;
     m.add_class::<PyRemoteSparse>()?;
     m.add_class::<PyRemoteDense>()?;
     Ok(())

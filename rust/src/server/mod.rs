@@ -180,6 +180,17 @@ impl Inner {
         Ok(())
     }
 
+    /// The info of every table (a table dropped meanwhile is left out).
+    fn infos(&self) -> Result<Vec<TableInfo>> {
+        let mut tables = Vec::new();
+        for name in self.store.tables() {
+            if let Ok(t) = self.store.table(&name) {
+                tables.push(self.info(&name, &t)?);
+            }
+        }
+        Ok(tables)
+    }
+
     fn clocks(&self) -> ClockResponse {
         let c = self.clocks.get();
         ClockResponse {
@@ -448,13 +459,7 @@ impl PStore for Service {
         req: Request<ListTablesRequest>,
     ) -> std::result::Result<Response<ListTablesResponse>, Status> {
         self.run("ListTables", Access::Read, On::Pool, req, |s, _| {
-            let mut tables = Vec::new();
-            for name in s.store.tables() {
-                if let Ok(t) = s.store.table(&name) {
-                    tables.push(s.info(&name, &t)?);
-                }
-            }
-            Ok(ListTablesResponse { tables })
+            Ok(ListTablesResponse { tables: s.infos()? })
         })
         .await
     }
@@ -520,7 +525,7 @@ impl PStore for Service {
                 let applied = match decision {
                     Decision::Drop => false,
                     Decision::Apply(scale) => {
-                        t.push_scaled(&ids, &grads, scale)?;
+                        t.push_validated(&ids, &grads, scale)?;
                         true
                     }
                 };
@@ -636,7 +641,7 @@ impl PStore for Service {
                 let applied = match decision {
                     Decision::Drop => false,
                     Decision::Apply(scale) => {
-                        t.push_scaled(&grad, scale)?;
+                        t.push_validated(&grad, scale)?;
                         true
                     }
                 };
@@ -735,12 +740,7 @@ impl PStore for Service {
         req: Request<StatusRequest>,
     ) -> std::result::Result<Response<StatusResponse>, Status> {
         self.run("Status", Access::Read, On::Pool, req, |s, _| {
-            let mut tables = Vec::new();
-            for name in s.store.tables() {
-                if let Ok(t) = s.store.table(&name) {
-                    tables.push(s.info(&name, &t)?);
-                }
-            }
+            let tables = s.infos()?;
             let f = s.store.flusher();
             Ok(StatusResponse {
                 version: env!("CARGO_PKG_VERSION").to_string(),

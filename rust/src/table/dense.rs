@@ -148,7 +148,14 @@ impl DenseTable {
     /// [`push`](Self::push) with the learning rate multiplied by `lr_scale` for this push only.
     pub fn push_scaled(self: &Arc<Self>, grad: &[f32], lr_scale: f64) -> Result<()> {
         self.validate_push(grad)?;
+        self.push_validated(grad, lr_scale)
+    }
+
+    /// [`push_scaled`](Self::push_scaled) of a gradient that
+    /// [`validate_push`](Self::validate_push) accepted already.
+    pub(crate) fn push_validated(self: &Arc<Self>, grad: &[f32], lr_scale: f64) -> Result<()> {
         super::check_scale(lr_scale)?;
+        self.common.durable_check()?;
         if self.common.exec.pending() > 0 {
             return self.queue(grad.to_vec(), lr_scale)?.wait();
         }

@@ -705,7 +705,20 @@ impl SparseTable {
     /// (a store server scales stale gradients this way).
     pub fn push_scaled(self: &Arc<Self>, ids: &[u64], grads: &[f32], lr_scale: f64) -> Result<()> {
         self.validate_push(ids, grads)?;
+        self.push_validated(ids, grads, lr_scale)
+    }
+
+    /// [`push_scaled`](Self::push_scaled) of inputs that [`validate_push`](Self::validate_push)
+    /// accepted already (a store server checks a push before it looks at its request id), so
+    /// the gradients are not scanned twice.
+    pub(crate) fn push_validated(
+        self: &Arc<Self>,
+        ids: &[u64],
+        grads: &[f32],
+        lr_scale: f64,
+    ) -> Result<()> {
         super::check_scale(lr_scale)?;
+        self.common.durable_check()?;
         if self.common.exec.pending() > 0 {
             return self.queue(ids.to_vec(), grads.to_vec(), lr_scale)?.wait();
         }
