@@ -7,6 +7,7 @@ import numpy.typing as npt
 
 __all__ = [
     "MAX_DIM",
+    "Artifact",
     "Client",
     "Counter",
     "DenseTable",
@@ -17,7 +18,9 @@ __all__ = [
     "SparseTable",
     "Store",
     "__version__",
+    "export_artifact",
     "inspect_store",
+    "newest_snapshot",
     "snapshot_chain",
     "verify_snapshot",
 ]
@@ -296,3 +299,51 @@ class RemoteDenseTable:
     def push(self, grad: npt.NDArray[np.float32]) -> None: ...
     def push_async(self, grad: npt.NDArray[np.float32]) -> PushHandle: ...
     def stats(self) -> dict[str, Any]: ...
+
+# Serving artifacts (rust/src/python/serving.rs).
+def export_artifact(
+    snapshot: str,
+    out: str,
+    tables: list[str] | None = None,
+    dtype: str = "float32",
+    progress: Counter | None = None,
+) -> str: ...
+def newest_snapshot(root: str) -> str | None: ...
+
+@final
+class Artifact:
+    def __new__(cls, path: str, writable: bool = False) -> Artifact: ...
+    @property
+    def writable(self) -> bool: ...
+    @property
+    def file_bytes(self) -> int: ...
+    def state_json(self) -> str: ...
+    def lookup(
+        self,
+        table: str,
+        ids: npt.NDArray[np.uint64],
+        default: str = "zeros",
+        row: npt.NDArray[np.float32] | None = None,
+        mask: bool = False,
+    ) -> tuple[npt.NDArray[np.float32], npt.NDArray[np.bool_] | None, int]: ...
+    def contains(self, table: str, ids: npt.NDArray[np.uint64]) -> npt.NDArray[np.bool_]: ...
+    def dense(self, table: str) -> npt.NDArray[np.float32]: ...
+    def scan(
+        self, table: str
+    ) -> tuple[npt.NDArray[np.uint64], npt.NDArray[np.uint8], int, str]: ...
+    def apply(self, dir: str) -> str | None: ...
+    def follow(self, root: str) -> str: ...
+    def pending(self, root: str) -> list[str]: ...
+    def serve(
+        self,
+        default: str = "initial",
+        row: npt.NDArray[np.float32] | None = None,
+        host: str = "127.0.0.1",
+        port: int = 0,
+        metrics_port: int | None = None,
+        token: str | None = None,
+        read_token: str | None = None,
+        tls_cert: bytes | None = None,
+        tls_key: bytes | None = None,
+        max_message: int | None = None,
+    ) -> Server: ...

@@ -234,6 +234,16 @@ def _cmd_status(args: argparse.Namespace) -> int:
             f"up {format_seconds(s['uptime_seconds'])}  "
             f"flush lag {s['flush_lag_seconds']:.2f} s"
         )
+        if s["role"] == "model":
+            m = s["model"]
+            lag = max(0.0, time.time() - m["snapshot"]["created_at"])
+            print(
+                f"  model server: snapshot {m['snapshot']['id']} ({m['snapshot']['kind']}), "
+                f"generation {m['generation']}, {m['dtype']}, {format_seconds(lag)} behind"
+            )
+            for t in s["tables"]:
+                print(f"  {t['name']:<20} {t['kind']:<6} rows {t['rows']:>12,}")
+            continue
         if s["clocks"]:
             c = s["clocks"]
             print(f"  worker clocks: {c} (min {min(c)}, max {max(c)})")
@@ -251,6 +261,93 @@ def _cmd_status(args: argparse.Namespace) -> int:
                 f"(mean {mean:.2f}, max {st['max']}, dropped {st['dropped']})"
             )
     return 0 if all(h == "SERVING" for h in health) else 1
+
+
+def _cmd_export(args: argparse.Namespace) -> int:
+    from pstore import serving
+
+    tables = None if args.tables is None else [t for t in args.tables.split(",") if t]
+    chain = _chain(args.snapshot)
+    start = time.perf_counter()
+    with Progress(total=len(chain), desc="export", unit="snapshot", disable=args.quiet) as bar:
+        info = serving.export(
+            args.snapshot, args.out, tables=tables, dtype=args.dtype, progress=_advance(bar)
+        )
+    rows = sum(t["rows"] for t in info["tables"] if t["kind"] == "sparse")
+    print(
+        f"exported {len(chain)} snapshot(s) of {args.snapshot} -> {args.out}: "
+        f"{len(info['tables'])} tables, {rows} rows as {info['dtype']}, "
+        f"{_bytes(info['file_bytes'])} ({info['bytes_per_row']:.1f} bytes/row) "
+        f"in {format_seconds(time.perf_counter() - start)}"
+    )
+    for t in info["tables"]:
+        shape = f"dim {t['dim']}" if t["kind"] == "sparse" else f"shape {tuple(t['shape'])}"
+        print(f"  {t['name']:<20} {t['kind']:<6} {shape:<14} rows {t['rows']:>12,}")
+    return 0
+
+
+def _cmd_serving_follow(args: argparse.Namespace) -> int:
+    import threading
+
+    from pstore import serving
+    from pstore.server import log_event
+
+    stop = threading.Event()
+
+    def applied(a: dict[str, Any]) -> None:
+        log_event(
+            "applied",
+            snapshot=a["id"],
+            path=a["path"],
+            kind=a["kind"],
+            rows=a["rows"],
+            deleted=a["deleted"],
+            generation=a["generation"],
+        )
+
+    log_event("following", root=args.root, model=args.model, interval=args.interval)
+    n = serving.follow(
+        args.root, args.model, interval=args.interval, once=args.once, stop=stop, on_apply=applied
+    )
+    log_event("stopped", applied=n)
+    return 0
+
+
+def _cmd_serve_model(args: argparse.Namespace) -> int:
+    from pstore.client import _read_secret
+    from pstore.serving import serve_model
+
+    return serve_model(
+        args.model,
+        follow_root=args.follow,
+        interval=args.interval,
+        default=args.default,
+        host=args.host,
+        port=args.port,
+        metrics_port=args.metrics_port,
+        token=_read_secret(None, args.token_file, "PSTORE_TOKEN"),
+        read_token=_read_secret(None, args.read_token_file, "PSTORE_READ_TOKEN"),
+        tls_cert=args.tls_cert,
+        tls_key=args.tls_key,
+        max_message=args.max_message,
+        log_interval=args.log_interval,
+        grace=args.grace,
+        restore_signals=False,
+    )
+
+
+def _cmd_export_onnx(args: argparse.Namespace) -> int:
+    from pstore.serving.onnx import export_onnx
+
+    tables = None if args.tables is None else [t for t in args.tables.split(",") if t]
+    start = time.perf_counter()
+    info = export_onnx(args.source, args.out, tables=tables, default=args.default)
+    print(
+        f"wrote {info['path']}: {len(info['tables'])} table(s), {_bytes(info['bytes'])}"
+        f"{' (external data)' if info['external_data'] else ''} "
+        f"in {format_seconds(time.perf_counter() - start)}"
+    )
+    return 0
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -354,6 +451,79 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--timeout", type=float, default=5.0, help="seconds per call (default 5)")
     p.add_argument("--json", action="store_true", help="print JSON")
     p.set_defaults(func=_cmd_status)
+
+    p = sub.add_parser(
+        "export",
+        help="build a read-only serving artifact from a snapshot and its increments",
+        description="Build the serving artifact MODEL_DIR (a new directory) from SNAPSHOT and "
+        "its chain of increments: weights only, optionally quantized (docs/FORMAT.md).",
+    )
+    p.add_argument("snapshot", metavar="SNAPSHOT", help="a snapshot directory")
+    p.add_argument("--out", required=True, metavar="MODEL_DIR", help="the artifact to create")
+    p.add_argument("--tables", default=None, help="comma-separated tables (default: all)")
+    p.add_argument(
+        "--dtype",
+        choices=["float32", "float16", "int8"],
+        default="float32",
+        help="how rows are stored (int8: per-row scale; default float32)",
+    )
+    p.add_argument("-q", "--quiet", action="store_true", help="no progress bar")
+    p.set_defaults(func=_cmd_export)
+
+    p = sub.add_parser("serving", help="keep serving artifacts up to date")
+    serving_sub = p.add_subparsers(dest="serving_command", metavar="COMMAND", required=True)
+    f = serving_sub.add_parser(
+        "follow",
+        help="apply the snapshots training writes under a directory to an artifact",
+        description="Keep MODEL_DIR at the newest snapshot under SNAPSHOT_ROOT: every "
+        "--interval seconds, apply the increments after the one it is at (a newer full "
+        "snapshot replaces it), each atomically. Runs until SIGINT/SIGTERM, or once.",
+    )
+    f.add_argument("root", metavar="SNAPSHOT_ROOT", help="the directory snapshots go into")
+    f.add_argument("--model", required=True, metavar="MODEL_DIR", help="the artifact")
+    f.add_argument("--interval", type=float, default=10.0, help="seconds between checks")
+    f.add_argument("--once", action="store_true", help="apply what is there, then exit")
+    f.set_defaults(func=_cmd_serving_follow)
+
+    p = sub.add_parser(
+        "serve-model",
+        help="serve an artifact read-only over gRPC until SIGTERM or SIGINT",
+        description="Answer lookups from the serving artifact MODEL_DIR over gRPC (the "
+        "pstore.v1.PStore service, read-only: Pull is a lookup, writes are refused). Tokens "
+        "as for `pstore serve`.",
+    )
+    p.add_argument("model", metavar="MODEL_DIR", help="a serving artifact")
+    p.add_argument("--port", type=int, default=7071, help="gRPC port (default 7071; 0: any)")
+    p.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1)")
+    p.add_argument(
+        "--default",
+        choices=["initial", "zeros"],
+        default="initial",
+        help="the row of an id the artifact lacks (default: the table's initial value)",
+    )
+    p.add_argument("--follow", default=None, metavar="SNAPSHOT_ROOT", help="apply new snapshots")
+    p.add_argument("--interval", type=float, default=10.0, help="seconds between --follow checks")
+    p.add_argument("--metrics-port", type=int, default=None, help="serve Prometheus metrics")
+    p.add_argument("--token-file", default=None, help="file holding a token ($PSTORE_TOKEN)")
+    p.add_argument("--read-token-file", default=None, help="file holding a read-only token")
+    p.add_argument("--tls-cert", default=None, help="PEM certificate chain: serve TLS")
+    p.add_argument("--tls-key", default=None, help="PEM private key of --tls-cert")
+    p.add_argument(
+        "--max-message", type=int, default=None, help="largest message in bytes (default 64 MiB)"
+    )
+    p.add_argument("--log-interval", type=float, default=60.0, help="seconds between lag logs")
+    p.add_argument("--grace", type=float, default=30.0, help="seconds to finish calls on stop")
+    p.set_defaults(func=_cmd_serve_model)
+
+    p = sub.add_parser(
+        "export-onnx",
+        help="write an ONNX model mapping int64 ids to rows, per table (needs pstore[onnx])",
+    )
+    p.add_argument("source", metavar="SNAPSHOT_OR_ARTIFACT", help="a snapshot or an artifact")
+    p.add_argument("--out", required=True, help="the .onnx file to write")
+    p.add_argument("--tables", default=None, help="comma-separated tables (default: all)")
+    p.add_argument("--default", choices=["zeros"], default="zeros", help="the row of unknown ids")
+    p.set_defaults(func=_cmd_export_onnx)
 
     p = sub.add_parser("version", help="print the versions of pstore and numpy")
     p.set_defaults(func=_cmd_version)

@@ -14,13 +14,14 @@ import signal
 import sys
 import threading
 import time
+from collections.abc import Callable
 from typing import Any, TextIO
 
 from pstore import _native
 from pstore.exceptions import InvalidArgumentError
 from pstore.store import Store
 
-__all__ = ["Server", "log_event", "serve"]
+__all__ = ["Server", "log_event", "run_until_signal", "serve"]
 
 
 def log_event(event: str, stream: TextIO | None = None, **fields: Any) -> None:
@@ -71,7 +72,7 @@ class Server:
         _check_port(metrics_port, "metrics_port")
         cert = _read(tls_cert)
         key = _read(tls_key)
-        self.store = store
+        self.store: Store | None = store
         self.host = host
         self._inner = _native.Server(
             store._inner, host, port, metrics_port, token, read_token, cert, key, max_message
@@ -144,6 +145,53 @@ def serve(
     ``restore_signals`` is false (``pstore serve``: a second signal while the process exits is
     then ignored instead of killing it).
     """
+
+    def tick() -> None:
+        for name in store.tables():
+            s = store.table(name).stats()
+            log_event(
+                "table",
+                table=name,
+                rows=s["rows"],
+                pushes=s["pushes"],
+                pulls=s["pulls"],
+                bytes=s["bytes_used"],
+            )
+
+    return run_until_signal(
+        lambda: Server(store, **server_args),
+        lambda srv: {
+            "path": store.path or "memory",
+            "durability": store.durability or "memory",
+        },
+        tick=tick,
+        close=store.close,
+        auth=bool(server_args.get("token")),
+        tls=bool(server_args.get("tls_cert")),
+        log_interval=log_interval,
+        grace=grace,
+        ready=ready,
+        restore_signals=restore_signals,
+    )
+
+
+def run_until_signal(
+    make: Callable[[], Server],
+    describe: Callable[[Server], dict[str, Any]],
+    *,
+    tick: Callable[[], None],
+    close: Callable[[], None],
+    auth: bool,
+    tls: bool,
+    log_interval: float,
+    grace: float,
+    ready: threading.Event | None,
+    restore_signals: bool,
+) -> int:
+    """The loop of ``pstore serve`` and ``pstore serve-model``: start the server ``make``
+    returns, log ``event=serving`` with ``describe(server)``, call ``tick`` every
+    ``log_interval`` seconds, and on SIGTERM or SIGINT stop (at most ``grace`` seconds) and
+    ``close``. Returns 0 after a signal, 1 if the transport stopped by itself."""
     got: list[int] = []
 
     def on_signal(signum: int, _frame: object) -> None:
@@ -153,15 +201,14 @@ def serve(
     # a graceful stop too.
     old = {s: signal.signal(s, on_signal) for s in (signal.SIGTERM, signal.SIGINT)}
     try:
-        srv = Server(store, **server_args)
+        srv = make()
         log_event(
             "serving",
             address=srv.address,
             metrics_port=srv.metrics_port or "",
-            path=store.path or "memory",
-            durability=store.durability or "memory",
-            auth="token" if server_args.get("token") else "none",
-            tls="yes" if server_args.get("tls_cert") else "no",
+            **describe(srv),
+            auth="token" if auth else "none",
+            tls="yes" if tls else "no",
             pid=os.getpid(),
         )
         if ready is not None:
@@ -171,22 +218,13 @@ def serve(
             time.sleep(0.1)
             if log_interval > 0 and time.monotonic() >= next_log:
                 next_log += log_interval
-                for name in store.tables():
-                    s = store.table(name).stats()
-                    log_event(
-                        "table",
-                        table=name,
-                        rows=s["rows"],
-                        pushes=s["pushes"],
-                        pulls=s["pulls"],
-                        bytes=s["bytes_used"],
-                    )
+                tick()
         if got:
             log_event("stopping", signal=signal.Signals(got[0]).name, grace_seconds=grace)
         else:
             log_event("stopping", level="error", reason="the transport stopped")
         srv.stop(grace)
-        store.close()
+        close()
         log_event("stopped")
         return 0 if got else 1
     finally:

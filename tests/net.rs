@@ -56,7 +56,7 @@ fn two_servers_hold_one_table_like_an_embedded_store() {
     assert_eq!(client.pull("emb", 4, &ids).unwrap(), lt.pull(&ids).unwrap());
     let rows: Vec<u64> = servers
         .iter()
-        .map(|s| s.store().sparse("emb").unwrap().len() as u64)
+        .map(|s| s.store().unwrap().sparse("emb").unwrap().len() as u64)
         .collect();
     assert!(rows.iter().all(|&r| r > 1000), "{rows:?}");
     assert_eq!(rows.iter().sum::<u64>(), 5000);

@@ -237,8 +237,14 @@ class RemoteStore:
         ]
 
     def status(self) -> list[dict[str, Any]]:
-        """Each server's status: version, durability, tables with rows and seq, clocks."""
-        return self._inner.status()
+        """Each server's status: version, durability, tables with rows and seq, clocks, and
+        ``role``: ``"store"``, or ``"model"`` for a model server (``pstore serve-model``),
+        whose ``model`` is its artifact's state (snapshot, generation, dtype)."""
+        out = self._inner.status()
+        for s in out:
+            raw = s.pop("model_json", None)
+            s["model"] = None if raw is None else json.loads(raw)
+        return out
 
     def health(self) -> list[str]:
         """Each server's gRPC health status (``"SERVING"`` when up)."""

@@ -47,6 +47,7 @@ pub mod init;
 pub mod net;
 pub mod optimizer;
 pub mod server;
+pub mod serving;
 pub mod shard;
 pub mod snapshot;
 pub mod storage;

@@ -6,6 +6,7 @@
 
 mod convert;
 mod net;
+mod serving;
 
 use std::mem::MaybeUninit;
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -499,7 +500,7 @@ fn inspect_store<'py>(py: Python<'py>, path: std::path::PathBuf) -> PyResult<Bou
 /// A count that long native calls raise as they go (rows written or loaded), read by another
 /// thread to draw progress.
 #[pyclass(frozen, module = "pstore._native", name = "Counter")]
-struct PyCounter(Arc<AtomicU64>);
+struct PyCounter(pub(crate) Arc<AtomicU64>);
 
 #[pymethods]
 impl PyCounter {
@@ -795,6 +796,7 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<PyPushHandle>()?;
     m.add_class::<PyCounter>()?;
     net::register(m)?;
+    serving::register(m)?;
     m.add_function(wrap_pyfunction!(snapshot_chain, m)?)?;
     m.add_function(wrap_pyfunction!(verify_snapshot, m)?)?;
     m.add_function(wrap_pyfunction!(inspect_store, m)?)?;

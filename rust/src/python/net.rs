@@ -33,12 +33,59 @@ fn addr(host: &str, port: u16, what: &str) -> PyResult<SocketAddr> {
         .ok_or_else(|| bad(format!("{what} address {host}:{port} resolves to nothing")))
 }
 
-/// A running store server.
+/// A running store server or model server.
 #[pyclass(frozen, module = "pstore._native", name = "Server")]
-struct PyServer {
-    inner: Mutex<Option<ServerHandle>>,
+pub(super) struct PyServer {
+    pub(super) inner: Mutex<Option<ServerHandle>>,
+    pub(super) port: u16,
+    pub(super) metrics_port: Option<u16>,
+}
+
+impl PyServer {
+    pub(super) fn of(h: ServerHandle) -> Self {
+        Self {
+            port: h.addr().port(),
+            metrics_port: h.metrics_addr().map(|a| a.port()),
+            inner: Mutex::new(Some(h)),
+        }
+    }
+}
+
+/// The configuration of a server from the arguments both kinds of server take.
+#[allow(clippy::too_many_arguments)]
+pub(super) fn server_config(
+    host: &str,
     port: u16,
     metrics_port: Option<u16>,
+    token: Option<String>,
+    read_token: Option<String>,
+    tls_cert: Option<Vec<u8>>,
+    tls_key: Option<Vec<u8>>,
+    max_message: Option<usize>,
+) -> PyResult<ServerConfig> {
+    let mut cfg = ServerConfig::new(addr(host, port, "server")?);
+    cfg.metrics_addr = metrics_port.map(|p| addr(host, p, "metrics")).transpose()?;
+    if token.as_deref() == Some("") || read_token.as_deref() == Some("") {
+        return Err(bad("a token must not be empty"));
+    }
+    if read_token.is_some() && token.is_none() {
+        return Err(bad(
+            "a read-only token needs a read-write token too (else writes would be open)",
+        ));
+    }
+    cfg.tokens = Tokens {
+        write: token.map(String::into_bytes),
+        read: read_token.map(String::into_bytes),
+    };
+    cfg.tls = match (tls_cert, tls_key) {
+        (Some(c), Some(k)) => Some((c, k)),
+        (None, None) => None,
+        _ => return Err(bad("TLS needs both a certificate and its key")),
+    };
+    if let Some(m) = max_message {
+        cfg.max_message = m;
+    }
+    Ok(cfg)
 }
 
 #[pymethods]
@@ -62,37 +109,21 @@ impl PyServer {
         max_message: Option<usize>,
     ) -> PyResult<Self> {
         store.guard.check()?;
-        let mut cfg = ServerConfig::new(addr(host, port, "server")?);
-        cfg.metrics_addr = metrics_port.map(|p| addr(host, p, "metrics")).transpose()?;
-        if token.as_deref() == Some("") || read_token.as_deref() == Some("") {
-            return Err(bad("a token must not be empty"));
-        }
-        if read_token.is_some() && token.is_none() {
-            return Err(bad(
-                "a read-only token needs a read-write token too (else writes would be open)",
-            ));
-        }
-        cfg.tokens = Tokens {
-            write: token.map(String::into_bytes),
-            read: read_token.map(String::into_bytes),
-        };
-        cfg.tls = match (tls_cert, tls_key) {
-            (Some(c), Some(k)) => Some((c, k)),
-            (None, None) => None,
-            _ => return Err(bad("TLS needs both a certificate and its key")),
-        };
-        if let Some(m) = max_message {
-            cfg.max_message = m;
-        }
+        let cfg = server_config(
+            host,
+            port,
+            metrics_port,
+            token,
+            read_token,
+            tls_cert,
+            tls_key,
+            max_message,
+        )?;
         let store = Arc::clone(&store.inner);
         let h = py
             .detach(move || crate::server::start(store, cfg))
             .map_err(err)?;
-        Ok(Self {
-            port: h.addr().port(),
-            metrics_port: h.metrics_addr().map(|a| a.port()),
-            inner: Mutex::new(Some(h)),
-        })
+        Ok(Self::of(h))
     }
 
     #[getter]
@@ -328,6 +359,11 @@ impl PyClient {
             d.set_item("uptime_seconds", s.uptime_seconds)?;
             d.set_item("max_message_bytes", s.max_message_bytes)?;
             d.set_item("flush_lag_seconds", s.flush_lag_seconds)?;
+            d.set_item("role", if s.role.is_empty() { "store" } else { &s.role })?;
+            d.set_item(
+                "model_json",
+                (!s.model_json.is_empty()).then_some(&s.model_json),
+            )?;
             let tables = PyList::empty(py);
             for t in &s.tables {
                 tables.append(info_dict(py, t)?)?;

@@ -8,6 +8,7 @@
 //! decoding errors, wrong lengths, NaN gradients, unknown tables all become error statuses.
 
 pub mod metrics;
+pub mod model;
 pub mod state;
 
 use std::net::SocketAddr;
@@ -94,7 +95,7 @@ struct Inner {
     /// No replica: calls may run on the store's pool (see `run`).
     in_memory: bool,
     /// Calls being answered (a graceful stop waits for them).
-    inflight: std::sync::atomic::AtomicUsize,
+    inflight: Arc<std::sync::atomic::AtomicUsize>,
 }
 
 impl Inner {
@@ -759,6 +760,8 @@ impl PStore for Service {
                 tables,
                 clocks: Some(s.clocks()),
                 flush_lag_seconds: f.map(|f| f.lag().as_secs_f64()).unwrap_or(0.0),
+                role: "store".to_string(),
+                model_json: String::new(),
             })
         })
         .await
@@ -772,15 +775,51 @@ pub struct ServerHandle {
     done: Option<tokio::task::JoinHandle<std::result::Result<(), tonic::transport::Error>>>,
     addr: SocketAddr,
     metrics_addr: Option<SocketAddr>,
-    inner: Arc<Inner>,
+    /// Calls being answered (a graceful stop waits for them).
+    inflight: Arc<std::sync::atomic::AtomicUsize>,
+    /// The store served, flushed by `stop` (model servers have none).
+    store: Option<Arc<Store>>,
 }
 
 /// Starts serving `store`; returns once the ports are bound.
 pub fn start(store: Arc<Store>, config: ServerConfig) -> Result<ServerHandle> {
+    let policies = Policies::load(store.path().map(|p| p.join("stale_policies.json")))?;
+    let in_memory = store.path().is_none();
+    let inner = Arc::new(Inner {
+        store: Arc::clone(&store),
+        tokens: config.tokens.clone(),
+        metrics: Metrics::default(),
+        pushes: Dedup::new(state::DEDUP_CAPACITY),
+        removes: Dedup::new(state::DEDUP_CAPACITY),
+        clocks: Clocks::default(),
+        policies,
+        started: Instant::now(),
+        max_message: config.max_message,
+        in_memory,
+        inflight: Arc::new(std::sync::atomic::AtomicUsize::new(0)),
+    });
+    let m = Arc::clone(&inner);
+    launch(
+        Service(Arc::clone(&inner)),
+        &config,
+        Arc::new(move || m.metrics.render(&m.sample())),
+        Arc::clone(&inner.inflight),
+        Some(store),
+    )
+}
+
+/// Runs `service` as the `pstore.v1.PStore` service of a server on `config`'s ports, with the
+/// health service, token check before decoding, TLS and metrics (`render` answers a scrape).
+pub(crate) fn launch<S: PStore>(
+    service: S,
+    config: &ServerConfig,
+    render: Arc<dyn Fn() -> String + Send + Sync>,
+    inflight: Arc<std::sync::atomic::AtomicUsize>,
+    store: Option<Arc<Store>>,
+) -> Result<ServerHandle> {
     if config.max_message < 1024 {
         return Err(invalid("max_message must be at least 1024 bytes"));
     }
-    let policies = Policies::load(store.path().map(|p| p.join("stale_policies.json")))?;
     let rt = tokio::runtime::Builder::new_multi_thread()
         .worker_threads(2)
         .thread_name("pstore-server")
@@ -806,21 +845,7 @@ pub fn start(store: Arc<Store>, config: ServerConfig) -> Result<ServerHandle> {
         .as_ref()
         .map(|l| l.local_addr().map_err(|e| Error::Internal(e.to_string())))
         .transpose()?;
-    let in_memory = store.path().is_none();
-    let inner = Arc::new(Inner {
-        store,
-        tokens: config.tokens.clone(),
-        metrics: Metrics::default(),
-        pushes: Dedup::new(state::DEDUP_CAPACITY),
-        removes: Dedup::new(state::DEDUP_CAPACITY),
-        clocks: Clocks::default(),
-        policies,
-        started: Instant::now(),
-        max_message: config.max_message,
-        in_memory,
-        inflight: std::sync::atomic::AtomicUsize::new(0),
-    });
-    let svc = PStoreServer::new(Service(Arc::clone(&inner)))
+    let svc = PStoreServer::new(service)
         .max_decoding_message_size(config.max_message)
         .max_encoding_message_size(config.max_message);
     // The token is checked before the request is decoded (the handlers then check the access
@@ -842,11 +867,7 @@ pub fn start(store: Arc<Store>, config: ServerConfig) -> Result<ServerHandle> {
         if let Some(l) = metrics_listener {
             let l =
                 tokio::net::TcpListener::from_std(l).map_err(|e| Error::Internal(e.to_string()))?;
-            let m = Arc::clone(&inner);
-            rt.spawn(metrics::serve(
-                l,
-                Arc::new(move || m.metrics.render(&m.sample())),
-            ));
+            rt.spawn(metrics::serve(l, render));
         }
         let (reporter, health) = tonic_health::server::health_reporter();
         // Large windows: a 64k-id pull answers 16 MiB, which the default 64 KiB stream window
@@ -867,11 +888,11 @@ pub fn start(store: Arc<Store>, config: ServerConfig) -> Result<ServerHandle> {
         let incoming =
             tonic::transport::server::TcpIncoming::from(listener).with_nodelay(Some(true));
         rt.spawn(async move {
-            reporter.set_serving::<PStoreServer<Service>>().await;
+            reporter.set_serving::<PStoreServer<S>>().await;
             router
                 .serve_with_incoming_shutdown(incoming, async {
                     let _ = stop_rx.await;
-                    reporter.set_not_serving::<PStoreServer<Service>>().await;
+                    reporter.set_not_serving::<PStoreServer<S>>().await;
                 })
                 .await
         })
@@ -882,7 +903,8 @@ pub fn start(store: Arc<Store>, config: ServerConfig) -> Result<ServerHandle> {
         done: Some(done),
         addr,
         metrics_addr,
-        inner,
+        inflight,
+        store,
     })
 }
 
@@ -897,9 +919,9 @@ impl ServerHandle {
         self.metrics_addr
     }
 
-    /// The store it serves.
-    pub fn store(&self) -> &Arc<Store> {
-        &self.inner.store
+    /// The store it serves (`None` for a model server).
+    pub fn store(&self) -> Option<&Arc<Store>> {
+        self.store.as_ref()
     }
 
     /// True once the server has stopped (after [`stop`](Self::stop) or a fatal transport error).
@@ -917,12 +939,12 @@ impl ServerHandle {
             // Until the transport has closed every connection, or no call is in flight any
             // more (an idle client may keep its connection open; its next call reconnects and
             // gets UNAVAILABLE, which it retries), or the grace period is over.
-            let inner = Arc::clone(&self.inner);
+            let inflight = Arc::clone(&self.inflight);
             let _ = rt.block_on(async move {
                 let idle = async {
                     loop {
                         tokio::time::sleep(Duration::from_millis(20)).await;
-                        if inner.inflight.load(std::sync::atomic::Ordering::Acquire) == 0 {
+                        if inflight.load(std::sync::atomic::Ordering::Acquire) == 0 {
                             break;
                         }
                     }
@@ -939,7 +961,10 @@ impl ServerHandle {
         if let Some(rt) = self.rt.take() {
             rt.shutdown_timeout(Duration::from_millis(100));
         }
-        self.inner.store.flush()
+        match &self.store {
+            Some(s) => s.flush(),
+            None => Ok(()),
+        }
     }
 }
 

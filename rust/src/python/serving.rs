@@ -1,0 +1,243 @@
+//! The binding of serving artifacts (export, lookups, live increments) and the model server.
+
+use std::mem::MaybeUninit;
+use std::path::PathBuf;
+use std::sync::atomic::AtomicU64;
+use std::sync::Arc;
+
+use numpy::{IntoPyArray, PyArray1, PyArray2, PyArrayDyn, PyArrayMethods, PyReadonlyArray1};
+use pyo3::prelude::*;
+
+use super::convert::err;
+use super::net::{server_config, PyServer};
+use super::{slice, OutData, PyCounter};
+use crate::error::Error;
+use crate::serving::{Artifact, Dtype, Fallback};
+
+fn fallback(default: &str, row: Option<PyReadonlyArray1<'_, f32>>) -> PyResult<Fallback> {
+    match (default, row) {
+        ("zeros", None) => Ok(Fallback::Zeros),
+        ("initial", None) => Ok(Fallback::Initial),
+        ("row", Some(r)) => Ok(Fallback::Row(slice(&r, "default row")?.to_vec())),
+        (d, _) => Err(err(Error::InvalidArgument(format!(
+            "default must be \"zeros\", \"initial\" or a row, got {d:?}"
+        )))),
+    }
+}
+
+fn json<T: serde::Serialize>(v: &T) -> PyResult<String> {
+    serde_json::to_string(v).map_err(|e| err(Error::Internal(e.to_string())))
+}
+
+/// An open serving artifact.
+#[pyclass(frozen, module = "pstore._native", name = "Artifact")]
+pub(super) struct PyArtifact {
+    inner: Arc<Artifact>,
+}
+
+#[pymethods]
+impl PyArtifact {
+    #[new]
+    #[pyo3(signature = (path, writable=false))]
+    fn new(py: Python<'_>, path: PathBuf, writable: bool) -> PyResult<Self> {
+        let inner = py.detach(|| Artifact::open(&path, writable)).map_err(err)?;
+        Ok(Self { inner })
+    }
+
+    #[getter]
+    fn writable(&self) -> bool {
+        self.inner.writable()
+    }
+
+    #[getter]
+    fn file_bytes(&self) -> u64 {
+        self.inner.file_bytes()
+    }
+
+    /// The state record as JSON.
+    fn state_json(&self, py: Python<'_>) -> PyResult<String> {
+        let s = py.detach(|| self.inner.state()).map_err(err)?;
+        json(&s)
+    }
+
+    /// (rows, found mask or None, generation).
+    #[pyo3(signature = (table, ids, default="zeros", row=None, mask=false))]
+    #[allow(clippy::type_complexity)]
+    fn lookup<'py>(
+        &self,
+        py: Python<'py>,
+        table: &str,
+        ids: PyReadonlyArray1<'py, u64>,
+        default: &str,
+        row: Option<PyReadonlyArray1<'py, f32>>,
+        mask: bool,
+    ) -> PyResult<(
+        Bound<'py, PyArray2<f32>>,
+        Option<Bound<'py, PyArray1<bool>>>,
+        u64,
+    )> {
+        let fb = fallback(default, row)?;
+        let ids_s = slice(&ids, "ids")?;
+        let a = &self.inner;
+        let dim = py.detach(|| a.dim(table)).map_err(err)?;
+        let n = ids_s.len();
+        // SAFETY: a new C-ordered array of n x dim float32, zeroed below before it is read.
+        let out = unsafe { PyArray2::<f32>::new(py, [n, dim], false) };
+        let data = OutData(out.data());
+        let mut found = if mask { Some(vec![false; n]) } else { None };
+        let (fb_r, found_r) = (&fb, found.as_deref_mut());
+        let generation = py
+            .detach(move || {
+                // SAFETY: `data` points to the n * dim elements of `out`, unreachable by other
+                // code until this function returns; they are initialised before use.
+                let rows = unsafe {
+                    let p = data.get();
+                    let s = std::slice::from_raw_parts_mut(p.cast::<MaybeUninit<f32>>(), n * dim);
+                    for x in s.iter_mut() {
+                        x.write(0.0);
+                    }
+                    std::slice::from_raw_parts_mut(p, n * dim)
+                };
+                a.lookup(table, ids_s, fb_r, rows, found_r)
+            })
+            .map_err(err)?
+            .1;
+        Ok((out, found.map(|f| f.into_pyarray(py)), generation))
+    }
+
+    fn contains<'py>(
+        &self,
+        py: Python<'py>,
+        table: &str,
+        ids: PyReadonlyArray1<'py, u64>,
+    ) -> PyResult<Bound<'py, PyArray1<bool>>> {
+        let ids_s = slice(&ids, "ids")?;
+        let a = &self.inner;
+        let m = py.detach(|| a.contains(table, ids_s)).map_err(err)?;
+        Ok(m.into_pyarray(py))
+    }
+
+    fn dense<'py>(&self, py: Python<'py>, table: &str) -> PyResult<Bound<'py, PyArrayDyn<f32>>> {
+        let a = &self.inner;
+        let (shape, v) = py.detach(|| a.dense(table)).map_err(err)?;
+        v.into_pyarray(py).reshape(shape)
+    }
+
+    /// (ids, stored bytes as uint8, dim, dtype name) of every row, in id order.
+    #[allow(clippy::type_complexity)]
+    fn scan<'py>(
+        &self,
+        py: Python<'py>,
+        table: &str,
+    ) -> PyResult<(
+        Bound<'py, PyArray1<u64>>,
+        Bound<'py, PyArray1<u8>>,
+        usize,
+        &'static str,
+    )> {
+        let a = &self.inner;
+        let (ids, bytes, dim, dtype) = py.detach(|| a.scan(table)).map_err(err)?;
+        Ok((
+            ids.into_pyarray(py),
+            bytes.into_pyarray(py),
+            dim,
+            dtype.as_str(),
+        ))
+    }
+
+    /// Applies a snapshot; JSON of what it did, or None when the artifact is at it already.
+    fn apply(&self, py: Python<'_>, dir: PathBuf) -> PyResult<Option<String>> {
+        let a = &self.inner;
+        let r = py.detach(|| a.apply(&dir)).map_err(err)?;
+        r.as_ref().map(json).transpose()
+    }
+
+    /// Applies the snapshots under `root` that are newer; JSON list of what was applied.
+    fn follow(&self, py: Python<'_>, root: PathBuf) -> PyResult<String> {
+        let a = &self.inner;
+        let r = py.detach(|| a.follow(&root)).map_err(err)?;
+        json(&r)
+    }
+
+    /// The snapshot directories under `root` that `follow` would apply, in order.
+    fn pending(&self, py: Python<'_>, root: PathBuf) -> PyResult<Vec<String>> {
+        let a = &self.inner;
+        let r = py.detach(|| a.pending(&root)).map_err(err)?;
+        Ok(r.iter().map(|p| p.display().to_string()).collect())
+    }
+
+    /// Serves the artifact read-only over gRPC.
+    #[pyo3(signature = (
+        default="initial", row=None, host="127.0.0.1", port=0, metrics_port=None, token=None,
+        read_token=None, tls_cert=None, tls_key=None, max_message=None
+    ))]
+    #[allow(clippy::too_many_arguments)]
+    fn serve(
+        &self,
+        py: Python<'_>,
+        default: &str,
+        row: Option<PyReadonlyArray1<'_, f32>>,
+        host: &str,
+        port: u16,
+        metrics_port: Option<u16>,
+        token: Option<String>,
+        read_token: Option<String>,
+        tls_cert: Option<Vec<u8>>,
+        tls_key: Option<Vec<u8>>,
+        max_message: Option<usize>,
+    ) -> PyResult<PyServer> {
+        let fb = fallback(default, row)?;
+        let cfg = server_config(
+            host,
+            port,
+            metrics_port,
+            token,
+            read_token,
+            tls_cert,
+            tls_key,
+            max_message,
+        )?;
+        let a = Arc::clone(&self.inner);
+        let h = py
+            .detach(move || crate::server::model::start(a, fb, cfg))
+            .map_err(err)?;
+        Ok(PyServer::of(h))
+    }
+}
+
+/// Builds an artifact from a snapshot chain; JSON of what it wrote.
+#[pyfunction]
+#[pyo3(signature = (snapshot, out, tables=None, dtype="float32", progress=None))]
+fn export_artifact(
+    py: Python<'_>,
+    snapshot: PathBuf,
+    out: PathBuf,
+    tables: Option<Vec<String>>,
+    dtype: &str,
+    progress: Option<&PyCounter>,
+) -> PyResult<String> {
+    let d = Dtype::parse(dtype).map_err(err)?;
+    let local = Arc::new(AtomicU64::new(0));
+    let done = progress.map_or(local, |c| Arc::clone(&c.0));
+    let r = py
+        .detach(|| crate::serving::export(&snapshot, &out, tables, d, &done))
+        .map_err(err)?;
+    json(&r)
+}
+
+/// Adds the classes and functions to the module.
+pub(super) fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
+    m.add_class::<PyArtifact>()?;
+    m.add_function(wrap_pyfunction!(export_artifact, m)?)?;
+    m.add_function(wrap_pyfunction!(newest_snapshot, m)?)?;
+    Ok(())
+}
+
+/// The newest snapshot directory under `root`, or None.
+#[pyfunction]
+fn newest_snapshot(py: Python<'_>, root: PathBuf) -> PyResult<Option<String>> {
+    let r = py
+        .detach(|| crate::serving::newest_snapshot(&root))
+        .map_err(err)?;
+    Ok(r.map(|p| p.display().to_string()))
+}

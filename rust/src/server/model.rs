@@ -1,0 +1,429 @@
+//! The model server (`pstore serve-model`): the `pstore.v1.PStore` service answered read-only
+//! from a serving artifact. Pull is a lookup (ids the artifact lacks get the server's default
+//! row), Contains, DensePull, GetTable, ListTables and Status work as on a store server; every
+//! call that would change something is refused with PERMISSION_DENIED.
+
+use std::sync::atomic::AtomicUsize;
+use std::sync::Arc;
+use std::time::Instant;
+
+use tonic::{Request, Response, Status};
+
+use super::metrics::{Metrics, Sample, TableSample};
+use super::{authenticate, code_name, launch, Busy, ServerConfig, ServerHandle};
+use crate::durable::TableRecord;
+use crate::error::{Error, Result};
+use crate::net::proto::p_store_server::PStore;
+use crate::net::proto::*;
+use crate::net::{status_of, wire, PROTOCOL};
+use crate::serving::{Artifact, Fallback, TableMeta};
+
+/// Batches up to this many ids are looked up on the runtime's thread (LMDB reads do not block
+/// unless a page is cold); larger ones on the blocking pool.
+const INLINE_IDS: usize = 1024;
+
+struct Inner {
+    artifact: Arc<Artifact>,
+    fallback: Fallback,
+    tokens: super::Tokens,
+    metrics: Metrics,
+    started: Instant,
+    max_message: usize,
+    inflight: Arc<AtomicUsize>,
+}
+
+impl Inner {
+    fn info(&self, t: &TableMeta, generation: u64) -> Result<TableInfo> {
+        let (config, lr, seq) = match &t.record {
+            TableRecord::Sparse {
+                config, lr, seq, ..
+            } => (serde_json::to_string(config), *lr, *seq),
+            TableRecord::Dense {
+                config, lr, seq, ..
+            } => (serde_json::to_string(config), *lr, *seq),
+        };
+        let sparse = t.kind == "sparse";
+        let stats = serde_json::json!({
+            "rows": t.rows, "dtype": t.dtype.as_str(),
+            "row_bytes": if sparse { t.dtype.row_bytes(t.dim) } else { t.dim * 4 },
+            "seq": seq, "lr": lr, "generation": generation,
+        });
+        Ok(TableInfo {
+            name: t.name.clone(),
+            kind: if sparse {
+                TableKind::Sparse
+            } else {
+                TableKind::Dense
+            } as i32,
+            config_json: config.map_err(|e| Error::Internal(e.to_string()))?,
+            dim: if sparse { t.dim as u32 } else { 0 },
+            shape: t.shape.iter().map(|&x| x as u64).collect(),
+            lr,
+            rows: t.rows,
+            seq,
+            stale_policy: 0,
+            max_staleness: 0,
+            stats_json: stats.to_string(),
+        })
+    }
+
+    fn sample(&self) -> (Sample, String) {
+        let state = self.artifact.state();
+        let mut tables = Vec::new();
+        let mut extra = String::new();
+        if let Ok(s) = &state {
+            for t in &s.tables {
+                let bytes = if t.kind == "sparse" {
+                    t.rows * t.dtype.row_bytes(t.dim) as u64
+                } else {
+                    t.dim as u64 * 4
+                };
+                tables.push(TableSample {
+                    name: t.name.clone(),
+                    kind: if t.kind == "sparse" {
+                        "sparse"
+                    } else {
+                        "dense"
+                    },
+                    rows: t.rows,
+                    bytes,
+                    pushes: 0,
+                    pulls: 0,
+                    ids_pushed: 0,
+                    ids_pulled: 0,
+                    staleness: Default::default(),
+                });
+            }
+            let now = std::time::SystemTime::now()
+                .duration_since(std::time::UNIX_EPOCH)
+                .map_or(0.0, |d| d.as_secs_f64());
+            extra = format!(
+                "# HELP pstore_model_lag_seconds Seconds since training took the snapshot the \
+                 artifact is at.\n# TYPE pstore_model_lag_seconds gauge\n\
+                 pstore_model_lag_seconds {}\n\
+                 # HELP pstore_model_generation Snapshots applied to the artifact.\n\
+                 # TYPE pstore_model_generation gauge\npstore_model_generation {}\n\
+                 # HELP pstore_model_file_bytes Bytes of the artifact's data file.\n\
+                 # TYPE pstore_model_file_bytes gauge\npstore_model_file_bytes {}\n",
+                (now - s.snapshot.created_at).max(0.0),
+                s.generation,
+                self.artifact.file_bytes()
+            );
+        }
+        (
+            Sample {
+                tables,
+                flush_lag: None,
+                uptime: self.started.elapsed(),
+                clocks: Vec::new(),
+            },
+            extra,
+        )
+    }
+
+    fn fits(&self, bytes: usize) -> Result<()> {
+        let limit = self.max_message.saturating_sub(1024);
+        if bytes > limit {
+            return Err(crate::error::invalid(format!(
+                "the pull answer would be {bytes} bytes, over this server's message limit of {} \
+                 bytes: split the batch",
+                self.max_message
+            )));
+        }
+        Ok(())
+    }
+}
+
+#[derive(Clone)]
+struct ModelService(Arc<Inner>);
+
+impl ModelService {
+    async fn run<T, R>(
+        &self,
+        method: &'static str,
+        req: Request<T>,
+        inline: impl Fn(&T) -> bool,
+        f: impl FnOnce(&Inner, T) -> Result<R> + Send + 'static,
+    ) -> std::result::Result<Response<R>, Status>
+    where
+        T: Send + 'static,
+        R: Send + 'static,
+    {
+        let t0 = Instant::now();
+        let _busy = Busy::new(&self.0.inflight);
+        let out = match authenticate(&self.0.tokens, &req) {
+            Err(s) => Err(s),
+            Ok(_) => {
+                let msg = req.into_inner();
+                if inline(&msg) {
+                    f(&self.0, msg).map_err(|e| status_of(&e))
+                } else {
+                    let inner = Arc::clone(&self.0);
+                    match tokio::task::spawn_blocking(move || f(&inner, msg)).await {
+                        Ok(r) => r.map_err(|e| status_of(&e)),
+                        Err(e) => Err(Status::internal(format!("the request's task failed: {e}"))),
+                    }
+                }
+            }
+        };
+        let code = out.as_ref().err().map(|s| code_name(s.code()));
+        self.0.metrics.observe(method, t0.elapsed(), code);
+        out.map(Response::new)
+    }
+
+    /// Refuses a call that would change something (after the token check, so a caller without
+    /// a valid token learns nothing more).
+    fn refuse<T, R>(
+        &self,
+        method: &'static str,
+        req: &Request<T>,
+    ) -> std::result::Result<Response<R>, Status> {
+        let t0 = Instant::now();
+        let s = match authenticate(&self.0.tokens, req) {
+            Err(s) => s,
+            Ok(_) => Status::permission_denied(format!(
+                "this is a read-only model server (pstore serve-model): {method} is refused; \
+                 tables change only by applying snapshots to its artifact"
+            )),
+        };
+        self.0
+            .metrics
+            .observe(method, t0.elapsed(), Some(code_name(s.code())));
+        Err(s)
+    }
+}
+
+type Answer<R> = std::result::Result<Response<R>, Status>;
+
+#[tonic::async_trait]
+impl PStore for ModelService {
+    async fn create_table(&self, req: Request<CreateTableRequest>) -> Answer<TableInfo> {
+        self.refuse("CreateTable", &req)
+    }
+
+    async fn get_table(&self, req: Request<GetTableRequest>) -> Answer<TableInfo> {
+        self.run(
+            "GetTable",
+            req,
+            |_| true,
+            |s, r| {
+                let state = s.artifact.state()?;
+                let t = state
+                    .table(&r.name)
+                    .ok_or_else(|| Error::UnknownTable(r.name.clone()))?;
+                s.info(t, state.generation)
+            },
+        )
+        .await
+    }
+
+    async fn list_tables(&self, req: Request<ListTablesRequest>) -> Answer<ListTablesResponse> {
+        self.run(
+            "ListTables",
+            req,
+            |_| true,
+            |s, _| {
+                let state = s.artifact.state()?;
+                let tables = state
+                    .tables
+                    .iter()
+                    .map(|t| s.info(t, state.generation))
+                    .collect::<Result<Vec<_>>>()?;
+                Ok(ListTablesResponse { tables })
+            },
+        )
+        .await
+    }
+
+    async fn drop_table(&self, req: Request<DropTableRequest>) -> Answer<DropTableResponse> {
+        self.refuse("DropTable", &req)
+    }
+
+    async fn pull(&self, req: Request<PullRequest>) -> Answer<PullResponse> {
+        let small = |r: &PullRequest| r.ids.len() <= INLINE_IDS * 8;
+        self.run("Pull", req, small, |s, r| {
+            let d = wire::dtype(r.dtype)?;
+            let ids = wire::ids(&r.ids)?;
+            let dim = s.artifact.dim(&r.table)?;
+            s.fits(ids.len() * dim * wire::width(d))?;
+            let mut generation = 0;
+            let n = ids.len() * dim;
+            let rows = match d {
+                Dtype::Float32 => wire::fill_f32(n, |out| {
+                    for x in out.iter_mut() {
+                        x.write(0.0);
+                    }
+                    // SAFETY: every element was initialised just above.
+                    let out = unsafe {
+                        std::slice::from_raw_parts_mut(out.as_mut_ptr().cast::<f32>(), n)
+                    };
+                    generation = s.artifact.lookup(&r.table, &ids, &s.fallback, out, None)?.1;
+                    Ok(())
+                })?,
+                _ => {
+                    let mut v = vec![0.0; n];
+                    generation = s
+                        .artifact
+                        .lookup(&r.table, &ids, &s.fallback, &mut v, None)?
+                        .1;
+                    wire::encode_values(&v, d)
+                }
+            };
+            Ok(PullResponse {
+                rows,
+                dtype: d as i32,
+                dim: dim as u32,
+                seq: generation,
+            })
+        })
+        .await
+    }
+
+    async fn push(&self, req: Request<PushRequest>) -> Answer<PushResponse> {
+        self.refuse("Push", &req)
+    }
+
+    async fn contains(&self, req: Request<ContainsRequest>) -> Answer<ContainsResponse> {
+        let small = |r: &ContainsRequest| r.ids.len() <= INLINE_IDS * 8;
+        self.run("Contains", req, small, |s, r| {
+            let ids = wire::ids(&r.ids)?;
+            let mask = s.artifact.contains(&r.table, &ids)?;
+            Ok(ContainsResponse {
+                mask: mask.into_iter().map(u8::from).collect::<Vec<u8>>().into(),
+            })
+        })
+        .await
+    }
+
+    async fn remove(&self, req: Request<RemoveRequest>) -> Answer<RemoveResponse> {
+        self.refuse("Remove", &req)
+    }
+
+    async fn evict(&self, req: Request<EvictRequest>) -> Answer<RemoveResponse> {
+        self.refuse("Evict", &req)
+    }
+
+    async fn dense_pull(&self, req: Request<DensePullRequest>) -> Answer<DensePullResponse> {
+        self.run(
+            "DensePull",
+            req,
+            |_| true,
+            |s, r| {
+                let d = wire::dtype(r.dtype)?;
+                let (shape, v) = s.artifact.dense(&r.table)?;
+                s.fits(v.len() * wire::width(d))?;
+                let seq = s.artifact.state()?.generation;
+                Ok(DensePullResponse {
+                    values: wire::encode_values(&v, d),
+                    dtype: d as i32,
+                    shape: shape.iter().map(|&x| x as u64).collect(),
+                    seq,
+                })
+            },
+        )
+        .await
+    }
+
+    async fn dense_push(&self, req: Request<DensePushRequest>) -> Answer<PushResponse> {
+        self.refuse("DensePush", &req)
+    }
+
+    async fn set_lr(&self, req: Request<SetLrRequest>) -> Answer<TableInfo> {
+        self.refuse("SetLr", &req)
+    }
+
+    async fn flush(&self, req: Request<FlushRequest>) -> Answer<FlushResponse> {
+        self.refuse("Flush", &req)
+    }
+
+    async fn snapshot(&self, req: Request<SnapshotRequest>) -> Answer<SnapshotResponse> {
+        self.refuse("Snapshot", &req)
+    }
+
+    async fn clock(&self, req: Request<ClockRequest>) -> Answer<ClockResponse> {
+        self.refuse("Clock", &req)
+    }
+
+    async fn status(&self, req: Request<StatusRequest>) -> Answer<StatusResponse> {
+        self.run(
+            "Status",
+            req,
+            |_| true,
+            |s, _| {
+                let state = s.artifact.state()?;
+                let tables = state
+                    .tables
+                    .iter()
+                    .map(|t| s.info(t, state.generation))
+                    .collect::<Result<Vec<_>>>()?;
+                Ok(StatusResponse {
+                    version: env!("CARGO_PKG_VERSION").to_string(),
+                    protocol: PROTOCOL,
+                    path: s.artifact.path().display().to_string(),
+                    durability: "read-only".to_string(),
+                    uptime_seconds: s.started.elapsed().as_secs_f64(),
+                    max_message_bytes: s.max_message as u64,
+                    tables,
+                    clocks: None,
+                    flush_lag_seconds: 0.0,
+                    role: "model".to_string(),
+                    model_json: serde_json::to_string(&state)
+                        .map_err(|e| Error::Internal(e.to_string()))?,
+                })
+            },
+        )
+        .await
+    }
+}
+
+/// Serves the artifact read-only; ids it lacks get `fallback`. Returns once the ports are bound.
+pub fn start(
+    artifact: Arc<Artifact>,
+    fallback: Fallback,
+    config: ServerConfig,
+) -> Result<ServerHandle> {
+    // The artifact must be readable now, not at the first call.
+    artifact.state()?;
+    let inner = Arc::new(Inner {
+        artifact,
+        fallback,
+        tokens: config.tokens.clone(),
+        metrics: Metrics::default(),
+        started: Instant::now(),
+        max_message: config.max_message,
+        inflight: Arc::new(AtomicUsize::new(0)),
+    });
+    let m = Arc::clone(&inner);
+    let render = Arc::new(move || {
+        let (sample, extra) = m.sample();
+        let mut text = m.metrics.render(&sample);
+        text.push_str(&extra);
+        text
+    });
+    launch(
+        ModelService(Arc::clone(&inner)),
+        &config,
+        render,
+        Arc::clone(&inner.inflight),
+        None,
+    )
+}
+
+#[cfg(test)]
+mod tests {
+    use super::super::Access;
+    use super::*;
+
+    #[test]
+    fn access_is_only_read() {
+        // The read methods need only a valid token; a read-only token is enough.
+        let t = super::super::Tokens {
+            write: None,
+            read: Some(b"r".to_vec()),
+        };
+        let mut req = Request::new(());
+        req.metadata_mut()
+            .insert("authorization", "Bearer r".parse().unwrap());
+        assert!(matches!(authenticate(&t, &req), Ok(Some(Access::Read))));
+    }
+}

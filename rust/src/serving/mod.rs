@@ -1,0 +1,1210 @@
+//! Serving artifacts: read-only copies of trained tables, built from a snapshot and its chain of
+//! increments (format `pstore-serving`, docs/FORMAT.md).
+//!
+//! An artifact is one LMDB environment: weights only, no optimizer state, rows optionally
+//! quantized ([`Dtype`]). Serving processes open it read-only and share its pages through the
+//! page cache; one writer at a time (`ServingStore.apply`, `pstore serving follow`) applies newer
+//! snapshots, each in one write transaction, so a lookup (one read transaction) sees the old
+//! version or the new one, never a mix.
+
+pub mod quant;
+
+use std::collections::HashMap;
+use std::fs::File;
+use std::os::fd::AsRawFd;
+use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex, OnceLock, RwLock, Weak};
+
+use heed::types::Bytes;
+use heed::{Database, Env, EnvFlags, EnvOpenOptions, MdbError, PutFlags, RoTxn, RwTxn, WithoutTls};
+use rayon::prelude::*;
+use serde::{Deserialize, Serialize};
+
+use crate::durable::TableRecord;
+use crate::error::{corrupt, invalid, storage, Error, Result};
+use crate::snapshot::files::{self, PartSchema};
+use crate::snapshot::{Manifest, TableEntry, MANIFEST};
+pub use quant::Dtype;
+
+/// The format's name, in the format record and the manifest.
+pub const FORMAT_NAME: &str = "pstore-serving";
+/// The format version this build writes and reads.
+pub const FORMAT_VERSION: u32 = 1;
+/// The LMDB map of a writer: address space only (the file grows as rows are written). Readers
+/// take the size from the environment, so it is never resized under them.
+const MAP_SIZE: usize = 1 << 40;
+/// Named databases at most: one per sparse table ever held.
+const MAX_DBS: u32 = 4096;
+/// Lookups of more ids than this are split over the thread pool.
+const PARALLEL_MIN_IDS: usize = 8192;
+
+/// The key of an id: 8 bytes big-endian, so keys sort as ids do.
+pub fn key(id: u64) -> [u8; 8] {
+    id.to_be_bytes()
+}
+
+/// What one table of an artifact holds.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct TableMeta {
+    /// The table's name.
+    pub name: String,
+    /// `"sparse"` or `"dense"`.
+    pub kind: String,
+    /// Row width (sparse) or element count (dense).
+    pub dim: usize,
+    /// A dense table's shape (empty for sparse ones).
+    pub shape: Vec<usize>,
+    /// How sparse rows are stored (dense values are always float32).
+    pub dtype: Dtype,
+    /// Rows (sparse) or 1 (dense).
+    pub rows: u64,
+    /// The training table's record at the snapshot: configuration (the initializer a lookup's
+    /// `initial` default uses), learning rate, update sequence number, counters.
+    pub record: TableRecord,
+}
+
+/// The snapshot an artifact is at.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct SnapshotRef {
+    /// Its id.
+    pub id: String,
+    /// `"full"` or `"incremental"`.
+    pub kind: String,
+    /// Its directory when it was applied.
+    pub path: String,
+    /// Unix seconds when training took it.
+    pub created_at: f64,
+}
+
+/// The state of an artifact, stored with its rows (key `state` of the `meta` database) and
+/// changed by the same transaction as they are.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct State {
+    /// Always [`FORMAT_NAME`].
+    pub format: String,
+    /// The format version.
+    pub version: u32,
+    /// How sparse rows are stored.
+    pub dtype: Dtype,
+    /// The tables the artifact was exported with (`None`: all; later tables join).
+    pub select: Option<Vec<String>>,
+    /// The tables, in the snapshot's order.
+    pub tables: Vec<TableMeta>,
+    /// The snapshot applied last.
+    pub snapshot: SnapshotRef,
+    /// Snapshots applied since the export built it from a chain (the chain counts as one).
+    pub updates: u64,
+    /// Bumped by every applied snapshot.
+    pub generation: u64,
+    /// Unix seconds of the export.
+    pub created_at: f64,
+    /// Unix seconds when the last snapshot was applied.
+    pub applied_at: f64,
+}
+
+impl State {
+    /// The table `name`, if the artifact has it.
+    pub fn table(&self, name: &str) -> Option<&TableMeta> {
+        self.tables.iter().find(|t| t.name == name)
+    }
+
+    fn wants(&self, name: &str) -> bool {
+        self.select
+            .as_ref()
+            .is_none_or(|s| s.iter().any(|n| n == name))
+    }
+}
+
+/// What a lookup returns for ids the artifact lacks.
+#[derive(Debug, Clone, PartialEq)]
+pub enum Fallback {
+    /// Zeros.
+    Zeros,
+    /// The row the training table would have created: the table's initializer at (seed, id).
+    Initial,
+    /// This row (of the table's dim).
+    Row(Vec<f32>),
+}
+
+/// What applying a snapshot did.
+#[derive(Debug, Clone, PartialEq, Serialize)]
+pub struct Applied {
+    /// The snapshot's id.
+    pub id: String,
+    /// Its directory.
+    pub path: String,
+    /// `"full"` or `"incremental"`.
+    pub kind: String,
+    /// Rows written.
+    pub rows: u64,
+    /// Rows deleted by tombstones.
+    pub deleted: u64,
+    /// The generation it made.
+    pub generation: u64,
+}
+
+fn unix_time() -> f64 {
+    std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0.0, |d| d.as_secs_f64())
+}
+
+fn lmdb(path: &Path, what: &str, e: heed::Error) -> Error {
+    match e {
+        heed::Error::Mdb(MdbError::MapFull) => storage(format!(
+            "{what} the serving artifact at {}: it reached the LMDB map size of {} GiB",
+            path.display(),
+            MAP_SIZE >> 30
+        )),
+        e => storage(format!(
+            "{what} the serving artifact at {}: {e}",
+            path.display()
+        )),
+    }
+}
+
+/// Opened artifacts of this process by directory: LMDB allows one environment per file and
+/// process, so every `open` of a directory shares it.
+fn registry() -> &'static Mutex<HashMap<PathBuf, Weak<Artifact>>> {
+    static R: OnceLock<Mutex<HashMap<PathBuf, Weak<Artifact>>>> = OnceLock::new();
+    R.get_or_init(Default::default)
+}
+
+/// A cached table view: its meta and database at a generation.
+#[derive(Clone)]
+struct View {
+    generation: u64,
+    meta: Arc<TableMeta>,
+}
+
+/// An open serving artifact.
+pub struct Artifact {
+    path: PathBuf,
+    env: Env<WithoutTls>,
+    meta: Database<Bytes, Bytes>,
+    /// Database handles of the tables' rows by table name.
+    dbs: RwLock<HashMap<String, Database<Bytes, Bytes>>>,
+    /// Parsed table metas, valid for one generation.
+    views: RwLock<HashMap<String, View>>,
+    /// Opened for writing (apply); the writer lock file is held.
+    writable: bool,
+    _lock: Option<File>,
+    writer: Mutex<()>,
+}
+
+impl std::fmt::Debug for Artifact {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Artifact")
+            .field("path", &self.path)
+            .field("writable", &self.writable)
+            .finish()
+    }
+}
+
+fn check_dir(path: &Path) -> Result<()> {
+    if path.join("data.mdb").is_file() {
+        return Ok(());
+    }
+    let hint = if path.join(MANIFEST).is_file() && Manifest::read(path).is_ok() {
+        "; it is a snapshot: build an artifact from it with `pstore export`"
+    } else {
+        ""
+    };
+    Err(invalid(format!(
+        "no serving artifact at {} (no data.mdb){hint}",
+        path.display()
+    )))
+}
+
+impl Artifact {
+    /// Opens the artifact in `path`: read-only, or `writable` to apply snapshots to it (one
+    /// writer at a time, across processes). Opening a directory this process has open already
+    /// shares that opening (a read-only one cannot become writable).
+    pub fn open(path: &Path, writable: bool) -> Result<Arc<Artifact>> {
+        check_dir(path)?;
+        let canon = path
+            .canonicalize()
+            .map_err(|e| storage(format!("opening {}: {e}", path.display())))?;
+        let mut reg = registry().lock().unwrap_or_else(|e| e.into_inner());
+        reg.retain(|_, w| w.strong_count() > 0);
+        if let Some(a) = reg.get(&canon).and_then(Weak::upgrade) {
+            if writable && !a.writable {
+                return Err(invalid(format!(
+                    "the artifact at {} is open read-only in this process; close it before \
+                     opening it for writing",
+                    path.display()
+                )));
+            }
+            return Ok(a);
+        }
+        let a = Arc::new(Self::open_env(&canon, writable, false)?);
+        reg.insert(canon, Arc::downgrade(&a));
+        Ok(a)
+    }
+
+    fn open_env(path: &Path, writable: bool, create: bool) -> Result<Artifact> {
+        let lock = if writable {
+            let f = File::options()
+                .create(true)
+                .truncate(false)
+                .write(true)
+                .open(path.join("writer.lock"))
+                .map_err(|e| storage(format!("locking {}: {e}", path.display())))?;
+            // SAFETY: flock on a descriptor we own; it only reads its arguments.
+            if unsafe { libc::flock(f.as_raw_fd(), libc::LOCK_EX | libc::LOCK_NB) } != 0 {
+                return Err(storage(format!(
+                    "the artifact at {} is being updated by another process",
+                    path.display()
+                )));
+            }
+            Some(f)
+        } else {
+            None
+        };
+        let mut opts = EnvOpenOptions::new().read_txn_without_tls();
+        opts.max_dbs(MAX_DBS).max_readers(4096);
+        if writable {
+            opts.map_size(MAP_SIZE);
+        } else {
+            // SAFETY: READ_ONLY only stops this process from writing.
+            unsafe { opts.flags(EnvFlags::READ_ONLY) };
+        }
+        // SAFETY: `open` keeps one environment per directory in this process (the registry),
+        // and the writer lock keeps a second writer process out; LMDB coordinates readers.
+        let env = unsafe { opts.open(path) }.map_err(|e| lmdb(path, "opening", e))?;
+        let meta = if create {
+            let mut w = env.write_txn().map_err(|e| lmdb(path, "creating", e))?;
+            let m: Database<Bytes, Bytes> = env
+                .create_database(&mut w, Some("meta"))
+                .map_err(|e| lmdb(path, "creating", e))?;
+            let rec = serde_json::json!({"format": FORMAT_NAME, "version": FORMAT_VERSION});
+            m.put(&mut w, b"format", rec.to_string().as_bytes())
+                .map_err(|e| lmdb(path, "creating", e))?;
+            w.commit().map_err(|e| lmdb(path, "creating", e))?;
+            m
+        } else {
+            let r = env.read_txn().map_err(|e| lmdb(path, "opening", e))?;
+            let m: Option<Database<Bytes, Bytes>> = env
+                .open_database(&r, Some("meta"))
+                .map_err(|e| lmdb(path, "opening", e))?;
+            let m = m.ok_or_else(|| {
+                corrupt(format!(
+                    "{} holds an LMDB environment that is not a pstore serving artifact",
+                    path.display()
+                ))
+            })?;
+            let rec = m
+                .get(&r, b"format")
+                .map_err(|e| lmdb(path, "reading", e))?
+                .map(<[u8]>::to_vec);
+            let rec: serde_json::Value = rec
+                .and_then(|b| serde_json::from_slice(&b).ok())
+                .unwrap_or_default();
+            if rec["format"] != FORMAT_NAME {
+                return Err(corrupt(format!(
+                    "{} is not a pstore serving artifact (format record {rec})",
+                    path.display()
+                )));
+            }
+            if rec["version"] != FORMAT_VERSION {
+                return Err(corrupt(format!(
+                    "{} is a serving artifact of format version {}; this pstore reads version \
+                     {FORMAT_VERSION}",
+                    path.display(),
+                    rec["version"]
+                )));
+            }
+            // Makes the handle valid beyond this transaction (heed: a read transaction that
+            // opens a database must commit).
+            r.commit().map_err(|e| lmdb(path, "opening", e))?;
+            m
+        };
+        Ok(Artifact {
+            path: path.to_path_buf(),
+            env,
+            meta,
+            dbs: RwLock::new(HashMap::new()),
+            views: RwLock::new(HashMap::new()),
+            writable,
+            _lock: lock,
+            writer: Mutex::new(()),
+        })
+    }
+
+    /// The artifact's directory.
+    pub fn path(&self) -> &Path {
+        &self.path
+    }
+
+    /// Whether it was opened for writing.
+    pub fn writable(&self) -> bool {
+        self.writable
+    }
+
+    /// Bytes of the data file.
+    pub fn file_bytes(&self) -> u64 {
+        std::fs::metadata(self.path.join("data.mdb")).map_or(0, |m| m.len())
+    }
+
+    fn read_txn(&self) -> Result<RoTxn<'_, WithoutTls>> {
+        self.env
+            .read_txn()
+            .map_err(|e| lmdb(&self.path, "reading", e))
+    }
+
+    fn state_in(&self, txn: &RoTxn<'_, WithoutTls>) -> Result<State> {
+        let bytes = self
+            .meta
+            .get(txn, b"state")
+            .map_err(|e| lmdb(&self.path, "reading", e))?
+            .ok_or_else(|| {
+                corrupt(format!(
+                    "the serving artifact at {} has no state record",
+                    self.path.display()
+                ))
+            })?;
+        serde_json::from_slice(bytes).map_err(|e| {
+            corrupt(format!(
+                "the serving artifact at {}: state record unreadable: {e}",
+                self.path.display()
+            ))
+        })
+    }
+
+    fn generation_in(&self, txn: &RoTxn<'_, WithoutTls>) -> Result<u64> {
+        let g = self
+            .meta
+            .get(txn, b"generation")
+            .map_err(|e| lmdb(&self.path, "reading", e))?;
+        match g {
+            Some(b) if b.len() == 8 => Ok(u64::from_le_bytes(b.try_into().expect("8 bytes"))),
+            _ => Err(corrupt(format!(
+                "the serving artifact at {} has no generation record",
+                self.path.display()
+            ))),
+        }
+    }
+
+    /// The current state.
+    pub fn state(&self) -> Result<State> {
+        let txn = self.read_txn()?;
+        self.state_in(&txn)
+    }
+
+    /// The database of `table`'s rows, opened once (in its own read transaction, committed so
+    /// the handle outlives it).
+    fn rows_db(&self, table: &str) -> Result<Database<Bytes, Bytes>> {
+        if let Some(db) = self
+            .dbs
+            .read()
+            .unwrap_or_else(|e| e.into_inner())
+            .get(table)
+        {
+            return Ok(*db);
+        }
+        let txn = self.read_txn()?;
+        let db: Option<Database<Bytes, Bytes>> = self
+            .env
+            .open_database(&txn, Some(&format!("rows/{table}")))
+            .map_err(|e| lmdb(&self.path, "reading", e))?;
+        txn.commit().map_err(|e| lmdb(&self.path, "reading", e))?;
+        let db = db.ok_or_else(|| {
+            corrupt(format!(
+                "the serving artifact at {} lists table {table:?} but has no rows database",
+                self.path.display()
+            ))
+        })?;
+        self.dbs
+            .write()
+            .unwrap_or_else(|e| e.into_inner())
+            .insert(table.to_string(), db);
+        Ok(db)
+    }
+
+    /// The meta of `table` as the transaction sees it.
+    fn view(&self, txn: &RoTxn<'_, WithoutTls>, table: &str) -> Result<(u64, Arc<TableMeta>)> {
+        let generation = self.generation_in(txn)?;
+        if let Some(v) = self
+            .views
+            .read()
+            .unwrap_or_else(|e| e.into_inner())
+            .get(table)
+        {
+            if v.generation == generation {
+                return Ok((generation, Arc::clone(&v.meta)));
+            }
+        }
+        let bytes = self
+            .meta
+            .get(txn, format!("table/{table}").as_bytes())
+            .map_err(|e| lmdb(&self.path, "reading", e))?
+            .ok_or_else(|| Error::UnknownTable(table.to_string()))?;
+        let meta: TableMeta = serde_json::from_slice(bytes).map_err(|e| {
+            corrupt(format!(
+                "the serving artifact at {}: table record {table:?} unreadable: {e}",
+                self.path.display()
+            ))
+        })?;
+        let meta = Arc::new(meta);
+        self.views
+            .write()
+            .unwrap_or_else(|e| e.into_inner())
+            .insert(
+                table.to_string(),
+                View {
+                    generation,
+                    meta: Arc::clone(&meta),
+                },
+            );
+        Ok((generation, meta))
+    }
+
+    fn sparse_view(
+        &self,
+        txn: &RoTxn<'_, WithoutTls>,
+        table: &str,
+    ) -> Result<(u64, Arc<TableMeta>)> {
+        let (g, meta) = self.view(txn, table)?;
+        if meta.kind != "sparse" {
+            return Err(Error::WrongKind(format!(
+                "table {table:?} is a dense table; read it with dense()"
+            )));
+        }
+        Ok((g, meta))
+    }
+
+    /// The row width of sparse `table`.
+    pub fn dim(&self, table: &str) -> Result<usize> {
+        let txn = self.read_txn()?;
+        Ok(self.sparse_view(&txn, table)?.1.dim)
+    }
+
+    /// Writes the rows of `ids` into `out` (`ids.len() * dim` floats), `fallback` for ids the
+    /// artifact lacks, and marks found ids in `found` when given. All rows come from one
+    /// version of the artifact. Returns how many ids were found and the generation read.
+    pub fn lookup(
+        &self,
+        table: &str,
+        ids: &[u64],
+        fallback: &Fallback,
+        out: &mut [f32],
+        found: Option<&mut [bool]>,
+    ) -> Result<(usize, u64)> {
+        let (generation, meta) = {
+            let txn = self.read_txn()?;
+            self.sparse_view(&txn, table)?
+        };
+        let dim = meta.dim;
+        if out.len() != ids.len() * dim {
+            return Err(Error::Internal("lookup output of the wrong size".into()));
+        }
+        if let Fallback::Row(r) = fallback {
+            if r.len() != dim {
+                return Err(crate::error::shape(format!(
+                    "the default row has {} elements; table {table:?} has dim {dim}",
+                    r.len()
+                )));
+            }
+        }
+        let db = self.table_db(table)?;
+        let mut scratch;
+        let found: &mut [bool] = match found {
+            Some(f) => f,
+            None => {
+                scratch = vec![false; ids.len()];
+                &mut scratch
+            }
+        };
+        if ids.len() >= PARALLEL_MIN_IDS {
+            // Each chunk reads in its own transaction; if a snapshot was applied meanwhile the
+            // chunks may disagree, and the whole lookup is read again in one transaction.
+            let chunk = ids.len().div_ceil(rayon::current_num_threads().max(1) * 2);
+            let gens: Result<Vec<u64>> = ids
+                .par_chunks(chunk)
+                .zip(out.par_chunks_mut(chunk * dim))
+                .zip(found.par_chunks_mut(chunk))
+                .map(|((ids, out), found)| {
+                    let txn = self.read_txn()?;
+                    let g = self.generation_in(&txn)?;
+                    self.read_rows(&txn, db, &meta, ids, fallback, out, found)?;
+                    Ok(g)
+                })
+                .collect();
+            let gens = gens?;
+            if gens.iter().all(|&g| g == generation) {
+                return Ok((found.iter().filter(|&&f| f).count(), generation));
+            }
+        }
+        let txn = self.read_txn()?;
+        let (g, meta) = self.sparse_view(&txn, table)?;
+        if meta.dim != dim {
+            return Err(invalid(format!(
+                "table {table:?} changed dim while it was read; look it up again"
+            )));
+        }
+        self.read_rows(&txn, db, &meta, ids, fallback, out, found)?;
+        Ok((found.iter().filter(|&&f| f).count(), g))
+    }
+
+    #[allow(clippy::too_many_arguments)]
+    fn read_rows(
+        &self,
+        txn: &RoTxn<'_, WithoutTls>,
+        db: Database<Bytes, Bytes>,
+        meta: &TableMeta,
+        ids: &[u64],
+        fallback: &Fallback,
+        out: &mut [f32],
+        found: &mut [bool],
+    ) -> Result<()> {
+        let dim = meta.dim;
+        let want = meta.dtype.row_bytes(dim);
+        let mut init: Option<crate::SparseTableConfig> = None;
+        for ((&id, row), hit) in ids.iter().zip(out.chunks_exact_mut(dim)).zip(found) {
+            let v = db
+                .get(txn, &key(id))
+                .map_err(|e| lmdb(&self.path, "reading", e))?;
+            *hit = v.is_some();
+            match v {
+                Some(b) if b.len() == want => meta.dtype.decode(b, row),
+                Some(b) => {
+                    return Err(corrupt(format!(
+                    "the serving artifact at {}: row {id} of table {:?} has {} bytes, not {want}",
+                    self.path.display(),
+                    meta.name,
+                    b.len()
+                )))
+                }
+                None => match fallback {
+                    Fallback::Zeros => row.fill(0.0),
+                    Fallback::Row(r) => row.copy_from_slice(r),
+                    Fallback::Initial => {
+                        if init.is_none() {
+                            init = Some(match &meta.record {
+                                TableRecord::Sparse { config, .. } => config.clone(),
+                                TableRecord::Dense { .. } => {
+                                    return Err(Error::Internal(
+                                        "dense record of a sparse table".into(),
+                                    ))
+                                }
+                            });
+                        }
+                        let c = init.as_ref().expect("set above");
+                        c.initializer.fill(c.seed, id, row);
+                    }
+                },
+            }
+        }
+        Ok(())
+    }
+
+    /// The rows database of sparse `table`, opened before the caller's read transaction
+    /// begins (LMDB refuses a handle opened after the transaction that uses it started).
+    fn table_db(&self, table: &str) -> Result<Database<Bytes, Bytes>> {
+        {
+            let txn = self.read_txn()?;
+            self.sparse_view(&txn, table)?;
+        }
+        self.rows_db(table)
+    }
+
+    /// Which of `ids` the artifact has rows for.
+    pub fn contains(&self, table: &str, ids: &[u64]) -> Result<Vec<bool>> {
+        let db = self.table_db(table)?;
+        let txn = self.read_txn()?;
+        self.sparse_view(&txn, table)?;
+        ids.iter()
+            .map(|&id| {
+                db.get(&txn, &key(id))
+                    .map(|v| v.is_some())
+                    .map_err(|e| lmdb(&self.path, "reading", e))
+            })
+            .collect()
+    }
+
+    /// A dense table's shape and value.
+    pub fn dense(&self, table: &str) -> Result<(Vec<usize>, Vec<f32>)> {
+        let txn = self.read_txn()?;
+        let (_, meta) = self.view(&txn, table)?;
+        if meta.kind != "dense" {
+            return Err(Error::WrongKind(format!(
+                "table {table:?} is a sparse table; read it with lookup()"
+            )));
+        }
+        let b = self
+            .meta
+            .get(&txn, format!("dense/{table}").as_bytes())
+            .map_err(|e| lmdb(&self.path, "reading", e))?
+            .ok_or_else(|| {
+                corrupt(format!(
+                    "the serving artifact at {} has no value for dense table {table:?}",
+                    self.path.display()
+                ))
+            })?;
+        if b.len() != meta.dim * 4 {
+            return Err(corrupt(format!(
+                "the serving artifact at {}: dense table {table:?} has {} bytes, not {}",
+                self.path.display(),
+                b.len(),
+                meta.dim * 4
+            )));
+        }
+        let mut v = vec![0.0; meta.dim];
+        Dtype::Float32.decode(b, &mut v);
+        Ok((meta.shape.clone(), v))
+    }
+
+    /// Every row of sparse `table` as stored, in id order: ids, the stored bytes (row after row,
+    /// `dtype.row_bytes(dim)` each), dim and dtype. For exporters (ONNX) and tools.
+    pub fn scan(&self, table: &str) -> Result<(Vec<u64>, Vec<u8>, usize, Dtype)> {
+        let db = self.table_db(table)?;
+        let txn = self.read_txn()?;
+        let (_, meta) = self.sparse_view(&txn, table)?;
+        let want = meta.dtype.row_bytes(meta.dim);
+        let mut ids = Vec::with_capacity(meta.rows as usize);
+        let mut bytes = Vec::with_capacity(meta.rows as usize * want);
+        for kv in db.iter(&txn).map_err(|e| lmdb(&self.path, "reading", e))? {
+            let (k, v) = kv.map_err(|e| lmdb(&self.path, "reading", e))?;
+            if k.len() != 8 || v.len() != want {
+                return Err(corrupt(format!(
+                    "the serving artifact at {}: an entry of table {table:?} has a {}-byte key \
+                     and a {}-byte row",
+                    self.path.display(),
+                    k.len(),
+                    v.len()
+                )));
+            }
+            ids.push(u64::from_be_bytes(k.try_into().expect("8 bytes")));
+            bytes.extend_from_slice(v);
+        }
+        Ok((ids, bytes, meta.dim, meta.dtype))
+    }
+
+    /// Applies the snapshot in `dir` in one write transaction: a full snapshot replaces every
+    /// table; an increment must build on the snapshot the artifact is at. Returns `None` when the
+    /// artifact is at that snapshot already.
+    pub fn apply(&self, dir: &Path) -> Result<Option<Applied>> {
+        if !self.writable {
+            return Err(invalid(format!(
+                "the artifact at {} is open read-only; open it writable to apply snapshots",
+                self.path.display()
+            )));
+        }
+        let m = Manifest::read(dir)?;
+        let _one = self.writer.lock().unwrap_or_else(|e| e.into_inner());
+        let state = self.state()?;
+        if m.id == state.snapshot.id {
+            return Ok(None);
+        }
+        if m.kind != "full" {
+            let parent = m.parent.as_ref().map(|p| p.id.as_str()).unwrap_or("");
+            if parent != state.snapshot.id {
+                return Err(invalid(format!(
+                    "{} is an increment of snapshot {parent}, but the artifact is at snapshot \
+                     {} ({}); apply the snapshots in order (`pstore serving follow` does)",
+                    dir.display(),
+                    state.snapshot.id,
+                    state.snapshot.path
+                )));
+            }
+        }
+        let applied = self.write(|txn| apply_one(self, txn, dir, &m, &state))?;
+        self.views
+            .write()
+            .unwrap_or_else(|e| e.into_inner())
+            .clear();
+        Ok(Some(applied))
+    }
+
+    /// Brings the artifact to the newest snapshot under `root` (by creation time): the
+    /// increments after the one it is at, or, when that snapshot is not in the newest one's
+    /// chain, the newest chain from its full snapshot. Each snapshot is one transaction.
+    pub fn follow(&self, root: &Path) -> Result<Vec<Applied>> {
+        let todo = self.pending(root)?;
+        let mut out = Vec::new();
+        for dir in todo {
+            if let Some(a) = self.apply(&dir)? {
+                out.push(a);
+            }
+        }
+        Ok(out)
+    }
+
+    /// The snapshots under `root` that `follow` would apply, in order.
+    pub fn pending(&self, root: &Path) -> Result<Vec<PathBuf>> {
+        let state = self.state()?;
+        let Some(newest) = newest_snapshot(root)? else {
+            return Ok(Vec::new());
+        };
+        let chain = Manifest::chain(&newest)?;
+        let at = chain.iter().position(|(_, m)| m.id == state.snapshot.id);
+        let from = match at {
+            Some(i) => i + 1,
+            None => {
+                let newest_at = chain.last().map_or(0.0, |(_, m)| m.created_at);
+                if newest_at <= state.snapshot.created_at {
+                    return Ok(Vec::new()); // nothing newer than what is served
+                }
+                0
+            }
+        };
+        Ok(chain[from..].iter().map(|(p, _)| p.clone()).collect())
+    }
+
+    fn write<R>(&self, f: impl FnOnce(&mut RwTxn<'_>) -> Result<R>) -> Result<R> {
+        let mut txn = self
+            .env
+            .write_txn()
+            .map_err(|e| lmdb(&self.path, "writing", e))?;
+        let r = f(&mut txn)?;
+        txn.commit()
+            .map_err(|e| lmdb(&self.path, "committing to", e))?;
+        Ok(r)
+    }
+}
+
+/// The snapshot under `root` taken last (directories with a readable manifest; hidden
+/// directories, which are snapshots being written, are skipped).
+pub fn newest_snapshot(root: &Path) -> Result<Option<PathBuf>> {
+    let entries = std::fs::read_dir(root).map_err(|e| {
+        invalid(format!(
+            "cannot read the snapshot root {}: {e}",
+            root.display()
+        ))
+    })?;
+    let mut best: Option<(f64, PathBuf)> = None;
+    for e in entries.flatten() {
+        let p = e.path();
+        let hidden = e.file_name().to_string_lossy().starts_with('.');
+        if hidden || !p.join(MANIFEST).is_file() {
+            continue;
+        }
+        if let Ok(m) = Manifest::read(&p) {
+            if best.as_ref().is_none_or(|(t, _)| m.created_at > *t) {
+                best = Some((m.created_at, p));
+            }
+        }
+    }
+    Ok(best.map(|(_, p)| p))
+}
+
+/// One table's rows of one snapshot, stored form, sorted by id.
+struct Rows {
+    ids: Vec<u64>,
+    bytes: Vec<u8>,
+}
+
+/// Reads and encodes the rows of a sparse table entry (every file checked first), sorted by id.
+fn read_sparse(dir: &Path, e: &TableEntry, dtype: Dtype) -> Result<Rows> {
+    let schema = PartSchema {
+        dim: e.dim,
+        state_len: e.state_len,
+    };
+    let width = dtype.row_bytes(e.dim);
+    let parts: Result<Vec<Rows>> = e
+        .files
+        .par_iter()
+        .map(|fi| {
+            let mut r = Rows {
+                ids: Vec::with_capacity(fi.rows as usize),
+                bytes: Vec::with_capacity(fi.rows as usize * width),
+            };
+            files::read_part(&dir.join(&fi.name), schema, fi, |b| {
+                for (i, &id) in b.ids.iter().enumerate() {
+                    let row = &b.weights[i * e.dim..(i + 1) * e.dim];
+                    dtype.encode(row, &mut r.bytes).map_err(|w| {
+                        invalid(format!(
+                            "table {:?}, id {id}: the value {w} does not fit {}; export as \
+                             float32",
+                            e.name,
+                            dtype.as_str()
+                        ))
+                    })?;
+                    r.ids.push(id);
+                }
+                Ok(())
+            })?;
+            Ok(r)
+        })
+        .collect();
+    let parts = parts?;
+    let n: usize = parts.iter().map(|p| p.ids.len()).sum();
+    let mut order: Vec<(u64, u32, u32)> = Vec::with_capacity(n);
+    for (pi, p) in parts.iter().enumerate() {
+        for (i, &id) in p.ids.iter().enumerate() {
+            order.push((id, pi as u32, i as u32));
+        }
+    }
+    order.par_sort_unstable_by_key(|&(id, _, _)| id);
+    let mut out = Rows {
+        ids: Vec::with_capacity(n),
+        bytes: Vec::with_capacity(n * width),
+    };
+    for (id, pi, i) in order {
+        let p = &parts[pi as usize];
+        out.ids.push(id);
+        out.bytes
+            .extend_from_slice(&p.bytes[i as usize * width..(i as usize + 1) * width]);
+    }
+    Ok(out)
+}
+
+fn dense_value(dir: &Path, e: &TableEntry) -> Result<Vec<f32>> {
+    let schema = PartSchema {
+        dim: e.dim,
+        state_len: e.state_len,
+    };
+    let fi = e.files.first().ok_or_else(|| {
+        corrupt(format!(
+            "{}: dense table {:?} has no file",
+            dir.display(),
+            e.name
+        ))
+    })?;
+    let mut value = None;
+    files::read_part(&dir.join(&fi.name), schema, fi, |b| {
+        if b.len() == 1 {
+            value = Some(b.weights.clone());
+        }
+        Ok(())
+    })?;
+    value.ok_or_else(|| {
+        corrupt(format!(
+            "{}: dense table {:?} has no value",
+            dir.display(),
+            e.name
+        ))
+    })
+}
+
+fn put(
+    a: &Artifact,
+    txn: &mut RwTxn<'_>,
+    db: Database<Bytes, Bytes>,
+    k: &[u8],
+    v: &[u8],
+    append: bool,
+) -> Result<()> {
+    let r = if append {
+        db.put_with_flags(txn, PutFlags::APPEND, k, v)
+    } else {
+        db.put(txn, k, v)
+    };
+    r.map_err(|e| lmdb(&a.path, "writing", e))
+}
+
+/// Applies one snapshot inside `txn` to an artifact in `state`.
+fn apply_one(
+    a: &Artifact,
+    txn: &mut RwTxn<'_>,
+    dir: &Path,
+    m: &Manifest,
+    state: &State,
+) -> Result<Applied> {
+    let full = m.kind == "full";
+    let dtype = state.dtype;
+    let mut tables: Vec<TableMeta> = Vec::new();
+    let (mut written, mut deleted) = (0u64, 0u64);
+    for e in &m.tables {
+        if !state.wants(&e.name) {
+            continue;
+        }
+        let old = state.table(&e.name);
+        let uid = e.record.uid();
+        let same = old.is_some_and(|o| o.record.uid() == uid && o.kind == kind_of(e));
+        match &e.record {
+            TableRecord::Sparse { .. } => {
+                let db: Database<Bytes, Bytes> = a
+                    .env
+                    .create_database(txn, Some(&format!("rows/{}", e.name)))
+                    .map_err(|err| lmdb(&a.path, "writing", err))?;
+                let fresh = full || !same;
+                if fresh {
+                    db.clear(txn).map_err(|err| lmdb(&a.path, "writing", err))?;
+                }
+                let rows = read_sparse(dir, e, dtype)?;
+                let width = dtype.row_bytes(e.dim);
+                for (i, &id) in rows.ids.iter().enumerate() {
+                    put(
+                        a,
+                        txn,
+                        db,
+                        &key(id),
+                        &rows.bytes[i * width..(i + 1) * width],
+                        fresh,
+                    )?;
+                }
+                written += rows.ids.len() as u64;
+                if let (Some(fi), false) = (&e.tombstones, fresh) {
+                    for id in files::read_ids(&dir.join(&fi.name), fi)? {
+                        if db
+                            .delete(txn, &key(id))
+                            .map_err(|err| lmdb(&a.path, "writing", err))?
+                        {
+                            deleted += 1;
+                        }
+                    }
+                }
+                let n = db.len(txn).map_err(|err| lmdb(&a.path, "reading", err))?;
+                if n != e.total_rows {
+                    return Err(corrupt(format!(
+                        "{}: table {:?} should have {} rows after this snapshot, the artifact \
+                         would have {n}; is the artifact from this chain of snapshots?",
+                        dir.display(),
+                        e.name,
+                        e.total_rows
+                    )));
+                }
+                tables.push(TableMeta {
+                    name: e.name.clone(),
+                    kind: "sparse".into(),
+                    dim: e.dim,
+                    shape: Vec::new(),
+                    dtype,
+                    rows: n,
+                    record: e.record.clone(),
+                });
+            }
+            TableRecord::Dense { config, .. } => {
+                let v = dense_value(dir, e)?;
+                let mut b = Vec::with_capacity(v.len() * 4);
+                Dtype::Float32
+                    .encode(&v, &mut b)
+                    .map_err(|_| Error::Internal("float32 encodes anything".into()))?;
+                a.meta
+                    .put(txn, format!("dense/{}", e.name).as_bytes(), &b)
+                    .map_err(|err| lmdb(&a.path, "writing", err))?;
+                written += 1;
+                tables.push(TableMeta {
+                    name: e.name.clone(),
+                    kind: "dense".into(),
+                    dim: v.len(),
+                    shape: config.shape.clone(),
+                    dtype: Dtype::Float32,
+                    rows: 1,
+                    record: e.record.clone(),
+                });
+            }
+        }
+    }
+    // Tables the snapshot no longer has were dropped by training.
+    for old in &state.tables {
+        if tables.iter().any(|t| t.name == old.name) {
+            continue;
+        }
+        if old.kind == "sparse" {
+            if let Some(db) = a
+                .env
+                .open_database::<Bytes, Bytes>(txn, Some(&format!("rows/{}", old.name)))
+                .map_err(|err| lmdb(&a.path, "writing", err))?
+            {
+                db.clear(txn).map_err(|err| lmdb(&a.path, "writing", err))?;
+            }
+        } else {
+            a.meta
+                .delete(txn, format!("dense/{}", old.name).as_bytes())
+                .map_err(|err| lmdb(&a.path, "writing", err))?;
+        }
+        a.meta
+            .delete(txn, format!("table/{}", old.name).as_bytes())
+            .map_err(|err| lmdb(&a.path, "writing", err))?;
+    }
+    for t in &tables {
+        let b = serde_json::to_vec(t).map_err(|e| Error::Internal(e.to_string()))?;
+        a.meta
+            .put(txn, format!("table/{}", t.name).as_bytes(), &b)
+            .map_err(|err| lmdb(&a.path, "writing", err))?;
+    }
+    let generation = state.generation + 1;
+    let path = dir.canonicalize().unwrap_or_else(|_| dir.to_path_buf());
+    let new = State {
+        tables,
+        snapshot: SnapshotRef {
+            id: m.id.clone(),
+            kind: m.kind.clone(),
+            path: path.display().to_string(),
+            created_at: m.created_at,
+        },
+        updates: state.updates + 1,
+        generation,
+        applied_at: unix_time(),
+        ..state.clone()
+    };
+    let b = serde_json::to_vec(&new).map_err(|e| Error::Internal(e.to_string()))?;
+    a.meta
+        .put(txn, b"state", &b)
+        .map_err(|err| lmdb(&a.path, "writing", err))?;
+    a.meta
+        .put(txn, b"generation", &generation.to_le_bytes())
+        .map_err(|err| lmdb(&a.path, "writing", err))?;
+    Ok(Applied {
+        id: m.id.clone(),
+        path: path.display().to_string(),
+        kind: m.kind.clone(),
+        rows: written,
+        deleted,
+        generation,
+    })
+}
+
+fn kind_of(e: &TableEntry) -> &'static str {
+    match e.record {
+        TableRecord::Sparse { .. } => "sparse",
+        TableRecord::Dense { .. } => "dense",
+    }
+}
+
+/// What an export reports.
+#[derive(Debug, Clone, PartialEq, Serialize)]
+pub struct Exported {
+    /// The artifact's state.
+    pub state: State,
+    /// Bytes of the data file.
+    pub file_bytes: u64,
+    /// Snapshots of the chain applied.
+    pub chain: usize,
+}
+
+/// Builds the artifact `out` (a new or empty directory) from the snapshot in `snapshot` and its
+/// chain: the tables `select` (all when `None`), sparse rows stored as `dtype`. Written into a
+/// temporary directory beside `out` and renamed into place; on an error nothing is left.
+/// `done` counts the snapshots applied.
+pub fn export(
+    snapshot: &Path,
+    out: &Path,
+    select: Option<Vec<String>>,
+    dtype: Dtype,
+    done: &AtomicU64,
+) -> Result<Exported> {
+    let chain = Manifest::chain(snapshot)?;
+    let last = &chain.last().expect("a chain has a snapshot").1;
+    if let Some(sel) = &select {
+        if sel.is_empty() {
+            return Err(invalid("select at least one table"));
+        }
+        for name in sel {
+            if !last.tables.iter().any(|t| &t.name == name) {
+                let have: Vec<&str> = last.tables.iter().map(|t| t.name.as_str()).collect();
+                return Err(Error::UnknownTable(format!(
+                    "{name} (the snapshot has: {})",
+                    have.join(", ")
+                )));
+            }
+        }
+    }
+    if out.exists() {
+        let empty = std::fs::read_dir(out)
+            .map(|mut it| it.next().is_none())
+            .unwrap_or(false);
+        if !empty {
+            return Err(invalid(format!(
+                "{} exists and is not empty; export into a new directory",
+                out.display()
+            )));
+        }
+    }
+    let name = out
+        .file_name()
+        .ok_or_else(|| invalid(format!("{} has no directory name", out.display())))?
+        .to_string_lossy()
+        .into_owned();
+    let parent = match out.parent() {
+        Some(p) if !p.as_os_str().is_empty() => p.to_path_buf(),
+        _ => PathBuf::from("."),
+    };
+    std::fs::create_dir_all(&parent)
+        .map_err(|e| storage(format!("creating {}: {e}", parent.display())))?;
+    let tmp = parent.join(format!(".{name}.tmp-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&tmp);
+    std::fs::create_dir_all(&tmp)
+        .map_err(|e| storage(format!("creating {}: {e}", tmp.display())))?;
+    let r = build(&tmp, &chain, select, dtype, done);
+    let r = r.and_then(|ex| {
+        if out.exists() {
+            std::fs::remove_dir(out)
+                .map_err(|e| storage(format!("replacing {}: {e}", out.display())))?;
+        }
+        std::fs::rename(&tmp, out)
+            .map_err(|e| storage(format!("renaming into {}: {e}", out.display())))?;
+        File::open(&parent)
+            .and_then(|f| f.sync_all())
+            .map_err(|e| storage(format!("syncing {}: {e}", parent.display())))?;
+        Ok(ex)
+    });
+    if r.is_err() {
+        let _ = std::fs::remove_dir_all(&tmp);
+    }
+    r
+}
+
+fn build(
+    tmp: &Path,
+    chain: &[(PathBuf, Manifest)],
+    select: Option<Vec<String>>,
+    dtype: Dtype,
+    done: &AtomicU64,
+) -> Result<Exported> {
+    let a = Artifact::open_env(tmp, true, true)?;
+    let now = unix_time();
+    let mut state = State {
+        format: FORMAT_NAME.into(),
+        version: FORMAT_VERSION,
+        dtype,
+        select,
+        tables: Vec::new(),
+        snapshot: SnapshotRef {
+            id: String::new(),
+            kind: String::new(),
+            path: String::new(),
+            created_at: 0.0,
+        },
+        updates: 0,
+        generation: 0,
+        created_at: now,
+        applied_at: now,
+    };
+    for (dir, m) in chain {
+        a.write(|txn| apply_one(&a, txn, dir, m, &state))?;
+        state = a.state()?;
+        done.fetch_add(1, Ordering::Relaxed);
+    }
+    // The chain counts as one update.
+    state.updates = 1;
+    a.write(|txn| {
+        let b = serde_json::to_vec(&state).map_err(|e| Error::Internal(e.to_string()))?;
+        a.meta
+            .put(txn, b"state", &b)
+            .map_err(|err| lmdb(&a.path, "writing", err))
+    })?;
+    let manifest = serde_json::json!({
+        "format": FORMAT_NAME,
+        "version": FORMAT_VERSION,
+        "dtype": dtype.as_str(),
+        "created_at": state.created_at,
+        "snapshot": state.snapshot,
+        "select": state.select,
+        "tables": state.tables.iter().map(|t| serde_json::json!({
+            "name": t.name, "kind": t.kind, "dim": t.dim, "shape": t.shape, "rows": t.rows,
+            "row_bytes": if t.kind == "sparse" { t.dtype.row_bytes(t.dim) } else { t.dim * 4 },
+        })).collect::<Vec<_>>(),
+        "note": "the artifact's current state (after live increments) is the `state` record in \
+                 its LMDB `meta` database; this file describes it as exported",
+    });
+    let bytes = serde_json::to_vec_pretty(&manifest).map_err(|e| Error::Internal(e.to_string()))?;
+    let mpath = tmp.join(MANIFEST);
+    std::fs::write(&mpath, bytes)
+        .and_then(|()| File::open(&mpath)?.sync_all())
+        .map_err(|e| storage(format!("writing {}: {e}", mpath.display())))?;
+    a.env.force_sync().map_err(|e| lmdb(tmp, "syncing", e))?;
+    let file_bytes = a.file_bytes();
+    drop(a);
+    File::open(tmp)
+        .and_then(|f| f.sync_all())
+        .map_err(|e| storage(format!("syncing {}: {e}", tmp.display())))?;
+    Ok(Exported {
+        state,
+        file_bytes,
+        chain: chain.len(),
+    })
+}

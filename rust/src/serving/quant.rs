@@ -1,0 +1,156 @@
+//! How a serving artifact stores a row: float32, float16, or int8 with a per-row scale.
+
+use serde::{Deserialize, Serialize};
+
+use crate::error::{invalid, Result};
+
+/// The element type of an artifact's sparse rows.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum Dtype {
+    /// 4 bytes per element, exact.
+    Float32,
+    /// IEEE half precision: 2 bytes per element, relative error at most 2^-11.
+    Float16,
+    /// A float32 scale (the row's largest magnitude / 127), then one int8 per element: error at
+    /// most half a step, `scale / 2`.
+    Int8,
+}
+
+impl Dtype {
+    /// Parses `"float32"`, `"float16"` or `"int8"`.
+    pub fn parse(s: &str) -> Result<Self> {
+        match s {
+            "float32" => Ok(Dtype::Float32),
+            "float16" => Ok(Dtype::Float16),
+            "int8" => Ok(Dtype::Int8),
+            _ => Err(invalid(format!(
+                "unknown dtype {s:?}; expected float32, float16 or int8"
+            ))),
+        }
+    }
+
+    /// The name `parse` takes.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Dtype::Float32 => "float32",
+            Dtype::Float16 => "float16",
+            Dtype::Int8 => "int8",
+        }
+    }
+
+    /// Bytes of one stored row of `dim` elements.
+    pub fn row_bytes(self, dim: usize) -> usize {
+        match self {
+            Dtype::Float32 => 4 * dim,
+            Dtype::Float16 => 2 * dim,
+            Dtype::Int8 => 4 + dim,
+        }
+    }
+
+    /// Appends the stored form of `row`. A float16 row whose finite value overflows float16 is
+    /// an error (the caller names the table and id); float32 and int8 take any finite row.
+    pub fn encode(self, row: &[f32], out: &mut Vec<u8>) -> std::result::Result<(), f32> {
+        match self {
+            Dtype::Float32 => {
+                for w in row {
+                    out.extend_from_slice(&w.to_le_bytes());
+                }
+            }
+            Dtype::Float16 => {
+                for &w in row {
+                    let h = half::f16::from_f32(w);
+                    if h.is_infinite() && w.is_finite() {
+                        return Err(w);
+                    }
+                    out.extend_from_slice(&h.to_bits().to_le_bytes());
+                }
+            }
+            Dtype::Int8 => {
+                let max = row.iter().fold(0.0f32, |m, w| m.max(w.abs()));
+                if !max.is_finite() {
+                    return Err(max);
+                }
+                let scale = max / 127.0;
+                out.extend_from_slice(&scale.to_le_bytes());
+                for &w in row {
+                    let q = if scale > 0.0 {
+                        (w / scale).round().clamp(-127.0, 127.0) as i8
+                    } else {
+                        0
+                    };
+                    out.push(q as u8);
+                }
+            }
+        }
+        Ok(())
+    }
+
+    /// Writes the float32 values of a stored row into `out` (`out.len()` elements). `bytes` must
+    /// be `row_bytes(out.len())` long.
+    pub fn decode(self, bytes: &[u8], out: &mut [f32]) {
+        match self {
+            Dtype::Float32 => {
+                for (o, b) in out.iter_mut().zip(bytes.chunks_exact(4)) {
+                    *o = f32::from_le_bytes([b[0], b[1], b[2], b[3]]);
+                }
+            }
+            Dtype::Float16 => {
+                for (o, b) in out.iter_mut().zip(bytes.chunks_exact(2)) {
+                    *o = half::f16::from_bits(u16::from_le_bytes([b[0], b[1]])).to_f32();
+                }
+            }
+            Dtype::Int8 => {
+                let scale = f32::from_le_bytes([bytes[0], bytes[1], bytes[2], bytes[3]]);
+                for (o, &q) in out.iter_mut().zip(&bytes[4..]) {
+                    *o = f32::from(q as i8) * scale;
+                }
+            }
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn round_trip(d: Dtype, row: &[f32]) -> Vec<f32> {
+        let mut b = Vec::new();
+        d.encode(row, &mut b).unwrap();
+        assert_eq!(b.len(), d.row_bytes(row.len()));
+        let mut out = vec![f32::NAN; row.len()];
+        d.decode(&b, &mut out);
+        out
+    }
+
+    #[test]
+    fn float32_is_exact() {
+        let row = [1.5f32, -0.0, 3.25e-30, -7e20];
+        assert_eq!(round_trip(Dtype::Float32, &row), row);
+    }
+
+    #[test]
+    fn float16_within_its_bound() {
+        let row: Vec<f32> = (0..200).map(|i| (i as f32 - 100.0) * 0.0137).collect();
+        for (a, b) in row.iter().zip(round_trip(Dtype::Float16, &row)) {
+            assert!(
+                (a - b).abs() <= a.abs() * (2f32).powi(-11) + 2f32.powi(-25),
+                "{a} {b}"
+            );
+        }
+        let mut b = Vec::new();
+        assert_eq!(Dtype::Float16.encode(&[1e6], &mut b), Err(1e6));
+    }
+
+    #[test]
+    fn int8_within_half_a_step() {
+        let row: Vec<f32> = (0..64)
+            .map(|i| ((i * 37) % 23) as f32 * 0.01 - 0.1)
+            .collect();
+        let scale = row.iter().fold(0.0f32, |m, w| m.max(w.abs())) / 127.0;
+        for (a, b) in row.iter().zip(round_trip(Dtype::Int8, &row)) {
+            assert!((a - b).abs() <= scale * 0.5 + 1e-7, "{a} {b}");
+        }
+        assert_eq!(round_trip(Dtype::Int8, &[0.0, 0.0]), [0.0, 0.0]);
+    }
+}
