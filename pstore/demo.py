@@ -164,6 +164,7 @@ def _serve(
     say: Any,
     users_to_show: int = 3,
     top: int = 5,
+    onnx_out: str | None = None,
 ) -> dict[str, Any]:
     """Snapshot the trained store, export a serving artifact, and recommend from it.
 
@@ -206,12 +207,40 @@ def _serve(
             recs[int(u)] = [(int(i), float(s[i])) for i in best]
             shown = ", ".join(f"{i} ({r:.2f})" for i, r in recs[int(u)])
             say(f"  top {top} for user {int(u)}: items {shown}")
-    return {
+    served: dict[str, Any] = {
         "artifact": model_dir,
         "artifact_bytes": info["file_bytes"],
         "serving_max_diff": diff,
         "recommendations": recs,
     }
+    if onnx_out is not None:
+        served.update(_onnx(model, model_dir, test, onnx_out, say))
+    return served
+
+
+def _onnx(
+    model: _MatrixFactorization, model_dir: str, test: datasets.Ratings, out: str, say: Any
+) -> dict[str, Any]:
+    """Export the whole model (tables and mu) as one ONNX graph from (user id, item id) to the
+    predicted rating; with onnxruntime installed, check it against the model's predictions."""
+    from pstore.serving.onnx import export_mf_onnx
+
+    info = export_mf_onnx(model_dir, out)
+    result: dict[str, Any] = {"onnx": info["path"], "onnx_max_diff": None}
+    try:
+        import onnxruntime as ort
+    except ImportError:
+        say(f"onnx: wrote {info['path']} (install onnxruntime to check it)")
+        return result
+    sess = ort.InferenceSession(info["path"], providers=["CPUExecutionProvider"])
+    (pred,) = sess.run(None, {"user_id": test.users, "item_id": test.items})
+    diff = float(np.max(np.abs(pred - model.predict(test.users, test.items))))
+    result["onnx_max_diff"] = diff
+    say(
+        f"onnx: wrote {info['path']}: (user id, item id) -> rating; onnxruntime's test "
+        f"predictions match the model's (max |diff| {diff:.2g})"
+    )
+    return result
 
 
 def _rmse(pred: np.ndarray, target: np.ndarray) -> float:
@@ -234,6 +263,7 @@ def run_demo(
     threads: int | None = None,
     progress: bool = True,
     model_dir: str | None = None,
+    onnx: str | None = None,
 ) -> dict[str, Any]:
     """Train biased matrix factorisation on ratings with a pstore store and report RMSE.
 
@@ -270,6 +300,9 @@ def run_demo(
         Where to keep the snapshot (``model_dir/snapshot``) and the serving artifact
         (``model_dir/model``) made after training (a new or empty directory); default a
         temporary directory, removed at the end.
+    onnx : str, optional
+        Also export the whole model as one ONNX graph to this file (needs ``pstore[onnx]``) and,
+        with onnxruntime installed, check its predictions against the model's.
 
     Returns
     -------
@@ -364,11 +397,11 @@ def run_demo(
     )
     if model_dir is None:
         with tempfile.TemporaryDirectory(prefix="pstore-demo-") as d:
-            served = _serve(store, model, train, test, ratings.n_items, d, say)
+            served = _serve(store, model, train, test, ratings.n_items, d, say, onnx_out=onnx)
             served["artifact"] = None
     else:
         os.makedirs(model_dir, exist_ok=True)
-        served = _serve(store, model, train, test, ratings.n_items, model_dir, say)
+        served = _serve(store, model, train, test, ratings.n_items, model_dir, say, onnx_out=onnx)
     return {
         **served,
         "dataset": ratings.name,
@@ -473,6 +506,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
         help="keep the snapshot and serving artifact made after training here (default: a "
         "temporary directory)",
     )
+    parser.add_argument(
+        "--onnx",
+        default=None,
+        metavar="PATH",
+        help="also export the trained model as one ONNX graph (needs pstore[onnx])",
+    )
     parser.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")
     parser.add_argument(
         "--json", action="store_true", help="print the final metrics as one JSON line at the end"
@@ -522,6 +561,7 @@ def main(args: argparse.Namespace | Sequence[str] | None = None) -> int:
             threads=args.threads,
             progress=not args.no_progress,
             model_dir=args.model_dir,
+            onnx=args.onnx,
         )
     except (FileNotFoundError, RuntimeError, ValueError) as e:
         print(f"pstore demo: error: {e}", file=sys.stderr)

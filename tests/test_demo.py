@@ -193,6 +193,42 @@ def test_run_demo_on_synthetic_data_beats_the_baseline() -> None:
     json.dumps(m)
 
 
+def test_run_demo_serves_from_an_artifact_and_exports_onnx(tmp_path: Path) -> None:
+    pytest.importorskip("onnx")
+    pytest.importorskip("onnxruntime")
+    from pstore import serving
+
+    out = io.StringIO()
+    m = demo.run_demo(
+        data="synthetic",
+        epochs=1,
+        dim=8,
+        seed=3,
+        out=out,
+        progress=False,
+        model_dir=str(tmp_path / "run"),
+        onnx=str(tmp_path / "mf.onnx"),
+    )
+    # The artifact's predictions are the trained store's, and ONNX's are within float rounding.
+    assert m["serving_max_diff"] == 0.0
+    assert m["onnx_max_diff"] < 1e-5
+    art = serving.ServingStore(m["artifact"])
+    assert set(art.tables()) == {"user_emb", "item_emb", "user_bias", "item_bias", "global_mean"}
+    assert float(art.dense("global_mean")[0]) == pytest.approx(m["global_mean"], rel=1e-6)
+    ratings = datasets.load_ratings("synthetic", seed=3)
+    train, _ = datasets.train_test_split(ratings, 0.1, seed=3)
+    assert len(m["recommendations"]) == 3
+    for user, recs in m["recommendations"].items():
+        items = [i for i, _ in recs]
+        assert len(items) == 5 and len(set(items)) == 5
+        assert not set(items) & set(train.items[train.users == user].tolist())
+        scores = [r for _, r in recs]
+        assert scores == sorted(scores, reverse=True)
+    text = out.getvalue()
+    assert "top 5 for user" in text and "onnxruntime" in text
+    json.dumps(m)
+
+
 def test_run_demo_with_adam_on_a_small_inter_file(tmp_path: Path) -> None:
     r = datasets.synthetic_ratings(n_users=100, n_items=150, n_ratings=4000, seed=2)
     lines = ["user_id:token\titem_id:token\trating:float\ttimestamp:float"]
