@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import signal
 import sys
 import time
 from collections.abc import Sequence
@@ -293,6 +294,10 @@ def _cmd_serving_follow(args: argparse.Namespace) -> int:
     from pstore.server import log_event
 
     stop = threading.Event()
+    # A signal ends the wait between rounds; a snapshot being applied finishes first (each is
+    # one transaction, so even a kill leaves the artifact at a whole version).
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, lambda *_: stop.set())
 
     def applied(a: dict[str, Any]) -> None:
         log_event(
@@ -306,8 +311,18 @@ def _cmd_serving_follow(args: argparse.Namespace) -> int:
         )
 
     log_event("following", root=args.root, model=args.model, interval=args.interval)
+
+    def failed(e: Exception) -> None:
+        log_event("follow_failed", level="error", error=e)
+
     n = serving.follow(
-        args.root, args.model, interval=args.interval, once=args.once, stop=stop, on_apply=applied
+        args.root,
+        args.model,
+        interval=args.interval,
+        once=args.once,
+        stop=stop,
+        on_apply=applied,
+        on_error=failed,
     )
     log_event("stopped", applied=n)
     return 0

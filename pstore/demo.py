@@ -228,7 +228,7 @@ def _onnx(
     info = export_mf_onnx(model_dir, out)
     result: dict[str, Any] = {"onnx": info["path"], "onnx_max_diff": None}
     try:
-        import onnxruntime as ort
+        import onnxruntime as ort  # type: ignore[import-untyped]
     except ImportError:
         say(f"onnx: wrote {info['path']} (install onnxruntime to check it)")
         return result

@@ -106,7 +106,13 @@ class ServingStore:
 
     def __init__(self, path: PathLike, *, writable: bool = False) -> None:
         self.path = os.fspath(path)
-        self._inner: Any = _native.Artifact(self.path, writable)
+        self._native: Any = _native.Artifact(self.path, writable)
+
+    @property
+    def _inner(self) -> Any:
+        if self._native is None:
+            raise InvalidArgumentError(f"the ServingStore of {self.path} is closed")
+        return self._native
 
     @property
     def writable(self) -> bool:
@@ -253,7 +259,7 @@ class ServingStore:
 
     def close(self) -> None:
         """Let go of the artifact (it closes when no object of this process uses it)."""
-        self._inner = None
+        self._native = None
 
     def __enter__(self) -> ServingStore:
         return self
@@ -328,12 +334,15 @@ def follow(
     once: bool = False,
     stop: threading.Event | None = None,
     on_apply: Callable[[dict[str, Any]], None] | None = None,
+    on_error: Callable[[Exception], None] | None = None,
 ) -> int:
     """Keep the artifact in ``model_dir`` at the newest snapshot under ``snapshot_root``.
 
     Every ``interval`` seconds it applies the snapshots that lead from the one the artifact is
     at to the newest (each in one transaction), calling ``on_apply`` with what each did. Runs
-    until ``stop`` is set, or one round with ``once``. Returns the snapshots applied.
+    until ``stop`` is set, or one round with ``once``. A round that fails (a damaged or
+    half-copied snapshot) raises, unless ``on_error`` is given: it is called with the error and
+    the next round tries again. Returns the snapshots applied.
     """
     if not interval > 0:
         raise InvalidArgumentError(f"interval must be > 0 seconds, got {interval}")
@@ -341,10 +350,15 @@ def follow(
     applied = 0
     try:
         while True:
-            for a in model.follow(snapshot_root):
-                applied += 1
-                if on_apply is not None:
-                    on_apply(a)
+            try:
+                for a in model.follow(snapshot_root):
+                    applied += 1
+                    if on_apply is not None:
+                        on_apply(a)
+            except Exception as e:
+                if on_error is None or once:
+                    raise
+                on_error(e)
             if once or (stop is not None and stop.wait(interval)):
                 return applied
             if stop is None:

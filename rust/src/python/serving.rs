@@ -33,6 +33,22 @@ fn json<T: serde::Serialize>(v: &T) -> PyResult<String> {
 #[pyclass(frozen, module = "pstore._native", name = "Artifact")]
 pub(super) struct PyArtifact {
     inner: Arc<Artifact>,
+    /// Opened for writing by this object (another object of the process may share a writable
+    /// opening while this one stays read-only).
+    writable: bool,
+}
+
+impl PyArtifact {
+    fn check_writable(&self) -> PyResult<()> {
+        if self.writable {
+            Ok(())
+        } else {
+            Err(err(Error::InvalidArgument(format!(
+                "the artifact at {} is open read-only; open it writable to apply snapshots",
+                self.inner.path().display()
+            ))))
+        }
+    }
 }
 
 #[pymethods]
@@ -41,12 +57,12 @@ impl PyArtifact {
     #[pyo3(signature = (path, writable=false))]
     fn new(py: Python<'_>, path: PathBuf, writable: bool) -> PyResult<Self> {
         let inner = py.detach(|| Artifact::open(&path, writable)).map_err(err)?;
-        Ok(Self { inner })
+        Ok(Self { inner, writable })
     }
 
     #[getter]
     fn writable(&self) -> bool {
-        self.inner.writable()
+        self.writable
     }
 
     #[getter]
@@ -147,6 +163,7 @@ impl PyArtifact {
 
     /// Applies a snapshot; JSON of what it did, or None when the artifact is at it already.
     fn apply(&self, py: Python<'_>, dir: PathBuf) -> PyResult<Option<String>> {
+        self.check_writable()?;
         let a = &self.inner;
         let r = py.detach(|| a.apply(&dir)).map_err(err)?;
         r.as_ref().map(json).transpose()
@@ -154,6 +171,7 @@ impl PyArtifact {
 
     /// Applies the snapshots under `root` that are newer; JSON list of what was applied.
     fn follow(&self, py: Python<'_>, root: PathBuf) -> PyResult<String> {
+        self.check_writable()?;
         let a = &self.inner;
         let r = py.detach(|| a.follow(&root)).map_err(err)?;
         json(&r)

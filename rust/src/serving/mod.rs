@@ -189,6 +189,9 @@ pub struct Artifact {
     views: RwLock<HashMap<String, View>>,
     /// Opened for writing (apply); the writer lock file is held.
     writable: bool,
+    /// Device and inode of the data file when opened (an artifact exported again at the same
+    /// path is another file).
+    file_id: Option<(u64, u64)>,
     _lock: Option<File>,
     writer: Mutex<()>,
 }
@@ -200,6 +203,13 @@ impl std::fmt::Debug for Artifact {
             .field("writable", &self.writable)
             .finish()
     }
+}
+
+fn file_id(dir: &Path) -> Option<(u64, u64)> {
+    use std::os::unix::fs::MetadataExt;
+    std::fs::metadata(dir.join("data.mdb"))
+        .ok()
+        .map(|m| (m.dev(), m.ino()))
 }
 
 fn check_dir(path: &Path) -> Result<()> {
@@ -229,6 +239,13 @@ impl Artifact {
         let mut reg = registry().lock().unwrap_or_else(|e| e.into_inner());
         reg.retain(|_, w| w.strong_count() > 0);
         if let Some(a) = reg.get(&canon).and_then(Weak::upgrade) {
+            if a.file_id != file_id(&canon) {
+                return Err(invalid(format!(
+                    "the artifact at {} was replaced on disk while this process still has the \
+                     old one open; close every ServingStore of it first",
+                    path.display()
+                )));
+            }
             if writable && !a.writable {
                 return Err(invalid(format!(
                     "the artifact at {} is open read-only in this process; close it before \
@@ -322,6 +339,7 @@ impl Artifact {
         };
         Ok(Artifact {
             path: path.to_path_buf(),
+            file_id: file_id(path),
             env,
             meta,
             dbs: RwLock::new(HashMap::new()),
@@ -499,14 +517,6 @@ impl Artifact {
         if out.len() != ids.len() * dim {
             return Err(Error::Internal("lookup output of the wrong size".into()));
         }
-        if let Fallback::Row(r) = fallback {
-            if r.len() != dim {
-                return Err(crate::error::shape(format!(
-                    "the default row has {} elements; table {table:?} has dim {dim}",
-                    r.len()
-                )));
-            }
-        }
         let db = self.table_db(table)?;
         let mut scratch;
         let found: &mut [bool] = match found {
@@ -578,7 +588,14 @@ impl Artifact {
                 }
                 None => match fallback {
                     Fallback::Zeros => row.fill(0.0),
-                    Fallback::Row(r) => row.copy_from_slice(r),
+                    Fallback::Row(r) if r.len() == dim => row.copy_from_slice(r),
+                    Fallback::Row(r) => {
+                        return Err(crate::error::shape(format!(
+                            "the default row has {} elements; table {:?} has dim {dim}",
+                            r.len(),
+                            meta.name
+                        )))
+                    }
                     Fallback::Initial => {
                         if init.is_none() {
                             init = Some(match &meta.record {
@@ -737,19 +754,36 @@ impl Artifact {
         let Some(newest) = newest_snapshot(root)? else {
             return Ok(Vec::new());
         };
-        let chain = Manifest::chain(&newest)?;
-        let at = chain.iter().position(|(_, m)| m.id == state.snapshot.id);
-        let from = match at {
-            Some(i) => i + 1,
-            None => {
-                let newest_at = chain.last().map_or(0.0, |(_, m)| m.created_at);
-                if newest_at <= state.snapshot.created_at {
-                    return Ok(Vec::new()); // nothing newer than what is served
-                }
-                0
+        // Back from the newest through its parents to the snapshot the artifact is at: only the
+        // increments after it are needed (older ones may have been deleted).
+        let mut back = Vec::new();
+        let mut at = newest.clone();
+        loop {
+            let m = Manifest::read(&at)?;
+            if m.id == state.snapshot.id {
+                back.reverse();
+                return Ok(back);
             }
-        };
-        Ok(chain[from..].iter().map(|(p, _)| p.clone()).collect())
+            let parent = m.parent.clone();
+            back.push(at.clone());
+            match parent {
+                Some(p) if back.len() < 100_000 => {
+                    let next = crate::snapshot::resolve(&at, &p.path);
+                    if !next.join(MANIFEST).is_file() {
+                        break;
+                    }
+                    at = next;
+                }
+                _ => break,
+            }
+        }
+        // Not in the newest chain: its whole chain from its full snapshot, if it is newer.
+        let chain = Manifest::chain(&newest)?;
+        let newest_at = chain.last().map_or(0.0, |(_, m)| m.created_at);
+        if newest_at <= state.snapshot.created_at {
+            return Ok(Vec::new());
+        }
+        Ok(chain.into_iter().map(|(p, _)| p).collect())
     }
 
     fn write<R>(&self, f: impl FnOnce(&mut RwTxn<'_>) -> Result<R>) -> Result<R> {

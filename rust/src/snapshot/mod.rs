@@ -174,7 +174,7 @@ impl Manifest {
 }
 
 /// The parent directory named by `rel`, as seen from the snapshot directory `child`.
-fn resolve(child: &Path, rel: &str) -> PathBuf {
+pub(crate) fn resolve(child: &Path, rel: &str) -> PathBuf {
     let p = Path::new(rel);
     if p.is_absolute() {
         p.to_path_buf()

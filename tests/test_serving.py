@@ -1,0 +1,1186 @@
+"""Serving artifacts (`pstore.serving`): export from snapshot chains, lookups and their defaults,
+quantization, read-only access (also through the `lmdb` package), live increments under readers
+in this and other processes, damaged snapshots, the model server and the CLI.
+
+Everything is real: training stores, their snapshots, artifacts on disk, servers on 127.0.0.1 and
+`python -m pstore` processes.
+"""
+
+from __future__ import annotations
+
+import gc
+import hashlib
+import json
+import os
+import shutil
+import signal
+import struct
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+import urllib.request
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import lmdb
+import numpy as np
+import pytest
+from _netutil import free_port
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from hypothesis.extra import numpy as hnp
+
+import pstore
+from pstore import init, optim, serving
+from pstore.serving import ServingStore
+
+F32 = np.float32
+U64_MAX = np.iinfo(np.uint64).max
+READER = Path(__file__).with_name("_serving_reader.py")
+
+
+def u64(values) -> np.ndarray:
+    return np.asarray(values, dtype=np.uint64)
+
+
+def subprocess_env() -> dict[str, str]:
+    """The environment of a child process that imports this checkout's pstore."""
+    env = dict(os.environ)
+    root = str(Path(pstore.__file__).resolve().parent.parent)
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (root, env.get("PYTHONPATH")) if p)
+    return env
+
+
+def run_cli(*args: str, timeout: float = 120.0) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "pstore", *map(str, args)],
+        capture_output=True,
+        text=True,
+        env=subprocess_env(),
+        timeout=timeout,
+    )
+
+
+def random_ids(rng: np.random.Generator, n: int, avoid=()) -> np.ndarray:
+    """``n`` distinct ids over the whole uint64 range, none in ``avoid``."""
+    ids = rng.integers(0, U64_MAX, size=2 * n + 16, dtype=np.uint64, endpoint=True)
+    ids = np.setdiff1d(np.unique(ids), u64(list(avoid)))
+    return rng.permutation(ids)[:n]
+
+
+def grads(rng: np.random.Generator, n: int, dim: int) -> np.ndarray:
+    return rng.standard_normal((n, dim)).astype(F32)
+
+
+# --- a training store with a chain: a full snapshot and two increments ----------------------
+
+
+@dataclass
+class Chain:
+    """A training store, the snapshots it took under ``root`` and what it held at each."""
+
+    root: Path
+    rng: np.random.Generator
+    store: pstore.Store = field(default_factory=lambda: pstore.Store(num_shards=4, threads=2))
+    universe: dict[str, set[int]] = field(default_factory=dict)
+    snaps: list[Path] = field(default_factory=list)
+    manifests: list[dict] = field(default_factory=list)
+    states: list[dict] = field(default_factory=list)
+    # Per snapshot: table -> ids removed since the previous snapshot and not back (tombstones).
+    removed: list[dict[str, np.ndarray]] = field(default_factory=list)
+
+    def t(self, name: str):
+        return self.store.table(name)
+
+    def push(self, name: str, ids) -> None:
+        ids = u64(ids)
+        self.universe.setdefault(name, set()).update(int(i) for i in ids)
+        self.t(name).push(ids, grads(self.rng, len(ids), self.t(name).dim))
+
+    def present(self, name: str) -> np.ndarray:
+        ids = u64(sorted(self.universe[name]))
+        return ids[self.t(name).contains(ids)]
+
+    def new_ids(self, name: str, n: int) -> np.ndarray:
+        return random_ids(self.rng, n, avoid=self.universe.get(name, ()))
+
+    def pick(self, ids: np.ndarray, n: int) -> np.ndarray:
+        return self.rng.choice(ids, n, replace=False)
+
+    def capture(self) -> dict:
+        """Every table: sparse ones as (ids present ascending, their rows), dense ones' value.
+        Rows are pulled only where they exist, so capturing creates none."""
+        out: dict = {"tables": self.store.tables()}
+        for name in self.store.tables():
+            t = self.t(name)
+            if isinstance(t, pstore.DenseTable):
+                out[name] = t.pull()
+            else:
+                present = self.present(name)
+                assert len(present) == len(t)
+                out[name] = (present, t.pull(present))
+        return out
+
+    def snapshot(self, incremental: bool, removed: dict[str, np.ndarray] | None = None) -> Path:
+        snap = self.root / f"snap-{len(self.snaps)}"
+        self.manifests.append(self.store.snapshot(snap, incremental=incremental))
+        self.snaps.append(snap)
+        self.states.append(self.capture())
+        self.removed.append(removed or {})
+        return snap
+
+
+def make_chain(root: Path, rng: np.random.Generator) -> Chain:
+    """snap-0 (full): user, item, bias. snap-1: rows of user updated, added and removed, table
+    late added. snap-2: item dropped, more user rows updated/added/removed (some removed ones
+    come back), late rows added and removed."""
+    root.mkdir(parents=True, exist_ok=True)
+    c = Chain(root, rng)
+    s = c.store
+    s.create_sparse_table(
+        "user", 8, optimizer=optim.Adagrad(lr=0.1), initializer=init.Normal(0.0, 0.5), seed=3
+    )
+    s.create_sparse_table(
+        "item", 4, optimizer=optim.SGD(lr=0.5), initializer=init.Uniform(-1.0, 1.0), seed=4
+    )
+    s.create_dense_table("bias", (2, 3), optimizer=optim.SGD(lr=0.5))
+    c.push("user", c.new_ids("user", 1500))
+    c.push("item", c.new_ids("item", 400))
+    c.t("bias").push(grads(rng, 2, 3))
+    c.snapshot(incremental=False)
+
+    old = c.present("user")
+    gone1 = c.pick(old, 100)
+    assert c.t("user").remove(gone1) == 100
+    kept = np.setdiff1d(old, gone1)
+    c.push("user", np.concatenate([c.pick(kept, 200), c.new_ids("user", 150)]))
+    s.create_sparse_table(
+        "late", 3, optimizer=optim.SGD(lr=1.0), initializer=init.Constant(0.25), seed=7
+    )
+    c.push("late", c.new_ids("late", 50))
+    c.push("item", c.pick(c.present("item"), 50))
+    c.t("bias").push(grads(rng, 2, 3))
+    c.snapshot(incremental=True, removed={"user": np.sort(gone1)})
+
+    old = c.present("user")
+    gone2 = c.pick(old, 60)
+    assert c.t("user").remove(gone2) == 60
+    back = gone1[:5]  # removed in snap-1, back (fresh rows) in snap-2
+    c.push("user", np.concatenate([c.pick(np.setdiff1d(old, gone2), 100), back]))
+    c.push("user", c.new_ids("user", 30))
+    late_gone = c.pick(c.present("late"), 5)
+    assert c.t("late").remove(late_gone) == 5
+    c.push("late", c.new_ids("late", 20))
+    s.drop_table("item")
+    c.t("bias").push(grads(rng, 2, 3))
+    c.snapshot(incremental=True, removed={"user": np.sort(gone2), "late": np.sort(late_gone)})
+    return c
+
+
+@pytest.fixture(scope="module")
+def chain(tmp_path_factory) -> Chain:
+    """A chain shared by the tests that only read its snapshots (none takes snapshots of it)."""
+    c = make_chain(tmp_path_factory.mktemp("chain") / "snapshots", np.random.default_rng(7))
+    yield c
+    c.store.close()
+
+
+def assert_artifact_is(model: ServingStore, want: dict, universe: dict[str, set[int]]) -> None:
+    """The artifact holds exactly ``want`` (a Chain.capture): tables, rows (float32: bit for
+    bit), masks of which ids it has, dense values."""
+    assert model.tables() == want["tables"]
+    for name in want["tables"]:
+        if isinstance(want[name], tuple):
+            ids, rows = want[name]
+            np.testing.assert_array_equal(model.lookup(name, ids), rows, err_msg=name)
+            everyone = u64(sorted(universe[name]))
+            np.testing.assert_array_equal(
+                model.contains(name, everyone), np.isin(everyone, ids), err_msg=name
+            )
+            assert model.table_info(name)["rows"] == len(ids)
+            all_ids, all_rows = model.rows(name)
+            np.testing.assert_array_equal(all_ids, ids)  # ascending, as captured
+            np.testing.assert_array_equal(all_rows, rows)
+        else:
+            np.testing.assert_array_equal(model.dense(name), want[name], err_msg=name)
+
+
+def flip_byte(path: Path) -> None:
+    data = bytearray(path.read_bytes())
+    data[len(data) // 2] ^= 0x5A
+    path.write_bytes(bytes(data))
+
+
+def file_digest(path: Path) -> str:
+    return hashlib.sha256(path.read_bytes()).hexdigest()
+
+
+# --- 1. export: from a full snapshot and from chains ----------------------------------------
+
+
+@pytest.mark.parametrize("upto", [0, 1, 2])
+def test_export_holds_the_training_rows_at_the_snapshot(chain, tmp_path, upto):
+    out = tmp_path / "model"
+    info = serving.export(chain.snaps[upto], out)
+    assert info["chain"] == upto + 1
+    assert info["dtype"] == "float32"
+    assert info["snapshot"]["id"] == chain.manifests[upto]["id"]
+    assert info["file_bytes"] == (out / "data.mdb").stat().st_size
+    model = ServingStore(out)
+    assert not model.writable and model.dtype == "float32"
+    state = model.info()
+    assert state["snapshot"]["id"] == chain.manifests[upto]["id"]
+    assert state["snapshot"]["kind"] == ("full" if upto == 0 else "incremental")
+    assert state["generation"] == upto + 1
+    assert [t["name"] for t in state["tables"]] == chain.states[upto]["tables"]
+    assert_artifact_is(model, chain.states[upto], chain.universe)
+    # The ids removed since the previous snapshot (tombstones) are gone from the artifact.
+    for name, gone in chain.removed[upto].items():
+        now = chain.states[upto][name][0]
+        really_gone = np.setdiff1d(gone, now)
+        assert len(really_gone) > 0
+        assert not model.contains(name, really_gone).any()
+        _, found = model.lookup(name, really_gone, return_found=True)
+        assert not found.any()
+
+
+def test_tables_added_and_dropped_by_increments(chain, tmp_path):
+    serving.export(chain.snaps[2], tmp_path / "m2")
+    model = ServingStore(tmp_path / "m2")
+    assert model.tables() == ["bias", "late", "user"]
+    assert "late" in model and "item" not in model and set(model) == {"bias", "late", "user"}
+    with pytest.raises(pstore.UnknownTableError):
+        model.lookup("item", [1, 2])
+    with pytest.raises(pstore.UnknownTableError):
+        model.table_info("item")
+    # A selection keeps only the tables asked for.
+    sel = serving.export(chain.snaps[2], tmp_path / "sel", tables=["user"])
+    assert [t["name"] for t in sel["tables"]] == ["user"]
+    assert ServingStore(tmp_path / "sel").tables() == ["user"]
+    with pytest.raises(pstore.UnknownTableError):
+        serving.export(chain.snaps[2], tmp_path / "nope", tables=["item"])  # dropped by then
+    assert not (tmp_path / "nope").exists()
+
+
+def test_contains_and_rows_work_as_the_first_call_on_a_table(chain, tmp_path):
+    """Nothing but `contains` (or `rows`) is asked of a freshly opened artifact."""
+    serving.export(chain.snaps[2], tmp_path / "m")
+    ids, rows = chain.states[2]["user"]
+    model = ServingStore(tmp_path / "m")
+    assert model.contains("user", ids).all()
+    got_ids, _ = ServingStore(tmp_path / "m").rows("late")
+    np.testing.assert_array_equal(got_ids, chain.states[2]["late"][0])
+    np.testing.assert_array_equal(model.lookup("user", ids), rows)
+
+
+# --- 2. defaults and misuse -----------------------------------------------------------------
+
+
+def test_defaults_of_ids_the_artifact_lacks(chain, tmp_path):
+    serving.export(chain.snaps[2], tmp_path / "m")
+    model = ServingStore(tmp_path / "m")
+    have, rows = chain.states[2]["user"]
+    missing = np.concatenate(
+        [chain.new_ids("user", 200), np.setdiff1d(chain.removed[2]["user"], have)]
+    )
+    user = chain.t("user")
+    mixed = np.concatenate([have[:300], missing, have[300:600]])
+    is_have = np.isin(mixed, have)
+
+    zeros, found = model.lookup("user", mixed, return_found=True)
+    np.testing.assert_array_equal(found, is_have)
+    np.testing.assert_array_equal(zeros[~is_have], 0.0)
+    np.testing.assert_array_equal(zeros[is_have], np.concatenate([rows[:300], rows[300:600]]))
+    np.testing.assert_array_equal(model.lookup("user", missing), np.zeros((len(missing), 8)))
+
+    initial = model.lookup("user", mixed, default="initial")
+    np.testing.assert_array_equal(initial[~is_have], user.initial_rows(missing))
+    assert np.abs(initial[~is_have]).max() > 0  # Normal(0, 0.5): not zeros
+    np.testing.assert_array_equal(initial[is_have], zeros[is_have])
+    np.testing.assert_array_equal(
+        model.lookup("late", missing, default="initial"), np.full((len(missing), 3), 0.25)
+    )
+    assert not user.contains(missing).any()  # initial_rows created nothing
+
+    row = np.arange(8, dtype=F32) - 3.5
+    given_row = model.lookup("user", mixed, default=row)
+    np.testing.assert_array_equal(given_row[~is_have], np.tile(row, ((~is_have).sum(), 1)))
+    np.testing.assert_array_equal(given_row[is_have], zeros[is_have])
+    np.testing.assert_array_equal(
+        model.lookup("user", missing, default=np.ones(8, F32)), np.ones((len(missing), 8))
+    )
+    with pytest.raises(pstore.DtypeError):
+        model.lookup("user", missing, default=np.ones(8))  # float64: as strict as push
+    # Int64 ids are the same ids as their uint64 bit pattern.
+    np.testing.assert_array_equal(model.lookup("user", have[:50].view(np.int64)), rows[:50])
+    assert model.lookup("user", u64([])).shape == (0, 8)
+
+    with pytest.raises(pstore.ShapeError):
+        model.lookup("user", missing, default=np.zeros(7, F32))
+    with pytest.raises(pstore.ShapeError):
+        model.lookup("user", missing, default=np.zeros((2, 8), F32))
+    with pytest.raises(pstore.InvalidArgumentError):
+        model.lookup("user", missing, default="random")
+    with pytest.raises(pstore.UnknownTableError):
+        model.lookup("nope", missing)
+    with pytest.raises(pstore.UnknownTableError):
+        model.contains("nope", missing)
+    with pytest.raises(pstore.WrongTableKindError):
+        model.lookup("bias", [0])
+    with pytest.raises(pstore.WrongTableKindError):
+        model.dense("user")
+    with pytest.raises(pstore.UnknownTableError):
+        model.dense("nope")
+    np.testing.assert_array_equal(model.dense("bias"), chain.t("bias").pull())
+    assert model.dense("bias").shape == (2, 3) and model.dense("bias").dtype == F32
+
+
+# --- 3. quantization ------------------------------------------------------------------------
+
+
+def sgd_table(store: pstore.Store, name: str, dim: int):
+    """A table whose rows are what is pushed, negated: Zeros, then w <- 0 - 1 * g."""
+    return store.create_sparse_table(
+        name, dim, optimizer=optim.SGD(lr=1.0), initializer=init.Zeros(), seed=0
+    )
+
+
+f16_rows = hnp.arrays(
+    F32,
+    st.tuples(st.integers(1, 24), st.integers(1, 16)),
+    elements=st.floats(-60000.0, 60000.0, width=32, allow_nan=False, allow_infinity=False),
+)
+
+
+@settings(
+    max_examples=30,
+    deadline=None,
+    suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
+)
+@given(rows=f16_rows, scale=st.sampled_from([1e-30, 1e-6, 1.0, 1e4, 1e30]))
+def test_quantized_rows_stay_within_their_bounds(rows, scale):
+    n, dim = rows.shape
+    wide = (rows.astype(np.float64) * scale).astype(F32)
+    wide[~np.isfinite(wide)] = 0.0
+    ids = np.arange(1, n + 1, dtype=np.uint64)
+    with tempfile.TemporaryDirectory() as tmp:
+        store = pstore.Store(num_shards=2, threads=1)
+        a, b = sgd_table(store, "a", dim), sgd_table(store, "b", dim)
+        a.push(ids, -rows)
+        b.push(ids, -wide)
+        truth_a, truth_b = a.pull(ids), b.pull(ids)
+        np.testing.assert_array_equal(truth_a, rows)
+        store.snapshot(Path(tmp) / "snap")
+        got = {}
+        for dtype in ("float32", "float16", "int8"):
+            out = Path(tmp) / dtype
+            serving.export(
+                Path(tmp) / "snap", out, dtype=dtype, tables=["a"] if dtype == "float16" else None
+            )
+            model = ServingStore(out)
+            assert model.dtype == dtype
+            got[dtype] = {name: model.lookup(name, ids) for name in model.tables()}
+            for name in model.tables():
+                r_ids, r_rows = model.rows(name)
+                np.testing.assert_array_equal(r_ids, ids)
+                np.testing.assert_array_equal(r_rows, got[dtype][name])
+            if dtype == "int8":
+                _, stored = model.stored_rows("b")
+                peak = np.abs(truth_b).max(axis=1)
+                q = np.abs(stored["q"].astype(np.int32)).max(axis=1)
+                assert (q[peak > 0] == 127).all()  # a row's largest element is +-127 steps
+            model.close()
+        store.close()
+
+    np.testing.assert_array_equal(got["float32"]["a"], truth_a)
+    np.testing.assert_array_equal(got["float32"]["b"], truth_b)
+    w = truth_a.astype(np.float64)
+    err16 = np.abs(got["float16"]["a"].astype(np.float64) - w)
+    assert (err16 <= np.abs(w) * 2.0**-11 + 2.0**-24).all(), err16.max()
+    for name, truth in (("a", truth_a), ("b", truth_b)):
+        w = truth.astype(np.float64)
+        bound = np.abs(w).max(axis=1, keepdims=True) / 254 * (1 + 1e-6) + 1e-12
+        err8 = np.abs(got["int8"][name].astype(np.float64) - w)
+        assert (err8 <= bound).all(), (name, (err8 - bound).max())
+
+
+def test_bytes_per_row_by_dtype(tmp_path, rng):
+    store = pstore.Store(num_shards=4, threads=2)
+    t = sgd_table(store, "emb", 64)
+    n = 20_000
+    ids = random_ids(rng, n)
+    t.push(ids, -grads(rng, n, 64))
+    store.snapshot(tmp_path / "snap")
+    sizes, per_row = {}, {}
+    for dtype in ("float32", "float16", "int8"):
+        info = serving.export(tmp_path / "snap", tmp_path / dtype, dtype=dtype)
+        sizes[dtype] = (tmp_path / dtype / "data.mdb").stat().st_size
+        assert info["file_bytes"] == sizes[dtype]
+        per_row[dtype] = sizes[dtype] / n
+        assert info["bytes_per_row"] == pytest.approx(per_row[dtype])
+        assert per_row[dtype] >= {"float32": 256, "float16": 128, "int8": 68}[dtype]
+    print(
+        "bytes per row, dim 64: "
+        + ", ".join(f"{d} {per_row[d]:.1f} ({per_row[d] / per_row['float32']:.2f}x)" for d in sizes)
+    )
+    assert sizes["float32"] > sizes["float16"] > sizes["int8"]
+    assert sizes["float16"] < 0.65 * sizes["float32"]
+    assert sizes["int8"] < 0.45 * sizes["float32"]
+    store.close()
+
+
+def test_float16_overflow_is_refused_and_leaves_nothing(tmp_path, rng):
+    store = pstore.Store(num_shards=2, threads=1)
+    t = sgd_table(store, "emb", 4)
+    ids = np.arange(100, dtype=np.uint64)
+    g = grads(rng, 100, 4)
+    g[37, 2] = -1e6  # the row's weight: 1e6, over float16's 65504
+    t.push(ids, g)
+    store.snapshot(tmp_path / "snap")
+    models = tmp_path / "models"
+    models.mkdir()
+    with pytest.raises(pstore.InvalidArgumentError, match="float32") as e:
+        serving.export(tmp_path / "snap", models / "m16", dtype="float16")
+    assert "emb" in str(e.value)
+    assert os.listdir(models) == []  # neither the artifact nor its temporary directory
+    # An empty directory given as the target is left as it was.
+    (models / "empty").mkdir()
+    with pytest.raises(pstore.InvalidArgumentError):
+        serving.export(tmp_path / "snap", models / "empty", dtype="float16")
+    assert os.listdir(models) == ["empty"] and os.listdir(models / "empty") == []
+    # float32 and int8 hold it.
+    serving.export(tmp_path / "snap", models / "m32", dtype="float32")
+    assert ServingStore(models / "m32").lookup("emb", [37])[0, 2] == np.float32(1e6)
+    serving.export(tmp_path / "snap", models / "m8", dtype="int8")
+    assert ServingStore(models / "m8").lookup("emb", [37])[0, 2] == pytest.approx(1e6, rel=1e-6)
+    with pytest.raises(pstore.InvalidArgumentError):
+        serving.export(tmp_path / "snap", models / "bad", dtype="bfloat16")  # type: ignore[arg-type]
+    with pytest.raises(pstore.InvalidArgumentError):
+        serving.export(tmp_path / "snap", models / "m32")  # not empty
+    assert sorted(os.listdir(models)) == ["empty", "m32", "m8"]
+    store.close()
+
+
+# --- 4. read-only ---------------------------------------------------------------------------
+
+
+def test_a_read_only_artifact_cannot_be_written(chain, tmp_path):
+    out = tmp_path / "m"
+    serving.export(chain.snaps[1], out)
+    before = file_digest(out / "data.mdb")
+    model = ServingStore(out)
+    assert model.writable is False
+    with pytest.raises(pstore.InvalidArgumentError, match="read-only"):
+        model.apply(chain.snaps[2])
+    with pytest.raises(pstore.InvalidArgumentError):
+        model.follow(chain.root)
+    assert model.generation == 2 and model.info()["snapshot"]["id"] == chain.manifests[1]["id"]
+    assert_artifact_is(model, chain.states[1], chain.universe)
+    writes = {"push", "put", "remove", "delete", "insert", "update", "write", "set", "drop"}
+    public = {n for n in dir(ServingStore) if not n.startswith("_")}
+    assert not {n for n in public if any(n.startswith(w) for w in writes)}, public
+    assert file_digest(out / "data.mdb") == before
+
+    # Another reader: the lmdb package, without pstore.
+    ids, rows = chain.states[1]["user"]
+    env = lmdb.open(str(out), readonly=True, lock=False, max_dbs=16)
+    try:
+        db = env.open_db(b"rows/user", create=False)
+        meta = env.open_db(b"meta", create=False)
+        with env.begin() as txn:
+            for k in (0, len(ids) // 2, len(ids) - 1):
+                raw = txn.get(struct.pack(">Q", int(ids[k])), db=db)
+                np.testing.assert_array_equal(np.frombuffer(raw, "<f4"), rows[k])
+                np.testing.assert_array_equal(
+                    np.frombuffer(raw, "<f4"), model.lookup("user", ids[k : k + 1])[0]
+                )
+            assert txn.get(struct.pack(">Q", int(chain.new_ids("user", 1)[0])), db=db) is None
+            assert struct.unpack("<Q", txn.get(b"generation", db=meta))[0] == 2
+            state = json.loads(txn.get(b"state", db=meta))
+            assert state["snapshot"]["id"] == chain.manifests[1]["id"]
+            assert json.loads(txn.get(b"table/user", db=meta))["dim"] == 8
+            assert txn.stat(db)["entries"] == len(ids)
+    finally:
+        env.close()
+    assert file_digest(out / "data.mdb") == before
+
+
+def test_a_read_only_opening_stays_read_only_beside_a_writable_one(chain, tmp_path):
+    """Opening read-only while this process has the artifact open writable: still read-only."""
+    out = tmp_path / "m"
+    serving.export(chain.snaps[0], out)
+    writer = ServingStore(out, writable=True)
+    reader = ServingStore(out)
+    assert writer.writable
+    try:
+        assert reader.writable is False
+        with pytest.raises(pstore.InvalidArgumentError):
+            reader.apply(chain.snaps[1])
+        assert writer.generation == 1
+    finally:
+        reader.close()
+        writer.close()
+
+
+def test_an_artifact_exported_again_at_the_same_path_is_opened_afresh(chain, tmp_path):
+    """Deployments replace an artifact by exporting a new one to its path. LMDB allows one
+    opening of a file per process, so while this process still has the old one open a new
+    opening is refused with a clear error (never the old, deleted files); once the old one is
+    closed, the new one opens."""
+    out = tmp_path / "m"
+    serving.export(chain.snaps[0], out)
+    old = ServingStore(out)
+    assert old.info()["snapshot"]["id"] == chain.manifests[0]["id"]
+    shutil.rmtree(out)
+    serving.export(chain.snaps[2], out)
+    with pytest.raises(pstore.InvalidArgumentError, match="replaced on disk"):
+        ServingStore(out)
+    old.close()
+    del old
+    gc.collect()
+    new = ServingStore(out)
+    try:
+        assert new.info()["snapshot"]["id"] == chain.manifests[2]["id"]
+        assert_artifact_is(new, chain.states[2], chain.universe)
+    finally:
+        new.close()
+
+
+def test_follow_needs_only_the_increments_after_the_artifact(tmp_path, rng):
+    """Old snapshots may be deleted once an artifact is past them."""
+    c = make_chain(tmp_path / "snapshots", rng)
+    out = tmp_path / "m"
+    serving.export(c.snaps[1], out)
+    shutil.rmtree(c.snaps[0])
+    with ServingStore(out, writable=True) as model:
+        assert model.lag(c.root)["pending"] == 1
+        assert len(model.follow(c.root)) == 1
+        assert model.info()["snapshot"]["id"] == c.manifests[2]["id"]
+        assert_artifact_is(model, c.states[2], c.universe)
+
+
+def test_a_closed_serving_store_says_so(chain, tmp_path):
+    out = tmp_path / "m"
+    serving.export(chain.snaps[0], out)
+    model = ServingStore(out)
+    model.close()
+    with pytest.raises(pstore.InvalidArgumentError, match="closed"):
+        model.lookup("user", u64([1]))
+
+
+def test_a_default_row_applies_only_to_tables_of_its_dim(chain, tmp_path):
+    """A server's default row is checked when an id needs it, so tables of other dims still
+    answer the ids they have."""
+    out = tmp_path / "m"
+    serving.export(chain.snaps[0], out)
+    model = ServingStore(out)
+    user = np.sort(np.fromiter(chain.universe["user"], dtype=np.uint64))
+    have = user[model.contains("user", user)][:5]
+    item = np.sort(np.fromiter(chain.universe["item"], dtype=np.uint64))
+    item_have = item[model.contains("item", item)][:5]
+    row = np.full(8, 7.0, np.float32)  # user's dim
+    np.testing.assert_array_equal(
+        model.lookup("item", item_have, row),
+        model.rows("item")[1][np.searchsorted(model.rows("item")[0], item_have)],
+    )
+    missing = u64([2**64 - 3])
+    assert not model.contains("item", missing)[0]
+    with pytest.raises(pstore.ShapeError, match="dim 4"):
+        model.lookup("item", missing, row)
+    np.testing.assert_array_equal(model.lookup("user", missing, row), row[None, :])
+    assert have.size == 5
+
+
+# --- 5. live increments ---------------------------------------------------------------------
+
+
+def test_increments_apply_in_order_and_follow_catches_up(tmp_path, rng):
+    c = make_chain(tmp_path / "snapshots", rng)
+    out = tmp_path / "m"
+    serving.export(c.snaps[0], out)
+    model = ServingStore(out, writable=True)
+    assert model.writable
+    lag = model.lag(c.root)
+    assert lag["pending"] == 2 and lag["generation"] == 1
+    assert lag["snapshot_id"] == c.manifests[0]["id"]
+    assert lag["seconds"] >= 0 and lag["newest_seconds"] > 0
+
+    # Out of order: refused, nothing changes.
+    before = model.info()
+    with pytest.raises(pstore.InvalidArgumentError, match="increment"):
+        model.apply(c.snaps[2])
+    assert model.info() == before
+    assert_artifact_is(model, c.states[0], c.universe)
+    # At that snapshot already.
+    assert model.apply(c.snaps[0]) is None
+    assert model.generation == 1
+
+    a = model.apply(c.snaps[1])
+    assert a is not None
+    assert (a["id"], a["kind"], a["generation"]) == (c.manifests[1]["id"], "incremental", 2)
+    assert a["deleted"] == len(c.removed[1]["user"])
+    assert model.apply(c.snaps[1]) is None
+    assert model.generation == 2
+    assert_artifact_is(model, c.states[1], c.universe)
+    assert model.lag(c.root)["pending"] == 1
+
+    applied = model.follow(c.root)
+    assert [x["id"] for x in applied] == [c.manifests[2]["id"]]
+    assert model.follow(c.root) == []
+    assert model.lag(c.root)["pending"] == 0
+    assert model.lag(c.root)["newest_seconds"] == 0
+    assert model.generation == 3
+    assert_artifact_is(model, c.states[2], c.universe)
+
+    # Training takes a new full snapshot: follow replaces the artifact's tables with it.
+    gone = c.pick(c.present("user"), 40)
+    c.t("user").remove(gone)
+    c.push("user", c.new_ids("user", 10))
+    c.store.drop_table("late")
+    c.store.create_dense_table("bias2", 5, optimizer=optim.SGD(lr=0.1))
+    c.snapshot(incremental=False)
+    assert model.lag(c.root)["pending"] == 1
+    applied = model.follow(c.root)
+    assert [(x["id"], x["kind"]) for x in applied] == [(c.manifests[3]["id"], "full")]
+    assert model.generation == 4 and model.info()["snapshot"]["kind"] == "full"
+    assert_artifact_is(model, c.states[3], c.universe)
+    assert not model.contains("user", gone).any()
+
+    # ... and goes on with increments of it.
+    c.push("user", c.pick(c.present("user"), 30))
+    c.snapshot(incremental=True)
+    assert [x["id"] for x in model.follow(c.root)] == [c.manifests[4]["id"]]
+    assert_artifact_is(model, c.states[4], c.universe)
+    model.close()
+
+    # The function `follow`, as `pstore serving follow --once` runs it, on a second artifact.
+    serving.export(c.snaps[0], tmp_path / "m2")
+    seen: list[dict] = []
+    n = serving.follow(c.root, tmp_path / "m2", once=True, on_apply=seen.append)
+    # The newest snapshot (snap-4) builds on the full snap-3, not on snap-0's chain.
+    assert n == 2 and [x["id"] for x in seen] == [c.manifests[3]["id"], c.manifests[4]["id"]]
+    assert_artifact_is(ServingStore(tmp_path / "m2"), c.states[4], c.universe)
+    with pytest.raises(pstore.InvalidArgumentError):
+        serving.follow(c.root, tmp_path / "m2", interval=0)
+    c.store.close()
+
+
+def test_follow_keeps_an_artifact_current_until_stopped(tmp_path, rng):
+    c = make_chain(tmp_path / "snapshots", rng)
+    # Only the full snapshot at first; the increments appear while follow runs.
+    root = tmp_path / "live"
+    root.mkdir()
+    shutil.copytree(c.snaps[0], root / "snap-0")
+    serving.export(root / "snap-0", tmp_path / "m")
+    stop = threading.Event()
+    seen: list[dict] = []
+    t = threading.Thread(
+        target=lambda: seen.append(
+            serving.follow(root, tmp_path / "m", interval=0.05, stop=stop, on_apply=seen.append)
+        )
+    )
+    t.start()
+    try:
+        for k in (1, 2):
+            shutil.copytree(c.snaps[k], root / f".tmp-{k}")
+            os.rename(root / f".tmp-{k}", root / f"snap-{k}")  # appears whole, as snapshots do
+            deadline = time.monotonic() + 20
+            while len(seen) < k and time.monotonic() < deadline:
+                time.sleep(0.02)
+            assert [x["id"] for x in seen] == [m["id"] for m in c.manifests[1 : k + 1]]
+    finally:
+        stop.set()
+        t.join(30)
+    assert not t.is_alive()
+    assert seen[-1] == 2  # follow's return value: snapshots applied
+    assert_artifact_is(ServingStore(tmp_path / "m"), c.states[2], c.universe)
+    c.store.close()
+
+
+# --- 6. atomic versions under concurrent readers --------------------------------------------
+
+
+def test_readers_never_see_a_mix_of_versions(tmp_path):
+    """After training round k every row of every id is -k. Readers (threads of this process and
+    another process, read-only) look all ids up in one call while increments are applied: each
+    answer holds one value."""
+    n, dim, rounds = 20_000, 4, 12
+    store = pstore.Store(num_shards=8, threads=2)
+    t = sgd_table(store, "emb", dim)
+    ids = np.arange(n, dtype=np.uint64)
+    ones = np.ones((n, dim), F32)
+    root = tmp_path / "snapshots"
+    root.mkdir()
+    snaps = []
+    for k in range(1, rounds + 1):
+        t.push(ids, ones)
+        snaps.append(root / f"snap-{k:02d}")
+        store.snapshot(snaps[-1], incremental=k > 1)
+    np.testing.assert_array_equal(t.pull(ids[:5]), -float(rounds))
+    store.close()
+
+    out = tmp_path / "m"
+    serving.export(snaps[0], out)
+    model = ServingStore(out, writable=True)
+    np.testing.assert_array_equal(model.lookup("emb", ids), -1.0)
+
+    stop = threading.Event()
+    results: dict[str, dict] = {}
+
+    def reader(name: str, batch: int, **kw) -> None:
+        r = results[name] = {"reads": 0, "versions": [], "mixed": [], "backwards": []}
+        some = ids[:batch] if batch < n else ids
+        last = None
+        try:
+            while not stop.is_set():
+                rows = model.lookup("emb", some, **kw)
+                if kw.get("return_found"):
+                    rows, found = rows
+                    assert found.all()
+                values = np.unique(rows)
+                if len(values) != 1:
+                    r["mixed"].append(values[:8].tolist())
+                v = float(values[0])
+                if v not in r["versions"]:
+                    r["versions"].append(v)
+                if last is not None and v > last:
+                    r["backwards"].append((last, v))
+                last = v
+                r["reads"] += 1
+        except Exception as e:
+            r["error"] = repr(e)
+
+    ready, stop_file = tmp_path / "ready", tmp_path / "stop"
+    proc = subprocess.Popen(
+        [sys.executable, str(READER), str(out), "emb", str(n), str(ready), str(stop_file)],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env=subprocess_env(),
+    )
+    threads = [
+        threading.Thread(target=reader, args=("big-1", n)),
+        threading.Thread(target=reader, args=("big-2", n), kwargs={"return_found": True}),
+        threading.Thread(target=reader, args=("big-initial", n), kwargs={"default": "initial"}),
+        threading.Thread(target=reader, args=("small", 3000)),  # the one-transaction path
+    ]
+    try:
+        deadline = time.monotonic() + 60
+        while not ready.exists():
+            assert proc.poll() is None, proc.communicate()
+            assert time.monotonic() < deadline, "the reader process did not start"
+            time.sleep(0.02)
+        for th in threads:
+            th.start()
+        deadline = time.monotonic() + 60
+        while len(results) < len(threads) or min(r["reads"] for r in results.values()) == 0:
+            assert time.monotonic() < deadline, results  # every thread has read version 1
+            time.sleep(0.01)
+        gens = []
+        for snap in snaps[1:]:
+            a = model.apply(snap)
+            assert a is not None and a["rows"] == n
+            gens.append(a["generation"])
+            time.sleep(0.15)
+    finally:
+        stop.set()
+        stop_file.write_text("stop\n")
+        for th in threads:
+            if th.ident is not None:  # started
+                th.join(30)
+        try:
+            stdout, stderr = proc.communicate(timeout=60)
+        finally:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+    assert gens == list(range(2, rounds + 1))
+    np.testing.assert_array_equal(model.lookup("emb", ids), -float(rounds))
+    assert proc.returncode == 0, stderr
+    results["process"] = json.loads(stdout.strip().splitlines()[-1])
+    assert results["process"]["writable"] is False
+    print(
+        "readers: "
+        + ", ".join(
+            f"{name} {r['reads']} reads, {len(r['versions'])} versions"
+            for name, r in sorted(results.items())
+        )
+    )
+    for name, r in results.items():
+        assert r.get("error") is None, (name, r["error"])
+        assert r["mixed"] == [], (name, r["mixed"][:3])
+        assert r["backwards"] == [], (name, r["backwards"][:3])
+        assert r["reads"] > 0
+        assert len(r["versions"]) >= 2, (name, r)  # it read while versions changed
+        assert set(r["versions"]) <= {-float(k) for k in range(1, rounds + 1)}, (name, r)
+    model.close()
+
+
+# --- 7. a damaged increment -----------------------------------------------------------------
+
+
+def test_a_damaged_increment_is_refused_and_changes_nothing(chain, tmp_path):
+    root = tmp_path / "snapshots"
+    shutil.copytree(chain.root, root)
+    serving.export(root / "snap-0", tmp_path / "m")
+    model = ServingStore(tmp_path / "m", writable=True)
+    entry = next(e for e in chain.manifests[1]["tables"] if e["name"] == "user")
+    part = entry["files"][0]["name"]
+    original = (root / "snap-1" / part).read_bytes()
+    flip_byte(root / "snap-1" / part)
+    before_info = model.info()
+    model.lookup("user", [1])  # (scan as the first call on a table: see the test above)
+    before_rows = model.stored_rows("user")
+    with pytest.raises(pstore.CorruptError) as e:
+        model.apply(root / "snap-1")
+    assert Path(part).name in str(e.value) and "snap-1" in str(e.value)
+    with pytest.raises(pstore.CorruptError):
+        model.follow(root)
+    assert model.info() == before_info
+    assert model.generation == 1
+    after_rows = model.stored_rows("user")
+    np.testing.assert_array_equal(after_rows[0], before_rows[0])
+    np.testing.assert_array_equal(after_rows[1], before_rows[1])
+    assert_artifact_is(model, chain.states[0], chain.universe)
+    assert "late" not in model  # the table the increment adds is not half there
+
+    # A damaged tombstones file too.
+    (root / "snap-1" / part).write_bytes(original)
+    tomb = entry["tombstones"]["name"]
+    flip_byte(root / "snap-1" / tomb)
+    with pytest.raises(pstore.CorruptError, match=Path(tomb).name):
+        model.apply(root / "snap-1")
+    assert model.info() == before_info
+
+    # Repaired, the increment applies.
+    shutil.copyfile(chain.snaps[1] / tomb, root / "snap-1" / tomb)
+    assert model.apply(root / "snap-1")["generation"] == 2
+    assert_artifact_is(model, chain.states[1], chain.universe)
+    model.close()
+
+
+# --- 8. the model server --------------------------------------------------------------------
+
+
+def test_model_server_answers_lookups_and_refuses_writes(chain, tmp_path):
+    root = tmp_path / "snapshots"
+    root.mkdir()
+    for k in (0, 1):
+        shutil.copytree(chain.snaps[k], root / f"snap-{k}")
+    out = tmp_path / "m"
+    serving.export(root / "snap-1", out)
+    model = ServingStore(out)  # read-only: another process applies snapshots
+    srv = model.serve(token="write-secret", read_token="read-secret", metrics_port=0)
+    open_srv = None
+    try:
+        assert isinstance(srv, serving.ModelServer) and srv.running
+        c = pstore.connect([srv.address], "read-secret", timeout=10.0)
+        assert c.tables() == ["bias", "item", "late", "user"]
+        have, rows = chain.states[1]["user"]
+        missing = chain.new_ids("user", 100)
+        ids = np.concatenate([have, missing])
+        user = c.table("user")
+        assert isinstance(user, pstore.SparseTable) and user.dim == 8
+        got = user.pull(ids)
+        np.testing.assert_array_equal(got, model.lookup("user", ids, default="initial"))
+        np.testing.assert_array_equal(got[: len(have)], rows)
+        np.testing.assert_array_equal(got[len(have) :], chain.t("user").initial_rows(missing))
+        np.testing.assert_array_equal(c.table("bias").pull(), chain.states[1]["bias"])
+        item_ids, item_rows = chain.states[1]["item"]
+        np.testing.assert_array_equal(c.table("item").pull(item_ids), item_rows)
+        np.testing.assert_array_equal(c.table("item").contains(item_ids), True)
+        assert not c.table("item").contains(missing).any()
+
+        # Every write is refused, with the read token and the write token alike.
+        w = pstore.connect([srv.address], "write-secret", timeout=10.0)
+        for client in (c, w):
+            writes = (
+                lambda cl: cl.table("user").push(have[:2], np.ones((2, 8), F32)),
+                lambda cl: cl.table("user").remove(have[:2]),
+                lambda cl: cl.table("bias").push(np.ones((2, 3), F32)),
+                lambda cl: cl.create_sparse_table("new", 4, optimizer=optim.SGD(lr=0.1)),
+                lambda cl: cl.drop_table("user"),
+            )
+            for write in writes:
+                with pytest.raises(pstore.PstoreError, match="read-only"):
+                    write(client)
+        np.testing.assert_array_equal(user.pull(have), rows)
+        assert model.tables() == ["bias", "item", "late", "user"]
+        for token in ("wrong", None):
+            with pytest.raises(pstore.AuthenticationError):
+                pstore.connect([srv.address], token, timeout=10.0, retries=0).table("user").pull(
+                    have[:3]
+                )
+
+        (status,) = c.status()
+        assert [t["name"] for t in status["tables"]] == ["bias", "item", "late", "user"]
+        assert {t["name"]: t["rows"] for t in status["tables"]}["user"] == len(have)
+
+        def metrics() -> str:
+            url = f"http://127.0.0.1:{srv.metrics_port}/metrics"
+            with urllib.request.urlopen(url, timeout=10) as r:
+                return r.read().decode()
+
+        text = metrics()
+        assert "pstore_model_lag_seconds" in text
+        assert "pstore_model_generation 2" in text
+
+        # Another process applies snapshot 2 while the server serves: it answers the new rows.
+        shutil.copytree(chain.snaps[2], root / "snap-2")
+        done = subprocess.run(
+            [
+                sys.executable,
+                "-c",
+                "import sys; from pstore import serving; "
+                "print(serving.follow(sys.argv[1], sys.argv[2], once=True))",
+                str(root),
+                str(out),
+            ],
+            capture_output=True,
+            text=True,
+            env=subprocess_env(),
+            timeout=120,
+        )
+        assert done.returncode == 0, done.stderr
+        assert done.stdout.strip() == "1"
+        have2, rows2 = chain.states[2]["user"]
+        np.testing.assert_array_equal(c.table("user").pull(have2), rows2)
+        gone = np.setdiff1d(chain.removed[2]["user"], have2)
+        np.testing.assert_array_equal(
+            c.table("user").pull(gone), chain.t("user").initial_rows(gone)
+        )
+        assert c.tables() == ["bias", "late", "user"]
+        with pytest.raises(pstore.UnknownTableError):
+            c.table("item")
+        np.testing.assert_array_equal(c.table("bias").pull(), chain.states[2]["bias"])
+        assert "pstore_model_generation 3" in metrics()
+        assert model.generation == 3
+
+        # Without tokens, and with zeros for ids the artifact lacks.
+        open_srv = model.serve(default="zeros")
+        anon = pstore.connect([open_srv.address], timeout=10.0)
+        got = anon.table("user").pull(np.concatenate([have2[:50], missing]))
+        np.testing.assert_array_equal(got[:50], rows2[:50])
+        np.testing.assert_array_equal(got[50:], 0.0)
+        with pytest.raises(pstore.PstoreError, match="read-only"):
+            anon.table("user").push(have2[:1], np.ones((1, 8), F32))
+    finally:
+        srv.stop(grace=1.0)
+        if open_srv is not None:
+            open_srv.stop(grace=1.0)
+    assert not srv.running
+
+
+def test_model_server_contains_before_any_pull(chain, tmp_path):
+    serving.export(chain.snaps[2], tmp_path / "m")
+    srv = ServingStore(tmp_path / "m").serve()
+    try:
+        c = pstore.connect([srv.address], timeout=10.0)
+        have = chain.states[2]["late"][0]
+        np.testing.assert_array_equal(c.table("late").contains(have), True)
+    finally:
+        srv.stop(grace=1.0)
+
+
+def test_model_server_status_names_its_role_and_artifact(chain, tmp_path):
+    serving.export(chain.snaps[2], tmp_path / "m")
+    model = ServingStore(tmp_path / "m")
+    srv = model.serve()
+    try:
+        (status,) = pstore.connect([srv.address], timeout=10.0).status()
+        assert status["durability"] == "read-only"
+        assert status["role"] == "model"
+        assert status["model"]["snapshot"]["id"] == chain.manifests[2]["id"]
+        assert status["model"]["generation"] == model.generation == 3
+        assert status["model"]["dtype"] == "float32"
+    finally:
+        srv.stop(grace=1.0)
+
+
+def test_model_server_arguments_are_checked(chain, tmp_path):
+    serving.export(chain.snaps[0], tmp_path / "m")
+    model = ServingStore(tmp_path / "m")
+    with pytest.raises(pstore.InvalidArgumentError):
+        model.serve(default="random")
+    with pytest.raises(pstore.InvalidArgumentError):
+        model.serve(token="")
+    with pytest.raises(pstore.InvalidArgumentError):
+        model.serve(port=70000)
+    with pytest.raises(pstore.InvalidArgumentError, match="no serving artifact"):
+        ServingStore(chain.snaps[0])  # a snapshot, not an artifact
+    srv = model.serve(default=np.full(8, 2.0, F32))
+    try:
+        c = pstore.connect([srv.address], timeout=10.0)
+        np.testing.assert_array_equal(c.table("user").pull(chain.new_ids("user", 3)), 2.0)
+    finally:
+        srv.stop(grace=1.0)
+
+
+def test_model_server_with_only_a_read_token_guards_reads(chain, tmp_path):
+    """Unlike a store server, a model server takes a read token alone (every write is refused
+    anyway): calls need it."""
+    serving.export(chain.snaps[0], tmp_path / "m")
+    model = ServingStore(tmp_path / "m")
+    srv = model.serve(read_token="only-read")
+    try:
+        ids, rows = chain.states[0]["user"]
+        c = pstore.connect([srv.address], "only-read", timeout=10.0)
+        np.testing.assert_array_equal(c.table("user").pull(ids), rows)
+        with pytest.raises(pstore.PstoreError, match="read-only"):
+            c.table("user").push(ids[:1], np.ones((1, 8), F32))
+        for token in (None, "wrong"):
+            with pytest.raises(pstore.AuthenticationError):
+                pstore.connect([srv.address], token, timeout=10.0, retries=0).table("user").pull(
+                    ids[:1]
+                )
+    finally:
+        srv.stop(grace=1.0)
+    with pytest.raises(pstore.InvalidArgumentError):
+        pstore.server.Server(pstore.Store(), read_token="only-read")  # a store server: refused
+
+
+# --- 9. the CLI -----------------------------------------------------------------------------
+
+
+def test_cli_export_then_follow(chain, tmp_path):
+    root = tmp_path / "snapshots"
+    root.mkdir()
+    shutil.copytree(chain.snaps[0], root / "snap-0")
+    out = tmp_path / "m"
+    done = run_cli(
+        "export", root / "snap-0", "--out", out, "--dtype", "float16", "--tables", "user", "--quiet"
+    )
+    assert done.returncode == 0, done.stderr
+    assert "float16" in done.stdout
+    model = ServingStore(out)
+    assert model.dtype == "float16" and model.tables() == ["user"]
+    ids, rows = chain.states[0]["user"]
+    got = model.lookup("user", ids)
+    assert (np.abs(got - rows) <= np.abs(rows) * 2.0**-11 + 2.0**-24).all()
+    model.close()
+    del model
+
+    for k in (1, 2):
+        shutil.copytree(chain.snaps[k], root / f"snap-{k}")
+    done = run_cli("serving", "follow", root, "--model", out, "--once")
+    assert done.returncode == 0, done.stderr
+    assert done.stderr.count("event=applied") == 2, done.stderr
+    model = ServingStore(out)
+    assert model.generation == 3 and model.info()["snapshot"]["id"] == chain.manifests[2]["id"]
+    assert model.tables() == ["user"]  # the selection holds: late is not added
+    ids, rows = chain.states[2]["user"]
+    got = model.lookup("user", ids)
+    assert (np.abs(got - rows) <= np.abs(rows) * 2.0**-11 + 2.0**-24).all()
+    assert not model.contains("user", np.setdiff1d(chain.removed[2]["user"], ids)).any()
+
+    # Nothing more to apply: still exit 0.
+    again = run_cli("serving", "follow", root, "--model", out, "--once")
+    assert again.returncode == 0 and "event=applied" not in again.stderr, again.stderr
+
+
+def test_cli_rejects_a_bad_dtype_and_bad_paths(chain, tmp_path):
+    bad = run_cli("export", chain.snaps[0], "--out", tmp_path / "m", "--dtype", "float64")
+    assert bad.returncode != 0
+    assert "float64" in bad.stderr and "dtype" in bad.stderr, bad.stderr
+    assert not (tmp_path / "m").exists()
+    nowhere = run_cli("export", tmp_path / "nowhere", "--out", tmp_path / "m2", "--quiet")
+    assert nowhere.returncode != 0 and nowhere.stderr.strip(), nowhere.stderr
+    assert not (tmp_path / "m2").exists()
+    no_model = run_cli("serving", "follow", chain.root, "--model", tmp_path / "none", "--once")
+    assert no_model.returncode != 0 and "no serving artifact" in no_model.stderr, no_model.stderr
+    # One writer at a time: while this process holds the artifact writable, another is refused.
+    serving.export(chain.snaps[0], tmp_path / "held")
+    held = ServingStore(tmp_path / "held", writable=True)
+    try:
+        busy = run_cli("serving", "follow", chain.root, "--model", tmp_path / "held", "--once")
+        assert busy.returncode != 0 and "another process" in busy.stderr, busy.stderr
+        assert held.generation == 1
+    finally:
+        held.close()
+
+
+def test_cli_serve_model_follows_and_stops_on_sigterm(chain, tmp_path):
+    root = tmp_path / "snapshots"
+    root.mkdir()
+    shutil.copytree(chain.snaps[0], root / "snap-0")
+    out = tmp_path / "m"
+    assert run_cli("export", root / "snap-0", "--out", out, "--quiet").returncode == 0
+    port, metrics_port = free_port(), free_port()
+    log = tmp_path / "server.log"
+    with open(log, "wb") as err:
+        proc = subprocess.Popen(
+            [
+                sys.executable,
+                "-m",
+                "pstore",
+                "serve-model",
+                str(out),
+                "--port",
+                str(port),
+                "--metrics-port",
+                str(metrics_port),
+                "--default",
+                "zeros",
+                "--follow",
+                str(root),
+                "--interval",
+                "0.1",
+                "--log-interval",
+                "0",
+            ],
+            stdout=subprocess.DEVNULL,
+            stderr=err,
+            env=subprocess_env(),
+        )
+    try:
+        deadline = time.monotonic() + 30
+        while True:
+            assert proc.poll() is None, log.read_text()
+            try:
+                c = pstore.connect([f"127.0.0.1:{port}"], timeout=2.0, retries=0)
+                break
+            except pstore.ServerError:
+                assert time.monotonic() < deadline, log.read_text()
+                time.sleep(0.05)
+        ids, rows = chain.states[0]["user"]
+        missing = chain.new_ids("user", 20)
+        np.testing.assert_array_equal(c.table("user").pull(ids), rows)
+        np.testing.assert_array_equal(c.table("user").pull(missing), 0.0)
+        with pytest.raises(pstore.PstoreError, match="read-only"):
+            c.table("user").push(ids[:1], np.ones((1, 8), F32))
+
+        for k in (1, 2):
+            shutil.copytree(chain.snaps[k], root / f".tmp-{k}")
+            os.rename(root / f".tmp-{k}", root / f"snap-{k}")
+        ids2, rows2 = chain.states[2]["user"]
+        deadline = time.monotonic() + 30
+        while not np.array_equal(c.table("user").pull(ids2), rows2):
+            assert time.monotonic() < deadline, log.read_text()
+            time.sleep(0.05)
+        assert c.tables() == ["bias", "late", "user"]
+        with urllib.request.urlopen(f"http://127.0.0.1:{metrics_port}/metrics", timeout=10) as r:
+            assert "pstore_model_generation 3" in r.read().decode()
+    finally:
+        if proc.poll() is None:
+            proc.send_signal(signal.SIGTERM)
+        try:
+            code = proc.wait(60)
+        finally:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+    text = log.read_text()
+    assert code == 0, text
+    assert "event=serving" in text and f"address=127.0.0.1:{port}" in text, text
+    assert text.count("event=applied") == 2, text
+    assert "event=stopped" in text, text
+
+
+def test_progress_reports_the_snapshots_of_the_chain(chain, tmp_path):
+    seen: list[int] = []
+    info = serving.export(chain.snaps[2], tmp_path / "m", progress=seen.append)
+    assert seen and seen[-1] == info["chain"] == 3
+    assert seen == sorted(seen)
+    assert set(serving.DTYPES) == {"float32", "float16", "int8"}
