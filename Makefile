@@ -7,12 +7,12 @@ PIP ?= $(PYTHON) -m pip
 help: ## list the targets
 	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  %-12s %s\n", $$1, $$2}'
 
-install: ## build and install the wheel with the test tools
+install: ## build and install the wheel with the test tools and the torch extra
 	$(PIP) install --quiet --upgrade pip
-	$(PIP) install --quiet ".[test]"
+	$(PIP) install --quiet ".[test,torch]"
 
 dev: ## build the extension into the source tree (editable install) with the test tools
-	$(PIP) install --quiet -e ".[test]"
+	$(PIP) install --quiet -e ".[test,torch]"
 
 demo: install ## the main job: train a recommender on the embedded store (fetches MovieLens-100k from PyPI's recbole wheel)
 	$(PYTHON) -P -m pstore demo --fetch

@@ -1,0 +1,159 @@
+"""PyTorch modules whose embeddings live in a pstore table (``pip install 'pstore[torch]'``).
+
+>>> emb = pstore.torch.EmbeddingBag(store.table("item"), mode="sum")  # doctest: +SKIP
+>>> out = emb(ids, offsets)          # like torch.nn.EmbeddingBag; rows pulled from the store
+>>> loss.backward()                  # the rows' gradients are pushed to the store  # doctest: +SKIP
+
+The forward pass pulls the rows of the batch's unique ids (each id once) and computes exactly what
+``torch.nn.Embedding`` / ``torch.nn.EmbeddingBag`` compute on them; the backward pass pushes the
+gradient of each unique row to the table, whose optimizer applies it. The dense part of the
+model keeps its own ``torch.optim`` optimizer (or lives in a dense table of the store, pulled
+and pushed by hand, if you want it there). Tables of the embedded :class:`pstore.Store` and of
+a remote store from :func:`pstore.connect` work alike.
+
+**Staleness.** Pushes are queued (``push_async``) so that the store applies them while the
+training loop goes on. ``staleness`` bounds how far behind a forward pass may be: before pulling,
+a module waits until every push older than its last ``staleness`` backward passes has been
+applied. ``staleness=0`` is the synchronous mode: each forward pass sees every earlier push, as
+``torch.nn.EmbeddingBag`` with an optimizer step per batch would. The default ``staleness=1``
+lets the pushes of the previous batch overlap with the next forward pass, so a row that two
+consecutive batches share may be read before the first batch's update to it lands. Call
+:meth:`flush` before evaluating or snapshotting to wait for everything.
+
+Importing :mod:`pstore` never imports torch; this module does.
+"""
+
+from __future__ import annotations
+
+import collections
+from typing import Any
+
+import numpy as np
+import torch
+from torch import Tensor, nn
+from torch.nn import functional as F
+
+from pstore.exceptions import DtypeError, InvalidArgumentError
+
+__all__ = ["Embedding", "EmbeddingBag"]
+
+
+class _StoreRows(nn.Module):
+    """What both modules share: pulling unique rows and pushing their gradients."""
+
+    def __init__(self, table: Any, *, staleness: int = 1) -> None:
+        super().__init__()
+        if not hasattr(table, "pull") or not hasattr(table, "push_async"):
+            raise InvalidArgumentError(
+                f"expected a sparse table of a pstore store, got {type(table).__name__}"
+            )
+        if not isinstance(staleness, int) or isinstance(staleness, bool) or staleness < 0:
+            raise InvalidArgumentError(f"staleness must be an int >= 0, got {staleness!r}")
+        self.table = table
+        self.staleness = staleness
+        self._pending: collections.deque[Any] = collections.deque()
+        self.pushes = 0
+        self.ids_pulled = 0
+
+    @property
+    def dim(self) -> int:
+        """The row width (the table's dim)."""
+        return int(self.table.dim)
+
+    def flush(self) -> None:
+        """Wait until every gradient pushed so far has been applied."""
+        while self._pending:
+            self._pending.popleft().wait()
+
+    def _rows(self, ids: Tensor) -> tuple[Tensor, Tensor]:
+        """The unique rows of ``ids`` (a leaf tensor whose gradient is pushed) and the index of
+        each id's row among them."""
+        if ids.dtype not in (torch.int64, torch.int32):
+            raise DtypeError(f"ids must be an int64 (or int32) tensor, got {ids.dtype}")
+        while len(self._pending) > self.staleness:
+            self._pending.popleft().wait()
+        flat = ids.reshape(-1).to("cpu", torch.int64)
+        unique, inverse = torch.unique(flat, sorted=False, return_inverse=True)
+        keys = unique.numpy().view(np.uint64)
+        rows = torch.from_numpy(self.table.pull(keys))
+        self.ids_pulled += len(keys)
+        if torch.is_grad_enabled():
+            rows.requires_grad_(True)
+            rows.register_hook(lambda grad: self._push(keys, grad))
+        return rows, inverse.reshape(ids.shape)
+
+    def _push(self, keys: np.ndarray, grad: Tensor) -> None:
+        g = grad.detach().to("cpu", torch.float32).contiguous().numpy()
+        self._pending.append(self.table.push_async(keys, g))
+        self.pushes += 1
+        if self.staleness == 0:
+            self.flush()
+
+    def extra_repr(self) -> str:
+        return f"table={self.table.name!r}, dim={self.dim}, staleness={self.staleness}"
+
+
+class Embedding(_StoreRows):
+    """``torch.nn.Embedding`` over a pstore table: ``forward(ids)`` -> ``(*ids.shape, dim)``.
+
+    Parameters
+    ----------
+    table : pstore.SparseTable
+        The table (of an embedded or a remote store) holding the rows.
+    staleness : int
+        How many backward passes' pushes a forward pass may run ahead of (0: synchronous); see
+        the module's docs.
+    """
+
+    def forward(self, ids: Tensor) -> Tensor:
+        rows, index = self._rows(ids)
+        return F.embedding(index, rows).to(ids.device)
+
+
+class EmbeddingBag(_StoreRows):
+    """``torch.nn.EmbeddingBag`` over a pstore table.
+
+    ``forward(input, offsets=None, per_sample_weights=None)`` takes what
+    ``torch.nn.EmbeddingBag`` takes: a 2-D ``input`` of fixed-size bags, or a 1-D ``input`` with
+    ``offsets``; ``mode`` ``"sum"``, ``"mean"`` or ``"max"``; ``per_sample_weights`` with
+    ``"sum"``; empty bags give zeros. The result and the gradients pushed are the ones
+    ``torch.nn.EmbeddingBag`` computes on the same rows.
+    """
+
+    def __init__(
+        self,
+        table: Any,
+        mode: str = "mean",
+        *,
+        staleness: int = 1,
+        include_last_offset: bool = False,
+    ) -> None:
+        super().__init__(table, staleness=staleness)
+        if mode not in ("sum", "mean", "max"):
+            raise InvalidArgumentError(f"mode must be 'sum', 'mean' or 'max', got {mode!r}")
+        self.mode = mode
+        self.include_last_offset = include_last_offset
+
+    def forward(
+        self,
+        input: Tensor,
+        offsets: Tensor | None = None,
+        per_sample_weights: Tensor | None = None,
+    ) -> Tensor:
+        rows, index = self._rows(input)
+        if offsets is not None:
+            offsets = offsets.to("cpu", torch.int64)
+        if per_sample_weights is not None:
+            per_sample_weights = per_sample_weights.to("cpu", torch.float32)
+        out = F.embedding_bag(
+            index,
+            rows,
+            offsets,
+            mode=self.mode,
+            per_sample_weights=per_sample_weights,
+            include_last_offset=self.include_last_offset,
+        )
+        return out.to(input.device)
+
+    def extra_repr(self) -> str:
+        return f"{super().extra_repr()}, mode={self.mode!r}"

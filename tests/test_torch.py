@@ -1,0 +1,191 @@
+"""pstore.torch: Embedding and EmbeddingBag backed by a store, against torch's own modules."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+import pstore
+
+torch = pytest.importorskip("torch")
+from torch import nn  # noqa: E402
+
+import pstore.torch as pt  # noqa: E402
+
+DIM = 6
+
+
+def _store_and_table(
+    seed: int = 0, lr: float = 1.0, dim: int = DIM
+) -> tuple[pstore.Store, pstore.SparseTable]:
+    store = pstore.Store()
+    t = store.create_sparse_table(
+        "emb",
+        dim,
+        optimizer=pstore.optim.SGD(lr=lr),
+        initializer=pstore.init.Normal(0.0, 1.0),
+        seed=seed,
+    )
+    return store, t
+
+
+def _torch_copy(
+    t: pstore.SparseTable, n: int, cls: type = nn.EmbeddingBag, **kw: object
+) -> nn.Module:
+    """A torch module whose row i is the store's row of id i (ids 0..n-1)."""
+    m = cls(n, t.dim, **kw)
+    with torch.no_grad():
+        m.weight.copy_(torch.from_numpy(t.pull(np.arange(n))))
+    return m
+
+
+class _Recorder:
+    """A table that records what a module pushes (and applies it to the real table)."""
+
+    def __init__(self, t: pstore.SparseTable) -> None:
+        self.t = t
+        self.name = t.name
+        self.dim = t.dim
+        self.seen: list[tuple[np.ndarray, np.ndarray]] = []
+
+    def pull(self, ids: np.ndarray) -> np.ndarray:
+        return self.t.pull(ids)
+
+    def push_async(self, ids: np.ndarray, grads: np.ndarray) -> pstore.PushHandle:
+        self.seen.append((np.asarray(ids).copy(), np.asarray(grads).copy()))
+        return self.t.push_async(ids, grads)
+
+
+def _dense(seen: list[tuple[np.ndarray, np.ndarray]], n: int) -> np.ndarray:
+    g = np.zeros((n, DIM), np.float32)
+    for ids, grads in seen:
+        np.add.at(g, ids.astype(np.int64), grads)
+    return g
+
+
+# torch takes per_sample_weights only with mode="sum".
+@pytest.mark.parametrize(
+    ("mode", "weighted"), [("sum", False), ("mean", False), ("max", False), ("sum", True)]
+)
+def test_bag_output_and_gradients_equal_torch(mode: str, weighted: bool) -> None:
+    n = 40
+    _store, t = _store_and_table()
+    ref = _torch_copy(t, n, mode=mode)
+    rec = _Recorder(t)
+    ours = pt.EmbeddingBag(rec, mode=mode)
+    seen = rec.seen
+    rng = np.random.default_rng(1)
+    ids = torch.from_numpy(rng.integers(0, n, 50))  # duplicates within and across bags
+    offsets = torch.tensor([0, 3, 3, 10, 22, 22, 40])  # bags 1 and 5 are empty
+    w = torch.from_numpy(rng.random(50).astype(np.float32)) if weighted else None
+    target = torch.from_numpy(rng.standard_normal((7, DIM)).astype(np.float32))
+
+    out_ref = ref(ids, offsets, per_sample_weights=w)
+    out = ours(ids, offsets, per_sample_weights=w)
+    torch.testing.assert_close(out, out_ref, rtol=0, atol=0)
+    ((out_ref * target).sum()).backward()
+    ((out * target).sum()).backward()
+    ours.flush()
+    assert len(seen) == 1
+    ids_pushed, _ = seen[0]
+    assert len(np.unique(ids_pushed)) == len(ids_pushed), "each id pushed once"
+    assert set(ids_pushed.tolist()) == set(ids.tolist())
+    np.testing.assert_allclose(_dense(seen, n), ref.weight.grad.numpy(), rtol=1e-6, atol=1e-6)
+
+
+def test_fixed_size_bags_and_embedding_equal_torch() -> None:
+    n = 30
+    _store, t = _store_and_table(seed=3)
+    rec = _Recorder(t)
+    seen = rec.seen
+    ids = torch.tensor([[1, 2, 2, 29], [0, 0, 0, 0], [7, 8, 9, 1]])
+    ref_bag = _torch_copy(t, n, mode="mean")
+    bag = pt.EmbeddingBag(rec, mode="mean")
+    with torch.no_grad():
+        torch.testing.assert_close(bag(ids), ref_bag(ids), rtol=0, atol=0)
+
+    ref_emb = _torch_copy(t, n, cls=nn.Embedding)
+    emb = pt.Embedding(rec, staleness=0)
+    out = emb(ids)
+    assert out.shape == (3, 4, DIM)
+    torch.testing.assert_close(out, ref_emb(ids), rtol=0, atol=0)
+    (out**2).sum().backward()
+    (ref_emb(ids) ** 2).sum().backward()
+    np.testing.assert_allclose(_dense(seen, n), ref_emb.weight.grad.numpy(), rtol=1e-6)
+
+
+def test_pushes_reach_the_optimizer_and_sync_mode_sees_them() -> None:
+    _store, t = _store_and_table(lr=0.5)
+    emb = pt.Embedding(t, staleness=0)
+    ids = torch.tensor([5, 5, 9])
+    before = t.pull(np.array([5, 9]))
+    emb(ids).sum().backward()
+    # d(sum)/d(row) = number of occurrences; SGD lr 0.5 applies it at once (staleness 0).
+    np.testing.assert_allclose(t.pull(np.array([5, 9])), before - 0.5 * np.array([[2.0], [1.0]]))
+    assert emb.pushes == 1
+
+
+def test_async_pushes_are_bounded_by_staleness_and_flush_waits() -> None:
+    _store, t = _store_and_table(lr=0.1)
+    emb = pt.Embedding(t, staleness=2)
+    for _ in range(5):
+        emb(torch.tensor([1, 2, 3])).sum().backward()
+        assert len(emb._pending) <= 3
+    emb.flush()
+    assert not emb._pending
+    assert t.stats()["pushes"] == 5
+
+
+def test_no_grad_pulls_without_pushing() -> None:
+    _store, t = _store_and_table()
+    emb = pt.EmbeddingBag(t, mode="sum")
+    with torch.no_grad():
+        out = emb(torch.tensor([1, 2]), torch.tensor([0]))
+    assert not out.requires_grad
+    assert emb.pushes == 0
+
+
+def test_bad_input() -> None:
+    _store, t = _store_and_table()
+    with pytest.raises(pstore.InvalidArgumentError):
+        pt.EmbeddingBag(t, mode="median")
+    with pytest.raises(pstore.InvalidArgumentError):
+        pt.Embedding(t, staleness=-1)
+    with pytest.raises(pstore.InvalidArgumentError):
+        pt.Embedding(object())
+    with pytest.raises(pstore.DtypeError):
+        pt.Embedding(t)(torch.tensor([1.0, 2.0]))
+
+
+def test_a_short_training_run_learns() -> None:
+    """Logistic regression on bags of ids, weights in the store: the loss falls."""
+    store = pstore.Store()
+    t = store.create_sparse_table(
+        "w", 1, optimizer=pstore.optim.Adagrad(lr=0.3), initializer=pstore.init.Zeros()
+    )
+    rng = np.random.default_rng(0)
+    truth = rng.standard_normal(200).astype(np.float32)
+    bag = pt.EmbeddingBag(t, mode="sum", staleness=1)
+    bias = nn.Parameter(torch.zeros(1))
+    opt = torch.optim.SGD([bias], lr=0.1)
+    losses = []
+    for _ in range(200):
+        ids = rng.integers(0, 200, (64, 5))
+        y = torch.from_numpy((truth[ids].sum(1) > 0).astype(np.float32))
+        logit = bag(torch.from_numpy(ids))[:, 0] + bias
+        loss = nn.functional.binary_cross_entropy_with_logits(logit, y)
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        losses.append(loss.item())
+    bag.flush()
+    assert np.mean(losses[-20:]) < 0.7 * np.mean(losses[:5])
+
+
+def test_importing_pstore_does_not_import_torch() -> None:
+    code = "import sys, pstore, pstore.serving, pstore.cli; print('torch' in sys.modules)"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "False"
