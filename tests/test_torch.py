@@ -189,3 +189,37 @@ def test_importing_pstore_does_not_import_torch() -> None:
     code = "import sys, pstore, pstore.serving, pstore.cli; print('torch' in sys.modules)"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "False"
+
+
+def test_the_same_module_trains_a_remote_store_alike() -> None:
+    """Two server processes on loopback: the rows after the same steps equal the embedded
+    store's (SGD, synchronous mode, same initial rows)."""
+    from _netutil import start_servers, stop_all
+
+    procs = start_servers(2)
+    try:
+        remote = pstore.connect([p.address for p in procs])
+        embedded = pstore.Store()
+        tables = [
+            s.create_sparse_table(
+                "emb",
+                DIM,
+                optimizer=pstore.optim.SGD(lr=0.1),
+                initializer=pstore.init.Normal(0.0, 1.0),
+                seed=5,
+            )
+            for s in (remote, embedded)
+        ]
+        rng = np.random.default_rng(2)
+        batches = [torch.from_numpy(rng.integers(0, 500, 64)) for _ in range(5)]
+        offsets = torch.arange(0, 64, 4)
+        for t in tables:
+            bag = pt.EmbeddingBag(t, mode="mean", staleness=0)
+            for ids in batches:
+                (bag(ids, offsets) ** 2).sum().backward()
+            bag.flush()
+        ids = np.unique(np.concatenate([b.numpy() for b in batches]))
+        np.testing.assert_allclose(tables[0].pull(ids), tables[1].pull(ids), rtol=1e-6)
+        assert tables[0].stats()["pushes"] >= 5
+    finally:
+        assert stop_all(procs) == [0, 0]
