@@ -253,6 +253,44 @@ def test_export_from_a_snapshot(world, tmp_path):
     assert sorted(os.listdir(tmp_path)) == ["snap.onnx"]
 
 
+def test_cli_export_onnx(world, tmp_path):
+    """`pstore export-onnx` writes a model that onnxruntime reads and that `onnx.checker`
+    accepts; a bad source exits with an error message."""
+    _snap, artifacts, known = world
+    out = tmp_path / "cli.onnx"
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
+    r = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "pstore",
+            "export-onnx",
+            str(artifacts["int8"]),
+            "--out",
+            str(out),
+            "--tables",
+            "d33",
+        ],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=120,
+    )
+    assert r.returncode == 0, r.stderr
+    assert "1 table(s)" in r.stdout
+    ids = known["d33"][:50]
+    got = run(session(str(out)), {"d33_ids": ids.view(np.int64)})
+    assert_same(got["d33"], serving.ServingStore(artifacts["int8"]).lookup("d33", ids))
+    r = subprocess.run(
+        [sys.executable, "-m", "pstore", "export-onnx", str(tmp_path), "--out", str(out)],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=120,
+    )
+    assert r.returncode == 2 and "pstore: error" in r.stderr
+
+
 def mf_reference(model, users, items, *, mu=None, biases=True, clip=None) -> np.ndarray:
     p = model.lookup("user_emb", users).astype(np.float64)
     q = model.lookup("item_emb", items).astype(np.float64)
