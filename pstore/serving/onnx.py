@@ -106,7 +106,7 @@ def export_onnx(
 
     with _open(source, names) as model:
 
-        def build() -> tuple[onnx.ModelProto, list[dict[str, Any]], _Graph]:
+        def build() -> tuple[list[dict[str, Any]], _Graph]:
             g = _Graph()
             selected = model.tables() if names is None else names
             infos = [model.table_info(t) for t in selected]
@@ -151,11 +151,12 @@ def export_onnx(
                 "bit for bit) gives output t (float32 rows; unknown ids get the default row); "
                 "each dense table is an output of its value."
             )
-            return g.model("pstore_tables", doc, model), entries, g
+            g.finish("pstore_tables", doc, model)
+            return entries, g
 
-        proto, entries, g = _consistent(model, build)
+        entries, g = _consistent(model, build)
     external = g.init_bytes > threshold or g.init_bytes + g.attr_bytes > _PROTO_LIMIT
-    path, nbytes, external = _save(proto, out, external)
+    path, nbytes, external = _save(g, out, external)
     return {"path": path, "tables": entries, "bytes": nbytes, "external_data": external}
 
 
@@ -197,7 +198,7 @@ def export_mf_onnx(
 
     with _open(source, list(dict.fromkeys(needed))) as model:
 
-        def build() -> tuple[onnx.ModelProto, list[dict[str, Any]], _Graph, int, float]:
+        def build() -> tuple[list[dict[str, Any]], _Graph, int, float]:
             g = _Graph()
             for name in ("user_id", "item_id", "rating"):
                 g.reserve(name)
@@ -255,11 +256,12 @@ def export_mf_onnx(
                 "int64 user_id, item_id (uint64 viewed bit for bit); unknown ids get zeros."
                 + ("" if bounds is None else f" Clipped to [{bounds[0]}, {bounds[1]}].")
             )
-            return g.model("pstore_mf", doc, model), entries, g, dim, mu
+            g.finish("pstore_mf", doc, model)
+            return entries, g, dim, mu
 
-        proto, entries, g, dim, mu = _consistent(model, build)
+        entries, g, dim, mu = _consistent(model, build)
     external = g.init_bytes > threshold or g.init_bytes + g.attr_bytes > _PROTO_LIMIT
-    path, nbytes, external = _save(proto, out, external)
+    path, nbytes, external = _save(g, out, external)
     return {
         "path": path,
         "tables": entries,
@@ -278,7 +280,12 @@ class _Graph:
 
     def __init__(self) -> None:
         self.nodes: list[onnx.NodeProto] = []
-        self.initializers: list[onnx.TensorProto] = []
+        # Initializers as arrays: turned into tensors (inline or external) only when saved, so
+        # that rows over protobuf's 2 GiB limit never pass through a message.
+        self.arrays: list[tuple[str, np.ndarray]] = []
+        self.name = ""
+        self.doc = ""
+        self.props: dict[str, str] = {}
         self.inputs: list[onnx.ValueInfoProto] = []
         self.outputs: list[onnx.ValueInfoProto] = []
         self.used: set[str] = set()
@@ -327,13 +334,52 @@ class _Graph:
     def initializer(self, base: str, value: np.ndarray) -> str:
         """A table's data: an initializer, moved to external data with the others."""
         name = self.fresh(base)
-        self.initializers.append(numpy_helper.from_array(np.ascontiguousarray(value), name))
+        self.arrays.append((name, np.ascontiguousarray(value)))
         self.init_bytes += value.nbytes
         return name
 
-    def model(self, name: str, doc: str, source: ServingStore) -> onnx.ModelProto:
+    def finish(self, name: str, doc: str, source: ServingStore) -> None:
+        """Name the graph and record the artifact's version it was read from."""
+        info = source.info()
+        self.name, self.doc = name, doc
+        self.props = {
+            "pstore.dtype": str(info["dtype"]),
+            "pstore.snapshot_id": str(info["snapshot"]["id"]),
+            "pstore.snapshot_created_at": repr(info["snapshot"]["created_at"]),
+            "pstore.generation": str(info["generation"]),
+        }
+
+    def model(self, external: tuple[str, str] | None = None) -> onnx.ModelProto:
+        """The model; with ``external = (directory, file)``, the initializers' bytes are
+        written to that file (each at an offset aligned to 4 KiB) and referenced from it."""
+        if external is None:
+            inits = [numpy_helper.from_array(a, n) for n, a in self.arrays]
+        else:
+            inits = []
+            folder, file = external
+            with open(os.path.join(folder, file), "wb") as f:
+                for n, a in self.arrays:
+                    f.write(b"\0" * (-f.tell() % 4096))
+                    offset = f.tell()
+                    little = a.astype(a.dtype.newbyteorder("<"), copy=False)
+                    f.write(little.reshape(-1).view(np.uint8).data)
+                    t = TensorProto()
+                    t.name = n
+                    t.data_type = helper.np_dtype_to_tensor_dtype(a.dtype)
+                    t.dims.extend(a.shape)
+                    t.data_location = TensorProto.EXTERNAL
+                    for key, value in (
+                        ("location", file),
+                        ("offset", str(offset)),
+                        ("length", str(a.nbytes)),
+                    ):
+                        entry = t.external_data.add()
+                        entry.key, entry.value = key, value
+                    inits.append(t)
+                f.flush()
+                os.fsync(f.fileno())
         graph = helper.make_graph(
-            self.nodes, name, self.inputs, self.outputs, self.initializers, doc_string=doc
+            self.nodes, self.name, self.inputs, self.outputs, inits, doc_string=self.doc
         )
         m = helper.make_model(
             graph,
@@ -345,16 +391,7 @@ class _Graph:
             producer_version=__version__,
             ir_version=IR_VERSION,
         )
-        info = source.info()
-        helper.set_model_props(
-            m,
-            {
-                "pstore.dtype": str(info["dtype"]),
-                "pstore.snapshot_id": str(info["snapshot"]["id"]),
-                "pstore.snapshot_created_at": repr(info["snapshot"]["created_at"]),
-                "pstore.generation": str(info["generation"]),
-            },
-        )
+        helper.set_model_props(m, self.props)
         return m
 
 
@@ -538,8 +575,8 @@ def _consistent(model: ServingStore, build: Any) -> Any:
     )
 
 
-def _save(model: onnx.ModelProto, out: PathLike, external: bool) -> tuple[str, int, bool]:
-    """Write ``model`` to ``out`` (and ``out.data``), checked, renamed into place."""
+def _save(g: _Graph, out: PathLike, external: bool) -> tuple[str, int, bool]:
+    """Write the model of ``g`` to ``out`` (and ``out.data``), checked, renamed into place."""
     path = os.path.abspath(os.fspath(out))
     base = os.path.basename(path)
     if not base:
@@ -548,19 +585,10 @@ def _save(model: onnx.ModelProto, out: PathLike, external: bool) -> tuple[str, i
     tmp = tempfile.mkdtemp(prefix=f".{base}.", dir=os.path.dirname(path))
     try:
         staged = os.path.join(tmp, base)
-        if external:
-            onnx.save_model(
-                model,
-                staged,
-                save_as_external_data=True,
-                all_tensors_to_one_file=True,
-                location=data,
-                size_threshold=0,
-                convert_attribute=False,
-            )
-            external = os.path.isfile(os.path.join(tmp, data))
-        else:
-            onnx.save_model(model, staged)
+        external = external and bool(g.arrays)
+        onnx.save_model(g.model((tmp, data) if external else None), staged)
+        # By path: the checker then reads external data from beside the model, and a model
+        # over 2 GiB is never loaded whole.
         onnx.checker.check_model(staged)
         nbytes = os.path.getsize(staged)
         if external:

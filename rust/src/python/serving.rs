@@ -1,6 +1,5 @@
 //! The binding of serving artifacts (export, lookups, live increments) and the model server.
 
-use std::mem::MaybeUninit;
 use std::path::PathBuf;
 use std::sync::atomic::AtomicU64;
 use std::sync::Arc;
@@ -10,7 +9,7 @@ use pyo3::prelude::*;
 
 use super::convert::err;
 use super::net::{server_config, PyServer};
-use super::{slice, OutData, PyCounter};
+use super::{slice, PyCounter};
 use crate::error::Error;
 use crate::serving::{Artifact, Dtype, Fallback};
 
@@ -95,30 +94,13 @@ impl PyArtifact {
         let fb = fallback(default, row)?;
         let ids_s = slice(&ids, "ids")?;
         let a = &self.inner;
-        let dim = py.detach(|| a.dim(table)).map_err(err)?;
-        let n = ids_s.len();
-        // SAFETY: a new C-ordered array of n x dim float32, zeroed below before it is read.
-        let out = unsafe { PyArray2::<f32>::new(py, [n, dim], false) };
-        let data = OutData(out.data());
-        let mut found = if mask { Some(vec![false; n]) } else { None };
-        let (fb_r, found_r) = (&fb, found.as_deref_mut());
-        let generation = py
-            .detach(move || {
-                // SAFETY: `data` points to the n * dim elements of `out`, unreachable by other
-                // code until this function returns; they are initialised before use.
-                let rows = unsafe {
-                    let p = data.get();
-                    let s = std::slice::from_raw_parts_mut(p.cast::<MaybeUninit<f32>>(), n * dim);
-                    for x in s.iter_mut() {
-                        x.write(0.0);
-                    }
-                    std::slice::from_raw_parts_mut(p, n * dim)
-                };
-                a.lookup(table, ids_s, fb_r, rows, found_r)
-            })
-            .map_err(err)?
-            .1;
-        Ok((out, found.map(|f| f.into_pyarray(py)), generation))
+        let r = py
+            .detach(|| a.lookup_owned(table, ids_s, &fb))
+            .map_err(err)?;
+        // The vectors become the arrays without a copy.
+        let rows = r.rows.into_pyarray(py).reshape([ids_s.len(), r.dim])?;
+        let found = mask.then(|| r.found.into_pyarray(py));
+        Ok((rows, found, r.generation))
     }
 
     fn contains<'py>(

@@ -244,30 +244,35 @@ impl PStore for ModelService {
         self.run("Pull", req, small, |s, r| {
             let d = wire::dtype(r.dtype)?;
             let ids = wire::ids(&r.ids)?;
-            let dim = s.artifact.dim(&r.table)?;
-            s.fits(ids.len() * dim * wire::width(d))?;
-            let mut generation = 0;
-            let n = ids.len() * dim;
-            let rows = match d {
-                Dtype::Float32 => wire::fill_f32(n, |out| {
-                    for x in out.iter_mut() {
-                        x.write(0.0);
+            let (rows, dim, generation) = if ids.len() < INLINE_IDS * 8 {
+                // One read transaction, metadata included.
+                let l = s.artifact.lookup_owned(&r.table, &ids, &s.fallback)?;
+                s.fits(l.rows.len() * wire::width(d))?;
+                (wire::encode_values(&l.rows, d), l.dim, l.generation)
+            } else {
+                let dim = s.artifact.dim(&r.table)?;
+                s.fits(ids.len() * dim * wire::width(d))?;
+                let mut generation = 0;
+                let n = ids.len() * dim;
+                let rows = match d {
+                    Dtype::Float32 => wire::fill_f32(n, |out| {
+                        for x in out.iter_mut() {
+                            x.write(0.0);
+                        }
+                        // SAFETY: every element was initialised just above.
+                        let out = unsafe {
+                            std::slice::from_raw_parts_mut(out.as_mut_ptr().cast::<f32>(), n)
+                        };
+                        generation = s.artifact.lookup(&r.table, &ids, &s.fallback, out, None)?.1;
+                        Ok(())
+                    })?,
+                    _ => {
+                        let l = s.artifact.lookup_owned(&r.table, &ids, &s.fallback)?;
+                        generation = l.generation;
+                        wire::encode_values(&l.rows, d)
                     }
-                    // SAFETY: every element was initialised just above.
-                    let out = unsafe {
-                        std::slice::from_raw_parts_mut(out.as_mut_ptr().cast::<f32>(), n)
-                    };
-                    generation = s.artifact.lookup(&r.table, &ids, &s.fallback, out, None)?.1;
-                    Ok(())
-                })?,
-                _ => {
-                    let mut v = vec![0.0; n];
-                    generation = s
-                        .artifact
-                        .lookup(&r.table, &ids, &s.fallback, &mut v, None)?
-                        .1;
-                    wire::encode_values(&v, d)
-                }
+                };
+                (rows, dim, generation)
             };
             Ok(PullResponse {
                 rows,

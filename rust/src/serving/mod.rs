@@ -127,6 +127,19 @@ pub enum Fallback {
     Row(Vec<f32>),
 }
 
+/// What [`Artifact::lookup_owned`] returns.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Looked {
+    /// `ids.len() * dim` floats, row after row.
+    pub rows: Vec<f32>,
+    /// The table's dim.
+    pub dim: usize,
+    /// Which ids the artifact has.
+    pub found: Vec<bool>,
+    /// The generation read.
+    pub generation: u64,
+}
+
 /// What applying a snapshot did.
 #[derive(Debug, Clone, PartialEq, Serialize)]
 pub struct Applied {
@@ -498,6 +511,34 @@ impl Artifact {
         Ok(self.sparse_view(&txn, table)?.1.dim)
     }
 
+    /// The rows of `ids` (`fallback` for ids the artifact lacks), all from one version. A
+    /// batch under the parallel threshold is read in one transaction, table metadata included.
+    pub fn lookup_owned(&self, table: &str, ids: &[u64], fallback: &Fallback) -> Result<Looked> {
+        let db = self.table_db(table)?;
+        let mut found = vec![false; ids.len()];
+        if ids.len() < PARALLEL_MIN_IDS {
+            let txn = self.read_txn()?;
+            let (generation, meta) = self.sparse_view(&txn, table)?;
+            let mut rows = vec![0.0; ids.len() * meta.dim];
+            self.read_rows(&txn, db, &meta, ids, fallback, &mut rows, &mut found)?;
+            return Ok(Looked {
+                rows,
+                dim: meta.dim,
+                found,
+                generation,
+            });
+        }
+        let dim = self.dim(table)?;
+        let mut rows = vec![0.0; ids.len() * dim];
+        let (_, generation) = self.lookup(table, ids, fallback, &mut rows, Some(&mut found))?;
+        Ok(Looked {
+            rows,
+            dim,
+            found,
+            generation,
+        })
+    }
+
     /// Writes the rows of `ids` into `out` (`ids.len() * dim` floats), `fallback` for ids the
     /// artifact lacks, and marks found ids in `found` when given. All rows come from one
     /// version of the artifact. Returns how many ids were found and the generation read.
@@ -515,7 +556,9 @@ impl Artifact {
         };
         let dim = meta.dim;
         if out.len() != ids.len() * dim {
-            return Err(Error::Internal("lookup output of the wrong size".into()));
+            return Err(invalid(format!(
+                "table {table:?} changed dim while it was read; look it up again"
+            )));
         }
         let db = self.table_db(table)?;
         let mut scratch;
@@ -619,6 +662,14 @@ impl Artifact {
     /// The rows database of sparse `table`, opened before the caller's read transaction
     /// begins (LMDB refuses a handle opened after the transaction that uses it started).
     fn table_db(&self, table: &str) -> Result<Database<Bytes, Bytes>> {
+        if let Some(db) = self
+            .dbs
+            .read()
+            .unwrap_or_else(|e| e.into_inner())
+            .get(table)
+        {
+            return Ok(*db);
+        }
         {
             let txn = self.read_txn()?;
             self.sparse_view(&txn, table)?;
