@@ -415,3 +415,12 @@ def environment(pstore: ModuleType, torch: ModuleType | None) -> dict[str, Any]:
         "env": env_vars,
     }
     return info
+
+
+def fmt_ids(x: float) -> str:
+    """A rate for the tables: 3 significant digits with k or M."""
+    if x >= 1e6:
+        return f"{x / 1e6:.3g}M"
+    if x >= 1e3:
+        return f"{x / 1e3:.3g}k"
+    return f"{x:.3g}"

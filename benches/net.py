@@ -115,6 +115,12 @@ def start_pstore_server(pstore: ModuleType, search_dir: str, workdir: Path) -> S
     argv = [sys.executable, "-m", "pstore", "serve", "--host", "127.0.0.1", "--port", str(port)]
     argv += ["--log-interval", "0"]
     server = ServerProcess("pstore-server", argv, workdir, f"127.0.0.1:{port}", env)
+    wait_serving(pstore, server)
+    return server
+
+
+def wait_serving(pstore: ModuleType, server: ServerProcess) -> None:
+    """Wait until `server` answers SERVING to a health check; stop it if it never does."""
 
     def check() -> None:
         probe = pstore.connect([server.address], timeout=2.0, retries=0)
@@ -130,7 +136,6 @@ def start_pstore_server(pstore: ModuleType, search_dir: str, workdir: Path) -> S
     except BaseException:
         server.stop()
         raise
-    return server
 
 
 def start_redis(redis: ModuleType, path: str, workdir: Path) -> tuple[ServerProcess, Any]:

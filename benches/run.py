@@ -1,10 +1,11 @@
-"""Peer benchmarks of pstore: one command for W1-W6.
+"""Peer benchmarks of pstore: one command for W1-W7.
 
     python benches/run.py --quick            # a few minutes, smaller tables
     python benches/run.py --full             # the sizes of the issue (10M-row W1, 20M-id W3)
     python benches/run.py --quick --only W1,W3 --json out.json
     python benches/run.py --quick --only W5 --tmp DIR   # DIR: where W5 writes its files
     python benches/run.py --quick --only W6 --source-tree  # a server process, Redis on loopback
+    python benches/run.py --quick --only W7 --source-tree  # serving artifacts, model server, ORT
 
 Prints one table per workload (median rates, ratios against peers measured side by side in the
 same run) and writes every sample as JSON (default bench-results/results-<timestamp>.json).
@@ -26,6 +27,7 @@ from harness import (
     REPO_ROOT,
     Row,
     environment,
+    fmt_ids,
     format_rows,
     format_table,
     import_pstore,
@@ -33,7 +35,10 @@ from harness import (
     import_torch,
     log,
 )
+from serving import format_w7, w7_serving
 from workloads import FULL, QUICK, WORKLOADS, Context, Section
+
+ALL_WORKLOADS = {**WORKLOADS, "W7": w7_serving}
 
 
 def _parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -53,8 +58,8 @@ def _parse_args(argv: list[str] | None) -> argparse.Namespace:
         "--tmp",
         type=Path,
         default=None,
-        help="directory in which W5 creates its temporary directory of stores and snapshots\n"
-        "(default: the repository's bench-results/; deleted when W5 ends)",
+        help="directory in which W5 and W7 create their temporary directories of stores,\n"
+        "snapshots and artifacts (default: the repository's bench-results/; deleted at the end)",
     )
     p.add_argument(
         "--torch-threads",
@@ -75,6 +80,8 @@ def _print_section(sec: Section) -> None:
         print(_format_w5(sec))
     elif sec.workload == "W6":
         print(_format_w6(sec))
+    elif sec.workload == "W7":
+        print(format_w7(sec))
     else:
         print(format_rows(sec.rows))
     for note in sec.notes:
@@ -158,14 +165,6 @@ def _format_w5(sec: Section) -> str:
     return "\n".join(out) if out else "   (no rows)"
 
 
-def _fmt_ids(x: float) -> str:
-    if x >= 1e6:
-        return f"{x / 1e6:.3g}M"
-    if x >= 1e3:
-        return f"{x / 1e3:.3g}k"
-    return f"{x:.3g}"
-
-
 def _fmt_ms(x: float) -> str:
     return f"{x:.0f}" if x >= 100 else f"{x:.3g}"
 
@@ -193,8 +192,8 @@ def _format_w6(sec: Section) -> str:
                 r.case,
                 str(r.batch),
                 r.impl,
-                _fmt_ids(statistics.median(r.samples)),
-                f"{_fmt_ids(min(r.samples))}-{_fmt_ids(max(r.samples))}",
+                fmt_ids(statistics.median(r.samples)),
+                f"{fmt_ids(min(r.samples))}-{fmt_ids(max(r.samples))}",
                 _fmt_small_ratio(r.ratio),
                 r.ratio_of,
                 r.target,
@@ -242,10 +241,10 @@ def main(argv: list[str] | None = None) -> int:
     sizes = FULL if args.full else QUICK
     if args.reps is not None:
         sizes = replace(sizes, reps=args.reps)
-    only = [w.strip().upper() for w in args.only.split(",") if w.strip()] or list(WORKLOADS)
-    unknown = [w for w in only if w not in WORKLOADS]
+    only = [w.strip().upper() for w in args.only.split(",") if w.strip()] or list(ALL_WORKLOADS)
+    unknown = [w for w in only if w not in ALL_WORKLOADS]
     if unknown:
-        raise SystemExit(f"unknown workload(s) {unknown}; choose from {list(WORKLOADS)}")
+        raise SystemExit(f"unknown workload(s) {unknown}; choose from {list(ALL_WORKLOADS)}")
 
     pstore = import_pstore(source_tree=args.source_tree)
     torch = import_torch()
@@ -297,7 +296,7 @@ def main(argv: list[str] | None = None) -> int:
     sections: list[Section] = []
     for name in only:
         t0 = time.perf_counter()
-        sec = WORKLOADS[name](ctx)
+        sec = ALL_WORKLOADS[name](ctx)
         sec.config["wall_s"] = round(time.perf_counter() - t0, 1)
         sections.append(sec)
         _print_section(sec)

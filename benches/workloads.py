@@ -487,6 +487,36 @@ W5_MIN_ROWS = 1 << 17
 GIB = 1 << 30
 
 
+def latency_extra(reps: list[dict[str, Any]]) -> dict[str, Any]:
+    """Call counts and latency percentiles (ms) of timed repetitions (`_w6_run`'s results)."""
+    lat_ms = np.array([x for r in reps for x in r["lat"]]) * 1e3
+    p50, p90, p99 = np.percentile(lat_ms, [50, 90, 99])
+    return {
+        "calls": int(sum(r["calls"] for r in reps)),
+        "calls_per_rep": [r["calls"] for r in reps],
+        "p50_ms": float(p50),
+        "p90_ms": float(p90),
+        "p99_ms": float(p99),
+        "max_ms": float(lat_ms.max()),
+        "mean_ms": float(lat_ms.mean()),
+    }
+
+
+def scaled_down(
+    requested: int, n: int, batch: int, by_memory: bool, info: dict[str, Any]
+) -> tuple[int, list[str]]:
+    """`n` rounded down to whole batches, with a note when it is below `requested`."""
+    if n >= requested:
+        return n, []
+    n = max(n // batch * batch, 0)
+    why = "memory" if by_memory else "disk space"
+    return n, [
+        f"SCALED DOWN from {requested:,} to {n:,} rows: not enough {why} (needs about "
+        f"{info['mem_needed_gib']} GiB memory with {info['mem_available_gib']} GiB "
+        f"available, {info['disk_needed_gib']} GiB disk with {info['disk_free_gib']} GiB free)"
+    ]
+
+
 def _w5_fit(requested: int, row_bytes: int, parent: Path) -> tuple[int, dict[str, Any], list[str]]:
     """The row count that fits 80% of the available memory and 90% of the free disk."""
     mem = mem_available_bytes()
@@ -500,16 +530,7 @@ def _w5_fit(requested: int, row_bytes: int, parent: Path) -> tuple[int, dict[str
         "mem_needed_gib": round((W5_MEM_FACTOR * requested * row_bytes + GIB) / GIB, 1),
         "disk_needed_gib": round((W5_DISK_FACTOR * requested * row_bytes + GIB) / GIB, 1),
     }
-    notes = []
-    if n < requested:
-        n = max(n // W5_BATCH * W5_BATCH, 0)
-        why = "memory" if fit_mem <= fit_disk else "disk space"
-        notes.append(
-            f"SCALED DOWN from {requested:,} to {n:,} rows: not enough {why} (needs about "
-            f"{info['mem_needed_gib']} GiB memory with {info['mem_available_gib']} GiB "
-            f"available, {info['disk_needed_gib']} GiB disk with {info['disk_free_gib']} GiB "
-            f"free)"
-        )
+    n, notes = scaled_down(requested, n, W5_BATCH, fit_mem <= fit_disk, info)
     return n, info, notes
 
 
@@ -1072,18 +1093,7 @@ def _w6_case(
         row.extra["threads"] = threads
         if row.status != "ok":
             continue
-        rs = res[row.impl]
-        lat_ms = np.array([x for r in rs for x in r["lat"]]) * 1e3
-        p50, p90, p99 = np.percentile(lat_ms, [50, 90, 99])
-        row.extra.update(
-            calls=int(sum(r["calls"] for r in rs)),
-            calls_per_rep=[r["calls"] for r in rs],
-            p50_ms=float(p50),
-            p90_ms=float(p90),
-            p99_ms=float(p99),
-            max_ms=float(lat_ms.max()),
-            mean_ms=float(lat_ms.mean()),
-        )
+        row.extra.update(latency_extra(res[row.impl]))
     sec.rows += rows
 
 
