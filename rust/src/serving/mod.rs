@@ -37,7 +37,7 @@ const MAP_SIZE: usize = 1 << 40;
 /// Named databases at most: one per sparse table ever held.
 const MAX_DBS: u32 = 4096;
 /// Lookups of more ids than this are split over the thread pool.
-const PARALLEL_MIN_IDS: usize = 8192;
+const PARALLEL_MIN_IDS: usize = 2048;
 
 /// The key of an id: 8 bytes big-endian, so keys sort as ids do.
 pub fn key(id: u64) -> [u8; 8] {
