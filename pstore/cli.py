@@ -376,8 +376,9 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser(
         "demo",
-        help="train a matrix-factorisation recommender on the embedded store (MovieLens-100k "
-        "when available, else synthetic data)",
+        help="train a recommender on the embedded store: matrix factorisation (MovieLens-100k "
+        "when available, else synthetic data), or --model deepfm (Criteo-shaped clicks, "
+        "PyTorch)",
     )
     demo.add_arguments(p)
     p.set_defaults(func=_cmd_demo)

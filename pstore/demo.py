@@ -15,6 +15,13 @@ test RMSE after each epoch. After training it takes a snapshot, exports it as a 
 (:mod:`pstore.serving`), and prints the top recommendations of a few users scored from the
 artifact alone.
 
+``pstore demo --model deepfm`` trains a DeepFM click-through-rate model instead
+(:mod:`pstore.ctr`, which needs torch): on a seeded Criteo-shaped data set
+(:func:`pstore.datasets.criteo_like`, 26 categorical fields with about 34 million ids in all,
+labels from a planted model), with the first-order weights and embeddings of every field in two
+tables of the embedded store. It prints the test AUC after each epoch next to the oracle AUC (the
+planted model's own probabilities) and the training throughput.
+
 Examples
 --------
 From the command line::
@@ -22,6 +29,7 @@ From the command line::
     pstore demo                      # MovieLens-100k if found, else synthetic
     pstore demo --fetch              # download the recbole wheel that ships MovieLens-100k first
     pstore demo --data synthetic --epochs 5
+    pstore demo --model deepfm       # DeepFM on Criteo-shaped clicks (needs torch)
 
 From Python:
 
@@ -39,7 +47,7 @@ import os
 import sys
 import tempfile
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any, TextIO
 
 import numpy as np
@@ -49,15 +57,18 @@ from pstore import datasets
 from pstore._progress import Progress, format_seconds
 
 __all__ = [
+    "DEEPFM_DEFAULTS",
     "DEFAULT_BATCH_SIZE",
     "DEFAULT_DIM",
     "DEFAULT_EPOCHS",
     "DEFAULT_L2",
     "DEFAULT_LR",
     "DEFAULT_OPTIMIZER",
+    "MODELS",
     "OPTIMIZERS",
     "add_arguments",
     "main",
+    "run_deepfm_demo",
     "run_demo",
 ]
 
@@ -68,6 +79,10 @@ DEFAULT_OPTIMIZER = "adagrad"
 DEFAULT_LR = {"adagrad": 0.1, "adam": 0.005}
 DEFAULT_L2 = 0.1
 OPTIMIZERS = ("adagrad", "adam")
+MODELS = ("mf", "deepfm")
+DEEPFM_DEFAULTS = {"epochs": 2, "dim": 16, "batch_size": 4096, "samples": 1_000_000}
+"""Defaults of ``--model deepfm`` where they differ from the MF demo's."""
+_DEEPFM_LR = 0.05  # pstore.ctr.DEFAULT_LR, for --help (pstore.ctr imports torch)
 
 _TABLES = ("user_emb", "item_emb", "user_bias", "item_bias")
 
@@ -243,6 +258,17 @@ def _onnx(
     return result
 
 
+def _printer(out: TextIO | None) -> Callable[..., None]:
+    """A function printing a line to ``out`` (default stdout), flushed."""
+    stream = sys.stdout if out is None else out
+
+    def say(message: str = "") -> None:
+        stream.write(message + "\n")
+        stream.flush()
+
+    return say
+
+
 def _rmse(pred: np.ndarray, target: np.ndarray) -> float:
     diff = pred.astype(np.float64) - target
     return float(np.sqrt(np.mean(diff * diff)))
@@ -326,12 +352,8 @@ def run_demo(
         )
     if lr is None:
         lr = DEFAULT_LR[optimizer]
-    if out is None:
-        out = sys.stdout
-
-    def say(message: str = "") -> None:
-        out.write(message + "\n")
-        out.flush()
+    out = sys.stdout if out is None else out
+    say = _printer(out)
 
     start = time.perf_counter()
     ratings = datasets.load_ratings(data, fetch=fetch, seed=seed, log=say)
@@ -427,6 +449,120 @@ def run_demo(
     }
 
 
+def run_deepfm_demo(
+    samples: int = DEEPFM_DEFAULTS["samples"],
+    epochs: int = DEEPFM_DEFAULTS["epochs"],
+    dim: int = DEEPFM_DEFAULTS["dim"],
+    seed: int = 0,
+    out: TextIO | None = None,
+    *,
+    scale: float = 1.0,
+    batch_size: int = DEEPFM_DEFAULTS["batch_size"],
+    lr: float | None = None,
+    staleness: int = 1,
+    threads: int | None = None,
+    progress: bool = True,
+) -> dict[str, Any]:
+    """Train DeepFM on Criteo-shaped clicks with the embedded store and report test AUC.
+
+    Parameters
+    ----------
+    samples : int
+        Samples generated (:func:`pstore.datasets.criteo_like`); 10% go to the test set.
+    epochs : int
+        Passes over the training set.
+    dim : int
+        Embedding width.
+    seed : int
+        Seed of the data, the split, the batch order and the initial values.
+    out : file-like, optional
+        Where to print the report; default ``sys.stdout``. The progress bar goes to stderr.
+    scale : float
+        Multiplies the fields' cardinalities (default: Criteo's, about 34 million ids).
+    batch_size : int
+        Samples per step.
+    lr : float, optional
+        Adagrad learning rate of the store's tables; default :data:`pstore.ctr.DEFAULT_LR`.
+    staleness : int
+        Backward passes whose pushes a forward pass may run ahead of (see :mod:`pstore.torch`).
+    threads : int, optional
+        Size of the store's thread pool; default one per core.
+    progress : bool
+        Show the progress bar on stderr.
+
+    Returns
+    -------
+    dict
+        What :func:`pstore.ctr.train_deepfm` returns, plus ``source`` (how the data was made),
+        ``ctr`` (share of positive labels), ``generate_seconds`` and ``seconds`` (wall time of
+        the whole run).
+
+    Raises
+    ------
+    RuntimeError
+        If torch is not installed.
+    """
+    if samples < 2:
+        raise ValueError("samples must be at least 2")
+    if epochs < 1:
+        raise ValueError("epochs must be at least 1")
+    try:
+        from pstore import ctr
+    except ImportError as e:
+        raise RuntimeError(
+            f"--model deepfm needs torch ({e}); install it with: pip install 'pstore[torch]'"
+        ) from None
+    if lr is None:
+        lr = ctr.DEFAULT_LR
+    out = sys.stdout if out is None else out
+    say = _printer(out)
+
+    start = time.perf_counter()
+    data = datasets.criteo_like(samples, seed=seed, scale=scale)
+    train, test = data.split(0.1, seed=seed)
+    generate_seconds = time.perf_counter() - start
+    say(f"dataset: Criteo-like clicks ({data.source})")
+    say(
+        f"  {len(data)} samples, {100 * data.ctr:.1f}% clicked; split {len(train)} train / "
+        f"{len(test)} test (seed {seed}); made in {format_seconds(generate_seconds)}"
+    )
+    say(f"  oracle test AUC {test.oracle_auc:.4f} (the planted model's own probabilities)")
+    hidden = "-".join(str(h) for h in ctr.DEFAULT_HIDDEN)
+    say(
+        f"model: DeepFM, dim {dim}, MLP {hidden}; first-order weights and embeddings of all "
+        f"{data.n_fields} fields in 2 store tables (Adagrad lr {lr:g}), dense part Adam lr "
+        f"{ctr.DEFAULT_DENSE_LR:g}; batch {batch_size}, {epochs} epochs, staleness {staleness}"
+    )
+    store = pstore.Store(threads=threads)
+    metrics = ctr.train_deepfm(
+        store,
+        train,
+        test,
+        epochs=epochs,
+        batch_size=batch_size,
+        dim=dim,
+        lr=lr,
+        staleness=staleness,
+        seed=seed,
+        progress=progress,
+        out=out,
+    )
+    rows = metrics["rows"]["embedding"]
+    say(
+        f"final: test AUC {metrics['test_auc']:.4f} vs oracle {metrics['oracle_auc']:.4f} "
+        f"(0.5 is chance); {metrics['samples_per_s']:,.0f} samples/s over "
+        f"{format_seconds(metrics['train_seconds'])} of training; {rows:,} rows per table "
+        f"of {sum(data.cardinalities):,} ids"
+    )
+    return {
+        **metrics,
+        "source": data.source,
+        "ctr": data.ctr,
+        "generate_seconds": generate_seconds,
+        "seconds": time.perf_counter() - start,
+    }
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     """Register the demo's flags on ``parser`` (an ``argparse`` subparser) and return it.
 
@@ -440,6 +576,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     argparse.ArgumentParser
         The same parser, for chaining.
     """
+    parser.add_argument(
+        "--model",
+        choices=MODELS,
+        default="mf",
+        help="mf: matrix factorisation on ratings; deepfm: a DeepFM click-through-rate model "
+        "on Criteo-shaped data, needs torch (default: %(default)s)",
+    )
     parser.add_argument(
         "--data",
         metavar="PATH",
@@ -458,13 +601,17 @@ def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
         "--epochs",
         type=_positive_int,
         default=DEFAULT_EPOCHS,
-        help="passes over the data (default: %(default)s)",
+        action=_Given,
+        help=f"passes over the data (default: %(default)s; {DEEPFM_DEFAULTS['epochs']} with "
+        "--model deepfm)",
     )
     parser.add_argument(
         "--dim",
         type=_positive_int,
         default=DEFAULT_DIM,
-        help="embedding dimension (default: %(default)s)",
+        action=_Given,
+        help=f"embedding dimension (default: %(default)s; {DEEPFM_DEFAULTS['dim']} with "
+        "--model deepfm)",
     )
     parser.add_argument(
         "--seed",
@@ -476,7 +623,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
         "--batch-size",
         type=_positive_int,
         default=DEFAULT_BATCH_SIZE,
-        help="ratings per batch (default: %(default)s)",
+        action=_Given,
+        help=f"ratings (samples) per batch (default: %(default)s; "
+        f"{DEEPFM_DEFAULTS['batch_size']} with --model deepfm)",
     )
     parser.add_argument(
         "--optimizer",
@@ -489,7 +638,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
         type=float,
         default=None,
         help=f"learning rate (default {DEFAULT_LR['adagrad']} for adagrad, "
-        f"{DEFAULT_LR['adam']} for adam)",
+        f"{DEFAULT_LR['adam']} for adam; with --model deepfm, the Adagrad rate of the store's "
+        f"tables, default {_DEEPFM_LR})",
     )
     parser.add_argument(
         "--l2",
@@ -512,6 +662,26 @@ def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
         metavar="PATH",
         help="also export the trained model as one ONNX graph (needs pstore[onnx])",
     )
+    parser.add_argument(
+        "--samples",
+        type=_positive_int,
+        default=DEEPFM_DEFAULTS["samples"],
+        help="--model deepfm: samples to generate, 10%% of them for testing (default: %(default)s)",
+    )
+    parser.add_argument(
+        "--scale",
+        type=_positive_float,
+        default=1.0,
+        help="--model deepfm: multiplies every field's cardinality (default 1: Criteo's, "
+        "about 34 million ids)",
+    )
+    parser.add_argument(
+        "--staleness",
+        type=_non_negative_int,
+        default=1,
+        help="--model deepfm: backward passes a forward pass may run ahead of; 0 is "
+        "synchronous (default: %(default)s)",
+    )
     parser.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")
     parser.add_argument(
         "--json", action="store_true", help="print the final metrics as one JSON line at the end"
@@ -526,6 +696,76 @@ def _positive_int(text: str) -> int:
     return value
 
 
+def _non_negative_int(text: str) -> int:
+    value = int(text)
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must be a non-negative integer, got {text}")
+    return value
+
+
+def _positive_float(text: str) -> float:
+    value = float(text)
+    if not value > 0.0 or value == float("inf"):
+        raise argparse.ArgumentTypeError(f"must be a positive number, got {text}")
+    return value
+
+
+class _Given(argparse.Action):
+    """Store the value and note that the flag was given: its default depends on ``--model``."""
+
+    def __call__(
+        self,
+        parser: argparse.ArgumentParser,
+        namespace: argparse.Namespace,
+        values: Any,
+        option_string: str | None = None,
+    ) -> None:
+        setattr(namespace, self.dest, values)
+        namespace._given = {*getattr(namespace, "_given", ()), self.dest}
+
+
+_MF_ONLY: dict[str, Any] = {
+    "data": None,
+    "fetch": False,
+    "model_dir": None,
+    "onnx": None,
+    "optimizer": DEFAULT_OPTIMIZER,
+    "l2": DEFAULT_L2,
+}
+
+
+def _main_deepfm(args: argparse.Namespace) -> int:
+    given: set[str] = getattr(args, "_given", set())
+
+    def pick(name: str) -> Any:
+        return getattr(args, name) if name in given else DEEPFM_DEFAULTS[name]
+
+    for name, default in _MF_ONLY.items():
+        if getattr(args, name, default) != default:
+            flag = "--" + name.replace("_", "-")
+            print(f"pstore demo: error: {flag} applies to --model mf only", file=sys.stderr)
+            return 2
+    try:
+        metrics = run_deepfm_demo(
+            samples=args.samples,
+            epochs=pick("epochs"),
+            dim=pick("dim"),
+            seed=args.seed,
+            scale=args.scale,
+            batch_size=pick("batch_size"),
+            lr=args.lr,
+            staleness=args.staleness,
+            threads=args.threads,
+            progress=not args.no_progress,
+        )
+    except (RuntimeError, ValueError) as e:
+        print(f"pstore demo: error: {e}", file=sys.stderr)
+        return 2
+    if args.json:
+        print(json.dumps(metrics))
+    return 0
+
+
 def main(args: argparse.Namespace | Sequence[str] | None = None) -> int:
     """Run the demo from parsed arguments.
 
@@ -538,15 +778,19 @@ def main(args: argparse.Namespace | Sequence[str] | None = None) -> int:
     Returns
     -------
     int
-        The process exit code: 0, or 2 when the data cannot be found or fetched (the error is
-        printed to stderr).
+        The process exit code: 0, or 2 when the data cannot be found or fetched, or
+        ``--model deepfm`` cannot run (no torch, a flag of the MF demo only); the error is
+        printed to stderr.
     """
     if not isinstance(args, argparse.Namespace):
         parser = argparse.ArgumentParser(
             prog="pstore demo",
-            description="Train a matrix-factorisation recommender on the embedded store.",
+            description="Train a matrix-factorisation recommender (or, with --model deepfm, "
+            "a DeepFM click-through-rate model) on the embedded store.",
         )
         args = add_arguments(parser).parse_args(args)
+    if getattr(args, "model", "mf") == "deepfm":
+        return _main_deepfm(args)
     try:
         metrics = run_demo(
             data=args.data,
