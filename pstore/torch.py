@@ -20,6 +20,10 @@ lets the pushes of the previous batch overlap with the next forward pass, so a r
 consecutive batches share may be read before the first batch's update to it lands. Call
 :meth:`flush` before evaluating or snapshotting to wait for everything.
 
+**Evaluation.** Under ``torch.no_grad()`` a forward pass creates no rows: ids the table lacks
+get their initial value (what a training pull would create) without being stored, so evaluating
+on new ids does not grow the tables.
+
 Importing :mod:`pstore` never imports torch; this module does.
 """
 
@@ -75,12 +79,25 @@ class _StoreRows(nn.Module):
         flat = ids.reshape(-1).to("cpu", torch.int64)
         unique, inverse = torch.unique(flat, sorted=False, return_inverse=True)
         keys = unique.numpy().view(np.uint64)
-        rows = torch.from_numpy(self.table.pull(keys))
         self.ids_pulled += len(keys)
         if torch.is_grad_enabled():
+            rows = torch.from_numpy(self.table.pull(keys))
             rows.requires_grad_(True)
             rows.register_hook(lambda grad: self._push(keys, grad))
+        else:
+            rows = torch.from_numpy(self._peek(keys))
         return rows, inverse.reshape(ids.shape)
+
+    def _peek(self, keys: np.ndarray) -> np.ndarray:
+        """The rows of ``keys`` without creating any: evaluation (under ``torch.no_grad()``)
+        reads the initial value of ids never trained on instead of storing rows for them."""
+        have = self.table.contains(keys)
+        if have.all():
+            return self.table.pull(keys)
+        rows = self.table.initial_rows(keys)
+        if have.any():
+            rows[have] = self.table.pull(keys[have])
+        return rows
 
     def _push(self, keys: np.ndarray, grad: Tensor) -> None:
         g = grad.detach().to("cpu", torch.float32).contiguous().numpy()

@@ -54,6 +54,12 @@ class _Recorder:
     def pull(self, ids: np.ndarray) -> np.ndarray:
         return self.t.pull(ids)
 
+    def contains(self, ids: np.ndarray) -> np.ndarray:
+        return self.t.contains(ids)
+
+    def initial_rows(self, ids: np.ndarray) -> np.ndarray:
+        return self.t.initial_rows(ids)
+
     def push_async(self, ids: np.ndarray, grads: np.ndarray) -> pstore.PushHandle:
         self.seen.append((np.asarray(ids).copy(), np.asarray(grads).copy()))
         return self.t.push_async(ids, grads)
@@ -146,6 +152,14 @@ def test_no_grad_pulls_without_pushing() -> None:
         out = emb(torch.tensor([1, 2]), torch.tensor([0]))
     assert not out.requires_grad
     assert emb.pushes == 0
+    # Evaluation creates no rows: unseen ids read their initial value.
+    assert len(t) == 0
+    np.testing.assert_array_equal(out.numpy()[0], t.initial_rows(np.array([1, 2])).sum(0))
+    t.pull(np.array([1]))
+    with torch.no_grad():
+        again = emb(torch.tensor([1, 2]), torch.tensor([0]))
+    assert len(t) == 1
+    torch.testing.assert_close(again, out, rtol=0, atol=0)
 
 
 def test_bad_input() -> None:
