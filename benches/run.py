@@ -1,4 +1,4 @@
-"""Peer benchmarks of pstore: one command for W1-W7.
+"""Peer benchmarks of pstore: one command for W1-W8.
 
     python benches/run.py --quick            # a few minutes, smaller tables
     python benches/run.py --full             # the sizes of the issue (10M-row W1, 20M-id W3)
@@ -6,6 +6,7 @@
     python benches/run.py --quick --only W5 --tmp DIR   # DIR: where W5 writes its files
     python benches/run.py --quick --only W6 --source-tree  # a server process, Redis on loopback
     python benches/run.py --quick --only W7 --source-tree  # serving artifacts, model server, ORT
+    python benches/run.py --quick --only W8 --source-tree  # DeepFM training: torch vs pstore
 
 Prints one table per workload (median rates, ratios against peers measured side by side in the
 same run) and writes every sample as JSON (default bench-results/results-<timestamp>.json).
@@ -36,9 +37,10 @@ from harness import (
     log,
 )
 from serving import format_w7, w7_serving
+from torch_ctr import W8_AUC_TOL, format_w8, w8_torch_ctr
 from workloads import FULL, QUICK, WORKLOADS, Context, Section
 
-ALL_WORKLOADS = {**WORKLOADS, "W7": w7_serving}
+ALL_WORKLOADS = {**WORKLOADS, "W7": w7_serving, "W8": w8_torch_ctr}
 
 
 def _parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -82,6 +84,8 @@ def _print_section(sec: Section) -> None:
         print(_format_w6(sec))
     elif sec.workload == "W7":
         print(format_w7(sec))
+    elif sec.workload == "W8":
+        print(format_w8(sec))
     else:
         print(format_rows(sec.rows))
     for note in sec.notes:
@@ -210,6 +214,11 @@ def _print_targets(sections: list[Section]) -> None:
     lines = []
     for sec in sections:
         for r in sec.rows:
+            if sec.workload == "W8" and "auc_met" in r.extra:
+                diff, ok = f"{r.extra['auc_diff']:+.4f}", r.extra["auc_met"]
+                what = f"{r.impl} - torch"
+                lines.append(["W8", "test AUC", r.dist, str(r.batch), what, diff,
+                              f"|d|<={W8_AUC_TOL}", "yes" if ok else "NO"])  # fmt: skip
             if sec.workload == "W3" and "bytes_target_met" in r.extra:
                 met = r.extra["bytes_target_met"]
                 ratio, target = r.extra["rss_over_raw"], "<=1.4x"

@@ -30,6 +30,8 @@ Importing :mod:`pstore` never imports torch; this module does.
 from __future__ import annotations
 
 import collections
+import threading
+import weakref
 from typing import Any
 
 import numpy as np
@@ -40,6 +42,25 @@ from torch.nn import functional as F
 from pstore.exceptions import DtypeError, InvalidArgumentError
 
 __all__ = ["Embedding", "EmbeddingBag"]
+
+
+_last = threading.local()
+
+
+def _unique(ids: Tensor) -> tuple[np.ndarray, Tensor]:
+    """The unique ids of ``ids`` (uint64) and each id's index among them. Models that look the
+    same ids up in several tables (first-order weights and embeddings) pass the same tensor:
+    the last result of this thread is reused while that tensor is unchanged."""
+    memo = getattr(_last, "memo", None)
+    if memo is not None:
+        ref, version, result = memo
+        if ref() is ids and version == ids._version:
+            return result
+    flat = ids.reshape(-1).to("cpu", torch.int64)
+    unique, inverse = torch.unique(flat, sorted=False, return_inverse=True)
+    result = (unique.numpy().view(np.uint64), inverse)
+    _last.memo = (weakref.ref(ids), ids._version, result)
+    return result
 
 
 class _StoreRows(nn.Module):
@@ -76,9 +97,7 @@ class _StoreRows(nn.Module):
             raise DtypeError(f"ids must be an int64 (or int32) tensor, got {ids.dtype}")
         while len(self._pending) > self.staleness:
             self._pending.popleft().wait()
-        flat = ids.reshape(-1).to("cpu", torch.int64)
-        unique, inverse = torch.unique(flat, sorted=False, return_inverse=True)
-        keys = unique.numpy().view(np.uint64)
+        keys, inverse = _unique(ids)
         self.ids_pulled += len(keys)
         if torch.is_grad_enabled():
             rows = torch.from_numpy(self.table.pull(keys))
@@ -124,7 +143,10 @@ class Embedding(_StoreRows):
 
     def forward(self, ids: Tensor) -> Tensor:
         rows, index = self._rows(ids)
-        return F.embedding(index, rows).to(ids.device)
+        # index_select, whose backward is an index_add_: about half the cost of F.embedding's
+        # backward over a dense weight (measured at dims 1 and 16, batches of 4096 x 26 ids).
+        out = rows.index_select(0, index.reshape(-1)).reshape(*index.shape, rows.shape[1])
+        return out.to(ids.device)
 
 
 class EmbeddingBag(_StoreRows):
