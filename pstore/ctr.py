@@ -463,8 +463,8 @@ def train_deepfm(
         ``history`` (per epoch: ``epoch``, ``train_loss``, ``test_auc``, ``seconds``,
         ``samples_per_s``), ``train_seconds`` (training only, each epoch ending with a
         flush), ``samples_per_s`` (training samples over ``train_seconds``), ``rows`` (rows
-        each table holds at the end: the ids trained on, as evaluation creates no rows), ``table_bytes``
-        (the two tables' ``bytes_used``), and the settings: ``model``, ``backend``
+        each table holds at the end: the ids trained on, as evaluation creates none),
+        ``table_bytes`` (the two tables' ``bytes_used``), and the settings: ``model``, ``backend``
         (``"pstore"``), ``dataset``, ``n_train``, ``n_test``, ``n_fields``, ``n_dense``,
         ``id_space`` (sum of the cardinalities), ``dim``, ``hidden``, ``epochs``,
         ``batch_size``, ``lr``, ``initial_accumulator_value``, ``dense_lr``, ``staleness``,
