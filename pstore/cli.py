@@ -168,8 +168,25 @@ def _cmd_inspect(args: argparse.Namespace) -> int:
     )
 
 
+def _server_settings(args: argparse.Namespace, token_file: str | None) -> dict[str, Any]:
+    """What the options of :func:`_server_options` give `serve` and `serve_model`."""
+    from pstore.client import _read_secret
+
+    return {
+        "metrics_port": args.metrics_port,
+        "token": _read_secret(None, token_file, "PSTORE_TOKEN"),
+        "read_token": _read_secret(None, args.read_token_file, "PSTORE_READ_TOKEN"),
+        "tls_cert": args.tls_cert,
+        "tls_key": args.tls_key,
+        "max_message": args.max_message,
+        "log_interval": args.log_interval,
+        "grace": args.grace,
+        "restore_signals": False,
+    }
+
+
 def _cmd_serve(args: argparse.Namespace) -> int:
-    from pstore.client import _read_secret, load_cluster
+    from pstore.client import load_cluster
     from pstore.server import serve
 
     token_file = args.token_file
@@ -198,15 +215,7 @@ def _cmd_serve(args: argparse.Namespace) -> int:
         store,
         host=args.host or "127.0.0.1",
         port=args.port,
-        metrics_port=args.metrics_port,
-        token=_read_secret(None, token_file, "PSTORE_TOKEN"),
-        read_token=_read_secret(None, args.read_token_file, "PSTORE_READ_TOKEN"),
-        tls_cert=args.tls_cert,
-        tls_key=args.tls_key,
-        max_message=args.max_message,
-        log_interval=args.log_interval,
-        grace=args.grace,
-        restore_signals=False,
+        **_server_settings(args, token_file),
     )
 
 
@@ -299,21 +308,7 @@ def _cmd_serving_follow(args: argparse.Namespace) -> int:
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: stop.set())
 
-    def applied(a: dict[str, Any]) -> None:
-        log_event(
-            "applied",
-            snapshot=a["id"],
-            path=a["path"],
-            kind=a["kind"],
-            rows=a["rows"],
-            deleted=a["deleted"],
-            generation=a["generation"],
-        )
-
     log_event("following", root=args.root, model=args.model, interval=args.interval)
-
-    def failed(e: Exception) -> None:
-        log_event("follow_failed", level="error", error=e)
 
     n = serving.follow(
         args.root,
@@ -321,15 +316,14 @@ def _cmd_serving_follow(args: argparse.Namespace) -> int:
         interval=args.interval,
         once=args.once,
         stop=stop,
-        on_apply=applied,
-        on_error=failed,
+        on_apply=serving.log_applied,
+        on_error=serving.log_follow_error,
     )
     log_event("stopped", applied=n)
     return 0
 
 
 def _cmd_serve_model(args: argparse.Namespace) -> int:
-    from pstore.client import _read_secret
     from pstore.serving import serve_model
 
     return serve_model(
@@ -339,15 +333,7 @@ def _cmd_serve_model(args: argparse.Namespace) -> int:
         default=args.default,
         host=args.host,
         port=args.port,
-        metrics_port=args.metrics_port,
-        token=_read_secret(None, args.token_file, "PSTORE_TOKEN"),
-        read_token=_read_secret(None, args.read_token_file, "PSTORE_READ_TOKEN"),
-        tls_cert=args.tls_cert,
-        tls_key=args.tls_key,
-        max_message=args.max_message,
-        log_interval=args.log_interval,
-        grace=args.grace,
-        restore_signals=False,
+        **_server_settings(args, args.token_file),
     )
 
 
@@ -363,6 +349,21 @@ def _cmd_export_onnx(args: argparse.Namespace) -> int:
         f"in {format_seconds(time.perf_counter() - start)}"
     )
     return 0
+
+
+def _server_options(p: argparse.ArgumentParser, *, token: str, logs: str) -> None:
+    """The options `pstore serve` and `pstore serve-model` share: metrics, tokens, TLS, message
+    size, logs and the stop's grace period."""
+    p.add_argument("--metrics-port", type=int, default=None, help="serve Prometheus metrics")
+    p.add_argument("--token-file", default=None, help=f"file holding {token}")
+    p.add_argument("--read-token-file", default=None, help="file holding a read-only token")
+    p.add_argument("--tls-cert", default=None, help="PEM certificate chain: serve TLS")
+    p.add_argument("--tls-key", default=None, help="PEM private key of --tls-cert")
+    p.add_argument(
+        "--max-message", type=int, default=None, help="largest message in bytes (default 64 MiB)"
+    )
+    p.add_argument("--log-interval", type=float, default=60.0, help=f"seconds between {logs} logs")
+    p.add_argument("--grace", type=float, default=30.0, help="seconds to finish calls on stop")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -444,16 +445,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--flush-interval", type=float, default=1.0, help="async flush period, s")
     p.add_argument("--num-shards", type=int, default=None, help="shards per table")
     p.add_argument("--threads", type=int, default=None, help="threads of the store's pool")
-    p.add_argument("--metrics-port", type=int, default=None, help="serve Prometheus metrics")
-    p.add_argument("--token-file", default=None, help="file holding the read-write token")
-    p.add_argument("--read-token-file", default=None, help="file holding a read-only token")
-    p.add_argument("--tls-cert", default=None, help="PEM certificate chain: serve TLS")
-    p.add_argument("--tls-key", default=None, help="PEM private key of --tls-cert")
-    p.add_argument(
-        "--max-message", type=int, default=None, help="largest request in bytes (default 64 MiB)"
-    )
-    p.add_argument("--log-interval", type=float, default=60.0, help="seconds between stats logs")
-    p.add_argument("--grace", type=float, default=30.0, help="seconds to finish calls on stop")
+    _server_options(p, token="the read-write token", logs="stats")
     p.set_defaults(func=_cmd_serve)
 
     p = sub.add_parser(
@@ -519,16 +511,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--follow", default=None, metavar="SNAPSHOT_ROOT", help="apply new snapshots")
     p.add_argument("--interval", type=float, default=10.0, help="seconds between --follow checks")
-    p.add_argument("--metrics-port", type=int, default=None, help="serve Prometheus metrics")
-    p.add_argument("--token-file", default=None, help="file holding a token ($PSTORE_TOKEN)")
-    p.add_argument("--read-token-file", default=None, help="file holding a read-only token")
-    p.add_argument("--tls-cert", default=None, help="PEM certificate chain: serve TLS")
-    p.add_argument("--tls-key", default=None, help="PEM private key of --tls-cert")
-    p.add_argument(
-        "--max-message", type=int, default=None, help="largest message in bytes (default 64 MiB)"
-    )
-    p.add_argument("--log-interval", type=float, default=60.0, help="seconds between lag logs")
-    p.add_argument("--grace", type=float, default=30.0, help="seconds to finish calls on stop")
+    _server_options(p, token="a token ($PSTORE_TOKEN)", logs="lag")
     p.set_defaults(func=_cmd_serve_model)
 
     p = sub.add_parser(

@@ -68,15 +68,33 @@ class Server:
         tls_key: str | os.PathLike[str] | None = None,
         max_message: int | None = None,
     ) -> None:
+        self.store: Store | None = store
+        self._start(
+            lambda cert, key: _native.Server(
+                store._inner, host, port, metrics_port, token, read_token, cert, key, max_message
+            ),
+            host,
+            port,
+            metrics_port,
+            tls_cert,
+            tls_key,
+        )
+
+    def _start(
+        self,
+        start: Callable[[bytes | None, bytes | None], Any],
+        host: str,
+        port: int,
+        metrics_port: int | None,
+        tls_cert: str | os.PathLike[str] | None,
+        tls_key: str | os.PathLike[str] | None,
+    ) -> None:
+        """Check the ports, read the TLS files, and start the native server ``start`` makes
+        from the certificate and key (what every kind of server shares)."""
         _check_port(port, "port")
         _check_port(metrics_port, "metrics_port")
-        cert = _read(tls_cert)
-        key = _read(tls_key)
-        self.store: Store | None = store
         self.host = host
-        self._inner = _native.Server(
-            store._inner, host, port, metrics_port, token, read_token, cert, key, max_message
-        )
+        self._inner = start(_read(tls_cert), _read(tls_key))
         self._stopped = threading.Event()
 
     @property

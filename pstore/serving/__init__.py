@@ -26,7 +26,7 @@ import numpy.typing as npt
 
 from pstore import _native
 from pstore.exceptions import InvalidArgumentError
-from pstore.server import Server, _check_port, _read
+from pstore.server import Server, log_event
 from pstore.store import IdsLike, _as_f32, _as_ids
 
 __all__ = ["DTYPES", "ModelServer", "ServingStore", "export", "follow", "serve_model"]
@@ -295,8 +295,6 @@ class ModelServer(Server):
         tls_key: str | os.PathLike[str] | None = None,
         max_message: int | None = None,
     ) -> None:
-        _check_port(port, "port")
-        _check_port(metrics_port, "metrics_port")
         kind, row = (default, None) if isinstance(default, str) else ("row", default)
         if kind not in ("zeros", "initial", "row"):
             raise InvalidArgumentError(
@@ -307,20 +305,17 @@ class ModelServer(Server):
             token, read_token = read_token, None
         self.model = model
         self.store = None
-        self.host = host
-        self._inner = model._inner.serve(
-            kind,
-            None if row is None else _as_f32(row, "the default row"),
+        fallback = None if row is None else _as_f32(row, "the default row")
+        self._start(
+            lambda cert, key: model._inner.serve(
+                kind, fallback, host, port, metrics_port, token, read_token, cert, key, max_message
+            ),
             host,
             port,
             metrics_port,
-            token,
-            read_token,
-            _read(tls_cert),
-            _read(tls_key),
-            max_message,
+            tls_cert,
+            tls_key,
         )
-        self._stopped = threading.Event()
 
     def __repr__(self) -> str:
         return f"<ModelServer {self.address} {self.model.path!r} running={self.running}>"
@@ -367,6 +362,24 @@ def follow(
         model.close()
 
 
+def log_applied(a: dict[str, Any]) -> None:
+    """Log what :meth:`ServingStore.apply` did (logfmt, stderr)."""
+    log_event(
+        "applied",
+        snapshot=a["id"],
+        path=a["path"],
+        kind=a["kind"],
+        rows=a["rows"],
+        deleted=a["deleted"],
+        generation=a["generation"],
+    )
+
+
+def log_follow_error(e: Exception) -> None:
+    """Log a round of :func:`follow` that failed (the next round tries again)."""
+    log_event("follow_failed", level="error", error=e)
+
+
 def serve_model(
     model_dir: PathLike,
     *,
@@ -385,37 +398,30 @@ def serve_model(
     ``follow_root`` are applied every ``interval`` seconds while it serves (as :func:`follow`).
     Every ``log_interval`` seconds it logs how far behind training the artifact is.
     """
-    from pstore.server import log_event, run_until_signal
+    from pstore.server import run_until_signal
 
     model = ServingStore(model_dir, writable=follow_root is not None)
     stop = threading.Event()
     follower: threading.Thread | None = None
 
-    def applied(a: dict[str, Any]) -> None:
-        log_event(
-            "applied",
-            snapshot=a["id"],
-            kind=a["kind"],
-            rows=a["rows"],
-            deleted=a["deleted"],
-            generation=a["generation"],
-        )
-
     def make() -> Server:
         nonlocal follower
         srv = ModelServer(model, **server_args)
         if follow_root is not None:
-
-            def loop() -> None:
-                while not stop.is_set():
-                    try:
-                        for a in model.follow(follow_root):
-                            applied(a)
-                    except Exception as e:  # logged; the next round tries again
-                        log_event("follow_failed", level="error", error=e)
-                    stop.wait(interval)
-
-            follower = threading.Thread(target=loop, name="pstore-follow", daemon=True)
+            # The same opening as `model` (one per process): its lookups see each snapshot
+            # the follower applies.
+            follower = threading.Thread(
+                target=follow,
+                args=(follow_root, model_dir),
+                kwargs={
+                    "interval": interval,
+                    "stop": stop,
+                    "on_apply": log_applied,
+                    "on_error": log_follow_error,
+                },
+                name="pstore-follow",
+                daemon=True,
+            )
             follower.start()
         return srv
 

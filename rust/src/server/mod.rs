@@ -170,15 +170,7 @@ impl Inner {
     /// Refuses an answer of `bytes` that would not fit in a message (with room for the rest of
     /// the message), before any work is done.
     fn fits(&self, bytes: usize, what: &str) -> Result<()> {
-        let limit = self.max_message.saturating_sub(1024);
-        if bytes > limit {
-            return Err(invalid(format!(
-                "the {what} answer would be {bytes} bytes, over this server's message limit of \
-                 {} bytes: split the batch",
-                self.max_message
-            )));
-        }
-        Ok(())
+        fits(self.max_message, bytes, what)
     }
 
     /// The info of every table (a table dropped meanwhile is left out).
@@ -241,6 +233,29 @@ fn stats_of(t: &Table) -> (&'static str, TableStats) {
 
 fn request_id(r: &Option<RequestId>) -> Option<(u64, u64)> {
     r.as_ref().map(|r| (r.client, r.seq))
+}
+
+/// Refuses an answer of `bytes` that would not fit in a message of `max_message` bytes (with
+/// room for the rest of the message), before any work is done.
+fn fits(max_message: usize, bytes: usize, what: &str) -> Result<()> {
+    let limit = max_message.saturating_sub(1024);
+    if bytes > limit {
+        return Err(invalid(format!(
+            "the {what} answer would be {bytes} bytes, over this server's message limit of \
+             {max_message} bytes: split the batch"
+        )));
+    }
+    Ok(())
+}
+
+/// Runs a call's work on tokio's blocking pool.
+async fn on_blocking<R: Send + 'static>(
+    f: impl FnOnce() -> Result<R> + Send + 'static,
+) -> std::result::Result<R, Status> {
+    match tokio::task::spawn_blocking(f).await {
+        Ok(r) => r.map_err(|e| status_of(&e)),
+        Err(e) => Err(Status::internal(format!("the request's task failed: {e}"))),
+    }
 }
 
 /// The service.
@@ -322,10 +337,7 @@ impl Service {
                         Err(_) => Err(Status::internal("the request's work was dropped")),
                     }
                 } else {
-                    match tokio::task::spawn_blocking(move || f(&inner, msg)).await {
-                        Ok(r) => r.map_err(|e| status_of(&e)),
-                        Err(e) => Err(Status::internal(format!("the request's task failed: {e}"))),
-                    }
+                    on_blocking(move || f(&inner, msg)).await
                 }
             }
         };

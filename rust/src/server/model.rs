@@ -10,13 +10,13 @@ use std::time::Instant;
 use tonic::{Request, Response, Status};
 
 use super::metrics::{Metrics, Sample, TableSample};
-use super::{authenticate, code_name, launch, Busy, ServerConfig, ServerHandle};
+use super::{authenticate, code_name, fits, launch, on_blocking, Busy, ServerConfig, ServerHandle};
 use crate::durable::TableRecord;
 use crate::error::{Error, Result};
 use crate::net::proto::p_store_server::PStore;
 use crate::net::proto::*;
 use crate::net::{status_of, wire, PROTOCOL};
-use crate::serving::{Artifact, Fallback, TableMeta};
+use crate::serving::{Artifact, Fallback, State, TableMeta};
 
 /// Batches up to this many ids are looked up on the runtime's thread (LMDB reads do not block
 /// unless a page is cold); larger ones on the blocking pool.
@@ -122,15 +122,18 @@ impl Inner {
     }
 
     fn fits(&self, bytes: usize) -> Result<()> {
-        let limit = self.max_message.saturating_sub(1024);
-        if bytes > limit {
-            return Err(crate::error::invalid(format!(
-                "the pull answer would be {bytes} bytes, over this server's message limit of {} \
-                 bytes: split the batch",
-                self.max_message
-            )));
-        }
-        Ok(())
+        fits(self.max_message, bytes, "pull")
+    }
+
+    /// The info of every table of the artifact, as one version has them.
+    fn infos(&self) -> Result<(State, Vec<TableInfo>)> {
+        let state = self.artifact.state()?;
+        let tables = state
+            .tables
+            .iter()
+            .map(|t| self.info(t, state.generation))
+            .collect::<Result<Vec<_>>>()?;
+        Ok((state, tables))
     }
 }
 
@@ -159,10 +162,7 @@ impl ModelService {
                     f(&self.0, msg).map_err(|e| status_of(&e))
                 } else {
                     let inner = Arc::clone(&self.0);
-                    match tokio::task::spawn_blocking(move || f(&inner, msg)).await {
-                        Ok(r) => r.map_err(|e| status_of(&e)),
-                        Err(e) => Err(Status::internal(format!("the request's task failed: {e}"))),
-                    }
+                    on_blocking(move || f(&inner, msg)).await
                 }
             }
         };
@@ -223,13 +223,9 @@ impl PStore for ModelService {
             req,
             |_| true,
             |s, _| {
-                let state = s.artifact.state()?;
-                let tables = state
-                    .tables
-                    .iter()
-                    .map(|t| s.info(t, state.generation))
-                    .collect::<Result<Vec<_>>>()?;
-                Ok(ListTablesResponse { tables })
+                Ok(ListTablesResponse {
+                    tables: s.infos()?.1,
+                })
             },
         )
         .await
@@ -355,12 +351,7 @@ impl PStore for ModelService {
             req,
             |_| true,
             |s, _| {
-                let state = s.artifact.state()?;
-                let tables = state
-                    .tables
-                    .iter()
-                    .map(|t| s.info(t, state.generation))
-                    .collect::<Result<Vec<_>>>()?;
+                let (state, tables) = s.infos()?;
                 Ok(StatusResponse {
                     version: env!("CARGO_PKG_VERSION").to_string(),
                     protocol: PROTOCOL,

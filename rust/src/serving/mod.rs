@@ -24,7 +24,7 @@ use serde::{Deserialize, Serialize};
 use crate::durable::TableRecord;
 use crate::error::{corrupt, invalid, storage, Error, Result};
 use crate::snapshot::files::{self, PartSchema};
-use crate::snapshot::{Manifest, TableEntry, MANIFEST};
+use crate::snapshot::{fsync_dir, unix_time, Manifest, TableEntry, MANIFEST};
 pub use quant::Dtype;
 
 /// The format's name, in the format record and the manifest.
@@ -155,12 +155,6 @@ pub struct Applied {
     pub deleted: u64,
     /// The generation it made.
     pub generation: u64,
-}
-
-fn unix_time() -> f64 {
-    std::time::SystemTime::now()
-        .duration_since(std::time::UNIX_EPOCH)
-        .map_or(0.0, |d| d.as_secs_f64())
 }
 
 fn lmdb(path: &Path, what: &str, e: heed::Error) -> Error {
@@ -423,16 +417,16 @@ impl Artifact {
         self.state_in(&txn)
     }
 
+    fn cached_db(&self, table: &str) -> Option<Database<Bytes, Bytes>> {
+        let dbs = self.dbs.read().unwrap_or_else(|e| e.into_inner());
+        dbs.get(table).copied()
+    }
+
     /// The database of `table`'s rows, opened once (in its own read transaction, committed so
     /// the handle outlives it).
     fn rows_db(&self, table: &str) -> Result<Database<Bytes, Bytes>> {
-        if let Some(db) = self
-            .dbs
-            .read()
-            .unwrap_or_else(|e| e.into_inner())
-            .get(table)
-        {
-            return Ok(*db);
+        if let Some(db) = self.cached_db(table) {
+            return Ok(db);
         }
         let txn = self.read_txn()?;
         let db: Option<Database<Bytes, Bytes>> = self
@@ -662,13 +656,8 @@ impl Artifact {
     /// The rows database of sparse `table`, opened before the caller's read transaction
     /// begins (LMDB refuses a handle opened after the transaction that uses it started).
     fn table_db(&self, table: &str) -> Result<Database<Bytes, Bytes>> {
-        if let Some(db) = self
-            .dbs
-            .read()
-            .unwrap_or_else(|e| e.into_inner())
-            .get(table)
-        {
-            return Ok(*db);
+        if let Some(db) = self.cached_db(table) {
+            return Ok(db);
         }
         {
             let txn = self.read_txn()?;
@@ -935,34 +924,6 @@ fn read_sparse(dir: &Path, e: &TableEntry, dtype: Dtype) -> Result<Rows> {
     Ok(out)
 }
 
-fn dense_value(dir: &Path, e: &TableEntry) -> Result<Vec<f32>> {
-    let schema = PartSchema {
-        dim: e.dim,
-        state_len: e.state_len,
-    };
-    let fi = e.files.first().ok_or_else(|| {
-        corrupt(format!(
-            "{}: dense table {:?} has no file",
-            dir.display(),
-            e.name
-        ))
-    })?;
-    let mut value = None;
-    files::read_part(&dir.join(&fi.name), schema, fi, |b| {
-        if b.len() == 1 {
-            value = Some(b.weights.clone());
-        }
-        Ok(())
-    })?;
-    value.ok_or_else(|| {
-        corrupt(format!(
-            "{}: dense table {:?} has no value",
-            dir.display(),
-            e.name
-        ))
-    })
-}
-
 fn put(
     a: &Artifact,
     txn: &mut RwTxn<'_>,
@@ -1052,7 +1013,7 @@ fn apply_one(
                 });
             }
             TableRecord::Dense { config, .. } => {
-                let v = dense_value(dir, e)?;
+                let v = crate::snapshot::dense_value(dir, e)?.weights;
                 let mut b = Vec::with_capacity(v.len() * 4);
                 Dtype::Float32
                     .encode(&v, &mut b)
@@ -1212,9 +1173,7 @@ pub fn export(
         }
         std::fs::rename(&tmp, out)
             .map_err(|e| storage(format!("renaming into {}: {e}", out.display())))?;
-        File::open(&parent)
-            .and_then(|f| f.sync_all())
-            .map_err(|e| storage(format!("syncing {}: {e}", parent.display())))?;
+        fsync_dir(&parent)?;
         Ok(ex)
     });
     if r.is_err() {
@@ -1284,9 +1243,7 @@ fn build(
     a.env.force_sync().map_err(|e| lmdb(tmp, "syncing", e))?;
     let file_bytes = a.file_bytes();
     drop(a);
-    File::open(tmp)
-        .and_then(|f| f.sync_all())
-        .map_err(|e| storage(format!("syncing {}: {e}", tmp.display())))?;
+    fsync_dir(tmp)?;
     Ok(Exported {
         state,
         file_bytes,

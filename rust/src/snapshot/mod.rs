@@ -202,7 +202,7 @@ fn relative_to(child: &Path, parent: &Path) -> String {
     }
 }
 
-fn unix_time() -> f64 {
+pub(crate) fn unix_time() -> f64 {
     std::time::SystemTime::now()
         .duration_since(std::time::UNIX_EPOCH)
         .map_or(0.0, |d| d.as_secs_f64())
@@ -216,7 +216,7 @@ fn new_id() -> String {
     format!("{t:016x}-{salt:016x}")
 }
 
-fn fsync_dir(dir: &Path) -> Result<()> {
+pub(crate) fn fsync_dir(dir: &Path) -> Result<()> {
     std::fs::File::open(dir)
         .and_then(|f| f.sync_all())
         .map_err(|e| storage(format!("syncing {}: {e}", dir.display())))
@@ -924,35 +924,45 @@ impl Store {
                 Ok(())
             }
             Table::Dense(d) => {
-                let fi = entry.files.first().ok_or_else(|| {
-                    corrupt(format!(
-                        "{}: dense table {:?} has no file",
-                        dir.display(),
-                        entry.name
-                    ))
-                })?;
-                let mut value = None;
-                files::read_part(&dir.join(&fi.name), schema, fi, |b| {
-                    if b.len() == 1 {
-                        let mut w = Vec::new();
-                        b.row_words(0, schema, &mut w);
-                        value = Some(w);
-                    }
-                    Ok(())
-                })?;
-                let w = value.ok_or_else(|| {
-                    corrupt(format!(
-                        "{}: dense table {:?} has no value",
-                        dir.display(),
-                        entry.name
-                    ))
-                })?;
+                let b = dense_value(dir, entry)?;
+                let mut w = Vec::new();
+                b.row_words(0, schema, &mut w);
                 let mut words = vec![w[0], 0];
                 words.extend_from_slice(&w[crate::shard::META..]);
                 d.set_words(&words)
             }
         }
     }
+}
+
+/// The one row of dense table `entry` in the snapshot `dir` (value and optimizer state),
+/// checked like every part file.
+pub(crate) fn dense_value(dir: &Path, entry: &TableEntry) -> Result<files::RowBatch> {
+    let schema = PartSchema {
+        dim: entry.dim,
+        state_len: entry.state_len,
+    };
+    let fi = entry.files.first().ok_or_else(|| {
+        corrupt(format!(
+            "{}: dense table {:?} has no file",
+            dir.display(),
+            entry.name
+        ))
+    })?;
+    let mut value = None;
+    files::read_part(&dir.join(&fi.name), schema, fi, |b| {
+        if b.len() == 1 {
+            value = Some(b.clone());
+        }
+        Ok(())
+    })?;
+    value.ok_or_else(|| {
+        corrupt(format!(
+            "{}: dense table {:?} has no value",
+            dir.display(),
+            entry.name
+        ))
+    })
 }
 
 /// Checks every file of the chain ending at `dir` against its manifest (sizes and checksums);
