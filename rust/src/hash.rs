@@ -16,14 +16,13 @@ pub fn mix64(mut x: u64) -> u64 {
 /// The shard of `id` among `num_shards`: the high bits of the mixed id, scaled (no modulo bias).
 #[inline]
 pub fn shard_of(id: u64, num_shards: usize) -> usize {
-    ((mix64(id) as u128 * num_shards as u128) >> 64) as usize
+    shard_of_mix(mix64(id), num_shards)
 }
 
-/// The hash used inside a shard's index. It is drawn from different bits than [`shard_of`], so the
-/// ids of one shard still spread over the whole index.
+/// [`shard_of`] of the id whose [`mix64`] is `mix`.
 #[inline]
-pub fn index_hash(id: u64) -> u64 {
-    mix64(id ^ 0x9e37_79b9_7f4a_7c15)
+pub fn shard_of_mix(mix: u64, num_shards: usize) -> usize {
+    ((mix as u128 * num_shards as u128) >> 64) as usize
 }
 
 /// A splitmix64 stream: tiny, fast, and good enough for initial weights.

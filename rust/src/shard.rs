@@ -8,7 +8,7 @@
 //! push reads and writes one neighbourhood of memory.
 
 use crate::buffer::Buffer;
-use crate::hash::{index_hash, shard_of};
+use crate::hash::{mix64, shard_of_mix};
 
 /// Words of row header before the weights.
 pub const HEADER: usize = 8;
@@ -34,10 +34,24 @@ pub const NO_SLOT: u32 = u32::MAX;
 /// How far ahead the batched lookup prefetches (ids per pipeline stage).
 const AHEAD: usize = 8;
 
-/// The 32 bits of an id's index hash that an index entry keeps.
+/// The 32 bits of an id's hash that an index entry keeps: the low half of its [`mix64`], while
+/// the shard comes from the high bits (so one shard's ids still spread over its whole index).
 #[inline]
 fn frag(id: u64) -> u32 {
-    (index_hash(id) >> 32) as u32
+    mix64(id) as u32
+}
+
+/// Asks the CPU to start loading the cache line at `p`, which is about to be written; a hint with
+/// no effect on memory.
+#[inline(always)]
+pub fn prefetch_write<T>(p: *const T) {
+    #[cfg(target_arch = "x86_64")]
+    // SAFETY: a prefetch never faults and never changes memory, whatever the address.
+    unsafe {
+        std::arch::x86_64::_mm_prefetch::<{ std::arch::x86_64::_MM_HINT_ET0 }>(p.cast::<i8>())
+    };
+    #[cfg(not(target_arch = "x86_64"))]
+    let _ = p;
 }
 
 /// Asks the CPU to start loading the cache line at `p`; a hint with no effect on memory.
@@ -324,45 +338,48 @@ impl Shard {
 
     /// The slots of `ids[p]` for every position `p` of `positions`, in order, `NO_SLOT` where
     /// there is no row (see [`Shard::for_each_found`]).
-    pub fn find_many(&self, ids: &[u64], positions: &[u32], row_words: usize, out: &mut Vec<u32>) {
+    pub fn find_many(&self, ids: &[u64], part: Part<'_>, row_words: usize, out: &mut Vec<u32>) {
         out.clear();
-        out.reserve(positions.len());
-        self.for_each_found(ids, positions, row_words, |_, slot| out.push(slot));
+        out.reserve(part.positions.len());
+        self.for_each_found(ids, part, row_words, |_| {}, |_, slot| out.push(slot));
     }
 
-    /// Calls `f(k, slot)` for every `k` in order, with the slot of `ids[positions[k]]` or
+    /// Calls `f(k, slot)` for every `k` in order, with the slot of `ids[part.positions[k]]` or
     /// `NO_SLOT` where there is no row.
     ///
     /// Lookups are pipelined: the index line of an id is prefetched `AHEAD` ids before it is
     /// probed, and the candidate row (its header and the next `row_words` words, which `f` reads)
     /// `AHEAD` ids before it is confirmed and handed to `f`, so many cache misses are in flight
-    /// at once and `f` finds the row in cache.
+    /// at once and `f` finds the row in cache. `ahead(k)` is called when position `k`'s row is
+    /// being loaded, `AHEAD` ids before `f(k, ..)`, so that the caller can load what `f` writes.
     #[inline]
     pub fn for_each_found(
         &self,
         ids: &[u64],
-        positions: &[u32],
+        part: Part<'_>,
         row_words: usize,
+        mut ahead: impl FnMut(usize),
         mut f: impl FnMut(usize, u32),
     ) {
         const RING: usize = 2 * AHEAD;
+        let (positions, mixes) = (part.positions, part.mixes);
         let n = positions.len();
-        let mut frags = [0u32; RING];
         let mut cands = [NO_SLOT; RING];
         for i in 0..n + 2 * AHEAD {
             if i < n {
-                let fr = frag(ids[positions[i] as usize]);
-                frags[i % RING] = fr;
-                prefetch(&self.index.table[self.index.home(fr)]);
+                prefetch(&self.index.table[self.index.home(mixes[i] as u32)]);
             }
             if i >= AHEAD && i - AHEAD < n {
                 let j = i - AHEAD;
-                let c = self.index.candidate(frags[j % RING]);
+                let c = self.index.candidate(mixes[j] as u32);
                 cands[j % RING] = c;
                 if c != NO_SLOT {
                     // The candidate is almost always the row: load what `f` will read.
                     self.prefetch_row(c, HEADER + row_words);
                 }
+                // The batch's ids are read in shard order, not in memory order: load ahead.
+                prefetch(&ids[positions[j] as usize]);
+                ahead(j);
             }
             if i >= 2 * AHEAD {
                 let k = i - 2 * AHEAD;
@@ -601,40 +618,63 @@ pub fn bump_step(row: &mut [u32]) -> u32 {
 }
 
 /// A batch grouped by shard: `positions[offsets[s]..offsets[s + 1]]` are the positions (in the
-/// caller's arrays) of the ids that live in shard `s`, in increasing order.
+/// caller's arrays) of the ids that live in shard `s`, in increasing order, and `mixes` holds the
+/// [`mix64`] of the id at each of those positions (the shard and the index hash both come from
+/// it, so an id is hashed once per batch).
 pub struct Grouped {
     pub positions: Vec<u32>,
+    pub mixes: Vec<u64>,
     pub offsets: Vec<usize>,
+}
+
+/// One shard's share of a [`Grouped`] batch.
+#[derive(Clone, Copy)]
+pub struct Part<'a> {
+    pub positions: &'a [u32],
+    pub mixes: &'a [u64],
 }
 
 impl Grouped {
     /// Groups `ids` over `num_shards` shards with one counting sort.
     pub fn new(ids: &[u64], num_shards: usize) -> Self {
-        let shards: Vec<u32> = ids
-            .iter()
-            .map(|&id| shard_of(id, num_shards) as u32)
-            .collect();
+        let mixes: Vec<u64> = ids.iter().map(|&id| mix64(id)).collect();
         let mut offsets = vec![0usize; num_shards + 1];
-        for &s in &shards {
-            offsets[s as usize + 1] += 1;
+        for &m in &mixes {
+            offsets[shard_of_mix(m, num_shards) + 1] += 1;
         }
         for s in 0..num_shards {
             offsets[s + 1] += offsets[s];
         }
         let mut next = offsets.clone();
-        let mut positions = vec![0u32; shards.len()];
-        for (pos, &s) in shards.iter().enumerate() {
-            let n = &mut next[s as usize];
+        let mut positions = vec![0u32; ids.len()];
+        let mut grouped = vec![0u64; ids.len()];
+        for (pos, &m) in mixes.iter().enumerate() {
+            let n = &mut next[shard_of_mix(m, num_shards)];
             positions[*n] = pos as u32;
+            grouped[*n] = m;
             *n += 1;
         }
-        Self { positions, offsets }
+        Self {
+            positions,
+            mixes: grouped,
+            offsets,
+        }
     }
 
     /// The positions of shard `s`.
     #[inline]
     pub fn of(&self, s: usize) -> &[u32] {
         &self.positions[self.offsets[s]..self.offsets[s + 1]]
+    }
+
+    /// Shard `s`'s positions and their ids' mixes.
+    #[inline]
+    pub fn part(&self, s: usize) -> Part<'_> {
+        let r = self.offsets[s]..self.offsets[s + 1];
+        Part {
+            positions: &self.positions[r.clone()],
+            mixes: &self.mixes[r],
+        }
     }
 }
 
@@ -666,8 +706,13 @@ mod tests {
                     assert_eq!(shard.find(id).is_some(), model.contains_key(&id));
                     let ids: Vec<u64> = (0..64).map(|k| (id + k * 31) % 5_000).collect();
                     let pos: Vec<u32> = (0..64).rev().collect();
+                    let mixes: Vec<u64> = pos.iter().map(|&p| mix64(ids[p as usize])).collect();
+                    let part = Part {
+                        positions: &pos,
+                        mixes: &mixes,
+                    };
                     let mut slots = Vec::new();
-                    shard.find_many(&ids, &pos, 1, &mut slots);
+                    shard.find_many(&ids, part, 1, &mut slots);
                     for (&p, &slot) in pos.iter().zip(&slots) {
                         assert_eq!(slot, shard.find(ids[p as usize]).unwrap_or(NO_SLOT));
                     }
@@ -739,7 +784,15 @@ mod tests {
         for s in 0..7 {
             let p = g.of(s);
             assert!(p.windows(2).all(|w| w[0] < w[1]));
-            assert!(p.iter().all(|&i| shard_of(ids[i as usize], 7) == s));
+            assert!(p
+                .iter()
+                .all(|&i| crate::hash::shard_of(ids[i as usize], 7) == s));
+            let part = g.part(s);
+            assert!(part
+                .positions
+                .iter()
+                .zip(part.mixes)
+                .all(|(&i, &m)| m == mix64(ids[i as usize])));
         }
     }
 }

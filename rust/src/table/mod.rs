@@ -242,16 +242,22 @@ pub(crate) fn check_finite_slice(table: &str, grads: &[f32], dim: usize) -> Resu
 }
 
 /// A raw pointer into a buffer that parallel tasks write at disjoint positions.
-#[derive(Clone, Copy)]
-struct Disjoint(*mut u32);
-// SAFETY: used only by `group_ids`, whose tasks write disjoint ranges of one buffer that outlives
-// them (rayon joins before the buffer is read).
-unsafe impl Send for Disjoint {}
+struct Disjoint<T>(*mut T);
+// SAFETY: used only by `group_ids`, whose tasks write disjoint ranges of buffers that outlive
+// them (rayon joins before the buffers are read).
+unsafe impl<T> Send for Disjoint<T> {}
 // SAFETY: as above.
-unsafe impl Sync for Disjoint {}
+unsafe impl<T> Sync for Disjoint<T> {}
 
-impl Disjoint {
-    fn get(self) -> *mut u32 {
+impl<T> Clone for Disjoint<T> {
+    fn clone(&self) -> Self {
+        *self
+    }
+}
+impl<T> Copy for Disjoint<T> {}
+
+impl<T> Disjoint<T> {
+    fn get(self) -> *mut T {
         self.0
     }
 }
@@ -267,18 +273,15 @@ pub(crate) fn group_ids(exec: &Executor, ids: &[u64], num_shards: usize) -> Grou
     use rayon::prelude::*;
     let chunk = ids.len().div_ceil(2 * threads);
     exec.install(|| {
-        let parts: Vec<(Vec<u32>, Vec<usize>)> = ids
+        let parts: Vec<(Vec<u64>, Vec<usize>)> = ids
             .par_chunks(chunk)
             .map(|c| {
-                let shards: Vec<u32> = c
-                    .iter()
-                    .map(|&id| crate::hash::shard_of(id, num_shards) as u32)
-                    .collect();
+                let mixes: Vec<u64> = c.iter().map(|&id| crate::hash::mix64(id)).collect();
                 let mut counts = vec![0usize; num_shards];
-                for &s in &shards {
-                    counts[s as usize] += 1;
+                for &m in &mixes {
+                    counts[crate::hash::shard_of_mix(m, num_shards)] += 1;
                 }
-                (shards, counts)
+                (mixes, counts)
             })
             .collect();
         let mut offsets = vec![0usize; num_shards + 1];
@@ -298,22 +301,33 @@ pub(crate) fn group_ids(exec: &Executor, ids: &[u64], num_shards: usize) -> Grou
             })
             .collect();
         let mut positions = vec![0u32; ids.len()];
-        let out = Disjoint(positions.as_mut_ptr());
+        let mut grouped = vec![0u64; ids.len()];
+        let (out, out_mix) = (
+            Disjoint(positions.as_mut_ptr()),
+            Disjoint(grouped.as_mut_ptr()),
+        );
         parts
             .par_iter()
             .zip(starts)
             .enumerate()
-            .for_each(|(k, ((shards, _), mut at))| {
+            .for_each(|(k, ((mixes, _), mut at))| {
                 let base = k * chunk;
-                for (i, &s) in shards.iter().enumerate() {
-                    let slot = &mut at[s as usize];
-                    // SAFETY: `*slot` stays inside this part's range of shard `s`, which no other
+                for (i, &m) in mixes.iter().enumerate() {
+                    let slot = &mut at[crate::hash::shard_of_mix(m, num_shards)];
+                    // SAFETY: `*slot` stays inside this part's range of the shard, which no other
                     // part writes, and below `ids.len()`.
-                    unsafe { *out.get().add(*slot) = (base + i) as u32 };
+                    unsafe {
+                        *out.get().add(*slot) = (base + i) as u32;
+                        *out_mix.get().add(*slot) = m;
+                    }
                     *slot += 1;
                 }
             });
-        Grouped { positions, offsets }
+        Grouped {
+            positions,
+            mixes: grouped,
+            offsets,
+        }
     })
 }
 
@@ -343,6 +357,7 @@ mod tests {
                 let b = Grouped::new(&ids, shards);
                 assert_eq!(a.offsets, b.offsets);
                 assert_eq!(a.positions, b.positions, "n {n} shards {shards}");
+                assert_eq!(a.mixes, b.mixes, "n {n} shards {shards}");
             }
         }
     }

@@ -15,8 +15,8 @@ use crate::executor::PushHandle;
 use crate::init::Initializer;
 use crate::optimizer::OptimizerConfig;
 use crate::shard::{
-    as_f32, as_f32_mut, bump_step, prefetch_lines, row_version, Grouped, Shard, FREQ, HEADER, META,
-    NO_SLOT,
+    as_f32, as_f32_mut, bump_step, prefetch_lines, row_version, Grouped, Part, Shard, FREQ, HEADER,
+    META, NO_SLOT,
 };
 use crate::storage::{words_into, Db, Storage};
 
@@ -143,6 +143,23 @@ impl OutPtr {
     fn get(self) -> *mut f32 {
         self.0
     }
+}
+
+/// Copies `src` to `dst` in blocks of 16 floats the compiler turns into vector moves, rather than
+/// a call to `memcpy` per row.
+///
+/// # Safety
+/// `dst` must be valid for writes of `src.len()` floats that do not overlap `src`.
+#[inline(always)]
+unsafe fn copy_floats(src: &[f32], dst: *mut f32) {
+    let (blocks, rest) = src.as_chunks::<16>();
+    for (i, b) in blocks.iter().enumerate() {
+        // SAFETY: block `i` lies inside the `src.len()` floats the caller vouches for.
+        unsafe { dst.add(i * 16).cast::<[f32; 16]>().write_unaligned(*b) };
+    }
+    let done = blocks.len() * 16;
+    // SAFETY: as above, for the floats after the blocks.
+    unsafe { std::ptr::copy_nonoverlapping(rest.as_ptr(), dst.add(done), rest.len()) };
 }
 
 /// A sharded sparse table. Every method takes `&self`; each shard has its own lock, held once per
@@ -388,16 +405,16 @@ impl SparseTable {
     }
 
     /// Runs `f` for every non-empty shard of the batch, in parallel when the batch is large.
-    fn for_each_shard(&self, g: &Grouped, n: usize, f: impl Fn(usize, &[u32]) + Sync + Send) {
+    fn for_each_shard(&self, g: &Grouped, n: usize, f: impl Fn(usize, Part<'_>) + Sync + Send) {
         let shards = self.shards.len();
         // Each batch starts its sweep at another shard, so that concurrent batches do not walk
         // the shards in lockstep, one waiting behind the other at every shard.
         let start = self.sweep.fetch_add(1, Ordering::Relaxed) % shards;
         let visit = |i: usize| {
             let s = (start + i) % shards;
-            let pos = g.of(s);
-            if !pos.is_empty() {
-                f(s, pos);
+            let part = g.part(s);
+            if !part.positions.is_empty() {
+                f(s, part);
             }
         };
         if n >= PARALLEL_MIN_IDS && self.common.exec.threads() > 1 {
@@ -436,23 +453,26 @@ impl SparseTable {
         let created = std::sync::atomic::AtomicU64::new(0);
         let failure: Mutex<Option<crate::Error>> = Mutex::new(None);
         let g = self.group(ids);
-        self.for_each_shard(&g, ids.len(), |s, pos| {
+        self.for_each_shard(&g, ids.len(), |s, part| {
+            let pos = part.positions;
             let copy = |shard: &Shard, slot: u32, p: u32| {
                 let row = as_f32(&shard.row(slot)[HEADER..HEADER + dim]);
                 // SAFETY: `p < ids.len()`, so the row lies inside `out`'s capacity, and only
                 // this task writes row `p` (see `OutPtr`).
-                unsafe {
-                    std::ptr::copy_nonoverlapping(
-                        row.as_ptr(),
-                        ptr.get().add(p as usize * dim),
-                        dim,
-                    )
-                };
+                unsafe { copy_floats(row, ptr.get().add(p as usize * dim)) };
             };
             let mut missing = Vec::new();
             {
                 let shard = self.read(s);
-                shard.for_each_found(ids, pos, dim, |k, slot| {
+                let ahead = |k: usize| {
+                    let dst = ptr.get().wrapping_add(pos[k] as usize * dim);
+                    let mut off = 0;
+                    while off < dim {
+                        crate::shard::prefetch_write(dst.wrapping_add(off));
+                        off += 16;
+                    }
+                };
+                shard.for_each_found(ids, part, dim, ahead, |k, slot| {
                     if slot == NO_SLOT {
                         missing.push(pos[k]);
                     } else {
@@ -848,10 +868,11 @@ impl SparseTable {
         let changing = self.changing();
         let version = self.seq.fetch_add(1, Ordering::Relaxed) + 1;
         let now = unix_now();
-        self.for_each_shard(&g, ids.len(), |s, pos| {
+        self.for_each_shard(&g, ids.len(), |s, part| {
+            let pos = part.positions;
             let mut shard = self.write(s);
             let mut slots = Vec::new();
-            shard.find_many(ids, pos, 0, &mut slots);
+            shard.find_many(ids, part, 0, &mut slots);
             let made = self.admit(s, &mut shard, ids, pos, &mut slots, version, now);
             let mut pairs: Vec<u64> = pos
                 .iter()
@@ -1002,10 +1023,11 @@ impl SparseTable {
         }
         let g = self.group(ids);
         let _changing = self.changing();
-        self.for_each_shard(&g, ids.len(), |s, pos| {
+        self.for_each_shard(&g, ids.len(), |s, part| {
+            let pos = part.positions;
             let mut shard = self.write(s);
             let mut slots = Vec::new();
-            shard.find_many(ids, pos, 0, &mut slots);
+            shard.find_many(ids, part, 0, &mut slots);
             for (&p, &slot) in pos.iter().zip(&slots) {
                 let p = p as usize;
                 let (slot, _) = shard.put_words_at(ids[p], slot, &words[p * m..(p + 1) * m]);
