@@ -215,7 +215,6 @@ const PARALLEL_SCAN: usize = 1 << 18;
 
 /// Fails with the position of the first NaN or infinity in `grads`, read as rows of `dim`.
 pub(crate) fn check_finite(exec: &Executor, table: &str, grads: &[f32], dim: usize) -> Result<()> {
-    let all_finite = |c: &[f32]| c.iter().all(|g| g.is_finite());
     let ok = if grads.len() >= PARALLEL_SCAN && exec.threads() > 1 {
         use rayon::prelude::*;
         exec.install(|| grads.par_chunks(1 << 16).all(all_finite))
@@ -228,8 +227,27 @@ pub(crate) fn check_finite(exec: &Executor, table: &str, grads: &[f32], dim: usi
     check_finite_slice(table, grads, dim)
 }
 
+/// Whether every value of `v` is finite.
+///
+/// A value is NaN or infinite when all its exponent bits are set, so the largest exponent field
+/// of a block tells whether the block has one; that maximum is computed without a branch per
+/// value, which the compiler turns into vector code (about four times the speed of testing each
+/// value with an early exit). Blocks of 1024 values still stop the scan soon after a bad one.
+fn all_finite(v: &[f32]) -> bool {
+    const EXP: u32 = 0x7f80_0000;
+    v.chunks(1024).all(|block| {
+        block
+            .iter()
+            .fold(0u32, |worst, x| worst.max(x.to_bits() & EXP))
+            != EXP
+    })
+}
+
 /// [`check_finite`] on the calling thread.
 pub(crate) fn check_finite_slice(table: &str, grads: &[f32], dim: usize) -> Result<()> {
+    if all_finite(grads) {
+        return Ok(());
+    }
     let Some(i) = grads.iter().position(|g| !g.is_finite()) else {
         return Ok(());
     };
@@ -344,6 +362,37 @@ pub(crate) fn validate_name(name: &str) -> Result<()> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn the_finite_scan_finds_every_non_finite_value() {
+        let finite = [
+            0.0f32,
+            -0.0,
+            1.5,
+            f32::MAX,
+            f32::MIN,
+            f32::MIN_POSITIVE,
+            1e-45,
+        ];
+        for n in [0usize, 1, 15, 1023, 1024, 1025, 5000] {
+            let v: Vec<f32> = (0..n).map(|i| finite[i % finite.len()]).collect();
+            assert!(all_finite(&v));
+            for bad in [f32::NAN, -f32::NAN, f32::INFINITY, f32::NEG_INFINITY] {
+                for at in [0, n / 2, n.saturating_sub(1)] {
+                    if at < n {
+                        let mut w = v.clone();
+                        w[at] = bad;
+                        assert!(!all_finite(&w), "n {n} at {at} {bad}");
+                        let e = check_finite_slice("t", &w, 4).unwrap_err().to_string();
+                        assert!(
+                            e.contains(&format!("row {}, column {}", at / 4, at % 4)),
+                            "{e}"
+                        );
+                    }
+                }
+            }
+        }
+    }
 
     #[test]
     fn parallel_grouping_equals_sequential_grouping() {
