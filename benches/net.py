@@ -1,5 +1,5 @@
-"""W6's servers on loopback: a pstore server process and redis-server, started on free ports and
-stopped by their pids.
+"""W6's servers on loopback: a pstore server process, redis-server and the bare-TCP floor
+(``tcp_floor.py``), started on free ports and stopped by their pids.
 
 Both run as child processes of the benchmark, logging to files in a temporary directory; a
 server that exits early has its log's last lines put in the error.
@@ -136,6 +136,25 @@ def wait_serving(pstore: ModuleType, server: ServerProcess) -> None:
     except BaseException:
         server.stop()
         raise
+
+
+def start_tcp_floor(workdir: Path) -> ServerProcess:
+    """``tcp_floor.py`` on a free 127.0.0.1 port (see that module)."""
+    port = free_port()
+    script = str(Path(__file__).resolve().parent / "tcp_floor.py")
+    server = ServerProcess(
+        "tcp-floor", [sys.executable, script, str(port)], workdir, f"127.0.0.1:{port}"
+    )
+
+    def check() -> None:
+        socket.create_connection(("127.0.0.1", port), timeout=2.0).close()
+
+    try:
+        server.wait_ready(check)
+    except BaseException:
+        server.stop()
+        raise
+    return server
 
 
 def start_redis(redis: ModuleType, path: str, workdir: Path) -> tuple[ServerProcess, Any]:

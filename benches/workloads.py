@@ -32,7 +32,13 @@ from harness import (
     rows_from_rates,
     run_child,
 )
-from net import ServerProcess, redis_server_path, start_pstore_server, start_redis
+from net import (
+    ServerProcess,
+    redis_server_path,
+    start_pstore_server,
+    start_redis,
+    start_tcp_floor,
+)
 from peers import (
     ArrowIpcFile,
     DictTake,
@@ -43,6 +49,7 @@ from peers import (
     TorchEmbeddingPull,
     TorchSparseStep,
 )
+from tcp_floor import TcpFloor
 
 POPULATE_BATCH = 65536
 RAW_W3_BYTES_PER_KEY = (16 + 16) * 4
@@ -974,6 +981,7 @@ W6_TABLE = "w6"
 W6_REF = "pstore server"
 W6_LOCAL = "in-process"
 W6_REDIS = {"pull": ("redis MGET",), "push": ("redis SET pipeline", "redis MSET")}
+W6_FLOOR = "loopback TCP floor"
 # Memory per row: the server's table, the in-process table and Redis's copy (~400 B each).
 W6_MEM_PER_ROW = 3 * 400
 
@@ -1088,6 +1096,8 @@ def _w6_case(
             raise _W6Stop(f"the pstore server exited ({server.log_tail()})") from exc
         return
     rates = {name: [r["ids"] / r["seconds"] for r in rs] for name, rs in res.items()}
+    if W6_FLOOR in rates:
+        sec.notes.append(_w6_floor_note(case, batch, rates))
     rows = rows_from_rates("W6", case, "zipf", batch, rates, W6_REF, targets, skipped)
     for row in rows:
         row.extra["threads"] = threads
@@ -1095,6 +1105,20 @@ def _w6_case(
             continue
         row.extra.update(latency_extra(res[row.impl]))
     sec.rows += rows
+
+
+def _w6_floor_note(case: str, batch: int, rates: dict[str, list[float]]) -> str:
+    """What the bare loopback transfer of the same answers allows: the best ratio against each
+    target's peer that any pull over TCP could reach here."""
+    med = {name: statistics.median(r) for name, r in rates.items()}
+    floor = med[W6_FLOOR]
+    head = f"{case}, batch {batch}: a bare TCP transfer of the answers runs at {floor:,.0f} ids/s"
+    parts = [head]
+    for peer in ("redis MGET", W6_LOCAL):
+        if peer in med:
+            parts.append(f"{floor / med[peer]:.2f}x {peer}")
+    parts.append(f"the pstore server reaches {med[W6_REF] / floor:.2f} of it")
+    return "; ".join(parts)
 
 
 def _w6_calls(
@@ -1160,6 +1184,10 @@ def w6_network(ctx: Context) -> Section:
         server = start_pstore_server(pstore, pstore_search_dir(pstore), work)
         servers.append(server)
         sec.config["pstore_server"] = f"{server.address} pid {server.pid}"
+        log("W6: starting the bare-TCP floor server")
+        floor_server = start_tcp_floor(work)
+        servers.append(floor_server)
+        floor = TcpFloor(floor_server.address)
         remote = pstore.connect([server.address])
         sgd = pstore.optim.SGD(lr=W6_LR)
         rt = remote.create_sparse_table(W6_TABLE, W6_DIM, optimizer=sgd)
@@ -1212,6 +1240,11 @@ def w6_network(ctx: Context) -> Section:
                 calls = _w6_calls(op, rt, lt, peer, ids, keys, grads)
                 skipped = {name: redis_skip for name in W6_REDIS[op]} if redis_skip else {}
                 for threads in W6_THREADS:
+                    calls.pop(W6_FLOOR, None)
+                    if op == "pull" and threads == 1:
+                        # One thread only: Python threads sharing the GIL would measure the GIL.
+                        nbytes = batch * W6_DIM * 4
+                        calls[W6_FLOOR] = lambda i, nbytes=nbytes: floor.pull(nbytes)
                     _w6_case(
                         sec, op, threads, batch, calls, sizes, reps, sz.w6_cap_s, skipped, server
                     )
@@ -1219,6 +1252,7 @@ def w6_network(ctx: Context) -> Section:
         if len(rt) != n or len(lt) != n:
             sec.notes.append(f"after W6: rows {len(rt):,} (server), {len(lt):,} (in-process)")
         remote.close()
+        floor.close()
     except _W6Stop as exc:
         sec.notes.append(f"stopped early: {exc}")
     finally:
