@@ -598,6 +598,13 @@ impl Shard {
         out[start + FLAGS - 2] = 0;
     }
 
+    /// The slots of every stored row, ascending (the order of the rows in memory).
+    pub fn sorted_slots(&self, out: &mut Vec<u32>) {
+        out.clear();
+        out.extend(self.index.slots());
+        out.sort_unstable();
+    }
+
     /// Every stored (id, slot), in no particular order.
     pub fn iter(&self) -> impl Iterator<Item = (u64, u32)> + '_ {
         self.index.slots().map(move |slot| (self.id_at(slot), slot))

@@ -19,11 +19,19 @@ use std::ptr::NonNull;
 use std::sync::Arc;
 
 use arrow_array::types::{ArrowPrimitiveType, Float32Type, UInt32Type, UInt64Type};
-use arrow_array::{Array, ArrayRef, FixedSizeListArray, PrimitiveArray, RecordBatch};
-use arrow_buffer::{Buffer, ScalarBuffer};
+use arrow_array::{Array, FixedSizeListArray, PrimitiveArray, RecordBatch};
+use arrow_buffer::{ArrowNativeType, Buffer, ToByteSlice};
+use arrow_ipc::convert::IpcSchemaEncoder;
 use arrow_ipc::reader::{read_footer_length, FileDecoder};
-use arrow_ipc::writer::FileWriter;
+use arrow_ipc::writer::{
+    write_message, DictionaryTracker, EncodedData, IpcDataGenerator, IpcWriteOptions,
+};
+use arrow_ipc::{
+    Block, Buffer as IpcBuffer, FieldNode, FooterBuilder, MessageBuilder, MessageHeader,
+    MetadataVersion, RecordBatchBuilder,
+};
 use arrow_schema::{ArrowError, DataType, Field, Schema};
+use flatbuffers::FlatBufferBuilder;
 
 use crate::error::{corrupt, storage, Error, Result};
 
@@ -33,7 +41,8 @@ const KIND_KEY: &str = "pstore.kind";
 const KIND_ROWS: &str = "rows";
 const KIND_IDS: &str = "ids";
 const MAGIC: &[u8; 6] = b"ARROW1";
-/// Buffer between the Arrow writer and the hashing file writer.
+/// Buffer for the small writes (message headers, small columns) before the hashing file writer;
+/// larger writes bypass it.
 const WRITE_BUFFER: usize = 1 << 20;
 
 /// The shape of a part file's rows.
@@ -102,26 +111,26 @@ impl RowBatch {
         self.updated_at.push(words[4]);
         self.freq.push(words[5]);
         let (weights, state) = words[6..].split_at(schema.dim);
-        self.weights
-            .extend(weights.iter().map(|&w| f32::from_bits(w)));
-        self.state.extend(state.iter().map(|&w| f32::from_bits(w)));
+        self.weights.extend_from_slice(as_floats(weights));
+        self.state.extend_from_slice(as_floats(state));
     }
 
     /// Row `i` back as words (reserved word = 0), appended to `out`.
     pub fn row_words(&self, i: usize, schema: PartSchema, out: &mut Vec<u32>) {
-        let version = self.version[i];
-        out.extend_from_slice(&[
-            self.step[i],
-            0,
-            version as u32,
-            (version >> 32) as u32,
-            self.updated_at[i],
-            self.freq[i],
-        ]);
-        let weights = &self.weights[i * schema.dim..(i + 1) * schema.dim];
-        out.extend(weights.iter().map(|w| w.to_bits()));
-        let state = &self.state[i * schema.state_len..(i + 1) * schema.state_len];
-        out.extend(state.iter().map(|w| w.to_bits()));
+        self.as_slices().row_words(i, schema, out)
+    }
+
+    /// The columns, borrowed.
+    pub fn as_slices(&self) -> RowSlices<'_> {
+        RowSlices {
+            ids: &self.ids,
+            step: &self.step,
+            version: &self.version,
+            updated_at: &self.updated_at,
+            freq: &self.freq,
+            weights: &self.weights,
+            state: &self.state,
+        }
     }
 
     /// Whether all columns agree with `len()` and `schema`.
@@ -134,6 +143,74 @@ impl RowBatch {
             && self.weights.len() == n * schema.dim
             && self.state.len() == n * schema.state_len
     }
+}
+
+/// Rows in borrowed columns, laid out like [`RowBatch`]'s: what [`read_part`] hands out, straight
+/// from the file's bytes.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct RowSlices<'a> {
+    pub ids: &'a [u64],
+    pub step: &'a [u32],
+    pub version: &'a [u64],
+    pub updated_at: &'a [u32],
+    pub freq: &'a [u32],
+    pub weights: &'a [f32],
+    pub state: &'a [f32],
+}
+
+impl RowSlices<'_> {
+    /// Number of rows.
+    pub fn len(&self) -> usize {
+        self.ids.len()
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.ids.is_empty()
+    }
+
+    /// Row `i` as words (reserved word = 0), appended to `out`; see [`RowBatch::push_words`].
+    pub fn row_words(&self, i: usize, schema: PartSchema, out: &mut Vec<u32>) {
+        let version = self.version[i];
+        out.extend_from_slice(&[
+            self.step[i],
+            0,
+            version as u32,
+            (version >> 32) as u32,
+            self.updated_at[i],
+            self.freq[i],
+        ]);
+        out.extend_from_slice(as_words(
+            &self.weights[i * schema.dim..(i + 1) * schema.dim],
+        ));
+        out.extend_from_slice(as_words(
+            &self.state[i * schema.state_len..(i + 1) * schema.state_len],
+        ));
+    }
+
+    /// An owned copy.
+    pub fn to_batch(&self) -> RowBatch {
+        RowBatch {
+            ids: self.ids.to_vec(),
+            step: self.step.to_vec(),
+            version: self.version.to_vec(),
+            updated_at: self.updated_at.to_vec(),
+            freq: self.freq.to_vec(),
+            weights: self.weights.to_vec(),
+            state: self.state.to_vec(),
+        }
+    }
+}
+
+/// Floats as their bits, without a per-element conversion.
+fn as_words(floats: &[f32]) -> &[u32] {
+    // SAFETY: f32 and u32 have the same size and alignment and every bit pattern is a valid u32.
+    unsafe { std::slice::from_raw_parts(floats.as_ptr().cast::<u32>(), floats.len()) }
+}
+
+/// Float bits as floats, without a per-element conversion (so the copy is a memcpy).
+fn as_floats(words: &[u32]) -> &[f32] {
+    // SAFETY: f32 and u32 have the same size and alignment and every bit pattern is a valid f32.
+    unsafe { std::slice::from_raw_parts(words.as_ptr().cast::<f32>(), words.len()) }
 }
 
 /// What the manifest records of one file.
@@ -254,11 +331,46 @@ fn check_schema(path: &Path, found: &Schema, expected: &Schema, what: &str) -> R
 // ---------------------------------------------------------------------------------------------
 // Writing
 
+/// Written bytes after which the file's writeback is started (see [`HashingFile::kick`]).
+const WRITEBACK_STEP: u64 = 8 << 20;
+
 /// The file under the write buffer: hashes and counts every byte that reaches the OS.
 struct HashingFile {
     file: File,
     hasher: crc32fast::Hasher,
     bytes: u64,
+    /// Bytes whose writeback has been started.
+    kicked: u64,
+}
+
+impl HashingFile {
+    fn new(file: File) -> Self {
+        Self {
+            file,
+            hasher: crc32fast::Hasher::new(),
+            bytes: 0,
+            kicked: 0,
+        }
+    }
+
+    /// Starts writing the bytes written so far back to disk without waiting for it, so that
+    /// the device works while the file is being written and the final fsync has little left
+    /// to do. Only a hint: errors surface at the fsync.
+    fn kick(&mut self) {
+        #[cfg(target_os = "linux")]
+        if self.bytes - self.kicked >= WRITEBACK_STEP {
+            // SAFETY: a plain system call on our own open file; it touches no memory.
+            unsafe {
+                libc::sync_file_range(
+                    std::os::fd::AsRawFd::as_raw_fd(&self.file),
+                    self.kicked as libc::off64_t,
+                    (self.bytes - self.kicked) as libc::off64_t,
+                    libc::SYNC_FILE_RANGE_WRITE,
+                );
+            }
+            self.kicked = self.bytes;
+        }
+    }
 }
 
 impl Write for HashingFile {
@@ -267,6 +379,7 @@ impl Write for HashingFile {
         let n = self.file.write(&buf[..buf.len().min(WRITE_BUFFER)])?;
         self.hasher.update(&buf[..n]);
         self.bytes += n as u64;
+        self.kick();
         Ok(n)
     }
 
@@ -282,54 +395,187 @@ fn write_error(path: &Path, e: ArrowError) -> Error {
     }
 }
 
-/// Writes an Arrow IPC file batch by batch.
+/// Body buffers start at multiples of this many bytes (as arrow-rs and pyarrow write them).
+const ALIGNMENT: usize = 64;
+const PADDING: [u8; ALIGNMENT] = [0; ALIGNMENT];
+
+/// Zero bytes that bring `len` to a multiple of [`ALIGNMENT`].
+fn padding(len: usize) -> usize {
+    len.next_multiple_of(ALIGNMENT) - len
+}
+
+/// One non-null column of a record batch: its values as bytes, and for a
+/// FixedSizeList<Float32, size> column the list size.
+struct Column<'a> {
+    values: &'a [u8],
+    list: Option<usize>,
+}
+
+impl<'a> Column<'a> {
+    fn primitive<T: ArrowNativeType>(values: &'a [T]) -> Self {
+        Self {
+            values: values.to_byte_slice(),
+            list: None,
+        }
+    }
+
+    fn list(values: &'a [f32], size: usize) -> Self {
+        Self {
+            values: values.to_byte_slice(),
+            list: Some(size),
+        }
+    }
+}
+
+/// Writes an Arrow IPC file batch by batch. The header (magic, schema message) and footer are
+/// arrow-rs's own encoding; record batch messages are written here, straight from the caller's
+/// column buffers (no copy into an encoder buffer). Columns are non-null: every validity buffer
+/// is empty, as the Arrow format allows for a null count of 0 (pyarrow writes them so too).
 struct IpcFile {
     path: PathBuf,
     name: String,
     rows: u64,
-    writer: FileWriter<BufWriter<HashingFile>>,
+    schema: Schema,
+    out: BufWriter<HashingFile>,
+    options: IpcWriteOptions,
+    /// Bytes written so far (the offset of the next message).
+    offset: usize,
+    blocks: Vec<Block>,
+    /// Reused per batch.
+    nodes: Vec<FieldNode>,
+    buffers: Vec<IpcBuffer>,
 }
 
 impl IpcFile {
     fn create(path: &Path, name: &str, schema: &Schema) -> Result<Self> {
+        let io = |e: std::io::Error| storage(format!("writing {}: {e}", path.display()));
         let file = OpenOptions::new()
             .write(true)
             .create_new(true)
             .open(path)
             .map_err(|e| storage(format!("creating {}: {e}", path.display())))?;
-        let inner = HashingFile {
-            file,
-            hasher: crc32fast::Hasher::new(),
-            bytes: 0,
-        };
-        let writer = FileWriter::try_new(BufWriter::with_capacity(WRITE_BUFFER, inner), schema)
-            .map_err(|e| write_error(path, e))?;
+        let mut out = BufWriter::with_capacity(WRITE_BUFFER, HashingFile::new(file));
+        let options = IpcWriteOptions::default();
+        let header = MAGIC.len() + padding(MAGIC.len());
+        out.write_all(MAGIC).map_err(io)?;
+        out.write_all(&PADDING[..padding(MAGIC.len())])
+            .map_err(io)?;
+        let encoded = IpcDataGenerator::default().schema_to_bytes_with_dictionary_tracker(
+            schema,
+            &mut DictionaryTracker::new(true),
+            &options,
+        );
+        let (meta, data) =
+            write_message(&mut out, encoded, &options).map_err(|e| write_error(path, e))?;
         Ok(Self {
             path: path.to_path_buf(),
             name: name.to_string(),
             rows: 0,
-            writer,
+            schema: schema.clone(),
+            out,
+            options,
+            offset: header + meta + data,
+            blocks: Vec::new(),
+            nodes: Vec::new(),
+            buffers: Vec::new(),
         })
     }
 
-    fn write(&mut self, columns: Vec<ArrayRef>) -> Result<()> {
-        let batch = RecordBatch::try_new(self.writer.schema().clone(), columns)
+    fn io_error(&self, e: std::io::Error) -> Error {
+        storage(format!("writing {}: {e}", self.path.display()))
+    }
+
+    /// Appends one record batch of `rows` rows; `columns` follow the schema.
+    fn write(&mut self, rows: usize, columns: &[Column]) -> Result<()> {
+        if columns.len() != self.schema.fields().len() {
+            return Err(Error::Internal(format!(
+                "writing {}: {} columns for a schema of {}",
+                self.path.display(),
+                columns.len(),
+                self.schema.fields().len()
+            )));
+        }
+        self.nodes.clear();
+        self.buffers.clear();
+        let mut body = 0usize;
+        for c in columns {
+            self.nodes.push(FieldNode::new(rows as i64, 0));
+            // The (empty) validity buffer of the column, then of the list's child.
+            self.buffers.push(IpcBuffer::new(body as i64, 0));
+            if let Some(size) = c.list {
+                self.nodes.push(FieldNode::new((rows * size) as i64, 0));
+                self.buffers.push(IpcBuffer::new(body as i64, 0));
+            }
+            self.buffers
+                .push(IpcBuffer::new(body as i64, c.values.len() as i64));
+            body += c.values.len() + padding(c.values.len());
+        }
+        let mut fbb = FlatBufferBuilder::new();
+        let buffers = fbb.create_vector(&self.buffers);
+        let nodes = fbb.create_vector(&self.nodes);
+        let header = {
+            let mut b = RecordBatchBuilder::new(&mut fbb);
+            b.add_length(rows as i64);
+            b.add_nodes(nodes);
+            b.add_buffers(buffers);
+            b.finish().as_union_value()
+        };
+        let mut message = MessageBuilder::new(&mut fbb);
+        message.add_version(MetadataVersion::V5);
+        message.add_header_type(MessageHeader::RecordBatch);
+        message.add_bodyLength(body as i64);
+        message.add_header(header);
+        let root = message.finish();
+        fbb.finish(root, None);
+        let encoded = EncodedData {
+            ipc_message: fbb.finished_data().to_vec(),
+            arrow_data: Vec::new(),
+        };
+        let (meta, _) = write_message(&mut self.out, encoded, &self.options)
             .map_err(|e| write_error(&self.path, e))?;
-        self.writer
-            .write(&batch)
-            .map_err(|e| write_error(&self.path, e))?;
-        self.rows += batch.num_rows() as u64;
+        for c in columns {
+            // Large columns bypass the write buffer: one copy, into the page cache.
+            let pad = &PADDING[..padding(c.values.len())];
+            self.out
+                .write_all(c.values)
+                .and_then(|_| self.out.write_all(pad))
+                .map_err(|e| self.io_error(e))?;
+        }
+        self.blocks
+            .push(Block::new(self.offset as i64, meta as i32, body as i64));
+        self.offset += meta + body;
+        self.rows += rows as u64;
         Ok(())
     }
 
     fn finish(mut self) -> Result<FileInfo> {
+        // End-of-stream marker, then the footer, its length and the magic.
+        let mut fbb = FlatBufferBuilder::new();
+        let dictionaries = fbb.create_vector::<Block>(&[]);
+        let record_batches = fbb.create_vector(&self.blocks);
+        let schema = IpcSchemaEncoder::new().schema_to_fb_offset(&mut fbb, &self.schema);
+        let root = {
+            let mut footer = FooterBuilder::new(&mut fbb);
+            footer.add_version(MetadataVersion::V5);
+            footer.add_schema(schema);
+            footer.add_dictionaries(dictionaries);
+            footer.add_recordBatches(record_batches);
+            footer.finish()
+        };
+        fbb.finish(root, None);
+        let footer = fbb.finished_data();
+        let written = [
+            &[0xff, 0xff, 0xff, 0xff, 0, 0, 0, 0][..],
+            footer,
+            &(footer.len() as i32).to_le_bytes(),
+            MAGIC,
+        ]
+        .iter()
+        .try_for_each(|b| self.out.write_all(b));
+        written.map_err(|e| self.io_error(e))?;
         let path = self.path;
-        self.writer.finish().map_err(|e| write_error(&path, e))?;
-        let buffered = self
-            .writer
-            .into_inner()
-            .map_err(|e| write_error(&path, e))?;
-        let hashing = buffered
+        let hashing = self
+            .out
             .into_inner()
             .map_err(|e| storage(format!("writing {}: {}", path.display(), e.error())))?;
         hashing
@@ -343,20 +589,6 @@ impl IpcFile {
             crc32: hashing.hasher.finalize(),
         })
     }
-}
-
-fn primitive<T: ArrowPrimitiveType>(values: &[T::Native]) -> ArrayRef {
-    // One memcpy into an aligned Arrow buffer; no per-element work.
-    let buffer = ScalarBuffer::from(Buffer::from_slice_ref(values));
-    Arc::new(PrimitiveArray::<T>::new(buffer, None))
-}
-
-fn list_array(values: &[f32], size: usize) -> Result<ArrayRef> {
-    let field = Arc::new(Field::new("item", DataType::Float32, false));
-    let array =
-        FixedSizeListArray::try_new(field, size as i32, primitive::<Float32Type>(values), None)
-            .map_err(|e| Error::Internal(format!("building a list column: {e}")))?;
-    Ok(Arc::new(array))
 }
 
 /// Writes one part file: rows of a fixed `PartSchema`, appended batch by batch.
@@ -385,14 +617,18 @@ impl PartWriter {
         })
     }
 
-    /// Appends the batch as one Arrow record batch (an empty batch writes nothing). Batches of a
-    /// few MB (some thousand rows) write fastest: the Arrow encoder copies each batch into a
-    /// fresh buffer, which costs page faults and cache misses when batches are large.
+    /// Appends the batch as one Arrow record batch (an empty batch writes nothing), its columns
+    /// written straight from `batch`.
     pub fn write(&mut self, batch: &RowBatch) -> Result<()> {
+        self.write_chunked(batch, batch.len().max(1))
+    }
+
+    /// Appends the batch as record batches of at most `max_rows` rows each.
+    pub fn write_chunked(&mut self, batch: &RowBatch, max_rows: usize) -> Result<()> {
         if batch.is_empty() {
             return Ok(());
         }
-        if !batch.is_consistent(self.schema) {
+        if !batch.is_consistent(self.schema) || max_rows == 0 {
             return Err(Error::Internal(format!(
                 "writing {}: row batch columns do not agree with {} rows of dim {} state_len {}",
                 self.file.path.display(),
@@ -401,18 +637,26 @@ impl PartWriter {
                 self.schema.state_len
             )));
         }
-        let mut columns = vec![
-            primitive::<UInt64Type>(&batch.ids),
-            primitive::<UInt32Type>(&batch.step),
-            primitive::<UInt64Type>(&batch.version),
-            primitive::<UInt32Type>(&batch.updated_at),
-            primitive::<UInt32Type>(&batch.freq),
-            list_array(&batch.weights, self.schema.dim)?,
-        ];
-        if self.schema.state_len > 0 {
-            columns.push(list_array(&batch.state, self.schema.state_len)?);
+        let (dim, state_len) = (self.schema.dim, self.schema.state_len);
+        for start in (0..batch.len()).step_by(max_rows) {
+            let end = (start + max_rows).min(batch.len());
+            let mut columns = vec![
+                Column::primitive(&batch.ids[start..end]),
+                Column::primitive(&batch.step[start..end]),
+                Column::primitive(&batch.version[start..end]),
+                Column::primitive(&batch.updated_at[start..end]),
+                Column::primitive(&batch.freq[start..end]),
+                Column::list(&batch.weights[start * dim..end * dim], dim),
+            ];
+            if state_len > 0 {
+                columns.push(Column::list(
+                    &batch.state[start * state_len..end * state_len],
+                    state_len,
+                ));
+            }
+            self.file.write(end - start, &columns)?;
         }
-        self.file.write(columns)
+        Ok(())
     }
 
     /// Writes the footer, fsyncs the file and returns its `FileInfo` (crc32 computed while
@@ -426,7 +670,7 @@ impl PartWriter {
 pub fn write_ids(path: &Path, name: &str, ids: &[u64]) -> Result<FileInfo> {
     let mut file = IpcFile::create(path, name, &ids_arrow_schema())?;
     if !ids.is_empty() {
-        file.write(vec![primitive::<UInt64Type>(ids)])?;
+        file.write(ids.len(), &[Column::primitive(ids)])?;
     }
     file.finish()
 }
@@ -497,7 +741,8 @@ fn read_verified(path: &Path, expect: &FileInfo) -> Result<Buffer> {
             std::ptr::null_mut(),
             len,
             libc::PROT_READ,
-            libc::MAP_PRIVATE,
+            // Populated up front: one call maps every page, instead of a fault per page.
+            libc::MAP_PRIVATE | libc::MAP_POPULATE,
             std::os::fd::AsRawFd::as_raw_fd(&file),
             0,
         )
@@ -509,8 +754,6 @@ fn read_verified(path: &Path, expect: &FileInfo) -> Result<Buffer> {
         ptr: NonNull::new(raw.cast::<u8>()).expect("mmap does not return null on success"),
         len,
     };
-    // SAFETY: the advice only changes read-ahead; a refusal is harmless.
-    unsafe { libc::madvise(raw, len, libc::MADV_SEQUENTIAL) };
     // SAFETY: the mapping is `len` readable bytes and lives as long as `map`.
     let bytes = unsafe { std::slice::from_raw_parts(map.ptr.as_ptr(), len) };
     let crc = crc32fast::hash(bytes);
@@ -675,68 +918,52 @@ fn list_values<'a>(path: &Path, array: &'a dyn Array, size: usize) -> Result<&'a
     Ok(values)
 }
 
-/// Copies a decoded batch into `out`, reusing its allocations.
-fn to_row_batch(
+/// The columns of a decoded batch, borrowed from its buffers.
+fn row_slices<'a>(
     path: &Path,
-    batch: &RecordBatch,
+    batch: &'a RecordBatch,
     schema: PartSchema,
-    out: &mut RowBatch,
-) -> Result<()> {
-    fn set<T: Copy>(dst: &mut Vec<T>, src: &[T]) {
-        dst.clear();
-        dst.extend_from_slice(src);
-    }
+) -> Result<RowSlices<'a>> {
     let c = batch.columns();
-    set(
-        &mut out.ids,
-        column_values::<UInt64Type>(path, c[0].as_ref())?,
-    );
-    set(
-        &mut out.step,
-        column_values::<UInt32Type>(path, c[1].as_ref())?,
-    );
-    set(
-        &mut out.version,
-        column_values::<UInt64Type>(path, c[2].as_ref())?,
-    );
-    set(
-        &mut out.updated_at,
-        column_values::<UInt32Type>(path, c[3].as_ref())?,
-    );
-    set(
-        &mut out.freq,
-        column_values::<UInt32Type>(path, c[4].as_ref())?,
-    );
-    set(
-        &mut out.weights,
-        list_values(path, c[5].as_ref(), schema.dim)?,
-    );
-    if schema.state_len > 0 {
-        set(
-            &mut out.state,
-            list_values(path, c[6].as_ref(), schema.state_len)?,
-        );
-    } else {
-        out.state.clear();
-    }
-    if !out.is_consistent(schema) {
+    let rows = RowSlices {
+        ids: column_values::<UInt64Type>(path, c[0].as_ref())?,
+        step: column_values::<UInt32Type>(path, c[1].as_ref())?,
+        version: column_values::<UInt64Type>(path, c[2].as_ref())?,
+        updated_at: column_values::<UInt32Type>(path, c[3].as_ref())?,
+        freq: column_values::<UInt32Type>(path, c[4].as_ref())?,
+        weights: list_values(path, c[5].as_ref(), schema.dim)?,
+        state: if schema.state_len > 0 {
+            list_values(path, c[6].as_ref(), schema.state_len)?
+        } else {
+            &[]
+        },
+    };
+    let n = rows.len();
+    let consistent = rows.step.len() == n
+        && rows.version.len() == n
+        && rows.updated_at.len() == n
+        && rows.freq.len() == n
+        && rows.weights.len() == n * schema.dim
+        && rows.state.len() == n * schema.state_len;
+    if !consistent {
         return Err(corrupt(format!(
             "{}: columns of unequal length",
             path.display()
         )));
     }
-    Ok(())
+    Ok(rows)
 }
 
 /// Checks the file against `expect` (size, then crc32 of all bytes, then that it is an Arrow IPC
 /// file whose schema is exactly the one `PartWriter` writes for `schema`, then the row count),
-/// then calls `f` with each record batch in order. Any mismatch is `Error::Corrupt` naming the
-/// path; nothing reaches `f` unless size, checksum, schema and row count are right.
+/// then calls `f` with each record batch in order, its columns borrowed from the mapped file. Any
+/// mismatch is `Error::Corrupt` naming the path; nothing reaches `f` unless size, checksum, schema
+/// and row count are right.
 pub fn read_part(
     path: &Path,
     schema: PartSchema,
     expect: &FileInfo,
-    mut f: impl FnMut(&RowBatch) -> Result<()>,
+    mut f: impl FnMut(&RowSlices) -> Result<()>,
 ) -> Result<()> {
     let bytes = read_verified(path, expect)?;
     let expected = part_arrow_schema(schema);
@@ -745,10 +972,8 @@ pub fn read_part(
         check_schema(path, found, &expected, &what)
     })?;
     check_rows(path, &batches, expect)?;
-    let mut rows = RowBatch::default();
     for batch in &batches {
-        to_row_batch(path, batch, schema, &mut rows)?;
-        f(&rows)?;
+        f(&row_slices(path, batch, schema)?)?;
     }
     Ok(())
 }
@@ -842,7 +1067,7 @@ mod tests {
     fn read_all(path: &Path, schema: PartSchema, info: &FileInfo) -> Result<Vec<RowBatch>> {
         let mut out = Vec::new();
         read_part(path, schema, info, |b| {
-            out.push(b.clone());
+            out.push(b.to_batch());
             Ok(())
         })?;
         Ok(out)
@@ -896,6 +1121,33 @@ mod tests {
             assert_eq!(back, written);
             assert_eq!(part_summary(&path).unwrap(), (306, schema));
         }
+    }
+
+    #[test]
+    fn chunked_writes_split_batches() {
+        let dir = TempDir::new("chunked");
+        let schema = SCHEMAS[2];
+        let path = dir.path("part.arrow");
+        let batch = sample(20, 7, schema);
+        let mut w = PartWriter::create(&path, "part.arrow", schema).unwrap();
+        w.write_chunked(&batch, 8).unwrap();
+        w.write_chunked(&sample(3, 99, schema), 8).unwrap();
+        let info = w.finish().unwrap();
+        assert_eq!(info.rows, 23);
+        let back = read_all(&path, schema, &info).unwrap();
+        let lens: Vec<usize> = back.iter().map(RowBatch::len).collect();
+        assert_eq!(lens, [8, 8, 4, 3]);
+        let mut all = RowBatch::default();
+        let mut words = Vec::new();
+        for b in &back[..3] {
+            for i in 0..b.len() {
+                words.clear();
+                b.row_words(i, schema, &mut words);
+                all.push_words(b.ids[i], &words, schema);
+            }
+        }
+        assert_eq!(all, batch);
+        assert_eq!(back[3], sample(3, 99, schema));
     }
 
     #[test]
@@ -1076,7 +1328,7 @@ mod tests {
         let plain = Schema::new(vec![Field::new("id", DataType::UInt64, false)]);
         let plain_path = dir.path("plain.arrow");
         let mut file = IpcFile::create(&plain_path, "plain.arrow", &plain).unwrap();
-        file.write(vec![primitive::<UInt64Type>(&[1, 2])]).unwrap();
+        file.write(2, &[Column::primitive(&[1u64, 2])]).unwrap();
         let info = file.finish().unwrap();
         expect_corrupt(
             read_ids(&plain_path, &info),

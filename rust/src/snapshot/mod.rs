@@ -507,25 +507,23 @@ impl Store {
                             .into_par_iter()
                             .map(|k| {
                                 let fname = format!("{dir}/part-{k:05}.arrow");
-                                let mut part = Part {
-                                    writer: PartWriter::create(&tmp.join(&fname), &fname, schema)?,
-                                    batch: RowBatch::default(),
-                                    schema,
-                                    done,
-                                };
-                                let shards: Vec<usize> =
-                                    (k..t.num_shards()).step_by(parts).collect();
-                                let (mut ids, mut words) = (Vec::new(), Vec::new());
-                                for s in shards {
-                                    let g = t.copy_shard(s, incremental, &mut ids, &mut words);
-                                    let m = t.row_words();
-                                    for (j, &id) in ids.iter().enumerate() {
-                                        part.add(id, &words[j * m..(j + 1) * m])?;
-                                    }
-                                    rows.fetch_add(ids.len() as u64, Ordering::Relaxed);
+                                let mut writer =
+                                    PartWriter::create(&tmp.join(&fname), &fname, schema)?;
+                                // A shard's rows, copied into columns under its lock and
+                                // written from there.
+                                let mut batch = RowBatch::default();
+                                for s in (k..t.num_shards()).step_by(parts) {
+                                    batch.clear();
+                                    let g = t.copy_shard(s, incremental, |id, words| {
+                                        batch.push_words(id, words, schema)
+                                    });
+                                    writer.write_chunked(&batch, BATCH_ROWS)?;
+                                    let n = batch.len() as u64;
+                                    rows.fetch_add(n, Ordering::Relaxed);
+                                    done.fetch_add(n, Ordering::Relaxed);
                                     gone.lock().unwrap_or_else(|e| e.into_inner()).extend(g);
                                 }
-                                part.finish()
+                                writer.finish()
                             })
                             .collect::<Result<Vec<_>>>()
                     })?;
@@ -952,7 +950,7 @@ pub(crate) fn dense_value(dir: &Path, entry: &TableEntry) -> Result<files::RowBa
     let mut value = None;
     files::read_part(&dir.join(&fi.name), schema, fi, |b| {
         if b.len() == 1 {
-            value = Some(b.clone());
+            value = Some(b.to_batch());
         }
         Ok(())
     })?;

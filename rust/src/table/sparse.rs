@@ -1048,34 +1048,28 @@ impl SparseTable {
     /// Copies shard `s` for a snapshot of an in-memory store, under its lock: all rows, or with
     /// `incremental` the rows changed since the last copy and the ids removed since then. Either
     /// way the shard then records changes anew for the next increment.
-    /// The rows go to `ids` and `words` (cleared first: buffers the caller reuses); returns the
-    /// removed ids.
+    /// Each row goes to `row(id, words)` while the lock is held, `words` being the row's
+    /// [`SparseTable::row_words`] words after its id, whose second word (the in-memory flags) is
+    /// not meaningful; returns the removed ids.
     pub(crate) fn copy_shard(
         &self,
         s: usize,
         incremental: bool,
-        ids: &mut Vec<u64>,
-        words: &mut Vec<u32>,
+        mut row: impl FnMut(u64, &[u32]),
     ) -> Vec<u64> {
         let m = self.row_words();
         let mut shard = self.write(s);
         shard.set_tracking(true);
-        ids.clear();
-        words.clear();
         if incremental {
-            shard.take_changed(0, |id, w, _| {
-                ids.push(id);
-                let at = words.len();
-                words.extend_from_slice(&w[..m]);
-                words[at + 1] = 0; // the flags word is not stored
-            });
+            shard.take_changed(0, |id, w, _| row(id, &w[..m]));
         } else {
             shard.take_changed(0, |_, _, _| {});
-            ids.reserve(shard.len());
-            words.reserve(shard.len() * m);
-            for (id, slot) in shard.iter() {
-                ids.push(id);
-                shard.words(slot, words);
+            // In slot order: the rows are read front to back, not in hash order.
+            let mut slots = Vec::new();
+            shard.sorted_slots(&mut slots);
+            for slot in slots {
+                let r = shard.row(slot);
+                row(u64::from(r[0]) | (u64::from(r[1]) << 32), &r[2..2 + m]);
             }
         }
         let gone: Vec<u64> = shard
