@@ -20,7 +20,7 @@ use crate::error::{invalid, storage, Error, Result};
 use crate::storage::{bytes_of, Db, Storage};
 use crate::store::Table;
 use crate::table::{
-    DenseTable, DenseTableConfig, SparseTable, SparseTableConfig, TableHandle, Taken,
+    DenseTable, DenseTableConfig, Spare, SparseTable, SparseTableConfig, TableHandle, Taken,
 };
 
 /// A table's changes up to this size are written in one transaction (a push is then all or
@@ -220,6 +220,8 @@ pub struct Flusher {
     log_gen: std::sync::atomic::AtomicU32,
     /// The record last written per table, to skip writing an unchanged one.
     written: Mutex<HashMap<String, Vec<u8>>>,
+    /// The row buffers of earlier cycles.
+    spare: Spare,
     thread: Mutex<Option<JoinHandle<()>>>,
 }
 
@@ -251,6 +253,7 @@ impl Flusher {
             cycle_lock: Mutex::new(()),
             log_gen: std::sync::atomic::AtomicU32::new(1),
             written: Mutex::new(HashMap::new()),
+            spare: Spare::default(),
             thread: Mutex::new(None),
         });
         let me = Arc::clone(&f);
@@ -484,9 +487,10 @@ impl Flusher {
             let _held = t.hold_changes();
             let gen = self.log_gen();
             // The pushes wait meanwhile: take the shards on all cores.
-            let all: Vec<Taken> = t.take_all(gen);
+            let all: Vec<Taken> = t.take_all(gen, &self.spare);
             for one in all {
                 if one.ids.is_empty() && one.forget.is_empty() {
+                    self.spare.give_back(one);
                     continue;
                 }
                 bytes += one.words.len() * 4 + one.ids.len() * 8 + one.gone.len() * 8;
@@ -536,16 +540,22 @@ impl Flusher {
     ) -> Result<()> {
         let m = t.row_words();
         let tag = cycle.to_le_bytes();
+        // Each database is written in key order: consecutive puts then land on the same leaf
+        // page, already in cache and already copied for this transaction.
+        let orders: Vec<Vec<u32>> = chunk.iter().map(|t| key_order(&t.ids)).collect();
         let r = self.storage.write(|w| {
-            for taken in chunk.iter() {
-                for (i, &id) in taken.ids.iter().enumerate() {
+            for (taken, order) in chunk.iter().zip(&orders) {
+                for &i in order {
+                    let (i, id) = (i as usize, taken.ids[i as usize]);
                     w.put(
                         Db::Rows,
                         name,
                         id,
                         bytes_of(&taken.words[i * m..(i + 1) * m]),
                     )?;
-                    w.put(Db::Changed, name, id, &tag)?;
+                }
+                for &i in order {
+                    w.put(Db::Changed, name, taken.ids[i as usize], &tag)?;
                 }
                 for &id in &taken.gone {
                     w.delete(Db::Rows, name, id)?;
@@ -561,12 +571,14 @@ impl Flusher {
             Ok(()) => {
                 for taken in chunk.drain(..) {
                     t.forget(&taken);
+                    self.spare.give_back(taken);
                 }
                 Ok(())
             }
             Err(e) => {
                 for taken in chunk.drain(..) {
                     t.untake(&taken);
+                    self.spare.give_back(taken);
                 }
                 Err(e)
             }
@@ -603,4 +615,15 @@ impl Flusher {
             }
         }
     }
+}
+
+/// The positions of `ids` in the order of their LMDB keys.
+fn key_order(ids: &[u64]) -> Vec<u32> {
+    let mut order: Vec<(u64, u32)> = ids
+        .iter()
+        .enumerate()
+        .map(|(i, &id)| (crate::hash::mix64(id), i as u32))
+        .collect();
+    order.sort_unstable();
+    order.into_iter().map(|(_, i)| i).collect()
 }

@@ -4,7 +4,7 @@ mod dense;
 mod sparse;
 
 pub use dense::{DenseTable, DenseTableConfig};
-pub(crate) use sparse::{Backing, Taken};
+pub(crate) use sparse::{Backing, Spare, Taken};
 pub use sparse::{EvictPolicy, Lifecycle, SparseTable, SparseTableConfig};
 
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};

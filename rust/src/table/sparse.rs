@@ -123,6 +123,38 @@ pub(crate) struct Taken {
     pub(crate) log: Vec<bool>,
 }
 
+/// Buffers of earlier flushes, for the next ones to take: a flush copies every changed row out
+/// of the shards, and fresh buffers for that would cost a page fault and a zeroed page for every
+/// 4 KiB copied, each cycle. At most [`Spare::KEEP`] bytes are kept.
+#[derive(Default)]
+pub(crate) struct Spare(Mutex<Vec<(Vec<u64>, Vec<u32>)>>);
+
+impl Spare {
+    /// The most bytes of buffers kept between flushes (a single transaction's worth).
+    const KEEP: usize = crate::durable::ONE_TXN_BYTES;
+
+    /// Empty buffers, reused if any are kept.
+    fn take(&self) -> (Vec<u64>, Vec<u32>) {
+        let mut v = self.0.lock().unwrap_or_else(|e| e.into_inner());
+        v.pop().unwrap_or_default()
+    }
+
+    /// Keeps the buffers of `t` for later flushes, up to [`Spare::KEEP`] bytes in all.
+    pub(crate) fn give_back(&self, t: Taken) {
+        let (mut ids, mut words) = (t.ids, t.words);
+        ids.clear();
+        words.clear();
+        let mut v = self.0.lock().unwrap_or_else(|e| e.into_inner());
+        let held: usize = v
+            .iter()
+            .map(|(i, w)| i.capacity() * 8 + w.capacity() * 4)
+            .sum();
+        if held + ids.capacity() * 8 + words.capacity() * 4 <= Self::KEEP {
+            v.push((ids, words));
+        }
+    }
+}
+
 /// A shard's lock and fields on cache lines of their own: the lock word of one shard, written by
 /// every reader, must not share a line with the next shard's fields another thread reads.
 #[repr(align(128))]
@@ -928,14 +960,17 @@ impl SparseTable {
 
     /// Takes what changed in shard `s` since the last take, for a flush; `gen` is the
     /// flusher's log generation (see [`Taken::log`]).
-    pub(crate) fn take_shard(&self, s: usize, gen: u32) -> Taken {
+    pub(crate) fn take_shard(&self, s: usize, gen: u32, spare: &Spare) -> Taken {
         let m = self.row_words();
+        let (mut ids, mut words) = spare.take();
         let mut shard = self.write(s);
         let n = shard.changed_len();
+        ids.reserve(n);
+        words.reserve(n * m);
         let mut t = Taken {
             shard: s,
-            ids: Vec::with_capacity(n),
-            words: Vec::with_capacity(n * m),
+            ids,
+            words,
             gone: Vec::new(),
             forget: shard.gone(),
             log: Vec::with_capacity(n),
@@ -978,17 +1013,17 @@ impl SparseTable {
     }
 
     /// [`SparseTable::take_shard`] of every shard, on the store's pool.
-    pub(crate) fn take_all(&self, gen: u32) -> Vec<Taken> {
+    pub(crate) fn take_all(&self, gen: u32, spare: &Spare) -> Vec<Taken> {
         let n = self.shards.len();
         if self.common.exec.threads() > 1 && n > 1 {
             self.common.exec.install(|| {
                 (0..n)
                     .into_par_iter()
-                    .map(|s| self.take_shard(s, gen))
+                    .map(|s| self.take_shard(s, gen, spare))
                     .collect()
             })
         } else {
-            (0..n).map(|s| self.take_shard(s, gen)).collect()
+            (0..n).map(|s| self.take_shard(s, gen, spare)).collect()
         }
     }
 
