@@ -71,7 +71,14 @@ impl Dtype {
                 if !max.is_finite() {
                     return Err(max);
                 }
-                let scale = max / 127.0;
+                // A row of tiny (subnormal) values whose step would underflow to zero gets the
+                // smallest positive step instead: every subnormal is a whole number of those, so
+                // such a row is kept (exactly, when its largest value is at most 127 steps)
+                // rather than quantized to zeros.
+                let mut scale = max / 127.0;
+                if scale == 0.0 && max > 0.0 {
+                    scale = f32::from_bits(1);
+                }
                 out.extend_from_slice(&scale.to_le_bytes());
                 for &w in row {
                     let q = if scale > 0.0 {
@@ -152,5 +159,19 @@ mod tests {
             assert!((a - b).abs() <= scale * 0.5 + 1e-7, "{a} {b}");
         }
         assert_eq!(round_trip(Dtype::Int8, &[0.0, 0.0]), [0.0, 0.0]);
+    }
+
+    #[test]
+    fn int8_keeps_rows_of_subnormal_values() {
+        let tiny = f32::from_bits(1);
+        for row in [vec![9.0 * tiny, -3.0 * tiny, 0.0], vec![200.0 * tiny, tiny]] {
+            let back = round_trip(Dtype::Int8, &row);
+            assert!(back.iter().any(|&x| x != 0.0), "{row:?} -> {back:?}");
+            for (a, b) in row.iter().zip(&back) {
+                assert!((a - b).abs() <= 1e-38, "{a} {b}");
+            }
+        }
+        let exact = [9.0 * tiny, -3.0 * tiny, 0.0];
+        assert_eq!(round_trip(Dtype::Int8, &exact), exact);
     }
 }
