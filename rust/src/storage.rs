@@ -652,25 +652,32 @@ impl Writer<'_, '_> {
     /// Deletes the entries of a table's database whose value (a u64 LE cycle) is at most `upto`.
     pub fn prune(&mut self, db: Db, table: &str, upto: u64) -> Result<()> {
         let d = self.db(db, table)?;
-        let mut old = Vec::new();
-        {
-            let iter = d
-                .iter(self.txn)
-                .map_err(|e| lmdb_err(&self.storage.path, "reading", e))?;
-            for item in iter {
-                let (k, v) = item.map_err(|e| lmdb_err(&self.storage.path, "reading", e))?;
-                let (_, cycle) = decode(db, table, v)?;
-                if cycle_of(cycle) <= upto {
-                    old.push(k.to_vec());
+        // Deleted where the cursor stands, in one pass: no second descent of the tree per entry.
+        let r = (|| -> std::result::Result<(), PruneError> {
+            let mut iter = d.iter_mut(self.txn).map_err(PruneError::Lmdb)?;
+            while let Some(item) = iter.next() {
+                let (_, v) = item.map_err(PruneError::Lmdb)?;
+                let old = cycle_of(decode(db, table, v).map_err(PruneError::Decode)?.1) <= upto;
+                if old {
+                    // SAFETY: nothing read from the database (this entry's key and value, last
+                    // used just above) is used after the deletion.
+                    unsafe { iter.del_current() }.map_err(PruneError::Lmdb)?;
                 }
             }
+            Ok(())
+        })();
+        match r {
+            Ok(()) => Ok(()),
+            Err(PruneError::Decode(e)) => Err(e),
+            Err(PruneError::Lmdb(e)) => Err(self.fail("writing", e)),
         }
-        for k in old {
-            let r = d.delete(self.txn, &k).map(|_| ());
-            self.check("writing", r)?;
-        }
-        Ok(())
     }
+}
+
+/// Why [`Writer::prune`] stopped.
+enum PruneError {
+    Lmdb(heed::Error),
+    Decode(Error),
 }
 
 /// The cycle stored in a `changed` or `removed` value.
