@@ -617,12 +617,12 @@ impl Flusher {
     }
 }
 
-/// The positions of `ids` in the order of their LMDB keys.
+/// The positions of `ids` in the order of their LMDB keys ([`crate::storage::key`]).
 fn key_order(ids: &[u64]) -> Vec<u32> {
-    let mut order: Vec<(u64, u32)> = ids
+    let mut order: Vec<([u8; 8], u32)> = ids
         .iter()
         .enumerate()
-        .map(|(i, &id)| (crate::hash::mix64(id), i as u32))
+        .map(|(i, &id)| (crate::storage::key(id), i as u32))
         .collect();
     order.sort_unstable();
     order.into_iter().map(|(_, i)| i).collect()

@@ -38,7 +38,13 @@ const AHEAD: usize = 8;
 /// the shard comes from the high bits (so one shard's ids still spread over its whole index).
 #[inline]
 fn frag(id: u64) -> u32 {
-    mix64(id) as u32
+    frag_of_mix(mix64(id))
+}
+
+/// [`frag`] of the id whose [`mix64`] is `mix` (a batch carries its ids' mixes).
+#[inline]
+fn frag_of_mix(mix: u64) -> u32 {
+    mix as u32
 }
 
 /// Asks the CPU to start loading the cache line at `p`, which is about to be written; a hint with
@@ -367,11 +373,11 @@ impl Shard {
         let mut cands = [NO_SLOT; RING];
         for i in 0..n + 2 * AHEAD {
             if i < n {
-                prefetch(&self.index.table[self.index.home(mixes[i] as u32)]);
+                prefetch(&self.index.table[self.index.home(frag_of_mix(mixes[i]))]);
             }
             if i >= AHEAD && i - AHEAD < n {
                 let j = i - AHEAD;
-                let c = self.index.candidate(mixes[j] as u32);
+                let c = self.index.candidate(frag_of_mix(mixes[j]));
                 cands[j % RING] = c;
                 if c != NO_SLOT {
                     // The candidate is almost always the row: load what `f` will read.
@@ -591,18 +597,11 @@ impl Shard {
         (slot, new)
     }
 
-    /// The words of the row of `slot` after its id (metadata and body), `flags` zeroed.
-    pub fn words(&self, slot: u32, out: &mut Vec<u32>) {
-        let start = out.len();
-        out.extend_from_slice(&self.row(slot)[2..]);
-        out[start + FLAGS - 2] = 0;
-    }
-
-    /// The slots of every stored row, ascending (the order of the rows in memory).
-    pub fn sorted_slots(&self, out: &mut Vec<u32>) {
-        out.clear();
-        out.extend(self.index.slots());
-        out.sort_unstable();
+    /// Every stored (id, slot), in slot order: the order of the rows in memory.
+    pub fn iter_by_slot(&self) -> impl Iterator<Item = (u64, u32)> + '_ {
+        let mut slots: Vec<u32> = self.index.slots().collect();
+        slots.sort_unstable();
+        slots.into_iter().map(move |slot| (self.id_at(slot), slot))
     }
 
     /// Every stored (id, slot), in no particular order.

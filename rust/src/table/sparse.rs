@@ -1100,11 +1100,8 @@ impl SparseTable {
         } else {
             shard.take_changed(0, |_, _, _| {});
             // In slot order: the rows are read front to back, not in hash order.
-            let mut slots = Vec::new();
-            shard.sorted_slots(&mut slots);
-            for slot in slots {
-                let r = shard.row(slot);
-                row(u64::from(r[0]) | (u64::from(r[1]) << 32), &r[2..2 + m]);
+            for (id, slot) in shard.iter_by_slot() {
+                row(id, &shard.row(slot)[2..2 + m]);
             }
         }
         let gone: Vec<u64> = shard
