@@ -429,6 +429,57 @@ def doc_blocks(info: str) -> list[str]:
     return blocks
 
 
+def test_changed_holds_the_first_write_since_the_last_snapshot(tmp_path, rng):
+    path = tmp_path / "store"
+    ids = np.arange(1, 201, dtype=np.uint64)
+    hot, cold = ids[:50], ids[50:]
+
+    def push(which):
+        t = store.table("emb")
+        t.push(which, rng.standard_normal((len(which), 4)).astype(F32))
+        store.flush()
+        return store.storage_info()["cycle"]
+
+    def changed():
+        store.close()
+        return read_replica(path).changed["emb"]
+
+    store = pstore.Store(path, durability="none", num_shards=4, threads=2)
+    store.create_sparse_table("emb", 4, optimizer=optim.Adagrad(lr=0.1))
+    first = push(ids)
+    second = push(hot)
+    assert second > first
+    # Written twice, entered once: the entry names the first cycle.
+    assert changed() == dict.fromkeys(ids.tolist(), first)
+
+    # Reopened: rows load from disk and their next write is entered anew.
+    store = pstore.Store(path, durability="none", num_shards=4, threads=2)
+    third = push(hot)
+    entries = changed()
+    assert {i: entries[i] for i in hot.tolist()} == dict.fromkeys(hot.tolist(), third)
+    assert {i: entries[i] for i in cold.tolist()} == dict.fromkeys(cold.tolist(), first)
+
+    # A snapshot prunes what it holds; rows written after it are entered anew, once.
+    store = pstore.Store(path, durability="none", num_shards=4, threads=2)
+    store.snapshot(tmp_path / "full")
+    after = push(hot)
+    push(hot)
+    assert changed() == dict.fromkeys(hot.tolist(), after)
+
+    # The increment holds every row written since the snapshot, at its last value.
+    store = pstore.Store(path, durability="none", num_shards=4, threads=2)
+    push(cold[:10])
+    want = store.table("emb").pull(np.concatenate([hot, cold[:10]]))
+    info = store.snapshot(tmp_path / "inc", incremental=True)
+    assert info["tables"][0]["rows"] == 60
+    store.close()
+    restored = pstore.Store.restore(tmp_path / "inc", threads=2)
+    np.testing.assert_array_equal(
+        restored.table("emb").pull(np.concatenate([hot, cold[:10]])), want
+    )
+    restored.close()
+
+
 def test_the_examples_of_the_document_are_real(tmp_path):
     path = tmp_path / "store"
     with pstore.Store(path, durability="sync", num_shards=4) as store:

@@ -554,7 +554,9 @@ impl Flusher {
                         bytes_of(&taken.words[i * m..(i + 1) * m]),
                     )?;
                 }
-                for &i in order {
+                // Only a row's first change in the log generation writes its entry: later ones
+                // find it there, with a cycle after the last snapshot's.
+                for &i in order.iter().filter(|&&i| taken.log[i as usize]) {
                     w.put(Db::Changed, name, taken.ids[i as usize], &tag)?;
                 }
                 for &id in &taken.gone {

@@ -548,6 +548,17 @@ impl Shard {
         self.changed.clear();
     }
 
+    /// The words after the id of the row at `slot` (as [`Shard::take_changed`] hands them out)
+    /// when they are what the last committed flush cycle wrote to the replica: in a durable
+    /// store every change of a row marks it (a push, a pull that creates it, a restore) and only
+    /// a cycle's take unmarks it, so an unmarked row, taken while no cycle runs, is the row the
+    /// last cycle wrote or loaded, unless it is a new row of an id removed since (`id` is
+    /// still in the removed set then).
+    pub fn settled(&self, slot: u32, id: u64) -> Option<&[u32]> {
+        let row = self.row(slot);
+        (row[FLAGS] & MARKED == 0 && !self.is_gone(id)).then(|| &row[2..])
+    }
+
     /// Rows in the change list (an upper bound of what [`Shard::take_changed`] hands out).
     pub fn changed_len(&self) -> usize {
         self.changed.len()

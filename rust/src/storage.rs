@@ -323,6 +323,30 @@ impl Storage {
         f(&Reader { storage: self, txn })
     }
 
+    /// Like [`Storage::read`] with `1 + helpers` read transactions that all see the same
+    /// committed state (no write commits while they are opened): `f` reads with the first and
+    /// may move the others to other threads.
+    pub fn read_with_helpers<R>(
+        &self,
+        helpers: usize,
+        f: impl FnOnce(&Reader<'_>, Vec<Reader<'_>>) -> Result<R>,
+    ) -> Result<R> {
+        let _gate = self.gate.read().unwrap_or_else(|e| e.into_inner());
+        let open = || {
+            self.env
+                .read_txn()
+                .map(|txn| Reader { storage: self, txn })
+                .map_err(|e| lmdb_err(&self.path, "reading", e))
+        };
+        let (first, rest) = {
+            let _one = self.writer.lock().unwrap_or_else(|e| e.into_inner());
+            let first = open()?;
+            let rest = (0..helpers).map(|_| open()).collect::<Result<Vec<_>>>()?;
+            (first, rest)
+        };
+        f(&first, rest)
+    }
+
     /// Like [`Storage::read`], with no write committing meanwhile: what `f` reads stays the
     /// newest state until it returns.
     pub fn read_exclusive<R>(&self, f: impl FnOnce(&Reader<'_>) -> Result<R>) -> Result<R> {
@@ -599,6 +623,15 @@ impl Writer<'_, '_> {
             }
             Err(e) => Err(self.fail("writing", e)),
         }
+    }
+
+    /// The value of a meta key, as this transaction sees it.
+    pub fn meta(&self, key: &str) -> Result<Option<Vec<u8>>> {
+        self.storage
+            .meta
+            .get(self.txn, key.as_bytes())
+            .map(|v| v.map(<[u8]>::to_vec))
+            .map_err(|e| lmdb_err(&self.storage.path, "reading", e))
     }
 
     /// Sets a meta key.

@@ -290,6 +290,38 @@ fn parts_for(t: &SparseTable, rows: u64) -> usize {
     (rows.div_ceil(1 << 18) as usize).clamp(1, t.num_shards().min(MAX_PARTS))
 }
 
+/// The most read transactions an increment of a durable store reads its changed rows with.
+const MAX_READERS: usize = 4;
+/// The most bytes of rows an increment of a durable store copies from memory before it writes
+/// them (see [`SparseTable::copy_settled`]); the changed rows of tables beyond it are read back
+/// from the replica.
+const SETTLED_BYTES: usize = 256 << 20;
+/// The fewest changed rows worth a reader of their own.
+const MIN_PER_READER: usize = 1024;
+
+/// The rows of `ids` (in order; ids without a row are skipped) as read by `r`: the ids found and
+/// their rows' words.
+fn read_rows(
+    r: &crate::storage::Reader<'_>,
+    t: &SparseTable,
+    path: &Path,
+    name: &str,
+    ids: &[u64],
+) -> Result<(Vec<u64>, Vec<u32>)> {
+    let m = t.row_words();
+    let mut found = Vec::with_capacity(ids.len());
+    let mut words = Vec::with_capacity(ids.len() * m);
+    let mut row = Vec::with_capacity(m);
+    for &id in ids {
+        if let Some(v) = r.get(Db::Rows, name, id)? {
+            t.replica_row(path, id, v, &mut row)?;
+            found.push(id);
+            words.extend_from_slice(&row);
+        }
+    }
+    Ok((found, words))
+}
+
 impl Store {
     /// Writes a snapshot of every table into the new directory `dir`: all rows, or with
     /// `incremental` only the rows changed since this store's previous snapshot plus tombstones
@@ -458,9 +490,19 @@ impl Store {
                 let names: Vec<String> = m.tables.iter().map(|t| t.name.clone()).collect();
                 f.exclusive(|| {
                     f.storage().write(|w| {
+                        // When no cycle has committed since the snapshot's view, every entry is
+                        // one the snapshot covers: the databases are emptied whole (LMDB frees
+                        // their pages without visiting each entry) instead of entry by entry.
+                        let last = w.meta(crate::durable::CYCLE_KEY)?;
+                        let covered = last.map_or(0, |v| cycle_of(&v)) == m.cycle;
                         for n in &names {
-                            w.prune(Db::Changed, n, m.cycle)?;
-                            w.prune(Db::Removed, n, m.cycle)?;
+                            for db in [Db::Changed, Db::Removed] {
+                                if covered {
+                                    w.clear(db, n)?;
+                                } else {
+                                    w.prune(db, n, m.cycle)?;
+                                }
+                            }
                         }
                         w.put_meta(SNAPSHOT_KEY, &rec)
                     })
@@ -609,15 +651,49 @@ impl Store {
         let guard = f.hold_cycles();
         f.next_log_gen();
         let st = Arc::clone(f.storage());
-        st.read(|r| {
-            // The read transaction is open: later cycles may commit, this view stays.
-            drop(guard);
+        // An increment reads each changed row by its key (a descent of the B+tree, cache misses
+        // at every level): the store's pool threads each read a share, with read transactions
+        // of the same state.
+        let helpers = match parent {
+            Some(_) => {
+                self.pool_install(rayon::current_num_threads)
+                    .clamp(1, MAX_READERS)
+                    - 1
+            }
+            None => 0,
+        };
+        st.read_with_helpers(helpers, |r, mut helpers| {
             // The last cycle this view holds: every change entry up to it is in the view.
             let cycle = r
                 .meta(crate::durable::CYCLE_KEY)?
                 .map_or(0, |v| cycle_of(&v));
+            // An increment's changed rows, and those of them memory holds as the view does:
+            // with cycles still held off, a row that is not marked is what the last cycle
+            // wrote, so it is copied from memory instead of read back from the replica.
+            let mut settled = Vec::with_capacity(tables.len());
+            let mut budget = SETTLED_BYTES;
+            for (name, table) in tables {
+                settled.push(match (parent, table) {
+                    (Some(p), Table::Sparse(t)) => {
+                        let mut changed = Vec::new();
+                        r.scan(Db::Changed, name, |id, v| {
+                            if cycle_of(v) > p.cycle {
+                                changed.push(id);
+                            }
+                            Ok(())
+                        })?;
+                        let bytes = changed.len() * t.row_words() * 4;
+                        let copied = (bytes <= budget).then(|| t.copy_settled(&changed));
+                        budget -= if copied.is_some() { bytes } else { 0 };
+                        Some((changed, copied))
+                    }
+                    _ => None,
+                });
+            }
+            // The read transaction is open: later cycles may commit, this view stays.
+            drop(guard);
             let mut entries = Vec::new();
-            for (i, (name, table)) in tables.iter().enumerate() {
+            for (i, ((name, table), settled)) in tables.iter().zip(settled).enumerate() {
                 let dir = format!("table-{i:04}");
                 std::fs::create_dir(tmp.join(&dir))
                     .map_err(|e| storage(format!("creating {}: {e}", tmp.join(&dir).display())))?;
@@ -634,41 +710,74 @@ impl Store {
                             state_len: t.state_len(),
                         };
                         let m = t.row_words();
-                        let changed = match parent {
-                            None => None,
-                            Some(p) => {
-                                let mut changed = Vec::new();
-                                r.scan(Db::Changed, name, |id, v| {
-                                    if cycle_of(v) > p.cycle {
-                                        changed.push(id);
-                                    }
-                                    Ok(())
-                                })?;
-                                Some(changed)
-                            }
-                        };
-                        let expect = match &changed {
+                        let expect = match &settled {
                             None => r.len(Db::Rows, name)?,
-                            Some(c) => c.len() as u64,
+                            Some((changed, _)) => changed.len() as u64,
                         };
                         let n = parts_for(t, expect);
                         let mut parts = open_parts(tmp, &dir, n, schema, done)?;
                         let mut rows = 0u64;
                         let mut words = Vec::with_capacity(m);
-                        let mut add = |id: u64, v: &[u8]| -> Result<()> {
-                            t.replica_row(st.path(), id, v, &mut words)?;
+                        let mut add = |id: u64, row: &[u32]| -> Result<()> {
                             rows += 1;
-                            parts[shard_of(id, t.num_shards()) % n].add(id, &words)
+                            parts[shard_of(id, t.num_shards()) % n].add(id, row)
                         };
                         let mut gone = Vec::new();
-                        match (parent, changed) {
-                            (None, _) | (_, None) => r.scan(Db::Rows, name, |id, v| add(id, v))?,
-                            (Some(p), Some(changed)) => {
-                                for id in changed {
-                                    if let Some(v) = r.get(Db::Rows, name, id)? {
-                                        add(id, v)?;
+                        match (parent, settled) {
+                            (None, _) | (_, None) => r.scan(Db::Rows, name, |id, v| {
+                                t.replica_row(st.path(), id, v, &mut words)?;
+                                add(id, &words)
+                            })?,
+                            (Some(p), Some((changed, copied))) => {
+                                let mut rest = Vec::new();
+                                for (k, &id) in changed.iter().enumerate() {
+                                    match copied.as_ref().and_then(|c| c.row(k)) {
+                                        Some(row) => add(id, row)?,
+                                        None => rest.push(id),
                                     }
                                 }
+                                // The rest, read back from the replica; contiguous shares keep
+                                // each in key order.
+                                let k = helpers.len().min(rest.len() / MIN_PER_READER);
+                                let share = rest.len().div_ceil(k + 1).max(1);
+                                let mut shares = rest.chunks(share);
+                                let own = shares.next().unwrap_or(&[]);
+                                let path = st.path();
+                                std::thread::scope(|sc| -> Result<()> {
+                                    let running: Vec<_> = helpers
+                                        .drain(..k)
+                                        .zip(shares)
+                                        .map(|(hr, ids)| {
+                                            sc.spawn(move || {
+                                                let got = read_rows(&hr, t, path, name, ids);
+                                                (hr, got)
+                                            })
+                                        })
+                                        .collect();
+                                    for &id in own {
+                                        if let Some(v) = r.get(Db::Rows, name, id)? {
+                                            t.replica_row(path, id, v, &mut words)?;
+                                            add(id, &words)?;
+                                        }
+                                    }
+                                    let mut failed = None;
+                                    for h in running {
+                                        let (hr, got) = h
+                                            .join()
+                                            .unwrap_or_else(|e| std::panic::resume_unwind(e));
+                                        helpers.push(hr);
+                                        match got {
+                                            Ok((ids, w)) if failed.is_none() => {
+                                                for (id, row) in ids.iter().zip(w.chunks_exact(m)) {
+                                                    add(*id, row)?;
+                                                }
+                                            }
+                                            Ok(_) => {}
+                                            Err(e) => failed = failed.or(Some(e)),
+                                        }
+                                    }
+                                    failed.map_or(Ok(()), Err)
+                                })?;
                                 r.scan(Db::Removed, name, |id, v| {
                                     if cycle_of(v) > p.cycle {
                                         gone.push(id);

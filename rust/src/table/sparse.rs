@@ -177,6 +177,55 @@ impl OutPtr {
     }
 }
 
+/// A raw pointer to the words of [`SparseTable::copy_settled`], written at disjoint rows.
+#[derive(Clone, Copy)]
+struct WordPtr(*mut u32);
+// SAFETY: as `OutPtr`: each position (and its row) is written by the one task of its shard.
+unsafe impl Send for WordPtr {}
+// SAFETY: as above.
+unsafe impl Sync for WordPtr {}
+
+impl WordPtr {
+    #[inline]
+    fn get(self) -> *mut u32 {
+        self.0
+    }
+}
+
+/// A raw pointer to the flags of [`SparseTable::copy_settled`], written at disjoint positions.
+#[derive(Clone, Copy)]
+struct FlagPtr(*mut bool);
+// SAFETY: as `WordPtr`.
+unsafe impl Send for FlagPtr {}
+// SAFETY: as above.
+unsafe impl Sync for FlagPtr {}
+
+impl FlagPtr {
+    #[inline]
+    fn get(self) -> *mut bool {
+        self.0
+    }
+}
+
+/// The rows [`SparseTable::copy_settled`] copied, by position.
+pub(crate) struct Settled {
+    words: Vec<MaybeUninit<u32>>,
+    ok: Vec<bool>,
+    m: usize,
+}
+
+impl Settled {
+    /// The replica words of position `p`'s row, if memory held it settled.
+    pub(crate) fn row(&self, p: usize) -> Option<&[u32]> {
+        if !self.ok[p] {
+            return None;
+        }
+        let w = &self.words[p * self.m..(p + 1) * self.m];
+        // SAFETY: every word of a row marked in `ok` was written.
+        Some(unsafe { std::slice::from_raw_parts(w.as_ptr().cast::<u32>(), self.m) })
+    }
+}
+
 /// Copies `src` to `dst` in blocks of 16 floats the compiler turns into vector moves, rather than
 /// a call to `memcpy` per row.
 ///
@@ -1116,6 +1165,48 @@ impl SparseTable {
         } else {
             Vec::new()
         }
+    }
+
+    /// For an increment of a durable store, with flush cycles held off since the last one
+    /// committed: copies the rows of `ids` that memory holds as that cycle wrote them (see
+    /// [`Shard::settled`]), so they need not be read back from the replica. Lookups run on the
+    /// pool, pipelined as a pull's.
+    pub(crate) fn copy_settled(&self, ids: &[u64]) -> Settled {
+        let m = self.row_words();
+        let mut words: Vec<MaybeUninit<u32>> = Vec::with_capacity(ids.len() * m);
+        // SAFETY: `MaybeUninit` needs no initialisation; only rows marked in `ok` are written
+        // and ever read.
+        unsafe { words.set_len(ids.len() * m) };
+        let mut ok = vec![false; ids.len()];
+        let (wp, op) = (WordPtr(words.as_mut_ptr().cast()), FlagPtr(ok.as_mut_ptr()));
+        let g = self.group(ids);
+        self.for_each_shard(&g, ids.len(), |s, part| {
+            let pos = part.positions;
+            let shard = self.read(s);
+            shard.for_each_found(
+                ids,
+                part,
+                m,
+                |_| {},
+                |k, slot| {
+                    let p = pos[k] as usize;
+                    if slot == NO_SLOT {
+                        return;
+                    }
+                    if let Some(w) = shard.settled(slot, ids[p]) {
+                        // SAFETY: `p < ids.len()`, and only this task writes position `p` (each
+                        // position belongs to one shard), as with `OutPtr`.
+                        unsafe {
+                            let dst = std::slice::from_raw_parts_mut(wp.get().add(p * m), m);
+                            dst.copy_from_slice(&w[..m]);
+                            dst[1] = 0; // the flags word is not stored
+                            *op.get().add(p) = true;
+                        }
+                    }
+                },
+            );
+        });
+        Settled { words, ok, m }
     }
 
     /// Starts (or stops) recording changes for incremental snapshots of an in-memory store.
