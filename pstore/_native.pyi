@@ -22,12 +22,20 @@ __all__ = [
     "inspect_store",
     "newest_snapshot",
     "snapshot_chain",
+    "sum_rows",
+    "unique_inverse",
     "verify_snapshot",
 ]
 
 MAX_DIM: int
 __version__: str
 
+def unique_inverse(
+    ids: npt.NDArray[np.uint64],
+) -> tuple[npt.NDArray[np.uint64], npt.NDArray[np.int64]]: ...
+def sum_rows(
+    src: npt.NDArray[np.float32], index: npt.NDArray[np.int64], rows: int
+) -> npt.NDArray[np.float32]: ...
 def snapshot_chain(dir: str) -> list[tuple[str, str]]: ...
 def verify_snapshot(dir: str) -> int: ...
 def inspect_store(path: str) -> dict[str, Any]: ...

@@ -2,6 +2,8 @@
 
 import numpy as np
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 import pstore
 from pstore import init, optim
@@ -451,3 +453,45 @@ def test_tables_are_independent(store):
     assert len(b) == 0
     np.testing.assert_array_equal(b.pull([1]), [[0.0, 0.0]])
     np.testing.assert_array_equal(a.pull([1]), [[-1.0, -1.0]])
+
+
+# --- batch helpers of pstore.torch (native) --------------------------------------------------
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    ids=st.lists(st.integers(0, 2**64 - 1) | st.integers(0, 20), max_size=300),
+    dim=st.integers(1, 9),
+)
+def test_unique_inverse_and_sum_rows_against_numpy(ids: list[int], dim: int) -> None:
+    from pstore import _native
+
+    a = np.array(ids, dtype=np.uint64)
+    unique, inverse = _native.unique_inverse(a)
+    assert unique.dtype == np.uint64 and inverse.dtype == np.int64
+    assert len(unique) == len(set(ids))
+    _, first = np.unique(a, return_index=True)
+    np.testing.assert_array_equal(unique, a[np.sort(first)])  # order of first appearance
+    np.testing.assert_array_equal(unique[inverse], a)
+
+    rng = np.random.default_rng(len(ids) * 31 + dim)
+    src = rng.standard_normal((len(ids), dim)).astype(np.float32)
+    want = np.zeros((len(unique), dim), np.float64)
+    np.add.at(want, inverse, src)
+    got = _native.sum_rows(src, inverse, len(unique))
+    assert got.shape == (len(unique), dim) and got.dtype == np.float32
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
+
+
+def test_sum_rows_refuses_bad_input() -> None:
+    from pstore import _native
+
+    src = np.ones((3, 2), np.float32)
+    with pytest.raises(pstore.ShapeError, match=r"index 2 is outside 0\.\.2"):
+        _native.sum_rows(src, np.array([0, 1, 2], np.int64), 2)
+    with pytest.raises(pstore.ShapeError, match="outside"):
+        _native.sum_rows(src, np.array([0, -1, 1], np.int64), 2)
+    with pytest.raises(pstore.ShapeError, match="3 gradient values for 2 positions"):
+        _native.sum_rows(src[:, :1].copy(), np.array([0, 1], np.int64), 2)
+    with pytest.raises(pstore.ShapeError, match="C-contiguous"):
+        _native.sum_rows(np.ones((3, 4), np.float32)[:, ::2], np.array([0, 1, 1], np.int64), 2)

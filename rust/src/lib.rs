@@ -45,6 +45,7 @@ pub mod executor;
 pub mod hash;
 pub mod init;
 pub mod net;
+pub mod ops;
 pub mod optimizer;
 pub mod server;
 pub mod serving;

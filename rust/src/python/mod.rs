@@ -452,6 +452,41 @@ fn configs(
     Ok((config, Some(dc)))
 }
 
+/// Distinct ids and, per position, the index of its id among them.
+type UniqueInverse<'py> = (Bound<'py, PyArray1<u64>>, Bound<'py, PyArray1<i64>>);
+
+/// The distinct ids of `ids` (first appearance order) and each id's index among them.
+#[pyfunction]
+fn unique_inverse<'py>(
+    py: Python<'py>,
+    ids: PyReadonlyArray1<'py, u64>,
+) -> PyResult<UniqueInverse<'py>> {
+    let ids_s = slice(&ids, "ids")?;
+    let (unique, inverse) = py
+        .detach(|| {
+            let mut inverse = vec![0i64; ids_s.len()];
+            crate::ops::unique_inverse(ids_s, &mut inverse).map(|u| (u, inverse))
+        })
+        .map_err(err)?;
+    Ok((unique.into_pyarray(py), inverse.into_pyarray(py)))
+}
+
+/// `rows` x dim: row `index[i]` gets row `i` of `src` added (the backward pass of a gather).
+#[pyfunction]
+fn sum_rows<'py>(
+    py: Python<'py>,
+    src: PyReadonlyArray2<'py, f32>,
+    index: PyReadonlyArray1<'py, i64>,
+    rows: usize,
+) -> PyResult<Bound<'py, PyArray2<f32>>> {
+    let dim = src.shape()[1];
+    let (src_s, index_s) = (slice(&src, "src")?, slice(&index, "index")?);
+    let out = py
+        .detach(|| crate::ops::sum_rows(src_s, index_s, dim, rows))
+        .map_err(err)?;
+    out.into_pyarray(py).reshape([rows, dim])
+}
+
 /// The manifests of a snapshot's chain, base first, as JSON.
 #[pyfunction]
 fn snapshot_chain(py: Python<'_>, dir: std::path::PathBuf) -> PyResult<Vec<(String, String)>> {
@@ -798,6 +833,8 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     net::register(m)?;
     serving::register(m)?;
     m.add_function(wrap_pyfunction!(snapshot_chain, m)?)?;
+    m.add_function(wrap_pyfunction!(unique_inverse, m)?)?;
+    m.add_function(wrap_pyfunction!(sum_rows, m)?)?;
     m.add_function(wrap_pyfunction!(verify_snapshot, m)?)?;
     m.add_function(wrap_pyfunction!(inspect_store, m)?)?;
     m.add("MAX_DIM", crate::table::MAX_DIM)?;
