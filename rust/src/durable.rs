@@ -544,20 +544,16 @@ impl Flusher {
         // page, already in cache and already copied for this transaction.
         let orders: Vec<Vec<u32>> = chunk.iter().map(|t| key_order(&t.ids)).collect();
         let r = self.storage.write(|w| {
+            let (rows, changed) = (w.open(Db::Rows, name)?, w.open(Db::Changed, name)?);
             for (taken, order) in chunk.iter().zip(&orders) {
                 for &i in order {
                     let (i, id) = (i as usize, taken.ids[i as usize]);
-                    w.put(
-                        Db::Rows,
-                        name,
-                        id,
-                        bytes_of(&taken.words[i * m..(i + 1) * m]),
-                    )?;
+                    w.put_in(rows, id, bytes_of(&taken.words[i * m..(i + 1) * m]))?;
                 }
                 // Only a row's first change in the log generation writes its entry: later ones
                 // find it there, with a cycle after the last snapshot's.
                 for &i in order.iter().filter(|&&i| taken.log[i as usize]) {
-                    w.put(Db::Changed, name, taken.ids[i as usize], &tag)?;
+                    w.put_in(changed, taken.ids[i as usize], &tag)?;
                 }
                 for &id in &taken.gone {
                     w.delete(Db::Rows, name, id)?;

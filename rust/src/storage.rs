@@ -584,6 +584,13 @@ impl Reader<'_> {
     }
 }
 
+/// A table's database in a write transaction (see [`Writer::open`]).
+#[derive(Clone, Copy)]
+pub struct DbHandle {
+    db: Db,
+    d: Database<Bytes, Bytes>,
+}
+
 /// Write access inside one transaction.
 pub struct Writer<'s, 't> {
     storage: &'s Storage,
@@ -653,8 +660,23 @@ impl Writer<'_, '_> {
     /// Sets `id`'s payload in a table's database. The value is written straight into LMDB's
     /// page (`MDB_RESERVE`), with no intermediate copy.
     pub fn put(&mut self, db: Db, table: &str, id: u64, payload: &[u8]) -> Result<()> {
+        let h = self.open(db, table)?;
+        self.put_in(h, id, payload)
+    }
+
+    /// A table's database, looked up once for many [`Writer::put_in`] (a lookup by name takes
+    /// a lock and hashes the name: a cost per row when done for each).
+    pub fn open(&mut self, db: Db, table: &str) -> Result<DbHandle> {
+        Ok(DbHandle {
+            db,
+            d: self.db(db, table)?,
+        })
+    }
+
+    /// [`Writer::put`] into a database opened by [`Writer::open`].
+    pub fn put_in(&mut self, h: DbHandle, id: u64, payload: &[u8]) -> Result<()> {
         use std::io::Write;
-        let d = self.db(db, table)?;
+        let (db, d) = (h.db, h.d);
         let r = d.put_reserved(self.txn, &key(id), payload.len() + 8, |space| match db {
             Db::Rows => {
                 space.write_all(&id.to_le_bytes())?;
