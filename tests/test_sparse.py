@@ -495,3 +495,22 @@ def test_sum_rows_refuses_bad_input() -> None:
         _native.sum_rows(src[:, :1].copy(), np.array([0, 1], np.int64), 2)
     with pytest.raises(pstore.ShapeError, match="C-contiguous"):
         _native.sum_rows(np.ones((3, 4), np.float32)[:, ::2], np.array([0, 1, 1], np.int64), 2)
+
+
+@pytest.mark.parametrize("dim", [64, 63, 16])
+def test_a_pull_past_the_streaming_size_equals_small_pulls(dim: int) -> None:
+    """Outputs of 8 MiB and more are written with streaming stores (whole 16-byte groups when
+    the row allows, plain copies otherwise); rows, created ones included, must be the same."""
+    store = pstore.Store(threads=2)
+    t = store.create_sparse_table(
+        "t", dim, optimizer=optim.SGD(lr=0.1), initializer=init.Normal(0.0, 1.0), seed=3
+    )
+    rng = np.random.default_rng(dim)
+    n = (8 << 20) // (4 * dim) + 777
+    ids = rng.integers(0, 2 * n, size=n).astype(np.uint64)  # duplicates, and ids seen first here
+    t.push(ids[: n // 3], rng.standard_normal((n // 3, dim)).astype(np.float32))
+    big = t.pull(ids)
+    assert big.shape == (n, dim) and big.nbytes >= 8 << 20
+    small = np.concatenate([t.pull(ids[i : i + 1000]) for i in range(0, n, 1000)])
+    np.testing.assert_array_equal(big, small)
+    np.testing.assert_array_equal(big, t.pull(ids))

@@ -243,6 +243,57 @@ unsafe fn copy_floats(src: &[f32], dst: *mut f32) {
     unsafe { std::ptr::copy_nonoverlapping(rest.as_ptr(), dst.add(done), rest.len()) };
 }
 
+/// Copies `src` to `dst` with streaming (non-temporal) stores where it can: whole 16-byte
+/// groups to a 16-byte aligned `dst` on x86_64; anything else is copied by [`copy_floats`].
+/// A streaming store writes the line without reading it first and leaves it out of the cache:
+/// for a pull's output, written at scattered rows and too large to stay cached, that halves the
+/// memory traffic. The caller must [`stream_fence`] before anyone else reads `dst`.
+///
+/// # Safety
+/// As [`copy_floats`].
+#[inline(always)]
+unsafe fn copy_floats_streaming(src: &[f32], dst: *mut f32) {
+    #[cfg(target_arch = "x86_64")]
+    if src.len().is_multiple_of(4) && (dst as usize).is_multiple_of(16) {
+        use std::arch::x86_64::{_mm_loadu_ps, _mm_stream_ps};
+        for i in (0..src.len()).step_by(4) {
+            // SAFETY: `i + 4 <= src.len()`; `dst + i` is 16-byte aligned (as `dst` is, and `i`
+            // counts whole groups) and inside the floats the caller vouches for. SSE is part of
+            // x86_64.
+            unsafe { _mm_stream_ps(dst.add(i), _mm_loadu_ps(src.as_ptr().add(i))) };
+        }
+        return;
+    }
+    // SAFETY: the caller's guarantee.
+    unsafe { copy_floats(src, dst) }
+}
+
+/// Orders this thread's streaming stores before its later stores (and so before whatever
+/// synchronisation follows): without it another thread may read a stale output row.
+#[inline(always)]
+fn stream_fence() {
+    #[cfg(target_arch = "x86_64")]
+    // SAFETY: a store fence has no preconditions; SSE is part of x86_64.
+    unsafe {
+        std::arch::x86_64::_mm_sfence()
+    };
+}
+
+/// Runs [`stream_fence`] when dropped, if set.
+struct Fence(bool);
+
+impl Drop for Fence {
+    fn drop(&mut self) {
+        if self.0 {
+            stream_fence();
+        }
+    }
+}
+
+/// Pull outputs of at least this many bytes are written with streaming stores (see
+/// [`copy_floats_streaming`]); smaller ones stay cached for the caller, who reads them next.
+const STREAM_MIN_BYTES: usize = 8 << 20;
+
 /// A sharded sparse table. Every method takes `&self`; each shard has its own lock, held once per
 /// batch, so pulls and pushes from many threads proceed in parallel.
 pub struct SparseTable {
@@ -533,19 +584,32 @@ impl SparseTable {
         let ptr = OutPtr(out.as_mut_ptr().cast::<f32>());
         let created = std::sync::atomic::AtomicU64::new(0);
         let failure: Mutex<Option<crate::Error>> = Mutex::new(None);
+        let stream = out.len() * 4 >= STREAM_MIN_BYTES;
         let g = self.group(ids);
         self.for_each_shard(&g, ids.len(), |s, part| {
             let pos = part.positions;
             let copy = |shard: &Shard, slot: u32, p: u32| {
                 let row = as_f32(&shard.row(slot)[HEADER..HEADER + dim]);
+                let dst = ptr.get().wrapping_add(p as usize * dim);
                 // SAFETY: `p < ids.len()`, so the row lies inside `out`'s capacity, and only
                 // this task writes row `p` (see `OutPtr`).
-                unsafe { copy_floats(row, ptr.get().add(p as usize * dim)) };
+                unsafe {
+                    if stream {
+                        copy_floats_streaming(row, dst)
+                    } else {
+                        copy_floats(row, dst)
+                    }
+                };
             };
+            // Every return of this task passes here: its streaming stores are ordered first.
+            let _fence = Fence(stream);
             let mut missing = Vec::new();
             {
                 let shard = self.read(s);
                 let ahead = |k: usize| {
+                    if stream {
+                        return; // streaming stores need the line neither read nor cached
+                    }
                     let dst = ptr.get().wrapping_add(pos[k] as usize * dim);
                     let mut off = 0;
                     while off < dim {
