@@ -16,6 +16,13 @@ pub fn unique_inverse(ids: &[u64], inverse: &mut [i64]) -> Result<Vec<u64>> {
             ids.len()
         )));
     }
+    if ids.len() >= u32::MAX as usize {
+        return Err(shape(format!(
+            "{} ids in one call; at most {} are supported",
+            ids.len(),
+            u32::MAX - 1
+        )));
+    }
     // Open addressing with linear probing, at most half full: a slot holds its unique index + 1,
     // 0 meaning empty.
     let cap = (ids.len() * 2).next_power_of_two().max(16);
@@ -54,7 +61,16 @@ pub fn sum_rows(src: &[f32], index: &[i64], dim: usize, rows: usize) -> Result<V
     if let Some(&bad) = index.iter().find(|&&i| i < 0 || i as u64 >= rows as u64) {
         return Err(shape(format!("index {bad} is outside 0..{rows}")));
     }
-    let mut out = vec![0f32; rows * dim];
+    let len = rows
+        .checked_mul(dim)
+        .ok_or_else(|| shape(format!("{rows} rows of dim {dim} do not fit in memory")))?;
+    let mut out = Vec::new();
+    out.try_reserve_exact(len).map_err(|_| {
+        shape(format!(
+            "{rows} rows of dim {dim} ({len} floats) cannot be allocated"
+        ))
+    })?;
+    out.resize(len, 0f32);
     for (&i, g) in index.iter().zip(src.chunks_exact(dim.max(1))) {
         let dst = &mut out[i as usize * dim..(i as usize + 1) * dim];
         for (d, s) in dst.iter_mut().zip(g) {
@@ -115,5 +131,13 @@ mod tests {
         assert!(sum_rows(&src, &[-1, 0, 0, 0], 2, 3).is_err());
         assert!(sum_rows(&src[..7], &index, 2, 3).is_err());
         assert_eq!(sum_rows(&[], &[], 4, 2).unwrap(), vec![0.0; 8]);
+        assert!(
+            sum_rows(&[], &[], 1 << 40, 1 << 40).is_err(),
+            "overflowing size"
+        );
+        assert!(
+            sum_rows(&[], &[], 1 << 20, 1 << 40).is_err(),
+            "unallocatable size"
+        );
     }
 }
