@@ -532,9 +532,21 @@ impl Reader<'_> {
 
     /// The payload of `id` in a table's database.
     pub fn get(&self, db: Db, table: &str, id: u64) -> Result<Option<&[u8]>> {
-        let Some(d) = self.storage.handle(db, table) else {
-            return Ok(None);
-        };
+        match self.open(db, table) {
+            Some(h) => self.get_in(h, table, id),
+            None => Ok(None),
+        }
+    }
+
+    /// A table's database, looked up once for many [`Reader::get_in`] (a lookup by name takes a
+    /// lock and hashes the name); `None` if the table has none.
+    pub fn open(&self, db: Db, table: &str) -> Option<DbHandle> {
+        self.storage.handle(db, table).map(|d| DbHandle { db, d })
+    }
+
+    /// [`Reader::get`] in a database opened by [`Reader::open`] (`table` names it in errors).
+    pub fn get_in(&self, h: DbHandle, table: &str, id: u64) -> Result<Option<&[u8]>> {
+        let (db, d) = (h.db, h.d);
         let v = d
             .get(&self.txn, &key(id))
             .map_err(|e| lmdb_err(&self.storage.path, "reading", e))?;

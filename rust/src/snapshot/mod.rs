@@ -312,8 +312,11 @@ fn read_rows(
     let mut found = Vec::with_capacity(ids.len());
     let mut words = Vec::with_capacity(ids.len() * m);
     let mut row = Vec::with_capacity(m);
+    let Some(h) = r.open(Db::Rows, name) else {
+        return Ok((found, words));
+    };
     for &id in ids {
-        if let Some(v) = r.get(Db::Rows, name, id)? {
+        if let Some(v) = r.get_in(h, name, id)? {
             t.replica_row(path, id, v, &mut row)?;
             found.push(id);
             words.extend_from_slice(&row);
@@ -754,10 +757,12 @@ impl Store {
                                             })
                                         })
                                         .collect();
-                                    for &id in own {
-                                        if let Some(v) = r.get(Db::Rows, name, id)? {
-                                            t.replica_row(path, id, v, &mut words)?;
-                                            add(id, &words)?;
+                                    if let Some(h) = r.open(Db::Rows, name) {
+                                        for &id in own {
+                                            if let Some(v) = r.get_in(h, name, id)? {
+                                                t.replica_row(path, id, v, &mut words)?;
+                                                add(id, &words)?;
+                                            }
                                         }
                                     }
                                     let mut failed = None;

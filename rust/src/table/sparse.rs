@@ -394,6 +394,7 @@ impl SparseTable {
         let name = &self.common.name;
         let mut words = Vec::with_capacity(self.row_words());
         st.read(|r| {
+            let rows = r.open(Db::Rows, name);
             let mut found = Vec::with_capacity(ids.len());
             for &id in ids {
                 if shard.find(id).is_some() {
@@ -404,7 +405,11 @@ impl SparseTable {
                     found.push(false);
                     continue;
                 }
-                match r.get(Db::Rows, name, id)? {
+                let got = match rows {
+                    Some(h) => r.get_in(h, name, id)?,
+                    None => None,
+                };
+                match got {
                     Some(v) => {
                         self.replica_row(st.path(), id, v, &mut words)?;
                         shard.put_words(id, &words);
