@@ -58,8 +58,8 @@ def _unique(ids: Tensor) -> tuple[np.ndarray, Tensor]:
         if ref() is ids and version == ids._version:
             return result
     flat = ids.reshape(-1).to("cpu", torch.int64).contiguous()
-    # A hash pass in the store's native code (ids in order of first appearance): about a third
-    # of torch.unique's sort at 106k ids.
+    # A hash pass in the store's native code (ids in order of first appearance): 1.1 ms against
+    # torch.unique's 4.0 ms for 106k Zipf ids (a third unique), measured on 2 cores.
     unique, inverse = _native.unique_inverse(flat.numpy().view(np.uint64))
     result = (unique, torch.from_numpy(inverse))
     _last.memo = (weakref.ref(ids), ids._version, result)
