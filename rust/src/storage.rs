@@ -313,6 +313,14 @@ impl Storage {
         })
     }
 
+    /// The value of a meta key as `txn` (a read or a write transaction) sees it.
+    fn meta_in(&self, txn: &RoTxn<'_>, key: &str) -> Result<Option<Vec<u8>>> {
+        self.meta
+            .get(txn, key.as_bytes())
+            .map(|v| v.map(<[u8]>::to_vec))
+            .map_err(|e| lmdb_err(&self.path, "reading", e))
+    }
+
     /// Runs `f` with a read transaction: a consistent view of the last committed state.
     pub fn read<R>(&self, f: impl FnOnce(&Reader<'_>) -> Result<R>) -> Result<R> {
         let _gate = self.gate.read().unwrap_or_else(|e| e.into_inner());
@@ -321,30 +329,6 @@ impl Storage {
             .read_txn()
             .map_err(|e| lmdb_err(&self.path, "reading", e))?;
         f(&Reader { storage: self, txn })
-    }
-
-    /// Like [`Storage::read`] with `1 + helpers` read transactions that all see the same
-    /// committed state (no write commits while they are opened): `f` reads with the first and
-    /// may move the others to other threads.
-    pub fn read_with_helpers<R>(
-        &self,
-        helpers: usize,
-        f: impl FnOnce(&Reader<'_>, Vec<Reader<'_>>) -> Result<R>,
-    ) -> Result<R> {
-        let _gate = self.gate.read().unwrap_or_else(|e| e.into_inner());
-        let open = || {
-            self.env
-                .read_txn()
-                .map(|txn| Reader { storage: self, txn })
-                .map_err(|e| lmdb_err(&self.path, "reading", e))
-        };
-        let (first, rest) = {
-            let _one = self.writer.lock().unwrap_or_else(|e| e.into_inner());
-            let first = open()?;
-            let rest = (0..helpers).map(|_| open()).collect::<Result<Vec<_>>>()?;
-            (first, rest)
-        };
-        f(&first, rest)
     }
 
     /// Like [`Storage::read`], with no write committing meanwhile: what `f` reads stays the
@@ -507,11 +491,7 @@ pub struct Reader<'s> {
 impl Reader<'_> {
     /// The value of a meta key.
     pub fn meta(&self, key: &str) -> Result<Option<Vec<u8>>> {
-        self.storage
-            .meta
-            .get(&self.txn, key.as_bytes())
-            .map(|v| v.map(<[u8]>::to_vec))
-            .map_err(|e| lmdb_err(&self.storage.path, "reading", e))
+        self.storage.meta_in(&self.txn, key)
     }
 
     /// Every meta (key, value) whose key starts with `prefix`, in key order.
@@ -596,7 +576,8 @@ impl Reader<'_> {
     }
 }
 
-/// A table's database in a write transaction (see [`Writer::open`]).
+/// A table's database, looked up once by [`Reader::open`] or [`Writer::open`] for many reads or
+/// writes.
 #[derive(Clone, Copy)]
 pub struct DbHandle {
     db: Db,
@@ -646,11 +627,7 @@ impl Writer<'_, '_> {
 
     /// The value of a meta key, as this transaction sees it.
     pub fn meta(&self, key: &str) -> Result<Option<Vec<u8>>> {
-        self.storage
-            .meta
-            .get(self.txn, key.as_bytes())
-            .map(|v| v.map(<[u8]>::to_vec))
-            .map_err(|e| lmdb_err(&self.storage.path, "reading", e))
+        self.storage.meta_in(self.txn, key)
     }
 
     /// Sets a meta key.

@@ -290,40 +290,10 @@ fn parts_for(t: &SparseTable, rows: u64) -> usize {
     (rows.div_ceil(1 << 18) as usize).clamp(1, t.num_shards().min(MAX_PARTS))
 }
 
-/// The most read transactions an increment of a durable store reads its changed rows with.
-const MAX_READERS: usize = 4;
 /// The most bytes of rows an increment of a durable store copies from memory before it writes
 /// them (see [`SparseTable::copy_settled`]); the changed rows of tables beyond it are read back
 /// from the replica.
 const SETTLED_BYTES: usize = 256 << 20;
-/// The fewest changed rows worth a reader of their own.
-const MIN_PER_READER: usize = 1024;
-
-/// The rows of `ids` (in order; ids without a row are skipped) as read by `r`: the ids found and
-/// their rows' words.
-fn read_rows(
-    r: &crate::storage::Reader<'_>,
-    t: &SparseTable,
-    path: &Path,
-    name: &str,
-    ids: &[u64],
-) -> Result<(Vec<u64>, Vec<u32>)> {
-    let m = t.row_words();
-    let mut found = Vec::with_capacity(ids.len());
-    let mut words = Vec::with_capacity(ids.len() * m);
-    let mut row = Vec::with_capacity(m);
-    let Some(h) = r.open(Db::Rows, name) else {
-        return Ok((found, words));
-    };
-    for &id in ids {
-        if let Some(v) = r.get_in(h, name, id)? {
-            t.replica_row(path, id, v, &mut row)?;
-            found.push(id);
-            words.extend_from_slice(&row);
-        }
-    }
-    Ok((found, words))
-}
 
 impl Store {
     /// Writes a snapshot of every table into the new directory `dir`: all rows, or with
@@ -654,18 +624,7 @@ impl Store {
         let guard = f.hold_cycles();
         f.next_log_gen();
         let st = Arc::clone(f.storage());
-        // An increment reads each changed row by its key (a descent of the B+tree, cache misses
-        // at every level): the store's pool threads each read a share, with read transactions
-        // of the same state.
-        let helpers = match parent {
-            Some(_) => {
-                self.pool_install(rayon::current_num_threads)
-                    .clamp(1, MAX_READERS)
-                    - 1
-            }
-            None => 0,
-        };
-        st.read_with_helpers(helpers, |r, mut helpers| {
+        st.read(|r| {
             // The last cycle this view holds: every change entry up to it is in the view.
             let cycle = r
                 .meta(crate::durable::CYCLE_KEY)?
@@ -732,57 +691,21 @@ impl Store {
                                 add(id, &words)
                             })?,
                             (Some(p), Some((changed, copied))) => {
-                                let mut rest = Vec::new();
+                                // Rows memory did not hold settled are read back from the
+                                // view, one B+tree descent each.
+                                let rows_db = r.open(Db::Rows, name);
+                                let read = |id| match rows_db {
+                                    Some(h) => r.get_in(h, name, id),
+                                    None => Ok(None),
+                                };
                                 for (k, &id) in changed.iter().enumerate() {
-                                    match copied.as_ref().and_then(|c| c.row(k)) {
-                                        Some(row) => add(id, row)?,
-                                        None => rest.push(id),
+                                    if let Some(row) = copied.as_ref().and_then(|c| c.row(k)) {
+                                        add(id, row)?;
+                                    } else if let Some(v) = read(id)? {
+                                        t.replica_row(st.path(), id, v, &mut words)?;
+                                        add(id, &words)?;
                                     }
                                 }
-                                // The rest, read back from the replica; contiguous shares keep
-                                // each in key order.
-                                let k = helpers.len().min(rest.len() / MIN_PER_READER);
-                                let share = rest.len().div_ceil(k + 1).max(1);
-                                let mut shares = rest.chunks(share);
-                                let own = shares.next().unwrap_or(&[]);
-                                let path = st.path();
-                                std::thread::scope(|sc| -> Result<()> {
-                                    let running: Vec<_> = helpers
-                                        .drain(..k)
-                                        .zip(shares)
-                                        .map(|(hr, ids)| {
-                                            sc.spawn(move || {
-                                                let got = read_rows(&hr, t, path, name, ids);
-                                                (hr, got)
-                                            })
-                                        })
-                                        .collect();
-                                    if let Some(h) = r.open(Db::Rows, name) {
-                                        for &id in own {
-                                            if let Some(v) = r.get_in(h, name, id)? {
-                                                t.replica_row(path, id, v, &mut words)?;
-                                                add(id, &words)?;
-                                            }
-                                        }
-                                    }
-                                    let mut failed = None;
-                                    for h in running {
-                                        let (hr, got) = h
-                                            .join()
-                                            .unwrap_or_else(|e| std::panic::resume_unwind(e));
-                                        helpers.push(hr);
-                                        match got {
-                                            Ok((ids, w)) if failed.is_none() => {
-                                                for (id, row) in ids.iter().zip(w.chunks_exact(m)) {
-                                                    add(*id, row)?;
-                                                }
-                                            }
-                                            Ok(_) => {}
-                                            Err(e) => failed = failed.or(Some(e)),
-                                        }
-                                    }
-                                    failed.map_or(Ok(()), Err)
-                                })?;
                                 r.scan(Db::Removed, name, |id, v| {
                                     if cycle_of(v) > p.cycle {
                                         gone.push(id);
@@ -791,7 +714,7 @@ impl Store {
                                 })?;
                                 let mut live = Vec::with_capacity(gone.len());
                                 for id in gone.drain(..) {
-                                    if r.get(Db::Rows, name, id)?.is_none() {
+                                    if read(id)?.is_none() {
                                         live.push(id);
                                     }
                                 }

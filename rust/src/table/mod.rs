@@ -259,10 +259,11 @@ pub(crate) fn check_finite_slice(table: &str, grads: &[f32], dim: usize) -> Resu
     )))
 }
 
-/// A raw pointer into a buffer that parallel tasks write at disjoint positions.
-struct Disjoint<T>(*mut T);
-// SAFETY: used only by `group_ids`, whose tasks write disjoint ranges of buffers that outlive
-// them (rayon joins before the buffers are read).
+/// A raw pointer into a buffer that parallel tasks write at disjoint positions: the grouping of
+/// a batch, a pull's output rows, an increment's copied rows (each position belongs to one task).
+pub(crate) struct Disjoint<T>(pub(crate) *mut T);
+// SAFETY: every user writes through it only at positions no other task writes, into a buffer
+// that outlives the tasks and is read only after they are joined (rayon joins before returning).
 unsafe impl<T> Send for Disjoint<T> {}
 // SAFETY: as above.
 unsafe impl<T> Sync for Disjoint<T> {}
@@ -275,7 +276,9 @@ impl<T> Clone for Disjoint<T> {
 impl<T> Copy for Disjoint<T> {}
 
 impl<T> Disjoint<T> {
-    fn get(self) -> *mut T {
+    /// The pointer (a method, so closures capture the whole `Send` wrapper).
+    #[inline]
+    pub(crate) fn get(self) -> *mut T {
         self.0
     }
 }

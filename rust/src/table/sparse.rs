@@ -8,7 +8,7 @@ use std::sync::{Arc, Mutex, RwLock, RwLockReadGuard, RwLockWriteGuard, Weak};
 use rayon::prelude::*;
 
 use super::{
-    check_finite, group_ids, unix_now, Common, Counters, TableHandle, TableStats, MAX_DIM,
+    check_finite, group_ids, unix_now, Common, Counters, Disjoint, TableHandle, TableStats, MAX_DIM,
 };
 use crate::error::{invalid, shape, storage, Result};
 use crate::executor::PushHandle;
@@ -159,53 +159,6 @@ impl Spare {
 /// every reader, must not share a line with the next shard's fields another thread reads.
 #[repr(align(128))]
 struct Padded<T>(T);
-
-/// A raw pointer to an output buffer that shard tasks write at disjoint rows.
-#[derive(Clone, Copy)]
-struct OutPtr(*mut f32);
-// SAFETY: every shard task writes only the rows of the positions grouped into its own shard, and
-// each position belongs to exactly one shard, so no two threads write the same element.
-unsafe impl Send for OutPtr {}
-// SAFETY: as above; the pointer is only used for those disjoint writes.
-unsafe impl Sync for OutPtr {}
-
-impl OutPtr {
-    /// The pointer (a method, so closures capture the whole `Send` wrapper).
-    #[inline]
-    fn get(self) -> *mut f32 {
-        self.0
-    }
-}
-
-/// A raw pointer to the words of [`SparseTable::copy_settled`], written at disjoint rows.
-#[derive(Clone, Copy)]
-struct WordPtr(*mut u32);
-// SAFETY: as `OutPtr`: each position (and its row) is written by the one task of its shard.
-unsafe impl Send for WordPtr {}
-// SAFETY: as above.
-unsafe impl Sync for WordPtr {}
-
-impl WordPtr {
-    #[inline]
-    fn get(self) -> *mut u32 {
-        self.0
-    }
-}
-
-/// A raw pointer to the flags of [`SparseTable::copy_settled`], written at disjoint positions.
-#[derive(Clone, Copy)]
-struct FlagPtr(*mut bool);
-// SAFETY: as `WordPtr`.
-unsafe impl Send for FlagPtr {}
-// SAFETY: as above.
-unsafe impl Sync for FlagPtr {}
-
-impl FlagPtr {
-    #[inline]
-    fn get(self) -> *mut bool {
-        self.0
-    }
-}
 
 /// The rows [`SparseTable::copy_settled`] copied, by position.
 pub(crate) struct Settled {
@@ -586,7 +539,7 @@ impl SparseTable {
                 ids.len() * dim
             )));
         }
-        let ptr = OutPtr(out.as_mut_ptr().cast::<f32>());
+        let ptr = Disjoint(out.as_mut_ptr().cast::<f32>());
         let created = std::sync::atomic::AtomicU64::new(0);
         let failure: Mutex<Option<crate::Error>> = Mutex::new(None);
         let stream = out.len() * 4 >= STREAM_MIN_BYTES;
@@ -597,7 +550,7 @@ impl SparseTable {
                 let row = as_f32(&shard.row(slot)[HEADER..HEADER + dim]);
                 let dst = ptr.get().wrapping_add(p as usize * dim);
                 // SAFETY: `p < ids.len()`, so the row lies inside `out`'s capacity, and only
-                // this task writes row `p` (see `OutPtr`).
+                // this task writes row `p` (see `Disjoint`).
                 unsafe {
                     if stream {
                         copy_floats_streaming(row, dst)
@@ -1247,7 +1200,10 @@ impl SparseTable {
         // and ever read.
         unsafe { words.set_len(ids.len() * m) };
         let mut ok = vec![false; ids.len()];
-        let (wp, op) = (WordPtr(words.as_mut_ptr().cast()), FlagPtr(ok.as_mut_ptr()));
+        let (wp, op) = (
+            Disjoint(words.as_mut_ptr().cast::<u32>()),
+            Disjoint(ok.as_mut_ptr()),
+        );
         let g = self.group(ids);
         self.for_each_shard(&g, ids.len(), |s, part| {
             let pos = part.positions;
@@ -1264,7 +1220,7 @@ impl SparseTable {
                     }
                     if let Some(w) = shard.settled(slot, ids[p]) {
                         // SAFETY: `p < ids.len()`, and only this task writes position `p` (each
-                        // position belongs to one shard), as with `OutPtr`.
+                        // position belongs to one shard; see `Disjoint`).
                         unsafe {
                             let dst = std::slice::from_raw_parts_mut(wp.get().add(p * m), m);
                             dst.copy_from_slice(&w[..m]);
