@@ -546,10 +546,14 @@ impl Flusher {
         let r = self.storage.write(|w| {
             let (rows, changed) = (w.open(Db::Rows, name)?, w.open(Db::Changed, name)?);
             for (taken, order) in chunk.iter().zip(&orders) {
-                for &i in order {
-                    let (i, id) = (i as usize, taken.ids[i as usize]);
-                    w.put_in(rows, id, bytes_of(&taken.words[i * m..(i + 1) * m]))?;
-                }
+                let sorted: Vec<(u64, &[u8])> = order
+                    .iter()
+                    .map(|&i| {
+                        let i = i as usize;
+                        (taken.ids[i], bytes_of(&taken.words[i * m..(i + 1) * m]))
+                    })
+                    .collect();
+                w.put_rows_in_order(rows, &sorted)?;
                 // Only a row's first change in the log generation writes its entry: later ones
                 // find it there, with a cycle after the last snapshot's.
                 for &i in order.iter().filter(|&&i| taken.log[i as usize]) {

@@ -73,6 +73,10 @@ pub fn key(id: u64) -> [u8; 8] {
     crate::hash::mix64(id).to_be_bytes()
 }
 
+/// A cursor step costs about this fraction of a descent of the tree: a write walks a key range
+/// when it rewrites at least one stored row in this many.
+const WALK_PER_DESCENT: u64 = 8;
+
 /// The id and payload of a stored value.
 fn decode<'v>(db: Db, table: &str, v: &'v [u8]) -> Result<(u64, &'v [u8])> {
     let bad = || {
@@ -679,6 +683,68 @@ impl Writer<'_, '_> {
         self.check("writing", r)
     }
 
+    /// [`Writer::put_in`] of many rows of the rows database, `rows` in key order (ascending
+    /// [`key`]). Where the rows are dense among those stored in their key range, a cursor walks
+    /// the range and rewrites each row where it stands (`MDB_CURRENT`: same-size values are
+    /// overwritten in place, with no descent of the tree per row); ids it does not find are put
+    /// afterwards like any other. A descent per row compared keys at every level and looked
+    /// each page up among the transaction's dirty pages: about a third of a flush's time.
+    pub fn put_rows_in_order(&mut self, h: DbHandle, rows: &[(u64, &[u8])]) -> Result<()> {
+        let (Some(first), Some(last)) = (rows.first(), rows.last()) else {
+            return Ok(());
+        };
+        let (lo, hi) = (key(first.0), key(last.0));
+        let stored = h.d.len(self.txn).map_err(|e| self.fail("reading", e))?;
+        // The rows stored in [lo, hi], keys being uniform hashes.
+        let span = u64::from_be_bytes(hi) - u64::from_be_bytes(lo);
+        let in_range = (stored as f64 * (span as f64 / u64::MAX as f64)).ceil() as u64 + 1;
+        if (rows.len() as u64) * WALK_PER_DESCENT < in_range {
+            for &(id, payload) in rows {
+                self.put_in(h, id, payload)?;
+            }
+            return Ok(());
+        }
+        let mut absent = Vec::new();
+        let mut value = Vec::with_capacity(first.1.len() + 8);
+        let r = (|| -> heed::Result<()> {
+            let range = (
+                std::ops::Bound::Included(&lo[..]),
+                std::ops::Bound::Included(&hi[..]),
+            );
+            let mut it = h.d.range_mut(self.txn, &range)?;
+            // The key the cursor stands on (copied: the database's bytes may move on a write).
+            let mut at: Option<[u8; 8]> = match it.next().transpose()? {
+                Some((k, _)) => k.try_into().ok(),
+                None => None,
+            };
+            for &(id, payload) in rows {
+                let k = key(id);
+                while at.is_some_and(|a| a < k) {
+                    at = match it.next().transpose()? {
+                        Some((k, _)) => k.try_into().ok(),
+                        None => None,
+                    };
+                }
+                if at == Some(k) {
+                    value.clear();
+                    value.extend_from_slice(&id.to_le_bytes());
+                    value.extend_from_slice(payload);
+                    // SAFETY: no key or value of the database is held across the write (`at`
+                    // is a copy), and the key is the one the cursor stands on.
+                    unsafe { it.put_current(&k[..], &value[..])? };
+                } else {
+                    absent.push((id, payload));
+                }
+            }
+            Ok(())
+        })();
+        self.check("writing", r)?;
+        for (id, payload) in absent {
+            self.put_in(h, id, payload)?;
+        }
+        Ok(())
+    }
+
     /// Deletes `id` from a table's database; true if it was there.
     pub fn delete(&mut self, db: Db, table: &str, id: u64) -> Result<bool> {
         let d = self.db(db, table)?;
@@ -747,6 +813,61 @@ mod tests {
         let d = std::env::temp_dir().join(format!("pstore-storage-{name}-{}", std::process::id()));
         let _ = std::fs::remove_dir_all(&d);
         d
+    }
+
+    /// Rows `(id, value)` in key order.
+    fn in_key_order(rows: &mut [(u64, Vec<u32>)]) {
+        rows.sort_by_key(|(id, _)| key(*id));
+    }
+
+    #[test]
+    fn rows_put_in_order_overwrite_and_insert_by_walk_and_by_descent() {
+        let d = dir("in-order");
+        let (s, _) = Storage::open(&d, true, 1 << 20).unwrap();
+        let words = 256;
+        let mut rows: Vec<(u64, Vec<u32>)> = (0..3000u64).map(|id| (id, vec![1; words])).collect();
+        in_key_order(&mut rows);
+        let put = |rows: &[(u64, Vec<u32>)]| {
+            s.write(|w| {
+                let h = w.open(Db::Rows, "t")?;
+                let v: Vec<(u64, &[u8])> = rows.iter().map(|(id, r)| (*id, bytes_of(r))).collect();
+                w.put_rows_in_order(h, &v)
+            })
+            .unwrap()
+        };
+        // Into an empty database (inserts), growing the 1 MiB map on the way.
+        put(&rows);
+        assert!(s.map_size() > 3 << 20);
+        // Dense: every other stored row rewritten where it stands, plus 500 new ids.
+        let mut dense: Vec<(u64, Vec<u32>)> = (0..3000u64)
+            .step_by(2)
+            .chain(10_000..10_500)
+            .map(|id| (id, vec![id as u32 + 7; words]))
+            .collect();
+        in_key_order(&mut dense);
+        put(&dense);
+        // Sparse: 20 rows among 3500, each found by a descent.
+        let mut sparse: Vec<(u64, Vec<u32>)> = (1..3000u64)
+            .step_by(150)
+            .map(|id| (id, vec![9; words]))
+            .collect();
+        in_key_order(&mut sparse);
+        put(&sparse);
+        let mut want: std::collections::HashMap<u64, Vec<u32>> = rows.into_iter().collect();
+        want.extend(dense);
+        want.extend(sparse);
+        s.read(|r| {
+            assert_eq!(r.len(Db::Rows, "t")?, 3500);
+            for (id, row) in &want {
+                let mut got = Vec::new();
+                words_into(r.get(Db::Rows, "t", *id)?.unwrap(), &mut got);
+                assert_eq!(&got, row, "row {id}");
+            }
+            Ok(())
+        })
+        .unwrap();
+        drop(s);
+        let _ = std::fs::remove_dir_all(&d);
     }
 
     #[test]
