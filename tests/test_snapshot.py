@@ -835,14 +835,16 @@ import os, sys
 import numpy as np
 import pstore
 
-N = 200_000
+N = 1_000_000
 store = pstore.Store(sys.argv[1], durability="none", threads=2)
-table = store.create_sparse_table("emb", 8, initializer=pstore.init.Zeros())
+table = store.create_sparse_table("emb", 16, initializer=pstore.init.Zeros())
 ids = np.arange(N, dtype=np.uint64)
 table.pull(ids)
 store.flush()
-table.push(ids, np.ones((N, 8), dtype=np.float32))
-# The snapshot first commits the pushed rows (a while): die 0.1 s in.
+table.push(ids, np.ones((N, 16), dtype=np.float32))
+# The snapshot first commits the pushed rows, then writes its files: die at the first progress
+# report, 0.1 s in. (The commit of 1M rows takes several times that; with 200k rows of dim 8 it
+# once finished within the first 0.1 s, and the snapshot was complete before the first report.)
 store.snapshot(sys.argv[2], progress=lambda rows: os._exit(3))
 """
 
@@ -871,10 +873,10 @@ def test_an_interrupted_snapshot_is_not_a_snapshot(tmp_path):
         assert str(where) in str(e.value)
         assert not (tmp_path / "target").exists()
     # The store is fine, and a new snapshot may take the name.
-    ids = np.arange(0, 200_000, 997, dtype=np.uint64)
+    ids = np.arange(0, 1_000_000, 997, dtype=np.uint64)
     with pstore.Store(src, threads=2) as store:
         m = store.snapshot(snap)
-        assert entry_of(m, "emb")["rows"] == 200_000
+        assert entry_of(m, "emb")["rows"] == 1_000_000
         want = store.table("emb").pull(ids)
     restored = pstore.Store.restore(snap)
     np.testing.assert_array_equal(restored.table("emb").pull(ids), want)
