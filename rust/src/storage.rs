@@ -77,6 +77,25 @@ pub fn key(id: u64) -> [u8; 8] {
 /// when it rewrites at least one stored row in this many.
 const WALK_PER_DESCENT: u64 = 8;
 
+/// Writes the stored value of `id` with `payload` (the inverse of [`decode`]).
+fn encode(db: Db, id: u64, payload: &[u8], out: &mut impl std::io::Write) -> std::io::Result<()> {
+    match db {
+        Db::Rows => {
+            out.write_all(&id.to_le_bytes())?;
+            out.write_all(payload)
+        }
+        Db::Changed | Db::Removed => {
+            out.write_all(payload)?;
+            out.write_all(&id.to_le_bytes())
+        }
+    }
+}
+
+/// The key of a cursor's entry, copied (`None` past the end).
+fn key_of(entry: Option<heed::Result<(&[u8], &[u8])>>) -> heed::Result<Option<[u8; 8]>> {
+    Ok(entry.transpose()?.and_then(|(k, _)| k.try_into().ok()))
+}
+
 /// The id and payload of a stored value.
 fn decode<'v>(db: Db, table: &str, v: &'v [u8]) -> Result<(u64, &'v [u8])> {
     let bad = || {
@@ -516,10 +535,7 @@ impl Reader<'_> {
 
     /// The payload of `id` in a table's database.
     pub fn get(&self, db: Db, table: &str, id: u64) -> Result<Option<&[u8]>> {
-        match self.open(db, table) {
-            Some(h) => self.get_in(h, table, id),
-            None => Ok(None),
-        }
+        self.get_in(self.open(db, table), table, id)
     }
 
     /// A table's database, looked up once for many [`Reader::get_in`] (a lookup by name takes a
@@ -528,9 +544,12 @@ impl Reader<'_> {
         self.storage.handle(db, table).map(|d| DbHandle { db, d })
     }
 
-    /// [`Reader::get`] in a database opened by [`Reader::open`] (`table` names it in errors).
-    pub fn get_in(&self, h: DbHandle, table: &str, id: u64) -> Result<Option<&[u8]>> {
-        let (db, d) = (h.db, h.d);
+    /// [`Reader::get`] in a database opened by [`Reader::open`] (`table` names it in errors;
+    /// a table without the database has no payload).
+    pub fn get_in(&self, h: Option<DbHandle>, table: &str, id: u64) -> Result<Option<&[u8]>> {
+        let Some(DbHandle { db, d }) = h else {
+            return Ok(None);
+        };
         let v = d
             .get(&self.txn, &key(id))
             .map_err(|e| lmdb_err(&self.storage.path, "reading", e))?;
@@ -668,23 +687,14 @@ impl Writer<'_, '_> {
 
     /// [`Writer::put`] into a database opened by [`Writer::open`].
     pub fn put_in(&mut self, h: DbHandle, id: u64, payload: &[u8]) -> Result<()> {
-        use std::io::Write;
         let (db, d) = (h.db, h.d);
-        let r = d.put_reserved(self.txn, &key(id), payload.len() + 8, |space| match db {
-            Db::Rows => {
-                space.write_all(&id.to_le_bytes())?;
-                space.write_all(payload)
-            }
-            Db::Changed | Db::Removed => {
-                space.write_all(payload)?;
-                space.write_all(&id.to_le_bytes())
-            }
+        let r = d.put_reserved(self.txn, &key(id), payload.len() + 8, |space| {
+            encode(db, id, payload, space)
         });
         self.check("writing", r)
     }
 
-    /// [`Writer::put_in`] of many rows of the rows database, `rows` in key order (ascending
-    /// [`key`]). Where the rows are dense among those stored in their key range, a cursor walks
+    /// [`Writer::put_in`] of many rows, `rows` in key order (ascending [`key`]). Where the rows are dense among those stored in their key range, a cursor walks
     /// the range and rewrites each row where it stands (`MDB_CURRENT`: same-size values are
     /// overwritten in place, with no descent of the tree per row); ids it does not find are put
     /// afterwards like any other. A descent per row compared keys at every level and looked
@@ -713,22 +723,15 @@ impl Writer<'_, '_> {
             );
             let mut it = h.d.range_mut(self.txn, &range)?;
             // The key the cursor stands on (copied: the database's bytes may move on a write).
-            let mut at: Option<[u8; 8]> = match it.next().transpose()? {
-                Some((k, _)) => k.try_into().ok(),
-                None => None,
-            };
+            let mut at = key_of(it.next())?;
             for &(id, payload) in rows {
                 let k = key(id);
                 while at.is_some_and(|a| a < k) {
-                    at = match it.next().transpose()? {
-                        Some((k, _)) => k.try_into().ok(),
-                        None => None,
-                    };
+                    at = key_of(it.next())?;
                 }
                 if at == Some(k) {
                     value.clear();
-                    value.extend_from_slice(&id.to_le_bytes());
-                    value.extend_from_slice(payload);
+                    encode(h.db, id, payload, &mut value)?;
                     // SAFETY: no key or value of the database is held across the write (`at`
                     // is a copy), and the key is the one the cursor stands on.
                     unsafe { it.put_current(&k[..], &value[..])? };

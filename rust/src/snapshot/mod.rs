@@ -694,10 +694,7 @@ impl Store {
                                 // Rows memory did not hold settled are read back from the
                                 // view, one B+tree descent each.
                                 let rows_db = r.open(Db::Rows, name);
-                                let read = |id| match rows_db {
-                                    Some(h) => r.get_in(h, name, id),
-                                    None => Ok(None),
-                                };
+                                let read = |id| r.get_in(rows_db, name, id);
                                 for (k, &id) in changed.iter().enumerate() {
                                     if let Some(row) = copied.as_ref().and_then(|c| c.row(k)) {
                                         add(id, row)?;

@@ -358,11 +358,7 @@ impl SparseTable {
                     found.push(false);
                     continue;
                 }
-                let got = match rows {
-                    Some(h) => r.get_in(h, name, id)?,
-                    None => None,
-                };
-                match got {
+                match r.get_in(rows, name, id)? {
                     Some(v) => {
                         self.replica_row(st.path(), id, v, &mut words)?;
                         shard.put_words(id, &words);
