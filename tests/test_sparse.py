@@ -514,3 +514,26 @@ def test_a_pull_past_the_streaming_size_equals_small_pulls(dim: int) -> None:
     small = np.concatenate([t.pull(ids[i : i + 1000]) for i in range(0, n, 1000)])
     np.testing.assert_array_equal(big, small)
     np.testing.assert_array_equal(big, t.pull(ids))
+
+
+@pytest.mark.parametrize("dim", [64, 3])
+def test_a_large_pull_starts_on_a_cache_line_and_behaves_as_an_array(dim: int) -> None:
+    """A pull of 64 KiB or more is returned as a view that starts on a 64-byte boundary (so the
+    pool's tasks never write the same cache line); it must still be an ordinary, writable,
+    C-contiguous (n, dim) array of the right rows, and a new one each time."""
+    store = pstore.Store(threads=2)
+    t = store.create_sparse_table("t", dim, initializer=init.Normal(0.0, 1.0), seed=5)
+    n = (64 << 10) // (4 * dim) + 5
+    ids = np.arange(n, dtype=np.uint64) * 7919
+    for _ in range(8):  # numpy hands out buffers at several alignments (16 bytes apart)
+        big = t.pull(ids)
+        assert big.ctypes.data % 64 == 0
+        assert big.shape == (n, dim) and big.dtype == np.float32
+        assert big.flags.c_contiguous and big.flags.writeable
+        np.testing.assert_array_equal(big, np.concatenate([t.pull(ids[:5]), t.pull(ids[5:])]))
+        again = t.pull(ids)
+        assert not np.shares_memory(big, again)
+        big[:] = 0.0  # writing to the returned rows never touches the table
+        np.testing.assert_array_equal(again, t.pull(ids))
+    small = t.pull(ids[:3])
+    assert small.base is None and small.shape == (3, dim)

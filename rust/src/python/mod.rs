@@ -45,6 +45,55 @@ impl OutData {
     }
 }
 
+/// Outputs of at least this many bytes start on a 64-byte boundary (see [`pulled_rows`]).
+const ALIGN_MIN_BYTES: usize = 64 << 10;
+
+/// A new `(n, dim)` float32 array, every element written by `fill` with the GIL released (an
+/// error from `fill` drops the array unread).
+///
+/// A large output starts on a cache line: it is a view into a slightly longer array, at the
+/// first 64-byte boundary. numpy aligns only to 16 bytes, so a row of 64 floats would otherwise
+/// straddle five lines, and the pool's tasks, which write the rows of different shards, would
+/// share the lines between neighbouring rows. A/B, pull of 65536 ids on two threads: 23.4 to 30.1
+/// M ids/s from a cached table, 13.0 to 13.6 M from 1M rows.
+pub(crate) fn pulled_rows<'py>(
+    py: Python<'py>,
+    n: usize,
+    dim: usize,
+    fill: impl FnOnce(&mut [MaybeUninit<f32>]) -> crate::Result<()> + Send,
+) -> PyResult<Bound<'py, PyArray2<f32>>> {
+    let len = n * dim;
+    let write = |data: OutData| {
+        py.detach(move || {
+            // SAFETY: `data` points to `len` elements of a new array that no other code can
+            // reach until the caller returns it; MaybeUninit makes no claim on their values.
+            let out = unsafe {
+                std::slice::from_raw_parts_mut(data.get().cast::<MaybeUninit<f32>>(), len)
+            };
+            fill(out)
+        })
+        .map_err(err)
+    };
+    if len * 4 < ALIGN_MIN_BYTES {
+        // SAFETY: a new C-ordered array of n x dim float32: `write` fills it before it is
+        // returned, and on an error it is dropped without being read.
+        let out = unsafe { PyArray2::<f32>::new(py, [n, dim], false) };
+        write(OutData(out.data()))?;
+        return Ok(out);
+    }
+    // SAFETY: as above; of its `len + 15` elements, the `len` from the first 64-byte boundary on
+    // are written and returned, the others never read.
+    let full = unsafe { PyArray1::<f32>::new(py, [len + 15], false) };
+    let off = (64 - full.data() as usize % 64) % 64 / 4;
+    write(OutData(full.data().wrapping_add(off)))?;
+    let part = pyo3::types::PySlice::new(py, off as isize, (off + len) as isize, 1);
+    Ok(full
+        .as_any()
+        .get_item(part)?
+        .call_method1("reshape", ((n, dim),))?
+        .cast_into::<PyArray2<f32>>()?)
+}
+
 fn stats_dict<'py>(py: Python<'py>, s: &TableStats) -> PyResult<Bound<'py, PyDict>> {
     let d = PyDict::new(py);
     d.set_item("rows", s.rows)?;
@@ -632,24 +681,10 @@ table_methods!(PySparseTable {
     ) -> PyResult<Bound<'py, PyArray2<f32>>> {
         self.guard.check()?;
         let ids_s = slice(&ids, "ids")?;
-        let (n, dim) = (ids_s.len(), self.inner.dim());
+        let (n, dim, t) = (ids_s.len(), self.inner.dim(), &self.inner);
         // numpy allocates the result (with its own huge-page advice for large arrays); the rows
         // are written straight into it.
-        // SAFETY: a new C-ordered array of n x dim float32; its elements are written below
-        // before it is returned, and on an error it is dropped without being read.
-        let out = unsafe { PyArray2::<f32>::new(py, [n, dim], false) };
-        let data = OutData(out.data());
-        let t = &self.inner;
-        py.detach(move || {
-            // SAFETY: `data` points to the n * dim elements of `out`, which no other code can
-            // reach until this function returns it; MaybeUninit makes no claim on their values.
-            let slice = unsafe {
-                std::slice::from_raw_parts_mut(data.get().cast::<MaybeUninit<f32>>(), n * dim)
-            };
-            t.pull_into(ids_s, slice)
-        })
-        .map_err(err)?;
-        Ok(out)
+        pulled_rows(py, n, dim, |out| t.pull_into(ids_s, out))
     }
 
     fn push(

@@ -3,7 +3,6 @@
 //! The remote table classes have the methods of the embedded ones (`pull`, `push`, `push_async`,
 //! ...), so the Python `SparseTable` and `DenseTable` classes wrap either.
 
-use std::mem::MaybeUninit;
 use std::net::{SocketAddr, ToSocketAddrs};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
@@ -14,7 +13,7 @@ use pyo3::prelude::*;
 use pyo3::types::{PyDict, PyList};
 
 use super::convert::{err, initializer_from, initializer_spec, optimizer_from, optimizer_spec};
-use super::{lifecycle_tuple, slice, sparse_config, OutData, PyPushHandle, PyStore};
+use super::{lifecycle_tuple, pulled_rows, slice, sparse_config, PyPushHandle, PyStore};
 use crate::client::{Client, ClientConfig};
 use crate::error::Error;
 use crate::net::proto::{CreateTableRequest, Dtype, StalePolicy, TableInfo, TableKind};
@@ -663,21 +662,8 @@ remote_methods!(PyRemoteSparse {
     ) -> PyResult<Bound<'py, PyArray2<f32>>> {
         let ids_s = slice(&ids, "ids")?;
         let (n, dim) = (ids_s.len(), self.config.dim);
-        // SAFETY: a new C-ordered array of n x dim float32; `pull_into` writes every element
-        // before it is returned, and on an error it is dropped without being read.
-        let out = unsafe { PyArray2::<f32>::new(py, [n, dim], false) };
-        let data = OutData(out.data());
         let (c, name) = (&self.client, &self.name);
-        py.detach(move || {
-            // SAFETY: `data` points to the n * dim elements of `out`, which no other code can
-            // reach until this function returns it; MaybeUninit makes no claim on their values.
-            let o = unsafe {
-                std::slice::from_raw_parts_mut(data.get().cast::<MaybeUninit<f32>>(), n * dim)
-            };
-            c.pull_into(name, dim, ids_s, o)
-        })
-        .map_err(err)?;
-        Ok(out)
+        pulled_rows(py, n, dim, |out| c.pull_into(name, dim, ids_s, out))
     }
 
     fn push(
