@@ -229,17 +229,34 @@ pub(crate) fn check_finite(exec: &Executor, table: &str, grads: &[f32], dim: usi
 
 /// Whether every value of `v` is finite.
 ///
-/// A value is NaN or infinite when all its exponent bits are set, so the largest exponent field
-/// of a block tells whether the block has one; that maximum is computed without a branch per
-/// value, which the compiler turns into vector code (about four times the speed of testing each
-/// value with an early exit). Blocks of 1024 values still stop the scan soon after a bad one.
+/// A value is NaN or infinite when all its exponent bits are set. Each block of 1024 values is
+/// tested without a branch per value (the flags of the values with all exponent bits set are
+/// OR-ed together), which the compiler turns into vector code: about four times the speed of
+/// testing each value with an early exit. Blocks still stop the scan soon after a bad value.
+/// Where the CPU has AVX2 (checked once per call) the same loop runs on 8 lanes instead of 4.
 fn all_finite(v: &[f32]) -> bool {
+    #[cfg(target_arch = "x86_64")]
+    if std::arch::is_x86_feature_detected!("avx2") {
+        // SAFETY: the CPU supports AVX2, checked just above.
+        return unsafe { all_finite_avx2(v) };
+    }
+    all_finite_portable(v)
+}
+
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2")]
+fn all_finite_avx2(v: &[f32]) -> bool {
+    all_finite_portable(v)
+}
+
+#[inline(always)]
+fn all_finite_portable(v: &[f32]) -> bool {
     const EXP: u32 = 0x7f80_0000;
     v.chunks(1024).all(|block| {
         block
             .iter()
-            .fold(0u32, |worst, x| worst.max(x.to_bits() & EXP))
-            != EXP
+            .fold(0u32, |bad, x| bad | u32::from(x.to_bits() & EXP == EXP))
+            == 0
     })
 }
 
@@ -379,13 +396,22 @@ mod tests {
         ];
         for n in [0usize, 1, 15, 1023, 1024, 1025, 5000] {
             let v: Vec<f32> = (0..n).map(|i| finite[i % finite.len()]).collect();
-            assert!(all_finite(&v));
-            for bad in [f32::NAN, -f32::NAN, f32::INFINITY, f32::NEG_INFINITY] {
+            assert!(all_finite(&v) && all_finite_portable(&v));
+            let signalling = f32::from_bits(0x7f80_0001);
+            for bad in [
+                f32::NAN,
+                -f32::NAN,
+                signalling,
+                f32::INFINITY,
+                f32::NEG_INFINITY,
+            ] {
                 for at in [0, n / 2, n.saturating_sub(1)] {
                     if at < n {
                         let mut w = v.clone();
                         w[at] = bad;
+                        // The dispatched scan (AVX2 where the CPU has it) and the portable one.
                         assert!(!all_finite(&w), "n {n} at {at} {bad}");
+                        assert!(!all_finite_portable(&w), "n {n} at {at} {bad}");
                         let e = check_finite_slice("t", &w, 4).unwrap_err().to_string();
                         assert!(
                             e.contains(&format!("row {}, column {}", at / 4, at % 4)),
