@@ -181,7 +181,9 @@ class SparseTable(_Table):
     def pull(self, ids: IdsLike) -> np.ndarray:
         """The rows of ``ids``, as a new ``(len(ids), dim)`` float32 array.
 
-        Rows that do not exist yet are created with their initial value.
+        Rows that do not exist yet are created with their initial value. A result of 64 KiB or
+        more starts on a 64-byte boundary: it is a view into a new array 15 floats longer (its
+        ``base``), which nothing else refers to.
         """
         return self._inner.pull(_as_ids(ids))
 
