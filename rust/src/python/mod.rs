@@ -54,8 +54,8 @@ const ALIGN_MIN_BYTES: usize = 64 << 10;
 /// A large output starts on a cache line: it is a view into a slightly longer array, at the
 /// first 64-byte boundary. numpy aligns only to 16 bytes, so a row of 64 floats would otherwise
 /// straddle five lines, and the pool's tasks, which write the rows of different shards, would
-/// share the lines between neighbouring rows. A/B, pull of 65536 ids on two threads: 23.4 to 30.1
-/// M ids/s from a cached table, 13.0 to 13.6 M from 1M rows.
+/// share the lines between neighbouring rows (measurements in ARCHITECTURE.md, "Executing a
+/// batch").
 pub(crate) fn pulled_rows<'py>(
     py: Python<'py>,
     n: usize,
