@@ -413,7 +413,11 @@ class Store:
 
         Keys: ``path``, ``cycle`` (flush cycles completed over the store's life),
         ``file_bytes``, ``map_bytes``, ``flush_interval``, ``last_error`` (the message of the
-        last failed flush, or None once a flush succeeds again).
+        last failed flush, or None once a flush succeeds again), ``flush_lag`` (seconds since
+        the last successful cycle started: what was applied before then is on disk),
+        ``idle_writes`` (True when the background writes of ``"async"`` mode run at idle CPU
+        priority; see the README's durability notes) and ``idle_lifts`` (how often such a write
+        was put back to normal priority because something waited for it or it ran too long).
         """
         return self._inner.storage_info()
 

@@ -17,6 +17,7 @@ use std::time::{Duration, Instant};
 use serde::{Deserialize, Serialize};
 
 use crate::error::{invalid, storage, Error, Result};
+use crate::idle::IdleWrites;
 use crate::storage::{bytes_of, Db, Storage};
 use crate::store::Table;
 use crate::table::{
@@ -222,6 +223,8 @@ pub struct Flusher {
     written: Mutex<HashMap<String, Vec<u8>>>,
     /// The row buffers of earlier cycles.
     spare: Spare,
+    /// Background writes of `async` mode at idle priority (see [`crate::idle`]).
+    idle: Arc<IdleWrites>,
     thread: Mutex<Option<JoinHandle<()>>>,
 }
 
@@ -254,8 +257,11 @@ impl Flusher {
             log_gen: std::sync::atomic::AtomicU32::new(1),
             written: Mutex::new(HashMap::new()),
             spare: Spare::default(),
+            idle: IdleWrites::start(mode == Durability::Async, interval * 2),
             thread: Mutex::new(None),
         });
+        let idle = Arc::clone(&f.idle);
+        f.storage.set_on_wait(Box::new(move || idle.lift()));
         let me = Arc::clone(&f);
         let h = std::thread::Builder::new()
             .name("pstore-flusher".into())
@@ -284,6 +290,18 @@ impl Flusher {
         self.state.lock().unwrap_or_else(|e| e.into_inner())
     }
 
+    /// Whether background writes run at idle priority (`async` mode, and the process can lift
+    /// them again).
+    pub fn idle_writes(&self) -> bool {
+        self.idle.enabled()
+    }
+
+    /// How often an idle write was lifted back to normal priority (by a waiter or the
+    /// watchdog).
+    pub fn idle_lifts(&self) -> u64 {
+        self.idle.lifts()
+    }
+
     /// Holds off cycles while `f` runs (table creation and drop, snapshots).
     pub(crate) fn exclusive<R>(&self, f: impl FnOnce() -> R) -> R {
         let _held = self.hold_cycles();
@@ -303,9 +321,11 @@ impl Flusher {
         self.log_gen.store(g, std::sync::atomic::Ordering::Release);
     }
 
-    /// Holds off cycles until the guard is dropped.
+    /// Holds off cycles until the guard is dropped (a running cycle is lifted to normal
+    /// priority first).
     pub(crate) fn hold_cycles(&self) -> MutexGuard<'_, ()> {
-        self.cycle_lock.lock().unwrap_or_else(|e| e.into_inner())
+        self.idle
+            .wait_for(|| self.cycle_lock.lock().unwrap_or_else(|e| e.into_inner()))
     }
 
     fn run(&self) {
@@ -334,12 +354,18 @@ impl Flusher {
                         st = self.cv.wait(st).unwrap_or_else(|e| e.into_inner());
                     }
                 }
+                // A timed cycle nobody waits for writes at idle priority.
+                self.idle
+                    .begin(self.mode == Durability::Async && st.wanted < st.next);
                 st.next += 1;
                 st.next - 1
             };
             let number = self.lock().cycle + 1;
             let started = Instant::now();
-            let r = self.exclusive(|| self.cycle(number));
+            let r = {
+                let _held = self.cycle_lock.lock().unwrap_or_else(|e| e.into_inner());
+                self.cycle(number)
+            };
             let mut st = self.lock();
             st.done = ticket;
             match r {
@@ -373,6 +399,9 @@ impl Flusher {
         }
         let target = st.next;
         st.wanted = st.wanted.max(target);
+        // The running cycle (if any) goes on at normal priority; under this lock the flusher
+        // starts none that could miss `wanted`.
+        self.idle.lift();
         self.cv.notify_all();
         while st.done < target {
             st = self.cv.wait(st).unwrap_or_else(|e| e.into_inner());
@@ -442,6 +471,7 @@ impl Flusher {
         if let Some(h) = self.thread.lock().unwrap_or_else(|e| e.into_inner()).take() {
             let _ = h.join();
         }
+        self.idle.stop();
         r
     }
 
@@ -543,6 +573,8 @@ impl Flusher {
         // Each database is written in key order: consecutive puts then land on the same leaf
         // page, already in cache and already copied for this transaction.
         let orders: Vec<Vec<u32>> = chunk.iter().map(|t| key_order(&t.ids)).collect();
+        // The transaction only (no table lock is held in it) may run at idle priority.
+        let writing = self.idle.writing();
         let r = self.storage.write(|w| {
             let (rows, changed) = (w.open(Db::Rows, name)?, w.open(Db::Changed, name)?);
             for (taken, order) in chunk.iter().zip(&orders) {
@@ -569,6 +601,7 @@ impl Flusher {
             }
             w.put_meta(CYCLE_KEY, &tag)
         });
+        drop(writing);
         match r {
             Ok(()) => {
                 for taken in chunk.drain(..) {
@@ -593,6 +626,7 @@ impl Flusher {
             return Ok(false);
         }
         let tag = cycle.to_le_bytes();
+        let writing = self.idle.writing();
         let r = self.storage.write(|w| {
             if let Some(v) = &value {
                 w.put_meta(&dense_key(name), bytes_of(v))?;
@@ -602,6 +636,7 @@ impl Flusher {
             }
             w.put_meta(CYCLE_KEY, &tag)
         });
+        drop(writing);
         match r {
             Ok(()) => {
                 if let Some(rec) = rec {

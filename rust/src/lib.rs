@@ -43,6 +43,7 @@ pub mod durable;
 pub mod error;
 pub mod executor;
 pub mod hash;
+mod idle;
 pub mod init;
 pub mod net;
 pub mod ops;

@@ -15,7 +15,7 @@ use std::collections::HashMap;
 use std::fs::File;
 use std::os::fd::AsRawFd;
 use std::path::{Path, PathBuf};
-use std::sync::{Mutex, RwLock};
+use std::sync::{Mutex, OnceLock, RwLock, TryLockError};
 
 use heed::types::Bytes;
 use heed::{Database, Env, EnvOpenOptions, MdbError, RoTxn, RwTxn, WithoutTls};
@@ -166,6 +166,9 @@ pub struct Storage {
     gate: RwLock<usize>,
     /// Serialises writers (LMDB has one writer; this keeps the resize retry simple).
     writer: Mutex<()>,
+    /// Called before waiting for the writer (the flusher's writes may run at idle priority:
+    /// this lifts them).
+    on_wait: OnceLock<Box<dyn Fn() + Send + Sync>>,
 }
 
 impl Storage {
@@ -294,6 +297,7 @@ impl Storage {
                 dbs: Mutex::new(HashMap::new()),
                 gate: RwLock::new(map_size),
                 writer: Mutex::new(()),
+                on_wait: OnceLock::new(),
             },
             created,
         ))
@@ -357,8 +361,22 @@ impl Storage {
     /// Like [`Storage::read`], with no write committing meanwhile: what `f` reads stays the
     /// newest state until it returns.
     pub fn read_exclusive<R>(&self, f: impl FnOnce(&Reader<'_>) -> Result<R>) -> Result<R> {
-        let _one = self.writer.lock().unwrap_or_else(|e| e.into_inner());
+        let _one = match self.writer.try_lock() {
+            Ok(g) => g,
+            Err(TryLockError::Poisoned(e)) => e.into_inner(),
+            Err(TryLockError::WouldBlock) => {
+                if let Some(lift) = self.on_wait.get() {
+                    lift();
+                }
+                self.writer.lock().unwrap_or_else(|e| e.into_inner())
+            }
+        };
         self.read(f)
+    }
+
+    /// Sets what to call before waiting for a write in progress (once).
+    pub(crate) fn set_on_wait(&self, f: Box<dyn Fn() + Send + Sync>) {
+        let _ = self.on_wait.set(f);
     }
 
     /// Runs `f` in one write transaction and commits it (to disk, with fsync). When the map is

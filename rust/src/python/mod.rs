@@ -277,7 +277,8 @@ impl PyStore {
         self.inner.flusher().map(|f| f.mode().as_str())
     }
 
-    /// The replica of an open durable store: cycle, file and map bytes, last error.
+    /// The replica of an open durable store: cycle, file and map bytes, last error, flush lag,
+    /// idle-priority writes.
     fn storage_info<'py>(&self, py: Python<'py>) -> PyResult<Option<Bound<'py, PyDict>>> {
         let Some(f) = self.inner.flusher() else {
             return Ok(None);
@@ -289,6 +290,9 @@ impl PyStore {
         d.set_item("map_bytes", f.storage().map_size())?;
         d.set_item("flush_interval", f.interval().as_secs_f64())?;
         d.set_item("last_error", f.last_error().map(|e| e.to_string()))?;
+        d.set_item("flush_lag", f.lag().as_secs_f64())?;
+        d.set_item("idle_writes", f.idle_writes())?;
+        d.set_item("idle_lifts", f.idle_lifts())?;
         Ok(Some(d))
     }
 

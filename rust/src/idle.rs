@@ -1,0 +1,356 @@
+//! Idle priority for the background writes of an `async` store's flusher.
+//!
+//! Training fills both cores of a small machine; the flusher's LMDB writes compete with the pool
+//! threads for them. At normal priority the scheduler lets the flusher finish its time slice
+//! when a pool thread wakes, so pushes and pulls wait behind it. At `SCHED_IDLE` a waking
+//! thread of normal priority takes the core at once, and the flusher runs in the gaps that
+//! training leaves. (Measured in ARCHITECTURE.md, "Idle-priority writes".)
+//!
+//! Only the transaction (LMDB's writes and the commit) runs at idle priority: the take, which
+//! holds pushes off, and the bookkeeping after the commit, which takes shard locks, run at
+//! normal priority. An idle thread can still be starved (another process filling the cores)
+//! or hold something a normal thread waits for (the LMDB writer lock), so:
+//!
+//! - whoever waits for the flusher (`flush()`, a `sync` push, a snapshot, a table creation, a
+//!   full load of a lazy table) lifts it back to normal priority first;
+//! - a watchdog thread lifts it when its write has been idle for longer than the allowance
+//!   (twice the flush interval), which bounds the loss window whatever the load.
+//!
+//! A thread may leave `SCHED_IDLE` again only with `CAP_SYS_NICE` or an `RLIMIT_NICE` that allows
+//! nice 0, so the flusher goes idle only when a probe shows the process can lift it; otherwise
+//! every write runs at normal priority, as before.
+
+use std::sync::{Arc, Condvar, Mutex, MutexGuard, OnceLock};
+use std::thread::JoinHandle;
+use std::time::{Duration, Instant};
+
+/// Sets the scheduling policy of thread `tid` (0: the calling thread) at priority 0.
+#[cfg(target_os = "linux")]
+fn set_policy(tid: i32, policy: libc::c_int) -> bool {
+    let param = libc::sched_param { sched_priority: 0 };
+    // SAFETY: `param` is a valid `sched_param`; the call only reads it.
+    unsafe { libc::sched_setscheduler(tid, policy, &param) == 0 }
+}
+
+#[cfg(target_os = "linux")]
+const IDLE: libc::c_int = libc::SCHED_IDLE;
+#[cfg(target_os = "linux")]
+const NORMAL: libc::c_int = libc::SCHED_OTHER;
+
+#[cfg(not(target_os = "linux"))]
+fn set_policy(_tid: i32, _policy: i32) -> bool {
+    false
+}
+#[cfg(not(target_os = "linux"))]
+const IDLE: i32 = 0;
+#[cfg(not(target_os = "linux"))]
+const NORMAL: i32 = 0;
+
+/// The calling thread's kernel id.
+fn current_tid() -> i32 {
+    #[cfg(target_os = "linux")]
+    {
+        // SAFETY: gettid takes no arguments and cannot fail.
+        unsafe { libc::syscall(libc::SYS_gettid) as i32 }
+    }
+    #[cfg(not(target_os = "linux"))]
+    {
+        0
+    }
+}
+
+/// Whether this process can put a thread at idle priority and lift it back (probed once, on a
+/// thread of its own).
+pub fn usable() -> bool {
+    static USABLE: OnceLock<bool> = OnceLock::new();
+    *USABLE.get_or_init(|| {
+        std::thread::Builder::new()
+            .name("pstore-probe".into())
+            .spawn(|| set_policy(0, IDLE) && set_policy(0, NORMAL))
+            .ok()
+            .and_then(|h| h.join().ok())
+            .unwrap_or(false)
+    })
+}
+
+struct State {
+    /// The writing thread (set by [`IdleWrites::begin`]).
+    tid: i32,
+    /// Since when the running write has been at idle priority.
+    since: Option<Instant>,
+    /// The running cycle stays at normal priority (it was lifted, or somebody waits for it).
+    lifted: bool,
+    /// Lifts over the store's life (by waiters and by the watchdog).
+    lifts: u64,
+    /// Threads in [`IdleWrites::wait_for`]: while there are any, cycles start lifted.
+    waiters: usize,
+    stop: bool,
+}
+
+/// The idle-priority switch of one flusher, and its watchdog.
+pub struct IdleWrites {
+    on: bool,
+    allowance: Duration,
+    state: Mutex<State>,
+    cv: Condvar,
+    watchdog: Mutex<Option<JoinHandle<()>>>,
+}
+
+/// Restores normal priority when a write ends (or fails).
+pub struct Writing<'a>(&'a IdleWrites);
+
+impl Drop for Writing<'_> {
+    fn drop(&mut self) {
+        let mut st = self.0.lock();
+        if st.since.take().is_some() {
+            set_policy(0, NORMAL);
+        }
+    }
+}
+
+impl IdleWrites {
+    /// Idle writes when `on` (and the process can lift them), lifted after `allowance` at the
+    /// latest; starts the watchdog.
+    pub fn start(on: bool, allowance: Duration) -> Arc<Self> {
+        let on = on && usable();
+        let me = Arc::new(Self {
+            on,
+            allowance,
+            state: Mutex::new(State {
+                tid: 0,
+                since: None,
+                lifted: true,
+                lifts: 0,
+                waiters: 0,
+                stop: false,
+            }),
+            cv: Condvar::new(),
+            watchdog: Mutex::new(None),
+        });
+        if on {
+            let w = Arc::clone(&me);
+            if let Ok(h) = std::thread::Builder::new()
+                .name("pstore-watchdog".into())
+                .spawn(move || w.watch())
+            {
+                *me.watchdog.lock().unwrap_or_else(|e| e.into_inner()) = Some(h);
+            }
+        }
+        me
+    }
+
+    /// Whether writes may go idle at all.
+    pub fn enabled(&self) -> bool {
+        self.on && self.watchdog.lock().map(|w| w.is_some()).unwrap_or(false)
+    }
+
+    fn lock(&self) -> MutexGuard<'_, State> {
+        self.state.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    /// A cycle starts on the calling thread; `background`: nobody waits for it.
+    pub fn begin(&self, background: bool) {
+        let mut st = self.lock();
+        st.tid = current_tid();
+        st.lifted = !(background && self.on && st.waiters == 0);
+    }
+
+    /// Runs the caller's write at idle priority until the guard drops, unless the cycle was
+    /// lifted.
+    pub fn writing(&self) -> Writing<'_> {
+        let mut st = self.lock();
+        if !st.lifted && st.since.is_none() && set_policy(0, IDLE) {
+            st.since = Some(Instant::now());
+            self.cv.notify_all();
+        }
+        Writing(self)
+    }
+
+    fn lift_locked(&self, st: &mut State) {
+        st.lifted = true;
+        if st.since.take().is_some() {
+            set_policy(st.tid, NORMAL);
+            st.lifts += 1;
+        }
+    }
+
+    /// Puts the running cycle back at normal priority for the rest of it: called by whoever is
+    /// about to wait for it.
+    pub fn lift(&self) {
+        let mut st = self.lock();
+        self.lift_locked(&mut st);
+    }
+
+    /// Runs `f`, which waits for the flusher, with the running cycle and every cycle that
+    /// starts meanwhile at normal priority.
+    pub fn wait_for<R>(&self, f: impl FnOnce() -> R) -> R {
+        {
+            let mut st = self.lock();
+            st.waiters += 1;
+            self.lift_locked(&mut st);
+        }
+        let r = f();
+        self.lock().waiters -= 1;
+        r
+    }
+
+    /// How often a write was lifted.
+    pub fn lifts(&self) -> u64 {
+        self.lock().lifts
+    }
+
+    fn watch(&self) {
+        let mut st = self.lock();
+        loop {
+            if st.stop {
+                return;
+            }
+            st = match st.since {
+                None => self.cv.wait(st).unwrap_or_else(|e| e.into_inner()),
+                Some(t) => {
+                    let due = t + self.allowance;
+                    let now = Instant::now();
+                    if now >= due {
+                        self.lift_locked(&mut st);
+                        st
+                    } else {
+                        self.cv
+                            .wait_timeout(st, due - now)
+                            .unwrap_or_else(|e| e.into_inner())
+                            .0
+                    }
+                }
+            };
+        }
+    }
+
+    /// Stops the watchdog.
+    pub fn stop(&self) {
+        self.lock().stop = true;
+        self.cv.notify_all();
+        if let Some(h) = self
+            .watchdog
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .take()
+        {
+            let _ = h.join();
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// The scheduling policy of thread `tid` of this process, from `/proc`.
+    #[cfg(target_os = "linux")]
+    fn policy_of(tid: i32) -> i64 {
+        let stat = std::fs::read_to_string(format!("/proc/self/task/{tid}/stat")).unwrap();
+        let rest = &stat[stat.rfind(')').unwrap() + 2..];
+        // Field 41 of stat; `rest` starts at field 3.
+        rest.split(' ').nth(41 - 3).unwrap().parse().unwrap()
+    }
+
+    #[cfg(target_os = "linux")]
+    #[test]
+    fn background_writes_go_idle_and_waiters_lift_them() {
+        if !usable() {
+            // SAFETY: geteuid only returns a value.
+            assert_ne!(
+                unsafe { libc::geteuid() },
+                0,
+                "root can always lift a thread"
+            );
+            eprintln!("this process cannot lift a thread out of SCHED_IDLE; nothing to check");
+            return;
+        }
+        let w = IdleWrites::start(true, Duration::from_secs(60));
+        assert!(w.enabled());
+        let me = current_tid();
+        w.begin(true);
+        {
+            let _g = w.writing();
+            assert_eq!(policy_of(me), IDLE as i64);
+        }
+        assert_eq!(policy_of(me), NORMAL as i64);
+        {
+            let _g = w.writing();
+            assert_eq!(policy_of(me), IDLE as i64);
+            // Another thread, about to wait for this cycle, lifts it.
+            let w2 = Arc::clone(&w);
+            std::thread::spawn(move || w2.lift()).join().unwrap();
+            assert_eq!(policy_of(me), NORMAL as i64);
+            assert_eq!(w.lifts(), 1);
+        }
+        // While a thread waits for the flusher, background cycles start lifted.
+        let w2 = Arc::clone(&w);
+        let (tx, rx) = std::sync::mpsc::channel::<()>();
+        let (tx2, rx2) = std::sync::mpsc::channel::<()>();
+        let waiter = std::thread::spawn(move || {
+            w2.wait_for(|| {
+                tx.send(()).unwrap();
+                rx2.recv().unwrap();
+            })
+        });
+        rx.recv().unwrap();
+        w.begin(true);
+        drop(w.writing());
+        assert_eq!(policy_of(me), NORMAL as i64);
+        tx2.send(()).unwrap();
+        waiter.join().unwrap();
+        // A lifted cycle stays at normal priority; the next background one goes idle again.
+        drop(w.writing());
+        assert_eq!(policy_of(me), NORMAL as i64);
+        w.begin(false);
+        {
+            let _g = w.writing();
+            assert_eq!(
+                policy_of(me),
+                NORMAL as i64,
+                "a cycle somebody waits for stays normal"
+            );
+        }
+        w.stop();
+    }
+
+    #[cfg(target_os = "linux")]
+    #[test]
+    fn the_watchdog_lifts_a_write_idle_past_the_allowance() {
+        if !usable() {
+            // SAFETY: geteuid only returns a value.
+            assert_ne!(
+                unsafe { libc::geteuid() },
+                0,
+                "root can always lift a thread"
+            );
+            eprintln!("this process cannot lift a thread out of SCHED_IDLE; nothing to check");
+            return;
+        }
+        let w = IdleWrites::start(true, Duration::from_millis(50));
+        let me = current_tid();
+        w.begin(true);
+        let g = w.writing();
+        assert_eq!(policy_of(me), IDLE as i64);
+        let t0 = Instant::now();
+        while policy_of(me) != NORMAL as i64 {
+            assert!(t0.elapsed() < Duration::from_secs(10), "never lifted");
+            std::thread::sleep(Duration::from_millis(5));
+        }
+        assert!(t0.elapsed() >= Duration::from_millis(40));
+        assert_eq!(w.lifts(), 1);
+        drop(g);
+        w.stop();
+    }
+
+    #[test]
+    fn off_never_goes_idle() {
+        let w = IdleWrites::start(false, Duration::from_millis(1));
+        assert!(!w.enabled());
+        w.begin(true);
+        let g = w.writing();
+        assert!(w.lock().since.is_none());
+        drop(g);
+        w.stop();
+    }
+}
