@@ -417,7 +417,9 @@ class Store:
         the last successful cycle started: what was applied before then is on disk),
         ``idle_writes`` (True when the background writes of ``"async"`` mode run at idle CPU
         priority; see the README's durability notes) and ``idle_lifts`` (how often such a write
-        was put back to normal priority because something waited for it or it ran too long).
+        was put back to normal priority because something waited for it or it ran too long),
+        ``superseded_writes`` (how often ``flush()`` found such a write in progress and had its
+        rows written by its own cycle instead, so they are not written twice).
         """
         return self._inner.storage_info()
 

@@ -250,6 +250,46 @@ def test_a_starved_idle_write_is_lifted_so_the_loss_window_stays_bounded(tmp_pat
     assert max(lags) < 3 * interval + 2.0, (max(lags), cycles, lifts)
 
 
+def test_flush_during_a_background_write_takes_its_rows_over(tmp_path):
+    """flush() during an idle background write: that write gives its rows back and flush()'s
+    cycle writes them. Nothing is lost from the replica or from the increments' change log."""
+    s = pstore.Store(tmp_path / "s", durability="async", flush_interval=0.05)
+    info = s.storage_info()
+    assert info is not None
+    if not info["idle_writes"]:
+        s.close()
+        pytest.skip("this process may not lift a thread out of SCHED_IDLE: no background writes")
+    n = 200_000
+    t = s.create_sparse_table("t", 32, optimizer=optim.Adagrad(lr=0.1), seed=3)
+    t.push(arange(n), ones(n, 32))
+    s.flush()
+    s.snapshot(tmp_path / "full")
+    rng = np.random.default_rng(5)
+    deadline = time.monotonic() + 60
+    while True:
+        assert time.monotonic() < deadline, "no flush() met a background write"
+        # Every row changes; wait for the background write of them, then flush().
+        t.push(arange(n), rng.standard_normal((n, 32)).astype(np.float32))
+        until = time.monotonic() + 0.5
+        while time.monotonic() < until and flusher_policy() != SCHED_IDLE:
+            time.sleep(0.0005)
+        s.flush()
+        info = s.storage_info()
+        assert info is not None
+        if info["superseded_writes"] > 0:
+            break
+    assert info["last_error"] is None
+    expected = t.pull(arange(n))
+    s.snapshot(tmp_path / "inc", incremental=True)
+    s.close()
+    again = pstore.Store(tmp_path / "s")
+    np.testing.assert_array_equal(again.sparse_table("t").pull(arange(n)), expected)
+    again.close()
+    restored = pstore.Store.restore(tmp_path / "inc")
+    np.testing.assert_array_equal(restored.sparse_table("t").pull(arange(n)), expected)
+    restored.close()
+
+
 def test_bad_arguments_and_a_second_opener(tmp_path):
     with pytest.raises(pstore.InvalidArgumentError, match="durability"):
         pstore.Store(tmp_path / "a", durability="fast")  # type: ignore[arg-type]

@@ -10,6 +10,7 @@
 //! wrote a row (or deleted it) is kept in `changed/` (`removed/`) for incremental snapshots.
 
 use std::collections::{BTreeMap, HashMap};
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Condvar, Mutex, MutexGuard, RwLock};
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
@@ -36,8 +37,9 @@ pub const CHUNK_BYTES: usize = 64 << 20;
 pub enum Durability {
     /// A push returns after the transaction holding its rows has committed to disk.
     Sync,
-    /// A background flusher commits every `flush_interval`: a crash loses at most the pushes
-    /// of the last interval plus the cycle in progress.
+    /// A background flusher commits every `flush_interval`: a crash loses the pushes of the
+    /// last interval plus the cycle in progress (up to three intervals plus a write when its
+    /// idle-priority writes wait for busy cores; see [`crate::idle`]).
     Async,
     /// Rows reach disk only on `flush()`, `close()` and snapshots.
     None,
@@ -225,6 +227,14 @@ pub struct Flusher {
     spare: Spare,
     /// Background writes of `async` mode at idle priority (see [`crate::idle`]).
     idle: Arc<IdleWrites>,
+    /// The running cycle is a timed one nobody waits for.
+    background: AtomicBool,
+    /// Set by `flush()` during a background cycle: the cycle's write in progress gives its rows
+    /// back and the cycle ends, since the cycle `flush()` waits for takes them anyway (so they
+    /// are written once, not twice, while somebody waits).
+    supersede: AtomicBool,
+    /// How many writes gave way to `flush()`.
+    superseded: std::sync::atomic::AtomicU64,
     thread: Mutex<Option<JoinHandle<()>>>,
 }
 
@@ -258,6 +268,9 @@ impl Flusher {
             written: Mutex::new(HashMap::new()),
             spare: Spare::default(),
             idle: IdleWrites::start(mode == Durability::Async, interval * 2),
+            background: AtomicBool::new(false),
+            supersede: AtomicBool::new(false),
+            superseded: std::sync::atomic::AtomicU64::new(0),
             thread: Mutex::new(None),
         });
         let idle = Arc::clone(&f.idle);
@@ -300,6 +313,11 @@ impl Flusher {
     /// watchdog).
     pub fn idle_lifts(&self) -> u64 {
         self.idle.lifts()
+    }
+
+    /// How many background writes gave way to a `flush()` (their rows went to its cycle).
+    pub fn superseded_writes(&self) -> u64 {
+        self.superseded.load(Ordering::Relaxed)
     }
 
     /// Holds off cycles while `f` runs (table creation and drop, snapshots).
@@ -355,8 +373,10 @@ impl Flusher {
                     }
                 }
                 // A timed cycle nobody waits for writes at idle priority.
-                self.idle
-                    .begin(self.mode == Durability::Async && st.wanted < st.next);
+                let background = self.mode == Durability::Async && st.wanted < st.next;
+                self.idle.begin(background);
+                self.background.store(background, Ordering::Relaxed);
+                self.supersede.store(false, Ordering::Relaxed);
                 st.next += 1;
                 st.next - 1
             };
@@ -368,15 +388,18 @@ impl Flusher {
             };
             let mut st = self.lock();
             st.done = ticket;
+            self.background.store(false, Ordering::Relaxed);
             match r {
-                Ok(true) => {
-                    st.cycle = number;
+                Ok(done) => {
+                    if done.wrote {
+                        st.cycle = number;
+                    }
                     st.failed = None;
-                    st.last_ok_start = started;
-                }
-                Ok(false) => {
-                    st.failed = None;
-                    st.last_ok_start = started;
+                    if done.superseded {
+                        self.superseded.fetch_add(1, Ordering::Relaxed);
+                    } else {
+                        st.last_ok_start = started;
+                    }
                 }
                 Err(e) => st.failed = Some(e),
             }
@@ -399,8 +422,12 @@ impl Flusher {
         }
         let target = st.next;
         st.wanted = st.wanted.max(target);
-        // The running cycle (if any) goes on at normal priority; under this lock the flusher
+        // The running cycle (if any) goes on at normal priority, or, if it is a background one,
+        // gives up its write to the cycle this call waits for. Under this lock the flusher
         // starts none that could miss `wanted`.
+        if self.background.load(Ordering::Relaxed) {
+            self.supersede.store(true, Ordering::Relaxed);
+        }
         self.idle.lift();
         self.cv.notify_all();
         while st.done < target {
@@ -475,8 +502,8 @@ impl Flusher {
         r
     }
 
-    /// One cycle over every table; true if it wrote anything.
-    fn cycle(&self, cycle: u64) -> Result<bool> {
+    /// One cycle over every table.
+    fn cycle(&self, cycle: u64) -> Result<CycleDone> {
         let tables: Vec<(String, Table)> = self
             .tables
             .read()
@@ -484,14 +511,21 @@ impl Flusher {
             .iter()
             .map(|(k, v)| (k.clone(), v.clone()))
             .collect();
-        let mut wrote = false;
+        let mut done = CycleDone::default();
         for (name, table) in tables {
-            wrote |= match &table {
-                Table::Sparse(t) => self.flush_sparse(&name, t, &table, cycle)?,
+            let wrote = match &table {
+                Table::Sparse(t) => match self.flush_sparse(&name, t, &table, cycle)? {
+                    Some(wrote) => wrote,
+                    None => {
+                        done.superseded = true;
+                        break;
+                    }
+                },
                 Table::Dense(t) => self.flush_dense(&name, t, &table, cycle)?,
             };
+            done.wrote |= wrote;
         }
-        Ok(wrote)
+        Ok(done)
     }
 
     /// The record to write for `table`, unless it equals the last one written.
@@ -508,7 +542,15 @@ impl Flusher {
             .insert(name.to_string(), rec);
     }
 
-    fn flush_sparse(&self, name: &str, t: &SparseTable, table: &Table, cycle: u64) -> Result<bool> {
+    /// Writes a table's changes: whether it wrote anything, or None when `flush()` superseded
+    /// the write (its rows are marked again).
+    fn flush_sparse(
+        &self,
+        name: &str,
+        t: &SparseTable,
+        table: &Table,
+        cycle: u64,
+    ) -> Result<Option<bool>> {
         let mut taken: Vec<Taken> = Vec::new();
         let mut bytes = 0;
         let rec = {
@@ -529,7 +571,7 @@ impl Flusher {
             self.record_if_changed(name, table)
         };
         if taken.is_empty() && rec.is_none() {
-            return Ok(false);
+            return Ok(Some(false));
         }
         if bytes > ONE_TXN_BYTES {
             // A bulk load: bounded transactions; the record goes with the last.
@@ -540,7 +582,7 @@ impl Flusher {
                 size += one.words.len() * 4 + one.ids.len() * 8 + one.gone.len() * 8;
                 chunk.push(one);
                 if size >= CHUNK_BYTES && rest.peek().is_some() {
-                    if let Err(e) = self.write_chunk(name, t, &mut chunk, cycle, None) {
+                    if let Err(e) = self.write_chunk(name, t, &mut chunk, cycle, None, false) {
                         for one in rest {
                             t.untake(&one);
                         }
@@ -551,15 +593,19 @@ impl Flusher {
             }
             taken = chunk;
         }
-        self.write_chunk(name, t, &mut taken, cycle, rec.clone())?;
+        if !self.write_chunk(name, t, &mut taken, cycle, rec.clone(), true)? {
+            return Ok(None);
+        }
         if let Some(rec) = rec {
             self.record_written(name, rec);
         }
-        Ok(true)
+        Ok(Some(true))
     }
 
     /// Writes what `chunk` took in one transaction; on failure, gives it back to the table
-    /// (and the rest of the cycle is left for the next one).
+    /// (and the rest of the cycle is left for the next one). False when the write gave way to
+    /// `flush()` (if `supersedable`; see `Flusher::supersede`): nothing was committed and the
+    /// rows are marked again.
     fn write_chunk(
         &self,
         name: &str,
@@ -567,7 +613,9 @@ impl Flusher {
         chunk: &mut Vec<Taken>,
         cycle: u64,
         record: Option<Vec<u8>>,
-    ) -> Result<()> {
+        supersedable: bool,
+    ) -> Result<bool> {
+        let superseded = || supersedable && self.supersede.load(Ordering::Relaxed);
         let m = t.row_words();
         let tag = cycle.to_le_bytes();
         // Each database is written in key order: consecutive puts then land on the same leaf
@@ -578,6 +626,9 @@ impl Flusher {
         let r = self.storage.write(|w| {
             let (rows, changed) = (w.open(Db::Rows, name)?, w.open(Db::Changed, name)?);
             for (taken, order) in chunk.iter().zip(&orders) {
+                if superseded() {
+                    return Err(storage("the write gave way to flush()"));
+                }
                 let sorted: Vec<(u64, &[u8])> = order
                     .iter()
                     .map(|&i| {
@@ -608,14 +659,18 @@ impl Flusher {
                     t.forget(&taken);
                     self.spare.give_back(taken);
                 }
-                Ok(())
+                Ok(true)
             }
             Err(e) => {
                 for taken in chunk.drain(..) {
                     t.untake(&taken);
                     self.spare.give_back(taken);
                 }
-                Err(e)
+                if superseded() {
+                    Ok(false)
+                } else {
+                    Err(e)
+                }
             }
         }
     }
@@ -652,6 +707,15 @@ impl Flusher {
             }
         }
     }
+}
+
+/// What a cycle did.
+#[derive(Default)]
+struct CycleDone {
+    /// It committed something.
+    wrote: bool,
+    /// `flush()` superseded its write: tables after the superseded one were not taken.
+    superseded: bool,
 }
 
 /// The positions of `ids` in the order of their LMDB keys ([`crate::storage::key`]).

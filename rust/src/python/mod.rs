@@ -293,6 +293,7 @@ impl PyStore {
         d.set_item("flush_lag", f.lag().as_secs_f64())?;
         d.set_item("idle_writes", f.idle_writes())?;
         d.set_item("idle_lifts", f.idle_lifts())?;
+        d.set_item("superseded_writes", f.superseded_writes())?;
         Ok(Some(d))
     }
 
