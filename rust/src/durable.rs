@@ -593,7 +593,10 @@ impl Flusher {
             }
             taken = chunk;
         }
-        if !self.write_chunk(name, t, &mut taken, cycle, rec.clone(), true)? {
+        // A bulk load's earlier chunks have committed under this cycle's number: its last chunk
+        // does not give way (the number must then count as written).
+        let supersedable = bytes <= ONE_TXN_BYTES;
+        if !self.write_chunk(name, t, &mut taken, cycle, rec.clone(), supersedable)? {
             return Ok(None);
         }
         if let Some(rec) = rec {
