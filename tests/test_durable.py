@@ -11,6 +11,7 @@ import time
 
 import numpy as np
 import pytest
+from test_lmdb_format import read_replica
 
 import pstore
 from pstore import init, optim
@@ -264,6 +265,12 @@ def test_flush_during_a_background_write_takes_its_rows_over(tmp_path):
     t.push(arange(n), ones(n, 32))
     s.flush()
     s.snapshot(tmp_path / "full")
+    # The first cycle after the snapshot logs every row's change in `changed/`.
+    t.push(arange(n), ones(n, 32))
+    s.flush()
+    info = s.storage_info()
+    assert info is not None
+    logged_in = info["cycle"]
     rng = np.random.default_rng(5)
     deadline = time.monotonic() + 60
     while True:
@@ -280,10 +287,14 @@ def test_flush_during_a_background_write_takes_its_rows_over(tmp_path):
             break
     assert info["last_error"] is None
     expected = t.pull(arange(n))
-    s.snapshot(tmp_path / "inc", incremental=True)
     s.close()
+    # The superseded take gave its rows back without forgetting that their changes were logged
+    # by the earlier cycle, so flush()'s cycle did not log them again.
+    changed = read_replica(tmp_path / "s").changed["t"]
+    assert len(changed) == n and set(changed.values()) == {logged_in}
     again = pstore.Store(tmp_path / "s")
     np.testing.assert_array_equal(again.sparse_table("t").pull(arange(n)), expected)
+    again.snapshot(tmp_path / "inc", incremental=True)
     again.close()
     restored = pstore.Store.restore(tmp_path / "inc")
     np.testing.assert_array_equal(restored.sparse_table("t").pull(arange(n)), expected)

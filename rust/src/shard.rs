@@ -500,10 +500,13 @@ impl Shard {
         }
     }
 
-    /// Marks the row of `slot` changed again after a failed flush took it, and forgets that its
-    /// change was logged (the log entry was not committed either).
-    pub fn remark(&mut self, slot: u32) {
-        self.row_mut(slot)[FLAGS] &= (1 << LOGGED_SHIFT) - 1;
+    /// Marks the row of `slot` changed again after a flush took it and did not commit. If that
+    /// take logged the row's change (`logged`: its first in the generation), forgets that, since
+    /// the log entry was not committed either; an entry an earlier cycle committed stays noted.
+    pub fn remark(&mut self, slot: u32, logged: bool) {
+        if logged {
+            self.row_mut(slot)[FLAGS] &= (1 << LOGGED_SHIFT) - 1;
+        }
         self.mark(slot);
     }
 

@@ -1120,9 +1120,9 @@ impl SparseTable {
     /// Gives back what a failed flush took: the rows are marked changed again.
     pub(crate) fn untake(&self, t: &Taken) {
         let mut shard = self.write(t.shard);
-        for &id in &t.ids {
+        for (&id, &logged) in t.ids.iter().zip(&t.log) {
             if let Some(slot) = shard.find(id) {
-                shard.remark(slot);
+                shard.remark(slot, logged);
             }
         }
     }
