@@ -244,11 +244,13 @@ def test_a_starved_idle_write_is_lifted_so_the_loss_window_stays_bounded(tmp_pat
     s.close()
     # Each cycle rewrites tens of MB: at idle priority beside the burners it cannot finish in
     # the allowance, so the watchdog lifts it, and cycles keep committing.
-    assert lifts >= 1, (cycles, lifts)
-    assert cycles >= 3, (cycles, lifts)
-    # The lag: the interval, the allowance (2 intervals), then a write at normal priority
-    # sharing the cores with the burners; 2 s of slack for that write and for scheduling.
-    assert max(lags) < 3 * interval + 2.0, (max(lags), cycles, lifts)
+    seen = f"{cycles} cycles, {lifts} lifts, largest lag {max(lags):.3f} s"
+    assert lifts >= 1, seen
+    assert cycles >= 2, seen
+    # The lag: the interval, the allowance (2 intervals), then a take and a write at normal
+    # priority sharing the cores with the burners (seen here: up to 1.7 s in all); 4 s of
+    # slack for those and for scheduling. A write left idle would not finish at all.
+    assert max(lags) < 3 * interval + 4.0, seen
 
 
 def test_flush_during_a_background_write_takes_its_rows_over(tmp_path):
