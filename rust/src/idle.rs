@@ -252,17 +252,26 @@ mod tests {
         rest.split(' ').nth(41 - 3).unwrap().parse().unwrap()
     }
 
+    /// Whether this process can lift idle threads (root always can).
+    #[cfg(target_os = "linux")]
+    fn can_test() -> bool {
+        if usable() {
+            return true;
+        }
+        // SAFETY: geteuid only returns a value.
+        assert_ne!(
+            unsafe { libc::geteuid() },
+            0,
+            "root can always lift a thread"
+        );
+        eprintln!("this process cannot lift a thread out of SCHED_IDLE; nothing to check");
+        false
+    }
+
     #[cfg(target_os = "linux")]
     #[test]
     fn background_writes_go_idle_and_waiters_lift_them() {
-        if !usable() {
-            // SAFETY: geteuid only returns a value.
-            assert_ne!(
-                unsafe { libc::geteuid() },
-                0,
-                "root can always lift a thread"
-            );
-            eprintln!("this process cannot lift a thread out of SCHED_IDLE; nothing to check");
+        if !can_test() {
             return;
         }
         let w = IdleWrites::start(true, Duration::from_secs(60));
@@ -302,6 +311,11 @@ mod tests {
         // A lifted cycle stays at normal priority; the next background one goes idle again.
         drop(w.writing());
         assert_eq!(policy_of(me), NORMAL as i64);
+        w.begin(true);
+        {
+            let _g = w.writing();
+            assert_eq!(policy_of(me), IDLE as i64);
+        }
         w.begin(false);
         {
             let _g = w.writing();
@@ -317,14 +331,7 @@ mod tests {
     #[cfg(target_os = "linux")]
     #[test]
     fn the_watchdog_lifts_a_write_idle_past_the_allowance() {
-        if !usable() {
-            // SAFETY: geteuid only returns a value.
-            assert_ne!(
-                unsafe { libc::geteuid() },
-                0,
-                "root can always lift a thread"
-            );
-            eprintln!("this process cannot lift a thread out of SCHED_IDLE; nothing to check");
+        if !can_test() {
             return;
         }
         let w = IdleWrites::start(true, Duration::from_millis(50));
