@@ -204,6 +204,10 @@ struct FlushState {
     last_end: Instant,
     /// When the last cycle that succeeded started: everything applied before is durable.
     last_ok_start: Instant,
+    /// The running cycle is a timed one nobody waits for.
+    background: bool,
+    /// How many background writes gave way to `flush()`.
+    superseded: u64,
 }
 
 /// The background flusher of a durable store.
@@ -227,14 +231,10 @@ pub struct Flusher {
     spare: Spare,
     /// Background writes of `async` mode at idle priority (see [`crate::idle`]).
     idle: Arc<IdleWrites>,
-    /// The running cycle is a timed one nobody waits for.
-    background: AtomicBool,
     /// Set by `flush()` during a background cycle: the cycle's write in progress gives its rows
     /// back and the cycle ends, since the cycle `flush()` waits for takes them anyway (so they
     /// are written once, not twice, while somebody waits).
     supersede: AtomicBool,
-    /// How many writes gave way to `flush()`.
-    superseded: std::sync::atomic::AtomicU64,
     thread: Mutex<Option<JoinHandle<()>>>,
 }
 
@@ -261,6 +261,8 @@ impl Flusher {
                 stop: false,
                 last_end: Instant::now(),
                 last_ok_start: Instant::now(),
+                background: false,
+                superseded: 0,
             }),
             cv: Condvar::new(),
             cycle_lock: Mutex::new(()),
@@ -268,9 +270,7 @@ impl Flusher {
             written: Mutex::new(HashMap::new()),
             spare: Spare::default(),
             idle: IdleWrites::start(mode == Durability::Async, interval * 2),
-            background: AtomicBool::new(false),
             supersede: AtomicBool::new(false),
-            superseded: std::sync::atomic::AtomicU64::new(0),
             thread: Mutex::new(None),
         });
         let idle = Arc::clone(&f.idle);
@@ -317,7 +317,7 @@ impl Flusher {
 
     /// How many background writes gave way to a `flush()` (their rows went to its cycle).
     pub fn superseded_writes(&self) -> u64 {
-        self.superseded.load(Ordering::Relaxed)
+        self.lock().superseded
     }
 
     /// Holds off cycles while `f` runs (table creation and drop, snapshots).
@@ -373,9 +373,8 @@ impl Flusher {
                     }
                 }
                 // A timed cycle nobody waits for writes at idle priority.
-                let background = self.mode == Durability::Async && st.wanted < st.next;
-                self.idle.begin(background);
-                self.background.store(background, Ordering::Relaxed);
+                st.background = self.mode == Durability::Async && st.wanted < st.next;
+                self.idle.begin(st.background);
                 self.supersede.store(false, Ordering::Relaxed);
                 st.next += 1;
                 st.next - 1
@@ -388,7 +387,7 @@ impl Flusher {
             };
             let mut st = self.lock();
             st.done = ticket;
-            self.background.store(false, Ordering::Relaxed);
+            st.background = false;
             match r {
                 Ok(done) => {
                     if done.wrote {
@@ -396,7 +395,7 @@ impl Flusher {
                     }
                     st.failed = None;
                     if done.superseded {
-                        self.superseded.fetch_add(1, Ordering::Relaxed);
+                        st.superseded += 1;
                     } else {
                         st.last_ok_start = started;
                     }
@@ -425,7 +424,7 @@ impl Flusher {
         // The running cycle (if any) goes on at normal priority, or, if it is a background one,
         // gives up its write to the cycle this call waits for. Under this lock the flusher
         // starts none that could miss `wanted`.
-        if self.background.load(Ordering::Relaxed) {
+        if st.background {
             self.supersede.store(true, Ordering::Relaxed);
         }
         self.idle.lift();

@@ -74,6 +74,8 @@ pub fn usable() -> bool {
 }
 
 struct State {
+    /// Writes may go idle: asked for, the process can lift them, and the watchdog runs.
+    on: bool,
     /// The writing thread (set by [`IdleWrites::begin`]).
     tid: i32,
     /// Since when the running write has been at idle priority.
@@ -89,7 +91,6 @@ struct State {
 
 /// The idle-priority switch of one flusher, and its watchdog.
 pub struct IdleWrites {
-    on: bool,
     allowance: Duration,
     state: Mutex<State>,
     cv: Condvar,
@@ -112,11 +113,10 @@ impl IdleWrites {
     /// Idle writes when `on` (and the process can lift them), lifted after `allowance` at the
     /// latest; starts the watchdog.
     pub fn start(on: bool, allowance: Duration) -> Arc<Self> {
-        let on = on && usable();
         let me = Arc::new(Self {
-            on,
             allowance,
             state: Mutex::new(State {
+                on: false,
                 tid: 0,
                 since: None,
                 lifted: true,
@@ -127,13 +127,14 @@ impl IdleWrites {
             cv: Condvar::new(),
             watchdog: Mutex::new(None),
         });
-        if on {
+        if on && usable() {
             let w = Arc::clone(&me);
             if let Ok(h) = std::thread::Builder::new()
                 .name("pstore-watchdog".into())
                 .spawn(move || w.watch())
             {
                 *me.watchdog.lock().unwrap_or_else(|e| e.into_inner()) = Some(h);
+                me.lock().on = true;
             }
         }
         me
@@ -141,7 +142,7 @@ impl IdleWrites {
 
     /// Whether writes may go idle at all.
     pub fn enabled(&self) -> bool {
-        self.on && self.watchdog.lock().map(|w| w.is_some()).unwrap_or(false)
+        self.lock().on
     }
 
     fn lock(&self) -> MutexGuard<'_, State> {
@@ -152,7 +153,7 @@ impl IdleWrites {
     pub fn begin(&self, background: bool) {
         let mut st = self.lock();
         st.tid = current_tid();
-        st.lifted = !(background && self.on && st.waiters == 0);
+        st.lifted = !(background && st.on && st.waiters == 0);
     }
 
     /// Runs the caller's write at idle priority until the guard drops, unless the cycle was
@@ -226,7 +227,11 @@ impl IdleWrites {
 
     /// Stops the watchdog.
     pub fn stop(&self) {
-        self.lock().stop = true;
+        {
+            let mut st = self.lock();
+            st.stop = true;
+            st.on = false;
+        }
         self.cv.notify_all();
         if let Some(h) = self
             .watchdog

@@ -715,8 +715,9 @@ impl Writer<'_, '_> {
     /// [`Writer::put_in`] of many rows, `rows` in key order (ascending [`key`]). Where the rows
     /// are dense among those stored in their key range, a cursor walks the range and rewrites
     /// each row where it stands (`MDB_CURRENT`: same-size values are overwritten in place, with
-    /// no descent of the tree per row); ids it does not find are put afterwards like any other. A descent per row compared keys at every level and looked
-    /// each page up among the transaction's dirty pages: about a third of a flush's time.
+    /// no descent of the tree per row); ids it does not find are put afterwards like any other.
+    /// A descent per row compared keys at every level and looked each page up among the
+    /// transaction's dirty pages: about a third of a flush's time.
     pub fn put_rows_in_order(&mut self, h: DbHandle, rows: &[(u64, &[u8])]) -> Result<()> {
         let (Some(first), Some(last)) = (rows.first(), rows.last()) else {
             return Ok(());
