@@ -371,10 +371,13 @@ class Store:
         With a path: ``"sync"``, a push returns once the transaction holding its rows has
         committed to disk; ``"async"`` (default), a background flusher commits every
         ``flush_interval`` seconds, so a crash loses at most the pushes of the last interval
-        plus the commit in progress; ``"none"``, rows reach disk only on :meth:`flush`,
-        :meth:`close` and snapshots.
+        plus the commit in progress (see the README's durability notes for busy machines);
+        ``"none"``, rows reach disk only on :meth:`flush`, :meth:`close` and snapshots.
     flush_interval : float
-        Seconds between commits in ``"async"`` mode (default 1.0).
+        Seconds between commits in ``"async"`` mode (default 1.0). Where background writes run
+        at idle CPU priority and cannot keep up with training, the flusher stretches the
+        interval, up to 16 times, and shrinks it back once they can
+        (``storage_info()["current_flush_interval"]``).
 
     A store must be used in the process that created it (its threads do not survive ``fork``).
     One process at a time may open a store directory.
@@ -412,7 +415,9 @@ class Store:
         """The LMDB replica of an open durable store, else None.
 
         Keys: ``path``, ``cycle`` (flush cycles completed over the store's life),
-        ``file_bytes``, ``map_bytes``, ``flush_interval``, ``last_error`` (the message of the
+        ``file_bytes``, ``map_bytes``, ``flush_interval``, ``current_flush_interval`` (the
+        interval ``"async"`` mode uses now: ``flush_interval``, or up to 16 times it while idle
+        writes cannot keep up), ``last_error`` (the message of the
         last failed flush, or None once a flush succeeds again), ``flush_lag`` (seconds since
         the last successful cycle started: what was applied before then is on disk),
         ``idle_writes`` (True when the background writes of ``"async"`` mode run at idle CPU

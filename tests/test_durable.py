@@ -207,7 +207,8 @@ def test_async_background_writes_run_at_idle_priority(tmp_path):
 
 def test_a_starved_idle_write_is_lifted_so_the_loss_window_stays_bounded(tmp_path):
     """Other processes fill every core: an idle-priority write would barely run. The watchdog
-    lifts it after twice the flush interval, so cycles go on committing."""
+    lifts it after twice the interval, so cycles go on committing; the flusher stretches its
+    interval while that lasts (up to 16 x flush_interval) and shrinks it back after."""
     if not can_lift_idle_threads():
         pytest.skip("this process may not lift a thread out of SCHED_IDLE: writes stay normal")
     interval = 0.1
@@ -218,6 +219,8 @@ def test_a_starved_idle_write_is_lifted_so_the_loss_window_stays_bounded(tmp_pat
     grads = rng.standard_normal((batch, 64)).astype(np.float32)
     t.push(arange(n), np.ones((n, 64), dtype=np.float32))
     s.flush()
+    info = s.storage_info()
+    assert info is not None and info["current_flush_interval"] == interval
     burners = [
         subprocess.Popen([sys.executable, "-c", "while True: pass"])
         for _ in range(os.cpu_count() or 2)
@@ -226,13 +229,14 @@ def test_a_starved_idle_write_is_lifted_so_the_loss_window_stays_bounded(tmp_pat
         time.sleep(0.2)
         info = s.storage_info()
         assert info is not None
-        c0, lags = info["cycle"], []
+        c0, lags, intervals = info["cycle"], [], []
         t0 = time.monotonic()
-        while time.monotonic() - t0 < 3.0:
+        while time.monotonic() - t0 < 4.0:
             t.push(rng.integers(0, n, batch).astype(np.uint64), grads)
             info = s.storage_info()
             assert info is not None
             lags.append(info["flush_lag"])
+            intervals.append(info["current_flush_interval"])
     finally:
         for p in burners:
             p.kill()
@@ -241,16 +245,32 @@ def test_a_starved_idle_write_is_lifted_so_the_loss_window_stays_bounded(tmp_pat
     info = s.storage_info()
     assert info is not None
     cycles, lifts = info["cycle"] - c0, info["idle_lifts"]
-    s.close()
+    seen = (
+        f"{cycles} cycles, {lifts} lifts, largest lag {max(lags):.3f} s, "
+        f"intervals {sorted(set(intervals))}"
+    )
     # Each cycle rewrites tens of MB: at idle priority beside the burners it cannot finish in
     # the allowance, so the watchdog lifts it, and cycles keep committing.
-    seen = f"{cycles} cycles, {lifts} lifts, largest lag {max(lags):.3f} s"
     assert lifts >= 1, seen
     assert cycles >= 2, seen
-    # The lag: the interval, the allowance (2 intervals), then a take and a write at normal
+    # Lifted cycles that outlast the interval stretch it (powers of two, at most 16x).
+    assert max(intervals) > interval, seen
+    assert all(round(i / interval) in (1, 2, 4, 8, 16) for i in intervals), seen
+    # The lag: the interval in use, the allowance (2 of them), then a take and a write at normal
     # priority sharing the cores with the burners (seen here: up to 1.7 s in all); 4 s of
     # slack for those and for scheduling. A write left idle would not finish at all.
-    assert max(lags) < 3 * interval + 4.0, seen
+    assert max(lags) < 3 * max(intervals) + 4.0, seen
+    # With the cores free again, writes finish at idle priority and the interval shrinks back.
+    t0 = time.monotonic()
+    while time.monotonic() - t0 < 20.0:
+        t.push(rng.integers(0, n, 256).astype(np.uint64), grads[:256])
+        info = s.storage_info()
+        assert info is not None
+        if info["current_flush_interval"] == interval:
+            break
+        time.sleep(0.05)
+    s.close()
+    assert info["current_flush_interval"] == interval, seen
 
 
 def test_flush_during_a_background_write_takes_its_rows_over(tmp_path):

@@ -272,6 +272,83 @@ def test_metrics_endpoint():
             urllib.request.urlopen(f"http://127.0.0.1:{srv.metrics_port}/nope", timeout=10)
 
 
+def test_in_memory_servers_have_no_replica_metrics():
+    with Server(pstore.Store(), metrics_port=0) as srv:
+        url = f"http://127.0.0.1:{srv.metrics_port}/metrics"
+        with urllib.request.urlopen(url, timeout=10) as r:
+            text = r.read().decode()
+    assert "pstore_uptime_seconds" in text
+    assert "pstore_flush_" not in text and "pstore_replica_" not in text
+
+
+# A durable server whose disk fills up (RLIMIT_FSIZE, as in test_durable's full-disk test) and
+# is freed again, its metrics scraped at each step; run in a process of its own for the limit.
+REPLICA_METRICS = """
+import resource, signal, sys, urllib.request
+import numpy as np
+import pstore
+from pstore.server import Server
+
+signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+soft, hard = resource.getrlimit(resource.RLIMIT_FSIZE)
+store = pstore.Store(sys.argv[1], durability="sync")
+t = store.create_sparse_table("t", 64)
+ids = np.arange(1000, dtype=np.uint64)
+with Server(store, metrics_port=0) as srv:
+    def scrape(step):
+        url = f"http://127.0.0.1:{srv.metrics_port}/metrics"
+        with urllib.request.urlopen(url, timeout=10) as r:
+            for line in r.read().decode().splitlines():
+                if line.startswith(("pstore_flush", "pstore_replica", "pstore_idle",
+                                    "pstore_superseded")):
+                    print(step, line)
+    t.push(ids, np.ones((1000, 64), np.float32))
+    scrape("ok")
+    size = store.storage_info()["file_bytes"]
+    resource.setrlimit(resource.RLIMIT_FSIZE, (size + (2 << 20), hard))
+    big = np.arange(1000, 200000, dtype=np.uint64)
+    try:
+        t.push(big, np.ones((len(big), 64), np.float32))
+    except pstore.StorageError:
+        pass
+    scrape("full")
+    resource.setrlimit(resource.RLIMIT_FSIZE, (soft, hard))
+    t.push(ids, np.ones((1000, 64), np.float32))
+    store.flush()
+    scrape("freed")
+    print("info idle_writes", int(store.storage_info()["idle_writes"]))
+store.close()
+"""
+
+
+def test_durable_server_metrics_show_the_replica_failing_and_recovering(tmp_path):
+    r = subprocess.run(
+        [sys.executable, "-c", REPLICA_METRICS, str(tmp_path / "s")],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert r.returncode == 0, r.stdout + r.stderr
+    m: dict[str, dict[str, float]] = {}
+    for line in r.stdout.splitlines():
+        step, name, value = line.split()
+        m.setdefault(step, {})[name] = float(value)
+    ok, full, freed = m["ok"], m["full"], m["freed"]
+    assert ok["pstore_flush_failing"] == 0 and full["pstore_flush_failing"] == 1
+    assert freed["pstore_flush_failing"] == 0
+    # A sync push commits a cycle; the failed one commits none; the recovery commits more.
+    assert ok["pstore_flush_cycles_total"] >= 1
+    assert full["pstore_flush_cycles_total"] == ok["pstore_flush_cycles_total"]
+    assert freed["pstore_flush_cycles_total"] > full["pstore_flush_cycles_total"]
+    # All 200,000 rows are on disk after the recovery: the file grew past the limit.
+    assert freed["pstore_replica_file_bytes"] > ok["pstore_replica_file_bytes"] + (2 << 20)
+    assert 0 <= ok["pstore_flush_lag_seconds"] < 60
+    assert ok["pstore_idle_writes"] == m["info"]["idle_writes"]
+    assert ok["pstore_flush_interval_seconds"] == 0  # sync mode has no timed cycles
+    for step in (ok, full, freed):  # sync mode: every write is waited for, none superseded
+        assert step["pstore_superseded_writes_total"] == 0
+
+
 def test_pulls_retry_until_a_restarted_server_answers(tmp_path):
     path = tmp_path / "store"
     port = free_port()

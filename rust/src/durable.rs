@@ -39,7 +39,9 @@ pub enum Durability {
     Sync,
     /// A background flusher commits every `flush_interval`: a crash loses the pushes of the
     /// last interval plus the cycle in progress (up to three intervals plus a write when its
-    /// idle-priority writes wait for busy cores; see [`crate::idle`]).
+    /// idle-priority writes wait for busy cores, the interval stretched up to
+    /// [`MAX_STRETCH`] times while they cannot keep up; see [`crate::idle`] and
+    /// `Flusher::adapt`).
     Async,
     /// Rows reach disk only on `flush()`, `close()` and snapshots.
     None,
@@ -208,7 +210,12 @@ struct FlushState {
     background: bool,
     /// How many background writes gave way to `flush()`.
     superseded: u64,
+    /// The `async` interval in use is `interval * stretch` (see `Flusher::adapt`).
+    stretch: u32,
 }
+
+/// How far `async` mode may stretch its interval: 16 x `flush_interval`.
+pub const MAX_STRETCH: u32 = 16;
 
 /// The background flusher of a durable store.
 pub struct Flusher {
@@ -263,6 +270,7 @@ impl Flusher {
                 last_ok_start: Instant::now(),
                 background: false,
                 superseded: 0,
+                stretch: 1,
             }),
             cv: Condvar::new(),
             cycle_lock: Mutex::new(()),
@@ -358,7 +366,7 @@ impl Flusher {
                         return;
                     }
                     if self.mode == Durability::Async {
-                        let due = st.last_end + self.interval;
+                        let due = st.last_end + self.interval * st.stretch;
                         let now = Instant::now();
                         if now >= due {
                             break;
@@ -386,6 +394,9 @@ impl Flusher {
                 self.cycle(number)
             };
             let mut st = self.lock();
+            if st.background {
+                self.adapt(&mut st, started.elapsed());
+            }
             st.done = ticket;
             st.background = false;
             match r {
@@ -405,6 +416,39 @@ impl Flusher {
             st.last_end = Instant::now();
             self.cv.notify_all();
         }
+    }
+
+    /// After a background cycle that took `took`: the interval in use doubles, or grows at once
+    /// to the power of two of intervals that the cycle took (up to [`MAX_STRETCH`] x
+    /// `flush_interval`), when the watchdog had to lift the cycle's write and the cycle
+    /// outlasted the interval, that is, when training leaves too little spare CPU
+    /// to write what changes in one interval; it halves (down to `flush_interval`) when the
+    /// cycle finished at idle priority. The watchdog's allowance follows it (two intervals).
+    /// Cycles then come less often and each one writes at idle priority for longer: a row
+    /// changed many times between cycles is written once, so the replica costs training less,
+    /// and the loss window grows with the interval (three intervals plus a write at most).
+    fn adapt(&self, st: &mut FlushState, took: Duration) {
+        let o = self.idle.outcome();
+        let stretch = if o.starved && took > self.interval * st.stretch {
+            // At least double; at once to the interval the cycle took, when that is longer.
+            let took_intervals = (took.as_secs_f64() / self.interval.as_secs_f64()).ceil();
+            let need = (took_intervals.min(f64::from(MAX_STRETCH)) as u32).next_power_of_two();
+            (st.stretch * 2).max(need).min(MAX_STRETCH)
+        } else if o.stayed_idle {
+            (st.stretch / 2).max(1)
+        } else {
+            st.stretch
+        };
+        if stretch != st.stretch {
+            st.stretch = stretch;
+            self.idle.set_allowance(self.interval * stretch * 2);
+        }
+    }
+
+    /// The interval `async` mode uses now: `flush_interval`, stretched while background writes
+    /// cannot finish at idle priority (see `adapt`).
+    pub fn current_interval(&self) -> Duration {
+        self.interval * self.lock().stretch
     }
 
     /// The flush lag: how long ago the last successful cycle started. What was applied before

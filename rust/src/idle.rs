@@ -14,7 +14,11 @@
 //! - whoever waits for the flusher (`flush()`, a `sync` push, a snapshot, a table creation, a
 //!   full load of a lazy table) lifts it back to normal priority first;
 //! - a watchdog thread lifts it when its write has been idle for longer than the allowance
-//!   (twice the flush interval), which bounds the loss window whatever the load.
+//!   (twice the flusher's current interval), which bounds the loss window whatever the load.
+//!
+//! The flusher learns from each background cycle ([`IdleWrites::outcome`]): one the watchdog
+//! had to lift stretches its interval, one that finished at idle priority shrinks it back (see
+//! `Flusher::run`).
 //!
 //! A thread may leave `SCHED_IDLE` again only with `CAP_SYS_NICE` or an `RLIMIT_NICE` that allows
 //! nice 0, so the flusher goes idle only when a probe shows the process can lift it; otherwise
@@ -84,6 +88,12 @@ struct State {
     lifted: bool,
     /// Lifts over the store's life (by waiters and by the watchdog).
     lifts: u64,
+    /// How long a write may stay idle before the watchdog lifts it.
+    allowance: Duration,
+    /// The running cycle wrote at idle priority at some point.
+    went_idle: bool,
+    /// The watchdog lifted the running cycle.
+    starved: bool,
     /// Threads in [`IdleWrites::wait_for`]: while there are any, cycles start lifted.
     waiters: usize,
     stop: bool,
@@ -91,10 +101,20 @@ struct State {
 
 /// The idle-priority switch of one flusher, and its watchdog.
 pub struct IdleWrites {
-    allowance: Duration,
     state: Mutex<State>,
     cv: Condvar,
     watchdog: Mutex<Option<JoinHandle<()>>>,
+}
+
+/// What a cycle's writes went through (see [`IdleWrites::outcome`]).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Outcome {
+    /// Some write of the cycle ran at idle priority.
+    pub went_idle: bool,
+    /// ... and the cycle was never lifted back to normal priority.
+    pub stayed_idle: bool,
+    /// The watchdog lifted it: it could not finish idle within the allowance.
+    pub starved: bool,
 }
 
 /// Restores normal priority when a write ends (or fails).
@@ -114,13 +134,15 @@ impl IdleWrites {
     /// latest; starts the watchdog.
     pub fn start(on: bool, allowance: Duration) -> Arc<Self> {
         let me = Arc::new(Self {
-            allowance,
             state: Mutex::new(State {
                 on: false,
                 tid: 0,
                 since: None,
                 lifted: true,
                 lifts: 0,
+                allowance,
+                went_idle: false,
+                starved: false,
                 waiters: 0,
                 stop: false,
             }),
@@ -154,6 +176,25 @@ impl IdleWrites {
         let mut st = self.lock();
         st.tid = current_tid();
         st.lifted = !(background && st.on && st.waiters == 0);
+        st.went_idle = false;
+        st.starved = false;
+    }
+
+    /// How the cycle begun last went so far: it wrote at idle priority, and it ended at idle
+    /// priority (nobody lifted it), or the watchdog had to lift it.
+    pub fn outcome(&self) -> Outcome {
+        let st = self.lock();
+        Outcome {
+            went_idle: st.went_idle,
+            stayed_idle: st.went_idle && !st.lifted,
+            starved: st.starved,
+        }
+    }
+
+    /// Sets how long a write may stay idle before the watchdog lifts it.
+    pub fn set_allowance(&self, allowance: Duration) {
+        self.lock().allowance = allowance;
+        self.cv.notify_all();
     }
 
     /// Runs the caller's write at idle priority until the guard drops, unless the cycle was
@@ -162,6 +203,7 @@ impl IdleWrites {
         let mut st = self.lock();
         if !st.lifted && st.since.is_none() && set_policy(0, IDLE) {
             st.since = Some(Instant::now());
+            st.went_idle = true;
             self.cv.notify_all();
         }
         Writing(self)
@@ -209,10 +251,11 @@ impl IdleWrites {
             st = match st.since {
                 None => self.cv.wait(st).unwrap_or_else(|e| e.into_inner()),
                 Some(t) => {
-                    let due = t + self.allowance;
+                    let due = t + st.allowance;
                     let now = Instant::now();
                     if now >= due {
                         self.lift_locked(&mut st);
+                        st.starved = true;
                         st
                     } else {
                         self.cv
@@ -352,6 +395,37 @@ mod tests {
         assert!(t0.elapsed() >= Duration::from_millis(40));
         assert_eq!(w.lifts(), 1);
         drop(g);
+        let starved = Outcome {
+            went_idle: true,
+            stayed_idle: false,
+            starved: true,
+        };
+        assert_eq!(w.outcome(), starved);
+        // A longer allowance: the next background write stays idle past the old one.
+        w.set_allowance(Duration::from_secs(30));
+        w.begin(true);
+        let g = w.writing();
+        std::thread::sleep(Duration::from_millis(200));
+        assert_eq!(policy_of(me), IDLE as i64);
+        drop(g);
+        let finished_idle = Outcome {
+            went_idle: true,
+            stayed_idle: true,
+            starved: false,
+        };
+        assert_eq!(w.outcome(), finished_idle);
+        assert_eq!(w.lifts(), 1);
+        // A lift by a waiter is not starvation.
+        w.begin(true);
+        let g = w.writing();
+        w.lift();
+        drop(g);
+        let lifted = Outcome {
+            went_idle: true,
+            stayed_idle: false,
+            starved: false,
+        };
+        assert_eq!(w.outcome(), lifted);
         w.stop();
     }
 

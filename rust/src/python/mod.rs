@@ -289,6 +289,7 @@ impl PyStore {
         d.set_item("file_bytes", f.storage().file_size())?;
         d.set_item("map_bytes", f.storage().map_size())?;
         d.set_item("flush_interval", f.interval().as_secs_f64())?;
+        d.set_item("current_flush_interval", f.current_interval().as_secs_f64())?;
         d.set_item("last_error", f.last_error().map(|e| e.to_string()))?;
         d.set_item("flush_lag", f.lag().as_secs_f64())?;
         d.set_item("idle_writes", f.idle_writes())?;

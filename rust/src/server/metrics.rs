@@ -42,10 +42,28 @@ pub struct TableSample {
     pub staleness: super::state::Staleness,
 }
 
+/// The LMDB replica's numbers at scrape time (a durable server only).
+pub struct ReplicaSample {
+    /// Age of the oldest change that may not be on disk yet.
+    pub lag: Duration,
+    /// Cycles committed since the store opened.
+    pub cycles: u64,
+    /// The interval `async` mode uses now (0 in the other modes).
+    pub interval: Duration,
+    /// Whether the last cycle failed (a full disk, say): pushes are refused until one succeeds.
+    pub failing: bool,
+    pub file_bytes: u64,
+    /// Whether background writes run at idle CPU priority, how often one was lifted back to
+    /// normal priority, and how many gave way to a `flush()`.
+    pub idle_writes: bool,
+    pub idle_lifts: u64,
+    pub superseded_writes: u64,
+}
+
 /// The server-wide numbers at scrape time.
 pub struct Sample {
     pub tables: Vec<TableSample>,
-    pub flush_lag: Option<Duration>,
+    pub replica: Option<ReplicaSample>,
     pub uptime: Duration,
     pub clocks: Vec<u64>,
 }
@@ -192,10 +210,36 @@ impl Metrics {
                 );
             }
         }
-        o.push_str("# HELP pstore_flush_lag_seconds Age of the oldest change that may not be on disk yet.\n");
-        o.push_str("# TYPE pstore_flush_lag_seconds gauge\n");
-        if let Some(l) = s.flush_lag {
-            let _ = writeln!(o, "pstore_flush_lag_seconds {}", l.as_secs_f64());
+        if let Some(r) = &s.replica {
+            let replica: [(&str, &str, &str, f64); 8] = [
+                ("pstore_flush_lag_seconds", "gauge",
+                 "Age of the oldest change that may not be on disk yet.", r.lag.as_secs_f64()),
+                ("pstore_flush_cycles_total", "counter",
+                 "Write cycles the LMDB replica committed since the store opened.", r.cycles as f64),
+                ("pstore_flush_interval_seconds", "gauge",
+                 "Interval of async mode's cycles now (flush_interval, stretched while idle writes \
+                  cannot keep up; 0 in sync and none modes).", r.interval.as_secs_f64()),
+                ("pstore_flush_failing", "gauge",
+                 "1 while the last write cycle failed (pushes are refused until one succeeds).",
+                 f64::from(u8::from(r.failing))),
+                ("pstore_replica_file_bytes", "gauge",
+                 "Size of the LMDB data file.", r.file_bytes as f64),
+                ("pstore_idle_writes", "gauge",
+                 "1 when background writes run at idle CPU priority.",
+                 f64::from(u8::from(r.idle_writes))),
+                ("pstore_idle_lifts_total", "counter",
+                 "Idle writes lifted back to normal priority (by a waiter or the watchdog).",
+                 r.idle_lifts as f64),
+                ("pstore_superseded_writes_total", "counter",
+                 "Background writes that gave way to a flush() (their rows went to its cycle).",
+                 r.superseded_writes as f64),
+            ]; // fmt: skip
+            for (name, kind, help, value) in replica {
+                let _ = writeln!(
+                    o,
+                    "# HELP {name} {help}\n# TYPE {name} {kind}\n{name} {value}"
+                );
+            }
         }
         o.push_str("# HELP pstore_worker_clock Training clock reported by each worker.\n");
         o.push_str("# TYPE pstore_worker_clock gauge\n");

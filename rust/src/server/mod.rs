@@ -24,7 +24,7 @@ use crate::net::proto::*;
 use crate::net::{status_of, token_eq, wire, DEFAULT_MAX_MESSAGE, PROTOCOL};
 use crate::store::{Store, Table};
 use crate::table::{DenseTableConfig, SparseTableConfig, TableStats};
-use metrics::{Metrics, Sample, TableSample};
+use metrics::{Metrics, ReplicaSample, Sample, TableSample};
 use state::{Clocks, Decision, Dedup, Policies, Policy};
 
 /// Who may call what.
@@ -119,7 +119,20 @@ impl Inner {
         }
         Sample {
             tables,
-            flush_lag: self.store.flusher().map(|f| f.lag()),
+            replica: self.store.flusher().map(|f| ReplicaSample {
+                lag: f.lag(),
+                cycles: f.done_cycle(),
+                interval: if f.mode() == crate::durable::Durability::Async {
+                    f.current_interval()
+                } else {
+                    Duration::ZERO
+                },
+                failing: f.last_error().is_some(),
+                file_bytes: f.storage().file_size(),
+                idle_writes: f.idle_writes(),
+                idle_lifts: f.idle_lifts(),
+                superseded_writes: f.superseded_writes(),
+            }),
             uptime: self.started.elapsed(),
             clocks: self.clocks.get(),
         }

@@ -113,7 +113,7 @@ impl Inner {
         (
             Sample {
                 tables,
-                flush_lag: None,
+                replica: None,
                 uptime: self.started.elapsed(),
                 clocks: Vec::new(),
             },
