@@ -846,7 +846,8 @@ def _w5_training(ctx: Context, sec: Section, stores: dict[str, Any], n: int):
                 "detail": "the runs above, timed to the end of the loop"
                 + (
                     f"; async store so far: {info['idle_lifts']} idle writes lifted, "
-                    f"{info['superseded_writes']} superseded by flush()"
+                    f"{info['superseded_writes']} superseded by flush(), flush interval in "
+                    f"use {info.get('current_flush_interval', info['flush_interval']):g} s"
                     if row.impl == asy
                     else ""
                 ),
