@@ -377,6 +377,14 @@ mod tests {
     }
 
     #[cfg(target_os = "linux")]
+    fn outcome(went_idle: bool, stayed_idle: bool, starved: bool) -> Outcome {
+        Outcome {
+            went_idle,
+            stayed_idle,
+            starved,
+        }
+    }
+
     #[test]
     fn the_watchdog_lifts_a_write_idle_past_the_allowance() {
         if !can_test() {
@@ -395,12 +403,7 @@ mod tests {
         assert!(t0.elapsed() >= Duration::from_millis(40));
         assert_eq!(w.lifts(), 1);
         drop(g);
-        let starved = Outcome {
-            went_idle: true,
-            stayed_idle: false,
-            starved: true,
-        };
-        assert_eq!(w.outcome(), starved);
+        assert_eq!(w.outcome(), outcome(true, false, true));
         // A longer allowance: the next background write stays idle past the old one.
         w.set_allowance(Duration::from_secs(30));
         w.begin(true);
@@ -408,24 +411,14 @@ mod tests {
         std::thread::sleep(Duration::from_millis(200));
         assert_eq!(policy_of(me), IDLE as i64);
         drop(g);
-        let finished_idle = Outcome {
-            went_idle: true,
-            stayed_idle: true,
-            starved: false,
-        };
-        assert_eq!(w.outcome(), finished_idle);
+        assert_eq!(w.outcome(), outcome(true, true, false));
         assert_eq!(w.lifts(), 1);
         // A lift by a waiter is not starvation.
         w.begin(true);
         let g = w.writing();
         w.lift();
         drop(g);
-        let lifted = Outcome {
-            went_idle: true,
-            stayed_idle: false,
-            starved: false,
-        };
-        assert_eq!(w.outcome(), lifted);
+        assert_eq!(w.outcome(), outcome(true, false, false));
         w.stop();
     }
 
