@@ -38,7 +38,7 @@ pub enum Durability {
     /// A push returns after the transaction holding its rows has committed to disk.
     Sync,
     /// A background flusher commits every `flush_interval`: a crash loses the pushes of the
-    /// last interval plus the cycle in progress (up to three intervals plus a write when its
+    /// last interval plus the cycle in progress (up to five intervals plus two writes when its
     /// idle-priority writes wait for busy cores, the interval stretched up to
     /// [`MAX_STRETCH`] times while they cannot keep up; see [`crate::idle`] and
     /// `Flusher::adapt`).
@@ -426,7 +426,7 @@ impl Flusher {
     /// cycle finished at idle priority. The watchdog's allowance follows it (two intervals).
     /// Cycles then come less often and each one writes at idle priority for longer: a row
     /// changed many times between cycles is written once, so the replica costs training less,
-    /// and the loss window grows with the interval (three intervals plus a write at most).
+    /// and the loss window grows with the interval (five intervals plus two writes at most).
     fn adapt(&self, st: &mut FlushState, took: Duration) {
         let o = self.idle.outcome();
         let stretch = if o.starved && took > self.interval * st.stretch {
