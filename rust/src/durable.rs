@@ -217,6 +217,11 @@ struct FlushState {
 /// How far `async` mode may stretch its interval: 16 x `flush_interval`.
 pub const MAX_STRETCH: u32 = 16;
 
+/// How long a background write may stay idle before the watchdog lifts it: two intervals.
+fn idle_allowance(interval: Duration) -> Duration {
+    interval * 2
+}
+
 /// The background flusher of a durable store.
 pub struct Flusher {
     storage: Arc<Storage>,
@@ -277,7 +282,7 @@ impl Flusher {
             log_gen: std::sync::atomic::AtomicU32::new(1),
             written: Mutex::new(HashMap::new()),
             spare: Spare::default(),
-            idle: IdleWrites::start(mode == Durability::Async, interval * 2),
+            idle: IdleWrites::start(mode == Durability::Async, idle_allowance(interval)),
             supersede: AtomicBool::new(false),
             thread: Mutex::new(None),
         });
@@ -441,7 +446,8 @@ impl Flusher {
         };
         if stretch != st.stretch {
             st.stretch = stretch;
-            self.idle.set_allowance(self.interval * stretch * 2);
+            self.idle
+                .set_allowance(idle_allowance(self.interval * stretch));
         }
     }
 

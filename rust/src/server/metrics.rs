@@ -211,35 +211,62 @@ impl Metrics {
             }
         }
         if let Some(r) = &s.replica {
-            let replica: [(&str, &str, &str, f64); 8] = [
-                ("pstore_flush_lag_seconds", "gauge",
-                 "Age of the oldest change that may not be on disk yet.", r.lag.as_secs_f64()),
-                ("pstore_flush_cycles_total", "counter",
-                 "Write cycles the LMDB replica committed since the store opened.", r.cycles as f64),
-                ("pstore_flush_interval_seconds", "gauge",
-                 "Interval of async mode's cycles now (flush_interval, stretched while idle writes \
-                  cannot keep up; 0 in sync and none modes).", r.interval.as_secs_f64()),
-                ("pstore_flush_failing", "gauge",
-                 "1 while the last write cycle failed (pushes are refused until one succeeds).",
-                 f64::from(u8::from(r.failing))),
-                ("pstore_replica_file_bytes", "gauge",
-                 "Size of the LMDB data file.", r.file_bytes as f64),
-                ("pstore_idle_writes", "gauge",
-                 "1 when background writes run at idle CPU priority.",
-                 f64::from(u8::from(r.idle_writes))),
-                ("pstore_idle_lifts_total", "counter",
-                 "Idle writes lifted back to normal priority (by a waiter or the watchdog).",
-                 r.idle_lifts as f64),
-                ("pstore_superseded_writes_total", "counter",
-                 "Background writes that gave way to a flush() (their rows went to its cycle).",
-                 r.superseded_writes as f64),
-            ]; // fmt: skip
-            for (name, kind, help, value) in replica {
+            let mut one = |name: &str, kind: &str, help: &str, value: f64| {
                 let _ = writeln!(
                     o,
                     "# HELP {name} {help}\n# TYPE {name} {kind}\n{name} {value}"
                 );
-            }
+            };
+            let flag = |b: bool| f64::from(u8::from(b));
+            one(
+                "pstore_flush_lag_seconds",
+                "gauge",
+                "Age of the oldest change that may not be on disk yet.",
+                r.lag.as_secs_f64(),
+            );
+            one(
+                "pstore_flush_cycles_total",
+                "counter",
+                "Write cycles the LMDB replica committed since the store opened.",
+                r.cycles as f64,
+            );
+            one(
+                "pstore_flush_interval_seconds",
+                "gauge",
+                "Interval of async mode's cycles now (flush_interval, stretched while idle \
+                 writes cannot keep up; 0 in sync and none modes).",
+                r.interval.as_secs_f64(),
+            );
+            one(
+                "pstore_flush_failing",
+                "gauge",
+                "1 while the last write cycle failed (pushes are refused until one succeeds).",
+                flag(r.failing),
+            );
+            one(
+                "pstore_replica_file_bytes",
+                "gauge",
+                "Size of the LMDB data file.",
+                r.file_bytes as f64,
+            );
+            one(
+                "pstore_idle_writes",
+                "gauge",
+                "1 when background writes run at idle CPU priority.",
+                flag(r.idle_writes),
+            );
+            one(
+                "pstore_idle_lifts_total",
+                "counter",
+                "Idle writes lifted back to normal priority (by a waiter or the watchdog).",
+                r.idle_lifts as f64,
+            );
+            one(
+                "pstore_superseded_writes_total",
+                "counter",
+                "Background writes that gave way to a flush() (their rows went to its cycle).",
+                r.superseded_writes as f64,
+            );
         }
         o.push_str("# HELP pstore_worker_clock Training clock reported by each worker.\n");
         o.push_str("# TYPE pstore_worker_clock gauge\n");
