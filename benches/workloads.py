@@ -977,6 +977,8 @@ def w5_durability(ctx: Context) -> Section:
         sec.config["durable_async_close_s"] = time.perf_counter() - t0
         del both, asy, asy_t
         opened[:] = [mem]
+        _w5_reopen(ctx, sec, tmp / "async", write_s, mem_t, n)
+        shutil.rmtree(tmp / "async")
         gc.collect()
 
         syn, syn_t, _ = durable("sync")
@@ -984,8 +986,6 @@ def w5_durability(ctx: Context) -> Section:
         syn.close()
         del syn, syn_t
         opened[:] = [mem]
-        shutil.rmtree(tmp / "sync")
-        _w5_reopen(ctx, sec, tmp / "async", write_s, mem_t, n)
     finally:
         for store in opened:
             try:
