@@ -179,28 +179,37 @@ impl Settled {
     }
 }
 
-/// Adds `row` to `acc` in float64 (a push sums the gradients of one id this way). Where the CPU
-/// has AVX (checked once per call) the conversions and additions run 4 lanes wide instead of 2.
+/// Adds `row` to `acc` in float64 (a push sums the gradients of one id this way); with `first`,
+/// `acc` is the sum so far of nothing (its contents are ignored). Where the CPU has AVX (checked
+/// once per call) the conversions and additions run 4 lanes wide instead of 2.
 #[inline]
-fn add_f64(acc: &mut [f64], row: &[f32]) {
+fn add_f64(acc: &mut [f64], row: &[f32], first: bool) {
     #[cfg(target_arch = "x86_64")]
     if std::arch::is_x86_feature_detected!("avx") {
         // SAFETY: the CPU supports AVX, checked just above.
-        return unsafe { add_f64_avx(acc, row) };
+        return unsafe { add_f64_avx(acc, row, first) };
     }
-    add_f64_portable(acc, row)
+    add_f64_portable(acc, row, first)
 }
 
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx")]
-fn add_f64_avx(acc: &mut [f64], row: &[f32]) {
-    add_f64_portable(acc, row)
+fn add_f64_avx(acc: &mut [f64], row: &[f32], first: bool) {
+    add_f64_portable(acc, row, first)
 }
 
 #[inline(always)]
-fn add_f64_portable(acc: &mut [f64], row: &[f32]) {
-    for (a, &x) in acc.iter_mut().zip(row) {
-        *a += x as f64;
+fn add_f64_portable(acc: &mut [f64], row: &[f32], first: bool) {
+    if first {
+        // `x + 0.0` is exactly `0.0 + x` (-0.0 becomes +0.0, as in a sum started at zero), without
+        // zeroing `acc` and reading it back: most ids of a batch occur once.
+        for (a, &x) in acc.iter_mut().zip(row) {
+            *a = x as f64 + 0.0;
+        }
+    } else {
+        for (a, &x) in acc.iter_mut().zip(row) {
+            *a += x as f64;
+        }
     }
 }
 
@@ -1018,8 +1027,7 @@ impl SparseTable {
                     // Rows are visited at random: start loading the row a few runs ahead.
                     shard.prefetch_row((pairs[ahead] >> 32) as u32, stride);
                 }
-                acc.fill(0.0);
-                for &pair in run {
+                for (k, &pair) in run.iter().enumerate() {
                     // Gradient rows too (a hot id's run reads many, from all over the batch).
                     if let Some(&later) = pairs.get(q + PREFETCH_GRADS) {
                         let p = (later & 0xffff_ffff) as usize;
@@ -1027,7 +1035,7 @@ impl SparseTable {
                     }
                     q += 1;
                     let p = (pair & 0xffff_ffff) as usize;
-                    add_f64(&mut acc, &grads[p * dim..(p + 1) * dim]);
+                    add_f64(&mut acc, &grads[p * dim..(p + 1) * dim], k == 0);
                 }
                 let row = shard.row_mut(slot);
                 let step = bump_step(row);
@@ -1301,8 +1309,9 @@ mod tests {
     fn float64_sums_are_the_same_with_and_without_avx() {
         // Converting to float64 and adding are exact IEEE operations: every width gives the
         // same bits, the portable loop's as well as the dispatched one's (AVX where present).
+        // A sum started with `first` equals one started at +0.0, -0.0 included.
         for dim in [1usize, 3, 4, 16, 63, 64, 4096] {
-            let rows: Vec<Vec<f32>> = (0..5u64)
+            let mut rows: Vec<Vec<f32>> = (0..5u64)
                 .map(|r| {
                     (0..dim as u64)
                         .map(|i| {
@@ -1312,24 +1321,31 @@ mod tests {
                         .collect()
                 })
                 .collect();
-            let (mut a, mut b) = (vec![0.5f64; dim], vec![0.5f64; dim]);
-            for row in &rows {
-                add_f64(&mut a, row);
-                add_f64_portable(&mut b, row);
+            rows[0][0] = -0.0;
+            for start in [Some(0.5f64), None] {
+                let filled = vec![start.unwrap_or(f64::NAN); dim];
+                let (mut a, mut b) = (filled.clone(), filled);
+                for (k, row) in rows.iter().enumerate() {
+                    let first = k == 0 && start.is_none();
+                    add_f64(&mut a, row, first);
+                    add_f64_portable(&mut b, row, first);
+                }
+                let expect: Vec<u64> = (0..dim)
+                    .map(|i| {
+                        let s0 = start.unwrap_or(0.0);
+                        rows.iter().fold(s0, |s, row| s + row[i] as f64).to_bits()
+                    })
+                    .collect();
+                let bits = |v: &[f64]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
+                assert_eq!(bits(&a), expect, "dim {dim}, start {start:?}");
+                assert_eq!(bits(&b), expect, "dim {dim}, start {start:?}");
             }
-            let expect: Vec<f64> = (0..dim)
-                .map(|i| rows.iter().fold(0.5f64, |s, row| s + row[i] as f64))
-                .collect();
-            assert_eq!(
-                a.iter().map(|x| x.to_bits()).collect::<Vec<_>>(),
-                expect.iter().map(|x| x.to_bits()).collect::<Vec<_>>(),
-                "dim {dim}"
-            );
-            assert_eq!(
-                b.iter().map(|x| x.to_bits()).collect::<Vec<_>>(),
-                expect.iter().map(|x| x.to_bits()).collect::<Vec<_>>(),
-                "dim {dim}"
-            );
+            if dim == 1 {
+                // One -0.0 gradient sums to +0.0, as from zero.
+                let mut a = vec![f64::NAN];
+                add_f64(&mut a, &[-0.0], true);
+                assert_eq!(a[0].to_bits(), 0.0f64.to_bits());
+            }
         }
     }
 }
