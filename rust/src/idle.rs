@@ -385,6 +385,7 @@ mod tests {
         }
     }
 
+    #[cfg(target_os = "linux")]
     #[test]
     fn the_watchdog_lifts_a_write_idle_past_the_allowance() {
         if !can_test() {
