@@ -51,6 +51,7 @@ class Store:
         durability: str = "async",
         flush_interval: float = 1.0,
         map_size: int | None = None,
+        environments: int | None = None,
     ) -> Store: ...
     @property
     def path(self) -> str | None: ...
@@ -67,6 +68,7 @@ class Store:
         durability: str = "async",
         flush_interval: float = 1.0,
         map_size: int | None = None,
+        environments: int | None = None,
         counter: Counter | None = None,
     ) -> Store: ...
     def snapshot(

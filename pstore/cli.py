@@ -90,7 +90,11 @@ def _cmd_restore(args: argparse.Namespace) -> int:
     start = time.perf_counter()
     with _bar(total, "restore", args.quiet) as bar:
         store = pstore.Store.restore(
-            args.snapshot, args.out, num_shards=args.num_shards, progress=_advance(bar)
+            args.snapshot,
+            args.out,
+            num_shards=args.num_shards,
+            environments=args.environments,
+            progress=_advance(bar),
         )
     with store:
         rows = _rows(store)
@@ -148,6 +152,7 @@ def _cmd_inspect(args: argparse.Namespace) -> int:
             return 0
         print(
             f"store {path}: format {info['format']} version {info['version']}, "
+            f"{info['environments']} LMDB environment{'s' if info['environments'] > 1 else ''}, "
             f"{_bytes(info['file_bytes'])} on disk, flush cycle {info['cycle']}"
         )
         snap = info["snapshot"]
@@ -210,6 +215,7 @@ def _cmd_serve(args: argparse.Namespace) -> int:
         flush_interval=args.flush_interval,
         num_shards=args.num_shards,
         threads=args.threads,
+        environments=args.environments,
     )
     return serve(
         store,
@@ -409,6 +415,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("snapshot", metavar="SNAPSHOT", help="a snapshot directory")
     p.add_argument("out", metavar="OUT", help="the store directory to create")
     p.add_argument("--num-shards", type=int, default=None, help="shards per table (default 64)")
+    p.add_argument(
+        "--environments",
+        type=int,
+        default=None,
+        help="LMDB environments of the new store, a writer thread each (default 1)",
+    )
     p.add_argument("-q", "--quiet", action="store_true", help="no progress bar")
     p.set_defaults(func=_cmd_restore)
 
@@ -445,6 +457,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--flush-interval", type=float, default=1.0, help="async flush period, s")
     p.add_argument("--num-shards", type=int, default=None, help="shards per table")
     p.add_argument("--threads", type=int, default=None, help="threads of the store's pool")
+    p.add_argument(
+        "--environments",
+        type=int,
+        default=None,
+        help="LMDB environments of a new --path store, a writer thread each (default 1)",
+    )
     _server_options(p, token="the read-write token", logs="stats")
     p.set_defaults(func=_cmd_serve)
 

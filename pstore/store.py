@@ -378,6 +378,17 @@ class Store:
         at idle CPU priority and cannot keep up with training, the flusher stretches the
         interval, up to 16 times, and shrinks it back once they can
         (``storage_info()["current_flush_interval"]``).
+    map_size : int, optional
+        Bytes of address space each LMDB map starts with (default 64 GiB; it doubles whenever
+        a write fills it, and only what is written takes disk space).
+    environments : int, optional
+        With a path, for a new store: the number of LMDB environments (1 to 16, default 1) its
+        replica is split into by key range, each written by a thread of its own, so flushes and
+        ``"sync"`` commits use several cores. With more than one, a crash during a flush can
+        leave that flush's rows committed in some environments and not in others: every row
+        is still whole, and every acknowledged ``"sync"`` push is present, but a push in flight
+        at the crash may be on disk for part of its rows (docs/FORMAT.md, "Several
+        environments"). An existing store keeps the number it was created with.
 
     A store must be used in the process that created it (its threads do not survive ``fork``).
     One process at a time may open a store directory.
@@ -393,10 +404,18 @@ class Store:
         threads: int | None = None,
         max_inflight_bytes: int | None = None,
         map_size: int | None = None,
+        environments: int | None = None,
     ) -> None:
         self._inner = _native.Store(
             *_store_args(
-                num_shards, threads, max_inflight_bytes, path, durability, flush_interval, map_size
+                num_shards,
+                threads,
+                max_inflight_bytes,
+                path,
+                durability,
+                flush_interval,
+                map_size,
+                environments,
             )
         )
 
@@ -415,7 +434,8 @@ class Store:
         """The LMDB replica of an open durable store, else None.
 
         Keys: ``path``, ``cycle`` (flush cycles completed over the store's life),
-        ``file_bytes``, ``map_bytes``, ``flush_interval``, ``current_flush_interval`` (the
+        ``file_bytes`` and ``map_bytes`` (over all environments), ``environments`` (LMDB
+        environments of the replica), ``flush_interval``, ``current_flush_interval`` (the
         interval ``"async"`` mode uses now: ``flush_interval``, or up to 16 times it while idle
         writes cannot keep up), ``last_error`` (the message of the
         last failed flush, or None once a flush succeeds again), ``flush_lag`` (seconds since
@@ -572,6 +592,7 @@ class Store:
         threads: int | None = None,
         max_inflight_bytes: int | None = None,
         map_size: int | None = None,
+        environments: int | None = None,
         progress: Callable[[int], object] | None = None,
     ) -> Store:
         """Rebuild a store from a snapshot and its chain of increments.
@@ -587,7 +608,14 @@ class Store:
         args = (
             os.fspath(snapshot_dir),
             *_store_args(
-                num_shards, threads, max_inflight_bytes, path, durability, flush_interval, map_size
+                num_shards,
+                threads,
+                max_inflight_bytes,
+                path,
+                durability,
+                flush_interval,
+                map_size,
+                environments,
             ),
             counter,
         )
@@ -675,7 +703,8 @@ def _store_args(
     durability: str,
     flush_interval: float,
     map_size: int | None,
-) -> tuple[int | None, int | None, int | None, str | None, str, float, int | None]:
+    environments: int | None = None,
+) -> tuple[int | None, int | None, int | None, str | None, str, float, int | None, int | None]:
     """The native store's arguments, checked and converted (the order of its signature)."""
 
     def opt(v: int | None, what: str) -> int | None:
@@ -689,6 +718,7 @@ def _store_args(
         durability,
         float(flush_interval),
         opt(map_size, "map_size"),
+        opt(environments, "environments"),
     )
 
 

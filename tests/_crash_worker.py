@@ -63,6 +63,7 @@ def main(argv: list[str] | None = None) -> int:
         "--snapshot-every", type=int, default=0, help="a snapshot every N pushes (0: never)"
     )
     ap.add_argument("--snapshots", default="", help="the directory snapshots are written in")
+    ap.add_argument("--environments", type=int, default=1, help="LMDB environments of the store")
     args = ap.parse_args(argv)
 
     store = pstore.Store(
@@ -70,6 +71,7 @@ def main(argv: list[str] | None = None) -> int:
         durability=args.durability,
         flush_interval=args.flush_interval,
         threads=2,
+        environments=args.environments,
     )
     table = open_table(store)
     ids = np.arange(args.ids, dtype=np.uint64)

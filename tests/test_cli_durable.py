@@ -45,7 +45,7 @@ def test_snapshot_inspect_restore_round_trip(tmp_path, capsys):
 
     assert cli.main(["inspect", str(store)]) == 0
     out = capsys.readouterr().out
-    assert "format pstore-lmdb version 1" in out
+    assert "format pstore-lmdb version 2, 1 LMDB environment," in out
     assert "emb" in out and "4990 rows" in out and "adagrad" in out
 
     assert cli.main(["inspect", str(tmp_path / "inc"), "--json"]) == 0
@@ -116,7 +116,8 @@ def test_the_inspection_functions_behind_the_command(tmp_path):
     with pstore.Store(store, durability="none") as s:
         m = s.snapshot(tmp_path / "full")
     info = pstore.inspection.inspect_store(store)
-    assert info["format"] == "pstore-lmdb" and info["version"] == 1
+    assert info["format"] == "pstore-lmdb" and info["version"] == 2
+    assert info["environments"] == 1
     assert info["snapshot"]["id"] == m["id"]
     (emb,) = [t for t in info["tables"] if t["name"] == "emb"]
     assert emb["rows"] == 100 and emb["record"]["config"]["dim"] == 8

@@ -53,10 +53,37 @@ class Replica:
     changed: dict[str, dict[int, int]] = field(default_factory=dict)
     removed: dict[str, dict[int, int]] = field(default_factory=dict)
     databases: set[bytes] = field(default_factory=set)
+    # The named databases of each environment k >= 1 (docs/FORMAT.md, "Several environments").
+    part_databases: list[set[bytes]] = field(default_factory=list)
+    # Their own ``meta``: the last cycle that wrote to each, and the tables' seq there.
+    part_cycles: list[int] = field(default_factory=list)
+    part_seqs: list[dict[str, int]] = field(default_factory=list)
 
 
 def open_env(path: Path) -> lmdb.Environment:
     return lmdb.open(str(path), readonly=True, lock=False, max_dbs=MAX_DBS, subdir=True)
+
+
+def read_tables(env: lmdb.Environment, txn: lmdb.Transaction, rep: Replica, k: int, n: int):
+    """The ``rows/``, ``changed/`` and ``removed/`` entries of environment ``k`` of ``n``."""
+    for name in rep.records:
+        for prefix, into in (
+            (b"rows/", rep.rows),
+            (b"changed/", rep.changed),
+            (b"removed/", rep.removed),
+        ):
+            db = env.open_db(prefix + name.encode(), txn=txn, create=False)
+            entries = into.setdefault(name, {})
+            for key, value in txn.cursor(db=db):
+                if prefix == b"rows/":
+                    (row_id,) = struct.unpack_from("<Q", value)
+                    entries[row_id] = bytes(value)
+                else:
+                    assert len(value) == 16
+                    cycle, row_id = struct.unpack("<QQ", value)
+                    entries[row_id] = cycle
+                assert key == mix64(row_id).to_bytes(8, "big"), "keyed by mix64(id)"
+                assert mix64(row_id) * n >> 64 == k, "in the environment of its key range"
 
 
 def read_replica(path: Path) -> Replica:
@@ -79,26 +106,33 @@ def read_replica(path: Path) -> Replica:
                     rep.dense[key[len(b"dense/") :].decode()] = bytes(value)
                 elif key not in (b"format", b"cycle"):
                     rep.other_meta[bytes(key)] = bytes(value)
-            for name in rep.records:
-                for prefix, into in (
-                    (b"rows/", rep.rows),
-                    (b"changed/", rep.changed),
-                    (b"removed/", rep.removed),
-                ):
-                    db = env.open_db(prefix + name.encode(), txn=txn, create=False)
-                    entries: dict = {}
-                    for key, value in txn.cursor(db=db):
-                        if prefix == b"rows/":
-                            (row_id,) = struct.unpack_from("<Q", value)
-                            entries[row_id] = bytes(value)
-                        else:
-                            assert len(value) == 16
-                            cycle, row_id = struct.unpack("<QQ", value)
-                            entries[row_id] = cycle
-                        assert key == mix64(row_id).to_bytes(8, "big"), "keyed by mix64(id)"
-                    into[name] = entries
+            n = rep.format.get("environments", 1)
+            read_tables(env, txn, rep, 0, n)
     finally:
         env.close()
+    for k in range(1, n):
+        part = open_env(path / f"env-{k}")
+        try:
+            with part.begin() as txn:
+                rep.part_databases.append({key for key, _ in txn.cursor()})
+                meta = part.open_db(b"meta", txn=txn, create=False)
+                record = json.loads(txn.get(b"part", db=meta))
+                assert record == {"format": "pstore-lmdb", "environment": k, "environments": n}
+                raw_cycle = txn.get(b"cycle", db=meta)
+                rep.part_cycles.append(
+                    0 if raw_cycle is None else struct.unpack("<Q", raw_cycle)[0]
+                )
+                seqs = {}
+                for key, value in txn.cursor(db=meta):
+                    if key.startswith(b"seq/"):
+                        seqs[key[len(b"seq/") :].decode()] = struct.unpack("<Q", value)[0]
+                    else:
+                        assert key in (b"part", b"cycle"), key
+                assert set(seqs) <= set(rep.records), "seq/ keys of live tables only"
+                rep.part_seqs.append(seqs)
+                read_tables(part, txn, rep, k, n)
+        finally:
+            part.close()
     return rep
 
 
@@ -242,10 +276,13 @@ def spread_ids(rng: np.random.Generator, n: int) -> np.ndarray:
 # --- the tests -------------------------------------------------------------------------------
 
 
-def test_a_closed_store_decodes_with_lmdb_and_the_document(tmp_path, rng):
+@pytest.mark.parametrize("environments", [1, 3])
+def test_a_closed_store_decodes_with_lmdb_and_the_document(tmp_path, rng, environments):
     path = tmp_path / "store"
     t0 = int(time.time())
-    store = pstore.Store(path, durability="sync", num_shards=4, threads=2)
+    store = pstore.Store(
+        path, durability="sync", num_shards=4, threads=2, environments=environments
+    )
     ada = store.create_sparse_table("ada", 5, optimizer=optim.Adagrad(lr=0.1), seed=3)
     adam = store.create_sparse_table(
         "adam", 3, optimizer=optim.Adam(lr=0.01), initializer=init.Normal(0.0, 0.1), seed=5
@@ -298,12 +335,12 @@ def test_a_closed_store_decodes_with_lmdb_and_the_document(tmp_path, rng):
     t1 = int(time.time()) + 1
 
     rep = read_replica(path)
-    assert rep.format == {"format": "pstore-lmdb", "version": 1}
+    assert rep.format == {"format": "pstore-lmdb", "version": 2, "environments": environments}
     names = ["ada", "adam", "dense", "plain sgd"]
     assert sorted(rep.records) == names
-    assert rep.databases == {b"meta"} | {
-        f"{p}/{n}".encode() for n in names for p in ("rows", "changed", "removed")
-    }
+    tables = {f"{p}/{n}".encode() for n in names for p in ("rows", "changed", "removed")}
+    assert rep.databases == {b"meta"} | tables
+    assert rep.part_databases == [{b"meta"} | tables] * (environments - 1)
     assert rep.other_meta == {}
     assert sorted(rep.dense) == ["dense"]
     pushes = 4 + 4 + 2 + 2 + 3  # each sync push is committed by its own cycle
@@ -362,6 +399,16 @@ def test_a_closed_store_decodes_with_lmdb_and_the_document(tmp_path, rng):
         else:
             assert set(removed) == ref.removed
         assert all(1 <= c <= rep.cycle for c in [*changed.values(), *removed.values()])
+        # Each other environment: its cycle, and the table's seq there, bound what it holds.
+        for k, (cycle, seqs) in enumerate(
+            zip(rep.part_cycles, rep.part_seqs, strict=True), start=1
+        ):
+            assert cycle <= rep.cycle
+            mine = [i for i in rows if mix64(i) * environments >> 64 == k]
+            assert mine, f"environment {k} holds rows of {name}"
+            assert all(changed[i] <= cycle for i in mine)
+            assert seqs[name] <= exp.seq
+            assert all(decode_row(rows[i], cfg["dim"], n_state).version <= seqs[name] for i in mine)
         for i, c in removed.items():
             if i in rows:
                 assert changed[i] > c, "an id created again after its removal"

@@ -191,6 +191,13 @@ pub fn dense_key(name: &str) -> String {
 /// The meta key of the last cycle number.
 pub const CYCLE_KEY: &str = "cycle";
 
+/// The key, in the `meta` of environments after the first, of the table sequence number that
+/// the environment's rows of table `name` are at most (see docs/FORMAT.md, "Several
+/// environments").
+pub fn seq_key(name: &str) -> String {
+    format!("seq/{name}")
+}
+
 struct FlushState {
     /// The ticket of the next cycle run.
     next: u64,
@@ -617,8 +624,9 @@ impl Flusher {
                 bytes += one.words.len() * 4 + one.ids.len() * 8 + one.gone.len() * 8;
                 taken.push(one);
             }
-            self.record_if_changed(name, table)
+            (self.record_if_changed(name, table), t.seq())
         };
+        let (rec, seq) = rec;
         if taken.is_empty() && rec.is_none() {
             return Ok(Some(false));
         }
@@ -631,7 +639,7 @@ impl Flusher {
                 size += one.words.len() * 4 + one.ids.len() * 8 + one.gone.len() * 8;
                 chunk.push(one);
                 if size >= CHUNK_BYTES && rest.peek().is_some() {
-                    if let Err(e) = self.write_chunk(name, t, &mut chunk, cycle, None, false) {
+                    if let Err(e) = self.write_chunk(name, t, &mut chunk, cycle, seq, None, false) {
                         for one in rest {
                             t.untake(&one);
                         }
@@ -645,7 +653,7 @@ impl Flusher {
         // A bulk load's earlier chunks have committed under this cycle's number: its last chunk
         // does not give way (the number must then count as written).
         let supersedable = bytes <= ONE_TXN_BYTES;
-        if !self.write_chunk(name, t, &mut taken, cycle, rec.clone(), supersedable)? {
+        if !self.write_chunk(name, t, &mut taken, cycle, seq, rec.clone(), supersedable)? {
             return Ok(None);
         }
         if let Some(rec) = rec {
@@ -658,53 +666,90 @@ impl Flusher {
     /// (and the rest of the cycle is left for the next one). False when the write gave way to
     /// `flush()` (if `supersedable`; see `Flusher::supersede`): nothing was committed and the
     /// rows are marked again.
+    #[allow(clippy::too_many_arguments)]
     fn write_chunk(
         &self,
         name: &str,
         t: &SparseTable,
         chunk: &mut Vec<Taken>,
         cycle: u64,
+        seq: u64,
         record: Option<Vec<u8>>,
         supersedable: bool,
     ) -> Result<bool> {
         let superseded = || supersedable && self.supersede.load(Ordering::Relaxed);
         let m = t.row_words();
         let tag = cycle.to_le_bytes();
+        let st = &self.storage;
+        let n = st.environments();
         // Each database is written in key order: consecutive puts then land on the same leaf
         // page, already in cache and already copied for this transaction.
         let orders: Vec<Vec<u32>> = chunk.iter().map(|t| key_order(&t.ids)).collect();
-        // The transaction only (no table lock is held in it) may run at idle priority.
-        let writing = self.idle.writing();
-        let r = self.storage.write(|w| {
+        // The environments hold consecutive key ranges: per shard taken, where each one's rows
+        // start and end in the key order.
+        let bounds: Vec<Vec<usize>> = chunk
+            .iter()
+            .zip(&orders)
+            .map(|(t, o)| {
+                (0..=n)
+                    .map(|p| o.partition_point(|&i| st.environment_of(t.ids[i as usize]) < p))
+                    .collect()
+            })
+            .collect();
+        // Environment 0 always (it holds the record and the cycle); the others when they have
+        // something to write.
+        let which: Vec<usize> = (0..n)
+            .filter(|&p| {
+                p == 0
+                    || chunk.iter().zip(&bounds).any(|(t, b)| {
+                        b[p] < b[p + 1] || t.gone.iter().any(|&id| st.environment_of(id) == p)
+                    })
+            })
+            .collect();
+        let write = |p: usize, w: &mut crate::storage::Writer<'_>| -> Result<()> {
             let (rows, changed) = (w.open(Db::Rows, name)?, w.open(Db::Changed, name)?);
-            for (taken, order) in chunk.iter().zip(&orders) {
+            for ((taken, order), b) in chunk.iter().zip(&orders).zip(&bounds) {
                 if superseded() {
                     return Err(storage("the write gave way to flush()"));
                 }
-                let sorted: Vec<(u64, &[u8])> = order
+                let mine = &order[b[p]..b[p + 1]];
+                let sorted: Vec<(u64, &[u8])> = mine
                     .iter()
                     .map(|&i| {
                         let i = i as usize;
                         (taken.ids[i], bytes_of(&taken.words[i * m..(i + 1) * m]))
                     })
                     .collect();
-                w.put_rows_in_order(rows, &sorted)?;
+                w.put_rows_in_order(&rows, &sorted)?;
                 // Only a row's first change in the log generation writes its entry: later ones
                 // find it there, with a cycle after the last snapshot's.
-                for &i in order.iter().filter(|&&i| taken.log[i as usize]) {
-                    w.put_in(changed, taken.ids[i as usize], &tag)?;
+                for &i in mine.iter().filter(|&&i| taken.log[i as usize]) {
+                    w.put_in(&changed, taken.ids[i as usize], &tag)?;
                 }
-                for &id in &taken.gone {
+                for &id in taken.gone.iter().filter(|&&id| st.environment_of(id) == p) {
                     w.delete(Db::Rows, name, id)?;
                     w.put(Db::Removed, name, id, &tag)?;
                 }
             }
-            if let Some(rec) = &record {
-                w.put_meta(&table_key(name), rec)?;
+            if p == 0 {
+                if let Some(rec) = &record {
+                    w.put_meta(&table_key(name), rec)?;
+                }
+                w.put_meta(CYCLE_KEY, &tag)?;
+            } else {
+                // Each environment commits on its own: it keeps the cycle and the table's seq
+                // its rows belong to, so that a reopen after a crash between the commits
+                // numbers cycles and row versions past everything any environment holds.
+                w.put_part_meta(p, CYCLE_KEY, &tag)?;
+                w.put_part_meta(p, &seq_key(name), &seq.to_le_bytes())?;
             }
-            w.put_meta(CYCLE_KEY, &tag)
-        });
-        drop(writing);
+            Ok(())
+        };
+        // The transactions only (no table lock is held in them) may run at idle priority; with
+        // several environments each is written and committed by a thread of its own. When one
+        // fails, the others may have committed: every row is given back below all the same, and
+        // the next cycle writes them again.
+        let r = st.write_each(&which, &|| self.idle.writing(), &write);
         match r {
             Ok(()) => {
                 for taken in chunk.drain(..) {

@@ -80,9 +80,10 @@ pub fn usable() -> bool {
 struct State {
     /// Writes may go idle: asked for, the process can lift them, and the watchdog runs.
     on: bool,
-    /// The writing thread (set by [`IdleWrites::begin`]).
-    tid: i32,
-    /// Since when the running write has been at idle priority.
+    /// The threads writing at idle priority now (a cycle may write several LMDB environments
+    /// at once, a thread each).
+    tids: Vec<i32>,
+    /// Since when the running write has been at idle priority (its first thread).
     since: Option<Instant>,
     /// The running cycle stays at normal priority (it was lifted, or somebody waits for it).
     lifted: bool,
@@ -117,14 +118,22 @@ pub struct Outcome {
     pub starved: bool,
 }
 
-/// Restores normal priority when a write ends (or fails).
-pub struct Writing<'a>(&'a IdleWrites);
+/// Restores normal priority when a write ends (or fails): the thread's id while it is idle.
+pub struct Writing<'a>(&'a IdleWrites, Option<i32>);
 
 impl Drop for Writing<'_> {
     fn drop(&mut self) {
+        let Some(tid) = self.1 else {
+            return;
+        };
         let mut st = self.0.lock();
-        if st.since.take().is_some() {
+        // Gone from the list when a lift has put it back already.
+        if let Some(at) = st.tids.iter().position(|&t| t == tid) {
+            st.tids.swap_remove(at);
             set_policy(0, NORMAL);
+            if st.tids.is_empty() {
+                st.since = None;
+            }
         }
     }
 }
@@ -136,7 +145,7 @@ impl IdleWrites {
         let me = Arc::new(Self {
             state: Mutex::new(State {
                 on: false,
-                tid: 0,
+                tids: Vec::new(),
                 since: None,
                 lifted: true,
                 lifts: 0,
@@ -174,7 +183,6 @@ impl IdleWrites {
     /// A cycle starts on the calling thread; `background`: nobody waits for it.
     pub fn begin(&self, background: bool) {
         let mut st = self.lock();
-        st.tid = current_tid();
         st.lifted = !(background && st.on && st.waiters == 0);
         st.went_idle = false;
         st.starved = false;
@@ -198,21 +206,26 @@ impl IdleWrites {
     }
 
     /// Runs the caller's write at idle priority until the guard drops, unless the cycle was
-    /// lifted.
+    /// lifted. Several threads may write at once (each LMDB environment has its own writer).
     pub fn writing(&self) -> Writing<'_> {
         let mut st = self.lock();
-        if !st.lifted && st.since.is_none() && set_policy(0, IDLE) {
-            st.since = Some(Instant::now());
-            st.went_idle = true;
-            self.cv.notify_all();
+        let tid = current_tid();
+        if st.lifted || st.tids.contains(&tid) || !set_policy(0, IDLE) {
+            return Writing(self, None);
         }
-        Writing(self)
+        st.tids.push(tid);
+        st.since.get_or_insert_with(Instant::now);
+        st.went_idle = true;
+        self.cv.notify_all();
+        Writing(self, Some(tid))
     }
 
     fn lift_locked(&self, st: &mut State) {
         st.lifted = true;
         if st.since.take().is_some() {
-            set_policy(st.tid, NORMAL);
+            for tid in st.tids.drain(..) {
+                set_policy(tid, NORMAL);
+            }
             st.lifts += 1;
         }
     }
@@ -373,6 +386,59 @@ mod tests {
                 "a cycle somebody waits for stays normal"
             );
         }
+        w.stop();
+    }
+
+    #[cfg(target_os = "linux")]
+    #[test]
+    fn a_lift_reaches_every_thread_writing() {
+        if !can_test() {
+            return;
+        }
+        let w = IdleWrites::start(true, Duration::from_secs(60));
+        w.begin(true);
+        let mine = w.writing();
+        let me = current_tid();
+        let (tx, rx) = std::sync::mpsc::channel::<i32>();
+        let (go, wait) = std::sync::mpsc::channel::<()>();
+        let w2 = Arc::clone(&w);
+        let other = std::thread::spawn(move || {
+            let g = w2.writing();
+            tx.send(current_tid()).unwrap();
+            wait.recv().unwrap();
+            drop(g);
+            policy_of(current_tid())
+        });
+        let tid = rx.recv().unwrap();
+        assert_eq!(policy_of(me), IDLE as i64);
+        assert_eq!(policy_of(tid), IDLE as i64);
+        w.lift();
+        assert_eq!(policy_of(me), NORMAL as i64);
+        assert_eq!(policy_of(tid), NORMAL as i64);
+        assert_eq!(w.lifts(), 1);
+        go.send(()).unwrap();
+        assert_eq!(other.join().unwrap(), NORMAL as i64);
+        drop(mine);
+        // The first thread's write ending leaves the second one idle, with its start.
+        w.begin(true);
+        let first = w.writing();
+        let w3 = Arc::clone(&w);
+        let (tx, rx) = std::sync::mpsc::channel::<i32>();
+        let (go, wait) = std::sync::mpsc::channel::<()>();
+        let second = std::thread::spawn(move || {
+            let _g = w3.writing();
+            tx.send(current_tid()).unwrap();
+            wait.recv().unwrap();
+        });
+        let tid = rx.recv().unwrap();
+        drop(first);
+        assert_eq!(policy_of(me), NORMAL as i64);
+        assert_eq!(policy_of(tid), IDLE as i64);
+        assert!(w.lock().since.is_some());
+        go.send(()).unwrap();
+        second.join().unwrap();
+        assert!(w.lock().since.is_none());
+        assert_eq!(w.outcome(), outcome(true, true, false));
         w.stop();
     }
 

@@ -1,8 +1,10 @@
 //! The LMDB replica of a durable store (format in docs/FORMAT.md).
 //!
-//! One LMDB environment per store directory. The in-memory tables stay the hot copy; this module
-//! only moves bytes: it opens and checks the environment, runs write transactions (growing the
-//! map when it fills), and gives readers a consistent view.
+//! One or several LMDB environments per store directory (the directory itself, holding `meta`
+//! and the first key range, and `env-<k>` for the others), each with its own writer, so several
+//! threads can write a flush cycle at once. The in-memory tables stay the hot copy; this module
+//! only moves bytes: it opens and checks the environments, runs write transactions (growing a
+//! map when it fills), and gives readers a view.
 //!
 //! Every key of a table's database is the id's placement hash (`mix64(id)`, the hash whose high
 //! bits choose the shard) as 8 big-endian bytes: the rows of one shard, for any shard count, are
@@ -29,7 +31,11 @@ compile_error!("the LMDB replica stores little-endian words; big-endian hosts ar
 /// The format's name, in the `format` key of the meta database.
 pub const FORMAT_NAME: &str = "pstore-lmdb";
 /// The version of the on-disk format this build reads and writes.
-pub const FORMAT_VERSION: u32 = 1;
+/// (Version 1 is the same layout with one environment and no `environments` field; it is read
+/// as such.)
+pub const FORMAT_VERSION: u32 = 2;
+/// The most LMDB environments a store may be split into.
+pub const MAX_ENVIRONMENTS: usize = 16;
 /// The most named databases (three per table, so at most 1023 tables, plus `meta`).
 const MAX_DBS: u32 = 3072;
 /// The map a new environment starts with; it doubles whenever a write fills it.
@@ -42,6 +48,13 @@ pub struct FormatRecord {
     pub format: String,
     /// The format version.
     pub version: u32,
+    /// The number of LMDB environments (1 in version 1, which has no such field).
+    #[serde(default = "one")]
+    pub environments: u32,
+}
+
+fn one() -> u32 {
+    1
 }
 
 /// A database of the environment, by role.
@@ -153,29 +166,127 @@ fn is_map_full(e: &heed::Error) -> bool {
     matches!(e, heed::Error::Mdb(MdbError::MapFull))
 }
 
+/// One LMDB environment of a store: the store directory itself (environment 0, which also holds
+/// `meta`) or its sub-directory `env-<k>`.
+struct Part {
+    dir: PathBuf,
+    env: Env<WithoutTls>,
+    /// Its `meta` database (the store's in environment 0; the `part` record, the last cycle
+    /// and table sequence numbers it wrote in the others).
+    meta: Database<Bytes, Bytes>,
+    /// Readers and writers hold it shared; growing the map takes it alone (LMDB allows a resize
+    /// only while no transaction is open).
+    gate: RwLock<usize>,
+    /// Serialises writers (LMDB has one writer per environment; this keeps the resize retry
+    /// simple).
+    writer: Mutex<()>,
+}
+
+/// The environment (of `parts`) that holds the rows of `key`: the high bits of the placement
+/// hash, as for shards, so each environment holds one contiguous key range.
+#[inline]
+fn part_of_key(key: [u8; 8], parts: usize) -> usize {
+    ((u128::from(u64::from_be_bytes(key)) * parts as u128) >> 64) as usize
+}
+
+/// The directory of environment `k` of the store at `path`.
+fn part_dir(path: &Path, k: usize) -> PathBuf {
+    if k == 0 {
+        path.to_path_buf()
+    } else {
+        path.join(format!("env-{k}"))
+    }
+}
+
+/// The `part` record of environment `k` >= 1 (in its `meta` database).
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+struct PartRecord {
+    format: String,
+    environment: usize,
+    environments: usize,
+}
+
+/// Opens (creating when `create`) the LMDB environment in `dir`, its map at least `map_size`
+/// and twice its data file.
+fn open_env(dir: &Path, create: bool, map_size: usize) -> Result<(Env<WithoutTls>, usize)> {
+    if create {
+        std::fs::create_dir_all(dir)
+            .map_err(|e| storage(format!("creating {}: {e}", dir.display())))?;
+    }
+    let page = page_size();
+    let map_size = map_size.max(page).div_ceil(page) * page;
+    let existing = std::fs::metadata(dir.join("data.mdb"))
+        .map(|m| m.len() as usize)
+        .unwrap_or(0);
+    let map_size = map_size.max((existing * 2).div_ceil(page) * page);
+    let mut opts = EnvOpenOptions::new().read_txn_without_tls();
+    opts.map_size(map_size).max_dbs(MAX_DBS).max_readers(1024);
+    // SAFETY: the store directory is locked (`pstore.lock`) before any of its environments is
+    // opened, so no other process (nor another Store of this one) opens them while we hold it.
+    let env = unsafe { opts.open(dir) }.map_err(|e| lmdb_err(dir, "opening", e))?;
+    Ok((env, map_size))
+}
+
+/// The names of a table's databases held by an environment whose table has no record: left by
+/// a crash between the steps of creating or dropping a table.
+fn orphans(
+    env: &Env<WithoutTls>,
+    txn: &RoTxn<'_>,
+    live: &dyn Fn(&str) -> bool,
+) -> heed::Result<Vec<String>> {
+    let mut out = Vec::new();
+    let Some(main): Option<Database<Bytes, Bytes>> = env.open_database(txn, None)? else {
+        return Ok(out);
+    };
+    for item in main.iter(txn)? {
+        let (k, _) = item?;
+        let name = String::from_utf8_lossy(k);
+        let table = [Db::Rows, Db::Changed, Db::Removed]
+            .iter()
+            .find_map(|db| name.strip_prefix(db.prefix()));
+        if let Some(t) = table {
+            if !live(t) {
+                out.push(name.into_owned());
+            }
+        }
+    }
+    Ok(out)
+}
+
+/// A table's database in one environment: (environment, role, table).
+type DbKey = (usize, Db, String);
+
 /// An open store directory.
 pub struct Storage {
     path: PathBuf,
     /// Held for the life of the store: one process owns a store directory.
     _lock: File,
-    env: Env<WithoutTls>,
+    /// The environments; rows go to `part_of_key(key, parts.len())`.
+    parts: Vec<Part>,
+    /// `meta`, in environment 0.
     meta: Database<Bytes, Bytes>,
-    dbs: Mutex<HashMap<(Db, String), Database<Bytes, Bytes>>>,
-    /// Readers and writers hold it shared; growing the map takes it alone (LMDB allows a resize
-    /// only while no transaction is open).
-    gate: RwLock<usize>,
-    /// Serialises writers (LMDB has one writer; this keeps the resize retry simple).
-    writer: Mutex<()>,
+    dbs: Mutex<HashMap<DbKey, Database<Bytes, Bytes>>>,
     /// Called before waiting for the writer (the flusher's writes may run at idle priority:
     /// this lifts them).
     on_wait: OnceLock<Box<dyn Fn() + Send + Sync>>,
 }
 
 impl Storage {
-    /// Opens the store directory `path`, creating it when `create` and it holds no store yet.
-    /// Returns the storage and whether it was created now. A directory of another format or
-    /// version is refused.
-    pub fn open(path: &Path, create: bool, map_size: usize) -> Result<(Self, bool)> {
+    /// Opens the store directory `path`, creating it when `create` and it holds no store yet
+    /// (with `environments` LMDB environments; an existing store keeps the number it was created
+    /// with). Returns the storage and whether it was created now. A directory of another format
+    /// or version is refused.
+    pub fn open(
+        path: &Path,
+        create: bool,
+        map_size: usize,
+        environments: usize,
+    ) -> Result<(Self, bool)> {
+        if !(1..=MAX_ENVIRONMENTS).contains(&environments) {
+            return Err(invalid(format!(
+                "environments must be 1..={MAX_ENVIRONMENTS}, got {environments}"
+            )));
+        }
         let io = |what: &str, e: std::io::Error| storage(format!("{what} {}: {e}", path.display()));
         if !path.exists() {
             if !create {
@@ -205,17 +316,7 @@ impl Storage {
         if fresh && !create {
             return Err(invalid(format!("no store at {}", path.display())));
         }
-        let page = page_size();
-        let map_size = map_size.max(page).div_ceil(page) * page;
-        let existing = std::fs::metadata(path.join("data.mdb"))
-            .map(|m| m.len() as usize)
-            .unwrap_or(0);
-        let map_size = map_size.max((existing * 2).div_ceil(page) * page);
-        let mut opts = EnvOpenOptions::new().read_txn_without_tls();
-        opts.map_size(map_size).max_dbs(MAX_DBS).max_readers(1024);
-        // SAFETY: the directory is locked above, so no other process (nor another Store in this
-        // one) opens this environment while we hold it.
-        let env = unsafe { opts.open(path) }.map_err(|e| lmdb_err(path, "opening", e))?;
+        let (env, size) = open_env(path, false, map_size)?;
         let mut wtxn = env.write_txn().map_err(|e| lmdb_err(path, "opening", e))?;
         // An environment holding anything but our databases is somebody else's: refuse it. An
         // empty one is a store whose creation was interrupted.
@@ -245,62 +346,106 @@ impl Storage {
             .get(&wtxn, b"format")
             .map_err(|e| lmdb_err(path, "reading", e))?
             .map(<[u8]>::to_vec);
-        let created = match record {
-            None if fresh || empty => {
-                let rec = FormatRecord {
-                    format: FORMAT_NAME.into(),
-                    version: FORMAT_VERSION,
-                };
-                let bytes = serde_json::to_vec(&rec).map_err(|e| Error::Internal(e.to_string()))?;
-                meta.put(&mut wtxn, b"format", &bytes)
-                    .map_err(|e| lmdb_err(path, "writing", e))?;
-                true
-            }
+        let (created, environments) = match record {
+            None if fresh || empty => (true, environments),
             None => {
                 return Err(corrupt(format!(
                     "{} holds an LMDB environment that is not a pstore store (no format record)",
                     path.display()
                 )))
             }
-            Some(bytes) => {
-                let rec: FormatRecord = serde_json::from_slice(&bytes).map_err(|e| {
-                    corrupt(format!(
-                        "{}: the format record is not readable: {e}",
-                        path.display()
-                    ))
-                })?;
-                if rec.format != FORMAT_NAME {
-                    return Err(corrupt(format!(
-                        "{} is a {:?} store, not {FORMAT_NAME:?}",
-                        path.display(),
-                        rec.format
-                    )));
-                }
-                if rec.version != FORMAT_VERSION {
-                    return Err(corrupt(format!(
-                        "{} is a store of format version {}; this pstore reads version \
-                         {FORMAT_VERSION} only",
-                        path.display(),
-                        rec.version
-                    )));
-                }
-                false
-            }
+            Some(bytes) => (false, check_format(path, &bytes)?),
         };
         wtxn.commit().map_err(|e| lmdb_err(path, "opening", e))?;
-        Ok((
-            Self {
-                path: path.to_path_buf(),
-                _lock: lock,
-                env,
-                meta,
-                dbs: Mutex::new(HashMap::new()),
-                gate: RwLock::new(map_size),
-                writer: Mutex::new(()),
-                on_wait: OnceLock::new(),
-            },
-            created,
-        ))
+        let mut parts = vec![Part {
+            dir: path.to_path_buf(),
+            env,
+            meta,
+            gate: RwLock::new(size),
+            writer: Mutex::new(()),
+        }];
+        for k in 1..environments {
+            parts.push(open_part(path, k, environments, created, map_size)?);
+        }
+        let s = Self {
+            path: path.to_path_buf(),
+            _lock: lock,
+            parts,
+            meta,
+            dbs: Mutex::new(HashMap::new()),
+            on_wait: OnceLock::new(),
+        };
+        s.drop_orphans()?;
+        if created {
+            // Written last: a store whose creation stopped before this is created again.
+            let rec = FormatRecord {
+                format: FORMAT_NAME.into(),
+                version: FORMAT_VERSION,
+                environments: environments as u32,
+            };
+            let bytes = serde_json::to_vec(&rec).map_err(|e| Error::Internal(e.to_string()))?;
+            s.write(|w| w.put_meta("format", &bytes))?;
+        }
+        Ok((s, created))
+    }
+
+    /// Empties the table databases of tables without a record (a crash between the steps of
+    /// creating or dropping a table leaves them).
+    fn drop_orphans(&self) -> Result<()> {
+        let live: std::collections::HashSet<String> = self.read(|r| {
+            Ok(r.meta_prefix("table/")?
+                .into_iter()
+                .map(|(k, _)| k["table/".len()..].to_string())
+                .collect())
+        })?;
+        for part in &self.parts {
+            let txn = part
+                .env
+                .read_txn()
+                .map_err(|e| lmdb_err(&part.dir, "reading", e))?;
+            let names = orphans(&part.env, &txn, &|t| live.contains(t))
+                .map_err(|e| lmdb_err(&part.dir, "reading", e))?;
+            // The sequence numbers another environment keeps of tables (`seq/<name>`).
+            let mut keys = Vec::new();
+            if part.dir != self.path {
+                for item in part
+                    .meta
+                    .prefix_iter(&txn, b"seq/")
+                    .map_err(|e| lmdb_err(&part.dir, "reading", e))?
+                {
+                    let (k, _) = item.map_err(|e| lmdb_err(&part.dir, "reading", e))?;
+                    if !live.contains(String::from_utf8_lossy(&k[4..]).as_ref()) {
+                        keys.push(k.to_vec());
+                    }
+                }
+            }
+            drop(txn);
+            if names.is_empty() && keys.is_empty() {
+                continue;
+            }
+            let mut w = part
+                .env
+                .write_txn()
+                .map_err(|e| lmdb_err(&part.dir, "writing", e))?;
+            for n in &names {
+                let d: Option<Database<Bytes, Bytes>> = part
+                    .env
+                    .open_database(&w, Some(n))
+                    .map_err(|e| lmdb_err(&part.dir, "reading", e))?;
+                if let Some(d) = d {
+                    d.clear(&mut w)
+                        .map_err(|e| lmdb_err(&part.dir, "writing", e))?;
+                }
+            }
+            for k in &keys {
+                part.meta
+                    .delete(&mut w, k)
+                    .map_err(|e| lmdb_err(&part.dir, "writing", e))?;
+            }
+            w.commit()
+                .map_err(|e| lmdb_err(&part.dir, "committing to", e))?;
+        }
+        Ok(())
     }
 
     /// The store directory.
@@ -308,39 +453,67 @@ impl Storage {
         &self.path
     }
 
-    /// Bytes of the map (the most the data file may grow to before the map doubles).
-    pub fn map_size(&self) -> usize {
-        *self.gate.read().unwrap_or_else(|e| e.into_inner())
+    /// The number of LMDB environments.
+    pub fn environments(&self) -> usize {
+        self.parts.len()
     }
 
-    /// Bytes of the data file on disk.
+    /// The environment that holds `id`'s rows.
+    #[inline]
+    pub fn environment_of(&self, id: u64) -> usize {
+        part_of_key(key(id), self.parts.len())
+    }
+
+    /// Bytes of the maps (the most the data files may grow to before a map doubles).
+    pub fn map_size(&self) -> usize {
+        self.parts
+            .iter()
+            .map(|p| *p.gate.read().unwrap_or_else(|e| e.into_inner()))
+            .sum()
+    }
+
+    /// Bytes of the data files on disk.
     pub fn file_size(&self) -> u64 {
-        std::fs::metadata(self.path.join("data.mdb"))
-            .map(|m| m.len())
-            .unwrap_or(0)
+        self.parts
+            .iter()
+            .map(|p| {
+                std::fs::metadata(p.dir.join("data.mdb"))
+                    .map(|m| m.len())
+                    .unwrap_or(0)
+            })
+            .sum()
     }
 
     fn db_name(db: Db, table: &str) -> String {
         format!("{}{table}", db.prefix())
     }
 
-    /// The handle of a table's database, if it has been created and committed.
-    fn handle(&self, db: Db, table: &str) -> Option<Database<Bytes, Bytes>> {
+    /// The handle of a table's database in environment `k`, if created and committed.
+    fn handle(&self, k: usize, db: Db, table: &str) -> Option<Database<Bytes, Bytes>> {
         let dbs = self.dbs.lock().unwrap_or_else(|e| e.into_inner());
-        dbs.get(&(db, table.to_string())).copied()
+        dbs.get(&(k, db, table.to_string())).copied()
     }
 
-    /// Creates (or opens) the databases of a table, committed, so readers find them.
+    /// The handles of a table's database in every environment (`None` if it has none).
+    fn handles(&self, db: Db, table: &str) -> Option<DbHandle> {
+        let d: Vec<_> = (0..self.parts.len())
+            .map(|k| self.handle(k, db, table))
+            .collect();
+        d.iter().any(Option::is_some).then_some(DbHandle { db, d })
+    }
+
+    /// Creates (or opens) the databases of a table in every environment, committed, so readers
+    /// find them.
     pub fn ensure_table(&self, table: &str) -> Result<()> {
         self.write(|w| {
             for db in [Db::Rows, Db::Changed, Db::Removed] {
-                w.db(db, table)?;
+                w.open(db, table)?;
             }
             Ok(())
         })
     }
 
-    /// The value of a meta key as `txn` (a read or a write transaction) sees it.
+    /// The value of a meta key as `txn` (a read or a write transaction of environment 0) sees it.
     fn meta_in(&self, txn: &RoTxn<'_>, key: &str) -> Result<Option<Vec<u8>>> {
         self.meta
             .get(txn, key.as_bytes())
@@ -348,29 +521,48 @@ impl Storage {
             .map_err(|e| lmdb_err(&self.path, "reading", e))
     }
 
-    /// Runs `f` with a read transaction: a consistent view of the last committed state.
+    /// Runs `f` with a read transaction per environment: a consistent view of the last committed
+    /// state of each (of all of them together while no write commits meanwhile, which callers
+    /// that need it arrange: the flusher's cycles held off, or [`Storage::read_exclusive`]).
     pub fn read<R>(&self, f: impl FnOnce(&Reader<'_>) -> Result<R>) -> Result<R> {
-        let _gate = self.gate.read().unwrap_or_else(|e| e.into_inner());
-        let txn = self
-            .env
-            .read_txn()
-            .map_err(|e| lmdb_err(&self.path, "reading", e))?;
-        f(&Reader { storage: self, txn })
+        let _gates: Vec<_> = self
+            .parts
+            .iter()
+            .map(|p| p.gate.read().unwrap_or_else(|e| e.into_inner()))
+            .collect();
+        let txns = self
+            .parts
+            .iter()
+            .map(|p| p.env.read_txn().map_err(|e| lmdb_err(&p.dir, "reading", e)))
+            .collect::<Result<Vec<_>>>()?;
+        f(&Reader {
+            storage: self,
+            txns,
+        })
+    }
+
+    /// Locks the writer of every environment, in order (lifting an idle write first if one
+    /// holds a lock).
+    fn lock_writers(&self) -> Vec<std::sync::MutexGuard<'_, ()>> {
+        self.parts
+            .iter()
+            .map(|p| match p.writer.try_lock() {
+                Ok(g) => g,
+                Err(TryLockError::Poisoned(e)) => e.into_inner(),
+                Err(TryLockError::WouldBlock) => {
+                    if let Some(lift) = self.on_wait.get() {
+                        lift();
+                    }
+                    p.writer.lock().unwrap_or_else(|e| e.into_inner())
+                }
+            })
+            .collect()
     }
 
     /// Like [`Storage::read`], with no write committing meanwhile: what `f` reads stays the
     /// newest state until it returns.
     pub fn read_exclusive<R>(&self, f: impl FnOnce(&Reader<'_>) -> Result<R>) -> Result<R> {
-        let _one = match self.writer.try_lock() {
-            Ok(g) => g,
-            Err(TryLockError::Poisoned(e)) => e.into_inner(),
-            Err(TryLockError::WouldBlock) => {
-                if let Some(lift) = self.on_wait.get() {
-                    lift();
-                }
-                self.writer.lock().unwrap_or_else(|e| e.into_inner())
-            }
-        };
+        let _all = self.lock_writers();
         self.read(f)
     }
 
@@ -379,63 +571,202 @@ impl Storage {
         let _ = self.on_wait.set(f);
     }
 
-    /// Runs `f` in one write transaction and commits it (to disk, with fsync). When the map is
-    /// full the transaction is dropped, the map doubles and `f` runs again, so `f` must be
-    /// repeatable. On any other error nothing of `f` is kept.
-    pub fn write<R>(&self, mut f: impl FnMut(&mut Writer<'_, '_>) -> Result<R>) -> Result<R> {
-        let _one = self.writer.lock().unwrap_or_else(|e| e.into_inner());
+    /// Runs `f` in one write transaction per environment it writes to and commits them (to
+    /// disk, with fsync), environment 0 (which holds `meta`) last. When a map is full the
+    /// transactions are dropped, that map doubles and `f` runs again, so `f` must be
+    /// repeatable. On any other error nothing of `f` is kept, unless a commit itself fails after
+    /// another environment's committed (a crash or a full disk in between): what committed
+    /// stays, each row whole.
+    pub fn write<R>(&self, f: impl FnMut(&mut Writer<'_>) -> Result<R>) -> Result<R> {
+        let _all = self
+            .parts
+            .iter()
+            .map(|p| p.writer.lock().unwrap_or_else(|e| e.into_inner()))
+            .collect::<Vec<_>>();
+        self.write_locked(None, f)
+    }
+
+    /// Runs `f(k, writer)` for each environment `k` of `which`, each in its own write
+    /// transaction on a thread of its own (the calling thread takes the first), so the
+    /// environments are written and committed in parallel; the first error, if any. A writer
+    /// given to `f` writes environment `k` only (and `meta` when `k` is 0). Each transaction
+    /// commits on its own: when one fails, the others may have committed.
+    ///
+    /// Each thread calls `enter` first and holds what it returns until its transaction has
+    /// committed (the flusher's idle priority).
+    pub fn write_each<G>(
+        &self,
+        which: &[usize],
+        enter: &(dyn Fn() -> G + Sync),
+        f: &(dyn Fn(usize, &mut Writer<'_>) -> Result<()> + Sync),
+    ) -> Result<()> {
+        let one = |k: usize| -> Result<()> {
+            let _entered = enter();
+            let _held = self.parts[k]
+                .writer
+                .lock()
+                .unwrap_or_else(|e| e.into_inner());
+            self.write_locked(Some(k), |w| f(k, w))
+        };
+        let Some((&first, rest)) = which.split_first() else {
+            return Ok(());
+        };
+        std::thread::scope(|s| {
+            let others: Vec<_> = rest
+                .iter()
+                .map(|&k| {
+                    std::thread::Builder::new()
+                        .name("pstore-writer".into())
+                        .spawn_scoped(s, move || one(k))
+                })
+                .collect();
+            let mut r = one(first);
+            for h in others {
+                let got = match h {
+                    Ok(h) => h.join().unwrap_or_else(|_| {
+                        Err(Error::Internal("a writer thread panicked".into()))
+                    }),
+                    Err(e) => Err(storage(format!("starting a writer thread: {e}"))),
+                };
+                if r.is_ok() {
+                    r = got;
+                }
+            }
+            r
+        })
+    }
+
+    /// The write loop of [`Storage::write`] (`only`: one environment), writer locks held.
+    fn write_locked<R>(
+        &self,
+        only: Option<usize>,
+        mut f: impl FnMut(&mut Writer<'_>) -> Result<R>,
+    ) -> Result<R> {
         loop {
-            let attempt = {
-                let _gate = self.gate.read().unwrap_or_else(|e| e.into_inner());
-                let mut txn = self
-                    .env
-                    .write_txn()
-                    .map_err(|e| lmdb_err(&self.path, "writing", e))?;
+            let full = {
+                let _gates: Vec<_> = self
+                    .parts
+                    .iter()
+                    .enumerate()
+                    .filter(|(k, _)| only.is_none_or(|o| o == *k))
+                    .map(|(_, p)| p.gate.read().unwrap_or_else(|e| e.into_inner()))
+                    .collect();
                 let mut w = Writer {
                     storage: self,
-                    txn: &mut txn,
-                    map_full: false,
+                    txns: (0..self.parts.len()).map(|_| None).collect(),
+                    only,
+                    map_full: None,
                     created: Vec::new(),
                 };
                 let r = f(&mut w);
-                let (map_full, created) = (w.map_full, std::mem::take(&mut w.created));
-                match r {
-                    Ok(r) if !map_full => match txn.commit() {
-                        Ok(()) => {
-                            // Handles of databases created by a transaction are valid only once
-                            // it has committed.
-                            let mut dbs = self.dbs.lock().unwrap_or_else(|e| e.into_inner());
-                            dbs.extend(created);
-                            return Ok(r);
-                        }
-                        Err(e) if is_map_full(&e) => Err(None),
-                        Err(e) => Err(Some(lmdb_err(&self.path, "committing to", e))),
+                match (r, w.map_full) {
+                    (_, Some(k)) => k,
+                    (Err(e), None) => return Err(e),
+                    (Ok(r), None) => match w.commit() {
+                        Ok(()) => return Ok(r),
+                        Err(Ok(k)) => k,
+                        Err(Err(e)) => return Err(e),
                     },
-                    Ok(_) => Err(None),
-                    Err(_) if map_full => Err(None),
-                    Err(e) => Err(Some(e)),
                 }
             };
-            match attempt {
-                Err(Some(e)) => return Err(e),
-                Err(None) => self.grow()?,
-                Ok(()) => unreachable!(),
-            }
+            self.grow(full)?;
         }
     }
 
-    /// Doubles the map. No transaction is open: the gate is held alone.
-    fn grow(&self) -> Result<()> {
-        let mut size = self.gate.write().unwrap_or_else(|e| e.into_inner());
+    /// Doubles the map of environment `k`. No transaction of it is open: its gate is held alone.
+    fn grow(&self, k: usize) -> Result<()> {
+        let part = &self.parts[k];
+        let mut size = part.gate.write().unwrap_or_else(|e| e.into_inner());
         let new = size
             .checked_mul(2)
             .ok_or_else(|| storage("the LMDB map cannot grow past the address space"))?;
-        // SAFETY: the gate is held exclusively, so no transaction of this process is open, and
-        // the directory lock keeps every other process out.
-        unsafe { self.env.resize(new) }.map_err(|e| lmdb_err(&self.path, "growing", e))?;
+        // SAFETY: the gate is held exclusively, so no transaction of this process is open in
+        // this environment, and the directory lock keeps every other process out.
+        unsafe { part.env.resize(new) }.map_err(|e| lmdb_err(&part.dir, "growing", e))?;
         *size = new;
         Ok(())
     }
+}
+
+/// The number of environments of a store from its `format` record; another format or an
+/// unknown version is refused.
+fn check_format(path: &Path, bytes: &[u8]) -> Result<usize> {
+    let rec: FormatRecord = serde_json::from_slice(bytes).map_err(|e| {
+        corrupt(format!(
+            "{}: the format record is not readable: {e}",
+            path.display()
+        ))
+    })?;
+    if rec.format != FORMAT_NAME {
+        return Err(corrupt(format!(
+            "{} is a {:?} store, not {FORMAT_NAME:?}",
+            path.display(),
+            rec.format
+        )));
+    }
+    if !(1..=FORMAT_VERSION).contains(&rec.version) {
+        return Err(corrupt(format!(
+            "{} is a store of format version {}; this pstore reads versions 1 to \
+             {FORMAT_VERSION}",
+            path.display(),
+            rec.version
+        )));
+    }
+    let n = rec.environments as usize;
+    if !(1..=MAX_ENVIRONMENTS).contains(&n) || (rec.version == 1 && n != 1) {
+        return Err(corrupt(format!(
+            "{}: the format record gives {n} environments",
+            path.display()
+        )));
+    }
+    Ok(n)
+}
+
+/// Opens environment `k` >= 1 of `n` of the store at `path` (creating it when `create`), and
+/// checks (or writes) its `part` record.
+fn open_part(path: &Path, k: usize, n: usize, create: bool, map_size: usize) -> Result<Part> {
+    let dir = part_dir(path, k);
+    if !create && !dir.join("data.mdb").is_file() {
+        return Err(corrupt(format!(
+            "{}: environment {k} of {n} ({}) is missing",
+            path.display(),
+            dir.display()
+        )));
+    }
+    let (env, size) = open_env(&dir, create, map_size)?;
+    let want = PartRecord {
+        format: FORMAT_NAME.into(),
+        environment: k,
+        environments: n,
+    };
+    let err = |what: &str, e| lmdb_err(&dir, what, e);
+    let mut w = env.write_txn().map_err(|e| err("opening", e))?;
+    let meta: Database<Bytes, Bytes> = env
+        .create_database(&mut w, Some("meta"))
+        .map_err(|e| err("opening", e))?;
+    let found: Option<PartRecord> = meta
+        .get(&w, b"part")
+        .map_err(|e| err("reading", e))?
+        .and_then(|v| serde_json::from_slice(v).ok());
+    if create {
+        let bytes = serde_json::to_vec(&want).map_err(|e| Error::Internal(e.to_string()))?;
+        meta.put(&mut w, b"part", &bytes)
+            .map_err(|e| err("writing", e))?;
+    } else if found.as_ref() != Some(&want) {
+        return Err(corrupt(format!(
+            "{} is not environment {k} of {n} of the store at {} (its part record: {found:?})",
+            dir.display(),
+            path.display()
+        )));
+    }
+    w.commit().map_err(|e| err("opening", e))?;
+    Ok(Part {
+        dir,
+        env,
+        meta,
+        gate: RwLock::new(size),
+        writer: Mutex::new(()),
+    })
 }
 
 /// What `inspect` reports of a store directory.
@@ -445,7 +776,7 @@ pub struct StoreSummary {
     pub format: FormatRecord,
     /// The last flush cycle.
     pub cycle: u64,
-    /// Bytes of the data file.
+    /// Bytes of the data files.
     pub file_bytes: u64,
     /// The record of the last snapshot taken (JSON), if any.
     pub snapshot: Option<String>,
@@ -462,16 +793,19 @@ pub fn inspect(path: &Path) -> Result<StoreSummary> {
             path.display()
         )));
     }
-    let mut opts = EnvOpenOptions::new().read_txn_without_tls();
-    opts.max_dbs(MAX_DBS);
-    // SAFETY: read-only: this process writes nothing; LMDB's reader table handles concurrent
-    // writers in other processes.
-    let env = unsafe {
-        let mut o = opts;
-        o.flags(heed::EnvFlags::READ_ONLY);
-        o.open(path)
-    }
-    .map_err(|e| lmdb_err(path, "opening", e))?;
+    let open_ro = |dir: &Path| {
+        let mut opts = EnvOpenOptions::new().read_txn_without_tls();
+        opts.max_dbs(MAX_DBS);
+        // SAFETY: read-only: this process writes nothing; LMDB's reader table handles
+        // concurrent writers in other processes.
+        unsafe {
+            let mut o = opts;
+            o.flags(heed::EnvFlags::READ_ONLY);
+            o.open(dir)
+        }
+        .map_err(|e| lmdb_err(dir, "opening", e))
+    };
+    let env = open_ro(path)?;
     let err = |e| lmdb_err(path, "reading", e);
     let txn = env.read_txn().map_err(err)?;
     let meta: Database<Bytes, Bytes> = env
@@ -483,69 +817,100 @@ pub fn inspect(path: &Path) -> Result<StoreSummary> {
                 path.display()
             ))
         })?;
-    let format: FormatRecord = meta
+    let raw = meta
         .get(&txn, b"format")
         .map_err(err)?
-        .and_then(|v| serde_json::from_slice(v).ok())
-        .ok_or_else(|| corrupt(format!("{}: no readable format record", path.display())))?;
+        .ok_or_else(|| corrupt(format!("{}: no format record", path.display())))?;
+    let n = check_format(path, raw)?;
+    let format: FormatRecord = serde_json::from_slice(raw)
+        .map_err(|e| corrupt(format!("{}: the format record: {e}", path.display())))?;
     let cycle = meta.get(&txn, b"cycle").map_err(err)?.map_or(0, cycle_of);
     let snapshot = meta
         .get(&txn, b"snapshot")
         .map_err(err)?
         .map(|v| String::from_utf8_lossy(v).into_owned());
+    let others = (1..n)
+        .map(|k| open_ro(&part_dir(path, k)))
+        .collect::<Result<Vec<_>>>()?;
+    let mut file_bytes = 0;
+    for k in 0..n {
+        file_bytes += std::fs::metadata(part_dir(path, k).join("data.mdb")).map_or(0, |m| m.len());
+    }
     let mut tables = Vec::new();
     for item in meta.prefix_iter(&txn, b"table/").map_err(err)? {
         let (k, v) = item.map_err(err)?;
         let name = String::from_utf8_lossy(&k[6..]).into_owned();
-        let mut n = [0u64; 3];
+        let mut counts = [0u64; 3];
         for (i, db) in [Db::Rows, Db::Changed, Db::Removed].into_iter().enumerate() {
-            let d: Option<Database<Bytes, Bytes>> = env
-                .open_database(&txn, Some(&Storage::db_name(db, &name)))
-                .map_err(err)?;
+            let db_name = Storage::db_name(db, &name);
+            let d: Option<Database<Bytes, Bytes>> =
+                env.open_database(&txn, Some(&db_name)).map_err(err)?;
             if let Some(d) = d {
-                n[i] = d.len(&txn).map_err(err)?;
+                counts[i] += d.len(&txn).map_err(err)?;
+            }
+            for (j, e) in others.iter().enumerate() {
+                let dir = part_dir(path, j + 1);
+                let perr = |e| lmdb_err(&dir, "reading", e);
+                let t = e.read_txn().map_err(perr)?;
+                let d: Option<Database<Bytes, Bytes>> =
+                    e.open_database(&t, Some(&db_name)).map_err(perr)?;
+                if let Some(d) = d {
+                    counts[i] += d.len(&t).map_err(perr)?;
+                }
             }
         }
         tables.push((
             name,
             String::from_utf8_lossy(v).into_owned(),
-            n[0],
-            n[1],
-            n[2],
+            counts[0],
+            counts[1],
+            counts[2],
         ));
     }
     Ok(StoreSummary {
         format,
         cycle,
-        file_bytes: std::fs::metadata(path.join("data.mdb")).map_or(0, |m| m.len()),
+        file_bytes,
         snapshot,
         tables,
     })
 }
 
-/// Read access to the last committed state.
+/// Read access to the last committed state, one read transaction per environment.
 pub struct Reader<'s> {
     storage: &'s Storage,
-    txn: RoTxn<'s, WithoutTls>,
+    txns: Vec<RoTxn<'s, WithoutTls>>,
 }
 
 impl Reader<'_> {
+    fn fail(&self, k: usize, e: heed::Error) -> Error {
+        lmdb_err(&self.storage.parts[k].dir, "reading", e)
+    }
+
     /// The value of a meta key.
     pub fn meta(&self, key: &str) -> Result<Option<Vec<u8>>> {
-        self.storage.meta_in(&self.txn, key)
+        self.storage.meta_in(&self.txns[0], key)
+    }
+
+    /// The value of a key of environment `k`'s own `meta` (environment 0's is the store's).
+    pub fn part_meta(&self, k: usize, key: &str) -> Result<Option<Vec<u8>>> {
+        self.storage.parts[k]
+            .meta
+            .get(&self.txns[k], key.as_bytes())
+            .map(|v| v.map(<[u8]>::to_vec))
+            .map_err(|e| self.fail(k, e))
     }
 
     /// Every meta (key, value) whose key starts with `prefix`, in key order.
     pub fn meta_prefix(&self, prefix: &str) -> Result<Vec<(String, Vec<u8>)>> {
-        let err = |e| lmdb_err(&self.storage.path, "reading", e);
         let mut out = Vec::new();
         for item in self
             .storage
             .meta
-            .prefix_iter(&self.txn, prefix.as_bytes())
-            .map_err(err)?
+            .prefix_iter(&self.txns[0], prefix.as_bytes())
+            .map_err(|e| self.fail(0, e))?
         {
-            let (k, v) = item.map_err(err)?;
+            let (k, v) = item.map_err(|e| self.fail(0, e))?;
             out.push((String::from_utf8_lossy(k).into_owned(), v.to_vec()));
         }
         Ok(out)
@@ -553,32 +918,35 @@ impl Reader<'_> {
 
     /// The payload of `id` in a table's database.
     pub fn get(&self, db: Db, table: &str, id: u64) -> Result<Option<&[u8]>> {
-        self.get_in(self.open(db, table), table, id)
+        self.get_in(self.open(db, table).as_ref(), table, id)
     }
 
     /// A table's database, looked up once for many [`Reader::get_in`] (a lookup by name takes a
     /// lock and hashes the name); `None` if the table has none.
     pub fn open(&self, db: Db, table: &str) -> Option<DbHandle> {
-        self.storage.handle(db, table).map(|d| DbHandle { db, d })
+        self.storage.handles(db, table)
     }
 
     /// [`Reader::get`] in a database opened by [`Reader::open`] (`table` names it in errors;
     /// a table without the database has no payload).
-    pub fn get_in(&self, h: Option<DbHandle>, table: &str, id: u64) -> Result<Option<&[u8]>> {
-        let Some(DbHandle { db, d }) = h else {
+    pub fn get_in(&self, h: Option<&DbHandle>, table: &str, id: u64) -> Result<Option<&[u8]>> {
+        let Some(h) = h else {
             return Ok(None);
         };
-        let v = d
-            .get(&self.txn, &key(id))
-            .map_err(|e| lmdb_err(&self.storage.path, "reading", e))?;
+        let k = key(id);
+        let p = part_of_key(k, self.txns.len());
+        let Some(d) = h.d[p] else {
+            return Ok(None);
+        };
+        let v = d.get(&self.txns[p], &k).map_err(|e| self.fail(p, e))?;
         match v {
             None => Ok(None),
             Some(v) => {
-                let (stored, payload) = decode(db, table, v)?;
+                let (stored, payload) = decode(h.db, table, v)?;
                 if stored != id {
                     return Err(corrupt(format!(
                         "{}: table {table:?}: the key of id {id} holds id {stored}",
-                        self.storage.path.display()
+                        self.storage.parts[p].dir.display()
                     )));
                 }
                 Ok(Some(payload))
@@ -588,128 +956,220 @@ impl Reader<'_> {
 
     /// Entries of a table's database.
     pub fn len(&self, db: Db, table: &str) -> Result<u64> {
-        match self.storage.handle(db, table) {
-            None => Ok(0),
-            Some(d) => d
-                .len(&self.txn)
-                .map_err(|e| lmdb_err(&self.storage.path, "reading", e)),
+        let mut n = 0;
+        for (k, txn) in self.txns.iter().enumerate() {
+            if let Some(d) = self.storage.handle(k, db, table) {
+                n += d.len(txn).map_err(|e| self.fail(k, e))?;
+            }
         }
+        Ok(n)
     }
 
     /// Calls `f(id, payload)` for every entry of a table's database, in key order (shard by
-    /// shard).
+    /// shard; the environments hold consecutive key ranges).
     pub fn scan(
         &self,
         db: Db,
         table: &str,
         mut f: impl FnMut(u64, &[u8]) -> Result<()>,
     ) -> Result<()> {
-        let err = |e| lmdb_err(&self.storage.path, "reading", e);
-        let Some(d) = self.storage.handle(db, table) else {
-            return Ok(());
-        };
-        for item in d.iter(&self.txn).map_err(err)? {
-            let (_, v) = item.map_err(err)?;
-            let (id, payload) = decode(db, table, v)?;
-            f(id, payload)?;
+        for (k, txn) in self.txns.iter().enumerate() {
+            let Some(d) = self.storage.handle(k, db, table) else {
+                continue;
+            };
+            for item in d.iter(txn).map_err(|e| self.fail(k, e))? {
+                let (_, v) = item.map_err(|e| self.fail(k, e))?;
+                let (id, payload) = decode(db, table, v)?;
+                f(id, payload)?;
+            }
         }
         Ok(())
     }
 }
 
-/// A table's database, looked up once by [`Reader::open`] or [`Writer::open`] for many reads or
-/// writes.
-#[derive(Clone, Copy)]
+/// A table's database in every environment, looked up once by [`Reader::open`] or
+/// [`Writer::open`] for many reads or writes.
+#[derive(Clone)]
 pub struct DbHandle {
     db: Db,
-    d: Database<Bytes, Bytes>,
+    /// Per environment (`None` where this handle does not reach it).
+    d: Vec<Option<Database<Bytes, Bytes>>>,
 }
 
-/// Write access inside one transaction.
-pub struct Writer<'s, 't> {
+/// Write access inside one transaction per environment written.
+pub struct Writer<'s> {
     storage: &'s Storage,
-    txn: &'t mut RwTxn<'s>,
-    map_full: bool,
-    created: Vec<((Db, String), Database<Bytes, Bytes>)>,
+    /// Per environment, opened when first written.
+    txns: Vec<Option<RwTxn<'s>>>,
+    /// The one environment this writer may write (see [`Storage::write_each`]).
+    only: Option<usize>,
+    /// The environment whose map filled.
+    map_full: Option<usize>,
+    created: Vec<(DbKey, Database<Bytes, Bytes>)>,
 }
 
-impl Writer<'_, '_> {
-    fn fail(&mut self, what: &str, e: heed::Error) -> Error {
+impl<'s> Writer<'s> {
+    fn fail(&mut self, k: usize, what: &str, e: heed::Error) -> Error {
         if is_map_full(&e) {
-            self.map_full = true;
+            self.map_full = Some(k);
         }
-        lmdb_err(&self.storage.path, what, e)
+        lmdb_err(&self.storage.parts[k].dir, what, e)
     }
 
-    fn check(&mut self, what: &str, r: heed::Result<()>) -> Result<()> {
-        r.map_err(|e| self.fail(what, e))
+    fn check(&mut self, k: usize, what: &str, r: heed::Result<()>) -> Result<()> {
+        r.map_err(|e| self.fail(k, what, e))
     }
 
-    fn db(&mut self, db: Db, table: &str) -> Result<Database<Bytes, Bytes>> {
-        if let Some(d) = self.storage.handle(db, table) {
+    /// The environments this writer may write.
+    fn reach(&self) -> std::ops::Range<usize> {
+        match self.only {
+            Some(k) => k..k + 1,
+            None => 0..self.txns.len(),
+        }
+    }
+
+    /// The transaction of environment `k`, begun on first use.
+    fn txn(&mut self, k: usize) -> Result<&mut RwTxn<'s>> {
+        if !self.reach().contains(&k) {
+            return Err(Error::Internal(format!(
+                "a writer of environments {:?} asked for environment {k}",
+                self.reach()
+            )));
+        }
+        if self.txns[k].is_none() {
+            let p = &self.storage.parts[k];
+            let t = p
+                .env
+                .write_txn()
+                .map_err(|e| lmdb_err(&p.dir, "writing", e))?;
+            self.txns[k] = Some(t);
+        }
+        Ok(self.txns[k].as_mut().expect("begun above"))
+    }
+
+    /// Commits every transaction begun, environment 0 last. `Err(Ok(k))`: environment `k`'s
+    /// map is full (it and those after it did not commit).
+    fn commit(mut self) -> std::result::Result<(), std::result::Result<usize, Error>> {
+        let n = self.txns.len();
+        for k in (1..n).chain([0]) {
+            let Some(t) = self.txns[k].take() else {
+                continue;
+            };
+            match t.commit() {
+                Ok(()) => {
+                    // Handles of databases created by a transaction are valid only once it has
+                    // committed.
+                    let mut dbs = self.storage.dbs.lock().unwrap_or_else(|e| e.into_inner());
+                    dbs.extend(self.created.iter().filter(|(c, _)| c.0 == k).cloned());
+                }
+                Err(e) if is_map_full(&e) => return Err(Ok(k)),
+                Err(e) => {
+                    return Err(Err(lmdb_err(
+                        &self.storage.parts[k].dir,
+                        "committing to",
+                        e,
+                    )))
+                }
+            }
+        }
+        Ok(())
+    }
+
+    /// A table's database in environment `k`, created in this transaction if need be.
+    fn db(&mut self, k: usize, db: Db, table: &str) -> Result<Database<Bytes, Bytes>> {
+        let storage = self.storage;
+        if let Some(d) = storage.handle(k, db, table) {
             return Ok(d);
         }
-        let k = (db, table.to_string());
-        if let Some((_, d)) = self.created.iter().find(|(c, _)| *c == k) {
+        let id = (k, db, table.to_string());
+        if let Some((_, d)) = self.created.iter().find(|(c, _)| *c == id) {
             return Ok(*d);
         }
-        let r = self
-            .storage
+        let name = Storage::db_name(db, table);
+        let txn = self.txn(k)?;
+        match storage.parts[k]
             .env
-            .create_database::<Bytes, Bytes>(self.txn, Some(&Storage::db_name(db, table)));
-        match r {
+            .create_database::<Bytes, Bytes>(txn, Some(&name))
+        {
             Ok(d) => {
-                self.created.push((k, d));
+                self.created.push((id, d));
                 Ok(d)
             }
-            Err(e) => Err(self.fail("writing", e)),
+            Err(e) => Err(self.fail(k, "writing", e)),
         }
     }
 
     /// The value of a meta key, as this transaction sees it.
-    pub fn meta(&self, key: &str) -> Result<Option<Vec<u8>>> {
-        self.storage.meta_in(self.txn, key)
+    pub fn meta(&mut self, key: &str) -> Result<Option<Vec<u8>>> {
+        let storage = self.storage;
+        let txn = self.txn(0)?;
+        storage.meta_in(txn, key)
     }
 
     /// Sets a meta key.
     pub fn put_meta(&mut self, key: &str, value: &[u8]) -> Result<()> {
-        let r = self.storage.meta.put(self.txn, key.as_bytes(), value);
-        self.check("writing", r)
+        let meta = self.storage.meta;
+        let r = meta.put(self.txn(0)?, key.as_bytes(), value);
+        self.check(0, "writing", r)
+    }
+
+    /// Sets a key of environment `k`'s own `meta` (environment 0's is the store's).
+    pub fn put_part_meta(&mut self, k: usize, key: &str, value: &[u8]) -> Result<()> {
+        let meta = self.storage.parts[k].meta;
+        let r = meta.put(self.txn(k)?, key.as_bytes(), value);
+        self.check(k, "writing", r)
+    }
+
+    /// Deletes a key of environment `k`'s own `meta`.
+    pub fn delete_part_meta(&mut self, k: usize, key: &str) -> Result<()> {
+        let meta = self.storage.parts[k].meta;
+        let r = meta.delete(self.txn(k)?, key.as_bytes()).map(|_| ());
+        self.check(k, "writing", r)
     }
 
     /// Deletes a meta key.
     pub fn delete_meta(&mut self, key: &str) -> Result<()> {
-        let r = self
-            .storage
-            .meta
-            .delete(self.txn, key.as_bytes())
-            .map(|_| ());
-        self.check("writing", r)
+        let meta = self.storage.meta;
+        let r = meta.delete(self.txn(0)?, key.as_bytes()).map(|_| ());
+        self.check(0, "writing", r)
     }
 
     /// Sets `id`'s payload in a table's database. The value is written straight into LMDB's
     /// page (`MDB_RESERVE`), with no intermediate copy.
     pub fn put(&mut self, db: Db, table: &str, id: u64, payload: &[u8]) -> Result<()> {
         let h = self.open(db, table)?;
-        self.put_in(h, id, payload)
+        self.put_in(&h, id, payload)
     }
 
-    /// A table's database, looked up once for many [`Writer::put_in`] (a lookup by name takes
-    /// a lock and hashes the name: a cost per row when done for each).
+    /// A table's database (in the environments this writer reaches), looked up once for many
+    /// [`Writer::put_in`] (a lookup by name takes a lock and hashes the name: a cost per row
+    /// when done for each).
     pub fn open(&mut self, db: Db, table: &str) -> Result<DbHandle> {
-        Ok(DbHandle {
-            db,
-            d: self.db(db, table)?,
+        let mut d = vec![None; self.txns.len()];
+        for k in self.reach() {
+            d[k] = Some(self.db(k, db, table)?);
+        }
+        Ok(DbHandle { db, d })
+    }
+
+    /// The database of `h` in environment `k`.
+    fn reached(h: &DbHandle, k: usize) -> Result<Database<Bytes, Bytes>> {
+        h.d[k].ok_or_else(|| {
+            Error::Internal(format!(
+                "a database handle used in environment {k}, which it does not reach"
+            ))
         })
     }
 
     /// [`Writer::put`] into a database opened by [`Writer::open`].
-    pub fn put_in(&mut self, h: DbHandle, id: u64, payload: &[u8]) -> Result<()> {
-        let (db, d) = (h.db, h.d);
-        let r = d.put_reserved(self.txn, &key(id), payload.len() + 8, |space| {
+    pub fn put_in(&mut self, h: &DbHandle, id: u64, payload: &[u8]) -> Result<()> {
+        let k = key(id);
+        let p = part_of_key(k, self.txns.len());
+        let (db, d) = (h.db, Self::reached(h, p)?);
+        let r = d.put_reserved(self.txn(p)?, &k, payload.len() + 8, |space| {
             encode(db, id, payload, space)
         });
-        self.check("writing", r)
+        self.check(p, "writing", r)
     }
 
     /// [`Writer::put_in`] of many rows, `rows` in key order (ascending [`key`]). Where the rows
@@ -718,15 +1178,35 @@ impl Writer<'_, '_> {
     /// no descent of the tree per row); ids it does not find are put afterwards like any other.
     /// A descent per row compared keys at every level and looked each page up among the
     /// transaction's dirty pages: about a third of a flush's time.
-    pub fn put_rows_in_order(&mut self, h: DbHandle, rows: &[(u64, &[u8])]) -> Result<()> {
+    pub fn put_rows_in_order(&mut self, h: &DbHandle, rows: &[(u64, &[u8])]) -> Result<()> {
+        let n = self.txns.len();
+        let mut rest = rows;
+        while let Some(first) = rest.first() {
+            let p = part_of_key(key(first.0), n);
+            let cut = rest.partition_point(|r| part_of_key(key(r.0), n) <= p);
+            let (here, after) = rest.split_at(cut);
+            self.put_rows_in_part(h, p, here)?;
+            rest = after;
+        }
+        Ok(())
+    }
+
+    /// [`Writer::put_rows_in_order`] of rows that environment `p` holds.
+    fn put_rows_in_part(&mut self, h: &DbHandle, p: usize, rows: &[(u64, &[u8])]) -> Result<()> {
         let (Some(first), Some(last)) = (rows.first(), rows.last()) else {
             return Ok(());
         };
+        let d = Self::reached(h, p)?;
+        let n = self.txns.len() as u64;
         let (lo, hi) = (key(first.0), key(last.0));
-        let stored = h.d.len(self.txn).map_err(|e| self.fail("reading", e))?;
-        // The rows stored in [lo, hi], keys being uniform hashes.
+        let stored = {
+            let r = d.len(self.txn(p)?);
+            r.map_err(|e| self.fail(p, "reading", e))?
+        };
+        // The rows stored in [lo, hi], keys being uniform hashes over the environment's range.
         let span = u64::from_be_bytes(hi) - u64::from_be_bytes(lo);
-        let in_range = (stored as f64 * (span as f64 / u64::MAX as f64)).ceil() as u64 + 1;
+        let width = (u64::MAX / n) as f64;
+        let in_range = (stored as f64 * (span as f64 / width).min(1.0)).ceil() as u64 + 1;
         if (rows.len() as u64) * WALK_PER_DESCENT < in_range {
             for &(id, payload) in rows {
                 self.put_in(h, id, payload)?;
@@ -735,12 +1215,14 @@ impl Writer<'_, '_> {
         }
         let mut absent = Vec::new();
         let mut value = Vec::with_capacity(first.1.len() + 8);
+        let db = h.db;
+        let txn = self.txn(p)?;
         let r = (|| -> heed::Result<()> {
             let range = (
                 std::ops::Bound::Included(&lo[..]),
                 std::ops::Bound::Included(&hi[..]),
             );
-            let mut it = h.d.range_mut(self.txn, &range)?;
+            let mut it = d.range_mut(txn, &range)?;
             // The key the cursor stands on (copied: the database's bytes may move on a write).
             let mut at = key_of(it.next())?;
             for &(id, payload) in rows {
@@ -750,7 +1232,7 @@ impl Writer<'_, '_> {
                 }
                 if at == Some(k) {
                     value.clear();
-                    encode(h.db, id, payload, &mut value)?;
+                    encode(db, id, payload, &mut value)?;
                     // SAFETY: no key or value of the database is held across the write (`at`
                     // is a copy), and the key is the one the cursor stands on.
                     unsafe { it.put_current(&k[..], &value[..])? };
@@ -760,7 +1242,7 @@ impl Writer<'_, '_> {
             }
             Ok(())
         })();
-        self.check("writing", r)?;
+        self.check(p, "writing", r)?;
         for (id, payload) in absent {
             self.put_in(h, id, payload)?;
         }
@@ -769,40 +1251,50 @@ impl Writer<'_, '_> {
 
     /// Deletes `id` from a table's database; true if it was there.
     pub fn delete(&mut self, db: Db, table: &str, id: u64) -> Result<bool> {
-        let d = self.db(db, table)?;
-        d.delete(self.txn, &key(id))
-            .map_err(|e| self.fail("writing", e))
+        let k = key(id);
+        let p = part_of_key(k, self.txns.len());
+        let d = self.db(p, db, table)?;
+        let r = d.delete(self.txn(p)?, &k);
+        r.map_err(|e| self.fail(p, "writing", e))
     }
 
     /// Empties a table's database.
     pub fn clear(&mut self, db: Db, table: &str) -> Result<()> {
-        let d = self.db(db, table)?;
-        let r = d.clear(self.txn);
-        self.check("writing", r)
+        for p in self.reach() {
+            let d = self.db(p, db, table)?;
+            let r = d.clear(self.txn(p)?);
+            self.check(p, "writing", r)?;
+        }
+        Ok(())
     }
 
     /// Deletes the entries of a table's database whose value (a u64 LE cycle) is at most `upto`.
     pub fn prune(&mut self, db: Db, table: &str, upto: u64) -> Result<()> {
-        let d = self.db(db, table)?;
-        // Deleted where the cursor stands, in one pass: no second descent of the tree per entry.
-        let r = (|| -> std::result::Result<(), PruneError> {
-            let mut iter = d.iter_mut(self.txn).map_err(PruneError::Lmdb)?;
-            while let Some(item) = iter.next() {
-                let (_, v) = item.map_err(PruneError::Lmdb)?;
-                let old = cycle_of(decode(db, table, v).map_err(PruneError::Decode)?.1) <= upto;
-                if old {
-                    // SAFETY: nothing read from the database (this entry's key and value, last
-                    // used just above) is used after the deletion.
-                    unsafe { iter.del_current() }.map_err(PruneError::Lmdb)?;
+        for p in self.reach() {
+            let d = self.db(p, db, table)?;
+            let txn = self.txn(p)?;
+            // Deleted where the cursor stands, in one pass: no second descent of the tree per
+            // entry.
+            let r = (|| -> std::result::Result<(), PruneError> {
+                let mut iter = d.iter_mut(txn).map_err(PruneError::Lmdb)?;
+                while let Some(item) = iter.next() {
+                    let (_, v) = item.map_err(PruneError::Lmdb)?;
+                    let old = cycle_of(decode(db, table, v).map_err(PruneError::Decode)?.1) <= upto;
+                    if old {
+                        // SAFETY: nothing read from the database (this entry's key and value,
+                        // last used just above) is used after the deletion.
+                        unsafe { iter.del_current() }.map_err(PruneError::Lmdb)?;
+                    }
                 }
+                Ok(())
+            })();
+            match r {
+                Ok(()) => {}
+                Err(PruneError::Decode(e)) => return Err(e),
+                Err(PruneError::Lmdb(e)) => return Err(self.fail(p, "writing", e)),
             }
-            Ok(())
-        })();
-        match r {
-            Ok(()) => Ok(()),
-            Err(PruneError::Decode(e)) => Err(e),
-            Err(PruneError::Lmdb(e)) => Err(self.fail("writing", e)),
         }
+        Ok(())
     }
 }
 
@@ -845,7 +1337,7 @@ mod tests {
     #[test]
     fn rows_put_in_order_overwrite_and_insert_by_walk_and_by_descent() {
         let d = dir("in-order");
-        let (s, _) = Storage::open(&d, true, 1 << 20).unwrap();
+        let (s, _) = Storage::open(&d, true, 1 << 20, 1).unwrap();
         let words = 256;
         let mut rows: Vec<(u64, Vec<u32>)> = (0..3000u64).map(|id| (id, vec![1; words])).collect();
         in_key_order(&mut rows);
@@ -853,7 +1345,7 @@ mod tests {
             s.write(|w| {
                 let h = w.open(Db::Rows, "t")?;
                 let v: Vec<(u64, &[u8])> = rows.iter().map(|(id, r)| (*id, bytes_of(r))).collect();
-                w.put_rows_in_order(h, &v)
+                w.put_rows_in_order(&h, &v)
             })
             .unwrap()
         };
@@ -896,11 +1388,13 @@ mod tests {
     fn rows_survive_reopen_and_the_map_grows() {
         let d = dir("grow");
         {
-            let (s, created) = Storage::open(&d, true, 1 << 20).unwrap();
+            let (s, created) = Storage::open(&d, true, 1 << 20, 1).unwrap();
             assert!(created);
             let row = vec![7u32; 1024];
-            // 4 MiB of rows into a 1 MiB map: it must double a few times.
+            // 4 MiB of rows into a 1 MiB map: it must double a few times. (Databases of a table
+            // without a record are emptied at open.)
             s.write(|w| {
+                w.put_meta("table/t", b"{}")?;
                 for id in 0..1000u64 {
                     w.put(Db::Rows, "t", id, bytes_of(&row))?;
                 }
@@ -909,7 +1403,7 @@ mod tests {
             .unwrap();
             assert!(s.map_size() > 4 << 20);
         }
-        let (s, created) = Storage::open(&d, false, 1 << 20).unwrap();
+        let (s, created) = Storage::open(&d, false, 1 << 20, 1).unwrap();
         assert!(!created);
         s.ensure_table("t").unwrap();
         s.read(|r| {
@@ -936,8 +1430,8 @@ mod tests {
     #[test]
     fn a_second_open_is_refused_and_a_failed_write_keeps_nothing() {
         let d = dir("lock");
-        let (s, _) = Storage::open(&d, true, 1 << 20).unwrap();
-        let e = Storage::open(&d, true, 1 << 20).err().unwrap();
+        let (s, _) = Storage::open(&d, true, 1 << 20, 1).unwrap();
+        let e = Storage::open(&d, true, 1 << 20, 1).err().unwrap();
         assert!(matches!(e, Error::Storage(ref m) if m.contains("open in another")));
         let e = s
             .write(|w| {
@@ -959,15 +1453,171 @@ mod tests {
     fn an_unknown_version_is_refused() {
         let d = dir("version");
         {
-            let (s, _) = Storage::open(&d, true, 1 << 20).unwrap();
+            let (s, _) = Storage::open(&d, true, 1 << 20, 1).unwrap();
             s.write(|w| w.put_meta("format", br#"{"format":"pstore-lmdb","version":99}"#))
                 .unwrap();
         }
-        let e = Storage::open(&d, false, 1 << 20).err().unwrap();
+        let e = Storage::open(&d, false, 1 << 20, 1).err().unwrap();
         assert!(
             matches!(e, Error::Corrupt(ref m) if m.contains("version 99")),
             "{e}"
         );
+        std::fs::remove_dir_all(&d).unwrap();
+    }
+
+    /// Rows `0..n` of `words` words, each filled with `id + add`.
+    fn rows_of(n: u64, words: usize, add: u32) -> Vec<(u64, Vec<u32>)> {
+        let mut rows: Vec<(u64, Vec<u32>)> = (0..n)
+            .map(|id| (id, vec![id as u32 + add; words]))
+            .collect();
+        in_key_order(&mut rows);
+        rows
+    }
+
+    #[test]
+    fn several_environments_split_rows_by_key_range_and_write_in_parallel() {
+        let d = dir("environments");
+        let n = 3;
+        {
+            let (s, created) = Storage::open(&d, true, 1 << 20, n).unwrap();
+            assert!(created);
+            assert_eq!(s.environments(), n);
+            s.ensure_table("t").unwrap();
+            s.write(|w| w.put_meta("table/t", b"{}")).unwrap();
+            // Written by one transaction per environment, on three threads at once; 3 MiB of
+            // rows grow each 1 MiB map.
+            let rows = rows_of(3000, 256, 0);
+            let write = |k: usize, w: &mut Writer<'_>| -> Result<()> {
+                let h = w.open(Db::Rows, "t")?;
+                let mine: Vec<(u64, &[u8])> = rows
+                    .iter()
+                    .filter(|(id, _)| s.environment_of(*id) == k)
+                    .map(|(id, r)| (*id, bytes_of(r)))
+                    .collect();
+                w.put_rows_in_order(&h, &mine)?;
+                if k == 0 {
+                    w.put_meta("cycle", &1u64.to_le_bytes())?;
+                }
+                Ok(())
+            };
+            let threads = std::sync::Mutex::new(std::collections::HashSet::new());
+            let enter = || {
+                threads.lock().unwrap().insert(std::thread::current().id());
+            };
+            s.write_each(&[0, 1, 2], &enter, &write).unwrap();
+            assert_eq!(threads.lock().unwrap().len(), 3, "a thread per environment");
+            // A writer of one environment refuses the rows of another.
+            let e = s
+                .write_each(&[1], &|| (), &|_, w| {
+                    w.put(Db::Rows, "t", rows[0].0, b"abcdefgh")
+                })
+                .unwrap_err();
+            assert!(matches!(e, Error::Internal(_)), "{e}");
+            // A write over all environments: rows of every range, in one call.
+            let dense = rows_of(3000, 256, 5);
+            let some: Vec<(u64, &[u8])> = dense
+                .iter()
+                .step_by(3)
+                .map(|(id, r)| (*id, bytes_of(r)))
+                .collect();
+            s.write(|w| {
+                let h = w.open(Db::Rows, "t")?;
+                w.put_rows_in_order(&h, &some)
+            })
+            .unwrap();
+            assert!(s.map_size() > 3 << 20);
+        }
+        for k in 1..n {
+            assert!(d.join(format!("env-{k}")).join("data.mdb").is_file());
+        }
+        // Reopened asking for one environment: the store keeps its three.
+        let (s, created) = Storage::open(&d, false, 1 << 20, 1).unwrap();
+        assert!(!created);
+        assert_eq!(s.environments(), n);
+        s.ensure_table("t").unwrap();
+        s.read(|r| {
+            assert_eq!(r.len(Db::Rows, "t")?, 3000);
+            let mut per = vec![0u64; n];
+            let mut ids = Vec::new();
+            r.scan(Db::Rows, "t", |id, v| {
+                per[s.environment_of(id)] += 1;
+                ids.push(id);
+                let mut w = Vec::new();
+                words_into(v, &mut w);
+                let rank = (0..3000u64)
+                    .filter(|&i| crate::hash::mix64(i) < crate::hash::mix64(id))
+                    .count();
+                let add = if rank % 3 == 0 { 5 } else { 0 };
+                assert_eq!(w, vec![id as u32 + add; 256], "row {id}");
+                Ok(())
+            })?;
+            let mut want: Vec<u64> = (0..3000).collect();
+            want.sort_by_key(|&id| crate::hash::mix64(id));
+            assert_eq!(ids, want, "one key order across the environments");
+            assert!(per.iter().all(|&c| c > 800), "{per:?}");
+            let h = r.open(Db::Rows, "t");
+            assert!(r.get_in(h.as_ref(), "t", 2999)?.is_some());
+            assert!(r.get_in(h.as_ref(), "t", 3000)?.is_none());
+            assert_eq!(r.meta("cycle")?, Some(1u64.to_le_bytes().to_vec()));
+            Ok(())
+        })
+        .unwrap();
+        drop(s);
+        let summary = inspect(&d).unwrap();
+        assert_eq!(summary.format.environments, n as u32);
+        assert_eq!(summary.format.version, FORMAT_VERSION);
+        assert_eq!(summary.tables[0].2, 3000, "rows of every environment");
+        // A missing environment is refused by name.
+        std::fs::remove_dir_all(d.join("env-2")).unwrap();
+        let e = Storage::open(&d, false, 1 << 20, 1).err().unwrap();
+        assert!(
+            matches!(e, Error::Corrupt(ref m) if m.contains("environment 2 of 3")),
+            "{e}"
+        );
+        std::fs::remove_dir_all(&d).unwrap();
+    }
+
+    #[test]
+    fn databases_without_a_table_record_are_emptied_at_open() {
+        let d = dir("orphans");
+        {
+            let (s, _) = Storage::open(&d, true, 1 << 20, 2).unwrap();
+            s.write(|w| {
+                w.put_meta("table/kept", b"{}")?;
+                for id in 0..200u64 {
+                    w.put(Db::Rows, "kept", id, b"keep")?;
+                    w.put(Db::Rows, "gone", id, b"gone")?;
+                    w.put(Db::Changed, "gone", id, &[0; 8])?;
+                }
+                Ok(())
+            })
+            .unwrap();
+        }
+        let (s, _) = Storage::open(&d, false, 1 << 20, 2).unwrap();
+        s.ensure_table("kept").unwrap();
+        s.ensure_table("gone").unwrap();
+        s.read(|r| {
+            assert_eq!(r.len(Db::Rows, "kept")?, 200);
+            assert_eq!(r.len(Db::Rows, "gone")?, 0);
+            assert_eq!(r.len(Db::Changed, "gone")?, 0);
+            Ok(())
+        })
+        .unwrap();
+        drop(s);
+        std::fs::remove_dir_all(&d).unwrap();
+    }
+
+    #[test]
+    fn a_version_1_store_reads_as_one_environment() {
+        let d = dir("version-1");
+        {
+            let (s, _) = Storage::open(&d, true, 1 << 20, 1).unwrap();
+            s.write(|w| w.put_meta("format", br#"{"format":"pstore-lmdb","version":1}"#))
+                .unwrap();
+        }
+        let (s, _) = Storage::open(&d, false, 1 << 20, 4).unwrap();
+        assert_eq!(s.environments(), 1);
+        drop(s);
         std::fs::remove_dir_all(&d).unwrap();
     }
 }

@@ -27,8 +27,11 @@ pub struct DurableConfig {
     pub durability: Durability,
     /// How often the flusher commits in `async` mode.
     pub flush_interval: Duration,
-    /// The LMDB map to start with (it doubles when full).
+    /// The LMDB map to start with, per environment (it doubles when full).
     pub map_size: usize,
+    /// LMDB environments of a new store, each written by a thread of its own (an existing store
+    /// keeps the number it was created with). See docs/FORMAT.md.
+    pub environments: usize,
 }
 
 impl DurableConfig {
@@ -39,6 +42,7 @@ impl DurableConfig {
             durability: Durability::Async,
             flush_interval: Duration::from_secs(1),
             map_size: DEFAULT_MAP_SIZE,
+            environments: 1,
         }
     }
 }
@@ -143,13 +147,20 @@ impl Store {
         if durable.flush_interval.is_zero() {
             return Err(invalid("flush_interval must be > 0"));
         }
-        let (st, _created) = Storage::open(&durable.path, true, durable.map_size)?;
+        let (st, _created) =
+            Storage::open(&durable.path, true, durable.map_size, durable.environments)?;
         let st = Arc::new(st);
         let (records, cycle) = st.read(|r| {
-            let cycle = r
+            // The last cycle any environment committed (with several, a crash between their
+            // commits can leave one ahead of `meta`): cycles go on from there.
+            let mut cycle = r
                 .meta(CYCLE_KEY)?
                 .map(|v| crate::storage::cycle_of(&v))
                 .unwrap_or(0);
+            for k in 1..st.environments() {
+                let c = r.part_meta(k, CYCLE_KEY)?;
+                cycle = cycle.max(c.map_or(0, |v| crate::storage::cycle_of(&v)));
+            }
             let mut out = Vec::new();
             for (k, v) in r.meta_prefix("table/")? {
                 let name = k["table/".len()..].to_string();
@@ -222,7 +233,16 @@ impl Store {
                     self.config.num_shards,
                     Some(backing),
                 )?;
-                t.set_seq(*seq);
+                // Row versions go on past the newest row of every environment.
+                let seq = st.read(|r| {
+                    let mut seq = *seq;
+                    for k in 1..st.environments() {
+                        let s = r.part_meta(k, &crate::durable::seq_key(name))?;
+                        seq = seq.max(s.map_or(0, |v| crate::storage::cycle_of(&v)));
+                    }
+                    Ok(seq)
+                })?;
+                t.set_seq(seq);
                 Table::Sparse(Arc::new(t))
             }
             TableRecord::Dense { config, .. } => {
@@ -408,15 +428,24 @@ impl Store {
                 return Err(Error::UnknownTable(name.to_string()));
             }
             if let Some(f) = &flusher {
+                // The records go first: with several environments the two writes commit
+                // apart, and a crash between them leaves databases without a record, which
+                // the next open empties (never a record whose rows are half gone).
                 f.storage().write(|w| {
                     w.delete_meta(&table_key(name))?;
-                    w.delete_meta(&dense_key(name))?;
+                    w.delete_meta(&dense_key(name))
+                })?;
+                f.record_dropped(name);
+                let st = f.storage();
+                st.write(|w| {
                     for db in [Db::Rows, Db::Changed, Db::Removed] {
                         w.clear(db, name)?;
                     }
+                    for k in 1..st.environments() {
+                        w.delete_part_meta(k, &crate::durable::seq_key(name))?;
+                    }
                     Ok(())
                 })?;
-                f.record_dropped(name);
             }
             if let Some(t) = tables.remove(name) {
                 t.handle().common().mark_dropped();

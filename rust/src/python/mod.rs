@@ -174,7 +174,7 @@ impl PyStore {
     #[new]
     #[pyo3(signature = (
         num_shards=None, threads=None, max_inflight_bytes=None, path=None,
-        durability="async", flush_interval=1.0, map_size=None
+        durability="async", flush_interval=1.0, map_size=None, environments=None
     ))]
     #[allow(clippy::too_many_arguments)]
     fn new(
@@ -186,6 +186,7 @@ impl PyStore {
         durability: &str,
         flush_interval: f64,
         map_size: Option<usize>,
+        environments: Option<usize>,
     ) -> PyResult<Self> {
         let (config, dc) = configs(
             num_shards,
@@ -195,6 +196,7 @@ impl PyStore {
             durability,
             flush_interval,
             map_size,
+            environments,
         )?;
         let store = match dc {
             None => Store::new(config),
@@ -210,7 +212,7 @@ impl PyStore {
     #[staticmethod]
     #[pyo3(signature = (
         snapshot, num_shards=None, threads=None, max_inflight_bytes=None, path=None,
-        durability="async", flush_interval=1.0, map_size=None, counter=None
+        durability="async", flush_interval=1.0, map_size=None, environments=None, counter=None
     ))]
     #[allow(clippy::too_many_arguments)]
     fn restore(
@@ -223,6 +225,7 @@ impl PyStore {
         durability: &str,
         flush_interval: f64,
         map_size: Option<usize>,
+        environments: Option<usize>,
         counter: Option<&PyCounter>,
     ) -> PyResult<Self> {
         let (config, dc) = configs(
@@ -233,6 +236,7 @@ impl PyStore {
             durability,
             flush_interval,
             map_size,
+            environments,
         )?;
         let c = counter.map_or_else(|| Arc::new(AtomicU64::new(0)), |c| Arc::clone(&c.0));
         let store = py
@@ -288,6 +292,7 @@ impl PyStore {
         d.set_item("cycle", f.done_cycle())?;
         d.set_item("file_bytes", f.storage().file_size())?;
         d.set_item("map_bytes", f.storage().map_size())?;
+        d.set_item("environments", f.storage().environments())?;
         d.set_item("flush_interval", f.interval().as_secs_f64())?;
         d.set_item("current_flush_interval", f.current_interval().as_secs_f64())?;
         d.set_item("last_error", f.last_error().map(|e| e.to_string()))?;
@@ -482,6 +487,7 @@ fn configs(
     durability: &str,
     flush_interval: f64,
     map_size: Option<usize>,
+    environments: Option<usize>,
 ) -> PyResult<(StoreConfig, Option<DurableConfig>)> {
     let d = StoreConfig::default();
     let config = StoreConfig {
@@ -503,6 +509,9 @@ fn configs(
     dc.flush_interval = Duration::from_secs_f64(flush_interval);
     if let Some(m) = map_size {
         dc.map_size = m;
+    }
+    if let Some(n) = environments {
+        dc.environments = n;
     }
     Ok((config, Some(dc)))
 }
@@ -570,6 +579,7 @@ fn inspect_store<'py>(py: Python<'py>, path: std::path::PathBuf) -> PyResult<Bou
     let d = PyDict::new(py);
     d.set_item("format", &s.format.format)?;
     d.set_item("version", s.format.version)?;
+    d.set_item("environments", s.format.environments)?;
     d.set_item("cycle", s.cycle)?;
     d.set_item("file_bytes", s.file_bytes)?;
     d.set_item("snapshot", s.snapshot)?;

@@ -462,7 +462,15 @@ impl Store {
                 let rec = serde_json::to_vec(&p).map_err(|e| Error::Internal(e.to_string()))?;
                 let names: Vec<String> = m.tables.iter().map(|t| t.name.clone()).collect();
                 f.exclusive(|| {
-                    f.storage().write(|w| {
+                    // The record first: with several environments the prune commits apart, and
+                    // a crash between the two then leaves entries the new parent covers (the
+                    // next increment carries those rows again), never a parent older than what
+                    // was pruned.
+                    let st = f.storage();
+                    if st.environments() > 1 {
+                        st.write(|w| w.put_meta(SNAPSHOT_KEY, &rec))?;
+                    }
+                    st.write(|w| {
                         // When no cycle has committed since the snapshot's view, every entry is
                         // one the snapshot covers: the databases are emptied whole (LMDB frees
                         // their pages without visiting each entry) instead of entry by entry.
@@ -694,7 +702,7 @@ impl Store {
                                 // Rows memory did not hold settled are read back from the
                                 // view, one B+tree descent each.
                                 let rows_db = r.open(Db::Rows, name);
-                                let read = |id| r.get_in(rows_db, name, id);
+                                let read = |id| r.get_in(rows_db.as_ref(), name, id);
                                 for (k, &id) in changed.iter().enumerate() {
                                     if let Some(row) = copied.as_ref().and_then(|c| c.row(k)) {
                                         add(id, row)?;

@@ -392,7 +392,7 @@ impl SparseTable {
                     found.push(false);
                     continue;
                 }
-                match r.get_in(rows, name, id)? {
+                match r.get_in(rows.as_ref(), name, id)? {
                     Some(v) => {
                         self.replica_row(st.path(), id, v, &mut words)?;
                         shard.put_words(id, &words);
