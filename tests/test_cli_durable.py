@@ -61,6 +61,21 @@ def test_snapshot_inspect_restore_round_trip(tmp_path, capsys):
         np.testing.assert_array_equal(t.pull(np.arange(10, 5000, dtype=np.uint64)), want[10:])
         assert not t.contains(np.arange(10, dtype=np.uint64)).any()
 
+    # Into a store of two LMDB environments: inspect counts the rows of both.
+    split = tmp_path / "split"
+    argv = ["restore", str(tmp_path / "inc"), str(split), "--environments", "2", "-q"]
+    assert cli.main(argv) == 0
+    capsys.readouterr()
+    assert (split / "env-1" / "data.mdb").is_file()
+    assert cli.main(["inspect", str(split)]) == 0
+    out = capsys.readouterr().out
+    assert "format pstore-lmdb version 2, 2 LMDB environments," in out
+    assert "4990 rows" in out
+    with pstore.Store(split) as r:
+        assert r.storage_info()["environments"] == 2
+        t = r.sparse_table("emb")
+        np.testing.assert_array_equal(t.pull(np.arange(10, 5000, dtype=np.uint64)), want[10:])
+
 
 @pytest.mark.parametrize(
     ("argv", "message"),

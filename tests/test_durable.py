@@ -44,18 +44,30 @@ def train(store: pstore.Store, steps: int, seed: int) -> None:
         bias.push(rng.standard_normal((2, 3)).astype(np.float32))
 
 
-@pytest.mark.parametrize("durability", ["sync", "async", "none"])
-def test_reopen_restores_everything_and_training_continues_identically(tmp_path, durability):
+@pytest.mark.parametrize(
+    ("durability", "environments"),
+    [("sync", 1), ("async", 1), ("none", 1), ("sync", 2), ("async", 3)],
+)
+def test_reopen_restores_everything_and_training_continues_identically(
+    tmp_path, durability, environments
+):
     live = pstore.Store(num_shards=8)
-    disk = pstore.Store(tmp_path / "s", durability=durability, flush_interval=0.05, num_shards=8)
+    disk = pstore.Store(
+        tmp_path / "s",
+        durability=durability,
+        flush_interval=0.05,
+        num_shards=8,
+        environments=environments,
+    )
     for s in (live, disk):
         make_tables(s)
         train(s, 5, seed=1)
         s.sparse_table("sgd").lr = 0.05
         s.sparse_table("sgd").remove(arange(100))
     disk.close()
-    # Any shard count: rows are found by id.
+    # Any shard count: rows are found by id. The store keeps its environments.
     disk = pstore.Store(tmp_path / "s", num_shards=3)
+    assert disk.storage_info()["environments"] == environments
     assert disk.tables() == live.tables() == ["adam", "bias", "sgd"]
     for name in ("adam", "sgd"):
         a, b = live.sparse_table(name), disk.sparse_table(name)
@@ -100,9 +112,10 @@ def test_lazy_rows_answer_contains_remove_and_len_without_loading(tmp_path):
     s.close()
 
 
-def test_dropped_tables_leave_the_replica(tmp_path):
-    with pstore.Store(tmp_path / "s") as s:
-        s.create_sparse_table("t", 2).push(arange(10), ones(10, 2))
+@pytest.mark.parametrize("environments", [1, 2])
+def test_dropped_tables_leave_the_replica(tmp_path, environments):
+    with pstore.Store(tmp_path / "s", environments=environments) as s:
+        s.create_sparse_table("t", 2).push(arange(1000), ones(1000, 2))
         s.create_dense_table("d", 3)
     with pstore.Store(tmp_path / "s") as s:
         s.drop_table("t")
@@ -110,7 +123,9 @@ def test_dropped_tables_leave_the_replica(tmp_path):
     with pstore.Store(tmp_path / "s") as s:
         assert s.tables() == []
         t = s.create_sparse_table("t", 2)
-        assert len(t) == 0 and not t.contains(arange(10)).any()
+        assert len(t) == 0 and not t.contains(arange(1000)).any()
+    info = pstore.inspection.inspect_store(tmp_path / "s")
+    assert [(t["name"], t["rows"]) for t in info["tables"]] == [("t", 0)]
 
 
 def test_modes_commit_when_they_say(tmp_path):
@@ -332,6 +347,10 @@ def test_bad_arguments_and_a_second_opener(tmp_path):
         pstore.Store(tmp_path / "a", durability="fast")  # type: ignore[arg-type]
     with pytest.raises(pstore.InvalidArgumentError, match="flush_interval"):
         pstore.Store(tmp_path / "b", flush_interval=0)
+    for bad in (0, 17):
+        message = "environments must be between 1 and 16, got"
+        with pytest.raises(pstore.InvalidArgumentError, match=message):
+            pstore.Store(tmp_path / "e", environments=bad)
     (tmp_path / "file").write_text("x")
     with pytest.raises(pstore.InvalidArgumentError, match="not a directory"):
         pstore.Store(tmp_path / "file")

@@ -551,12 +551,19 @@ def check_concurrent_snapshot(
     return int(version.max()), len(np.unique(step))
 
 
-@pytest.mark.parametrize("kind", ["memory", "async"])
+@pytest.mark.parametrize("kind", ["memory", "async", "async, 2 environments"])
 def test_rows_are_whole_updates_while_training_goes_on(tmp_path, kind):
     if kind == "memory":
         store = pstore.Store(threads=2)
     else:
-        store = pstore.Store(tmp_path / "store", durability="async", flush_interval=0.05, threads=2)
+        envs = 2 if "2 environments" in kind else 1
+        store = pstore.Store(
+            tmp_path / "store",
+            durability="async",
+            flush_interval=0.05,
+            threads=2,
+            environments=envs,
+        )
     t = store.create_sparse_table(
         "emb",
         DIM,
@@ -885,13 +892,14 @@ def test_an_interrupted_snapshot_is_not_a_snapshot(tmp_path):
 # --- 6. increments are small ----------------------------------------------------------------
 
 
-@pytest.mark.parametrize("kind", ["memory", "async"])
+@pytest.mark.parametrize("kind", ["memory", "async", "async, 2 environments"])
 def test_increment_holds_only_what_changed(tmp_path, rng, kind):
     n, dim = 100_000, 8
     if kind == "memory":
         store = pstore.Store(threads=2)
     else:
-        store = pstore.Store(tmp_path / "store", durability="async", threads=2)
+        envs = 2 if "2 environments" in kind else 1
+        store = pstore.Store(tmp_path / "store", durability="async", threads=2, environments=envs)
     t = store.create_sparse_table("emb", dim, optimizer=optim.Adagrad(lr=0.1), seed=1)
     ids = np.arange(n, dtype=np.uint64) * np.uint64(0x9E3779B97F4A7C15)  # spread over uint64
     t.push(ids, grads(rng, n, dim))

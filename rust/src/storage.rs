@@ -284,7 +284,7 @@ impl Storage {
     ) -> Result<(Self, bool)> {
         if !(1..=MAX_ENVIRONMENTS).contains(&environments) {
             return Err(invalid(format!(
-                "environments must be 1..={MAX_ENVIRONMENTS}, got {environments}"
+                "environments must be between 1 and {MAX_ENVIRONMENTS}, got {environments}"
             )));
         }
         let io = |what: &str, e: std::io::Error| storage(format!("{what} {}: {e}", path.display()));
