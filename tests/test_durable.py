@@ -383,7 +383,7 @@ FULL_DISK = textwrap.dedent(
     path, limit = sys.argv[1], int(sys.argv[2])
     signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # a write past the limit fails with EFBIG
     soft, hard = resource.getrlimit(resource.RLIMIT_FSIZE)
-    store = pstore.Store(path, durability="sync")
+    store = pstore.Store(path, durability="sync")  # the number of environments it was made with
     t = store.create_sparse_table("t", 64)
     ids = np.arange(1000, dtype=np.uint64)
     t.push(ids, np.ones((1000, 64), np.float32))
@@ -416,11 +416,14 @@ FULL_DISK = textwrap.dedent(
 )
 
 
-def test_a_full_disk_gives_a_clear_error_and_training_goes_on_after(tmp_path):
+@pytest.mark.parametrize("environments", [1, 2])
+def test_a_full_disk_gives_a_clear_error_and_training_goes_on_after(tmp_path, environments):
     # RLIMIT_FSIZE makes writes past the limit fail (EFBIG), as a full disk fails them (ENOSPC),
-    # without needing a small file system.
+    # without needing a small file system. With two environments each file is limited: a cycle
+    # may then commit in one environment and fail in the other, and the next one, once space is
+    # freed, writes everything again.
     path = tmp_path / "s"
-    with pstore.Store(path) as s:
+    with pstore.Store(path, environments=environments) as s:
         s.create_sparse_table("warm", 2)
     size = (path / "data.mdb").stat().st_size
     r = subprocess.run(

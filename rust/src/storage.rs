@@ -1589,6 +1589,8 @@ mod tests {
                     w.put(Db::Rows, "gone", id, b"gone")?;
                     w.put(Db::Changed, "gone", id, &[0; 8])?;
                 }
+                w.put_part_meta(1, "seq/kept", &7u64.to_le_bytes())?;
+                w.put_part_meta(1, "seq/gone", &9u64.to_le_bytes())?;
                 Ok(())
             })
             .unwrap();
@@ -1600,6 +1602,11 @@ mod tests {
             assert_eq!(r.len(Db::Rows, "kept")?, 200);
             assert_eq!(r.len(Db::Rows, "gone")?, 0);
             assert_eq!(r.len(Db::Changed, "gone")?, 0);
+            assert_eq!(
+                r.part_meta(1, "seq/kept")?,
+                Some(7u64.to_le_bytes().to_vec())
+            );
+            assert_eq!(r.part_meta(1, "seq/gone")?, None);
             Ok(())
         })
         .unwrap();
