@@ -593,10 +593,13 @@ impl Storage {
     /// commits on its own: when one fails, the others may have committed.
     ///
     /// Each thread calls `enter` first and holds what it returns until its transaction has
-    /// committed (the flusher's idle priority).
+    /// committed (the flusher's idle priority). Unless `parallel`, the calling thread writes
+    /// the environments one after the other instead (environment 0 last) and stops at the first
+    /// error.
     pub fn write_each<G>(
         &self,
         which: &[usize],
+        parallel: bool,
         enter: &(dyn Fn() -> G + Sync),
         f: &(dyn Fn(usize, &mut Writer<'_>) -> Result<()> + Sync),
     ) -> Result<()> {
@@ -608,6 +611,11 @@ impl Storage {
                 .unwrap_or_else(|e| e.into_inner());
             self.write_locked(Some(k), |w| f(k, w))
         };
+        if !parallel {
+            let rest = which.iter().filter(|&&k| k != 0);
+            let zero = which.iter().filter(|&&k| k == 0);
+            return rest.chain(zero).try_for_each(|&k| one(k));
+        }
         let Some((&first, rest)) = which.split_first() else {
             return Ok(());
         };
@@ -1504,11 +1512,16 @@ mod tests {
             let enter = || {
                 threads.lock().unwrap().insert(std::thread::current().id());
             };
-            s.write_each(&[0, 1, 2], &enter, &write).unwrap();
+            s.write_each(&[0, 1, 2], true, &enter, &write).unwrap();
             assert_eq!(threads.lock().unwrap().len(), 3, "a thread per environment");
+            // In turn, on the calling thread only.
+            threads.lock().unwrap().clear();
+            s.write_each(&[0, 1, 2], false, &enter, &write).unwrap();
+            let only: Vec<_> = threads.lock().unwrap().iter().copied().collect();
+            assert_eq!(only, vec![std::thread::current().id()]);
             // A writer of one environment refuses the rows of another.
             let e = s
-                .write_each(&[1], &|| (), &|_, w| {
+                .write_each(&[1], true, &|| (), &|_, w| {
                     w.put(Db::Rows, "t", rows[0].0, b"abcdefgh")
                 })
                 .unwrap_err();
