@@ -354,7 +354,7 @@ impl Storage {
                     path.display()
                 )))
             }
-            Some(bytes) => (false, check_format(path, &bytes)?),
+            Some(bytes) => (false, check_format(path, &bytes)?.environments as usize),
         };
         wtxn.commit().map_err(|e| lmdb_err(path, "opening", e))?;
         let mut parts = vec![Part {
@@ -696,9 +696,9 @@ impl Storage {
     }
 }
 
-/// The number of environments of a store from its `format` record; another format or an
+/// A store's `format` record (its number of environments checked); another format or an
 /// unknown version is refused.
-fn check_format(path: &Path, bytes: &[u8]) -> Result<usize> {
+fn check_format(path: &Path, bytes: &[u8]) -> Result<FormatRecord> {
     let rec: FormatRecord = serde_json::from_slice(bytes).map_err(|e| {
         corrupt(format!(
             "{}: the format record is not readable: {e}",
@@ -727,7 +727,7 @@ fn check_format(path: &Path, bytes: &[u8]) -> Result<usize> {
             path.display()
         )));
     }
-    Ok(n)
+    Ok(rec)
 }
 
 /// Opens environment `k` >= 1 of `n` of the store at `path` (creating it when `create`), and
@@ -793,6 +793,18 @@ pub struct StoreSummary {
     pub tables: Vec<(String, String, u64, u64, u64)>,
 }
 
+/// Entries of the named database `name` in an environment (0 if it has none).
+fn db_len(
+    env: &Env<WithoutTls>,
+    txn: &RoTxn<'_, WithoutTls>,
+    name: &str,
+    dir: &Path,
+) -> Result<u64> {
+    let err = |e| lmdb_err(dir, "reading", e);
+    let d: Option<Database<Bytes, Bytes>> = env.open_database(txn, Some(name)).map_err(err)?;
+    d.map_or(Ok(0), |d| d.len(txn).map_err(err))
+}
+
 /// Reads a store directory without opening it for writing (it may be open in another process).
 pub fn inspect(path: &Path) -> Result<StoreSummary> {
     if !path.join("data.mdb").is_file() {
@@ -829,16 +841,22 @@ pub fn inspect(path: &Path) -> Result<StoreSummary> {
         .get(&txn, b"format")
         .map_err(err)?
         .ok_or_else(|| corrupt(format!("{}: no format record", path.display())))?;
-    let n = check_format(path, raw)?;
-    let format: FormatRecord = serde_json::from_slice(raw)
-        .map_err(|e| corrupt(format!("{}: the format record: {e}", path.display())))?;
+    let format = check_format(path, raw)?;
+    let n = format.environments as usize;
     let cycle = meta.get(&txn, b"cycle").map_err(err)?.map_or(0, cycle_of);
     let snapshot = meta
         .get(&txn, b"snapshot")
         .map_err(err)?
         .map(|v| String::from_utf8_lossy(v).into_owned());
     let others = (1..n)
-        .map(|k| open_ro(&part_dir(path, k)))
+        .map(|k| {
+            let dir = part_dir(path, k);
+            open_ro(&dir).map(|e| (dir, e))
+        })
+        .collect::<Result<Vec<_>>>()?;
+    let other_txns = others
+        .iter()
+        .map(|(dir, e)| e.read_txn().map_err(|x| lmdb_err(dir, "reading", x)))
         .collect::<Result<Vec<_>>>()?;
     let mut file_bytes = 0;
     for k in 0..n {
@@ -851,20 +869,9 @@ pub fn inspect(path: &Path) -> Result<StoreSummary> {
         let mut counts = [0u64; 3];
         for (i, db) in [Db::Rows, Db::Changed, Db::Removed].into_iter().enumerate() {
             let db_name = Storage::db_name(db, &name);
-            let d: Option<Database<Bytes, Bytes>> =
-                env.open_database(&txn, Some(&db_name)).map_err(err)?;
-            if let Some(d) = d {
-                counts[i] += d.len(&txn).map_err(err)?;
-            }
-            for (j, e) in others.iter().enumerate() {
-                let dir = part_dir(path, j + 1);
-                let perr = |e| lmdb_err(&dir, "reading", e);
-                let t = e.read_txn().map_err(perr)?;
-                let d: Option<Database<Bytes, Bytes>> =
-                    e.open_database(&t, Some(&db_name)).map_err(perr)?;
-                if let Some(d) = d {
-                    counts[i] += d.len(&t).map_err(perr)?;
-                }
+            counts[i] = db_len(&env, &txn, &db_name, path)?;
+            for ((dir, e), t) in others.iter().zip(&other_txns) {
+                counts[i] += db_len(e, t, &db_name, dir)?;
             }
         }
         tables.push((
