@@ -63,6 +63,80 @@ impl SplitMix64 {
     pub fn next_normal(&mut self) -> f64 {
         inverse_normal_cdf(self.next_open01())
     }
+
+    /// Fills `p` with `a + b * next_open01()` of the next `p.len()` draws, in order (the same
+    /// bits as drawing one at a time). The compiler runs the loop several draws wide; with
+    /// AVX2 (checked once per call) four, which filled 64-float Normal rows about 1.1x faster
+    /// than two-wide SSE2.
+    pub fn open01_many(&mut self, a: f64, b: f64, p: &mut [f64]) {
+        #[cfg(target_arch = "x86_64")]
+        if std::arch::is_x86_feature_detected!("avx2") {
+            // SAFETY: the CPU supports AVX2, checked just above.
+            return unsafe { self.open01_many_avx2(a, b, p) };
+        }
+        self.open01_many_portable(a, b, p)
+    }
+
+    #[cfg(target_arch = "x86_64")]
+    #[target_feature(enable = "avx2")]
+    fn open01_many_avx2(&mut self, a: f64, b: f64, p: &mut [f64]) {
+        self.open01_many_portable(a, b, p)
+    }
+
+    #[inline(always)]
+    fn open01_many_portable(&mut self, a: f64, b: f64, p: &mut [f64]) {
+        for v in p {
+            *v = a + b * self.next_open01();
+        }
+    }
+}
+
+/// Acklam's coefficients: the central region's numerator (`A`) and denominator (`B`), the
+/// tails' (`C`, `D`), and where the tails start (`LOW`, and `1 - LOW` above).
+const A: [f64; 6] = [
+    -3.969_683_028_665_376e1,
+    2.209_460_984_245_205e2,
+    -2.759_285_104_469_687e2,
+    1.383_577_518_672_69e2,
+    -3.066_479_806_614_716e1,
+    2.506_628_277_459_239,
+];
+const B: [f64; 5] = [
+    -5.447_609_879_822_406e1,
+    1.615_858_368_580_409e2,
+    -1.556_989_798_598_866e2,
+    6.680_131_188_771_972e1,
+    -1.328_068_155_288_572e1,
+];
+const C: [f64; 6] = [
+    -7.784_894_002_430_293e-3,
+    -3.223_964_580_411_365e-1,
+    -2.400_758_277_161_838,
+    -2.549_732_539_343_734,
+    4.374_664_141_464_968,
+    2.938_163_982_698_783,
+];
+const D: [f64; 4] = [
+    7.784_695_709_041_462e-3,
+    3.224_671_290_700_398e-1,
+    2.445_134_137_142_996,
+    3.754_408_661_907_416,
+];
+const LOW: f64 = 0.02425;
+
+/// The central region's formula, for `p` in `[LOW, 1 - LOW]` (any `p` gives a finite or NaN
+/// value, never a trap, so a batch may compute it for every element and keep what it needs).
+#[inline(always)]
+fn central(p: f64) -> f64 {
+    let q = p - 0.5;
+    let r = q * q;
+    (((((A[0] * r + A[1]) * r + A[2]) * r + A[3]) * r + A[4]) * r + A[5]) * q
+        / (((((B[0] * r + B[1]) * r + B[2]) * r + B[3]) * r + B[4]) * r + 1.0)
+}
+
+#[inline(always)]
+fn in_tail(p: f64) -> bool {
+    !(LOW..=1.0 - LOW).contains(&p)
 }
 
 /// The standard normal quantile of `p` in (0, 1), by P. J. Acklam's rational approximation
@@ -70,36 +144,6 @@ impl SplitMix64 {
 /// truncated normal is a quantile of a narrowed uniform, with no rejection.
 #[inline]
 pub fn inverse_normal_cdf(p: f64) -> f64 {
-    const A: [f64; 6] = [
-        -3.969_683_028_665_376e1,
-        2.209_460_984_245_205e2,
-        -2.759_285_104_469_687e2,
-        1.383_577_518_672_69e2,
-        -3.066_479_806_614_716e1,
-        2.506_628_277_459_239,
-    ];
-    const B: [f64; 5] = [
-        -5.447_609_879_822_406e1,
-        1.615_858_368_580_409e2,
-        -1.556_989_798_598_866e2,
-        6.680_131_188_771_972e1,
-        -1.328_068_155_288_572e1,
-    ];
-    const C: [f64; 6] = [
-        -7.784_894_002_430_293e-3,
-        -3.223_964_580_411_365e-1,
-        -2.400_758_277_161_838,
-        -2.549_732_539_343_734,
-        4.374_664_141_464_968,
-        2.938_163_982_698_783,
-    ];
-    const D: [f64; 4] = [
-        7.784_695_709_041_462e-3,
-        3.224_671_290_700_398e-1,
-        2.445_134_137_142_996,
-        3.754_408_661_907_416,
-    ];
-    const LOW: f64 = 0.02425;
     let tail = |q: f64| {
         (((((C[0] * q + C[1]) * q + C[2]) * q + C[3]) * q + C[4]) * q + C[5])
             / ((((D[0] * q + D[1]) * q + D[2]) * q + D[3]) * q + 1.0)
@@ -109,10 +153,48 @@ pub fn inverse_normal_cdf(p: f64) -> f64 {
     } else if p > 1.0 - LOW {
         -tail((-2.0 * (1.0 - p).ln()).sqrt())
     } else {
-        let q = p - 0.5;
-        let r = q * q;
-        (((((A[0] * r + A[1]) * r + A[2]) * r + A[3]) * r + A[4]) * r + A[5]) * q
-            / (((((B[0] * r + B[1]) * r + B[2]) * r + B[3]) * r + B[4]) * r + 1.0)
+        central(p)
+    }
+}
+
+/// [`inverse_normal_cdf`] of every element of `p`, written to `z` (of the same length), with
+/// the same bits. The central formula, which 95% of draws take, runs for every element without
+/// a branch (four lanes wide where the CPU has AVX, checked once per call); the few elements in
+/// the tails are then computed one by one. A new row's initial values come from here: drawing
+/// them one at a time took a third of the time to create a 16-float row.
+pub fn inverse_normal_cdf_many(p: &[f64], z: &mut [f64]) {
+    assert_eq!(p.len(), z.len(), "inverse_normal_cdf_many: lengths differ");
+    #[cfg(target_arch = "x86_64")]
+    if std::arch::is_x86_feature_detected!("avx") {
+        // SAFETY: the CPU supports AVX, checked just above.
+        unsafe { central_many_avx(p, z) };
+        return tails_many(p, z);
+    }
+    central_many(p, z);
+    tails_many(p, z)
+}
+
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx")]
+fn central_many_avx(p: &[f64], z: &mut [f64]) {
+    central_many(p, z)
+}
+
+/// Separate multiplications and additions (Rust never fuses them), so every lane rounds as the
+/// scalar formula does.
+#[inline(always)]
+fn central_many(p: &[f64], z: &mut [f64]) {
+    for (z, &p) in z.iter_mut().zip(p) {
+        *z = central(p);
+    }
+}
+
+/// Recomputes the elements in the tails.
+fn tails_many(p: &[f64], z: &mut [f64]) {
+    for (z, &p) in z.iter_mut().zip(p) {
+        if in_tail(p) {
+            *z = inverse_normal_cdf(p);
+        }
     }
 }
 
@@ -149,6 +231,35 @@ mod tests {
             (1e-6, -4.753_424_308_822_899),
         ] {
             assert!((inverse_normal_cdf(p) - z).abs() < 1e-8, "{p}");
+        }
+    }
+
+    #[test]
+    fn batched_quantiles_have_the_scalar_bits() {
+        let mut r = SplitMix64::for_row(11, 12);
+        let mut p: Vec<f64> = (0..100_003).map(|_| r.next_open01()).collect();
+        // The edges of the regions and of (0, 1), and lengths that are not a multiple of 4.
+        p.extend([
+            LOW,
+            1.0 - LOW,
+            LOW.next_down(),
+            LOW.next_up(),
+            0.5,
+            1e-300,
+            1.0 - 1e-16,
+        ]);
+        for len in [0, 1, 3, 5, p.len()] {
+            let p = &p[..len];
+            let mut z = vec![f64::NAN; len];
+            inverse_normal_cdf_many(p, &mut z);
+            let mut portable = vec![f64::NAN; len];
+            central_many(p, &mut portable);
+            tails_many(p, &mut portable);
+            for ((&p, &z), &zp) in p.iter().zip(&z).zip(&portable) {
+                let want = inverse_normal_cdf(p);
+                assert_eq!(z.to_bits(), want.to_bits(), "p = {p}");
+                assert_eq!(zp.to_bits(), want.to_bits(), "p = {p}");
+            }
         }
     }
 
