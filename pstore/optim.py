@@ -60,7 +60,10 @@ class SGD(_Clip):
 
 @dataclass(frozen=True)
 class Adagrad(_Clip):
-    """Adagrad: ``sum += g*g; w -= lr * g / (sqrt(sum) + eps)``.
+    """Adagrad: ``sum += g*g; w -= lr * (g / (sqrt(sum) + eps))``.
+
+    Computed in float32, as ``torch.optim.Adagrad`` computes it (the other optimizers compute in
+    float64 and round once); the coalesced gradient of duplicate ids is summed in float64 first.
 
     Parameters
     ----------

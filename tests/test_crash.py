@@ -53,8 +53,8 @@ ASYNC_PUSHES_MAY_TEAR = False
 class AdagradReference:
     """The rows after ``k`` pushes of a gradient of ones, as rust/src/optimizer/mod.rs computes.
 
-    ``sum = f32(sum) + 1`` and ``w = f32(w - lr * 1 / (sqrt(sum) + eps))``, in float64 from the
-    stored float32 values. Steps only grow, so the reference walks forward and keeps its place.
+    ``sum = sum + 1`` and ``w = w - lr * (1 / (sqrt(sum) + eps))``, in float32 as the store's
+    Adagrad computes. Steps only grow, so the reference walks forward and keeps its place.
     """
 
     def __init__(self, initial: np.ndarray):
@@ -64,9 +64,9 @@ class AdagradReference:
 
     @staticmethod
     def _step(w: np.ndarray, acc: np.float32) -> tuple[np.ndarray, np.float32]:
-        total = float(acc) + 1.0 * 1.0
-        d = worker.LR * 1.0 / (math.sqrt(total) + EPS)
-        return (w.astype(F64) - d).astype(F32), F32(total)
+        total = F32(acc) + F32(1.0) * F32(1.0)
+        d = F32(worker.LR) * (F32(1.0) / (np.sqrt(total) + F32(EPS)))
+        return w - d, total
 
     def rows_at(self, steps: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """Weights ``(n, dim)`` and accumulators ``(n,)`` of every row at its own step."""

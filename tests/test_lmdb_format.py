@@ -185,9 +185,11 @@ def reference_update(kind: str, hp: dict, lr: float, step: int, w, s, g):
     if kind == "sgd":
         assert hp["momentum"] == 0
         return (wf - lr * g).astype(F32), s
-    if kind == "adagrad":
-        total = s.astype(F64) + g * g
-        return (wf - lr * g / (np.sqrt(total) + hp["eps"])).astype(F32), total.astype(F32)
+    if kind == "adagrad":  # in float32, as the store computes it
+        g32 = g.astype(F32)
+        total = s + g32 * g32
+        d = F32(lr) * (g32 / (np.sqrt(total) + F32(hp["eps"])))
+        return w - d, total
     if kind == "adam":
         b1, b2, n = hp["beta1"], hp["beta2"], w.size
         step_size = lr / (1.0 - b1**step)

@@ -1,7 +1,6 @@
 """Snapshots: full and incremental Arrow IPC snapshots, restore from a chain, damage, misuse."""
 
 import json
-import math
 import os
 import shutil
 import subprocess
@@ -504,16 +503,14 @@ LR, ACC0, EPS = 0.1, 0.1, 1e-10
 def adagrad_after(k_max: int) -> tuple[np.ndarray, np.ndarray]:
     """Weight and accumulator of a Zeros-initialised Adagrad element after k pushes of gradient 1.
 
-    As in rust/src/optimizer: float64 arithmetic on the stored float32 values, rounded to float32
-    when stored; the square root is taken of the unrounded sum.
+    As in rust/src/optimizer: Adagrad computes in float32.
     """
     w = np.zeros(k_max + 1, dtype=F32)
     s = np.zeros(k_max + 1, dtype=F32)
     s[0] = F32(ACC0)
     for k in range(1, k_max + 1):
-        total = float(s[k - 1]) + 1.0
-        s[k] = F32(total)
-        w[k] = F32(float(w[k - 1]) - LR * 1.0 / (math.sqrt(total) + EPS))
+        s[k] = s[k - 1] + F32(1.0)
+        w[k] = w[k - 1] - F32(LR) * (F32(1.0) / (np.sqrt(s[k]) + F32(EPS)))
     return w, s
 
 

@@ -1,7 +1,9 @@
 //! Server-side optimizers that update plain `&mut [f32]` slices.
 //!
-//! Every update reads the stored float32 weights and state, computes in float64, and rounds the
-//! results to float32 once. The formulas are those of `torch.optim` (SGD with dampening 0, Adagrad
+//! SGD, Adam and FTRL read the stored float32 weights and state, compute in float64, and round the
+//! results to float32 once; Adagrad computes in float32, as torch does (its float64 square root
+//! and division were most of a push's update time). The coalesced gradient arrives in float64
+//! either way. The formulas are those of `torch.optim` (SGD with dampening 0, Adagrad
 //! with lr_decay 0, Adam without amsgrad) and of FTRL-Proximal (McMahan et al. 2013, per coordinate).
 
 use crate::error::{invalid, Result};
@@ -111,12 +113,16 @@ impl OptimizerConfig {
                 eps,
                 weight_decay,
             } => {
-                check("initial_accumulator_value", a, a >= 0.0, ">= 0")?;
-                check("eps", eps, eps >= 0.0, ">= 0")?;
-                check("weight_decay", weight_decay, weight_decay >= 0.0, ">= 0")?;
-                if a == 0.0 && eps == 0.0 {
+                // Adagrad computes in float32: its values must be float32 numbers.
+                let f32_range = |v: f64| (0.0..=f32::MAX as f64).contains(&v);
+                let range = ">= 0 and at most float32's largest value";
+                check("initial_accumulator_value", a, f32_range(a), range)?;
+                check("eps", eps, f32_range(eps), range)?;
+                check("weight_decay", weight_decay, f32_range(weight_decay), range)?;
+                if a as f32 == 0.0 && eps as f32 == 0.0 {
                     return Err(invalid(
-                        "optimizer Adagrad needs initial_accumulator_value > 0 or eps > 0",
+                        "optimizer Adagrad needs initial_accumulator_value > 0 or eps > 0 \
+                         (in float32: a value below 1e-45 rounds to 0)",
                     ));
                 }
             }
@@ -236,12 +242,31 @@ impl OptimizerConfig {
                 weight_decay: wd,
                 ..
             } => {
-                for ((w, s), &g) in w.iter_mut().zip(state.iter_mut()).zip(g.iter()) {
-                    let wf = *w as f64;
-                    let g = g + wd * wf;
-                    let sum = *s as f64 + g * g;
-                    *s = sum as f32;
-                    *w = (wf - lr * g / (sum.sqrt() + eps)) as f32;
+                // In float32, as torch computes it: the float64 square root and division were
+                // most of an update's time (ARCHITECTURE.md, "Optimizers").
+                // Validation keeps the hyper-parameters inside float32's range; the clamps keep a
+                // coalesced gradient beyond it finite (its square then saturates the sum to
+                // infinity and the row stops moving, as in torch), never NaN.
+                // The gradient is narrowed a block at a time first, so that the update's loop
+                // reads float32 only and runs eight lanes wide under AVX, not four.
+                let (lr, wd, eps) = ((lr as f32).min(f32::MAX), wd as f32, eps as f32);
+                const BLOCK: usize = 64;
+                let mut g32 = [0f32; BLOCK];
+                for ((w, s), g) in w
+                    .chunks_mut(BLOCK)
+                    .zip(state.chunks_mut(BLOCK))
+                    .zip(g.chunks(BLOCK))
+                {
+                    let g32 = &mut g32[..g.len()];
+                    for (n, &g) in g32.iter_mut().zip(g) {
+                        *n = (g as f32).clamp(-f32::MAX, f32::MAX);
+                    }
+                    for ((w, s), &g) in w.iter_mut().zip(s.iter_mut()).zip(g32.iter()) {
+                        let g = (g + wd * *w).clamp(-f32::MAX, f32::MAX);
+                        let sum = *s + g * g;
+                        *s = sum;
+                        *w -= lr * (g / (sum.sqrt() + eps));
+                    }
                 }
             }
             OptimizerKind::Adam {
@@ -342,6 +367,29 @@ mod tests {
         let (w, s) = run(cfg, &[1.0], &[&[2.0]]);
         assert!((w[0] - 0.9).abs() < 1e-7);
         assert_eq!(s, vec![4.0]);
+    }
+
+    #[test]
+    fn adagrad_computes_in_float32_and_never_makes_nan() {
+        let cfg = OptimizerConfig {
+            lr: 0.1,
+            kind: OptimizerKind::Adagrad {
+                initial_accumulator_value: 0.1,
+                eps: 1e-10,
+                weight_decay: 0.0,
+            },
+            ..Default::default()
+        };
+        // The float32 formula, operation by operation.
+        let (w, s) = run(cfg, &[0.3], &[&[0.7]]);
+        let sum = 0.1f32 + 0.7f32 * 0.7f32;
+        assert_eq!(s[0].to_bits(), sum.to_bits());
+        let want = 0.3f32 - 0.1f32 * (0.7f32 / (sum.sqrt() + 1e-10f32));
+        assert_eq!(w[0].to_bits(), want.to_bits());
+        // Coalesced gradients beyond float32's range: the sum saturates, nothing becomes NaN.
+        let (w, s) = run(cfg, &[0.3, 0.3], &[&[1e39, -1e40], &[1.0, 1.0]]);
+        assert!(w.iter().all(|v| v.is_finite()), "{w:?}");
+        assert!(s.iter().all(|v| *v == f32::INFINITY), "{s:?}");
     }
 
     #[test]
@@ -457,6 +505,26 @@ mod tests {
         cfg.lr = f64::NAN;
         assert!(cfg.validate().is_err());
         cfg.lr = 0.1;
+        // Adagrad's values must survive the narrowing to float32.
+        let adagrad = |a: f64, eps: f64, weight_decay: f64| OptimizerKind::Adagrad {
+            initial_accumulator_value: a,
+            eps,
+            weight_decay,
+        };
+        for bad in [adagrad(0.0, 1e-50, 0.0), adagrad(1e-46, 0.0, 0.0)] {
+            cfg.kind = bad;
+            assert!(cfg.validate().unwrap_err().to_string().contains("float32"));
+        }
+        for bad in [
+            adagrad(1e39, 0.0, 0.0),
+            adagrad(0.1, 1e39, 0.0),
+            adagrad(0.1, 0.0, 1e39),
+        ] {
+            cfg.kind = bad;
+            assert!(cfg.validate().is_err(), "{bad:?}");
+        }
+        cfg.kind = adagrad(0.0, 1e-10, 0.0);
+        assert!(cfg.validate().is_ok());
         cfg.kind = OptimizerKind::Adam {
             beta1: 1.0,
             beta2: 0.9,
