@@ -38,7 +38,8 @@ weights 0, embeddings ``Normal(0, init_std)``; different draws) and the optimize
 - dense parameters: ``torch.optim.Adam(lr=dense_lr)`` in both, the global bias starting at the
   training set's log-odds.
 
-What differs: the store computes the update in float64 and rounds once (torch: float32); with
+What differs: the store sums a batch's duplicate ids' gradients in float64 (torch: float32), then
+updates in float32 as torch does; with
 ``staleness >= 1`` a forward pass may read rows before the previous batch's update has landed
 (``staleness=0`` is synchronous, as torch is); the store holds only the rows it has seen, torch
 allocates every row of the id space (and its Adagrad state) up front.
