@@ -181,12 +181,12 @@ def bits(a: np.ndarray) -> np.ndarray:
 def reference_update(kind: str, hp: dict, lr: float, step: int, w, s, g):
     """One update of float32 weights ``w`` and state ``s`` by the float64 gradient ``g``."""
     wf = w.astype(F64)
-    g = g + hp.get("weight_decay", 0.0) * wf
+    g, g0 = g + hp.get("weight_decay", 0.0) * wf, g
     if kind == "sgd":
         assert hp["momentum"] == 0
         return (wf - lr * g).astype(F32), s
     if kind == "adagrad":  # in float32, as the store computes it
-        g32 = g.astype(F32)
+        g32 = g0.astype(F32) + F32(hp["weight_decay"]) * w
         total = s + g32 * g32
         d = F32(lr) * (g32 / (np.sqrt(total) + F32(hp["eps"])))
         return w - d, total

@@ -89,8 +89,6 @@ impl Initializer {
                 quantiles(out, &mut rng, 0.0, 1.0, |x, z| *x = (mean + std * z) as f32);
             }
             Initializer::TruncatedNormal { mean, std } => {
-                // The quantiles of [Phi(-2), Phi(2)]: the normal restricted to 2 std, exactly.
-                const PHI_MINUS_2: f64 = 0.022_750_131_948_179_2;
                 let (lo, hi) = ((mean - 2.0 * std) as f32, (mean + 2.0 * std) as f32);
                 quantiles(
                     out,
@@ -120,6 +118,10 @@ fn quantiles(out: &mut [f32], rng: &mut SplitMix64, a: f64, b: f64, set: impl Fn
         }
     }
 }
+
+/// The standard normal's CDF at -2: TruncatedNormal draws the quantiles of [Phi(-2), Phi(2)], the
+/// normal restricted to 2 std, exactly.
+const PHI_MINUS_2: f64 = 0.022_750_131_948_179_2;
 
 /// Draws per block of [`quantiles`]: two 512-byte buffers on the stack.
 const BLOCK: usize = 64;
@@ -168,8 +170,7 @@ mod tests {
             let (lo, hi) = ((mean - 2.0 * std) as f32, (mean + 2.0 * std) as f32);
             let want: Vec<f32> = (0..len)
                 .map(|_| {
-                    let p = 0.022_750_131_948_179_2
-                        + (1.0 - 2.0 * 0.022_750_131_948_179_2) * rng.next_open01();
+                    let p = PHI_MINUS_2 + (1.0 - 2.0 * PHI_MINUS_2) * rng.next_open01();
                     let z = crate::hash::inverse_normal_cdf(p).clamp(-2.0, 2.0);
                     ((mean + std * z) as f32).clamp(lo, hi)
                 })

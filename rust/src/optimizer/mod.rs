@@ -122,7 +122,7 @@ impl OptimizerConfig {
                 if a as f32 == 0.0 && eps as f32 == 0.0 {
                     return Err(invalid(
                         "optimizer Adagrad needs initial_accumulator_value > 0 or eps > 0 \
-                         (in float32: a value below 1e-45 rounds to 0)",
+                         (in float32: a value below about 7e-46 rounds to 0)",
                     ));
                 }
             }
