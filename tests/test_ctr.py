@@ -307,14 +307,18 @@ def test_train_deepfm_rejects_bad_arguments(
 
 def test_demo_deepfm_runs_from_argv(capsys: pytest.CaptureFixture[str]) -> None:
     argv = ["--model", "deepfm", "--samples", "20000", "--scale", str(SMALL), "--epochs", "1"]
-    argv += ["--batch-size", "1024", "--no-progress", "--json"]
+    # Batches of 256 give 70 steps: with 18 steps of 1024 the AUC of one epoch spread from 0.58 to
+    # 0.68 over seeds and over the timing of the asynchronous pushes (staleness 1), too close to
+    # any fixed bound. With 70 it stays within 0.07 of the oracle's (seed 0: 0.71, oracle 0.75).
+    argv += ["--batch-size", "256", "--no-progress", "--json"]
     assert demo.main(argv) == 0
     captured = capsys.readouterr()
     lines = captured.out.strip().splitlines()
     last = json.loads(lines[-1])
     assert last["model"] == "deepfm" and last["backend"] == "pstore"
-    assert (last["epochs"], last["batch_size"], last["dim"]) == (1, 1024, 16)
-    assert last["test_auc"] > 0.6
+    assert (last["epochs"], last["batch_size"], last["dim"]) == (1, 256, 16)
+    assert last["oracle_auc"] - 0.1 < last["test_auc"] < last["oracle_auc"], last
+    assert last["test_auc"] > 0.65, last
     assert any(line.startswith("epoch 1/1") and "oracle" in line for line in lines)
     assert captured.err == ""
 
