@@ -40,8 +40,9 @@ weights 0, embeddings ``Normal(0, init_std)``; different draws) and the optimize
 
 What differs: the store sums a batch's duplicate ids' gradients in float64 (torch: float32), then
 updates in float32 as torch does; with
-``staleness >= 1`` a forward pass may read rows before the previous batch's update has landed
-(``staleness=0`` is synchronous, as torch is); the store holds only the rows it has seen, torch
+``staleness >= 1`` the training loop prefetches the next batch's rows during each backward pass
+(:meth:`pstore.torch.Embedding.prefetch`), so a forward pass reads rows before the previous
+batch's update has landed (``staleness=0`` is synchronous, as torch is); the store holds only the rows it has seen, torch
 allocates every row of the id space (and its Adagrad state) up front.
 
 Importing :mod:`pstore` never imports this module (it imports torch).
@@ -186,6 +187,14 @@ class DeepFM(nn.Module):
             flush = getattr(m, "flush", None)
             if callable(flush):
                 flush()
+
+    def prefetch(self, ids: Tensor) -> None:
+        """Start pulling the rows of the next batch's ``ids`` (see
+        :meth:`pstore.torch.Embedding.prefetch`; a no-op for torch's own modules)."""
+        for m in (self.first_order, self.embedding):
+            prefetch = getattr(m, "prefetch", None)
+            if callable(prefetch):
+                prefetch(ids)
 
 
 def make_tables(
@@ -341,12 +350,17 @@ def _fit(
             order = rng.permutation(n)
             loss_sum = 0.0
             start = time.perf_counter()
+            x = torch.from_numpy(np.take(ids, order[:batch_size], axis=0))
             for b in range(n_batches):
                 idx = order[b * batch_size : (b + 1) * batch_size]
-                x = torch.from_numpy(np.take(ids, idx, axis=0))
                 d = torch.from_numpy(np.take(train.dense, idx, axis=0))
                 y = torch.from_numpy(np.take(train.labels, idx))
                 loss = F.binary_cross_entropy_with_logits(model(x, d), y)
+                if b + 1 < n_batches:
+                    # The store pulls the next batch's rows during this one's backward pass.
+                    following = order[(b + 1) * batch_size : (b + 2) * batch_size]
+                    x = torch.from_numpy(np.take(ids, following, axis=0))
+                    model.prefetch(x)
                 dense_optimizer.zero_grad(set_to_none=True)
                 if sparse_optimizer is not None:
                     sparse_optimizer.zero_grad(set_to_none=True)
@@ -445,8 +459,8 @@ def train_deepfm(
     initial_accumulator_value : float
         Adagrad's starting ``sum`` (see the module's docs).
     staleness : int
-        See :mod:`pstore.torch`: 0 is synchronous, 1 lets a batch's pushes overlap the next
-        forward pass.
+        See :mod:`pstore.torch`: 0 is synchronous; 1 lets a batch's pushes overlap the next
+        forward pass, and the next batch's rows are prefetched during each backward pass.
     seed : int
         Seed of the tables' initialisers, the dense initial values and the batch order.
     prefix : str

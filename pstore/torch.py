@@ -20,6 +20,17 @@ lets the pushes of the previous batch overlap with the next forward pass, so a r
 consecutive batches share may be read before the first batch's update to it lands. Call
 :meth:`flush` before evaluating or snapshotting to wait for everything.
 
+**Prefetching.** With ``staleness >= 1``, ``module.prefetch(next_ids)`` starts pulling the rows
+of the next batch on a background thread, so that the store's work overlaps the current batch's
+forward and backward passes instead of holding up the next forward pass (the pipelining of
+TorchRec's training pipelines). Call it once the previous batch's backward pass is done and
+before the current one's; the next forward pass whose ids equal ``next_ids`` uses the rows. The
+prefetch first waits for every push that forward pass would have waited for, so the staleness
+bound holds as it is: with ``staleness=1``, rows that the current batch updates are read
+before that update lands (the bound allows it; without a prefetch it happens only when the push
+is slow). With ``staleness=0``, under ``torch.no_grad()``, or when the ids differ, the forward
+pass pulls as it would have.
+
 **Evaluation.** Under ``torch.no_grad()`` a forward pass creates no rows: ids the table lacks
 get their initial value (what a training pull would create) without being stored, so evaluating
 on new ids does not grow the tables.
@@ -32,7 +43,8 @@ from __future__ import annotations
 import collections
 import threading
 import weakref
-from typing import Any
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import Any, NamedTuple
 
 import numpy as np
 import torch
@@ -46,6 +58,39 @@ __all__ = ["Embedding", "EmbeddingBag"]
 
 
 _last = threading.local()
+
+
+class _Prefetch(NamedTuple):
+    ids: Tensor  # the tensor prefetch() was given, and its version then
+    version: int
+    keys: np.ndarray
+    inverse: Tensor
+    rows: Future[np.ndarray]
+
+
+_prefetch_pool: ThreadPoolExecutor | None = None
+_prefetch_lock = threading.Lock()
+
+
+def _prefetcher() -> ThreadPoolExecutor:
+    """The threads that run prefetches (created on first use; a pull releases the GIL)."""
+    global _prefetch_pool
+    with _prefetch_lock:
+        if _prefetch_pool is None:
+            _prefetch_pool = ThreadPoolExecutor(max_workers=4, thread_name_prefix="pstore-prefetch")
+        return _prefetch_pool
+
+
+def _pull_after(table: Any, pushes: list[Any], keys: np.ndarray) -> np.ndarray:
+    """``table.pull(keys)`` once ``pushes`` have been applied."""
+    for handle in pushes:
+        handle.wait()
+    return table.pull(keys)
+
+
+def _check_ids(ids: Tensor) -> None:
+    if ids.dtype not in (torch.int64, torch.int32):
+        raise DtypeError(f"ids must be an int64 (or int32) tensor, got {ids.dtype}")
 
 
 def _unique(ids: Tensor) -> tuple[np.ndarray, Tensor]:
@@ -98,8 +143,10 @@ class _StoreRows(nn.Module):
         self.table = table
         self.staleness = staleness
         self._pending: collections.deque[Any] = collections.deque()
+        self._prefetched: _Prefetch | None = None
         self.pushes = 0
         self.ids_pulled = 0
+        self.prefetch_hits = 0
 
     @property
     def dim(self) -> int:
@@ -107,21 +154,64 @@ class _StoreRows(nn.Module):
         return int(self.table.dim)
 
     def flush(self) -> None:
-        """Wait until every gradient pushed so far has been applied."""
+        """Wait until every gradient pushed so far has been applied (and forget a prefetch: the
+        next forward pass reads rows with all of them)."""
+        self._drop_prefetch()
         while self._pending:
             self._pending.popleft().wait()
+
+    def prefetch(self, ids: Tensor) -> None:
+        """Start pulling the rows of ``ids``, the next forward pass's, in the background.
+
+        Call it after the previous batch's backward pass and before the current one's (see the
+        module's docs). A no-op with ``staleness=0`` and under ``torch.no_grad()``.
+        """
+        _check_ids(ids)
+        self._drop_prefetch()
+        if self.staleness == 0 or not torch.is_grad_enabled():
+            return
+        keys, inverse = _unique(ids)
+        # The next forward pass comes after one more push (this batch's): it would wait for all
+        # but the newest `staleness` of those, that is all but the newest `staleness - 1` here.
+        older = list(self._pending)[: max(0, len(self._pending) - (self.staleness - 1))]
+        future = _prefetcher().submit(_pull_after, self.table, older, keys)
+        self._prefetched = _Prefetch(ids, ids._version, keys, inverse, future)
+
+    def _drop_prefetch(self) -> None:
+        """Forget an unused prefetch, once its pull is over (it may have created rows)."""
+        p, self._prefetched = self._prefetched, None
+        if p is not None:
+            p.rows.exception()  # waits; an error of an unused prefetch does not matter
+
+    def _take_prefetch(self, ids: Tensor) -> tuple[np.ndarray, Tensor, np.ndarray] | None:
+        """(keys, inverse, rows) of the prefetch of ``ids`` if there is one, else None."""
+        p = self._prefetched
+        if p is None:
+            return None
+        same = p.ids is ids and p.version == ids._version
+        if not same and p.ids.shape == ids.shape and p.ids.dtype == ids.dtype:
+            same = bool(torch.equal(p.ids, ids.to(p.ids.device)))
+        if not same:
+            self._drop_prefetch()
+            return None
+        self._prefetched = None
+        return p.keys, p.inverse, p.rows.result()
 
     def _rows(self, ids: Tensor) -> tuple[Tensor, Tensor]:
         """The unique rows of ``ids`` (a leaf tensor whose gradient is pushed) and the index of
         each id's row among them."""
-        if ids.dtype not in (torch.int64, torch.int32):
-            raise DtypeError(f"ids must be an int64 (or int32) tensor, got {ids.dtype}")
+        _check_ids(ids)
         while len(self._pending) > self.staleness:
             self._pending.popleft().wait()
-        keys, inverse = _unique(ids)
+        got = self._take_prefetch(ids) if torch.is_grad_enabled() else None
+        if got is not None:
+            keys, inverse, pulled = got
+            self.prefetch_hits += 1
+        else:
+            keys, inverse = _unique(ids)
         self.ids_pulled += len(keys)
         if torch.is_grad_enabled():
-            rows = torch.from_numpy(self.table.pull(keys))
+            rows = torch.from_numpy(pulled if got is not None else self.table.pull(keys))
             rows.requires_grad_(True)
             rows.register_hook(lambda grad: self._push(keys, grad))
         else:

@@ -145,6 +145,90 @@ def test_async_pushes_are_bounded_by_staleness_and_flush_waits() -> None:
     assert t.stats()["pushes"] == 5
 
 
+def test_prefetched_rows_are_the_ones_a_pull_gives() -> None:
+    _store, t = _store_and_table(seed=5)
+    rec = _Recorder(t)
+    emb = pt.Embedding(rec, staleness=1)
+    ids = torch.tensor([[3, 4, 4], [9, 3, 1]])
+    want = torch.from_numpy(t.pull(np.array([3, 4, 9, 1])))
+    emb.prefetch(ids)
+    out = emb(ids)
+    assert emb.prefetch_hits == 1
+    torch.testing.assert_close(out[0, 0], want[0], rtol=0, atol=0)
+    torch.testing.assert_close(out[1, 0], want[2], rtol=0, atol=0)
+    out.sum().backward()
+    emb.flush()
+    # The gradient goes to the prefetched keys, each once, as without a prefetch.
+    ((keys, grads),) = rec.seen
+    assert sorted(keys.tolist()) == [1, 3, 4, 9]
+    counts = {1: 1, 3: 2, 4: 2, 9: 1}
+    np.testing.assert_array_equal(grads[:, 0], [counts[k] for k in keys.tolist()])
+
+
+def test_prefetch_keeps_the_staleness_bound() -> None:
+    """SGD lr 1 with gradient 1 per row: a row's value tells how many pushes it has seen. The
+    prefetch of batch k (made after batch k-1's forward pass, before its backward pass) waits
+    for pushes 1..k-2, so batch k sees k-2 or k-1 pushes; the staleness-1 bound is k-1 - 1."""
+    _store, t = _store_and_table(seed=1)
+    emb = pt.Embedding(t, staleness=1)
+    ids = torch.tensor([7, 8])
+    start = torch.from_numpy(t.pull(np.array([7, 8])))
+    nxt = ids.clone()
+    seen = []
+    for _ in range(29):
+        out = emb(nxt)
+        seen.append(round(float((start - out.detach())[0, 0])))
+        nxt = ids.clone()  # a new tensor with the same ids
+        emb.prefetch(nxt)
+        out.sum().backward()
+    emb.flush()
+    assert emb.prefetch_hits == 28
+    for k, pushes in enumerate(seen, start=1):
+        assert max(0, k - 2) <= pushes <= k - 1, (k, seen)
+    np.testing.assert_allclose(t.pull(np.array([7, 8])), start.numpy() - 29, rtol=1e-6)
+
+
+def test_a_prefetch_is_used_only_by_the_same_ids() -> None:
+    _store, t = _store_and_table(seed=2)
+    emb = pt.Embedding(t, staleness=1)
+    emb.prefetch(torch.tensor([1, 2]))
+    out = emb(torch.tensor([1, 3]))  # other ids: the prefetch is dropped, the pull done
+    assert emb.prefetch_hits == 0 and emb._prefetched is None
+    torch.testing.assert_close(out, torch.from_numpy(t.pull(np.array([1, 3]))), rtol=0, atol=0)
+    emb.prefetch(torch.tensor([1, 2]))
+    emb.flush()  # flush() drops it: the next forward pass reads every push
+    assert emb._prefetched is None
+    emb.prefetch(torch.tensor([4, 5]))
+    emb(torch.tensor([4, 5]))  # equal values in another tensor count
+    assert emb.prefetch_hits == 1
+    sync = pt.Embedding(t, staleness=0)
+    sync.prefetch(torch.tensor([1, 2]))  # synchronous: nothing to overlap, a no-op
+    assert sync._prefetched is None
+    with torch.no_grad():
+        emb.prefetch(torch.tensor([1, 2]))
+    assert emb._prefetched is None
+    with pytest.raises(pstore.DtypeError):
+        emb.prefetch(torch.tensor([1.0]))
+
+
+def test_a_failed_prefetch_raises_in_the_forward_pass() -> None:
+    class Failing:
+        name, dim = "failing", 2
+
+        def pull(self, ids: np.ndarray) -> np.ndarray:
+            raise pstore.InvalidArgumentError("the table is gone")
+
+        def push_async(self, ids: np.ndarray, grads: np.ndarray) -> None:
+            raise AssertionError("never reached")
+
+    emb = pt.Embedding(Failing(), staleness=1)
+    emb.prefetch(torch.tensor([1, 2]))
+    with pytest.raises(pstore.InvalidArgumentError, match="the table is gone"):
+        emb(torch.tensor([1, 2]))
+    emb.prefetch(torch.tensor([1, 2]))
+    emb.flush()  # an unused prefetch's error is dropped with it
+
+
 def test_no_grad_pulls_without_pushing() -> None:
     _store, t = _store_and_table()
     emb = pt.EmbeddingBag(t, mode="sum")
