@@ -3,7 +3,8 @@
 The model, data, batch size and optimizer settings of `pstore.ctr`, trained side by side in one
 process: the pure-torch twin (`nn.Embedding(sparse=True)` over the whole id space and
 `torch.optim.Adagrad`, `ctr.train_deepfm_torch`), pstore embedded (`ctr.train_deepfm` on a
-`pstore.Store()`, with the module's default staleness 1 and synchronously, staleness 0), and pstore
+`pstore.Store()`, with the module's default staleness 1, synchronously (staleness 0), and with
+staleness 1 and `prefetch=True`: the next batch's rows pulled during each backward pass), and pstore
 remote (`ctr.train_deepfm` on `pstore.connect` to two `pstore serve` processes on loopback).
 Reports training samples/s, test AUC, rows held, table bytes per row and resident memory.
 
@@ -42,6 +43,7 @@ from workloads import GIB, Context, Section
 W8_TORCH = "torch"
 W8_EMBEDDED = "pstore embedded"
 W8_SYNC = "pstore embedded, staleness 0"
+W8_PREFETCH = "pstore embedded, prefetch"
 W8_REMOTE = "pstore remote, 2 servers"
 W8_SERVERS = 2
 W8_SEED = 0
@@ -132,11 +134,21 @@ def _train_torch(ctr: ModuleType, train: Any, test: Any, kw: dict[str, Any]) -> 
 
 
 def _train_embedded(
-    pstore: ModuleType, ctr: ModuleType, train: Any, test: Any, kw: dict[str, Any], staleness: int
+    pstore: ModuleType,
+    ctr: ModuleType,
+    train: Any,
+    test: Any,
+    kw: dict[str, Any],
+    staleness: int,
+    prefetch: bool = False,
 ) -> dict[str, Any]:
     store = pstore.Store()
     try:
-        return _measured(lambda: ctr.train_deepfm(store, train, test, staleness=staleness, **kw))
+        return _measured(
+            lambda: ctr.train_deepfm(
+                store, train, test, staleness=staleness, prefetch=prefetch, **kw
+            )
+        )
     finally:
         store.close()
 
@@ -293,6 +305,8 @@ def w8_torch_ctr(ctx: Context) -> Section:
         W8_TORCH: functools.partial(_train_torch, ctr, train, test, kw),
         W8_EMBEDDED: functools.partial(_train_embedded, pstore, ctr, train, test, kw, 1),
         W8_SYNC: functools.partial(_train_embedded, pstore, ctr, train, test, kw, 0),
+        # The next batch's rows pulled during each backward pass (staleness 1 still bounds it).
+        W8_PREFETCH: functools.partial(_train_embedded, pstore, ctr, train, test, kw, 1, True),
     }
     skipped: dict[str, str] = {}
     work = Path(tempfile.mkdtemp(prefix="pstore-w8-"))
@@ -353,6 +367,7 @@ def _rows(
             row.extra.update(auc_diff=diff, auc_met=abs(diff) <= W8_AUC_TOL)
         row.extra.update(
             staleness=ms[0]["staleness"],
+            prefetch=ms[0].get("prefetch", False),
             steps=-(-ms[0]["n_train"] // ms[0]["batch_size"]) * ms[0]["epochs"],
             wall_s=[m["wall_s"] for m in ms],
             train_s=[m["train_seconds"] for m in ms],

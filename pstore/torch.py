@@ -28,8 +28,9 @@ before the current one's; the next forward pass whose ids equal ``next_ids`` use
 prefetch first waits for every push that forward pass would have waited for, so the staleness
 bound holds as it is: with ``staleness=1``, rows that the current batch updates are read
 before that update lands (the bound allows it; without a prefetch it happens only when the push
-is slow). With ``staleness=0``, under ``torch.no_grad()``, or when the ids differ, the forward
-pass pulls as it would have.
+is slow), which costs accuracy where consecutive batches share most of their rows (a small id
+space; see :mod:`pstore.ctr`). With ``staleness=0``, under ``torch.no_grad()``, or when the
+ids differ, the forward pass pulls as it would have.
 
 **Evaluation.** Under ``torch.no_grad()`` a forward pass creates no rows: ids the table lacks
 get their initial value (what a training pull would create) without being stored, so evaluating
