@@ -43,7 +43,7 @@ updates in float32 as torch does; with
 ``staleness >= 1`` a forward pass may read rows before the previous batch's update has landed
 (``staleness=0`` is synchronous, as torch is), and with ``prefetch=True`` it always does: the
 next batch's rows are pulled during the backward pass (one epoch of the 45,000-sample test set,
-batches of 512: AUC 0.704 with it, 0.718 to 0.723 without, torch 0.725; at W8's scale the
+batches of 512: AUC 0.701 to 0.704 with it, 0.718 to 0.723 without, torch 0.725; at W8's scale the
 difference was 0.0001); the store holds only the rows it has seen, torch
 allocates every row of the id space (and its Adagrad state) up front.
 

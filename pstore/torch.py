@@ -204,19 +204,19 @@ class _StoreRows(nn.Module):
         _check_ids(ids)
         while len(self._pending) > self.staleness:
             self._pending.popleft().wait()
-        got = self._take_prefetch(ids) if torch.is_grad_enabled() else None
+        training = torch.is_grad_enabled()
+        got = self._take_prefetch(ids) if training else None
         if got is not None:
             keys, inverse, pulled = got
             self.prefetch_hits += 1
         else:
             keys, inverse = _unique(ids)
+            pulled = self.table.pull(keys) if training else self._peek(keys)
         self.ids_pulled += len(keys)
-        if torch.is_grad_enabled():
-            rows = torch.from_numpy(pulled if got is not None else self.table.pull(keys))
+        rows = torch.from_numpy(pulled)
+        if training:
             rows.requires_grad_(True)
             rows.register_hook(lambda grad: self._push(keys, grad))
-        else:
-            rows = torch.from_numpy(self._peek(keys))
         return rows, inverse.reshape(ids.shape)
 
     def _peek(self, keys: np.ndarray) -> np.ndarray:
