@@ -3,9 +3,11 @@
 The model, data, batch size and optimizer settings of `pstore.ctr`, trained side by side in one
 process: the pure-torch twin (`nn.Embedding(sparse=True)` over the whole id space and
 `torch.optim.Adagrad`, `ctr.train_deepfm_torch`), pstore embedded (`ctr.train_deepfm` on a
-`pstore.Store()`, with the module's default staleness 1, synchronously (staleness 0), and with
-staleness 1 and `prefetch=True`: the next batch's rows pulled during each backward pass), and pstore
-remote (`ctr.train_deepfm` on `pstore.connect` to two `pstore serve` processes on loopback).
+`pstore.Store()`: with the modules' defaults, the store's work on torch's OpenMP threads and each
+push applied in the backward pass; with `share_threads=False`, the store's own pool, at staleness 1
+(asynchronous pushes) and 0; and with `prefetch=True`: the next batch's rows pulled during each
+backward pass), and pstore remote (`ctr.train_deepfm` on `pstore.connect` to two `pstore serve`
+processes on loopback).
 Reports training samples/s, test AUC, rows held, table bytes per row and resident memory.
 
 Run by run.py (`--only W8`).
@@ -42,7 +44,8 @@ from workloads import GIB, Context, Section
 
 W8_TORCH = "torch"
 W8_EMBEDDED = "pstore embedded"
-W8_SYNC = "pstore embedded, staleness 0"
+W8_OWN = "pstore embedded, own pool"
+W8_SYNC = "pstore embedded, own pool, staleness 0"
 W8_PREFETCH = "pstore embedded, prefetch"
 W8_REMOTE = "pstore remote, 2 servers"
 W8_SERVERS = 2
@@ -141,14 +144,14 @@ def _train_embedded(
     kw: dict[str, Any],
     staleness: int,
     prefetch: bool = False,
+    share_threads: bool = True,
 ) -> dict[str, Any]:
     store = pstore.Store()
+    opts = {"staleness": staleness, "prefetch": prefetch}
+    if not share_threads:
+        opts["share_threads"] = False
     try:
-        return _measured(
-            lambda: ctr.train_deepfm(
-                store, train, test, staleness=staleness, prefetch=prefetch, **kw
-            )
-        )
+        return _measured(lambda: ctr.train_deepfm(store, train, test, **opts, **kw))
     finally:
         store.close()
 
@@ -303,8 +306,11 @@ def w8_torch_ctr(ctx: Context) -> Section:
     kw["progress"] = False
     contenders: dict[str, Callable[[], dict[str, Any]]] = {
         W8_TORCH: functools.partial(_train_torch, ctr, train, test, kw),
+        # The store's work on torch's OpenMP threads, pushes applied in the backward pass.
         W8_EMBEDDED: functools.partial(_train_embedded, pstore, ctr, train, test, kw, 1),
-        W8_SYNC: functools.partial(_train_embedded, pstore, ctr, train, test, kw, 0),
+        # The store's own pool: asynchronous pushes (staleness 1), then synchronous ones.
+        W8_OWN: functools.partial(_train_embedded, pstore, ctr, train, test, kw, 1, False, False),
+        W8_SYNC: functools.partial(_train_embedded, pstore, ctr, train, test, kw, 0, False, False),
         # The next batch's rows pulled during each backward pass (staleness 1 still bounds it).
         W8_PREFETCH: functools.partial(_train_embedded, pstore, ctr, train, test, kw, 1, True),
     }
@@ -368,6 +374,7 @@ def _rows(
         row.extra.update(
             staleness=ms[0]["staleness"],
             prefetch=ms[0].get("prefetch", False),
+            share_threads=ms[0].get("share_threads", False),
             steps=-(-ms[0]["n_train"] // ms[0]["batch_size"]) * ms[0]["epochs"],
             wall_s=[m["wall_s"] for m in ms],
             train_s=[m["train_seconds"] for m in ms],
@@ -432,32 +439,42 @@ def _rjust(headers: list[str], lines: list[list[str]], cols: set[int]) -> list[l
     return lines
 
 
+def _threads(impl: str, e: dict[str, Any]) -> str:
+    """Where a contender's sparse work ran."""
+    if impl == W8_TORCH:
+        return "torch"
+    if impl == W8_REMOTE:
+        return "servers"
+    return "torch's" if e.get("share_threads") else "own pool"
+
+
 def format_w8(sec: Section) -> str:
     rows = sec.rows
     if not rows:
         return "   (no rows)"
     parts = sec.config.get("parts", {})
-    headers = ["impl", "staleness", "samples/s median", "samples/s min-max", "ratio", "ratio of"]
-    headers += ["target", "met", "test AUC", "AUC min-max", "dAUC", "AUC target", "met"]
+    headers = ["impl", "staleness", "threads", "samples/s median", "samples/s min-max", "ratio"]
+    headers += ["ratio of", "target", "met", "test AUC", "AUC min-max", "dAUC", "AUC target", "met"]
     headers += ["wall s each"]
     met = {None: "", True: "yes", False: "NO"}
     lines = []
     for r in rows:
         e = r.extra
         if r.status != "ok":
-            lines.append([r.impl, "", "-", "-", "", "", r.target, r.status, *[""] * 6])
+            lines.append([r.impl, "", "", "-", "-", "", "", r.target, r.status, *[""] * 6])
             continue
         aucs = e["auc"]
         diff = e.get("auc_diff")
         lines.append(
-            [r.impl, str(e["staleness"]), fmt_ids(statistics.median(r.samples)),
+            [r.impl, str(e["staleness"]), _threads(r.impl, e),
+             fmt_ids(statistics.median(r.samples)),
              f"{fmt_ids(min(r.samples))}-{fmt_ids(max(r.samples))}",
              "" if r.ratio is None else f"{r.ratio:.2f}x", r.ratio_of, r.target, met[r.met],
              f"{e['auc_median']:.4f}", f"{min(aucs):.4f}-{max(aucs):.4f}",
              "" if diff is None else f"{diff:+.4f}", "" if diff is None else f"|d|<={W8_AUC_TOL}",
              met[e.get("auc_met")], "/".join(f"{s:.3g}" for s in e["wall_s"])]
         )  # fmt: skip
-    lines = _rjust(headers, lines, {1, 2, 3, 4, 8, 9, 10, 13})
+    lines = _rjust(headers, lines, {1, 3, 4, 5, 9, 10, 11, 14})
     out = [f"-- a: {parts.get('a', '')}\n" + format_table(headers, lines)]
     headers = ["impl", "rows held", "table bytes", "B/row", "B/id trained", "RSS growth each"]
     headers += ["RSS growth/row", "servers' RSS growth", "detail"]

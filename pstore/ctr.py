@@ -39,7 +39,9 @@ weights 0, embeddings ``Normal(0, init_std)``; different draws) and the optimize
   training set's log-odds.
 
 What differs: the store sums a batch's duplicate ids' gradients in float64 (torch: float32), then
-updates in float32 as torch does; with
+updates in float32 as torch does; when the store's work shares torch's threads (the default on
+Linux with torch on several threads, see :mod:`pstore.torch`) each push is applied in the
+backward pass, as torch's step is; otherwise (``share_threads=False``, a remote store) with
 ``staleness >= 1`` a forward pass may read rows before the previous batch's update has landed
 (``staleness=0`` is synchronous, as torch is), and with ``prefetch=True`` it always does: the
 next batch's rows are pulled during the backward pass (one epoch of the 45,000-sample test set,
@@ -247,6 +249,7 @@ def pstore_deepfm(
     init_std: float = DEFAULT_INIT_STD,
     initial_accumulator_value: float = DEFAULT_INITIAL_ACCUMULATOR,
     staleness: int = 1,
+    share_threads: bool = True,
     seed: int = 0,
     prefix: str = "deepfm",
 ) -> DeepFM:
@@ -262,8 +265,8 @@ def pstore_deepfm(
         prefix=prefix,
     )
     return DeepFM(
-        pstore_torch.Embedding(first, staleness=staleness),
-        pstore_torch.Embedding(emb, staleness=staleness),
+        pstore_torch.Embedding(first, staleness=staleness, share_threads=share_threads),
+        pstore_torch.Embedding(emb, staleness=staleness, share_threads=share_threads),
         n_fields,
         n_dense,
         dim,
@@ -433,6 +436,7 @@ def train_deepfm(
     initial_accumulator_value: float = DEFAULT_INITIAL_ACCUMULATOR,
     staleness: int = 1,
     prefetch: bool = False,
+    share_threads: bool = True,
     seed: int = 0,
     prefix: str = "deepfm",
     progress: bool = True,
@@ -470,6 +474,9 @@ def train_deepfm(
         (:meth:`pstore.torch.Embedding.prefetch`; with ``staleness >= 1``). Faster, and every
         row the current batch updates is then read before that update lands: on a small id
         space, where consecutive batches share most rows, it costs AUC (see the module's docs).
+    share_threads : bool
+        Run the embedded store's work on torch's OpenMP threads, pushes applied in the backward
+        pass (see :mod:`pstore.torch`); False keeps the store's own pool.
     seed : int
         Seed of the tables' initialisers, the dense initial values and the batch order.
     prefix : str
@@ -492,7 +499,8 @@ def train_deepfm(
         (``"pstore"``), ``dataset``, ``n_train``, ``n_test``, ``n_fields``, ``n_dense``,
         ``id_space`` (sum of the cardinalities), ``dim``, ``hidden``, ``epochs``,
         ``batch_size``, ``lr``, ``initial_accumulator_value``, ``dense_lr``, ``staleness``,
-        ``prefetch``, ``seed``, ``torch_threads``, ``store_threads``.
+        ``prefetch``, ``share_threads`` (whether the store's work ran on torch's threads),
+        ``seed``, ``torch_threads``, ``store_threads``.
     """
     _check(train, test, epochs, batch_size)
     model = pstore_deepfm(
@@ -505,6 +513,7 @@ def train_deepfm(
         init_std=init_std,
         initial_accumulator_value=initial_accumulator_value,
         staleness=staleness,
+        share_threads=share_threads,
         seed=seed,
         prefix=prefix,
     )
@@ -533,6 +542,7 @@ def train_deepfm(
         "initial_accumulator_value": initial_accumulator_value,
         "staleness": staleness,
         "prefetch": prefetch,
+        "share_threads": bool(getattr(model.embedding, "shares_threads", False)),
         "rows": {name: int(s["rows"]) for name, s in stats.items()},
         "table_bytes": {name: int(s.get("bytes_used", 0)) for name, s in stats.items()},
         "store_threads": getattr(store_or_remote, "threads", None),

@@ -32,6 +32,20 @@ is slow), which costs accuracy where consecutive batches share most of their row
 space; see :mod:`pstore.ctr`). With ``staleness=0``, under ``torch.no_grad()``, or when the
 ids differ, the forward pass pulls as it would have.
 
+**Sharing torch's threads.** With the embedded store, a module's store calls (the pull, the
+push, the gradient sums) run their batch on the training thread's OpenMP team, the threads torch
+itself computes with, instead of on the store's own pool. On a machine whose cores torch's team
+already fills, the two pools would otherwise fight for them: after each of its parallel regions,
+torch's OpenMP workers spin for a while before they sleep, and a store call made then shares a
+core with a spinning thread. With the shared team the store's work runs on those very workers,
+so the store and the model take turns on the cores, and the push is applied synchronously in
+the backward pass (there is no idle core for an asynchronous one to use; every forward pass then
+sees every earlier push, which ``staleness`` allows). ``share_threads=False`` keeps the store's
+pool and the asynchronous pushes. Nothing is shared when torch runs on one thread
+(``torch.set_num_threads(1)``: the other cores are the store's), with a remote store (its work
+runs on the servers), or where no OpenMP runtime torch loaded can be found (only Linux's
+``/proc/self/maps`` is searched).
+
 **Evaluation.** Under ``torch.no_grad()`` a forward pass creates no rows: ids the table lacks
 get their initial value (what a training pull would create) without being stored, so evaluating
 on new ids does not grow the tables.
@@ -59,6 +73,26 @@ __all__ = ["Embedding", "EmbeddingBag"]
 
 
 _last = threading.local()
+
+
+def _torch_openmp() -> str | None:
+    """The path of the OpenMP runtime loaded in this process (torch's), bound for the store's
+    use; None where there is none or it cannot be found."""
+    try:
+        with open("/proc/self/maps", encoding="utf-8", errors="replace") as maps:
+            paths = {line.split(maxsplit=5)[-1].strip() for line in maps if "libgomp" in line}
+    except OSError:
+        return None
+    for path in sorted(p for p in paths if p.startswith("/")):
+        try:
+            _native.openmp_bind(path)
+        except ValueError:
+            continue
+        return path
+    return None
+
+
+_OPENMP = _torch_openmp()
 
 
 class _Prefetch(NamedTuple):
@@ -118,22 +152,42 @@ class _Gather(torch.autograd.Function):
     took most of a DeepFM step's embedding backward."""
 
     @staticmethod
-    def forward(ctx: Any, rows: Tensor, index: Tensor) -> Tensor:
+    def forward(ctx: Any, rows: Tensor, index: Tensor, shared: bool) -> Tensor:
         ctx.save_for_backward(index)
         ctx.rows = rows.shape[0]
+        ctx.shared = shared
         return rows.index_select(0, index)
 
     @staticmethod
-    def backward(ctx: Any, grad: Tensor) -> tuple[Tensor, None]:
+    def backward(ctx: Any, grad: Tensor) -> tuple[Tensor, None, None]:
         (index,) = ctx.saved_tensors
         g = grad.detach().to("cpu", torch.float32).contiguous().numpy()
-        return torch.from_numpy(_native.sum_rows(g, index.numpy(), ctx.rows)), None
+        with _on_team(ctx.shared):
+            summed = _native.sum_rows(g, index.numpy(), ctx.rows)
+        return torch.from_numpy(summed), None, None
+
+
+class _on_team:
+    """Within it, this thread's store calls run on its OpenMP team (when ``shared``)."""
+
+    __slots__ = ("shared",)
+
+    def __init__(self, shared: bool) -> None:
+        self.shared = shared
+
+    def __enter__(self) -> None:
+        if self.shared:
+            _native.openmp_join(True)
+
+    def __exit__(self, *exc: object) -> None:
+        if self.shared:
+            _native.openmp_join(False)
 
 
 class _StoreRows(nn.Module):
     """What both modules share: pulling unique rows and pushing their gradients."""
 
-    def __init__(self, table: Any, *, staleness: int = 1) -> None:
+    def __init__(self, table: Any, *, staleness: int = 1, share_threads: bool = True) -> None:
         super().__init__()
         if not hasattr(table, "pull") or not hasattr(table, "push_async"):
             raise InvalidArgumentError(
@@ -141,8 +195,12 @@ class _StoreRows(nn.Module):
             )
         if not isinstance(staleness, int) or isinstance(staleness, bool) or staleness < 0:
             raise InvalidArgumentError(f"staleness must be an int >= 0, got {staleness!r}")
+        if not isinstance(share_threads, bool):
+            raise InvalidArgumentError(f"share_threads must be a bool, got {share_threads!r}")
         self.table = table
         self.staleness = staleness
+        self.share_threads = share_threads
+        self._embedded = isinstance(getattr(table, "_inner", None), _native.SparseTable)
         self._pending: collections.deque[Any] = collections.deque()
         self._prefetched: _Prefetch | None = None
         self.pushes = 0
@@ -153,6 +211,17 @@ class _StoreRows(nn.Module):
     def dim(self) -> int:
         """The row width (the table's dim)."""
         return int(self.table.dim)
+
+    @property
+    def shares_threads(self) -> bool:
+        """Whether the store's work runs on torch's OpenMP team now (see the module's docs):
+        ``share_threads``, an embedded table, a runtime found, and torch on several threads."""
+        return (
+            self.share_threads
+            and self._embedded
+            and _OPENMP is not None
+            and torch.get_num_threads() > 1
+        )
 
     def flush(self) -> None:
         """Wait until every gradient pushed so far has been applied (and forget a prefetch: the
@@ -198,26 +267,28 @@ class _StoreRows(nn.Module):
         self._prefetched = None
         return p.keys, p.inverse, p.rows.result()
 
-    def _rows(self, ids: Tensor) -> tuple[Tensor, Tensor]:
-        """The unique rows of ``ids`` (a leaf tensor whose gradient is pushed) and the index of
-        each id's row among them."""
+    def _rows(self, ids: Tensor) -> tuple[Tensor, Tensor, bool]:
+        """The unique rows of ``ids`` (a leaf tensor whose gradient is pushed), the index of
+        each id's row among them, and whether the store's work shares torch's threads."""
         _check_ids(ids)
         while len(self._pending) > self.staleness:
             self._pending.popleft().wait()
         training = torch.is_grad_enabled()
+        shared = self.shares_threads
         got = self._take_prefetch(ids) if training else None
         if got is not None:
             keys, inverse, pulled = got
             self.prefetch_hits += 1
         else:
             keys, inverse = _unique(ids)
-            pulled = self.table.pull(keys) if training else self._peek(keys)
+            with _on_team(shared):
+                pulled = self.table.pull(keys) if training else self._peek(keys)
         self.ids_pulled += len(keys)
         rows = torch.from_numpy(pulled)
         if training:
             rows.requires_grad_(True)
-            rows.register_hook(lambda grad: self._push(keys, grad))
-        return rows, inverse.reshape(ids.shape)
+            rows.register_hook(lambda grad: self._push(keys, grad, shared))
+        return rows, inverse.reshape(ids.shape), shared
 
     def _peek(self, keys: np.ndarray) -> np.ndarray:
         """The rows of ``keys`` without creating any: evaluation (under ``torch.no_grad()``)
@@ -230,15 +301,24 @@ class _StoreRows(nn.Module):
             rows[have] = self.table.pull(keys[have])
         return rows
 
-    def _push(self, keys: np.ndarray, grad: Tensor) -> None:
+    def _push(self, keys: np.ndarray, grad: Tensor, shared: bool) -> None:
         g = grad.detach().to("cpu", torch.float32).contiguous().numpy()
-        self._pending.append(self.table.push_async(keys, g))
+        if shared:  # applied now, on torch's team, after any push still queued
+            while self._pending:
+                self._pending.popleft().wait()
+            with _on_team(True):
+                self.table.push(keys, g)
+        else:
+            self._pending.append(self.table.push_async(keys, g))
         self.pushes += 1
         if self.staleness == 0:
             self.flush()
 
     def extra_repr(self) -> str:
-        return f"table={self.table.name!r}, dim={self.dim}, staleness={self.staleness}"
+        return (
+            f"table={self.table.name!r}, dim={self.dim}, staleness={self.staleness}, "
+            f"share_threads={self.share_threads}"
+        )
 
 
 class Embedding(_StoreRows):
@@ -251,11 +331,14 @@ class Embedding(_StoreRows):
     staleness : int
         How many backward passes' pushes a forward pass may run ahead of (0: synchronous); see
         the module's docs.
+    share_threads : bool
+        Run the embedded store's work on torch's OpenMP threads, pushes applied in the backward
+        pass (see the module's docs); False keeps the store's own pool and asynchronous pushes.
     """
 
     def forward(self, ids: Tensor) -> Tensor:
-        rows, index = self._rows(ids)
-        out = _Gather.apply(rows, index.reshape(-1)).reshape(*index.shape, rows.shape[1])
+        rows, index, shared = self._rows(ids)
+        out = _Gather.apply(rows, index.reshape(-1), shared).reshape(*index.shape, rows.shape[1])
         return out.to(ids.device)
 
 
@@ -276,8 +359,9 @@ class EmbeddingBag(_StoreRows):
         *,
         staleness: int = 1,
         include_last_offset: bool = False,
+        share_threads: bool = True,
     ) -> None:
-        super().__init__(table, staleness=staleness)
+        super().__init__(table, staleness=staleness, share_threads=share_threads)
         if mode not in ("sum", "mean", "max"):
             raise InvalidArgumentError(f"mode must be 'sum', 'mean' or 'max', got {mode!r}")
         self.mode = mode
@@ -289,7 +373,7 @@ class EmbeddingBag(_StoreRows):
         offsets: Tensor | None = None,
         per_sample_weights: Tensor | None = None,
     ) -> Tensor:
-        rows, index = self._rows(input)
+        rows, index, _ = self._rows(input)
         if offsets is not None:
             offsets = offsets.to("cpu", torch.int64)
         if per_sample_weights is not None:

@@ -136,13 +136,93 @@ def test_pushes_reach_the_optimizer_and_sync_mode_sees_them() -> None:
 
 def test_async_pushes_are_bounded_by_staleness_and_flush_waits() -> None:
     _store, t = _store_and_table(lr=0.1)
-    emb = pt.Embedding(t, staleness=2)
+    emb = pt.Embedding(t, staleness=2, share_threads=False)
     for _ in range(5):
         emb(torch.tensor([1, 2, 3])).sum().backward()
         assert len(emb._pending) <= 3
     emb.flush()
     assert not emb._pending
     assert t.stats()["pushes"] == 5
+
+
+@pytest.fixture
+def two_torch_threads():  # type: ignore[no-untyped-def]
+    """torch on two threads (what a 2-core CI machine has anyway), restored after."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(2)
+    yield
+    torch.set_num_threads(before)
+
+
+@pytest.mark.usefixtures("two_torch_threads")
+def test_store_work_shares_torchs_threads() -> None:
+    from pstore import _native
+
+    assert pt._OPENMP is not None and "libgomp" in pt._OPENMP
+    assert _native.openmp_bound() == pt._OPENMP
+    _store, t = _store_and_table(lr=1.0)
+    emb = pt.Embedding(t, staleness=2)
+    assert emb.shares_threads and "share_threads=True" in repr(emb)
+    before = t.pull(np.array([1, 2]))
+    for step in range(1, 4):
+        emb(torch.tensor([1, 2, 2])).sum().backward()
+        # Applied in the backward pass, on this thread, which leaves its team afterwards.
+        assert not emb._pending and not _native.openmp_joined()
+        np.testing.assert_allclose(t.pull(np.array([1, 2])), before - step * np.array([[1], [2]]))
+    assert not pt.Embedding(t, share_threads=False).shares_threads
+    assert not pt.Embedding(_Recorder(t)).shares_threads  # not an embedded store's table
+    torch.set_num_threads(1)  # one torch thread: the other cores are the store pool's
+    assert not emb.shares_threads
+    with pytest.raises(pstore.InvalidArgumentError, match="share_threads"):
+        pt.Embedding(t, share_threads=1)  # type: ignore[arg-type]
+
+
+@pytest.mark.usefixtures("two_torch_threads")
+def test_shared_threads_train_the_same_rows_as_the_own_pool() -> None:
+    """Batches large enough for the parallel paths (shards on the team, gradient sums split
+    over it): Adagrad rows equal bit for bit to those of the store's own pool."""
+    rng = np.random.default_rng(4)
+    batches = [torch.from_numpy(rng.integers(0, 30_000, (4000, 6))) for _ in range(3)]
+    rows = []
+    for share in (True, False):
+        store = pstore.Store()
+        t = store.create_sparse_table(
+            "emb",
+            8,
+            optimizer=pstore.optim.Adagrad(lr=0.1),
+            initializer=pstore.init.Normal(0.0, 0.1),
+            seed=3,
+        )
+        emb = pt.Embedding(t, staleness=0, share_threads=share)
+        assert emb.shares_threads is share
+        for ids in batches:
+            (emb(ids) ** 2).sum().backward()
+        emb.flush()
+        rows.append(t.pull(np.arange(30_000)))
+        assert t.stats()["pushes"] == 3
+    np.testing.assert_array_equal(rows[0], rows[1])
+
+
+@pytest.mark.usefixtures("two_torch_threads")
+def test_bad_input_on_the_team_changes_nothing() -> None:
+    from pstore import _native
+
+    _store, t = _store_and_table()
+    ids = np.arange(5000, dtype=np.uint64)
+    before = t.pull(ids)
+    grads = np.ones((5000, DIM), np.float32)
+    grads[4321, 2] = np.nan
+    _native.openmp_join(True)
+    try:
+        with pytest.raises(pstore.NonFiniteError):
+            t.push(ids, grads)
+        with pytest.raises(pstore.ShapeError):
+            t.push(ids, grads[:10])
+        np.testing.assert_array_equal(t.pull(ids), before)
+    finally:
+        _native.openmp_join(False)
+    with pytest.raises(ValueError, match="OpenMP runtime"):
+        _native.openmp_bind("/no/such/libgomp.so.1")
 
 
 def test_prefetched_rows_are_the_ones_a_pull_gives() -> None:
@@ -165,12 +245,13 @@ def test_prefetched_rows_are_the_ones_a_pull_gives() -> None:
     np.testing.assert_array_equal(grads[:, 0], [counts[k] for k in keys.tolist()])
 
 
-def test_prefetch_keeps_the_staleness_bound() -> None:
+@pytest.mark.parametrize("share", [False, True])
+def test_prefetch_keeps_the_staleness_bound(share: bool) -> None:
     """SGD lr 1 with gradient 1 per row: a row's value tells how many pushes it has seen. The
     prefetch of batch k (made after batch k-1's forward pass, before its backward pass) waits
     for pushes 1..k-2, so batch k sees k-2 or k-1 pushes; the staleness-1 bound is k-1 - 1."""
     _store, t = _store_and_table(seed=1)
-    emb = pt.Embedding(t, staleness=1)
+    emb = pt.Embedding(t, staleness=1, share_threads=share)
     ids = torch.tensor([7, 8])
     start = torch.from_numpy(t.pull(np.array([7, 8])))
     nxt = ids.clone()

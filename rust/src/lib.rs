@@ -46,6 +46,7 @@ pub mod hash;
 mod idle;
 pub mod init;
 pub mod net;
+pub mod openmp;
 pub mod ops;
 pub mod optimizer;
 pub mod server;

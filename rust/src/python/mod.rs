@@ -551,6 +551,30 @@ fn sum_rows<'py>(
     out.into_pyarray(py).reshape([rows, dim])
 }
 
+/// Binds the OpenMP runtime loaded at `path` (see `crate::openmp`).
+#[pyfunction]
+fn openmp_bind(path: &str) -> PyResult<()> {
+    crate::openmp::bind(path).map_err(err)
+}
+
+/// The path of the bound OpenMP runtime, or None.
+#[pyfunction]
+fn openmp_bound() -> Option<&'static str> {
+    crate::openmp::bound()
+}
+
+/// Makes the calling thread's batches run on its OpenMP team (True) or on the store's pool.
+#[pyfunction]
+fn openmp_join(on: bool) -> PyResult<()> {
+    crate::openmp::join(on).map_err(err)
+}
+
+/// Whether the calling thread's batches run on its OpenMP team.
+#[pyfunction]
+fn openmp_joined() -> bool {
+    crate::openmp::joined()
+}
+
 /// The manifests of a snapshot's chain, base first, as JSON.
 #[pyfunction]
 fn snapshot_chain(py: Python<'_>, dir: std::path::PathBuf) -> PyResult<Vec<(String, String)>> {
@@ -886,6 +910,10 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(snapshot_chain, m)?)?;
     m.add_function(wrap_pyfunction!(unique_inverse, m)?)?;
     m.add_function(wrap_pyfunction!(sum_rows, m)?)?;
+    m.add_function(wrap_pyfunction!(openmp_bind, m)?)?;
+    m.add_function(wrap_pyfunction!(openmp_bound, m)?)?;
+    m.add_function(wrap_pyfunction!(openmp_join, m)?)?;
+    m.add_function(wrap_pyfunction!(openmp_joined, m)?)?;
     m.add_function(wrap_pyfunction!(verify_snapshot, m)?)?;
     m.add_function(wrap_pyfunction!(inspect_store, m)?)?;
     m.add("MAX_DIM", crate::table::MAX_DIM)?;

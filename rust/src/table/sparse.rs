@@ -537,10 +537,15 @@ impl SparseTable {
                 f(s, part);
             }
         };
-        if n >= PARALLEL_MIN_IDS && self.common.exec.threads() > 1 {
-            self.common
-                .exec
-                .install(|| (0..shards).into_par_iter().for_each(visit));
+        let threads = self.common.exec.threads();
+        if n >= PARALLEL_MIN_IDS && threads > 1 {
+            // A thread that joined its OpenMP team (a torch training thread) runs the shards on
+            // that team; any other on the store's pool.
+            if !crate::openmp::run(shards, threads, &visit) {
+                self.common
+                    .exec
+                    .install(|| (0..shards).into_par_iter().for_each(visit));
+            }
         } else {
             (0..shards).for_each(visit);
         }
