@@ -32,16 +32,16 @@ is slow), which costs accuracy where consecutive batches share most of their row
 space; see :mod:`pstore.ctr`). With ``staleness=0``, under ``torch.no_grad()``, or when the
 ids differ, the forward pass pulls as it would have.
 
-**Sharing torch's threads.** With the embedded store, a module's store calls (the pull, the
-push, the gradient sums) run their batch on the training thread's OpenMP team, the threads torch
-itself computes with, instead of on the store's own pool. On a machine whose cores torch's team
-already fills, the two pools would otherwise fight for them: after each of its parallel regions,
-torch's OpenMP workers spin for a while before they sleep, and a store call made then shares a
-core with a spinning thread. With the shared team the store's work runs on those very workers,
-so the store and the model take turns on the cores, and the push is applied synchronously in
-the backward pass (there is no idle core for an asynchronous one to use; every forward pass then
-sees every earlier push, which ``staleness`` allows). ``share_threads=False`` keeps the store's
-pool and the asynchronous pushes. Nothing is shared when torch runs on one thread
+**Sharing torch's threads.** With the embedded store, a module's store calls (the pull and
+the push) run their batch on the training thread's OpenMP team, the threads torch itself
+computes with, instead of on the store's own pool. On a machine whose cores torch's team already
+fills, the two pools would otherwise fight for them: after each of its parallel regions, torch's
+OpenMP workers spin for a while before they sleep, and a store call made then shares a core with
+a spinning thread. On the shared team the store's work runs on those very workers, so the store
+and the model take turns on the cores, and the push is applied synchronously in the backward
+pass (there is no idle core for an asynchronous one to use; every forward pass then sees every
+earlier push, which ``staleness`` allows). ``share_threads=False`` keeps the store's pool and
+the asynchronous pushes. Nothing is shared when torch runs on one thread
 (``torch.set_num_threads(1)``: the other cores are the store's), with a remote store (its work
 runs on the servers), or where no OpenMP runtime torch loaded can be found (only Linux's
 ``/proc/self/maps`` is searched).
@@ -152,19 +152,16 @@ class _Gather(torch.autograd.Function):
     took most of a DeepFM step's embedding backward."""
 
     @staticmethod
-    def forward(ctx: Any, rows: Tensor, index: Tensor, shared: bool) -> Tensor:
+    def forward(ctx: Any, rows: Tensor, index: Tensor) -> Tensor:
         ctx.save_for_backward(index)
         ctx.rows = rows.shape[0]
-        ctx.shared = shared
         return rows.index_select(0, index)
 
     @staticmethod
-    def backward(ctx: Any, grad: Tensor) -> tuple[Tensor, None, None]:
+    def backward(ctx: Any, grad: Tensor) -> tuple[Tensor, None]:
         (index,) = ctx.saved_tensors
         g = grad.detach().to("cpu", torch.float32).contiguous().numpy()
-        with _on_team(ctx.shared):
-            summed = _native.sum_rows(g, index.numpy(), ctx.rows)
-        return torch.from_numpy(summed), None, None
+        return torch.from_numpy(_native.sum_rows(g, index.numpy(), ctx.rows)), None
 
 
 class _on_team:
@@ -267,9 +264,9 @@ class _StoreRows(nn.Module):
         self._prefetched = None
         return p.keys, p.inverse, p.rows.result()
 
-    def _rows(self, ids: Tensor) -> tuple[Tensor, Tensor, bool]:
-        """The unique rows of ``ids`` (a leaf tensor whose gradient is pushed), the index of
-        each id's row among them, and whether the store's work shares torch's threads."""
+    def _rows(self, ids: Tensor) -> tuple[Tensor, Tensor]:
+        """The unique rows of ``ids`` (a leaf tensor whose gradient is pushed) and the index of
+        each id's row among them."""
         _check_ids(ids)
         while len(self._pending) > self.staleness:
             self._pending.popleft().wait()
@@ -288,7 +285,7 @@ class _StoreRows(nn.Module):
         if training:
             rows.requires_grad_(True)
             rows.register_hook(lambda grad: self._push(keys, grad, shared))
-        return rows, inverse.reshape(ids.shape), shared
+        return rows, inverse.reshape(ids.shape)
 
     def _peek(self, keys: np.ndarray) -> np.ndarray:
         """The rows of ``keys`` without creating any: evaluation (under ``torch.no_grad()``)
@@ -337,8 +334,8 @@ class Embedding(_StoreRows):
     """
 
     def forward(self, ids: Tensor) -> Tensor:
-        rows, index, shared = self._rows(ids)
-        out = _Gather.apply(rows, index.reshape(-1), shared).reshape(*index.shape, rows.shape[1])
+        rows, index = self._rows(ids)
+        out = _Gather.apply(rows, index.reshape(-1)).reshape(*index.shape, rows.shape[1])
         return out.to(ids.device)
 
 
@@ -373,7 +370,7 @@ class EmbeddingBag(_StoreRows):
         offsets: Tensor | None = None,
         per_sample_weights: Tensor | None = None,
     ) -> Tensor:
-        rows, index, _ = self._rows(input)
+        rows, index = self._rows(input)
         if offsets is not None:
             offsets = offsets.to("cpu", torch.int64)
         if per_sample_weights is not None:

@@ -83,6 +83,55 @@ fn training_is_bitwise_identical_across_shards_and_threads() {
     }
 }
 
+/// A push of distinct ids takes the path without a sort; the same gradients split into two
+/// halves under duplicated ids take the sorting path. Halving is exact, so the rows and counters
+/// must agree bit for bit (Adam: a step count per row, clipping).
+#[test]
+fn distinct_and_duplicated_pushes_update_alike() {
+    let dim = 5;
+    let tables: Vec<_> = (0..2)
+        .map(|_| {
+            let s = store(4, 2);
+            let t = s
+                .create_sparse_table(
+                    "t",
+                    SparseTableConfig {
+                        dim,
+                        optimizer: adam(),
+                        initializer: Initializer::Normal {
+                            mean: 0.0,
+                            std: 0.1,
+                        },
+                        seed: 3,
+                        lifecycle: Default::default(),
+                    },
+                )
+                .unwrap();
+            (s, t)
+        })
+        .collect();
+    for step in 0..4u64 {
+        // 4,000 distinct ids (about 1,000 per shard), half of them new at each step.
+        let ids: Vec<u64> = (0..4_000u64).map(|i| i + step * 2_000).collect();
+        let (_, grads) = batch(step, ids.len(), dim);
+        tables[0].1.push(&ids, &grads).unwrap();
+        let twice: Vec<u64> = ids.iter().chain(&ids).copied().collect();
+        let halves: Vec<f32> = grads.iter().chain(&grads).map(|g| g / 2.0).collect();
+        tables[1].1.push(&twice, &halves).unwrap();
+    }
+    let probe: Vec<u64> = (0..12_000).collect();
+    let (a, b) = (
+        tables[0].1.pull(&probe).unwrap(),
+        tables[1].1.pull(&probe).unwrap(),
+    );
+    assert!(a.iter().zip(&b).all(|(x, y)| x.to_bits() == y.to_bits()));
+    let stats = |t: &pstore::SparseTable| {
+        let s = t.stats();
+        (s.rows, s.rows_updated, s.rows_created)
+    };
+    assert_eq!(stats(&tables[0].1), stats(&tables[1].1));
+}
+
 #[test]
 fn sgd_table_matches_a_hashmap_model() {
     let dim = 3;

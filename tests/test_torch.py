@@ -179,8 +179,8 @@ def test_store_work_shares_torchs_threads() -> None:
 
 @pytest.mark.usefixtures("two_torch_threads")
 def test_shared_threads_train_the_same_rows_as_the_own_pool() -> None:
-    """Batches large enough for the parallel paths (shards on the team, gradient sums split
-    over it): Adagrad rows equal bit for bit to those of the store's own pool."""
+    """Batches large enough for the parallel path (a batch's shards on the team): Adagrad rows
+    equal bit for bit to those of the store's own pool."""
     rng = np.random.default_rng(4)
     batches = [torch.from_numpy(rng.integers(0, 30_000, (4000, 6))) for _ in range(3)]
     rows = []

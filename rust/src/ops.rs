@@ -5,7 +5,6 @@
 
 use crate::error::{shape, Result};
 use crate::hash::mix64;
-use std::sync::Mutex;
 
 /// The distinct ids of `ids` in order of first appearance; `inverse[i]` is set to the index of
 /// `ids[i]` among them.
@@ -72,47 +71,13 @@ pub fn sum_rows(src: &[f32], index: &[i64], dim: usize, rows: usize) -> Result<V
         ))
     })?;
     out.resize(len, 0f32);
-    if dim == 0 || rows == 0 {
-        return Ok(out);
-    }
-    // On a thread that joined its OpenMP team, the output rows are split into ranges, one task
-    // each: a task reads the whole index and adds the rows that fall in its range (the same
-    // additions in the same order per row, so the sums are those of the sequential loop).
-    if index.len() >= PARALLEL_SUM_MIN {
-        let per = rows.div_ceil(SUM_TASKS);
-        let parts: Vec<Mutex<&mut [f32]>> = out.chunks_mut(per * dim).map(Mutex::new).collect();
-        let task = |t: usize| {
-            let mut part = parts[t].lock().unwrap_or_else(|e| e.into_inner());
-            let lo = t * per;
-            let hi = lo + part.len() / dim;
-            add_rows(&mut part, src, index, dim, lo, hi);
-        };
-        if crate::openmp::run(parts.len(), usize::MAX, &task) {
-            drop(parts);
-            return Ok(out);
-        }
-    }
-    add_rows(&mut out, src, index, dim, 0, rows);
-    Ok(out)
-}
-
-/// Batches at least this long are summed on the caller's OpenMP team, if it joined one.
-const PARALLEL_SUM_MIN: usize = 1 << 14;
-/// The output ranges (tasks) of a parallel [`sum_rows`].
-const SUM_TASKS: usize = 4;
-
-/// Adds row `i` of `src` to row `index[i] - lo` of `out` for every `index[i]` in `lo..hi`.
-fn add_rows(out: &mut [f32], src: &[f32], index: &[i64], dim: usize, lo: usize, hi: usize) {
-    for (&i, g) in index.iter().zip(src.chunks_exact(dim)) {
-        let i = i as usize;
-        if i < lo || i >= hi {
-            continue;
-        }
-        let dst = &mut out[(i - lo) * dim..(i - lo + 1) * dim];
+    for (&i, g) in index.iter().zip(src.chunks_exact(dim.max(1))) {
+        let dst = &mut out[i as usize * dim..(i as usize + 1) * dim];
         for (d, s) in dst.iter_mut().zip(g) {
             *d += *s;
         }
     }
+    Ok(out)
 }
 
 #[cfg(test)]

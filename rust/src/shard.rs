@@ -282,6 +282,11 @@ impl Shard {
         self.index.len == 0
     }
 
+    /// One past the highest slot handed out (every slot of a row is below it).
+    pub fn slot_end(&self) -> u32 {
+        self.next_slot
+    }
+
     /// Bytes held: the arena's allocation, the index and the free list.
     pub fn bytes(&self) -> usize {
         let arena: usize = self.chunks.iter().map(|c| c.bytes()).sum();

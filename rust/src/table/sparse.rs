@@ -26,6 +26,24 @@ const PARALLEL_MIN_IDS: usize = 2048;
 const PREFETCH_RUNS: usize = 6;
 /// How many gradient rows ahead a push prefetches the one it will add up.
 const PREFETCH_GRADS: usize = 8;
+/// A shard's part of a push at least this long is checked for distinct rows (which need no sort).
+const DISTINCT_MIN: usize = 32;
+
+/// True when no slot but `NO_SLOT` occurs twice in `slots` (all below `end`).
+fn distinct_slots(slots: &[u32], end: u32) -> bool {
+    let mut seen = vec![0u64; (end as usize).div_ceil(64)];
+    for &s in slots {
+        if s == NO_SLOT {
+            continue;
+        }
+        let (w, bit) = ((s >> 6) as usize, 1u64 << (s & 63));
+        if seen[w] & bit != 0 {
+            return false;
+        }
+        seen[w] |= bit;
+    }
+    true
+}
 
 /// How a sparse table is built.
 #[derive(Debug, Clone, PartialEq, serde::Serialize, serde::Deserialize)]
@@ -1012,6 +1030,34 @@ impl SparseTable {
             let mut slots = Vec::new();
             shard.find_many(ids, part, 0, &mut slots);
             let made = self.admit(s, &mut shard, ids, pos, &mut slots, version, now);
+            let stride = HEADER + dim + self.state_len;
+            if pos.len() >= DISTINCT_MIN && distinct_slots(&slots, shard.slot_end()) {
+                // Every row once (the batch's ids are distinct here, as pstore.torch pushes
+                // them): the rows in the batch's order, with nothing to sum and so no sort.
+                let mut runs = 0u64;
+                let mut acc = vec![0f64; dim];
+                for (k, (&p, &slot)) in pos.iter().zip(&slots).enumerate() {
+                    if slot == NO_SLOT {
+                        continue;
+                    }
+                    if let Some(&ahead) = slots.get(k + PREFETCH_RUNS) {
+                        if ahead != NO_SLOT {
+                            shard.prefetch_row(ahead, stride);
+                        }
+                    }
+                    let p = p as usize;
+                    add_f64(&mut acc, &grads[p * dim..(p + 1) * dim], true);
+                    let row = shard.row_mut(slot);
+                    let step = bump_step(row);
+                    let (w, state) = as_f32_mut(&mut row[HEADER..]).split_at_mut(dim);
+                    opt.apply(lr, step, w, state, &mut acc);
+                    shard.touch(slot, version, now, 1);
+                    runs += 1;
+                }
+                updated.fetch_add(runs, std::sync::atomic::Ordering::Relaxed);
+                created.fetch_add(made, std::sync::atomic::Ordering::Relaxed);
+                return;
+            }
             let mut pairs: Vec<u64> = pos
                 .iter()
                 .zip(&slots)
@@ -1024,7 +1070,6 @@ impl SparseTable {
                 .collect();
             let mut acc = vec![0f64; dim];
             let mut runs = 0u64;
-            let stride = HEADER + dim + self.state_len;
             let mut q = 0; // index in `pairs` of the current pair
             for (r, run) in pairs.chunk_by(|a, b| a >> 32 == b >> 32).enumerate() {
                 let slot = (run[0] >> 32) as u32;
