@@ -588,7 +588,7 @@ def test_rows_are_whole_updates_while_training_goes_on(tmp_path, kind):
     try:
         while t.seq < 20 and not errors:
             time.sleep(0.01)
-        for attempt in range(10):
+        for attempt in range(50):  # until one snapshot sees a push made while it ran
             seq_before = t.seq
             snap = tmp_path / f"snap-{attempt}"
             manifest = store.snapshot(snap)
