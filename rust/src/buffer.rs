@@ -6,7 +6,7 @@
 //! for its large arrays too; a table that did not would lose to a plain `take` for that reason
 //! alone. Buffers of 2 MiB or more are aligned to 2 MiB and marked `MADV_HUGEPAGE` (Linux).
 
-use std::alloc::{alloc_zeroed, dealloc, handle_alloc_error, Layout};
+use std::alloc::{alloc, alloc_zeroed, dealloc, handle_alloc_error, Layout};
 use std::marker::PhantomData;
 use std::ptr::NonNull;
 
@@ -48,73 +48,34 @@ impl<T: Zeroable> Buffer<T> {
     /// `len` zeroed elements.
     pub fn zeroed(len: usize) -> Self {
         let layout = Self::layout(len);
-        #[cfg(target_os = "linux")]
-        if layout.size() >= HUGE {
-            return Self::mapped(len, layout);
-        }
-        // SAFETY: the layout has a non-zero size.
-        let raw = unsafe { alloc_zeroed(layout) };
+        let huge = layout.size() >= HUGE;
+        // SAFETY: the layout has a non-zero size. A huge buffer is zeroed below, after the
+        // advice, so that its first touch already faults in huge pages.
+        let raw = unsafe {
+            if huge {
+                alloc(layout)
+            } else {
+                alloc_zeroed(layout)
+            }
+        };
         let Some(ptr) = NonNull::new(raw.cast::<T>()) else {
             handle_alloc_error(layout)
         };
+        if huge {
+            #[cfg(target_os = "linux")]
+            // SAFETY: the range is exactly our own allocation; the advice only changes how the
+            // kernel backs it, never its contents. A refusal is harmless, so the result is ignored.
+            unsafe {
+                libc::madvise(raw.cast(), layout.size(), libc::MADV_HUGEPAGE);
+            }
+            // SAFETY: `raw` is valid for `layout.size()` bytes of writes.
+            unsafe { std::ptr::write_bytes(raw, 0, layout.size()) };
+        }
         Self {
             ptr,
             len,
             _owns: PhantomData,
         }
-    }
-
-    /// A huge buffer straight from the kernel: an anonymous mapping aligned to 2 MiB and marked
-    /// `MADV_HUGEPAGE`. It reads as zero until written and is faulted in, as huge pages, on first
-    /// touch, so nothing is written here (an aligned allocation is zeroed in full first: a
-    /// second pass over memory that every row then writes anyway). Smaller buffers come from the
-    /// allocator, whose recycled memory is faulted in already (measured: mapping those too was
-    /// slower).
-    #[cfg(target_os = "linux")]
-    fn mapped(len: usize, layout: Layout) -> Self {
-        let size = layout.size();
-        let span = size + HUGE;
-        // SAFETY: a fresh private anonymous mapping; no existing memory is touched.
-        let raw = unsafe {
-            libc::mmap(
-                std::ptr::null_mut(),
-                span,
-                libc::PROT_READ | libc::PROT_WRITE,
-                libc::MAP_PRIVATE | libc::MAP_ANONYMOUS,
-                -1,
-                0,
-            )
-        };
-        if raw == libc::MAP_FAILED {
-            handle_alloc_error(layout)
-        }
-        let start = raw as usize;
-        let aligned = (start + HUGE - 1) & !(HUGE - 1);
-        let end = start + span;
-        let used_end = aligned + Self::mapped_size(size);
-        // SAFETY: both ranges lie inside the mapping just made and outside the part kept; a
-        // failed unmap only leaves address space reserved.
-        unsafe {
-            if aligned > start {
-                libc::munmap(raw, aligned - start);
-            }
-            if end > used_end {
-                libc::munmap(used_end as *mut libc::c_void, end - used_end);
-            }
-            // A refusal is harmless (small pages then), so the result is ignored.
-            libc::madvise(aligned as *mut libc::c_void, size, libc::MADV_HUGEPAGE);
-        }
-        Self {
-            ptr: NonNull::new(aligned as *mut T).expect("mmap gave a non-null address"),
-            len,
-            _owns: PhantomData,
-        }
-    }
-
-    /// The bytes mapped for a huge buffer of `size` bytes (whole pages).
-    #[cfg(target_os = "linux")]
-    fn mapped_size(size: usize) -> usize {
-        size.div_ceil(4096) * 4096
     }
 
     /// Number of elements.
@@ -145,17 +106,8 @@ impl<T: Zeroable> std::ops::DerefMut for Buffer<T> {
 
 impl<T: Zeroable> Drop for Buffer<T> {
     fn drop(&mut self) {
-        let layout = Self::layout(self.len);
-        #[cfg(target_os = "linux")]
-        if layout.size() >= HUGE {
-            // SAFETY: mapped in `mapped` with exactly this size, and unmapped only here.
-            unsafe {
-                libc::munmap(self.ptr.as_ptr().cast(), Self::mapped_size(layout.size()));
-            }
-            return;
-        }
         // SAFETY: allocated in `zeroed` with exactly this layout.
-        unsafe { dealloc(self.ptr.as_ptr().cast(), layout) }
+        unsafe { dealloc(self.ptr.as_ptr().cast(), Self::layout(self.len)) }
     }
 }
 
@@ -165,7 +117,7 @@ mod tests {
 
     #[test]
     fn small_and_huge_buffers_are_zeroed_and_writable() {
-        for len in [0usize, 1, 1000, (300 << 10) / 4, (4 << 20) / 4] {
+        for len in [0usize, 1, 1000, (4 << 20) / 4] {
             let mut b = Buffer::<u32>::zeroed(len);
             assert_eq!(b.len(), len);
             assert!(b.iter().all(|&x| x == 0));
