@@ -4,7 +4,9 @@ use std::collections::HashMap;
 use std::sync::Arc;
 
 use pstore::hash::mix64;
-use pstore::{Initializer, OptimizerConfig, OptimizerKind, SparseTableConfig, Store, StoreConfig};
+use pstore::{
+    Initializer, OptimizerConfig, OptimizerKind, SparseTable, SparseTableConfig, Store, StoreConfig,
+};
 
 fn store(num_shards: usize, threads: usize) -> Store {
     Store::new(StoreConfig {
@@ -36,6 +38,18 @@ fn adam() -> OptimizerConfig {
     }
 }
 
+/// A sparse table "t" of `dim` floats with [`adam`] in `s`.
+fn adam_table(s: &Store, dim: usize, initializer: Initializer, seed: u64) -> Arc<SparseTable> {
+    let config = SparseTableConfig {
+        dim,
+        optimizer: adam(),
+        initializer,
+        seed,
+        lifecycle: Default::default(),
+    };
+    s.create_sparse_table("t", config).unwrap()
+}
+
 /// A deterministic batch: ids with duplicates from a small space, and gradients.
 fn batch(step: u64, n: usize, dim: usize) -> (Vec<u64>, Vec<f32>) {
     let ids: Vec<u64> = (0..n as u64)
@@ -53,21 +67,11 @@ fn training_is_bitwise_identical_across_shards_and_threads() {
     let mut results = Vec::new();
     for (shards, threads) in [(1, 1), (3, 2), (64, 2), (257, 1)] {
         let s = store(shards, threads);
-        let t = s
-            .create_sparse_table(
-                "t",
-                SparseTableConfig {
-                    dim,
-                    optimizer: adam(),
-                    initializer: Initializer::TruncatedNormal {
-                        mean: 0.0,
-                        std: 0.1,
-                    },
-                    seed: 11,
-                    lifecycle: Default::default(),
-                },
-            )
-            .unwrap();
+        let truncated = Initializer::TruncatedNormal {
+            mean: 0.0,
+            std: 0.1,
+        };
+        let t = adam_table(&s, dim, truncated, 11);
         for step in 0..20 {
             let (ids, grads) = batch(step, 5_000, dim);
             t.push(&ids, &grads).unwrap();
@@ -92,21 +96,11 @@ fn distinct_and_duplicated_pushes_update_alike() {
     let tables: Vec<_> = (0..2)
         .map(|_| {
             let s = store(4, 2);
-            let t = s
-                .create_sparse_table(
-                    "t",
-                    SparseTableConfig {
-                        dim,
-                        optimizer: adam(),
-                        initializer: Initializer::Normal {
-                            mean: 0.0,
-                            std: 0.1,
-                        },
-                        seed: 3,
-                        lifecycle: Default::default(),
-                    },
-                )
-                .unwrap();
+            let normal = Initializer::Normal {
+                mean: 0.0,
+                std: 0.1,
+            };
+            let t = adam_table(&s, dim, normal, 3);
             (s, t)
         })
         .collect();
@@ -125,7 +119,7 @@ fn distinct_and_duplicated_pushes_update_alike() {
         tables[1].1.pull(&probe).unwrap(),
     );
     assert!(a.iter().zip(&b).all(|(x, y)| x.to_bits() == y.to_bits()));
-    let stats = |t: &pstore::SparseTable| {
+    let stats = |t: &SparseTable| {
         let s = t.stats();
         (s.rows, s.rows_updated, s.rows_created)
     };
