@@ -56,6 +56,7 @@ Importing :mod:`pstore` never imports torch; this module does.
 from __future__ import annotations
 
 import collections
+import os
 import threading
 import weakref
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -83,7 +84,11 @@ def _torch_openmp() -> str | None:
             paths = {line.split(maxsplit=5)[-1].strip() for line in maps if "libgomp" in line}
     except OSError:
         return None
-    for path in sorted(p for p in paths if p.startswith("/")):
+    # torch's own copy first (its wheels bring one in torch/lib), should others be loaded too.
+    here = os.path.dirname(torch.__file__) + os.sep
+    for path in sorted(
+        (p for p in paths if p.startswith("/")), key=lambda p: (not p.startswith(here), p)
+    ):
         try:
             _native.openmp_bind(path)
         except ValueError:
