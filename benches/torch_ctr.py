@@ -147,9 +147,7 @@ def _train_embedded(
     share_threads: bool = True,
 ) -> dict[str, Any]:
     store = pstore.Store()
-    opts = {"staleness": staleness, "prefetch": prefetch}
-    if not share_threads:
-        opts["share_threads"] = False
+    opts = {"staleness": staleness, "prefetch": prefetch, "share_threads": share_threads}
     try:
         return _measured(lambda: ctr.train_deepfm(store, train, test, **opts, **kw))
     finally:

@@ -229,7 +229,11 @@ class _StoreRows(nn.Module):
         """Wait until every gradient pushed so far has been applied (and forget a prefetch: the
         next forward pass reads rows with all of them)."""
         self._drop_prefetch()
-        while self._pending:
+        self._wait_pending(0)
+
+    def _wait_pending(self, keep: int) -> None:
+        """Wait until at most ``keep`` of this module's pushes are pending."""
+        while len(self._pending) > keep:
             self._pending.popleft().wait()
 
     def prefetch(self, ids: Tensor) -> None:
@@ -273,8 +277,7 @@ class _StoreRows(nn.Module):
         """The unique rows of ``ids`` (a leaf tensor whose gradient is pushed) and the index of
         each id's row among them."""
         _check_ids(ids)
-        while len(self._pending) > self.staleness:
-            self._pending.popleft().wait()
+        self._wait_pending(self.staleness)
         training = torch.is_grad_enabled()
         shared = self.shares_threads
         got = self._take_prefetch(ids) if training else None
@@ -306,8 +309,7 @@ class _StoreRows(nn.Module):
     def _push(self, keys: np.ndarray, grad: Tensor, shared: bool) -> None:
         g = grad.detach().to("cpu", torch.float32).contiguous().numpy()
         if shared:  # applied now, on torch's team, after any push still queued
-            while self._pending:
-                self._pending.popleft().wait()
+            self._wait_pending(0)
             with _on_team(True):
                 self.table.push(keys, g)
         else:

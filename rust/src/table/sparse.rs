@@ -1031,11 +1031,19 @@ impl SparseTable {
             shard.find_many(ids, part, 0, &mut slots);
             let made = self.admit(s, &mut shard, ids, pos, &mut slots, version, now);
             let stride = HEADER + dim + self.state_len;
+            let mut acc = vec![0f64; dim];
+            // The optimizer step of one row from its summed gradient `acc`, `hits` ids counted.
+            let update = |shard: &mut Shard, slot: u32, acc: &mut [f64], hits: u32| {
+                let row = shard.row_mut(slot);
+                let step = bump_step(row);
+                let (w, state) = as_f32_mut(&mut row[HEADER..]).split_at_mut(dim);
+                opt.apply(lr, step, w, state, acc);
+                shard.touch(slot, version, now, hits);
+            };
+            let mut runs = 0u64;
             if pos.len() >= DISTINCT_MIN && distinct_slots(&slots, shard.slot_end()) {
                 // Every row once (the batch's ids are distinct here, as pstore.torch pushes
                 // them): the rows in the batch's order, with nothing to sum and so no sort.
-                let mut runs = 0u64;
-                let mut acc = vec![0f64; dim];
                 for (k, (&p, &slot)) in pos.iter().zip(&slots).enumerate() {
                     if slot == NO_SLOT {
                         continue;
@@ -1047,52 +1055,41 @@ impl SparseTable {
                     }
                     let p = p as usize;
                     add_f64(&mut acc, &grads[p * dim..(p + 1) * dim], true);
-                    let row = shard.row_mut(slot);
-                    let step = bump_step(row);
-                    let (w, state) = as_f32_mut(&mut row[HEADER..]).split_at_mut(dim);
-                    opt.apply(lr, step, w, state, &mut acc);
-                    shard.touch(slot, version, now, 1);
+                    update(&mut shard, slot, &mut acc, 1);
                     runs += 1;
                 }
-                updated.fetch_add(runs, std::sync::atomic::Ordering::Relaxed);
-                created.fetch_add(made, std::sync::atomic::Ordering::Relaxed);
-                return;
-            }
-            let mut pairs: Vec<u64> = pos
-                .iter()
-                .zip(&slots)
-                .filter(|&(_, &slot)| slot != NO_SLOT)
-                .map(|(&p, &slot)| ((slot as u64) << 32) | p as u64)
-                .collect();
-            pairs.sort_unstable();
-            let runs_at: Vec<usize> = (0..pairs.len())
-                .filter(|&i| i == 0 || pairs[i] >> 32 != pairs[i - 1] >> 32)
-                .collect();
-            let mut acc = vec![0f64; dim];
-            let mut runs = 0u64;
-            let mut q = 0; // index in `pairs` of the current pair
-            for (r, run) in pairs.chunk_by(|a, b| a >> 32 == b >> 32).enumerate() {
-                let slot = (run[0] >> 32) as u32;
-                if let Some(&ahead) = runs_at.get(r + PREFETCH_RUNS) {
-                    // Rows are visited at random: start loading the row a few runs ahead.
-                    shard.prefetch_row((pairs[ahead] >> 32) as u32, stride);
-                }
-                for (k, &pair) in run.iter().enumerate() {
-                    // Gradient rows too (a hot id's run reads many, from all over the batch).
-                    if let Some(&later) = pairs.get(q + PREFETCH_GRADS) {
-                        let p = (later & 0xffff_ffff) as usize;
-                        prefetch_lines(&grads[p * dim..(p + 1) * dim]);
+            } else {
+                let mut pairs: Vec<u64> = pos
+                    .iter()
+                    .zip(&slots)
+                    .filter(|&(_, &slot)| slot != NO_SLOT)
+                    .map(|(&p, &slot)| ((slot as u64) << 32) | p as u64)
+                    .collect();
+                pairs.sort_unstable();
+                let runs_at: Vec<usize> = (0..pairs.len())
+                    .filter(|&i| i == 0 || pairs[i] >> 32 != pairs[i - 1] >> 32)
+                    .collect();
+                let mut q = 0; // index in `pairs` of the current pair
+                for (r, run) in pairs.chunk_by(|a, b| a >> 32 == b >> 32).enumerate() {
+                    let slot = (run[0] >> 32) as u32;
+                    if let Some(&ahead) = runs_at.get(r + PREFETCH_RUNS) {
+                        // Rows are visited at random: start loading the row a few runs ahead.
+                        shard.prefetch_row((pairs[ahead] >> 32) as u32, stride);
                     }
-                    q += 1;
-                    let p = (pair & 0xffff_ffff) as usize;
-                    add_f64(&mut acc, &grads[p * dim..(p + 1) * dim], k == 0);
+                    for (k, &pair) in run.iter().enumerate() {
+                        // Gradient rows too (a hot id's run reads many, from all over the batch).
+                        if let Some(&later) = pairs.get(q + PREFETCH_GRADS) {
+                            let p = (later & 0xffff_ffff) as usize;
+                            prefetch_lines(&grads[p * dim..(p + 1) * dim]);
+                        }
+                        q += 1;
+                        let p = (pair & 0xffff_ffff) as usize;
+                        add_f64(&mut acc, &grads[p * dim..(p + 1) * dim], k == 0);
+                    }
+                    let hits = run.len().min(u32::MAX as usize) as u32;
+                    update(&mut shard, slot, &mut acc, hits);
+                    runs += 1;
                 }
-                let row = shard.row_mut(slot);
-                let step = bump_step(row);
-                let (w, state) = as_f32_mut(&mut row[HEADER..]).split_at_mut(dim);
-                opt.apply(lr, step, w, state, &mut acc);
-                shard.touch(slot, version, now, run.len().min(u32::MAX as usize) as u32);
-                runs += 1;
             }
             updated.fetch_add(runs, std::sync::atomic::Ordering::Relaxed);
             created.fetch_add(made, std::sync::atomic::Ordering::Relaxed);
