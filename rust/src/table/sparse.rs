@@ -238,6 +238,15 @@ fn add_f64_portable(acc: &mut [f64], row: &[f32], first: bool) {
 /// `dst` must be valid for writes of `src.len()` floats that do not overlap `src`.
 #[inline(always)]
 unsafe fn copy_floats(src: &[f32], dst: *mut f32) {
+    // The common widths get a copy of fixed length: straight-line moves, no loop, no tail.
+    // SAFETY (all four): `src.len()` is the width, so `dst` is valid for it (the caller).
+    match src.len() {
+        16 => return unsafe { copy_fixed::<1>(src, dst) },
+        32 => return unsafe { copy_fixed::<2>(src, dst) },
+        64 => return unsafe { copy_fixed::<4>(src, dst) },
+        128 => return unsafe { copy_fixed::<8>(src, dst) },
+        _ => {}
+    }
     let (blocks, rest) = src.as_chunks::<16>();
     for (i, b) in blocks.iter().enumerate() {
         // SAFETY: block `i` lies inside the `src.len()` floats the caller vouches for.
@@ -246,6 +255,21 @@ unsafe fn copy_floats(src: &[f32], dst: *mut f32) {
     let done = blocks.len() * 16;
     // SAFETY: as above, for the floats after the blocks.
     unsafe { std::ptr::copy_nonoverlapping(rest.as_ptr(), dst.add(done), rest.len()) };
+}
+
+/// Copies the `B * 16` floats of `src` (which holds exactly that many) to `dst`.
+///
+/// # Safety
+/// As [`copy_floats`].
+#[inline(always)]
+unsafe fn copy_fixed<const B: usize>(src: &[f32], dst: *mut f32) {
+    debug_assert_eq!(src.len(), B * 16);
+    let src = src.as_ptr().cast::<[f32; 16]>();
+    let dst = dst.cast::<[f32; 16]>();
+    for i in 0..B {
+        // SAFETY: block `i < B` lies inside the `B * 16` floats of `src` and of `dst`.
+        unsafe { dst.add(i).write_unaligned(src.add(i).read_unaligned()) };
+    }
 }
 
 /// Copies `src` to `dst` with streaming (non-temporal) stores where it can: whole 16-byte
