@@ -1377,6 +1377,45 @@ mod tests {
     use super::*;
 
     #[test]
+    fn row_copies_write_exactly_the_row() {
+        // Every width, the fixed-length ones (16, 32, 64, 128) among them, and both copies:
+        // the row lands where it should and the floats around it are left alone.
+        for len in 1..=136usize {
+            let src: Vec<f32> = (0..len).map(|i| i as f32 * 0.5 - 3.0).collect();
+            for streaming in [false, true] {
+                // 16-byte aligned destination (as a streaming copy wants), 4 guard floats each side.
+                let mut buf = vec![[f32::NAN; 4]; len.div_ceil(4) + 2];
+                let floats = buf.as_mut_ptr().cast::<f32>();
+                // SAFETY: the buffer holds 4 * (len.div_ceil(4) + 2) >= len + 8 floats, and `dst`
+                // leaves 4 before and at least 4 after the row.
+                let all = unsafe {
+                    let dst = floats.add(4);
+                    if streaming {
+                        copy_floats_streaming(&src, dst);
+                        stream_fence();
+                    } else {
+                        copy_floats(&src, dst);
+                    }
+                    std::slice::from_raw_parts(floats, len + 8)
+                };
+                assert_eq!(
+                    &all[4..4 + len],
+                    &src[..],
+                    "len {len}, streaming {streaming}"
+                );
+                assert!(
+                    all[..4].iter().all(|x| x.is_nan()),
+                    "len {len}: before the row"
+                );
+                assert!(
+                    all[4 + len..].iter().all(|x| x.is_nan()),
+                    "len {len}: after the row"
+                );
+            }
+        }
+    }
+
+    #[test]
     fn float64_sums_are_the_same_with_and_without_avx() {
         // Converting to float64 and adding are exact IEEE operations: every width gives the
         // same bits, the portable loop's as well as the dispatched one's (AVX where present).
