@@ -231,8 +231,9 @@ fn add_f64_portable(acc: &mut [f64], row: &[f32], first: bool) {
     }
 }
 
-/// Copies `src` to `dst` in blocks of 16 floats the compiler turns into vector moves, rather than
-/// a call to `memcpy` per row.
+/// Copies `src` to `dst`: the common widths (16, 32, 64 and 128 floats) with [`copy_fixed`]'s
+/// straight-line moves, others in blocks of 16 floats the compiler turns into vector moves and
+/// then the remaining floats.
 ///
 /// # Safety
 /// `dst` must be valid for writes of `src.len()` floats that do not overlap `src`.
