@@ -1,7 +1,8 @@
 //! The store's workers: a rayon pool that spreads one batch over the cores, and one applier thread
 //! that applies asynchronous pushes in the order they were queued, with a bounded in-flight budget.
 
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::panic::{catch_unwind, resume_unwind, AssertUnwindSafe};
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::mpsc::{channel, Sender};
 use std::sync::{Arc, Condvar, Mutex, MutexGuard};
 use std::thread::JoinHandle;
@@ -233,8 +234,64 @@ impl Drop for Applier {
 /// The thread pool and the ordered applier shared by every table of a store.
 pub struct Executor {
     pool: rayon::ThreadPool,
+    /// `threads - 1` threads that join a caller's batch in [`Executor::run_shared`].
+    helpers: Option<rayon::ThreadPool>,
     threads: usize,
     applier: Applier,
+}
+
+/// One batch of [`Executor::run_shared`], shared with the helper jobs it queued.
+///
+/// `f` borrows from the caller's stack, so a helper may call it only while the caller is still
+/// inside `run_shared`: a helper first counts itself in `active`, then reads `closed`; the
+/// caller sets `closed` when the tasks are handed out and then waits for `active` to drop to
+/// zero. With both orders sequentially consistent, either the helper sees `closed` (and leaves
+/// without touching `f`) or the caller sees the helper counted and waits for it.
+struct Batch {
+    f: *const (dyn Fn(usize) + Sync + 'static),
+    tasks: usize,
+    next: AtomicUsize,
+    active: AtomicUsize,
+    closed: AtomicBool,
+    panic: Mutex<Option<Box<dyn std::any::Any + Send>>>,
+    done: Mutex<()>,
+    idle: Condvar,
+}
+
+// SAFETY: `f` points to a `Sync` closure and is only called under the protocol above, while the
+// closure is alive; everything else is atomics and locks.
+unsafe impl Send for Batch {}
+// SAFETY: as above.
+unsafe impl Sync for Batch {}
+
+impl Batch {
+    /// Runs tasks until none is left. A panic stops this thread's share; it is kept for the
+    /// caller, and the remaining tasks are still run by the others.
+    fn drain(&self) {
+        loop {
+            let i = self.next.fetch_add(1, Ordering::Relaxed);
+            if i >= self.tasks {
+                return;
+            }
+            // SAFETY: the caller of `drain` holds the protocol (see `Batch`), so `f` is alive.
+            let f = unsafe { &*self.f };
+            if let Err(p) = catch_unwind(AssertUnwindSafe(|| f(i))) {
+                lock(&self.panic).get_or_insert(p);
+            }
+        }
+    }
+
+    /// A helper's visit: join the batch if it is still open.
+    fn help(&self) {
+        self.active.fetch_add(1, Ordering::SeqCst);
+        if !self.closed.load(Ordering::SeqCst) {
+            self.drain();
+        }
+        if self.active.fetch_sub(1, Ordering::SeqCst) == 1 {
+            let _g = lock(&self.done);
+            self.idle.notify_all();
+        }
+    }
 }
 
 impl Executor {
@@ -245,8 +302,22 @@ impl Executor {
             .thread_name(|i| format!("pstore-worker-{i}"))
             .build()
             .map_err(|e| Error::Internal(format!("cannot start the thread pool: {e}")))?;
+        let helpers = if threads > 1 {
+            Some(
+                rayon::ThreadPoolBuilder::new()
+                    .num_threads(threads - 1)
+                    .thread_name(|i| format!("pstore-helper-{i}"))
+                    .build()
+                    .map_err(|e| {
+                        Error::Internal(format!("cannot start the helper threads: {e}"))
+                    })?,
+            )
+        } else {
+            None
+        };
         Ok(Arc::new(Self {
             pool,
+            helpers,
             threads,
             applier: Applier::new(max_inflight_bytes, "pstore-applier")?,
         }))
@@ -267,6 +338,68 @@ impl Executor {
     /// Runs `f` inside the pool (so rayon's parallel iterators use it).
     pub fn install<R: Send>(&self, f: impl FnOnce() -> R + Send) -> R {
         self.pool.install(f)
+    }
+
+    /// Runs `f(0) .. f(tasks - 1)` on the calling thread and up to `threads - 1` helper threads,
+    /// which take tasks one at a time from a shared counter. Returns once every task has run; a
+    /// panic in a task is raised again here.
+    ///
+    /// The caller starts on the tasks at once instead of handing the batch over and sleeping
+    /// until it is done, so the two thread wake-ups of a hand-off (a pool thread's, then the
+    /// caller's) are off the batch's critical path: a helper that wakes late finds fewer tasks
+    /// left, and one that wakes after the last task was taken leaves without being waited for.
+    /// (Measured in ARCHITECTURE.md, "Executing a batch".)
+    pub fn run_shared(&self, tasks: usize, f: &(dyn Fn(usize) + Sync)) {
+        let n = (self.threads - 1).min(tasks.saturating_sub(1));
+        let Some(helpers) = self.helpers.as_ref().filter(|_| n > 0) else {
+            return (0..tasks).for_each(f);
+        };
+        // SAFETY: only the lifetime is erased; `Batch`'s protocol keeps every call of `f` inside
+        // this function (the wait below).
+        let f: *const (dyn Fn(usize) + Sync + 'static) = unsafe { std::mem::transmute(f) };
+        let batch = Arc::new(Batch {
+            f,
+            tasks,
+            next: AtomicUsize::new(0),
+            active: AtomicUsize::new(0),
+            closed: AtomicBool::new(false),
+            panic: Mutex::new(None),
+            done: Mutex::new(()),
+            idle: Condvar::new(),
+        });
+        for _ in 0..n {
+            let b = Arc::clone(&batch);
+            helpers.spawn(move || b.help());
+        }
+        batch.drain();
+        batch.closed.store(true, Ordering::SeqCst);
+        // Helpers still running hold tasks taken before the counter ran out: wait for them.
+        let mut g = lock(&batch.done);
+        while batch.active.load(Ordering::SeqCst) > 0 {
+            g = batch
+                .idle
+                .wait_timeout(g, Duration::from_millis(1))
+                .unwrap_or_else(|e| e.into_inner())
+                .0;
+        }
+        drop(g);
+        let panic = lock(&batch.panic).take();
+        if let Some(p) = panic {
+            resume_unwind(p);
+        }
+    }
+
+    /// `[f(0), .., f(tasks - 1)]`, computed as [`Executor::run_shared`] runs them.
+    pub fn map_shared<T: Send>(&self, tasks: usize, f: impl Fn(usize) -> T + Sync) -> Vec<T> {
+        let out: Vec<Mutex<Option<T>>> = (0..tasks).map(|_| Mutex::new(None)).collect();
+        self.run_shared(tasks, &|i| *lock(&out[i]) = Some(f(i)));
+        out.into_iter()
+            .map(|m| {
+                m.into_inner()
+                    .unwrap_or_else(|e| e.into_inner())
+                    .expect("run_shared runs every task")
+            })
+            .collect()
     }
 
     /// How many asynchronous pushes are queued or being applied.
@@ -294,6 +427,99 @@ impl Executor {
 mod tests {
     use super::*;
     use std::sync::atomic::AtomicUsize;
+
+    #[test]
+    fn run_shared_runs_every_task_once() {
+        for threads in [1, 2, 4] {
+            let ex = Executor::new(threads, 1 << 20).unwrap();
+            for tasks in [0, 1, 2, 3, 64, 1000] {
+                let runs: Vec<AtomicUsize> = (0..tasks).map(|_| AtomicUsize::new(0)).collect();
+                ex.run_shared(tasks, &|i| {
+                    runs[i].fetch_add(1, Ordering::Relaxed);
+                });
+                assert!(
+                    runs.iter().all(|r| r.load(Ordering::Relaxed) == 1),
+                    "{threads} threads, {tasks} tasks"
+                );
+            }
+            let squares = ex.map_shared(100, |i| i * i);
+            assert_eq!(squares, (0..100).map(|i| i * i).collect::<Vec<_>>());
+        }
+    }
+
+    #[test]
+    fn run_shared_returns_after_the_helpers_tasks_finished() {
+        let ex = Executor::new(2, 1 << 20).unwrap();
+        for _ in 0..5 {
+            let done: Vec<AtomicUsize> = (0..9).map(|_| AtomicUsize::new(0)).collect();
+            let caller = std::thread::current().id();
+            let elsewhere = AtomicUsize::new(0);
+            ex.run_shared(done.len(), &|i| {
+                // A helper's tasks take longest, so the caller runs out of tasks first.
+                let helper = std::thread::current().id() != caller;
+                std::thread::sleep(Duration::from_millis(if helper { 5 } else { 1 }));
+                if helper {
+                    elsewhere.fetch_add(1, Ordering::Relaxed);
+                }
+                done[i].store(1, Ordering::Relaxed);
+            });
+            assert!(done.iter().all(|d| d.load(Ordering::Relaxed) == 1));
+            assert!(elsewhere.into_inner() > 0, "a helper took part");
+        }
+    }
+
+    #[test]
+    fn run_shared_raises_a_tasks_panic_after_the_other_tasks_ran() {
+        let ex = Executor::new(2, 1 << 20).unwrap();
+        let runs: Vec<AtomicUsize> = (0..50).map(|_| AtomicUsize::new(0)).collect();
+        let r = std::panic::catch_unwind(AssertUnwindSafe(|| {
+            ex.run_shared(50, &|i| {
+                runs[i].fetch_add(1, Ordering::Relaxed);
+                assert!(i != 7, "task 7 fails");
+            })
+        }));
+        assert!(r.is_err(), "the panic reaches the caller");
+        assert!(runs.iter().all(|r| r.load(Ordering::Relaxed) == 1));
+        // The executor still works afterwards.
+        let total = AtomicUsize::new(0);
+        ex.run_shared(10, &|i| {
+            total.fetch_add(i, Ordering::Relaxed);
+        });
+        assert_eq!(total.into_inner(), 45);
+    }
+
+    #[test]
+    fn run_shared_from_many_threads_nested_and_short() {
+        // Many short batches from several threads at once (helpers often arrive after the last
+        // task was taken, and must then leave without touching the finished batch), some
+        // batches nested inside another's task. Every batch's data lives on its caller's stack.
+        let ex = Executor::new(3, 1 << 20).unwrap();
+        std::thread::scope(|s| {
+            for t in 0..4u64 {
+                let ex = &ex;
+                s.spawn(move || {
+                    for round in 0..2000u64 {
+                        let values: Vec<u64> =
+                            (0..3).map(|i| t * 1_000_000 + round * 10 + i).collect();
+                        let sum = AtomicUsize::new(0);
+                        ex.run_shared(values.len(), &|i| {
+                            let mut v = values[i] as usize;
+                            if round % 100 == 0 {
+                                let inner = AtomicUsize::new(0);
+                                ex.run_shared(4, &|j| {
+                                    inner.fetch_add(j, Ordering::Relaxed);
+                                });
+                                v += inner.into_inner() - 6;
+                            }
+                            sum.fetch_add(v, Ordering::Relaxed);
+                        });
+                        let want: u64 = values.iter().sum();
+                        assert_eq!(sum.into_inner() as u64, want, "thread {t}, round {round}");
+                    }
+                });
+            }
+        });
+    }
 
     #[test]
     fn jobs_run_in_order_and_flush_waits() {

@@ -216,8 +216,14 @@ const PARALLEL_SCAN: usize = 1 << 18;
 /// Fails with the position of the first NaN or infinity in `grads`, read as rows of `dim`.
 pub(crate) fn check_finite(exec: &Executor, table: &str, grads: &[f32], dim: usize) -> Result<()> {
     let ok = if grads.len() >= PARALLEL_SCAN && exec.threads() > 1 {
-        use rayon::prelude::*;
-        exec.install(|| grads.par_chunks(1 << 16).all(all_finite))
+        let chunks: Vec<&[f32]> = grads.chunks(1 << 16).collect();
+        let bad = AtomicBool::new(false);
+        exec.run_shared(chunks.len(), &|i| {
+            if !bad.load(Ordering::Relaxed) && !all_finite(chunks[i]) {
+                bad.store(true, Ordering::Relaxed);
+            }
+        });
+        !bad.into_inner()
     } else {
         all_finite(grads)
     };
@@ -308,65 +314,57 @@ pub(crate) fn group_ids(exec: &Executor, ids: &[u64], num_shards: usize) -> Grou
     if ids.len() < PARALLEL_SCAN / 8 || threads == 1 {
         return Grouped::new(ids, num_shards);
     }
-    use rayon::prelude::*;
     let chunk = ids.len().div_ceil(2 * threads);
-    exec.install(|| {
-        let parts: Vec<(Vec<u64>, Vec<usize>)> = ids
-            .par_chunks(chunk)
-            .map(|c| {
-                let mixes: Vec<u64> = c.iter().map(|&id| crate::hash::mix64(id)).collect();
-                let mut counts = vec![0usize; num_shards];
-                for &m in &mixes {
-                    counts[crate::hash::shard_of_mix(m, num_shards)] += 1;
-                }
-                (mixes, counts)
-            })
-            .collect();
-        let mut offsets = vec![0usize; num_shards + 1];
-        for s in 0..num_shards {
-            offsets[s + 1] = offsets[s] + parts.iter().map(|(_, c)| c[s]).sum::<usize>();
+    let chunks: Vec<&[u64]> = ids.chunks(chunk).collect();
+    let parts: Vec<(Vec<u64>, Vec<usize>)> = exec.map_shared(chunks.len(), |k| {
+        let mixes: Vec<u64> = chunks[k].iter().map(|&id| crate::hash::mix64(id)).collect();
+        let mut counts = vec![0usize; num_shards];
+        for &m in &mixes {
+            counts[crate::hash::shard_of_mix(m, num_shards)] += 1;
         }
-        // Where each part starts writing in each shard's range: after the earlier parts.
-        let mut next = offsets[..num_shards].to_vec();
-        let starts: Vec<Vec<usize>> = parts
-            .iter()
-            .map(|(_, counts)| {
-                let here = next.clone();
-                for (n, c) in next.iter_mut().zip(counts) {
-                    *n += c;
-                }
-                here
-            })
-            .collect();
-        let mut positions = vec![0u32; ids.len()];
-        let mut grouped = vec![0u64; ids.len()];
-        let (out, out_mix) = (
-            Disjoint(positions.as_mut_ptr()),
-            Disjoint(grouped.as_mut_ptr()),
-        );
-        parts
-            .par_iter()
-            .zip(starts)
-            .enumerate()
-            .for_each(|(k, ((mixes, _), mut at))| {
-                let base = k * chunk;
-                for (i, &m) in mixes.iter().enumerate() {
-                    let slot = &mut at[crate::hash::shard_of_mix(m, num_shards)];
-                    // SAFETY: `*slot` stays inside this part's range of the shard, which no other
-                    // part writes, and below `ids.len()`.
-                    unsafe {
-                        *out.get().add(*slot) = (base + i) as u32;
-                        *out_mix.get().add(*slot) = m;
-                    }
-                    *slot += 1;
-                }
-            });
-        Grouped {
-            positions,
-            mixes: grouped,
-            offsets,
+        (mixes, counts)
+    });
+    let mut offsets = vec![0usize; num_shards + 1];
+    for s in 0..num_shards {
+        offsets[s + 1] = offsets[s] + parts.iter().map(|(_, c)| c[s]).sum::<usize>();
+    }
+    // Where each part starts writing in each shard's range: after the earlier parts.
+    let mut next = offsets[..num_shards].to_vec();
+    let starts: Vec<Vec<usize>> = parts
+        .iter()
+        .map(|(_, counts)| {
+            let here = next.clone();
+            for (n, c) in next.iter_mut().zip(counts) {
+                *n += c;
+            }
+            here
+        })
+        .collect();
+    let mut positions = vec![0u32; ids.len()];
+    let mut grouped = vec![0u64; ids.len()];
+    let (out, out_mix) = (
+        Disjoint(positions.as_mut_ptr()),
+        Disjoint(grouped.as_mut_ptr()),
+    );
+    exec.run_shared(parts.len(), &|k| {
+        let mut at = starts[k].clone();
+        let base = k * chunk;
+        for (i, &m) in parts[k].0.iter().enumerate() {
+            let slot = &mut at[crate::hash::shard_of_mix(m, num_shards)];
+            // SAFETY: `*slot` stays inside this part's range of the shard, which no other part
+            // writes, and below `ids.len()`.
+            unsafe {
+                *out.get().add(*slot) = (base + i) as u32;
+                *out_mix.get().add(*slot) = m;
+            }
+            *slot += 1;
         }
-    })
+    });
+    Grouped {
+        positions,
+        mixes: grouped,
+        offsets,
+    }
 }
 
 /// A table name must be non-empty printable text.

@@ -585,9 +585,7 @@ impl SparseTable {
             // A thread that joined its OpenMP team (a torch training thread) runs the shards on
             // that team; any other on the store's pool.
             if !crate::openmp::run(shards, threads, &visit) {
-                self.common
-                    .exec
-                    .install(|| (0..shards).into_par_iter().for_each(visit));
+                self.common.exec.run_shared(shards, &visit);
             }
         } else {
             (0..shards).for_each(visit);
