@@ -358,8 +358,10 @@ class Store:
     num_shards : int, optional
         Shards per sparse table (default 64). Results do not depend on it.
     threads : int, optional
-        Threads of the store's pool that spread one batch over the cores (default: the number
-        of cores).
+        Threads that work on one batch at once (default: the number of cores): the calling
+        thread and ``threads - 1`` helper threads, which take the batch's shards from a shared
+        counter. The store keeps a pool of ``threads`` threads besides, for server calls,
+        snapshots and flushes.
     max_inflight_bytes : int, optional
         Bytes of queued ``push_async`` data before ``push_async`` blocks (default 256 MiB).
     path : str or os.PathLike, optional
