@@ -1,5 +1,6 @@
-//! The store's workers: a rayon pool that spreads one batch over the cores, and one applier thread
-//! that applies asynchronous pushes in the order they were queued, with a bounded in-flight budget.
+//! The store's workers: helper threads that join a caller on one batch's tasks, a rayon pool for
+//! the rest (server calls, snapshots, flushes), and one applier thread that applies asynchronous
+//! pushes in the order they were queued, with a bounded in-flight budget.
 
 use std::panic::{catch_unwind, resume_unwind, AssertUnwindSafe};
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
@@ -240,40 +241,46 @@ pub struct Executor {
     applier: Applier,
 }
 
-/// One batch of [`Executor::run_shared`], shared with the helper jobs it queued.
-///
-/// `f` borrows from the caller's stack, so a helper may call it only while the caller is still
-/// inside `run_shared`: a helper first counts itself in `active`, then reads `closed`; the
-/// caller sets `closed` when the tasks are handed out and then waits for `active` to drop to
-/// zero. With both orders sequentially consistent, either the helper sees `closed` (and leaves
-/// without touching `f`) or the caller sees the helper counted and waits for it.
-struct Batch {
+/// Tasks `f(0) .. f(tasks - 1)` handed out one at a time, from a shared counter, to every thread
+/// that calls [`Tasks::drain`]: the caller's helpers here, an OpenMP team in `openmp.rs`. A
+/// panicking task is caught on the thread that ran it, the other tasks still run, and
+/// [`Tasks::rethrow`] raises the first panic again on the caller.
+pub(crate) struct Tasks {
     f: *const (dyn Fn(usize) + Sync + 'static),
     tasks: usize,
     next: AtomicUsize,
-    active: AtomicUsize,
-    closed: AtomicBool,
     panic: Mutex<Option<Box<dyn std::any::Any + Send>>>,
-    done: Mutex<()>,
-    idle: Condvar,
 }
 
-// SAFETY: `f` points to a `Sync` closure and is only called under the protocol above, while the
-// closure is alive; everything else is atomics and locks.
-unsafe impl Send for Batch {}
+// SAFETY: `f` points to a `Sync` closure that `Tasks::new`'s caller keeps alive for every
+// `drain`; everything else is atomics and a lock.
+unsafe impl Send for Tasks {}
 // SAFETY: as above.
-unsafe impl Sync for Batch {}
+unsafe impl Sync for Tasks {}
 
-impl Batch {
-    /// Runs tasks until none is left. A panic stops this thread's share; it is kept for the
-    /// caller, and the remaining tasks are still run by the others.
-    fn drain(&self) {
+impl Tasks {
+    /// # Safety
+    /// `f` must stay alive for every call of [`Tasks::drain`] (the lifetime is erased so that
+    /// the tasks can be handed to threads that need `'static` jobs).
+    pub(crate) unsafe fn new(tasks: usize, f: &(dyn Fn(usize) + Sync)) -> Self {
+        // SAFETY: only the lifetime is erased; the caller's contract above keeps `f` alive.
+        let f: *const (dyn Fn(usize) + Sync + 'static) = unsafe { std::mem::transmute(f) };
+        Self {
+            f,
+            tasks,
+            next: AtomicUsize::new(0),
+            panic: Mutex::new(None),
+        }
+    }
+
+    /// Runs tasks until none is left.
+    pub(crate) fn drain(&self) {
         loop {
             let i = self.next.fetch_add(1, Ordering::Relaxed);
             if i >= self.tasks {
                 return;
             }
-            // SAFETY: the caller of `drain` holds the protocol (see `Batch`), so `f` is alive.
+            // SAFETY: `Tasks::new`'s contract: `f` is alive during every `drain`.
             let f = unsafe { &*self.f };
             if let Err(p) = catch_unwind(AssertUnwindSafe(|| f(i))) {
                 lock(&self.panic).get_or_insert(p);
@@ -281,11 +288,38 @@ impl Batch {
         }
     }
 
+    /// Raises the first panic of a task again, if one panicked. Call it once every `drain` has
+    /// returned.
+    pub(crate) fn rethrow(&self) {
+        let panic = lock(&self.panic).take();
+        if let Some(p) = panic {
+            resume_unwind(p);
+        }
+    }
+}
+
+/// One batch of [`Executor::run_shared`], shared with the helper jobs it queued.
+///
+/// The task closure borrows from the caller's stack, so a helper may run tasks only while the
+/// caller is still inside `run_shared`: a helper first counts itself in `active`, then reads
+/// `closed`; the caller sets `closed` when the tasks are handed out and then waits for `active`
+/// to drop to zero. With both orders sequentially consistent, either the helper sees `closed`
+/// (and leaves without touching the closure) or the caller sees the helper counted and waits
+/// for it.
+struct Batch {
+    tasks: Tasks,
+    active: AtomicUsize,
+    closed: AtomicBool,
+    done: Mutex<()>,
+    idle: Condvar,
+}
+
+impl Batch {
     /// A helper's visit: join the batch if it is still open.
     fn help(&self) {
         self.active.fetch_add(1, Ordering::SeqCst);
         if !self.closed.load(Ordering::SeqCst) {
-            self.drain();
+            self.tasks.drain();
         }
         if self.active.fetch_sub(1, Ordering::SeqCst) == 1 {
             let _g = lock(&self.done);
@@ -354,16 +388,12 @@ impl Executor {
         let Some(helpers) = self.helpers.as_ref().filter(|_| n > 0) else {
             return (0..tasks).for_each(f);
         };
-        // SAFETY: only the lifetime is erased; `Batch`'s protocol keeps every call of `f` inside
-        // this function (the wait below).
-        let f: *const (dyn Fn(usize) + Sync + 'static) = unsafe { std::mem::transmute(f) };
         let batch = Arc::new(Batch {
-            f,
-            tasks,
-            next: AtomicUsize::new(0),
+            // SAFETY: `Batch`'s protocol keeps every `drain` inside this function (the wait
+            // below), while `f` is alive.
+            tasks: unsafe { Tasks::new(tasks, f) },
             active: AtomicUsize::new(0),
             closed: AtomicBool::new(false),
-            panic: Mutex::new(None),
             done: Mutex::new(()),
             idle: Condvar::new(),
         });
@@ -371,7 +401,7 @@ impl Executor {
             let b = Arc::clone(&batch);
             helpers.spawn(move || b.help());
         }
-        batch.drain();
+        batch.tasks.drain();
         batch.closed.store(true, Ordering::SeqCst);
         // Helpers still running hold tasks taken before the counter ran out: wait for them.
         let mut g = lock(&batch.done);
@@ -383,10 +413,7 @@ impl Executor {
                 .0;
         }
         drop(g);
-        let panic = lock(&batch.panic).take();
-        if let Some(p) = panic {
-            resume_unwind(p);
-        }
+        batch.tasks.rethrow();
     }
 
     /// `[f(0), .., f(tasks - 1)]`, computed as [`Executor::run_shared`] runs them.

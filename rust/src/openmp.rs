@@ -15,11 +15,10 @@
 
 use std::cell::Cell;
 use std::ffi::{c_int, c_uint, c_void, CString};
-use std::panic::{catch_unwind, resume_unwind, AssertUnwindSafe};
-use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Mutex, OnceLock};
 
 use crate::error::{Error, Result};
+use crate::executor::Tasks;
 
 type ParallelFn = unsafe extern "C" fn(extern "C" fn(*mut c_void), *mut c_void, c_uint, c_uint);
 type MaxThreadsFn = unsafe extern "C" fn() -> c_int;
@@ -113,30 +112,12 @@ pub fn joined() -> bool {
     JOINED.with(|j| j.get())
 }
 
-struct Work<'a> {
-    f: &'a (dyn Fn(usize) + Sync),
-    tasks: usize,
-    next: AtomicUsize,
-    panic: Mutex<Option<Box<dyn std::any::Any + Send>>>,
-}
-
 extern "C" fn region(data: *mut c_void) {
-    // SAFETY: `data` is the `Work` that `run` keeps alive until GOMP_parallel has returned, which
-    // is after every thread of the team has left this function.
-    let work = unsafe { &*(data as *const Work<'_>) };
+    // SAFETY: `data` is the `Tasks` that `run` keeps alive until GOMP_parallel has returned,
+    // which is after every thread of the team has left this function.
+    let work = unsafe { &*(data as *const Tasks) };
     INSIDE.with(|i| i.set(true));
-    loop {
-        let t = work.next.fetch_add(1, Ordering::Relaxed);
-        if t >= work.tasks {
-            break;
-        }
-        if let Err(p) = catch_unwind(AssertUnwindSafe(|| (work.f)(t))) {
-            // No more tasks after a panic; the first one is rethrown by the caller.
-            work.next.store(work.tasks, Ordering::Relaxed);
-            let mut slot = work.panic.lock().unwrap_or_else(|e| e.into_inner());
-            slot.get_or_insert(p);
-        }
-    }
+    work.drain();
     INSIDE.with(|i| i.set(false));
 }
 
@@ -167,25 +148,12 @@ pub fn run(tasks: usize, threads: usize, f: &(dyn Fn(usize) + Sync)) -> bool {
         (0..tasks).for_each(f);
         return true;
     }
-    let work = Work {
-        f,
-        tasks,
-        next: AtomicUsize::new(0),
-        panic: Mutex::new(None),
-    };
+    // SAFETY: every `drain` runs inside GOMP_parallel below, while `f` is borrowed.
+    let work = unsafe { Tasks::new(tasks, f) };
     // SAFETY: `region` only reads `work` through the pointer, and GOMP_parallel returns once the
     // whole team has finished the region, so `work` outlives every use.
-    unsafe {
-        (rt.parallel)(
-            region,
-            &work as *const Work<'_> as *mut c_void,
-            n as c_uint,
-            0,
-        )
-    };
-    if let Some(p) = work.panic.into_inner().unwrap_or_else(|e| e.into_inner()) {
-        resume_unwind(p);
-    }
+    unsafe { (rt.parallel)(region, &work as *const Tasks as *mut c_void, n as c_uint, 0) };
+    work.rethrow();
     true
 }
 
@@ -193,6 +161,8 @@ pub fn run(tasks: usize, threads: usize, f: &(dyn Fn(usize) + Sync)) -> bool {
 mod tests {
     use super::*;
     use std::collections::HashSet;
+    use std::panic::catch_unwind;
+    use std::sync::atomic::{AtomicUsize, Ordering};
 
     /// One test, because the bound runtime is the process's: loads the system's libgomp (as torch
     /// would have), binds it, and runs batches on a team of two.

@@ -583,7 +583,7 @@ impl SparseTable {
         let threads = self.common.exec.threads();
         if n >= PARALLEL_MIN_IDS && threads > 1 {
             // A thread that joined its OpenMP team (a torch training thread) runs the shards on
-            // that team; any other on the store's pool.
+            // that team; any other runs them itself, with the store's helper threads.
             if !crate::openmp::run(shards, threads, &visit) {
                 self.common.exec.run_shared(shards, &visit);
             }
