@@ -748,6 +748,8 @@ def _w5_train_for(
 ) -> Callable[[], dict[str, float]]:
     """Pull+push batches (cycling through them) until `seconds` have passed, then flush()."""
 
+    durable = store.storage_info() is not None
+
     def cycle() -> int:
         info = store.storage_info()
         return 0 if info is None else int(info["cycle"])
@@ -755,12 +757,15 @@ def _w5_train_for(
     def run() -> dict[str, float]:
         c0 = cycle()
         k = 0
+        lag = 0.0  # the largest flush lag seen: what a crash at that moment would have lost
         t0 = time.perf_counter()
         while True:
             b = batches[k % len(batches)]
             table.pull(b)
             table.push(b, grads[k % len(grads)])
             k += 1
+            if durable and k % 4 == 0:
+                lag = max(lag, store.storage_info()["flush_lag"])
             if time.perf_counter() - t0 >= seconds:
                 break
         t1 = time.perf_counter()
@@ -775,6 +780,7 @@ def _w5_train_for(
             "total_s": (t1 - t0) + (t3 - t2),
             "cycles_loop": c1 - c0,
             "cycles": cycle() - c0,
+            "max_lag_s": lag,
         }
 
     return run
@@ -810,6 +816,7 @@ def _w5_training(
         loop_rate = statistics.median(r["ids"] / r["loop_s"] for r in rs)
         flush_s = statistics.median(r["flush_s"] for r in rs)
         cycles = statistics.median(r["cycles_loop"] for r in rs)
+        max_lag = max(r["max_lag_s"] for r in rs)
         rates = {k: [r["ids"] / r["total_s"] for r in res[k]] for k in stores}
         rows = rows_from_rates(
             "W5", "pull+push, incl. final flush", dist, W5_BATCH, rates, name, target,
@@ -824,7 +831,7 @@ def _w5_training(
                 "rate": f"{row.median / 1e6:.2f} M ids/s",
                 "detail": (
                     f"loop alone {loop_rate / 1e6:.2f} M ids/s, final flush {flush_s:.2f} s, "
-                    f"{cycles:g} flush cycles during the loop"
+                    f"{cycles:g} flush cycles during the loop, flush lag up to {max_lag:.1f} s"
                     if row.impl == name
                     else f"no replica: flush() has nothing to write (beside {name})"
                 ),
