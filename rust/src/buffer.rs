@@ -5,8 +5,13 @@
 //! misses the TLB (and under virtualisation a page walk is expensive). numpy asks for huge pages
 //! for its large arrays too; a table that did not would lose to a plain `take` for that reason
 //! alone. Buffers of 2 MiB or more are aligned to 2 MiB and marked `MADV_HUGEPAGE` (Linux).
+//! The kernel backs only whole aligned 2 MiB ranges with a huge page, so the tail of a 2.3 MiB
+//! buffer would sit on 4 KiB pages, and a 1.99 MiB buffer would get none: a buffer that an
+//! eighth or less of padding brings to a whole number of huge pages (a full row chunk, see
+//! `shard.rs`) gets that padding; one that would need more (the last chunk of a shard while it
+//! grows) keeps its size, and its tail stays on small pages.
 
-use std::alloc::{alloc, alloc_zeroed, dealloc, handle_alloc_error, Layout};
+use std::alloc::{alloc_zeroed, dealloc, handle_alloc_error, Layout};
 use std::marker::PhantomData;
 use std::ptr::NonNull;
 
@@ -37,10 +42,14 @@ unsafe impl<T: Zeroable + Sync> Sync for Buffer<T> {}
 impl<T: Zeroable> Buffer<T> {
     fn layout(len: usize) -> Layout {
         let size = len.max(1) * std::mem::size_of::<T>();
-        let align = if size >= HUGE {
-            HUGE
+        let whole = size.next_multiple_of(HUGE);
+        let (size, align) = if whole - size <= whole / 8 {
+            // Padding of an eighth or less makes it whole huge pages (a full row chunk).
+            (whole, HUGE)
+        } else if size >= HUGE {
+            (size, HUGE)
         } else {
-            std::mem::align_of::<T>().max(64)
+            (size, std::mem::align_of::<T>().max(64))
         };
         Layout::from_size_align(size, align).expect("buffer size overflows")
     }
@@ -48,29 +57,15 @@ impl<T: Zeroable> Buffer<T> {
     /// `len` zeroed elements.
     pub fn zeroed(len: usize) -> Self {
         let layout = Self::layout(len);
-        let huge = layout.size() >= HUGE;
-        // SAFETY: the layout has a non-zero size. A huge buffer is zeroed below, after the
-        // advice, so that its first touch already faults in huge pages.
-        let raw = unsafe {
-            if huge {
-                alloc(layout)
-            } else {
-                alloc_zeroed(layout)
-            }
+        let raw = if layout.align() == HUGE {
+            huge_zeroed(layout.size())
+        } else {
+            // SAFETY: the layout has a non-zero size.
+            unsafe { alloc_zeroed(layout) }
         };
         let Some(ptr) = NonNull::new(raw.cast::<T>()) else {
             handle_alloc_error(layout)
         };
-        if huge {
-            #[cfg(target_os = "linux")]
-            // SAFETY: the range is exactly our own allocation; the advice only changes how the
-            // kernel backs it, never its contents. A refusal is harmless, so the result is ignored.
-            unsafe {
-                libc::madvise(raw.cast(), layout.size(), libc::MADV_HUGEPAGE);
-            }
-            // SAFETY: `raw` is valid for `layout.size()` bytes of writes.
-            unsafe { std::ptr::write_bytes(raw, 0, layout.size()) };
-        }
         Self {
             ptr,
             len,
@@ -106,8 +101,92 @@ impl<T: Zeroable> std::ops::DerefMut for Buffer<T> {
 
 impl<T: Zeroable> Drop for Buffer<T> {
     fn drop(&mut self) {
-        // SAFETY: allocated in `zeroed` with exactly this layout.
-        unsafe { dealloc(self.ptr.as_ptr().cast(), Self::layout(self.len)) }
+        let layout = Self::layout(self.len);
+        if layout.align() == HUGE {
+            huge_free(self.ptr.as_ptr().cast(), layout.size());
+        } else {
+            // SAFETY: allocated in `zeroed` with exactly this layout.
+            unsafe { dealloc(self.ptr.as_ptr().cast(), layout) }
+        }
+    }
+}
+
+/// `size` zeroed bytes aligned to 2 MiB, advised to be backed by huge pages; null on failure.
+///
+/// On Linux the buffer is a mapping of its own, trimmed to the alignment, and goes back to the
+/// kernel when dropped: through the allocator, a freed huge buffer (a grown index, the last chunk
+/// of a shard that grew) stayed in its free lists, and the 2 MiB alignment left gaps that other
+/// allocations then touched, so a table's resident memory exceeded its own bytes by 5 to 30%.
+/// The kernel hands the pages out zeroed, and they are faulted in by the rows' first writes.
+fn huge_zeroed(size: usize) -> *mut u8 {
+    #[cfg(target_os = "linux")]
+    {
+        let span = size.next_multiple_of(page_size());
+        // SAFETY: an anonymous private mapping of a fresh range; no existing memory is touched.
+        let map = unsafe {
+            libc::mmap(
+                std::ptr::null_mut(),
+                span + HUGE,
+                libc::PROT_READ | libc::PROT_WRITE,
+                libc::MAP_PRIVATE | libc::MAP_ANONYMOUS,
+                -1,
+                0,
+            )
+        };
+        if map == libc::MAP_FAILED {
+            return std::ptr::null_mut();
+        }
+        let start = map as usize;
+        let aligned = start.next_multiple_of(HUGE);
+        // SAFETY: both ranges lie inside the mapping just made and outside the part kept
+        // (`aligned .. aligned + span`); unmapping them cannot fail for a valid range, and a
+        // failure would only leave them mapped.
+        unsafe {
+            if aligned > start {
+                libc::munmap(map, aligned - start);
+            }
+            let end = aligned + span;
+            if start + span + HUGE > end {
+                libc::munmap(end as *mut libc::c_void, start + span + HUGE - end);
+            }
+            // The advice only changes how the kernel backs the range; a refusal is harmless.
+            libc::madvise(aligned as *mut libc::c_void, span, libc::MADV_HUGEPAGE);
+        }
+        aligned as *mut u8
+    }
+    #[cfg(not(target_os = "linux"))]
+    {
+        let layout = Layout::from_size_align(size, HUGE).expect("buffer size overflows");
+        // SAFETY: the layout has a non-zero size.
+        unsafe { alloc_zeroed(layout) }
+    }
+}
+
+/// The size of a small page, the granularity of a mapping.
+#[cfg(target_os = "linux")]
+fn page_size() -> usize {
+    // SAFETY: sysconf has no preconditions.
+    let p = unsafe { libc::sysconf(libc::_SC_PAGESIZE) };
+    if p > 0 {
+        p as usize
+    } else {
+        4096
+    }
+}
+
+/// Returns a buffer of [`huge_zeroed`].
+fn huge_free(ptr: *mut u8, size: usize) {
+    #[cfg(target_os = "linux")]
+    // SAFETY: `ptr .. ptr + size` rounded to pages is the range `huge_zeroed` kept mapped, and
+    // the buffer that owned it is gone.
+    unsafe {
+        libc::munmap(ptr.cast(), size.next_multiple_of(page_size()));
+    }
+    #[cfg(not(target_os = "linux"))]
+    {
+        let layout = Layout::from_size_align(size, HUGE).expect("buffer size overflows");
+        // SAFETY: allocated by `huge_zeroed` with this layout.
+        unsafe { dealloc(ptr, layout) }
     }
 }
 
@@ -117,7 +196,7 @@ mod tests {
 
     #[test]
     fn small_and_huge_buffers_are_zeroed_and_writable() {
-        for len in [0usize, 1, 1000, (4 << 20) / 4] {
+        for len in [0usize, 1, 1000, (4 << 20) / 4, 7281 * 72] {
             let mut b = Buffer::<u32>::zeroed(len);
             assert_eq!(b.len(), len);
             assert!(b.iter().all(|&x| x == 0));
@@ -126,8 +205,18 @@ mod tests {
                 assert_eq!(b[len - 1], 7);
             }
             if len * 4 >= HUGE {
+                // Aligned and a whole number of huge pages, so no tail is left on small pages.
                 assert_eq!(b.ptr.as_ptr() as usize % HUGE, 0);
+                assert_eq!(b.bytes() % HUGE, 0);
+                assert!(b.bytes() >= len * 4 && b.bytes() < len * 4 + HUGE);
             }
         }
+        // Padding to whole huge pages only where it is small: 2.36 MiB stays as it is.
+        let b = Buffer::<u32>::zeroed(8192 * 72);
+        assert_eq!(b.bytes(), 8192 * 72 * 4);
+        // Just under one huge page (a full chunk of 9-word rows): padded to it, and aligned.
+        let b = Buffer::<u32>::zeroed(58_254 * 9);
+        assert_eq!(b.bytes(), HUGE);
+        assert_eq!(b.ptr.as_ptr() as usize % HUGE, 0);
     }
 }

@@ -27,8 +27,9 @@ const MARKED: u32 = 1;
 /// The flags word's bits above this hold the generation in which the row's change was last
 /// logged for incremental snapshots (see [`Shard::take_changed`]).
 const LOGGED_SHIFT: u32 = 8;
-/// About 4 MiB of rows a chunk: chunks never move, and the last one grows geometrically.
-const CHUNK_WORDS: usize = 1 << 20;
+/// At most 2 MiB of rows a chunk (one huge page, see `buffer.rs`): chunks never move, and the
+/// last one grows geometrically.
+const CHUNK_WORDS: usize = 1 << 19;
 /// A slot value meaning "no row".
 pub const NO_SLOT: u32 = u32::MAX;
 /// How far ahead the batched lookup prefetches (ids per pipeline stage).
@@ -237,9 +238,15 @@ pub fn as_f32_mut(words: &mut [u32]) -> &mut [f32] {
 /// A shard's rows.
 pub struct Shard {
     stride: usize,
-    chunk_shift: u32,
+    /// Rows a full chunk holds: as many as fit in `CHUNK_WORDS`, so that a full chunk fills its
+    /// huge pages instead of spilling a tail onto 4 KiB pages (a power of two of rows would leave
+    /// up to half a huge page of rows on small pages).
+    chunk_rows: usize,
+    /// `ceil(2^64 / chunk_rows)`: a slot's chunk is `(slot * chunk_magic) >> 64`, exact for
+    /// every 32-bit slot (Lemire, Kaser and Kurz 2019, "Faster remainder by direct computation").
+    chunk_magic: u64,
     index: Index,
-    /// Row storage; every chunk but the last is full (`1 << chunk_shift` rows).
+    /// Row storage; every chunk but the last is full (`chunk_rows` rows).
     chunks: Vec<Buffer<u32>>,
     free: Vec<u32>,
     next_slot: u32,
@@ -256,12 +263,13 @@ pub struct Shard {
 impl Shard {
     /// An empty shard for rows of `stride` words (header included).
     pub fn new(stride: usize) -> Self {
-        let rows_per_chunk = (CHUNK_WORDS / stride).max(1);
-        // Largest power of two not above rows_per_chunk.
-        let chunk_shift = usize::BITS - 1 - rows_per_chunk.leading_zeros();
+        // At least two rows, so that the magic number fits in 64 bits (rows are far smaller than
+        // a chunk: a row holds at most 3 x 4096 floats and its header).
+        let chunk_rows = (CHUNK_WORDS / stride).max(2);
         Self {
             stride,
-            chunk_shift,
+            chunk_rows,
+            chunk_magic: u64::MAX / chunk_rows as u64 + 1,
             index: Index::new(),
             chunks: Vec::new(),
             free: Vec::new(),
@@ -295,9 +303,8 @@ impl Shard {
 
     #[inline]
     fn locate(&self, slot: u32) -> (usize, usize) {
-        let slot = slot as usize;
-        let mask = (1usize << self.chunk_shift) - 1;
-        (slot >> self.chunk_shift, (slot & mask) * self.stride)
+        let c = ((self.chunk_magic as u128 * slot as u128) >> 64) as usize;
+        (c, (slot as usize - c * self.chunk_rows) * self.stride)
     }
 
     /// The row words of `slot`.
@@ -454,7 +461,7 @@ impl Shard {
             return slot;
         }
         let slot = self.next_slot;
-        let full = (1usize << self.chunk_shift) * self.stride;
+        let full = self.chunk_rows * self.stride;
         let (c, end) = self.locate(slot);
         let end = end + self.stride;
         if c == self.chunks.len() {
@@ -797,6 +804,31 @@ mod tests {
         }
         let raw = 100_000 * stride * 4;
         assert!(shard.bytes() < raw * 13 / 10, "{} vs {raw}", shard.bytes());
+    }
+
+    #[test]
+    fn a_slot_locates_by_exact_division_and_full_chunks_fill_whole_huge_pages() {
+        for dim in [1, 3, 16, 64, 100, 128, 4096, 3 * 4096] {
+            let stride = HEADER + dim;
+            let shard = Shard::new(stride);
+            let rows = shard.chunk_rows;
+            assert!(rows * stride <= CHUNK_WORDS || rows == 2);
+            assert!(
+                (rows + 1) * stride > CHUNK_WORDS,
+                "dim {dim}: room for another row"
+            );
+            // A full chunk is padded to a whole huge page: none of its rows is on a small page.
+            let full = Buffer::<u32>::zeroed(rows * stride);
+            assert_eq!(full.bytes(), CHUNK_WORDS * 4, "dim {dim}");
+            let slots = (0..100_000u32)
+                .chain((0..100_000u32).map(|k| u32::MAX - 1 - k))
+                .chain((1..64u32).map(|k| k * rows as u32 - 1))
+                .chain((1..64u32).map(|k| k * rows as u32));
+            for slot in slots {
+                let want = (slot as usize / rows, slot as usize % rows * stride);
+                assert_eq!(shard.locate(slot), want, "dim {dim}, slot {slot}");
+            }
+        }
     }
 
     #[test]
