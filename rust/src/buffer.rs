@@ -11,7 +11,7 @@
 //! `shard.rs`) gets that padding; one that would need more (the last chunk of a shard while it
 //! grows) keeps its size, and its tail stays on small pages.
 
-use std::alloc::{alloc_zeroed, dealloc, handle_alloc_error, Layout};
+use std::alloc::{alloc, alloc_zeroed, dealloc, handle_alloc_error, Layout};
 use std::marker::PhantomData;
 use std::ptr::NonNull;
 
@@ -31,6 +31,8 @@ unsafe impl Zeroable for u64 {}
 pub struct Buffer<T: Zeroable> {
     ptr: NonNull<T>,
     len: usize,
+    /// The memory is a mapping of its own (see [`map_huge`]), not the allocator's.
+    mapped: bool,
     _owns: PhantomData<T>,
 }
 
@@ -57,18 +59,47 @@ impl<T: Zeroable> Buffer<T> {
     /// `len` zeroed elements.
     pub fn zeroed(len: usize) -> Self {
         let layout = Self::layout(len);
-        let raw = if layout.align() == HUGE {
-            huge_zeroed(layout.size())
-        } else {
-            // SAFETY: the layout has a non-zero size.
-            unsafe { alloc_zeroed(layout) }
+        let huge = layout.align() == HUGE;
+        if huge {
+            if let Some(raw) = map_huge(layout.size()) {
+                return Self {
+                    ptr: raw.cast(),
+                    len,
+                    mapped: true,
+                    _owns: PhantomData,
+                };
+            }
+        }
+        Self::from_allocator(len)
+    }
+
+    /// `len` zeroed elements from the allocator: small buffers, and huge ones where no mapping
+    /// could be made (the process's limit on mappings, say).
+    fn from_allocator(len: usize) -> Self {
+        let layout = Self::layout(len);
+        let huge = layout.align() == HUGE;
+        // A huge buffer is zeroed below, after the advice, so that its first touch already
+        // faults in huge pages.
+        // SAFETY: the layout has a non-zero size.
+        let raw = unsafe {
+            if huge {
+                alloc(layout)
+            } else {
+                alloc_zeroed(layout)
+            }
         };
         let Some(ptr) = NonNull::new(raw.cast::<T>()) else {
             handle_alloc_error(layout)
         };
+        if huge {
+            advise_huge(raw, layout.size());
+            // SAFETY: `raw` is valid for `layout.size()` bytes of writes.
+            unsafe { std::ptr::write_bytes(raw, 0, layout.size()) };
+        }
         Self {
             ptr,
             len,
+            mapped: false,
             _owns: PhantomData,
         }
     }
@@ -102,8 +133,8 @@ impl<T: Zeroable> std::ops::DerefMut for Buffer<T> {
 impl<T: Zeroable> Drop for Buffer<T> {
     fn drop(&mut self) {
         let layout = Self::layout(self.len);
-        if layout.align() == HUGE {
-            huge_free(self.ptr.as_ptr().cast(), layout.size());
+        if self.mapped {
+            unmap_huge(self.ptr.cast(), layout.size());
         } else {
             // SAFETY: allocated in `zeroed` with exactly this layout.
             unsafe { dealloc(self.ptr.as_ptr().cast(), layout) }
@@ -111,55 +142,77 @@ impl<T: Zeroable> Drop for Buffer<T> {
     }
 }
 
-/// `size` zeroed bytes aligned to 2 MiB, advised to be backed by huge pages; null on failure.
+/// A mapping of its own for `size` zeroed bytes, aligned to 2 MiB and advised to be backed by
+/// huge pages; `None` where none can be made (then the allocator serves the buffer).
 ///
-/// On Linux the buffer is a mapping of its own, trimmed to the alignment, and goes back to the
-/// kernel when dropped: through the allocator, a freed huge buffer (a grown index, the last chunk
-/// of a shard that grew) stayed in its free lists, and the 2 MiB alignment left gaps that other
-/// allocations then touched, so a table's resident memory exceeded its own bytes by 5 to 30%.
-/// The kernel hands the pages out zeroed, and they are faulted in by the rows' first writes.
-fn huge_zeroed(size: usize) -> *mut u8 {
+/// Such a buffer goes back to the kernel when dropped. Through the allocator, a freed huge buffer
+/// (an index that grew, the last chunk of a shard that grew) stayed in its free lists, and the
+/// 2 MiB alignment left gaps that other allocations then touched, so a table's resident memory
+/// exceeded its own bytes by 5 to 30%. The kernel hands the pages out zeroed, and the rows' first
+/// writes fault them in. A process may hold only so many mappings (`vm.max_map_count`, 65530 by
+/// default: about 128 GiB of 2 MiB row chunks); past that the allocator serves huge buffers too.
+#[cfg(target_os = "linux")]
+fn map_huge(size: usize) -> Option<NonNull<u8>> {
+    let span = size.next_multiple_of(page_size());
+    let total = span.checked_add(HUGE)?;
+    // SAFETY: an anonymous private mapping of a fresh range; no existing memory is touched.
+    let map = unsafe {
+        libc::mmap(
+            std::ptr::null_mut(),
+            total,
+            libc::PROT_READ | libc::PROT_WRITE,
+            libc::MAP_PRIVATE | libc::MAP_ANONYMOUS,
+            -1,
+            0,
+        )
+    };
+    if map == libc::MAP_FAILED {
+        return None;
+    }
+    let start = map as usize;
+    let aligned = start.next_multiple_of(HUGE);
+    let end = aligned + span;
+    // SAFETY: both trimmed ranges lie inside the mapping just made and outside the part kept
+    // (`aligned .. end`), which nothing else refers to; a failure would only leave them mapped.
+    unsafe {
+        if aligned > start {
+            libc::munmap(map, aligned - start);
+        }
+        if start + total > end {
+            libc::munmap(end as *mut libc::c_void, start + total - end);
+        }
+    }
+    advise_huge(aligned as *mut u8, span);
+    NonNull::new(aligned as *mut u8)
+}
+
+#[cfg(not(target_os = "linux"))]
+fn map_huge(_size: usize) -> Option<NonNull<u8>> {
+    None
+}
+
+/// Returns a mapping of [`map_huge`] of `size` bytes to the kernel.
+fn unmap_huge(ptr: NonNull<u8>, size: usize) {
     #[cfg(target_os = "linux")]
-    {
-        let span = size.next_multiple_of(page_size());
-        // SAFETY: an anonymous private mapping of a fresh range; no existing memory is touched.
-        let map = unsafe {
-            libc::mmap(
-                std::ptr::null_mut(),
-                span + HUGE,
-                libc::PROT_READ | libc::PROT_WRITE,
-                libc::MAP_PRIVATE | libc::MAP_ANONYMOUS,
-                -1,
-                0,
-            )
-        };
-        if map == libc::MAP_FAILED {
-            return std::ptr::null_mut();
-        }
-        let start = map as usize;
-        let aligned = start.next_multiple_of(HUGE);
-        // SAFETY: both ranges lie inside the mapping just made and outside the part kept
-        // (`aligned .. aligned + span`); unmapping them cannot fail for a valid range, and a
-        // failure would only leave them mapped.
-        unsafe {
-            if aligned > start {
-                libc::munmap(map, aligned - start);
-            }
-            let end = aligned + span;
-            if start + span + HUGE > end {
-                libc::munmap(end as *mut libc::c_void, start + span + HUGE - end);
-            }
-            // The advice only changes how the kernel backs the range; a refusal is harmless.
-            libc::madvise(aligned as *mut libc::c_void, span, libc::MADV_HUGEPAGE);
-        }
-        aligned as *mut u8
+    // SAFETY: `ptr .. ptr + size` rounded to pages is the range `map_huge` kept mapped, and the
+    // buffer that owned it is gone.
+    unsafe {
+        libc::munmap(ptr.as_ptr().cast(), size.next_multiple_of(page_size()));
     }
     #[cfg(not(target_os = "linux"))]
-    {
-        let layout = Layout::from_size_align(size, HUGE).expect("buffer size overflows");
-        // SAFETY: the layout has a non-zero size.
-        unsafe { alloc_zeroed(layout) }
+    let _ = (ptr, size);
+}
+
+/// Asks the kernel to back `ptr .. ptr + size` with huge pages (Linux).
+fn advise_huge(ptr: *mut u8, size: usize) {
+    #[cfg(target_os = "linux")]
+    // SAFETY: the range is memory of ours; the advice only changes how the kernel backs it,
+    // never its contents. A refusal is harmless, so the result is ignored.
+    unsafe {
+        libc::madvise(ptr.cast(), size, libc::MADV_HUGEPAGE);
     }
+    #[cfg(not(target_os = "linux"))]
+    let _ = (ptr, size);
 }
 
 /// The size of a small page, the granularity of a mapping.
@@ -167,27 +220,7 @@ fn huge_zeroed(size: usize) -> *mut u8 {
 fn page_size() -> usize {
     // SAFETY: sysconf has no preconditions.
     let p = unsafe { libc::sysconf(libc::_SC_PAGESIZE) };
-    if p > 0 {
-        p as usize
-    } else {
-        4096
-    }
-}
-
-/// Returns a buffer of [`huge_zeroed`].
-fn huge_free(ptr: *mut u8, size: usize) {
-    #[cfg(target_os = "linux")]
-    // SAFETY: `ptr .. ptr + size` rounded to pages is the range `huge_zeroed` kept mapped, and
-    // the buffer that owned it is gone.
-    unsafe {
-        libc::munmap(ptr.cast(), size.next_multiple_of(page_size()));
-    }
-    #[cfg(not(target_os = "linux"))]
-    {
-        let layout = Layout::from_size_align(size, HUGE).expect("buffer size overflows");
-        // SAFETY: allocated by `huge_zeroed` with this layout.
-        unsafe { dealloc(ptr, layout) }
-    }
+    usize::try_from(p).ok().filter(|&p| p > 0).unwrap_or(4096)
 }
 
 #[cfg(test)]
@@ -209,11 +242,19 @@ mod tests {
                 assert_eq!(b.ptr.as_ptr() as usize % HUGE, 0);
                 assert_eq!(b.bytes() % HUGE, 0);
                 assert!(b.bytes() >= len * 4 && b.bytes() < len * 4 + HUGE);
+                assert_eq!(b.mapped, cfg!(target_os = "linux"));
             }
         }
         // Padding to whole huge pages only where it is small: 2.36 MiB stays as it is.
         let b = Buffer::<u32>::zeroed(8192 * 72);
         assert_eq!(b.bytes(), 8192 * 72 * 4);
+        // A huge buffer from the allocator (where no mapping can be made) works the same way.
+        let mut b = Buffer::<u32>::from_allocator(7281 * 72);
+        assert!(!b.mapped && b.iter().all(|&x| x == 0));
+        assert_eq!(b.ptr.as_ptr() as usize % HUGE, 0);
+        b[7281 * 72 - 1] = 3;
+        assert_eq!(b.bytes(), HUGE);
+        drop(b);
         // Just under one huge page (a full chunk of 9-word rows): padded to it, and aligned.
         let b = Buffer::<u32>::zeroed(58_254 * 9);
         assert_eq!(b.bytes(), HUGE);
