@@ -136,7 +136,7 @@ impl<T: Zeroable> Drop for Buffer<T> {
         if self.mapped {
             unmap_huge(self.ptr.cast(), layout.size());
         } else {
-            // SAFETY: allocated in `zeroed` with exactly this layout.
+            // SAFETY: allocated in `from_allocator` with exactly this layout.
             unsafe { dealloc(self.ptr.as_ptr().cast(), layout) }
         }
     }
