@@ -3,7 +3,7 @@
 //! pushes in the order they were queued, with a bounded in-flight budget.
 
 use std::panic::{catch_unwind, resume_unwind, AssertUnwindSafe};
-use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 use std::sync::mpsc::{channel, Sender};
 use std::sync::{Arc, Condvar, Mutex, MutexGuard};
 use std::thread::JoinHandle;
@@ -235,10 +235,122 @@ impl Drop for Applier {
 /// The thread pool and the ordered applier shared by every table of a store.
 pub struct Executor {
     pool: rayon::ThreadPool,
-    /// `threads - 1` threads that join a caller's batch in [`Executor::run_shared`].
-    helpers: Option<rayon::ThreadPool>,
+    /// Where [`Executor::run_shared`] offers a batch to the `threads - 1` helper threads.
+    offers: Arc<Offers>,
+    helpers: Vec<JoinHandle<()>>,
     threads: usize,
     applier: Applier,
+}
+
+/// How long a helper that has just finished a batch watches for the next one before it sleeps,
+/// when the gap before that batch was shorter than this (batches following each other).
+const WATCH: Duration = Duration::from_micros(100);
+/// How long it watches otherwise: long enough for the next phase of the same call (a pull's
+/// shard tasks after its grouping), short enough to cost nothing a training step would notice.
+const WATCH_SHORT: Duration = Duration::from_micros(10);
+
+/// The newest batch of [`Executor::run_shared`] on offer to the helper threads, with a counter
+/// that each offer bumps.
+///
+/// A helper that finished its part of a batch watches the counter (a spin loop) before it
+/// sleeps on `wake`, so that a batch that follows at once finds it awake: a sleeping thread
+/// takes 15 to 76 µs to wake on this VM, a third of a 4096-id pull (see ARCHITECTURE.md,
+/// "Executing a batch"). A helper that slept through an offer it was not woken for simply
+/// misses that batch; the caller runs every task a helper does not take.
+struct Offers {
+    generation: AtomicU64,
+    slot: Mutex<Offer>,
+    wake: Condvar,
+    stop: AtomicBool,
+}
+
+#[derive(Default)]
+struct Offer {
+    batch: Option<Arc<Batch>>,
+    sleepers: usize,
+}
+
+impl Offers {
+    /// Offers `batch` to up to `n` helpers.
+    fn offer(&self, batch: &Arc<Batch>, n: usize) {
+        let mut o = lock(&self.slot);
+        o.batch = Some(Arc::clone(batch));
+        self.generation.fetch_add(1, Ordering::Release);
+        for _ in 0..n.min(o.sleepers) {
+            self.wake.notify_one();
+        }
+    }
+
+    /// Takes `batch` off offer, if it is still the one offered.
+    fn withdraw(&self, batch: &Arc<Batch>) {
+        let mut o = lock(&self.slot);
+        if o.batch.as_ref().is_some_and(|b| Arc::ptr_eq(b, batch)) {
+            o.batch = None;
+        }
+    }
+
+    /// A helper thread's life: join each batch offered, until the executor is dropped.
+    fn serve(&self) {
+        // Every offer counts, even one made before this thread first ran.
+        let mut seen = 0;
+        let mut watch = WATCH;
+        loop {
+            let idle_since = Instant::now();
+            let mut spins = 0u32;
+            while self.generation.load(Ordering::Acquire) == seen {
+                if self.stop.load(Ordering::Relaxed) {
+                    return;
+                }
+                spins = spins.wrapping_add(1);
+                if spins.is_multiple_of(64) && idle_since.elapsed() >= watch {
+                    let mut o = lock(&self.slot);
+                    o.sleepers += 1;
+                    while self.generation.load(Ordering::Acquire) == seen
+                        && !self.stop.load(Ordering::Relaxed)
+                    {
+                        o = self.wake.wait(o).unwrap_or_else(|e| e.into_inner());
+                    }
+                    o.sleepers -= 1;
+                    break;
+                }
+                std::hint::spin_loop();
+            }
+            if self.stop.load(Ordering::Relaxed) {
+                return;
+            }
+            watch = if idle_since.elapsed() < WATCH {
+                WATCH
+            } else {
+                WATCH_SHORT
+            };
+            let batch = {
+                let o = lock(&self.slot);
+                seen = self.generation.load(Ordering::Acquire);
+                o.batch.clone()
+            };
+            if let Some(b) = batch {
+                b.help();
+            }
+        }
+    }
+
+    /// Stops the helper threads `helpers` that serve these offers and waits for them.
+    fn shut_down(&self, helpers: &mut Vec<JoinHandle<()>>) {
+        {
+            let _o = lock(&self.slot);
+            self.stop.store(true, Ordering::Relaxed);
+            self.wake.notify_all();
+        }
+        for h in helpers.drain(..) {
+            let _ = h.join();
+        }
+    }
+}
+
+impl Drop for Executor {
+    fn drop(&mut self) {
+        self.offers.shut_down(&mut self.helpers);
+    }
 }
 
 /// Tasks `f(0) .. f(tasks - 1)` handed out one at a time, from a shared counter, to every thread
@@ -336,24 +448,35 @@ impl Executor {
             .thread_name(|i| format!("pstore-worker-{i}"))
             .build()
             .map_err(|e| Error::Internal(format!("cannot start the thread pool: {e}")))?;
-        let helpers = if threads > 1 {
-            Some(
-                rayon::ThreadPoolBuilder::new()
-                    .num_threads(threads - 1)
-                    .thread_name(|i| format!("pstore-helper-{i}"))
-                    .build()
-                    .map_err(|e| {
-                        Error::Internal(format!("cannot start the helper threads: {e}"))
-                    })?,
-            )
-        } else {
-            None
-        };
+        let applier = Applier::new(max_inflight_bytes, "pstore-applier")?;
+        let offers = Arc::new(Offers {
+            generation: AtomicU64::new(0),
+            slot: Mutex::new(Offer::default()),
+            wake: Condvar::new(),
+            stop: AtomicBool::new(false),
+        });
+        let mut helpers = Vec::new();
+        for i in 1..threads {
+            let o = Arc::clone(&offers);
+            let spawned = std::thread::Builder::new()
+                .name(format!("pstore-helper-{i}"))
+                .spawn(move || o.serve());
+            match spawned {
+                Ok(h) => helpers.push(h),
+                Err(e) => {
+                    offers.shut_down(&mut helpers);
+                    return Err(Error::Internal(format!(
+                        "cannot start a helper thread: {e}"
+                    )));
+                }
+            }
+        }
         Ok(Arc::new(Self {
             pool,
+            offers,
             helpers,
             threads,
-            applier: Applier::new(max_inflight_bytes, "pstore-applier")?,
+            applier,
         }))
     }
 
@@ -385,9 +508,9 @@ impl Executor {
     /// (Measured in ARCHITECTURE.md, "Executing a batch".)
     pub fn run_shared(&self, tasks: usize, f: &(dyn Fn(usize) + Sync)) {
         let n = (self.threads - 1).min(tasks.saturating_sub(1));
-        let Some(helpers) = self.helpers.as_ref().filter(|_| n > 0) else {
+        if n == 0 {
             return (0..tasks).for_each(f);
-        };
+        }
         let batch = Arc::new(Batch {
             // SAFETY: `Batch`'s protocol keeps every `drain` inside this function (the wait
             // below), while `f` is alive.
@@ -397,12 +520,10 @@ impl Executor {
             done: Mutex::new(()),
             idle: Condvar::new(),
         });
-        for _ in 0..n {
-            let b = Arc::clone(&batch);
-            helpers.spawn(move || b.help());
-        }
+        self.offers.offer(&batch, n);
         batch.tasks.drain();
         batch.closed.store(true, Ordering::SeqCst);
+        self.offers.withdraw(&batch);
         // Helpers still running hold tasks taken before the counter ran out: wait for them.
         let mut g = lock(&batch.done);
         while batch.active.load(Ordering::SeqCst) > 0 {
@@ -493,6 +614,60 @@ mod tests {
             assert!(done.iter().all(|d| d.load(Ordering::Relaxed) == 1));
             assert!(elsewhere.into_inner() > 0, "a helper took part");
         }
+    }
+
+    #[test]
+    fn a_helper_that_went_to_sleep_joins_the_next_batch() {
+        let ex = Executor::new(2, 1 << 20).unwrap();
+        for round in 0..3 {
+            // Long past the watch: the helper sleeps on its condition variable.
+            std::thread::sleep(Duration::from_millis(20));
+            let caller = std::thread::current().id();
+            let (started, seen_elsewhere) = (AtomicUsize::new(0), AtomicBool::new(false));
+            ex.run_shared(2, &|_| {
+                if std::thread::current().id() != caller {
+                    seen_elsewhere.store(true, Ordering::SeqCst);
+                }
+                // Each task waits for the other to start: only a helper can run the second
+                // while the caller is inside the first.
+                started.fetch_add(1, Ordering::SeqCst);
+                let t = Instant::now();
+                while started.load(Ordering::SeqCst) < 2 && t.elapsed() < Duration::from_secs(10) {
+                    std::thread::yield_now();
+                }
+            });
+            assert_eq!(started.into_inner(), 2);
+            assert!(
+                seen_elsewhere.into_inner(),
+                "round {round}: no helper woke for the batch"
+            );
+        }
+    }
+
+    #[test]
+    fn dropping_an_executor_ends_its_helper_threads() {
+        let threads_now = || {
+            std::fs::read_to_string("/proc/self/status")
+                .ok()
+                .and_then(|s| {
+                    let line = s.lines().find(|l| l.starts_with("Threads:"))?;
+                    line[8..].trim().parse::<usize>().ok()
+                })
+        };
+        let Some(before) = threads_now() else {
+            return; // no /proc here: nothing to count
+        };
+        for _ in 0..100 {
+            let ex = Executor::new(5, 1 << 20).unwrap();
+            ex.run_shared(8, &|_| {});
+        }
+        // 100 executors of 4 helpers, 5 pool threads and an applier: a leak would leave
+        // about a thousand threads; other tests running beside this one start a few dozen.
+        let after = threads_now().unwrap();
+        assert!(
+            after < before + 200,
+            "{before} threads before, {after} after"
+        );
     }
 
     #[test]

@@ -48,19 +48,6 @@ fn frag_of_mix(mix: u64) -> u32 {
     mix as u32
 }
 
-/// Asks the CPU to start loading the cache line at `p`, which is about to be written; a hint with
-/// no effect on memory.
-#[inline(always)]
-pub fn prefetch_write<T>(p: *const T) {
-    #[cfg(target_arch = "x86_64")]
-    // SAFETY: a prefetch never faults and never changes memory, whatever the address.
-    unsafe {
-        std::arch::x86_64::_mm_prefetch::<{ std::arch::x86_64::_MM_HINT_ET0 }>(p.cast::<i8>())
-    };
-    #[cfg(not(target_arch = "x86_64"))]
-    let _ = p;
-}
-
 /// Asks the CPU to start loading the cache line at `p`; a hint with no effect on memory.
 #[inline(always)]
 fn prefetch<T>(p: *const T) {
@@ -359,7 +346,7 @@ impl Shard {
     pub fn find_many(&self, ids: &[u64], part: Part<'_>, row_words: usize, out: &mut Vec<u32>) {
         out.clear();
         out.reserve(part.positions.len());
-        self.for_each_found(ids, part, row_words, |_| {}, |_, slot| out.push(slot));
+        self.for_each_found(ids, part, row_words, |_, slot| out.push(slot));
     }
 
     /// Calls `f(k, slot)` for every `k` in order, with the slot of `ids[part.positions[k]]` or
@@ -368,15 +355,13 @@ impl Shard {
     /// Lookups are pipelined: the index line of an id is prefetched `AHEAD` ids before it is
     /// probed, and the candidate row (its header and the next `row_words` words, which `f` reads)
     /// `AHEAD` ids before it is confirmed and handed to `f`, so many cache misses are in flight
-    /// at once and `f` finds the row in cache. `ahead(k)` is called when position `k`'s row is
-    /// being loaded, `AHEAD` ids before `f(k, ..)`, so that the caller can load what `f` writes.
+    /// at once and `f` finds the row in cache.
     #[inline]
     pub fn for_each_found(
         &self,
         ids: &[u64],
         part: Part<'_>,
         row_words: usize,
-        mut ahead: impl FnMut(usize),
         mut f: impl FnMut(usize, u32),
     ) {
         const RING: usize = 2 * AHEAD;
@@ -397,7 +382,6 @@ impl Shard {
                 }
                 // The batch's ids are read in shard order, not in memory order: load ahead.
                 prefetch(&ids[positions[j] as usize]);
-                ahead(j);
             }
             if i >= 2 * AHEAD {
                 let k = i - 2 * AHEAD;

@@ -640,18 +640,7 @@ impl SparseTable {
             let mut missing = Vec::new();
             {
                 let shard = self.read(s);
-                let ahead = |k: usize| {
-                    if stream {
-                        return; // streaming stores need the line neither read nor cached
-                    }
-                    let dst = ptr.get().wrapping_add(pos[k] as usize * dim);
-                    let mut off = 0;
-                    while off < dim {
-                        crate::shard::prefetch_write(dst.wrapping_add(off));
-                        off += 16;
-                    }
-                };
-                shard.for_each_found(ids, part, dim, ahead, |k, slot| {
+                shard.for_each_found(ids, part, dim, |k, slot| {
                     if slot == NO_SLOT {
                         missing.push(pos[k]);
                     } else {
@@ -1305,28 +1294,22 @@ impl SparseTable {
         self.for_each_shard(&g, ids.len(), |s, part| {
             let pos = part.positions;
             let shard = self.read(s);
-            shard.for_each_found(
-                ids,
-                part,
-                m,
-                |_| {},
-                |k, slot| {
-                    let p = pos[k] as usize;
-                    if slot == NO_SLOT {
-                        return;
+            shard.for_each_found(ids, part, m, |k, slot| {
+                let p = pos[k] as usize;
+                if slot == NO_SLOT {
+                    return;
+                }
+                if let Some(w) = shard.settled(slot, ids[p]) {
+                    // SAFETY: `p < ids.len()`, and only this task writes position `p` (each
+                    // position belongs to one shard; see `Disjoint`).
+                    unsafe {
+                        let dst = std::slice::from_raw_parts_mut(wp.get().add(p * m), m);
+                        dst.copy_from_slice(&w[..m]);
+                        dst[1] = 0; // the flags word is not stored
+                        *op.get().add(p) = true;
                     }
-                    if let Some(w) = shard.settled(slot, ids[p]) {
-                        // SAFETY: `p < ids.len()`, and only this task writes position `p` (each
-                        // position belongs to one shard; see `Disjoint`).
-                        unsafe {
-                            let dst = std::slice::from_raw_parts_mut(wp.get().add(p * m), m);
-                            dst.copy_from_slice(&w[..m]);
-                            dst[1] = 0; // the flags word is not stored
-                            *op.get().add(p) = true;
-                        }
-                    }
-                },
-            );
+                }
+            });
         });
         Settled { words, ok, m }
     }
