@@ -498,9 +498,10 @@ def test_sum_rows_refuses_bad_input() -> None:
 
 
 @pytest.mark.parametrize("dim", [64, 63, 16])
-def test_a_pull_past_the_streaming_size_equals_small_pulls(dim: int) -> None:
-    """Outputs of 8 MiB and more are written with streaming stores (whole 16-byte groups when
-    the row allows, plain copies otherwise); rows, created ones included, must be the same."""
+def test_a_large_pull_equals_small_pulls(dim: int) -> None:
+    """A pull of 8 MiB and more (split over the pool's threads; past the last-level cache it is
+    written with streaming stores, which a Rust test covers at any size) returns the same rows,
+    created ones included, as many small pulls."""
     store = pstore.Store(threads=2)
     t = store.create_sparse_table(
         "t", dim, optimizer=optim.SGD(lr=0.1), initializer=init.Normal(0.0, 1.0), seed=3

@@ -320,9 +320,45 @@ impl Drop for Fence {
     }
 }
 
-/// Pull outputs of at least this many bytes are written with streaming stores (see
-/// [`copy_floats_streaming`]); smaller ones stay cached for the caller, who reads them next.
-const STREAM_MIN_BYTES: usize = 8 << 20;
+/// Pull outputs larger than the last-level cache are written with streaming stores (see
+/// [`copy_floats_streaming`]); smaller ones are written normally: their lines stay cached (the
+/// caller reads them next), and a store into a cached line costs no memory read.
+fn stream_min_bytes() -> usize {
+    static BYTES: std::sync::OnceLock<usize> = std::sync::OnceLock::new();
+    *BYTES.get_or_init(|| last_level_cache_bytes().unwrap_or(STREAM_MIN_BYTES_UNKNOWN))
+}
+
+/// The streaming threshold where the cache size cannot be read: a common server's last level.
+const STREAM_MIN_BYTES_UNKNOWN: usize = 32 << 20;
+
+/// The size of the largest cache level that Linux lists for CPU 0.
+fn last_level_cache_bytes() -> Option<usize> {
+    let dir = std::fs::read_dir("/sys/devices/system/cpu/cpu0/cache").ok()?;
+    dir.filter_map(|e| {
+        let path = e.ok()?.path();
+        let level: u32 = std::fs::read_to_string(path.join("level"))
+            .ok()?
+            .trim()
+            .parse()
+            .ok()?;
+        let size = parse_cache_size(&std::fs::read_to_string(path.join("size")).ok()?)?;
+        Some((level, size))
+    })
+    .max()
+    .map(|(_, size)| size)
+}
+
+/// A cache size as sysfs writes it: `"2048K"`, `"32M"` or a plain count of bytes.
+fn parse_cache_size(s: &str) -> Option<usize> {
+    let s = s.trim();
+    let (digits, unit) = match s.as_bytes().last()? {
+        b'K' | b'k' => (&s[..s.len() - 1], 1 << 10),
+        b'M' | b'm' => (&s[..s.len() - 1], 1 << 20),
+        b'G' | b'g' => (&s[..s.len() - 1], 1 << 30),
+        _ => (s, 1),
+    };
+    digits.parse::<usize>().ok()?.checked_mul(unit)
+}
 
 /// A sharded sparse table. Every method takes `&self`; each shard has its own lock, held once per
 /// batch, so pulls and pushes from many threads proceed in parallel.
@@ -605,6 +641,11 @@ impl SparseTable {
     /// Writes the rows of `ids` into `out` (`ids.len() * dim` floats, row after row), creating
     /// missing rows. On success every element of `out` has been written.
     pub fn pull_into(&self, ids: &[u64], out: &mut [MaybeUninit<f32>]) -> Result<()> {
+        self.pull_rows(ids, out, out.len() * 4 > stream_min_bytes())
+    }
+
+    /// [`SparseTable::pull_into`], writing the output with streaming stores when `stream`.
+    fn pull_rows(&self, ids: &[u64], out: &mut [MaybeUninit<f32>], stream: bool) -> Result<()> {
         self.check_live()?;
         let dim = self.config.dim;
         if out.len() != ids.len() * dim {
@@ -618,7 +659,6 @@ impl SparseTable {
         let ptr = Disjoint(out.as_mut_ptr().cast::<f32>());
         let created = std::sync::atomic::AtomicU64::new(0);
         let failure: Mutex<Option<crate::Error>> = Mutex::new(None);
-        let stream = out.len() * 4 >= STREAM_MIN_BYTES;
         let g = self.group(ids);
         self.for_each_shard(&g, ids.len(), |s, part| {
             let pos = part.positions;
@@ -1357,6 +1397,75 @@ impl TableHandle for SparseTable {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn cache_sizes_parse_as_sysfs_writes_them() {
+        assert_eq!(parse_cache_size("2048K\n"), Some(2 << 20));
+        assert_eq!(parse_cache_size("266240K"), Some(260 << 20));
+        assert_eq!(parse_cache_size("32M"), Some(32 << 20));
+        assert_eq!(parse_cache_size("1G"), Some(1 << 30));
+        assert_eq!(parse_cache_size("65536"), Some(65536));
+        assert_eq!(parse_cache_size(""), None);
+        assert_eq!(parse_cache_size("K"), None);
+        assert_eq!(parse_cache_size("12Q"), None);
+        assert!(
+            stream_min_bytes() >= 1 << 20,
+            "a cache size is read or assumed"
+        );
+    }
+
+    #[test]
+    fn streamed_and_cached_pulls_write_the_same_rows() {
+        // The same pulls with and without streaming stores, for a width that streams whole
+        // (64), one that does not (63) and a narrow one, with new ids (created by the pull),
+        // pushed ones and duplicates.
+        let store = crate::store::Store::new(crate::store::StoreConfig {
+            threads: 2,
+            ..Default::default()
+        })
+        .unwrap();
+        for dim in [64usize, 63, 16] {
+            let config = SparseTableConfig {
+                dim,
+                optimizer: Default::default(),
+                initializer: Initializer::Normal {
+                    mean: 0.0,
+                    std: 1.0,
+                },
+                seed: 3,
+                lifecycle: Default::default(),
+            };
+            let t = store
+                .create_sparse_table(&format!("t{dim}"), config)
+                .unwrap();
+            let ids: Vec<u64> = (0..20_000u64).map(|i| (i * 7919) % 15_000).collect();
+            let grads: Vec<f32> = (0..5_000 * dim).map(|i| (i % 13) as f32 - 6.0).collect();
+            t.push(&ids[..5_000], &grads).unwrap();
+            let pull = |stream: bool| {
+                let mut out: Vec<f32> = Vec::with_capacity(ids.len() * dim);
+                t.pull_rows(
+                    &ids,
+                    &mut out.spare_capacity_mut()[..ids.len() * dim],
+                    stream,
+                )
+                .unwrap();
+                // SAFETY: `pull_rows` returned Ok, so it wrote every element.
+                unsafe { out.set_len(ids.len() * dim) };
+                out
+            };
+            let streamed = pull(true);
+            let cached = pull(false);
+            assert_eq!(streamed, cached, "dim {dim}");
+            for (k, &id) in ids.iter().enumerate().step_by(997) {
+                let one = t.pull(&[id]).unwrap();
+                assert_eq!(
+                    &streamed[k * dim..(k + 1) * dim],
+                    &one[..],
+                    "dim {dim}, id {id}"
+                );
+            }
+        }
+    }
 
     #[test]
     fn row_copies_write_exactly_the_row() {
