@@ -289,11 +289,12 @@ impl Offers {
         }
     }
 
-    /// A helper thread's life: join each batch offered, until the executor is dropped.
-    fn serve(&self) {
+    /// A helper thread's life: join each batch offered, until the executor is dropped. A helper
+    /// that may not `watch` sleeps as soon as it is idle.
+    fn serve(&self, watch_at_all: bool) {
         // Every offer counts, even one made before this thread first ran.
         let mut seen = 0;
-        let mut watch = WATCH;
+        let mut watch = if watch_at_all { WATCH } else { Duration::ZERO };
         loop {
             let idle_since = Instant::now();
             let mut spins = 0u32;
@@ -318,7 +319,9 @@ impl Offers {
             if self.stop.load(Ordering::Relaxed) {
                 return;
             }
-            watch = if idle_since.elapsed() < WATCH {
+            watch = if !watch_at_all {
+                Duration::ZERO
+            } else if idle_since.elapsed() < WATCH {
                 WATCH
             } else {
                 WATCH_SHORT
@@ -455,12 +458,16 @@ impl Executor {
             wake: Condvar::new(),
             stop: AtomicBool::new(false),
         });
+        // Helpers beyond the cores this process may use would spin on a core the caller needs:
+        // those sleep as soon as they are idle.
+        let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
         let mut helpers = Vec::new();
         for i in 1..threads {
             let o = Arc::clone(&offers);
+            let watch = i < cores;
             let spawned = std::thread::Builder::new()
                 .name(format!("pstore-helper-{i}"))
-                .spawn(move || o.serve());
+                .spawn(move || o.serve(watch));
             match spawned {
                 Ok(h) => helpers.push(h),
                 Err(e) => {
