@@ -345,7 +345,11 @@ impl Offers {
             self.wake.notify_all();
         }
         for h in helpers.drain(..) {
-            let _ = h.join();
+            // A helper never joins itself (were the executor dropped on one): it stops on its
+            // own once its current task returns.
+            if h.thread().id() != std::thread::current().id() {
+                let _ = h.join();
+            }
         }
     }
 }
