@@ -216,8 +216,7 @@ fn advise_huge(ptr: *mut u8, size: usize) {
 }
 
 /// The size of a small page, the granularity of a mapping.
-#[cfg(target_os = "linux")]
-fn page_size() -> usize {
+pub(crate) fn page_size() -> usize {
     // SAFETY: sysconf has no preconditions.
     let p = unsafe { libc::sysconf(libc::_SC_PAGESIZE) };
     usize::try_from(p).ok().filter(|&p| p > 0).unwrap_or(4096)

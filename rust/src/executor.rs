@@ -417,7 +417,7 @@ impl Tasks {
     }
 }
 
-/// One batch of [`Executor::run_shared`], shared with the helper jobs it queued.
+/// One batch of [`Executor::run_shared`], shared with the helper threads it was offered to.
 ///
 /// The task closure borrows from the caller's stack, so a helper may run tasks only while the
 /// caller is still inside `run_shared`: a helper first counts itself in `active`, then reads

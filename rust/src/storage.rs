@@ -213,7 +213,7 @@ fn open_env(dir: &Path, create: bool, map_size: usize) -> Result<(Env<WithoutTls
         std::fs::create_dir_all(dir)
             .map_err(|e| storage(format!("creating {}: {e}", dir.display())))?;
     }
-    let page = page_size();
+    let page = crate::buffer::page_size();
     let map_size = map_size.max(page).div_ceil(page) * page;
     let existing = std::fs::metadata(dir.join("data.mdb"))
         .map(|m| m.len() as usize)
@@ -1322,16 +1322,6 @@ enum PruneError {
 /// The cycle stored in a `changed` or `removed` value.
 pub fn cycle_of(v: &[u8]) -> u64 {
     v.try_into().map(u64::from_le_bytes).unwrap_or(0)
-}
-
-fn page_size() -> usize {
-    // SAFETY: sysconf only reads its argument.
-    let p = unsafe { libc::sysconf(libc::_SC_PAGESIZE) };
-    if p > 0 {
-        p as usize
-    } else {
-        4096
-    }
 }
 
 #[cfg(test)]
