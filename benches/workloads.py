@@ -5,6 +5,7 @@ from __future__ import annotations
 import functools
 import gc
 import itertools
+import os
 import shutil
 import statistics
 import tempfile
@@ -69,6 +70,7 @@ class Sizes:
     w4_ids_per_rep: int
     w5_rows: int
     w5_train_seconds: float
+    w5_steady_seconds: float  # the loop of the async store (part c's target): cycles must run
     w5_train_reps: int
     w6_rows: int
     w6_calls: dict[int, int]  # batch size -> calls per repetition (all threads together)
@@ -89,6 +91,7 @@ QUICK = Sizes(
     w4_ids_per_rep=1 << 19,
     w5_rows=1_000_000,
     w5_train_seconds=10.0,
+    w5_steady_seconds=10.0,
     w5_train_reps=3,
     w6_rows=1_000_000,
     w6_calls={1: 2000, 256: 200, 4096: 40, 65536: 8},
@@ -108,6 +111,7 @@ FULL = Sizes(
     w4_ids_per_rep=1 << 21,
     w5_rows=10_000_000,
     w5_train_seconds=20.0,
+    w5_steady_seconds=60.0,
     w5_train_reps=3,
     w6_rows=10_000_000,
     w6_calls={1: 4000, 256: 400, 4096: 80, 65536: 16},
@@ -786,22 +790,54 @@ def _w5_train_for(
     return run
 
 
+def _disk_fsync_rate(parent: Path, nbytes: int) -> float:
+    """Bytes per second that one writer gets onto the disk under `parent`: `nbytes` of random
+    bytes written in 16 MiB pieces, then fsync; the file is removed. The final flush of a
+    table whose rows all changed cannot be faster than its bytes at this rate."""
+    block = np.random.default_rng(55).integers(0, 256, 16 << 20, dtype=np.uint8).tobytes()
+    path = parent / "disk_rate.tmp"
+    t0 = time.perf_counter()
+    with open(path, "wb") as f:
+        for _ in range(max(1, nbytes // len(block))):
+            f.write(block)
+        f.flush()
+        os.fsync(f.fileno())
+    secs = time.perf_counter() - t0
+    path.unlink()
+    return max(1, nbytes // len(block)) * len(block) / secs
+
+
 def _w5_training(
-    ctx: Context, sec: Section, mem: tuple[Any, Any], name: str, durable: tuple[Any, Any], n: int
+    ctx: Context,
+    sec: Section,
+    mem: tuple[Any, Any],
+    name: str,
+    durable: tuple[Any, Any],
+    n: int,
+    disk_rate: float,
 ) -> None:
     """Training on the durable store `name` against the in-memory one, interleaved. Each durable
     store is measured in a phase of its own, with only the in-memory store beside it: a user
     trains one store at a time, and at the issue's size a third store and a second replica file
-    would leave too little memory for the page cache the replica writes through."""
-    seconds = ctx.sizes.w5_train_seconds
+    would leave too little memory for the page cache the replica writes through.
+
+    The target store (one environment, async) runs `w5_steady_seconds` per loop, long enough
+    for background flush cycles to finish during the loop (at the full size a cycle rewrites
+    most of a 4.6 GB table and the flusher stretches its interval to several seconds): its
+    loop rate is the training rate with the replica kept up, and carries the target only if
+    every run saw a cycle finish. The final flush is reported beside it, with the time the disk
+    needs for the table's bytes."""
+    steady = name == "durable async"
+    seconds = ctx.sizes.w5_steady_seconds if steady else ctx.sizes.w5_train_seconds
     reps = min(ctx.reps, ctx.sizes.w5_train_reps)
-    sec.config["train_seconds"] = seconds
+    sec.config["train_seconds"] = ctx.sizes.w5_train_seconds
+    sec.config["steady_seconds"] = ctx.sizes.w5_steady_seconds
     sec.config["train_reps"] = reps
     sampler = PositionSampler(n, seed=53)  # the same batches in every phase
     grads = _grads(W5_BATCH, W5_DIM, 4, seed=54)
     in_mem = "in-memory"
     stores = {in_mem: mem, name: durable}
-    target = {in_mem: (">=0.8x", 0.8)} if name == "durable async" else None
+    table_bytes = mem[1].stats()["bytes_used"]
     for dist in DISTS:
         pos = [sampler.sample(dist, W5_BATCH) for _ in range(16)]
         sec.config[f"unique_frac_{dist}"] = _unique_frac(pos)
@@ -813,52 +849,70 @@ def _w5_training(
         log(f"W5c: {name}: {dist}: {seconds:g} s per run x {reps} reps")
         res = measure_phases(fns, reps, warmup=0)
         rs = res[name]
-        loop_rate = statistics.median(r["ids"] / r["loop_s"] for r in rs)
         flush_s = statistics.median(r["flush_s"] for r in rs)
-        cycles = statistics.median(r["cycles_loop"] for r in rs)
+        cycles = [r["cycles_loop"] for r in rs]
         max_lag = max(r["max_lag_s"] for r in rs)
-        rates = {k: [r["ids"] / r["total_s"] for r in res[k]] for k in stores}
-        rows = rows_from_rates(
-            "W5", "pull+push, incl. final flush", dist, W5_BATCH, rates, name, target,
+        info = durable[0].storage_info()
+        interval = info.get("current_flush_interval", info["flush_interval"])
+        # The loop's rate: a training run's rate while the replica keeps up (the target row,
+        # for the async store, when every run saw a background cycle finish).
+        loop = {k: [r["ids"] / r["loop_s"] for r in res[k]] for k in stores}
+        kept_up = min(cycles) >= 1
+        target = {in_mem: (">=0.8x", 0.8)} if steady and kept_up else None
+        if steady and not kept_up:
+            sec.notes.append(
+                f"c: {name}: {dist}: a run saw no background flush cycle finish during its "
+                f"{seconds:g} s loop (cycles per run {cycles}), so its loop rate is not a steady "
+                "state and the 0.8x target is not assessed"
+            )
+        loop_rows = rows_from_rates(
+            "W5", "pull+push, loop (replica kept up)", dist, W5_BATCH, loop, name, target,
             unit="ids/s",
         )  # fmt: skip
+        for row in loop_rows:
+            assert row.median is not None
+            row.extra = {
+                "part": "c",
+                "seconds": [r["loop_s"] for r in res[row.impl]],
+                "runs": res[row.impl],
+                "rate": f"{row.median / 1e6:.2f} M ids/s",
+                "detail": (
+                    f"{seconds:g} s loops; flush cycles finished during each loop: {cycles}; "
+                    f"flush lag up to {max_lag:.1f} s; store so far: {info['idle_lifts']} idle "
+                    f"writes lifted, {info['superseded_writes']} superseded by flush(), flush "
+                    f"interval in use {interval:g} s"
+                    if row.impl == name
+                    else f"no replica (beside {name})"
+                ),
+            }
+        sec.rows += loop_rows
+        # The same runs timed to the end of the final flush(): a run of this length pays it
+        # once; its floor is the table's bytes at the disk's write rate (for uniform ids nearly
+        # every row changed since the last cycle).
+        rates = {k: [r["ids"] / r["total_s"] for r in res[k]] for k in stores}
+        rows = rows_from_rates(
+            "W5", "pull+push, incl. final flush", dist, W5_BATCH, rates, name, unit="ids/s"
+        )
         for row in rows:
             assert row.median is not None
             row.extra = {
                 "part": "c",
                 "seconds": [r["total_s"] for r in res[row.impl]],
-                "runs": res[row.impl],
                 "rate": f"{row.median / 1e6:.2f} M ids/s",
                 "detail": (
-                    f"loop alone {loop_rate / 1e6:.2f} M ids/s, final flush {flush_s:.2f} s, "
-                    f"{cycles:g} flush cycles during the loop, flush lag up to {max_lag:.1f} s"
+                    f"final flush {flush_s:.2f} s"
+                    + (
+                        f"; the table's {table_bytes / 1e9:.2f} GB of rows take "
+                        f"{table_bytes / disk_rate:.1f} s at the disk's {disk_rate / 1e6:.0f} "
+                        "MB/s (one writer, fsync)"
+                        if "async" in name
+                        else ""
+                    )
                     if row.impl == name
                     else f"no replica: flush() has nothing to write (beside {name})"
                 ),
             }
         sec.rows += rows
-        # The same runs without the final flush: the rate of a long training run, where the
-        # one flush at its end does not count (reported beside the row above, not instead).
-        loop = {k: [r["ids"] / r["loop_s"] for r in res[k]] for k in stores}
-        loop_rows = rows_from_rates(
-            "W5", "pull+push, loop alone (steady state)", dist, W5_BATCH, loop, name, target,
-            unit="ids/s",
-        )  # fmt: skip
-        info = durable[0].storage_info()
-        for row in loop_rows:
-            row.extra = {
-                "part": "c",
-                "rate": f"{row.median / 1e6:.2f} M ids/s",
-                "detail": "the runs above, timed to the end of the loop"
-                + (
-                    f"; {name} store so far: {info['idle_lifts']} idle writes lifted, "
-                    f"{info['superseded_writes']} superseded by flush(), flush interval in "
-                    f"use {info.get('current_flush_interval', info['flush_interval']):g} s"
-                    if row.impl == name
-                    else ""
-                ),
-            }
-        sec.rows += loop_rows
 
 
 def _w5_reopen(
@@ -977,11 +1031,15 @@ def w5_durability(ctx: Context) -> Section:
         _w5_snapshot_restore(ctx, sec, tmp, mem, mem_t, n)
         gc.collect()
 
+        # As many bytes as the table (up to 4 GiB): a short write can finish in the page cache
+        # faster than the disk sustains.
+        disk_rate = _disk_fsync_rate(tmp, min(4 * GIB, mem_t.stats()["bytes_used"]))
+        sec.config["disk_fsync_bytes_per_s"] = disk_rate
         asy, asy_t, write_s = durable("async")
         both = {"in-memory": (mem, mem_t), "durable async": (asy, asy_t)}
         _w5_incremental(ctx, sec, tmp, both, n)
 
-        _w5_training(ctx, sec, (mem, mem_t), "durable async", (asy, asy_t), n)
+        _w5_training(ctx, sec, (mem, mem_t), "durable async", (asy, asy_t), n, disk_rate)
         t0 = time.perf_counter()
         asy.close()
         sec.config["durable_async_close_s"] = time.perf_counter() - t0
@@ -992,7 +1050,7 @@ def w5_durability(ctx: Context) -> Section:
         gc.collect()
 
         syn, syn_t, _ = durable("sync")
-        _w5_training(ctx, sec, (mem, mem_t), "durable sync", (syn, syn_t), n)
+        _w5_training(ctx, sec, (mem, mem_t), "durable sync", (syn, syn_t), n, disk_rate)
         syn.close()
         del syn, syn_t
         opened[:] = [mem]
@@ -1005,7 +1063,7 @@ def w5_durability(ctx: Context) -> Section:
         for durability in ("async", "sync"):
             st2, st2_t, _ = durable(durability, environments=2)
             name = f"durable {durability}, 2 environments"
-            _w5_training(ctx, sec, (mem, mem_t), name, (st2, st2_t), n)
+            _w5_training(ctx, sec, (mem, mem_t), name, (st2, st2_t), n, disk_rate)
             st2.close()
             del st2, st2_t
             opened[:] = [mem]
