@@ -132,6 +132,28 @@ def rss_bytes() -> int:
     return resident_pages * os.sysconf("SC_PAGE_SIZE")
 
 
+def status_bytes(pid: int | str, key: str) -> int | None:
+    """A `kB` line of /proc/<pid>/status (VmRSS, VmHWM) in bytes, or None."""
+    try:
+        with open(f"/proc/{pid}/status") as f:
+            for line in f:
+                if line.startswith(f"{key}:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return None
+
+
+def reset_peak_rss() -> bool:
+    """Reset this process's VmHWM to its current RSS (Linux: "5" to /proc/self/clear_refs)."""
+    try:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
+        return True
+    except OSError:
+        return False
+
+
 def ids_of(pos: np.ndarray) -> np.ndarray:
     """Map row positions to scattered 64-bit ids.
 

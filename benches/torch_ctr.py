@@ -37,7 +37,9 @@ from harness import (
     measure_phases,
     mem_available_bytes,
     pstore_search_dir,
+    reset_peak_rss,
     rss_bytes,
+    status_bytes,
 )
 from net import ServerProcess, start_pstore_server
 from workloads import GIB, Context, Section
@@ -85,38 +87,16 @@ W8_SIZES = {
 # Memory of this process and of the servers
 
 
-def _status_bytes(pid: int | str, key: str) -> int | None:
-    """A `kB` line of /proc/<pid>/status (VmRSS, VmHWM) in bytes, or None."""
-    try:
-        with open(f"/proc/{pid}/status") as f:
-            for line in f:
-                if line.startswith(f"{key}:"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    return None
-
-
-def _reset_peak_rss() -> bool:
-    """Reset this process's VmHWM to its current RSS (Linux: "5" to /proc/self/clear_refs)."""
-    try:
-        with open("/proc/self/clear_refs", "w") as f:
-            f.write("5")
-        return True
-    except OSError:
-        return False
-
-
 def _measured(train: Callable[[], dict[str, Any]]) -> dict[str, Any]:
     """Call `train` (a `ctr.train_deepfm*` call) and add its wall seconds, this process's RSS
     before, its peak RSS during the call (VmHWM, reset before) and the load average."""
     rss0 = rss_bytes()
-    peak_ok = _reset_peak_rss()
+    peak_ok = reset_peak_rss()
     load = os.getloadavg()[0]
     t0 = time.perf_counter()
     m = train()
     wall = time.perf_counter() - t0
-    peak = _status_bytes("self", "VmHWM") if peak_ok else None
+    peak = status_bytes("self", "VmHWM") if peak_ok else None
     m.update(
         wall_s=wall,
         rss_before=rss0,
@@ -173,7 +153,7 @@ def _train_remote(
             server_dir = run_dir / f"server{i}"
             server_dir.mkdir()
             servers.append(start_pstore_server(pstore, pstore_search_dir(pstore), server_dir))
-        start = {s.pid: _status_bytes(s.pid, "VmRSS") for s in servers}
+        start = {s.pid: status_bytes(s.pid, "VmRSS") for s in servers}
         remote = pstore.connect([s.address for s in servers])
         m = _measured(lambda: ctr.train_deepfm(remote, train, test, **kw))
         m["servers"] = [
@@ -181,8 +161,8 @@ def _train_remote(
                 "address": s.address,
                 "pid": s.pid,
                 "rss_start": start[s.pid],
-                "rss_end": _status_bytes(s.pid, "VmRSS"),
-                "rss_peak": _status_bytes(s.pid, "VmHWM"),
+                "rss_end": status_bytes(s.pid, "VmRSS"),
+                "rss_peak": status_bytes(s.pid, "VmHWM"),
             }
             for s in servers
         ]
