@@ -496,7 +496,9 @@ W5_PARTS = {
 # page cache of the replica they write through (1.3x the raw bytes after the first write, more
 # as rows keep changing; clean pages the kernel can drop, so a cache smaller than the file
 # costs the durable store re-reads, which the bench measures and does not hide). 3.3 leaves
-# 0.2 for the process and pstore's transient buffers: the peak is reported as peak_rss_gib.
+# 0.2 for the process and pstore's transient buffers. W5 reports the lowest MemAvailable it
+# saw (mem_available_min_gib) and its peak RSS, which also counts the replica's file pages
+# mapped by LMDB (page cache, not the process's own memory).
 # Disk: an LMDB replica takes ~3x the raw bytes; part c holds one at a time, plus its growth.
 W5_MEM_FACTOR = 3.3
 W5_DISK_FACTOR = 8.0
@@ -532,6 +534,26 @@ def scaled_down(
         f"{info['mem_needed_gib']} GiB memory with {info['mem_available_gib']} GiB "
         f"available, {info['disk_needed_gib']} GiB disk with {info['disk_free_gib']} GiB free)"
     ]
+
+
+class _MemLowWater:
+    """The lowest MemAvailable seen while it runs (a daemon thread reading /proc/meminfo every
+    half second): how close W5 came to the machine's memory, page cache not counted as used."""
+
+    def __init__(self) -> None:
+        self.low = mem_available_bytes()
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="w5-mem", daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        while not self._stop.wait(0.5):
+            self.low = min(self.low, mem_available_bytes())
+
+    def stop(self) -> int:
+        self._stop.set()
+        self._thread.join()
+        return min(self.low, mem_available_bytes())
 
 
 def _w5_fit(requested: int, row_bytes: int, parent: Path) -> tuple[int, dict[str, Any], list[str]]:
@@ -1027,6 +1049,7 @@ def w5_durability(ctx: Context) -> Section:
         return store, table, write_s
 
     peak_ok = reset_peak_rss()
+    low_water = _MemLowWater()
     try:
         mem = pstore.Store()
         opened.append(mem)
@@ -1083,10 +1106,10 @@ def w5_durability(ctx: Context) -> Section:
                 sec.notes.append(f"closing a store: {exc!r}")
         opened.clear()
         shutil.rmtree(tmp, ignore_errors=True)
+    sec.config["mem_available_min_gib"] = round(low_water.stop() / GIB, 1)
     peak = status_bytes("self", "VmHWM") if peak_ok else None
     if peak is not None:
         sec.config["peak_rss_gib"] = round(peak / GIB, 1)
-        sec.config["peak_rss_per_raw_byte"] = round(peak / (n * row_bytes), 2)
     return sec
 
 
