@@ -822,16 +822,17 @@ def _disk_fsync_rate(parent: Path, nbytes: int) -> float:
     bytes written in 16 MiB pieces, then fsync; the file is removed. The final flush of a
     table whose rows all changed cannot be faster than its bytes at this rate."""
     block = np.random.default_rng(55).integers(0, 256, 16 << 20, dtype=np.uint8).tobytes()
+    pieces = max(1, nbytes // len(block))
     path = parent / "disk_rate.tmp"
     t0 = time.perf_counter()
     with open(path, "wb") as f:
-        for _ in range(max(1, nbytes // len(block))):
+        for _ in range(pieces):
             f.write(block)
         f.flush()
         os.fsync(f.fileno())
     secs = time.perf_counter() - t0
     path.unlink()
-    return max(1, nbytes // len(block)) * len(block) / secs
+    return pieces * len(block) / secs
 
 
 def _w5_training(
@@ -850,7 +851,7 @@ def _w5_training(
 
     The target store (one environment, async) runs `w5_steady_seconds` per loop, long enough
     for background flush cycles to finish during the loop (at the full size a cycle rewrites
-    most of a 4.6 GB table and the flusher stretches its interval to several seconds): its
+    most of a 5.4 GB table and the flusher stretches its interval to several seconds): its
     loop rate is the training rate with the replica kept up, and carries the target only if
     every run saw a cycle finish. The final flush is reported beside it, with the time the disk
     needs for the table's bytes."""
@@ -1106,7 +1107,7 @@ def w5_durability(ctx: Context) -> Section:
                 sec.notes.append(f"closing a store: {exc!r}")
         opened.clear()
         shutil.rmtree(tmp, ignore_errors=True)
-    sec.config["mem_available_min_gib"] = round(low_water.stop() / GIB, 1)
+        sec.config["mem_available_min_gib"] = round(low_water.stop() / GIB, 1)
     peak = status_bytes("self", "VmHWM") if peak_ok else None
     if peak is not None:
         sec.config["peak_rss_gib"] = round(peak / GIB, 1)
