@@ -6,7 +6,7 @@
 
 Training code switches between the embedded store and servers by changing the line that makes
 the store. The client is written in Rust: the requests of one call go to all servers at once,
-with the GIL released. See docs/SERVING_CLUSTER.md for running servers.
+with the GIL released. See docs/CLUSTER.md for running servers.
 """
 
 from __future__ import annotations
