@@ -254,9 +254,10 @@ const WATCH_SHORT: Duration = Duration::from_micros(10);
 ///
 /// A helper that finished its part of a batch watches the counter (a spin loop) before it
 /// sleeps on `wake`, so that a batch that follows at once finds it awake: a sleeping thread
-/// takes 15 to 76 µs to wake on this VM, a third of a 4096-id pull (see ARCHITECTURE.md,
-/// "Executing a batch"). A helper that slept through an offer it was not woken for simply
-/// misses that batch; the caller runs every task a helper does not take.
+/// takes 15 to 76 µs to wake on this VM, a third of a 4096-id pull (see
+/// docs/decisions/0006-caller-works-beside-watching-helpers.md). A helper that slept through an
+/// offer it was not woken for simply misses that batch; the caller runs every task a helper
+/// does not take.
 struct Offers {
     generation: AtomicU64,
     slot: Mutex<Offer>,
@@ -516,7 +517,7 @@ impl Executor {
     /// until it is done, so the two thread wake-ups of a hand-off (a pool thread's, then the
     /// caller's) are off the batch's critical path: a helper that wakes late finds fewer tasks
     /// left, and one that wakes after the last task was taken leaves without being waited for.
-    /// (Measured in ARCHITECTURE.md, "Executing a batch".)
+    /// (Why: docs/decisions/0006-caller-works-beside-watching-helpers.md.)
     pub fn run_shared(&self, tasks: usize, f: &(dyn Fn(usize) + Sync)) {
         let n = (self.threads - 1).min(tasks.saturating_sub(1));
         if n == 0 {

@@ -4,7 +4,7 @@
 //! threads for them. At normal priority the scheduler lets the flusher finish its time slice
 //! when a pool thread wakes, so pushes and pulls wait behind it. At `SCHED_IDLE` a waking
 //! thread of normal priority takes the core at once, and the flusher runs in the gaps that
-//! training leaves. (Measured in ARCHITECTURE.md, "Idle-priority writes".)
+//! training leaves. (Why: docs/decisions/0013-idle-priority-flusher-writes.md.)
 //!
 //! Only the transaction (LMDB's writes and the commit) runs at idle priority: the take, which
 //! holds pushes off, and the bookkeeping after the commit, which takes shard locks, run at

@@ -3,10 +3,10 @@
 //! A training thread of PyTorch on CPU is the master of an OpenMP team (torch's intra-op
 //! parallelism). After each parallel region, libgomp's workers spin for a while before they sleep.
 //! A store call made from that thread between two of torch's regions then meets a worker spinning
-//! on the other core, and the store's own pool threads fight it for the cores (measured in
-//! ARCHITECTURE.md, W8). A thread that has *joined* the runtime runs its batches as OpenMP parallel
-//! regions of that same runtime: the spinning workers take the shard tasks, and nothing is
-//! oversubscribed.
+//! on the other core, and the store's own pool threads fight it for the cores (see
+//! docs/decisions/0022-store-work-on-torchs-openmp-team.md). A thread that has *joined* the
+//! runtime runs its batches as OpenMP parallel regions of that same runtime: the spinning
+//! workers take the shard tasks, and nothing is oversubscribed.
 //!
 //! The runtime is one already loaded in the process (torch's libgomp), found by path and bound with
 //! `dlopen(RTLD_NOLOAD)`: pstore never loads an OpenMP library of its own. Only `GOMP_parallel`

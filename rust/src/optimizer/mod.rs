@@ -243,7 +243,7 @@ impl OptimizerConfig {
                 ..
             } => {
                 // In float32, as torch computes it: the float64 square root and division were
-                // most of an update's time (ARCHITECTURE.md, "Optimizers").
+                // most of an update's time (docs/decisions/0019-adagrad-in-float32.md).
                 // Validation keeps the hyper-parameters inside float32's range; the clamps keep a
                 // coalesced gradient beyond it finite (its square then saturates the sum to
                 // infinity and the row stops moving, as in torch), never NaN.
