@@ -9,8 +9,18 @@ import subprocess
 import sys
 import time
 from collections.abc import Sequence
+from pathlib import Path
 
 import pstore
+
+
+def child_env(**extra: str) -> dict[str, str]:
+    """This process's environment for a child that imports the pstore these tests import."""
+    env = dict(os.environ)
+    root = str(Path(pstore.__file__).resolve().parent.parent)
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (root, env.get("PYTHONPATH")) if p)
+    env.update(extra)
+    return env
 
 
 def free_port() -> int:

@@ -3,13 +3,13 @@
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
 from pathlib import Path
 
 import numpy as np
 import pytest
+from _netutil import child_env
 
 import pstore
 from pstore import cli, optim
@@ -107,10 +107,7 @@ def test_restore_refuses_an_existing_store_and_snapshot_an_existing_dir(tmp_path
 def test_the_installed_command_shows_progress_and_results(tmp_path):
     store = tmp_path / "store"
     make_store(store, rows=50_000)
-    env = dict(os.environ)
-    env["PYTHONPATH"] = os.pathsep.join(
-        p for p in (str(Path(pstore.__file__).resolve().parent.parent), env.get("PYTHONPATH")) if p
-    )
+    env = child_env()
     done = subprocess.run(
         [sys.executable, "-m", "pstore", "snapshot", str(store), str(tmp_path / "snap")],
         capture_output=True,

@@ -29,6 +29,7 @@ from typing import Any
 import grpc
 import numpy as np
 import pytest
+from _netutil import child_env, free_port
 from grpc_tools import protoc
 from hypothesis import HealthCheck, Phase, given, settings
 from hypothesis import strategies as st
@@ -117,12 +118,6 @@ def fails(method: Any, request: Any, metadata: Any = WRITE) -> grpc.RpcError:
 
 def ok(method: Any, request: Any, metadata: Any = WRITE) -> Any:
     return method(request, metadata=metadata, timeout=TIMEOUT)
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 # ---------------------------------------------------------------------------------------------
@@ -1273,11 +1268,8 @@ def serve_process(
         "runpy.run_module('pstore', run_name='__main__', alter_sys=True)"
     )
     cmd = [sys.executable, "-m", "pstore", *argv] if not prelude else [sys.executable, "-c", code]
-    env = {k: v for k, v in os.environ.items() if k != "PSTORE_READ_TOKEN"}
-    env["PSTORE_TOKEN"] = TOKEN
-    env["PYTHONPATH"] = os.pathsep.join(
-        [str(Path(pstore.__file__).resolve().parents[1]), env.get("PYTHONPATH", "")]
-    )
+    env = child_env(PSTORE_TOKEN=TOKEN)
+    env.pop("PSTORE_READ_TOKEN", None)
     log = tmp_path / "serve.log"
     with open(log, "wb") as err:
         proc = subprocess.Popen(cmd, cwd=tmp_path, env=env, stdout=err, stderr=err)

@@ -14,7 +14,6 @@ update, accumulator of another) or a row that moved backwards cannot go unnotice
 from __future__ import annotations
 
 import math
-import os
 import random
 import statistics
 import subprocess
@@ -27,6 +26,7 @@ from pathlib import Path
 import _crash_worker as worker
 import numpy as np
 import pytest
+from _netutil import child_env
 from test_lmdb_format import decode_row, read_replica
 
 import pstore
@@ -107,14 +107,6 @@ class Outcome:
     wait: float
 
 
-def worker_env() -> dict[str, str]:
-    """The environment of a worker: it imports the pstore these tests import."""
-    root = str(Path(pstore.__file__).resolve().parent.parent)
-    env = dict(os.environ)
-    env["PYTHONPATH"] = os.pathsep.join(p for p in (root, env.get("PYTHONPATH")) if p)
-    return env
-
-
 def run_worker(
     path: Path, mode: str, options: list[str], wait: float, log: Path
 ) -> tuple[int, float, dict[int, float], float]:
@@ -128,7 +120,7 @@ def run_worker(
     first_ack = threading.Event()
     with log.open("w") as err:
         proc = subprocess.Popen(
-            cmd, stdout=subprocess.PIPE, stderr=err, env=worker_env(), text=True, bufsize=1
+            cmd, stdout=subprocess.PIPE, stderr=err, env=child_env(), text=True, bufsize=1
         )
 
         def read() -> None:

@@ -27,7 +27,8 @@ from pathlib import Path
 import lmdb
 import numpy as np
 import pytest
-from _netutil import free_port
+from _data import F32, grads, random_ids, u64
+from _netutil import child_env, free_port
 from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 from hypothesis.extra import numpy as hnp
@@ -36,21 +37,7 @@ import pstore
 from pstore import init, optim, serving
 from pstore.serving import ServingStore
 
-F32 = np.float32
-U64_MAX = np.iinfo(np.uint64).max
 READER = Path(__file__).with_name("_serving_reader.py")
-
-
-def u64(values) -> np.ndarray:
-    return np.asarray(values, dtype=np.uint64)
-
-
-def subprocess_env() -> dict[str, str]:
-    """The environment of a child process that imports this checkout's pstore."""
-    env = dict(os.environ)
-    root = str(Path(pstore.__file__).resolve().parent.parent)
-    env["PYTHONPATH"] = os.pathsep.join(p for p in (root, env.get("PYTHONPATH")) if p)
-    return env
 
 
 def run_cli(*args: str, timeout: float = 120.0) -> subprocess.CompletedProcess[str]:
@@ -58,20 +45,9 @@ def run_cli(*args: str, timeout: float = 120.0) -> subprocess.CompletedProcess[s
         [sys.executable, "-m", "pstore", *map(str, args)],
         capture_output=True,
         text=True,
-        env=subprocess_env(),
+        env=child_env(),
         timeout=timeout,
     )
-
-
-def random_ids(rng: np.random.Generator, n: int, avoid=()) -> np.ndarray:
-    """``n`` distinct ids over the whole uint64 range, none in ``avoid``."""
-    ids = rng.integers(0, U64_MAX, size=2 * n + 16, dtype=np.uint64, endpoint=True)
-    ids = np.setdiff1d(np.unique(ids), u64(list(avoid)))
-    return rng.permutation(ids)[:n]
-
-
-def grads(rng: np.random.Generator, n: int, dim: int) -> np.ndarray:
-    return rng.standard_normal((n, dim)).astype(F32)
 
 
 # --- a training store with a chain: a full snapshot and two increments ----------------------
@@ -764,7 +740,7 @@ def test_readers_never_see_a_mix_of_versions(tmp_path):
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,
-        env=subprocess_env(),
+        env=child_env(),
     )
     threads = [
         threading.Thread(target=reader, args=("big-1", n)),
@@ -946,7 +922,7 @@ def test_model_server_answers_lookups_and_refuses_writes(chain, tmp_path):
             ],
             capture_output=True,
             text=True,
-            env=subprocess_env(),
+            env=child_env(),
             timeout=120,
         )
         assert done.returncode == 0, done.stderr
@@ -1138,7 +1114,7 @@ def test_cli_serve_model_follows_and_stops_on_sigterm(chain, tmp_path):
             ],
             stdout=subprocess.DEVNULL,
             stderr=err,
-            env=subprocess_env(),
+            env=child_env(),
         )
     try:
         deadline = time.monotonic() + 30

@@ -1,7 +1,6 @@
 """Snapshots: full and incremental Arrow IPC snapshots, restore from a chain, damage, misuse."""
 
 import json
-import os
 import shutil
 import subprocess
 import sys
@@ -15,12 +14,11 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.ipc
 import pytest
+from _data import F32, grads, random_ids, u64
+from _netutil import child_env
 
 import pstore
 from pstore import init, optim
-
-F32 = np.float32
-U64_MAX = np.iinfo(np.uint64).max
 
 SPARSE_STATS = (
     "rows",
@@ -36,21 +34,6 @@ SPARSE_STATS = (
 )
 DENSE_STATS = ("pushes", "pulls", "rows_updated", "seq", "lr", "step")
 PART_COLUMNS = ["id", "step", "version", "updated_at", "freq", "weights", "state"]
-
-
-def u64(values) -> np.ndarray:
-    return np.asarray(values, dtype=np.uint64)
-
-
-def random_ids(rng: np.random.Generator, n: int, avoid=()) -> np.ndarray:
-    """``n`` distinct ids over the whole uint64 range, none of them in ``avoid``."""
-    ids = rng.integers(0, U64_MAX, size=2 * n + 16, dtype=np.uint64, endpoint=True)
-    ids = np.setdiff1d(np.unique(ids), u64(list(avoid)))
-    return rng.permutation(ids)[:n]
-
-
-def grads(rng: np.random.Generator, n: int, dim: int) -> np.ndarray:
-    return rng.standard_normal((n, dim)).astype(F32)
 
 
 # --- reading snapshot files -----------------------------------------------------------------
@@ -856,9 +839,7 @@ store.snapshot(sys.argv[2], progress=lambda rows: os._exit(3))
 def test_an_interrupted_snapshot_is_not_a_snapshot(tmp_path):
     src = tmp_path / "store"
     snap = tmp_path / "snap"
-    env = dict(os.environ)
-    pkg_root = str(Path(pstore.__file__).resolve().parent.parent)
-    env["PYTHONPATH"] = os.pathsep.join(p for p in [pkg_root, env.get("PYTHONPATH")] if p)
+    env = child_env()
     done = subprocess.run(
         [sys.executable, "-c", _INTERRUPTED, str(src), str(snap)],
         capture_output=True,

@@ -2,25 +2,14 @@
 
 import numpy as np
 import pytest
+from _data import F32, U64_MAX, random_ids, u64
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import pstore
 from pstore import init, optim
 
-F32 = np.float32
 F64 = np.float64
-U64_MAX = np.iinfo(np.uint64).max
-
-
-def u64(values) -> np.ndarray:
-    return np.asarray(values, dtype=np.uint64)
-
-
-def random_ids(rng: np.random.Generator, n: int) -> np.ndarray:
-    """``n`` distinct ids spread over the whole uint64 range (including ids >= 2**63)."""
-    ids = rng.integers(0, U64_MAX, size=2 * n, dtype=np.uint64, endpoint=True)
-    return rng.permutation(np.unique(ids))[:n]
 
 
 # --- pull, push, contains, remove -----------------------------------------------------------

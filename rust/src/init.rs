@@ -4,8 +4,10 @@ use crate::error::{invalid, Result};
 use crate::hash::{inverse_normal_cdf_many, SplitMix64};
 
 /// How new rows (sparse) or a new tensor (dense) are filled.
+///
+/// Its serde form is the one schema of the initialisers (see [`schema`]), as for the optimizers.
 #[derive(Debug, Clone, Copy, PartialEq, serde::Serialize, serde::Deserialize)]
-#[serde(rename_all = "snake_case")]
+#[serde(rename_all = "snake_case", deny_unknown_fields)]
 pub enum Initializer {
     /// All zeros.
     Zeros,
@@ -38,7 +40,74 @@ fn finite(name: &str, v: f64) -> Result<()> {
     }
 }
 
+/// The initialisers' schema, derived from their serde form: `{kind: [field, ...]}`, fields sorted
+/// by name; a kind with one unnamed value (Constant) lists `["value"]`, one with none `[]`.
+pub fn schema() -> serde_json::Value {
+    let mut kinds = serde_json::Map::new();
+    for init in Initializer::EVERY {
+        match serde_json::to_value(init).expect("an initializer serializes") {
+            serde_json::Value::String(name) => {
+                kinds.insert(name, serde_json::json!([]));
+            }
+            serde_json::Value::Object(m) => {
+                if let Some((name, body)) = m.into_iter().next() {
+                    let fields: Vec<String> = match body {
+                        serde_json::Value::Object(f) => f.keys().cloned().collect(),
+                        _ => vec!["value".into()],
+                    };
+                    kinds.insert(name, fields.into());
+                }
+            }
+            other => unreachable!("an initializer serializes to a name or a map, not {other}"),
+        }
+    }
+    kinds.into()
+}
+
 impl Initializer {
+    /// One value of every kind, in the order of [`Initializer::index`].
+    pub const EVERY: [Initializer; 5] = [
+        Initializer::Zeros,
+        Initializer::Constant(0.0),
+        Initializer::Uniform {
+            low: -1.0,
+            high: 1.0,
+        },
+        Initializer::Normal {
+            mean: 0.0,
+            std: 1.0,
+        },
+        Initializer::TruncatedNormal {
+            mean: 0.0,
+            std: 1.0,
+        },
+    ];
+
+    /// The kind's position in [`Initializer::EVERY`] (a new kind fails to compile here until it
+    /// is listed there too).
+    pub fn index(&self) -> usize {
+        match self {
+            Initializer::Zeros => 0,
+            Initializer::Constant(_) => 1,
+            Initializer::Uniform { .. } => 2,
+            Initializer::Normal { .. } => 3,
+            Initializer::TruncatedNormal { .. } => 4,
+        }
+    }
+
+    /// The initialiser from its serde JSON form, validated.
+    pub fn from_json(text: &str) -> Result<Self> {
+        let i: Self =
+            serde_json::from_str(text).map_err(|e| invalid(format!("initializer: {e}")))?;
+        i.validate()?;
+        Ok(i)
+    }
+
+    /// The initialiser's serde JSON form.
+    pub fn to_json(&self) -> String {
+        serde_json::to_string(self).expect("an initializer serializes")
+    }
+
     /// Checks the parameters.
     pub fn validate(&self) -> Result<()> {
         match *self {
@@ -129,6 +198,20 @@ const BLOCK: usize = 64;
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn every_kind_is_listed_once_and_round_trips_through_json() {
+        for (i, init) in Initializer::EVERY.iter().enumerate() {
+            assert_eq!(init.index(), i);
+            assert_eq!(Initializer::from_json(&init.to_json()).unwrap(), *init);
+        }
+        let s = schema();
+        assert_eq!(s["constant"], serde_json::json!(["value"]));
+        assert_eq!(s["zeros"], serde_json::json!([]));
+        assert_eq!(s["uniform"], serde_json::json!(["high", "low"]));
+        let e = Initializer::from_json(r#"{"normal": {"mean": 0, "sd": 1}}"#).unwrap_err();
+        assert!(e.to_string().contains("unknown field `sd`"), "{e}");
+    }
 
     #[test]
     fn uniform_stays_in_range() {

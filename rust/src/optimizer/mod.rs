@@ -9,8 +9,12 @@
 use crate::error::{invalid, Result};
 
 /// Which optimizer, with its own hyper-parameters.
+///
+/// Its serde form is the one schema of the optimizers: the binding, the `CreateTable` request's
+/// `config_json`, the replica's and snapshots' table configs all carry it, and the Python classes
+/// and the docs are checked against [`schema`] by tests.
 #[derive(Debug, Clone, Copy, PartialEq, serde::Serialize, serde::Deserialize)]
-#[serde(rename_all = "snake_case")]
+#[serde(rename_all = "snake_case", deny_unknown_fields)]
 pub enum OptimizerKind {
     /// `w -= lr * d`, with heavy-ball or Nesterov momentum when `momentum > 0`.
     Sgd {
@@ -37,6 +41,7 @@ pub enum OptimizerKind {
 
 /// An optimizer: its kind, its (initial) learning rate and the gradient clipping applied first.
 #[derive(Debug, Clone, Copy, PartialEq, serde::Serialize, serde::Deserialize)]
+#[serde(deny_unknown_fields)]
 pub struct OptimizerConfig {
     /// The optimizer and its hyper-parameters.
     pub kind: OptimizerKind,
@@ -76,7 +81,78 @@ pub fn validate_lr(lr: f64) -> Result<()> {
     check("lr", lr, lr > 0.0, "finite and > 0")
 }
 
+impl OptimizerKind {
+    /// One value of every kind, in the order of [`OptimizerKind::index`].
+    pub const EVERY: [OptimizerKind; 4] = [
+        OptimizerKind::Sgd {
+            momentum: 0.0,
+            weight_decay: 0.0,
+            nesterov: false,
+        },
+        OptimizerKind::Adagrad {
+            initial_accumulator_value: 0.1,
+            eps: 1e-10,
+            weight_decay: 0.0,
+        },
+        OptimizerKind::Adam {
+            beta1: 0.9,
+            beta2: 0.999,
+            eps: 1e-8,
+            weight_decay: 0.0,
+        },
+        OptimizerKind::Ftrl {
+            beta: 1.0,
+            l1: 0.0,
+            l2: 0.0,
+        },
+    ];
+
+    /// The kind's position in [`OptimizerKind::EVERY`] (a new kind fails to compile here until
+    /// it is listed there too).
+    pub fn index(&self) -> usize {
+        match self {
+            OptimizerKind::Sgd { .. } => 0,
+            OptimizerKind::Adagrad { .. } => 1,
+            OptimizerKind::Adam { .. } => 2,
+            OptimizerKind::Ftrl { .. } => 3,
+        }
+    }
+}
+
+/// The optimizers' schema, derived from their serde form: `{"common": [field, ...], "kinds":
+/// {kind: [field, ...]}}` (fields sorted by name).
+pub fn schema() -> serde_json::Value {
+    let fields = |v: serde_json::Value| -> Vec<String> {
+        v.as_object()
+            .map_or_else(Vec::new, |m| m.keys().cloned().collect())
+    };
+    let mut kinds = serde_json::Map::new();
+    for kind in OptimizerKind::EVERY {
+        let v = serde_json::to_value(kind).expect("an optimizer kind serializes");
+        if let Some((name, body)) = v.as_object().and_then(|m| m.iter().next()) {
+            kinds.insert(name.clone(), fields(body.clone()).into());
+        }
+    }
+    let mut common = serde_json::to_value(OptimizerConfig::default()).expect("serializes");
+    if let Some(m) = common.as_object_mut() {
+        m.remove("kind");
+    }
+    serde_json::json!({"common": fields(common), "kinds": kinds})
+}
+
 impl OptimizerConfig {
+    /// The config from its serde JSON form, validated.
+    pub fn from_json(text: &str) -> Result<Self> {
+        let c: Self = serde_json::from_str(text).map_err(|e| invalid(format!("optimizer: {e}")))?;
+        c.validate()?;
+        Ok(c)
+    }
+
+    /// The config's serde JSON form.
+    pub fn to_json(&self) -> String {
+        serde_json::to_string(self).expect("an optimizer config serializes")
+    }
+
     /// A short name: "sgd", "adagrad", "adam" or "ftrl".
     pub fn name(&self) -> &'static str {
         match self.kind {
@@ -313,6 +389,39 @@ impl OptimizerConfig {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn every_kind_is_listed_once_and_round_trips_through_json() {
+        for (i, kind) in OptimizerKind::EVERY.into_iter().enumerate() {
+            assert_eq!(kind.index(), i);
+            let c = OptimizerConfig {
+                kind,
+                lr: 0.5,
+                clip_value: Some(2.0),
+                clip_norm: None,
+            };
+            assert_eq!(OptimizerConfig::from_json(&c.to_json()).unwrap(), c);
+            let name = c.name();
+            assert!(
+                schema()["kinds"].get(name).is_some(),
+                "{name} in the schema"
+            );
+        }
+        assert_eq!(
+            schema()["common"],
+            serde_json::json!(["clip_norm", "clip_value", "lr"])
+        );
+        assert_eq!(
+            schema()["kinds"]["adam"],
+            serde_json::json!(["beta1", "beta2", "eps", "weight_decay"])
+        );
+        let bad = r#"{"kind": {"sgd": {"momentum": 0, "weight_decay": 0, "nestrov": true}},
+                      "lr": 1, "clip_value": null, "clip_norm": null}"#;
+        let e = OptimizerConfig::from_json(bad).unwrap_err();
+        assert!(e.to_string().contains("unknown field `nestrov`"), "{e}");
+        let e = OptimizerConfig::from_json(&bad.replace("nestrov", "nesterov").replace("1,", "0,"));
+        assert!(e.unwrap_err().to_string().contains("lr"));
+    }
 
     fn run(cfg: OptimizerConfig, w0: &[f32], grads: &[&[f64]]) -> (Vec<f32>, Vec<f32>) {
         let mut w = w0.to_vec();
