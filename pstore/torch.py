@@ -29,8 +29,8 @@ prefetch first waits for every push that forward pass would have waited for, so 
 bound holds as it is: with ``staleness=1``, rows that the current batch updates are read
 before that update lands (the bound allows it; without a prefetch it happens only when the push
 is slow), which costs accuracy where consecutive batches share most of their rows (a small id
-space; see :mod:`pstore.ctr`). With ``staleness=0``, under ``torch.no_grad()``, or when the
-ids differ, the forward pass pulls as it would have.
+space; see :mod:`pstore.apps.ctr`). With ``staleness=0``, under ``torch.no_grad()``, or when
+the ids differ, the forward pass pulls as it would have.
 
 **Sharing torch's threads.** With the embedded store, a module's store calls (the pull and
 the push) run their batch on the training thread's OpenMP team, the threads torch itself

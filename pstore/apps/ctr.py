@@ -1,7 +1,7 @@
 """A DeepFM click-through-rate model whose every categorical field lives in pstore.
 
 >>> import pstore
->>> from pstore import ctr, datasets
+>>> from pstore.apps import ctr, datasets
 >>> train, test = datasets.criteo_like(200_000, scale=0.01).split(0.1)  # doctest: +SKIP
 >>> m = ctr.train_deepfm(pstore.Store(), train, test, epochs=2)  # doctest: +SKIP
 >>> m["test_auc"], m["oracle_auc"], m["samples_per_s"]  # doctest: +SKIP
@@ -67,7 +67,7 @@ from torch.nn import functional as F
 import pstore
 import pstore.torch as pstore_torch
 from pstore._progress import Progress, format_seconds
-from pstore.datasets import CTRData, auc
+from pstore.apps.datasets import CTRData, auc
 
 __all__ = [
     "ADAGRAD_EPS",
@@ -449,7 +449,7 @@ def train_deepfm(
     store_or_remote : pstore.Store or pstore.RemoteStore
         Where the two tables are created (``{prefix}_first_order``, ``{prefix}_embedding``).
     train, test : CTRData
-        From :func:`pstore.datasets.criteo_like` (and its ``split``).
+        From :func:`pstore.apps.datasets.criteo_like` (and its ``split``).
     epochs : int
         Passes over ``train`` (shuffled by a generator seeded with ``seed``).
     batch_size : int
