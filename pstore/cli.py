@@ -55,7 +55,7 @@ def _bar(total: int, desc: str, quiet: bool) -> Progress:
     return Progress(total=total, desc=desc, unit="row", disable=quiet)
 
 
-def _advance(bar: Progress):
+def _advance(bar: Progress) -> Callable[[int], None]:
     def update(done: int) -> None:
         bar.update(done - bar.n)
 

@@ -114,7 +114,8 @@ def field_offsets(cardinalities: Sequence[int]) -> np.ndarray:
 def global_ids(data: CTRData) -> np.ndarray:
     """The samples' ids in the shared id space: ``data.sparse + field_offsets(...)`` (int64
     ``(n, n_fields)``); field ``f``'s id ``i`` is row ``offset_f + i`` of both tables."""
-    return data.sparse + field_offsets(data.cardinalities)[None, :]
+    ids: np.ndarray = data.sparse + field_offsets(data.cardinalities)[None, :]
+    return ids
 
 
 class DeepFM(nn.Module):
@@ -177,13 +178,14 @@ class DeepFM(nn.Module):
     def forward(self, ids: Tensor, dense: Tensor) -> Tensor:
         """Logits ``(B,)`` of ids ``(B, n_fields)`` (shared id space) and numeric features
         ``(B, n_dense)``."""
-        w = self.first_order(ids)  # (B, F, 1)
-        e = self.embedding(ids)  # (B, F, dim)
-        linear = w.sum(dim=(1, 2)) + self.dense_linear(dense).squeeze(1)
+        w: Tensor = self.first_order(ids)  # (B, F, 1)
+        e: Tensor = self.embedding(ids)  # (B, F, dim)
+        a: Tensor = self.dense_linear(dense)  # (B, 1)
+        mlp: Tensor = self.mlp(torch.cat([e.flatten(1), dense], dim=1))  # (B, 1)
+        linear = w.sum(dim=(1, 2)) + a.squeeze(1)
         s = e.sum(dim=1)
         fm = 0.5 * (s * s - (e * e).sum(dim=1)).sum(dim=1)
-        deep = self.mlp(torch.cat([e.flatten(1), dense], dim=1)).squeeze(1)
-        return linear + fm + deep
+        return linear + fm + mlp.squeeze(1)
 
     def flush(self) -> None:
         """Wait for the lookups' pending pushes (a no-op for torch's own modules)."""

@@ -139,7 +139,8 @@ class _MatrixFactorization:
     def predict(self, users: np.ndarray, items: np.ndarray) -> np.ndarray:
         """Predicted ratings (float32). Pulling creates rows for ids never trained on."""
         p, q, b_u, b_i = self._pull(users, items)
-        return self.mu + b_u + b_i + np.einsum("nk,nk->n", p, q)
+        rating: np.ndarray = self.mu + b_u + b_i + np.einsum("nk,nk->n", p, q)
+        return rating
 
     def rmse(self, data: datasets.Ratings, lo: float, hi: float) -> float:
         """RMSE on ``data`` of the predictions clipped to the rating range ``[lo, hi]``."""
@@ -202,7 +203,8 @@ def _serve(
             q = art.lookup("item_emb", items, default="initial")
             b_u = art.lookup("user_bias", users)[:, 0]
             b_i = art.lookup("item_bias", items)[:, 0]
-            return np.float32(mu) + b_u + b_i + np.einsum("nk,nk->n", p, q)
+            rating: np.ndarray = np.float32(mu) + b_u + b_i + np.einsum("nk,nk->n", p, q)
+            return rating
 
         diff = float(
             np.max(np.abs(score(test.users, test.items) - model.predict(test.users, test.items)))
@@ -244,7 +246,7 @@ def _onnx(
     info = export_mf_onnx(model_dir, out)
     result: dict[str, Any] = {"onnx": info["path"], "onnx_max_diff": None}
     try:
-        import onnxruntime as ort  # type: ignore[import-untyped]
+        import onnxruntime as ort
     except ImportError:
         say(f"onnx: wrote {info['path']} (install onnxruntime to check it)")
         return result
