@@ -21,8 +21,8 @@ lint: ## cargo fmt, clippy, ruff, mypy (strict, pyproject.toml), and the native 
 	cargo fmt --all -- --check
 	cargo clippy --all-targets -- -D warnings
 	cargo clippy --all-targets --features python -- -D warnings
-	$(PYTHON) -m ruff check pstore tests benches
-	$(PYTHON) -m ruff format --check pstore tests benches
+	$(PYTHON) -m ruff check pstore tests benches examples
+	$(PYTHON) -m ruff format --check pstore tests benches examples
 	$(PYTHON) -m mypy
 	$(PYTHON) -P -m mypy.stubtest pstore._native
 
