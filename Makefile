@@ -17,12 +17,13 @@ dev: ## build the extension into the source tree (editable install) with the tes
 demo: install ## the main job: train a recommender on the embedded store (fetches MovieLens-100k from PyPI's recbole wheel)
 	$(PYTHON) -P -m pstore demo --fetch
 
-lint: ## cargo fmt, clippy, ruff, and the native stub check
+lint: ## cargo fmt, clippy, ruff, mypy (strict, pyproject.toml), and the native stub check
 	cargo fmt --all -- --check
 	cargo clippy --all-targets -- -D warnings
 	cargo clippy --all-targets --features python -- -D warnings
-	$(PYTHON) -m ruff check pstore tests benches
-	$(PYTHON) -m ruff format --check pstore tests benches
+	$(PYTHON) -m ruff check pstore tests benches examples
+	$(PYTHON) -m ruff format --check pstore tests benches examples
+	$(PYTHON) -m mypy
 	$(PYTHON) -P -m mypy.stubtest pstore._native
 
 test-rust: ## Rust unit and integration tests of the core (no Python)

@@ -1,7 +1,7 @@
 """W8: DeepFM click-through training with every sparse field in torch or in pstore.
 
-The model, data, batch size and optimizer settings of `pstore.ctr`, trained side by side in one
-process: the pure-torch twin (`nn.Embedding(sparse=True)` over the whole id space and
+The model, data, batch size and optimizer settings of `pstore.apps.ctr`, trained side by side in
+one process: the pure-torch twin (`nn.Embedding(sparse=True)` over the whole id space and
 `torch.optim.Adagrad`, `ctr.train_deepfm_torch`), pstore embedded (`ctr.train_deepfm` on a
 `pstore.Store()`: with the modules' defaults, the store's work on torch's OpenMP threads and each
 push applied in the backward pass; with `share_threads=False`, the store's own pool, at staleness 1
@@ -222,16 +222,16 @@ def _fit(sz: W8Sizes, id_space: int, dim: int) -> tuple[float, dict[str, Any], l
 
 
 def _imports(pstore: ModuleType, torch: ModuleType | None) -> tuple[Any, Any, str | None]:
-    """pstore.ctr and pstore.datasets, or why W8 cannot run."""
+    """pstore.apps.ctr and pstore.apps.datasets, or why W8 cannot run."""
     if torch is None:
         return None, None, "torch is not installed"
     try:
-        ctr = importlib.import_module("pstore.ctr")
-        datasets = importlib.import_module("pstore.datasets")
+        ctr = importlib.import_module("pstore.apps.ctr")
+        datasets = importlib.import_module("pstore.apps.datasets")
         datasets.criteo_like, ctr.train_deepfm_torch  # noqa: B018
     except (ImportError, AttributeError) as exc:
         why = (
-            f"this pstore ({pstore.__file__}) has no pstore.ctr or criteo_like ({exc}); run "
+            f"this pstore ({pstore.__file__}) has no pstore.apps.ctr or criteo_like ({exc}); run "
             "with --source-tree to measure the repository's build"
         )
         return None, None, why
@@ -244,8 +244,9 @@ def w8_torch_ctr(ctx: Context) -> Section:
     reps = min(ctx.reps, sz.reps)
     sec = Section(
         "W8",
-        "DeepFM (pstore.ctr) on Criteo-shaped data: sparse fields in torch (nn.Embedding(sparse="
-        "True) + torch.optim.Adagrad) against pstore embedded and remote (2 servers on loopback)",
+        "DeepFM (pstore.apps.ctr) on Criteo-shaped data: sparse fields in torch (nn.Embedding("
+        "sparse=True) + torch.optim.Adagrad) against pstore embedded and remote (2 servers on "
+        "loopback)",
         {"reps": reps, "sizes": asdict(sz), "parts": dict(W8_PARTS)},
     )
     ctr, datasets, why = _imports(pstore, torch)

@@ -1,4 +1,9 @@
-"""The ``pstore`` command line. Each command calls the same public API users call."""
+"""The ``pstore`` command line. Each command calls the same public API users call.
+
+Commands that are applications rather than library (``pstore demo``, from :mod:`pstore.apps`)
+are not imported here by name: the command finds them through the ``pstore.commands``
+entry-point group (see :data:`COMMANDS_GROUP`).
+"""
 
 from __future__ import annotations
 
@@ -8,7 +13,8 @@ import os
 import signal
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from importlib.metadata import entry_points
 from typing import Any
 
 import numpy as np
@@ -17,11 +23,11 @@ import pstore
 from pstore._progress import Progress, format_seconds
 from pstore.inspection import inspect_store, snapshot_chain, verify_snapshot
 
-
-def _cmd_demo(args: argparse.Namespace) -> int:
-    from pstore import demo
-
-    return demo.main(args)
+COMMANDS_GROUP = "pstore.commands"
+"""The entry-point group of the ``pstore`` commands that live outside the library, such as
+``pstore demo``. Each entry, named like its command, is a function that takes the subparsers of
+the ``pstore`` parser and adds its command's parser, with a ``func`` default: the function that
+runs the command from the parsed arguments and returns the exit code."""
 
 
 def _cmd_version(args: argparse.Namespace) -> int:
@@ -49,7 +55,7 @@ def _bar(total: int, desc: str, quiet: bool) -> Progress:
     return Progress(total=total, desc=desc, unit="row", disable=quiet)
 
 
-def _advance(bar: Progress):
+def _advance(bar: Progress) -> Callable[[int], None]:
     def update(done: int) -> None:
         bar.update(done - bar.n)
 
@@ -379,17 +385,6 @@ def build_parser() -> argparse.ArgumentParser:
     )
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
 
-    from pstore import demo
-
-    p = sub.add_parser(
-        "demo",
-        help="train a recommender on the embedded store: matrix factorisation (MovieLens-100k "
-        "when available, else synthetic data), or --model deepfm (Criteo-shaped clicks, "
-        "PyTorch)",
-    )
-    demo.add_arguments(p)
-    p.set_defaults(func=_cmd_demo)
-
     p = sub.add_parser(
         "snapshot",
         help="write a snapshot of a durable store (not open in another process)",
@@ -544,7 +539,27 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("version", help="print the versions of pstore and numpy")
     p.set_defaults(func=_cmd_version)
+
+    _add_entry_point_commands(sub)
     return parser
+
+
+def _add_entry_point_commands(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    """Add the commands of the :data:`COMMANDS_GROUP` entry points, in name order. A name the
+    command has already is skipped; a command that fails to load is reported on stderr, and the
+    others still run."""
+    for ep in sorted(entry_points(group=COMMANDS_GROUP), key=lambda ep: ep.name):
+        if ep.name in sub.choices:
+            continue
+        try:
+            add: Callable[[argparse._SubParsersAction[argparse.ArgumentParser]], None] = ep.load()
+        except Exception as e:  # a broken plugin must not take the library's commands down
+            print(
+                f"pstore: warning: command {ep.name!r} ({ep.value}) failed to load: {e}",
+                file=sys.stderr,
+            )
+            continue
+        add(sub)
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -12,8 +12,8 @@ import json
 import numpy as np
 
 import pstore
-from pstore import datasets
-from pstore.demo import _MatrixFactorization
+from pstore.apps import datasets
+from pstore.apps.demo import _MatrixFactorization
 
 DIM, BATCH, LR, L2 = 16, 512, 0.1, 0.1
 

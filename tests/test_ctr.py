@@ -1,4 +1,5 @@
-"""Criteo-shaped data (pstore.datasets.criteo_like, auc) and the DeepFM model (pstore.ctr)."""
+"""Criteo-shaped data (pstore.apps.datasets.criteo_like, auc) and the DeepFM model
+(pstore.apps.ctr)."""
 
 from __future__ import annotations
 
@@ -12,10 +13,10 @@ import numpy as np
 import pytest
 
 import pstore
-from pstore import datasets, demo
+from pstore.apps import datasets, demo
 
 torch = pytest.importorskip("torch")
-from pstore import ctr  # noqa: E402
+from pstore.apps import ctr  # noqa: E402
 
 SMALL = 0.001  # cardinality scale of the small data sets: 33,785 ids in all
 
@@ -361,7 +362,9 @@ def test_demo_flags_for_deepfm(capsys: pytest.CaptureFixture[str]) -> None:
     assert demo._DEEPFM_LR == ctr.DEFAULT_LR
 
 
-def test_importing_pstore_datasets_and_demo_does_not_import_torch() -> None:
-    code = "import sys, pstore, pstore.datasets, pstore.demo; print('torch' in sys.modules)"
+def test_importing_the_datasets_and_the_demo_does_not_import_torch() -> None:
+    code = (
+        "import sys, pstore, pstore.apps.datasets, pstore.apps.demo; print('torch' in sys.modules)"
+    )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "False"

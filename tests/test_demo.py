@@ -13,7 +13,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from pstore import _progress, datasets, demo
+from pstore import _progress
+from pstore.apps import datasets, demo
 
 INTER = (
     "user_id:token\titem_id:token\trating:float\ttimestamp:float\n"

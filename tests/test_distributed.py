@@ -19,12 +19,13 @@ from _mf_worker import batches, data, model
 from _netutil import start_servers, stop_all
 
 import pstore
+from pstore.apps import datasets
 
 WORKERS, EPOCHS = 4, 5
 TOLERANCE = 0.02
 
 
-def _rmse(m, d: pstore.datasets.Ratings) -> float:
+def _rmse(m, d: datasets.Ratings) -> float:
     return m.rmse(d, 1.0, 5.0)
 
 

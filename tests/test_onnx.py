@@ -1,4 +1,5 @@
-"""ONNX export of serving artifacts: lookups and matrix factorisation run by ONNX Runtime."""
+"""ONNX export of serving artifacts: lookups (pstore.serving.onnx) and the demo's matrix
+factorisation (pstore.apps.mf_onnx) run by ONNX Runtime."""
 
 import os
 import subprocess
@@ -12,7 +13,8 @@ ort = pytest.importorskip("onnxruntime")
 
 import pstore  # noqa: E402
 from pstore import init, optim, serving  # noqa: E402
-from pstore.serving.onnx import export_mf_onnx, export_onnx  # noqa: E402
+from pstore.apps.mf_onnx import export_mf_onnx  # noqa: E402
+from pstore.serving.onnx import export_onnx  # noqa: E402
 
 F32 = np.float32
 U64_MAX = np.iinfo(np.uint64).max

@@ -88,7 +88,7 @@ def export(
     if error:
         raise error[0]
     info = json.loads(result["json"])
-    state = info.pop("state")
+    state: dict[str, Any] = info.pop("state")
     rows = sum(t["rows"] for t in state["tables"] if t["kind"] == "sparse")
     state.update(info)
     state["bytes_per_row"] = state["file_bytes"] / rows if rows else 0.0
@@ -106,10 +106,10 @@ class ServingStore:
 
     def __init__(self, path: PathLike, *, writable: bool = False) -> None:
         self.path = os.fspath(path)
-        self._native: Any = _native.Artifact(self.path, writable)
+        self._native: _native.Artifact | None = _native.Artifact(self.path, writable)
 
     @property
-    def _inner(self) -> Any:
+    def _inner(self) -> _native.Artifact:
         if self._native is None:
             raise InvalidArgumentError(f"the ServingStore of {self.path} is closed")
         return self._native
@@ -123,17 +123,20 @@ class ServingStore:
         """The artifact's state: ``dtype``, ``tables`` (name, kind, dim, shape, rows, ...),
         ``snapshot`` (``id``, ``kind``, ``path``, ``created_at``), ``generation`` (snapshots
         applied), ``created_at`` (export) and ``applied_at`` (last snapshot applied)."""
-        return json.loads(self._inner.state_json())
+        state: dict[str, Any] = json.loads(self._inner.state_json())
+        return state
 
     @property
     def dtype(self) -> str:
         """How sparse rows are stored: float32, float16 or int8."""
-        return self.info()["dtype"]
+        dtype: str = self.info()["dtype"]
+        return dtype
 
     @property
     def generation(self) -> int:
         """Bumped by every snapshot applied."""
-        return self.info()["generation"]
+        generation: int = self.info()["generation"]
+        return generation
 
     def tables(self) -> list[str]:
         """The tables' names."""
@@ -141,7 +144,8 @@ class ServingStore:
 
     def table_info(self, name: str) -> dict[str, Any]:
         """One table's entry of :meth:`info`."""
-        for t in self.info()["tables"]:
+        tables: list[dict[str, Any]] = self.info()["tables"]
+        for t in tables:
             if t["name"] == name:
                 return t
         from pstore.exceptions import UnknownTableError
@@ -251,7 +255,8 @@ class ServingStore:
     def follow(self, snapshot_root: PathLike) -> list[dict[str, Any]]:
         """Apply, in order, the snapshots under ``snapshot_root`` that lead to the newest one;
         returns what was applied. Needs ``writable=True``."""
-        return json.loads(self._inner.follow(os.fspath(snapshot_root)))
+        applied: list[dict[str, Any]] = json.loads(self._inner.follow(os.fspath(snapshot_root)))
+        return applied
 
     def serve(self, **server_args: Any) -> ModelServer:
         """Serve the artifact read-only over gRPC (see :class:`ModelServer`)."""

@@ -8,16 +8,16 @@ in numpy (vectorised over the batch), and pushes float32 gradients back; the sto
 optimizer (Adagrad by default) to each row. Ids repeated in a batch are coalesced by the store, so
 a row receives the sum of its samples' gradients.
 
-The data is MovieLens-100k when it can be found (see :mod:`pstore.datasets`), else a synthetic set
-of the same shape with a planted low-rank signal. Ratings are split 90/10 into train and test with a
-seeded permutation; the demo prints the test RMSE of the global-mean baseline, then the train and
-test RMSE after each epoch. After training it takes a snapshot, exports it as a serving artifact
-(:mod:`pstore.serving`), and prints the top recommendations of a few users scored from the
-artifact alone.
+The data is MovieLens-100k when it can be found (see :mod:`pstore.apps.datasets`), else a
+synthetic set of the same shape with a planted low-rank signal. Ratings are split 90/10 into train
+and test with a seeded permutation; the demo prints the test RMSE of the global-mean baseline, then
+the train and test RMSE after each epoch. After training it takes a snapshot, exports it as a
+serving artifact (:mod:`pstore.serving`), and prints the top recommendations of a few users scored
+from the artifact alone.
 
 ``pstore demo --model deepfm`` trains a DeepFM click-through-rate model instead
-(:mod:`pstore.ctr`, which needs torch): on a seeded Criteo-shaped data set
-(:func:`pstore.datasets.criteo_like`, 26 categorical fields with about 34 million ids in all,
+(:mod:`pstore.apps.ctr`, which needs torch): on a seeded Criteo-shaped data set
+(:func:`pstore.apps.datasets.criteo_like`, 26 categorical fields with about 34 million ids in all,
 labels from a planted model), with the first-order weights and embeddings of every field in two
 tables of the embedded store. It prints the test AUC after each epoch next to the oracle AUC (the
 planted model's own probabilities) and the training throughput.
@@ -33,7 +33,7 @@ From the command line::
 
 From Python:
 
->>> from pstore.demo import run_demo
+>>> from pstore.apps.demo import run_demo
 >>> metrics = run_demo(data="synthetic", epochs=2, progress=False)  # doctest: +SKIP
 >>> metrics["test_rmse"] < metrics["baseline_rmse"]  # doctest: +SKIP
 True
@@ -53,8 +53,8 @@ from typing import Any, TextIO
 import numpy as np
 
 import pstore
-from pstore import datasets
 from pstore._progress import Progress, format_seconds
+from pstore.apps import datasets
 
 __all__ = [
     "DEEPFM_DEFAULTS",
@@ -68,6 +68,7 @@ __all__ = [
     "OPTIMIZERS",
     "add_arguments",
     "main",
+    "register_command",
     "run_deepfm_demo",
     "run_demo",
 ]
@@ -82,7 +83,7 @@ OPTIMIZERS = ("adagrad", "adam")
 MODELS = ("mf", "deepfm")
 DEEPFM_DEFAULTS = {"epochs": 2, "dim": 16, "batch_size": 4096, "samples": 1_000_000}
 """Defaults of ``--model deepfm`` where they differ from the MF demo's."""
-_DEEPFM_LR = 0.05  # pstore.ctr.DEFAULT_LR, for --help (pstore.ctr imports torch)
+_DEEPFM_LR = 0.05  # pstore.apps.ctr.DEFAULT_LR, for --help (ctr imports torch)
 
 _TABLES = ("user_emb", "item_emb", "user_bias", "item_bias")
 
@@ -138,7 +139,8 @@ class _MatrixFactorization:
     def predict(self, users: np.ndarray, items: np.ndarray) -> np.ndarray:
         """Predicted ratings (float32). Pulling creates rows for ids never trained on."""
         p, q, b_u, b_i = self._pull(users, items)
-        return self.mu + b_u + b_i + np.einsum("nk,nk->n", p, q)
+        rating: np.ndarray = self.mu + b_u + b_i + np.einsum("nk,nk->n", p, q)
+        return rating
 
     def rmse(self, data: datasets.Ratings, lo: float, hi: float) -> float:
         """RMSE on ``data`` of the predictions clipped to the rating range ``[lo, hi]``."""
@@ -201,7 +203,8 @@ def _serve(
             q = art.lookup("item_emb", items, default="initial")
             b_u = art.lookup("user_bias", users)[:, 0]
             b_i = art.lookup("item_bias", items)[:, 0]
-            return np.float32(mu) + b_u + b_i + np.einsum("nk,nk->n", p, q)
+            rating: np.ndarray = np.float32(mu) + b_u + b_i + np.einsum("nk,nk->n", p, q)
+            return rating
 
         diff = float(
             np.max(np.abs(score(test.users, test.items) - model.predict(test.users, test.items)))
@@ -238,12 +241,12 @@ def _onnx(
 ) -> dict[str, Any]:
     """Export the whole model (tables and mu) as one ONNX graph from (user id, item id) to the
     predicted rating; with onnxruntime installed, check it against the model's predictions."""
-    from pstore.serving.onnx import export_mf_onnx
+    from pstore.apps.mf_onnx import export_mf_onnx
 
     info = export_mf_onnx(model_dir, out)
     result: dict[str, Any] = {"onnx": info["path"], "onnx_max_diff": None}
     try:
-        import onnxruntime as ort  # type: ignore[import-untyped]
+        import onnxruntime as ort
     except ImportError:
         say(f"onnx: wrote {info['path']} (install onnxruntime to check it)")
         return result
@@ -299,7 +302,7 @@ def run_demo(
         ``"synthetic"`` for the synthetic data set, or a MovieLens-100k ``.inter`` file, recbole
         wheel or directory holding either. None searches ``$PSTORE_ML100K``, an installed
         ``recbole`` and the cache directory, and falls back to synthetic data
-        (see :func:`pstore.datasets.load_ratings`).
+        (see :func:`pstore.apps.datasets.load_ratings`).
     epochs : int
         Passes over the training set.
     dim : int
@@ -468,7 +471,7 @@ def run_deepfm_demo(
     Parameters
     ----------
     samples : int
-        Samples generated (:func:`pstore.datasets.criteo_like`); 10% go to the test set.
+        Samples generated (:func:`pstore.apps.datasets.criteo_like`); 10% go to the test set.
     epochs : int
         Passes over the training set.
     dim : int
@@ -482,7 +485,7 @@ def run_deepfm_demo(
     batch_size : int
         Samples per step.
     lr : float, optional
-        Adagrad learning rate of the store's tables; default :data:`pstore.ctr.DEFAULT_LR`.
+        Adagrad learning rate of the store's tables; default :data:`pstore.apps.ctr.DEFAULT_LR`.
     staleness : int
         Backward passes whose pushes a forward pass may run ahead of (see :mod:`pstore.torch`).
     threads : int, optional
@@ -493,7 +496,7 @@ def run_deepfm_demo(
     Returns
     -------
     dict
-        What :func:`pstore.ctr.train_deepfm` returns, plus ``source`` (how the data was made),
+        What :func:`pstore.apps.ctr.train_deepfm` returns, plus ``source`` (how the data was made),
         ``ctr`` (share of positive labels), ``generate_seconds`` and ``seconds`` (wall time of
         the whole run).
 
@@ -507,7 +510,7 @@ def run_deepfm_demo(
     if epochs < 1:
         raise ValueError("epochs must be at least 1")
     try:
-        from pstore import ctr
+        from pstore.apps import ctr
     except ImportError as e:
         raise RuntimeError(
             f"--model deepfm needs torch ({e}); install it with: pip install 'pstore[torch]'"
@@ -561,6 +564,19 @@ def run_deepfm_demo(
         "generate_seconds": generate_seconds,
         "seconds": time.perf_counter() - start,
     }
+
+
+def register_command(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    """Add ``pstore demo`` to the subcommands ``sub`` of the ``pstore`` command: the
+    ``pstore.commands`` entry point ``demo`` (see :data:`pstore.cli.COMMANDS_GROUP`)."""
+    p = sub.add_parser(
+        "demo",
+        help="train a recommender on the embedded store: matrix factorisation (MovieLens-100k "
+        "when available, else synthetic data), or --model deepfm (Criteo-shaped clicks, "
+        "PyTorch)",
+    )
+    add_arguments(p)
+    p.set_defaults(func=main)
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:

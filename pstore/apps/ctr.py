@@ -1,7 +1,7 @@
 """A DeepFM click-through-rate model whose every categorical field lives in pstore.
 
 >>> import pstore
->>> from pstore import ctr, datasets
+>>> from pstore.apps import ctr, datasets
 >>> train, test = datasets.criteo_like(200_000, scale=0.01).split(0.1)  # doctest: +SKIP
 >>> m = ctr.train_deepfm(pstore.Store(), train, test, epochs=2)  # doctest: +SKIP
 >>> m["test_auc"], m["oracle_auc"], m["samples_per_s"]  # doctest: +SKIP
@@ -67,7 +67,7 @@ from torch.nn import functional as F
 import pstore
 import pstore.torch as pstore_torch
 from pstore._progress import Progress, format_seconds
-from pstore.datasets import CTRData, auc
+from pstore.apps.datasets import CTRData, auc
 
 __all__ = [
     "ADAGRAD_EPS",
@@ -114,7 +114,8 @@ def field_offsets(cardinalities: Sequence[int]) -> np.ndarray:
 def global_ids(data: CTRData) -> np.ndarray:
     """The samples' ids in the shared id space: ``data.sparse + field_offsets(...)`` (int64
     ``(n, n_fields)``); field ``f``'s id ``i`` is row ``offset_f + i`` of both tables."""
-    return data.sparse + field_offsets(data.cardinalities)[None, :]
+    ids: np.ndarray = data.sparse + field_offsets(data.cardinalities)[None, :]
+    return ids
 
 
 class DeepFM(nn.Module):
@@ -177,13 +178,14 @@ class DeepFM(nn.Module):
     def forward(self, ids: Tensor, dense: Tensor) -> Tensor:
         """Logits ``(B,)`` of ids ``(B, n_fields)`` (shared id space) and numeric features
         ``(B, n_dense)``."""
-        w = self.first_order(ids)  # (B, F, 1)
-        e = self.embedding(ids)  # (B, F, dim)
-        linear = w.sum(dim=(1, 2)) + self.dense_linear(dense).squeeze(1)
+        w: Tensor = self.first_order(ids)  # (B, F, 1)
+        e: Tensor = self.embedding(ids)  # (B, F, dim)
+        a: Tensor = self.dense_linear(dense)  # (B, 1)
+        mlp: Tensor = self.mlp(torch.cat([e.flatten(1), dense], dim=1))  # (B, 1)
+        linear = w.sum(dim=(1, 2)) + a.squeeze(1)
         s = e.sum(dim=1)
         fm = 0.5 * (s * s - (e * e).sum(dim=1)).sum(dim=1)
-        deep = self.mlp(torch.cat([e.flatten(1), dense], dim=1)).squeeze(1)
-        return linear + fm + deep
+        return linear + fm + mlp.squeeze(1)
 
     def flush(self) -> None:
         """Wait for the lookups' pending pushes (a no-op for torch's own modules)."""
@@ -449,7 +451,7 @@ def train_deepfm(
     store_or_remote : pstore.Store or pstore.RemoteStore
         Where the two tables are created (``{prefix}_first_order``, ``{prefix}_embedding``).
     train, test : CTRData
-        From :func:`pstore.datasets.criteo_like` (and its ``split``).
+        From :func:`pstore.apps.datasets.criteo_like` (and its ``split``).
     epochs : int
         Passes over ``train`` (shuffled by a generator seeded with ``seed``).
     batch_size : int
