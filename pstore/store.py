@@ -181,6 +181,9 @@ class SparseTable(_Table):
         return len(self._inner)
 
     def __repr__(self) -> str:
+        # A repr asks no server: a table on store servers shows how many there are.
+        if not self._inner.in_process:
+            return f"<SparseTable {self.name!r} dim={self.dim} servers={self.num_shards}>"
         return f"<SparseTable {self.name!r} dim={self.dim} rows={len(self)}>"
 
     def pull(self, ids: IdsLike) -> np.ndarray:

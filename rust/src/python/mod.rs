@@ -1,8 +1,13 @@
 //! The PyO3 binding: the only module that names pyo3 or numpy.
 //!
-//! Arguments are converted while the GIL is held; all table work then runs in [`run`], detached
-//! from the interpreter, so other Python threads keep running. The Python package (`pstore/`) wraps these
-//! classes, checks dtypes and carries the documentation.
+//! Arguments are converted while the GIL is held; all work of the core then runs in [`run`],
+//! detached from the interpreter, so other Python threads keep running. The Python package
+//! (`pstore/`) wraps these classes, checks dtypes and carries the documentation.
+//!
+//! - `tables`: the table classes and the store methods every store has, over `crate::api`;
+//! - this module: the embedded `Store`'s own methods, push handles, helpers, free functions;
+//! - `net`: the store server and the cluster `Client`'s own methods;
+//! - `serving`: serving artifacts and the model server.
 
 mod convert;
 mod net;
