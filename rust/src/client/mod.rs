@@ -24,7 +24,9 @@ use crate::net::routing::Router;
 use crate::net::{error_of, wire, DEFAULT_MAX_MESSAGE};
 
 mod tables;
-pub use tables::{ClusterStats, ClusterStore, RemoteDense, RemoteSparse, ServerTable, Staleness};
+pub use tables::{
+    ClusterStats, ClusterStore, RemoteDense, RemoteSparse, ServerStatus, ServerTable, Staleness,
+};
 
 /// The largest request or answer the client asks for in one message: bigger batches go as
 /// several requests at once, which the server works on in parallel and whose answers are
@@ -67,6 +69,30 @@ impl ClientConfig {
             tls_domain: None,
             max_message: DEFAULT_MAX_MESSAGE,
             max_inflight_bytes: 256 << 20,
+        }
+    }
+
+    /// Sets the wire type by name: `"float32"`, `"float16"` or `"bfloat16"`.
+    pub fn set_wire_dtype(&mut self, name: &str) -> Result<()> {
+        self.wire = match name {
+            "float32" => Dtype::Float32,
+            "float16" => Dtype::Float16,
+            "bfloat16" => Dtype::Bfloat16,
+            _ => {
+                return Err(invalid(format!(
+                    "wire_dtype must be \"float32\", \"float16\" or \"bfloat16\", got {name:?}"
+                )))
+            }
+        };
+        Ok(())
+    }
+
+    /// The name of the wire type.
+    pub fn wire_dtype(&self) -> &'static str {
+        match self.wire {
+            Dtype::Float32 => "float32",
+            Dtype::Float16 => "float16",
+            Dtype::Bfloat16 => "bfloat16",
         }
     }
 }

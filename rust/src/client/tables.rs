@@ -65,6 +65,35 @@ impl ServerTable {
     }
 }
 
+/// What one server reports about itself.
+#[derive(Debug, Clone)]
+pub struct ServerStatus {
+    /// The server's address.
+    pub server: String,
+    /// Its pstore version.
+    pub version: String,
+    /// The protocol version it speaks.
+    pub protocol: u32,
+    /// Its store directory, if durable.
+    pub path: Option<String>,
+    /// Its durability mode.
+    pub durability: String,
+    /// Seconds since it started.
+    pub uptime_seconds: f64,
+    /// The largest message it accepts.
+    pub max_message_bytes: u64,
+    /// Seconds since its replica last committed everything applied.
+    pub flush_lag_seconds: f64,
+    /// `"store"` or `"model"`.
+    pub role: String,
+    /// A model server's artifact state, as JSON.
+    pub model_json: Option<String>,
+    /// Its tables.
+    pub tables: Vec<ServerTable>,
+    /// The training clocks of the workers it coordinates.
+    pub clocks: Vec<u64>,
+}
+
 /// The staleness of the pushes a table's servers received.
 #[derive(Debug, Clone, Default, PartialEq)]
 pub struct Staleness {
@@ -240,13 +269,35 @@ impl Client {
         merge(&self.get_table(name)?, &self.servers())
     }
 
-    /// The tables of one server's status (`server` is its address).
-    pub fn server_tables(&self, status: &proto::StatusResponse, server: &str) -> Vec<ServerTable> {
-        status
-            .tables
-            .iter()
-            .map(|t| ServerTable::of(server, t))
-            .collect()
+    /// The status of every server, in the order of the list.
+    pub fn server_status(&self) -> Result<Vec<ServerStatus>> {
+        let all = self.status()?;
+        Ok(all
+            .into_iter()
+            .zip(self.servers())
+            .map(|(s, server)| ServerStatus {
+                tables: s
+                    .tables
+                    .iter()
+                    .map(|t| ServerTable::of(&server, t))
+                    .collect(),
+                server,
+                version: s.version,
+                protocol: s.protocol,
+                path: (!s.path.is_empty()).then_some(s.path),
+                durability: s.durability,
+                uptime_seconds: s.uptime_seconds,
+                max_message_bytes: s.max_message_bytes,
+                flush_lag_seconds: s.flush_lag_seconds,
+                role: if s.role.is_empty() {
+                    "store".to_string()
+                } else {
+                    s.role
+                },
+                model_json: (!s.model_json.is_empty()).then_some(s.model_json),
+                clocks: s.clocks.unwrap_or_default().clocks,
+            })
+            .collect())
     }
 }
 

@@ -15,7 +15,6 @@ use super::tables::{server_table_dict, PyStoreApi};
 use super::{run, PyStore};
 use crate::client::{Client, ClientConfig, ClusterStore};
 use crate::error::Error;
-use crate::net::proto::Dtype;
 use crate::server::{ServerConfig, ServerHandle, Tokens};
 
 fn bad(msg: impl Into<String>) -> PyErr {
@@ -153,17 +152,6 @@ impl PyServer {
     }
 }
 
-fn dtype_of(name: &str) -> PyResult<Dtype> {
-    match name {
-        "float32" => Ok(Dtype::Float32),
-        "float16" => Ok(Dtype::Float16),
-        "bfloat16" => Ok(Dtype::Bfloat16),
-        _ => Err(bad(format!(
-            "wire_dtype must be \"float32\", \"float16\" or \"bfloat16\", got {name:?}"
-        ))),
-    }
-}
-
 /// A connection to store servers: the tables of [`PyStoreApi`], and the cluster's own calls.
 #[pyclass(extends = PyStoreApi, frozen, module = "pstore._native", name = "Client")]
 struct PyClient {
@@ -197,7 +185,7 @@ impl PyClient {
         c.token = token;
         c.timeout = Duration::from_secs_f64(timeout);
         c.retries = retries;
-        c.wire = dtype_of(wire_dtype)?;
+        c.set_wire_dtype(wire_dtype).map_err(err)?;
         c.tls_ca = tls_ca;
         c.tls_domain = tls_domain;
         if let Some(m) = max_message {
@@ -227,11 +215,7 @@ impl PyClient {
 
     #[getter]
     fn wire_dtype(&self) -> &'static str {
-        match self.inner.config().wire {
-            Dtype::Float32 => "float32",
-            Dtype::Float16 => "float16",
-            Dtype::Bfloat16 => "bfloat16",
-        }
+        self.inner.config().wire_dtype()
     }
 
     /// The gRPC health status of every server.
@@ -243,30 +227,25 @@ impl PyClient {
     /// The status of every server, as dicts.
     fn status<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyList>> {
         let c = &self.inner;
-        let all = run(py, || c.status())?;
         let out = PyList::empty(py);
-        for (s, name) in all.iter().zip(c.servers()) {
+        for s in run(py, || c.server_status())? {
             let d = PyDict::new(py);
-            d.set_item("server", &name)?;
+            d.set_item("server", &s.server)?;
             d.set_item("version", &s.version)?;
             d.set_item("protocol", s.protocol)?;
-            d.set_item("path", (!s.path.is_empty()).then_some(&s.path))?;
+            d.set_item("path", &s.path)?;
             d.set_item("durability", &s.durability)?;
             d.set_item("uptime_seconds", s.uptime_seconds)?;
             d.set_item("max_message_bytes", s.max_message_bytes)?;
             d.set_item("flush_lag_seconds", s.flush_lag_seconds)?;
-            d.set_item("role", if s.role.is_empty() { "store" } else { &s.role })?;
-            d.set_item(
-                "model_json",
-                (!s.model_json.is_empty()).then_some(&s.model_json),
-            )?;
+            d.set_item("role", &s.role)?;
+            d.set_item("model_json", &s.model_json)?;
             let tables = PyList::empty(py);
-            for t in c.server_tables(s, &name) {
-                tables.append(server_table_dict(py, &t)?)?;
+            for t in &s.tables {
+                tables.append(server_table_dict(py, t)?)?;
             }
             d.set_item("tables", tables)?;
-            let clocks = s.clocks.clone().unwrap_or_default();
-            d.set_item("clocks", clocks.clocks)?;
+            d.set_item("clocks", &s.clocks)?;
             out.append(d)?;
         }
         Ok(out)
