@@ -23,6 +23,11 @@ use crate::net::proto::*;
 use crate::net::routing::Router;
 use crate::net::{error_of, wire, DEFAULT_MAX_MESSAGE};
 
+mod tables;
+pub use tables::{
+    ClusterStats, ClusterStore, RemoteDense, RemoteSparse, ServerStatus, ServerTable, Staleness,
+};
+
 /// The largest request or answer the client asks for in one message: bigger batches go as
 /// several requests at once, which the server works on in parallel and whose answers are
 /// decoded while the next arrive.
@@ -64,6 +69,30 @@ impl ClientConfig {
             tls_domain: None,
             max_message: DEFAULT_MAX_MESSAGE,
             max_inflight_bytes: 256 << 20,
+        }
+    }
+
+    /// Sets the wire type by name: `"float32"`, `"float16"` or `"bfloat16"`.
+    pub fn set_wire_dtype(&mut self, name: &str) -> Result<()> {
+        self.wire = match name {
+            "float32" => Dtype::Float32,
+            "float16" => Dtype::Float16,
+            "bfloat16" => Dtype::Bfloat16,
+            _ => {
+                return Err(invalid(format!(
+                    "wire_dtype must be \"float32\", \"float16\" or \"bfloat16\", got {name:?}"
+                )))
+            }
+        };
+        Ok(())
+    }
+
+    /// The name of the wire type.
+    pub fn wire_dtype(&self) -> &'static str {
+        match self.wire {
+            Dtype::Float32 => "float32",
+            Dtype::Float16 => "float16",
+            Dtype::Bfloat16 => "bfloat16",
         }
     }
 }
@@ -419,7 +448,6 @@ impl Client {
         pos.chunks(per).map(<[u32]>::to_vec).collect()
     }
 
-    /// The rows of `ids` (`dim` wide) into `out`.
     /// The rows of `ids` (`dim` wide) as a vector.
     pub fn pull(&self, table: &str, dim: usize, ids: &[u64]) -> Result<Vec<f32>> {
         let n = ids.len() * dim;
@@ -592,6 +620,11 @@ impl Client {
     /// Waits until every queued push has been sent and answered.
     pub fn drain(&self) {
         self.applier.flush();
+    }
+
+    /// Waits up to `timeout` for the queued pushes; true when none is left.
+    pub fn drain_timeout(&self, timeout: Duration) -> bool {
+        self.applier.flush_timeout(timeout)
     }
 
     /// Which ids have a row.
