@@ -2,10 +2,9 @@
 # mypy.stubtest against the built extension.
 from typing import Any, final
 
-from typing_extensions import disjoint_base
-
 import numpy as np
 import numpy.typing as npt
+from typing_extensions import disjoint_base
 
 __all__ = [
     "MAX_DIM",
@@ -19,6 +18,7 @@ __all__ = [
     "Store",
     "StoreApi",
     "__version__",
+    "config_schema",
     "export_artifact",
     "inspect_store",
     "newest_snapshot",
@@ -35,6 +35,7 @@ __all__ = [
 MAX_DIM: int
 __version__: str
 
+def config_schema() -> str: ...
 def unique_inverse(
     ids: npt.NDArray[np.uint64],
 ) -> tuple[npt.NDArray[np.uint64], npt.NDArray[np.int64]]: ...
@@ -57,7 +58,7 @@ class StoreApi:
         name: str,
         dim: int,
         optimizer: dict[str, Any],
-        initializer: dict[str, Any],
+        initializer: str | dict[str, Any],
         seed: int,
         admit_after: int = 0,
         max_rows: int | None = None,
@@ -70,7 +71,7 @@ class StoreApi:
         name: str,
         shape: list[int],
         optimizer: dict[str, Any],
-        initializer: dict[str, Any],
+        initializer: str | dict[str, Any],
         seed: int,
         stale_policy: str = "apply",
         max_staleness: int = 0,
@@ -150,7 +151,7 @@ class SparseTable:
     @property
     def lr(self) -> float: ...
     def optimizer_spec(self) -> dict[str, Any]: ...
-    def initializer_spec(self) -> dict[str, Any]: ...
+    def initializer_spec(self) -> str | dict[str, Any]: ...
     def set_lr(self, lr: float) -> None: ...
     def __len__(self) -> int: ...
     def pull(self, ids: npt.NDArray[np.uint64]) -> npt.NDArray[np.float32]: ...
@@ -183,7 +184,7 @@ class DenseTable:
     @property
     def lr(self) -> float: ...
     def optimizer_spec(self) -> dict[str, Any]: ...
-    def initializer_spec(self) -> dict[str, Any]: ...
+    def initializer_spec(self) -> str | dict[str, Any]: ...
     def set_lr(self, lr: float) -> None: ...
     def pull(self) -> npt.NDArray[np.float32]: ...
     def push(self, grad: npt.NDArray[np.float32]) -> None: ...

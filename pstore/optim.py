@@ -12,16 +12,44 @@ row: a row's bias correction uses the number of pushes that touched that row.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Any
+from dataclasses import dataclass, fields
+from typing import Any, ClassVar
 
 __all__ = ["SGD", "Adagrad", "Adam", "Ftrl", "Optimizer"]
+
+# The fields every optimizer has besides those of its kind (the core's OptimizerConfig).
+_COMMON = ("lr", "clip_value", "clip_norm")
 
 
 @dataclass(frozen=True)
 class _Clip:
-    def _clip(self) -> dict[str, Any]:
-        return {"clip_value": self.clip_value, "clip_norm": self.clip_norm}  # type: ignore[attr-defined]
+    """What the optimizers share: their serde form, the one schema of the core's
+    ``OptimizerConfig`` (``{"kind": {kind: {field: value}}, "lr": ..., "clip_value": ...,
+    "clip_norm": ...}``; ``tests/test_schema.py`` checks the classes against it)."""
+
+    _kind: ClassVar[str]
+
+    def _kind_fields(self) -> dict[str, Any]:
+        """This kind's fields, named as the core names them."""
+        return {f.name: getattr(self, f.name) for f in fields(self) if f.name not in _COMMON}
+
+    @classmethod
+    def _from_kind_fields(cls, common: dict[str, Any], kind: dict[str, Any]) -> Any:
+        """The optimizer of a serde form's common and kind fields (see ``_kind_fields``)."""
+        return cls(**common, **kind)
+
+    def _spec(self) -> dict[str, Any]:
+        common = {name: getattr(self, name) for name in _COMMON}
+        return {"kind": {self._kind: self._kind_fields()}, **common}
+
+
+def _from_spec(spec: dict[str, Any]) -> Optimizer:
+    """The optimizer of a serde form (``_Clip._spec``)."""
+    ((kind, kind_fields),) = spec["kind"].items()
+    optimizer: Optimizer = _KINDS[kind]._from_kind_fields(
+        {k: spec[k] for k in _COMMON}, kind_fields
+    )
+    return optimizer
 
 
 @dataclass(frozen=True)
@@ -40,22 +68,13 @@ class SGD(_Clip):
         Nesterov momentum: ``d = g + momentum * buf``.
     """
 
+    _kind: ClassVar[str] = "sgd"
     lr: float
     momentum: float = 0.0
     weight_decay: float = 0.0
     nesterov: bool = False
     clip_value: float | None = None
     clip_norm: float | None = None
-
-    def _spec(self) -> dict[str, Any]:
-        return {
-            "kind": "sgd",
-            "lr": self.lr,
-            "momentum": self.momentum,
-            "weight_decay": self.weight_decay,
-            "nesterov": self.nesterov,
-            **self._clip(),
-        }
 
 
 @dataclass(frozen=True)
@@ -77,22 +96,13 @@ class Adagrad(_Clip):
         L2 penalty added to the gradient.
     """
 
+    _kind: ClassVar[str] = "adagrad"
     lr: float
     initial_accumulator_value: float = 0.1
     eps: float = 1e-10
     weight_decay: float = 0.0
     clip_value: float | None = None
     clip_norm: float | None = None
-
-    def _spec(self) -> dict[str, Any]:
-        return {
-            "kind": "adagrad",
-            "lr": self.lr,
-            "initial_accumulator_value": self.initial_accumulator_value,
-            "eps": self.eps,
-            "weight_decay": self.weight_decay,
-            **self._clip(),
-        }
 
 
 @dataclass(frozen=True)
@@ -111,6 +121,7 @@ class Adam(_Clip):
         L2 penalty added to the gradient (Adam, not AdamW).
     """
 
+    _kind: ClassVar[str] = "adam"
     lr: float
     betas: tuple[float, float] = (0.9, 0.999)
     eps: float = 1e-8
@@ -118,17 +129,15 @@ class Adam(_Clip):
     clip_value: float | None = None
     clip_norm: float | None = None
 
-    def _spec(self) -> dict[str, Any]:
+    def _kind_fields(self) -> dict[str, Any]:
         b1, b2 = self.betas
-        return {
-            "kind": "adam",
-            "lr": self.lr,
-            "beta1": b1,
-            "beta2": b2,
-            "eps": self.eps,
-            "weight_decay": self.weight_decay,
-            **self._clip(),
-        }
+        return {"beta1": b1, "beta2": b2, "eps": self.eps, "weight_decay": self.weight_decay}
+
+    @classmethod
+    def _from_kind_fields(cls, common: dict[str, Any], kind: dict[str, Any]) -> Any:
+        kind = dict(kind)
+        betas = (kind.pop("beta1"), kind.pop("beta2"))
+        return cls(**common, betas=betas, **kind)
 
 
 @dataclass(frozen=True)
@@ -147,6 +156,7 @@ class Ftrl(_Clip):
         L2 strength.
     """
 
+    _kind: ClassVar[str] = "ftrl"
     alpha: float = 0.05
     beta: float = 1.0
     l1: float = 0.0
@@ -159,15 +169,17 @@ class Ftrl(_Clip):
         """The learning rate, ``alpha``."""
         return self.alpha
 
-    def _spec(self) -> dict[str, Any]:
-        return {
-            "kind": "ftrl",
-            "lr": self.alpha,
-            "beta": self.beta,
-            "l1": self.l1,
-            "l2": self.l2,
-            **self._clip(),
-        }
+    def _kind_fields(self) -> dict[str, Any]:
+        return {"beta": self.beta, "l1": self.l1, "l2": self.l2}
+
+    @classmethod
+    def _from_kind_fields(cls, common: dict[str, Any], kind: dict[str, Any]) -> Any:
+        common = dict(common)
+        return cls(alpha=common.pop("lr"), **common, **kind)
 
 
 Optimizer = SGD | Adagrad | Adam | Ftrl
+
+_KINDS: dict[str, type[SGD] | type[Adagrad] | type[Adam] | type[Ftrl]] = {
+    c._kind: c for c in (SGD, Adagrad, Adam, Ftrl)
+}

@@ -24,14 +24,6 @@ __all__ = ["BaseStore", "DenseTable", "PushHandle", "SparseTable", "StalePolicy"
 
 IdsLike = npt.ArrayLike
 StalePolicy = Literal["apply", "drop", "scale"]
-_OPTIMIZERS = {"sgd": optim.SGD, "adagrad": optim.Adagrad, "adam": optim.Adam, "ftrl": optim.Ftrl}
-_INITIALIZERS = {
-    "zeros": init.Zeros,
-    "constant": init.Constant,
-    "uniform": init.Uniform,
-    "normal": init.Normal,
-    "truncated_normal": init.TruncatedNormal,
-}
 
 
 def _as_ids(ids: IdsLike) -> np.ndarray:
@@ -56,16 +48,6 @@ def _as_f32(x: npt.ArrayLike, what: str) -> np.ndarray:
             f"{what} must be float32, got dtype {a.dtype} (convert with .astype(np.float32))"
         )
     return np.ascontiguousarray(a)
-
-
-def _spec_to(kinds: dict[str, Any], spec: dict[str, Any]) -> Any:
-    spec = dict(spec)
-    cls = kinds[spec.pop("kind")]
-    if cls is optim.Adam:
-        spec["betas"] = (spec.pop("beta1"), spec.pop("beta2"))
-    if cls is optim.Ftrl:
-        spec["alpha"] = spec.pop("lr")
-    return cls(**spec)
 
 
 class PushHandle:
@@ -123,14 +105,12 @@ class _Table:
     @property
     def optimizer(self) -> optim.Optimizer:
         """The optimizer, with the learning rate it was created with."""
-        o: optim.Optimizer = _spec_to(_OPTIMIZERS, self._inner.optimizer_spec())
-        return o
+        return optim._from_spec(self._inner.optimizer_spec())
 
     @property
     def initializer(self) -> init.Initializer:
         """The initialiser."""
-        i: init.Initializer = _spec_to(_INITIALIZERS, self._inner.initializer_spec())
-        return i
+        return init._from_spec(self._inner.initializer_spec())
 
     @property
     def lr(self) -> float:

@@ -6,7 +6,7 @@ use pyo3::types::{PyDict, PyType};
 
 use crate::error::Error;
 use crate::init::Initializer;
-use crate::optimizer::{OptimizerConfig, OptimizerKind};
+use crate::optimizer::OptimizerConfig;
 
 /// The one mapping from core errors to the exception classes of `pstore.exceptions`, each of which
 /// also derives from the built-in a Python user expects.
@@ -51,170 +51,114 @@ pub fn err(e: Error) -> PyErr {
     })
 }
 
-fn bad(msg: String) -> PyErr {
-    err(Error::InvalidArgument(msg))
+/// A Python value of a config's serde form (dicts with str keys, lists, tuples, str, bool, int,
+/// float, None) as JSON. `path` names the value in errors; a float must be finite.
+fn json_of(v: &Bound<'_, PyAny>, path: &str) -> PyResult<serde_json::Value> {
+    use serde_json::Value;
+    let bad = |what: String| err(Error::InvalidArgument(what));
+    if v.is_none() {
+        return Ok(Value::Null);
+    }
+    if let Ok(b) = v.cast::<pyo3::types::PyBool>() {
+        return Ok(Value::Bool(b.is_true()));
+    }
+    if let Ok(i) = v.extract::<i64>() {
+        return Ok(Value::from(i));
+    }
+    if let Ok(x) = v.extract::<f64>() {
+        return serde_json::Number::from_f64(x)
+            .map(Value::Number)
+            .ok_or_else(|| bad(format!("{path} must be finite, got {x}")));
+    }
+    if let Ok(s) = v.extract::<String>() {
+        return Ok(Value::String(s));
+    }
+    if let Ok(d) = v.cast::<PyDict>() {
+        let mut m = serde_json::Map::new();
+        for (k, x) in d.iter() {
+            let k: String = k
+                .extract()
+                .map_err(|_| bad(format!("{path} has a key that is not a string")))?;
+            let at = format!("{path} {k}");
+            m.insert(k, json_of(&x, &at)?);
+        }
+        return Ok(Value::Object(m));
+    }
+    if let Ok(seq) = v.extract::<Vec<Bound<'_, PyAny>>>() {
+        let items = seq
+            .iter()
+            .map(|x| json_of(x, path))
+            .collect::<PyResult<_>>()?;
+        return Ok(Value::Array(items));
+    }
+    Err(bad(format!(
+        "{path} must be a number, string, bool or None, got {}",
+        v.get_type().name()?
+    )))
 }
 
-fn get_f64(d: &Bound<'_, PyDict>, key: &str, default: Option<f64>) -> PyResult<f64> {
-    match d.get_item(key)? {
-        Some(v) if !v.is_none() => v.extract::<f64>().map_err(|_| {
-            bad(format!(
-                "optimizer/initializer field {key:?} must be a number"
-            ))
-        }),
-        _ => default.ok_or_else(|| bad(format!("missing field {key:?}"))),
+/// JSON as the Python value of a config's serde form.
+fn py_of<'py>(py: Python<'py>, v: &serde_json::Value) -> PyResult<Bound<'py, PyAny>> {
+    use pyo3::IntoPyObjectExt;
+    use serde_json::Value;
+    match v {
+        Value::Null => Ok(py.None().into_bound(py)),
+        Value::Bool(b) => b.into_bound_py_any(py),
+        Value::Number(n) => match n.as_i64() {
+            Some(i) => i.into_bound_py_any(py),
+            None => n.as_f64().unwrap_or(f64::NAN).into_bound_py_any(py),
+        },
+        Value::String(s) => s.into_bound_py_any(py),
+        Value::Array(a) => {
+            let items = a
+                .iter()
+                .map(|x| py_of(py, x))
+                .collect::<PyResult<Vec<_>>>()?;
+            pyo3::types::PyList::new(py, items)?.into_bound_py_any(py)
+        }
+        Value::Object(m) => {
+            let d = PyDict::new(py);
+            for (k, x) in m {
+                d.set_item(k, py_of(py, x)?)?;
+            }
+            Ok(d.into_any())
+        }
     }
 }
 
-fn get_opt(d: &Bound<'_, PyDict>, key: &str) -> PyResult<Option<f64>> {
-    match d.get_item(key)? {
-        Some(v) if !v.is_none() => Ok(Some(get_f64(d, key, None)?)),
-        _ => Ok(None),
-    }
-}
-
-fn get_kind(d: &Bound<'_, PyDict>) -> PyResult<String> {
-    d.get_item("kind")?
-        .ok_or_else(|| bad("missing field \"kind\"".into()))?
-        .extract::<String>()
-        .map_err(|_| bad("field \"kind\" must be a string".into()))
-}
-
-/// An optimizer from its dict form (`pstore.optim.*._spec()`).
+/// An optimizer from its serde form (`pstore.optim.*._spec()`), validated.
 pub fn optimizer_from(d: &Bound<'_, PyDict>) -> PyResult<OptimizerConfig> {
-    let kind = match get_kind(d)?.as_str() {
-        "sgd" => OptimizerKind::Sgd {
-            momentum: get_f64(d, "momentum", Some(0.0))?,
-            weight_decay: get_f64(d, "weight_decay", Some(0.0))?,
-            nesterov: match d.get_item("nesterov")? {
-                Some(v) => v.is_truthy()?,
-                None => false,
-            },
-        },
-        "adagrad" => OptimizerKind::Adagrad {
-            initial_accumulator_value: get_f64(d, "initial_accumulator_value", Some(0.1))?,
-            eps: get_f64(d, "eps", Some(1e-10))?,
-            weight_decay: get_f64(d, "weight_decay", Some(0.0))?,
-        },
-        "adam" => OptimizerKind::Adam {
-            beta1: get_f64(d, "beta1", Some(0.9))?,
-            beta2: get_f64(d, "beta2", Some(0.999))?,
-            eps: get_f64(d, "eps", Some(1e-8))?,
-            weight_decay: get_f64(d, "weight_decay", Some(0.0))?,
-        },
-        "ftrl" => OptimizerKind::Ftrl {
-            beta: get_f64(d, "beta", Some(1.0))?,
-            l1: get_f64(d, "l1", Some(0.0))?,
-            l2: get_f64(d, "l2", Some(0.0))?,
-        },
-        other => return Err(bad(format!("unknown optimizer kind {other:?}"))),
-    };
-    let cfg = OptimizerConfig {
-        kind,
-        lr: get_f64(d, "lr", None)?,
-        clip_value: get_opt(d, "clip_value")?,
-        clip_norm: get_opt(d, "clip_norm")?,
-    };
-    cfg.validate().map_err(err)?;
-    Ok(cfg)
+    let v = json_of(d.as_any(), "optimizer")?;
+    OptimizerConfig::from_json(&v.to_string()).map_err(err)
 }
 
-/// An initialiser from its dict form (`pstore.init.*._spec()`).
-pub fn initializer_from(d: &Bound<'_, PyDict>) -> PyResult<Initializer> {
-    let f = |k: &str| get_f64(d, k, None);
-    let init = match get_kind(d)?.as_str() {
-        "zeros" => Initializer::Zeros,
-        "constant" => Initializer::Constant(f("value")?),
-        "uniform" => Initializer::Uniform {
-            low: f("low")?,
-            high: f("high")?,
-        },
-        "normal" => Initializer::Normal {
-            mean: f("mean")?,
-            std: f("std")?,
-        },
-        "truncated_normal" => Initializer::TruncatedNormal {
-            mean: f("mean")?,
-            std: f("std")?,
-        },
-        other => return Err(bad(format!("unknown initializer kind {other:?}"))),
-    };
-    init.validate().map_err(err)?;
-    Ok(init)
+/// An initialiser from its serde form (`pstore.init.*._spec()`), validated.
+pub fn initializer_from(d: &Bound<'_, PyAny>) -> PyResult<Initializer> {
+    let v = json_of(d, "initializer")?;
+    Initializer::from_json(&v.to_string()).map_err(err)
 }
 
-/// The dict form of an optimizer, as `pstore.optim.*._spec()` builds it.
-pub fn optimizer_spec<'py>(py: Python<'py>, o: &OptimizerConfig) -> PyResult<Bound<'py, PyDict>> {
-    let d = PyDict::new(py);
-    d.set_item("kind", o.name())?;
-    d.set_item("lr", o.lr)?;
-    d.set_item("clip_value", o.clip_value)?;
-    d.set_item("clip_norm", o.clip_norm)?;
-    match o.kind {
-        OptimizerKind::Sgd {
-            momentum,
-            weight_decay,
-            nesterov,
-        } => {
-            d.set_item("momentum", momentum)?;
-            d.set_item("weight_decay", weight_decay)?;
-            d.set_item("nesterov", nesterov)?;
-        }
-        OptimizerKind::Adagrad {
-            initial_accumulator_value,
-            eps,
-            weight_decay,
-        } => {
-            d.set_item("initial_accumulator_value", initial_accumulator_value)?;
-            d.set_item("eps", eps)?;
-            d.set_item("weight_decay", weight_decay)?;
-        }
-        OptimizerKind::Adam {
-            beta1,
-            beta2,
-            eps,
-            weight_decay,
-        } => {
-            d.set_item("beta1", beta1)?;
-            d.set_item("beta2", beta2)?;
-            d.set_item("eps", eps)?;
-            d.set_item("weight_decay", weight_decay)?;
-        }
-        OptimizerKind::Ftrl { beta, l1, l2 } => {
-            d.set_item("beta", beta)?;
-            d.set_item("l1", l1)?;
-            d.set_item("l2", l2)?;
-        }
-    }
-    Ok(d)
+/// The serde form of an optimizer, as `pstore.optim.*._spec()` builds it.
+pub fn optimizer_spec<'py>(py: Python<'py>, o: &OptimizerConfig) -> PyResult<Bound<'py, PyAny>> {
+    let v = serde_json::to_value(o).map_err(|e| err(Error::Internal(e.to_string())))?;
+    py_of(py, &v)
 }
 
-/// The dict form of an initialiser, as `pstore.init.*._spec()` builds it.
-pub fn initializer_spec<'py>(py: Python<'py>, i: &Initializer) -> PyResult<Bound<'py, PyDict>> {
-    let d = PyDict::new(py);
-    match *i {
-        Initializer::Zeros => d.set_item("kind", "zeros")?,
-        Initializer::Constant(v) => {
-            d.set_item("kind", "constant")?;
-            d.set_item("value", v)?;
-        }
-        Initializer::Uniform { low, high } => {
-            d.set_item("kind", "uniform")?;
-            d.set_item("low", low)?;
-            d.set_item("high", high)?;
-        }
-        Initializer::Normal { mean, std } | Initializer::TruncatedNormal { mean, std } => {
-            let kind = if matches!(i, Initializer::Normal { .. }) {
-                "normal"
-            } else {
-                "truncated_normal"
-            };
-            d.set_item("kind", kind)?;
-            d.set_item("mean", mean)?;
-            d.set_item("std", std)?;
-        }
-    }
-    Ok(d)
+/// The serde form of an initialiser, as `pstore.init.*._spec()` builds it.
+pub fn initializer_spec<'py>(py: Python<'py>, i: &Initializer) -> PyResult<Bound<'py, PyAny>> {
+    let v = serde_json::to_value(i).map_err(|e| err(Error::Internal(e.to_string())))?;
+    py_of(py, &v)
+}
+
+/// The schema of the optimizers and initialisers, derived from their serde form (JSON text:
+/// `{"optimizer": {"common": [...], "kinds": {...}}, "initializer": {...}}`).
+#[pyfunction]
+pub fn config_schema() -> String {
+    serde_json::json!({
+        "optimizer": crate::optimizer::schema(),
+        "initializer": crate::init::schema(),
+    })
+    .to_string()
 }
 
 /// Remembers the process that built a store: its thread pool does not survive `fork()`, so a

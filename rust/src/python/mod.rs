@@ -487,6 +487,7 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<PyCounter>()?;
     net::register(m)?;
     serving::register(m)?;
+    m.add_function(wrap_pyfunction!(convert::config_schema, m)?)?;
     m.add_function(wrap_pyfunction!(snapshot_chain, m)?)?;
     m.add_function(wrap_pyfunction!(unique_inverse, m)?)?;
     m.add_function(wrap_pyfunction!(sum_rows, m)?)?;

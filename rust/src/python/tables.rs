@@ -64,7 +64,7 @@ impl PyStoreApi {
         name: &str,
         dim: usize,
         optimizer: &Bound<'_, PyDict>,
-        initializer: &Bound<'_, PyDict>,
+        initializer: &Bound<'_, PyAny>,
         seed: u64,
         admit_after: u32,
         max_rows: Option<u64>,
@@ -109,7 +109,7 @@ impl PyStoreApi {
         name: &str,
         shape: Vec<usize>,
         optimizer: &Bound<'_, PyDict>,
-        initializer: &Bound<'_, PyDict>,
+        initializer: &Bound<'_, PyAny>,
         seed: u64,
         stale_policy: &str,
         max_staleness: u64,
@@ -196,11 +196,11 @@ macro_rules! table_methods {
                 self.run(py, || self.inner.set_lr(lr))
             }
 
-            fn optimizer_spec<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
+            fn optimizer_spec<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyAny>> {
                 optimizer_spec(py, &self.inner.config().optimizer)
             }
 
-            fn initializer_spec<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
+            fn initializer_spec<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyAny>> {
                 initializer_spec(py, &self.inner.config().initializer)
             }
 
