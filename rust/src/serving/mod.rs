@@ -201,6 +201,10 @@ pub struct Artifact {
     file_id: Option<(u64, u64)>,
     _lock: Option<File>,
     writer: Mutex<()>,
+    /// Held by every transaction that opens a database handle, from its start to its end, and
+    /// by every write transaction: LMDB forbids opening handles in two transactions at once
+    /// (both would take the same free slot, and one handle would turn `MDB_BAD_DBI`).
+    dbi: Mutex<()>,
 }
 
 impl std::fmt::Debug for Artifact {
@@ -354,6 +358,7 @@ impl Artifact {
             writable,
             _lock: lock,
             writer: Mutex::new(()),
+            dbi: Mutex::new(()),
         })
     }
 
@@ -425,6 +430,7 @@ impl Artifact {
     /// The database of `table`'s rows, opened once (in its own read transaction, committed so
     /// the handle outlives it).
     fn rows_db(&self, table: &str) -> Result<Database<Bytes, Bytes>> {
+        let _open = self.dbi.lock().unwrap_or_else(|e| e.into_inner());
         if let Some(db) = self.cached_db(table) {
             return Ok(db);
         }
@@ -827,6 +833,9 @@ impl Artifact {
     }
 
     fn write<R>(&self, f: impl FnOnce(&mut RwTxn<'_>) -> Result<R>) -> Result<R> {
+        // Write transactions open handles (`create_database`): none may run beside a reader
+        // opening one.
+        let _open = self.dbi.lock().unwrap_or_else(|e| e.into_inner());
         let mut txn = self
             .env
             .write_txn()
