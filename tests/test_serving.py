@@ -183,6 +183,47 @@ def assert_artifact_is(model: ServingStore, want: dict, universe: dict[str, set[
             np.testing.assert_array_equal(model.dense(name), want[name], err_msg=name)
 
 
+def artifact_bytes(out: Path) -> int:
+    """The LMDB data file and the row files of an artifact."""
+    rows = sum(f.stat().st_size for f in (out / "tables").glob("*.rows"))
+    return (out / "data.mdb").stat().st_size + rows
+
+
+def mix64(x: int) -> int:
+    m = (1 << 64) - 1
+    x ^= x >> 30
+    x = (x * 0xBF58476D1CE4E5B9) & m
+    x ^= x >> 27
+    x = (x * 0x94D049BB133111EB) & m
+    return x ^ (x >> 31)
+
+
+def read_row_file(path: Path, row_id: int) -> tuple[dict, bytes | None]:
+    """Reads one id's stored row from a row file with nothing but docs/FORMAT.md: the header,
+    then a linear probe of the slots from ``mix64(id) & (slots - 1)``."""
+    raw = path.read_bytes()
+    magic, version, dtype, dim, stride, rows, slots, gen, length, artifact, crc = struct.unpack_from(
+        "<8sIIIIQQQQQI", raw
+    )
+    import zlib
+
+    assert magic == b"PSTROWS\0" and version == 1 and zlib.crc32(raw[:64]) == crc
+    assert length == len(raw)
+    header = {"dtype": dtype, "dim": dim, "stride": stride, "rows": rows, "slots": slots}
+    header |= {"generation": gen, "artifact": artifact}
+    rows_at = -(-(4096 + 16 * slots) // 4096) * 4096
+    row_bytes = {0: 4 * dim, 1: 2 * dim, 2: 4 + dim}[dtype]
+    i = mix64(row_id) & (slots - 1)
+    while True:
+        k, r = struct.unpack_from("<QQ", raw, 4096 + 16 * i)
+        if r == 0:
+            return header, None
+        if k == row_id:
+            at = rows_at + (r - 1) * stride
+            return header, raw[at : at + row_bytes]
+        i = (i + 1) & (slots - 1)
+
+
 def flip_byte(path: Path) -> None:
     data = bytearray(path.read_bytes())
     data[len(data) // 2] ^= 0x5A
@@ -203,7 +244,7 @@ def test_export_holds_the_training_rows_at_the_snapshot(chain, tmp_path, upto):
     assert info["chain"] == upto + 1
     assert info["dtype"] == "float32"
     assert info["snapshot"]["id"] == chain.manifests[upto]["id"]
-    assert info["file_bytes"] == (out / "data.mdb").stat().st_size
+    assert info["file_bytes"] == artifact_bytes(out)
     model = ServingStore(out)
     assert not model.writable and model.dtype == "float32"
     state = model.info()
@@ -398,11 +439,14 @@ def test_bytes_per_row_by_dtype(tmp_path, rng):
     sizes, per_row = {}, {}
     for dtype in ("float32", "float16", "int8"):
         info = serving.export(tmp_path / "snap", tmp_path / dtype, dtype=dtype)
-        sizes[dtype] = (tmp_path / dtype / "data.mdb").stat().st_size
+        sizes[dtype] = artifact_bytes(tmp_path / dtype)
         assert info["file_bytes"] == sizes[dtype]
         per_row[dtype] = sizes[dtype] / n
         assert info["bytes_per_row"] == pytest.approx(per_row[dtype])
         assert per_row[dtype] >= {"float32": 256, "float16": 128, "int8": 68}[dtype]
+        # The row file: the rows at their stride, 16-byte slots at most two thirds full.
+        stride = {"float32": 256, "float16": 128, "int8": 68}[dtype]
+        assert per_row[dtype] <= stride + 16 * 3 + 8192 / n + 50_000 / n
     print(
         "bytes per row, dim 64: "
         + ", ".join(f"{d} {per_row[d]:.1f} ({per_row[d] / per_row['float32']:.2f}x)" for d in sizes)
@@ -465,27 +509,35 @@ def test_a_read_only_artifact_cannot_be_written(chain, tmp_path):
     assert not {n for n in public if any(n.startswith(w) for w in writes)}, public
     assert file_digest(out / "data.mdb") == before
 
-    # Another reader: the lmdb package, without pstore.
+    # Another reader: the lmdb package for the records, the row file read by hand.
     ids, rows = chain.states[1]["user"]
     env = lmdb.open(str(out), readonly=True, lock=False, max_dbs=16)
     try:
-        db = env.open_db(b"rows/user", create=False)
         meta = env.open_db(b"meta", create=False)
         with env.begin() as txn:
-            for k in (0, len(ids) // 2, len(ids) - 1):
-                raw = txn.get(struct.pack(">Q", int(ids[k])), db=db)
-                np.testing.assert_array_equal(np.frombuffer(raw, "<f4"), rows[k])
-                np.testing.assert_array_equal(
-                    np.frombuffer(raw, "<f4"), model.lookup("user", ids[k : k + 1])[0]
-                )
-            assert txn.get(struct.pack(">Q", int(chain.new_ids("user", 1)[0])), db=db) is None
             assert struct.unpack("<Q", txn.get(b"generation", db=meta))[0] == 2
             state = json.loads(txn.get(b"state", db=meta))
             assert state["snapshot"]["id"] == chain.manifests[1]["id"]
-            assert json.loads(txn.get(b"table/user", db=meta))["dim"] == 8
-            assert txn.stat(db)["entries"] == len(ids)
+            record = json.loads(txn.get(b"table/user", db=meta))
+            assert record["dim"] == 8
+            assert json.loads(txn.get(b"format", db=meta)) == {
+                "format": "pstore-serving",
+                "version": 2,
+            }
     finally:
         env.close()
+    path = out / record["index"]["file"]
+    for k in (0, len(ids) // 2, len(ids) - 1):
+        header, raw = read_row_file(path, int(ids[k]))
+        assert raw is not None
+        np.testing.assert_array_equal(np.frombuffer(raw, "<f4"), rows[k])
+        np.testing.assert_array_equal(
+            np.frombuffer(raw, "<f4"), model.lookup("user", ids[k : k + 1])[0]
+        )
+    assert header["rows"] == len(ids) and header["dim"] == 8 and header["dtype"] == 0
+    assert header["generation"] == record["index"]["generation"]
+    assert header["artifact"] == state["artifact"]
+    assert read_row_file(path, int(chain.new_ids("user", 1)[0]))[1] is None
     assert file_digest(out / "data.mdb") == before
 
 
