@@ -21,6 +21,7 @@ import tempfile
 import threading
 import time
 import urllib.request
+import zlib
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -202,11 +203,8 @@ def read_row_file(path: Path, row_id: int) -> tuple[dict, bytes | None]:
     """Reads one id's stored row from a row file with nothing but docs/FORMAT.md: the header,
     then a linear probe of the slots from ``mix64(id) & (slots - 1)``."""
     raw = path.read_bytes()
-    magic, version, dtype, dim, stride, rows, slots, gen, length, artifact, crc = struct.unpack_from(
-        "<8sIIIIQQQQQI", raw
-    )
-    import zlib
-
+    fields = struct.unpack_from("<8sIIIIQQQQQI", raw)
+    magic, version, dtype, dim, stride, rows, slots, gen, length, artifact, crc = fields
     assert magic == b"PSTROWS\0" and version == 1 and zlib.crc32(raw[:64]) == crc
     assert length == len(raw)
     header = {"dtype": dtype, "dim": dim, "stride": stride, "rows": rows, "slots": slots}

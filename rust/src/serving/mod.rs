@@ -34,6 +34,54 @@ pub const FORMAT_NAME: &str = "pstore-serving";
 pub const FORMAT_VERSION: u32 = 2;
 /// The directory of the row files, in the artifact's.
 const TABLES_DIR: &str = "tables";
+/// The generation hint file, in the artifact's directory.
+const HINT: &str = "generation";
+
+/// `MODEL_DIR/generation`: 8 bytes, the generation the artifact's LMDB holds, stored by the
+/// writer through its shared mapping after each commit. A reader whose pinned generation equals
+/// it skips LMDB; otherwise it reads the generation in a read transaction (the authority).
+struct Hint {
+    map: rowfile::Map,
+}
+
+impl Hint {
+    fn open(dir: &Path, writable: bool) -> Result<Option<Hint>> {
+        let path = dir.join(HINT);
+        let io = |e: std::io::Error| storage(format!("opening {}: {e}", path.display()));
+        let f = if writable {
+            let f = File::options()
+                .read(true)
+                .write(true)
+                .create(true)
+                .truncate(false)
+                .open(&path)
+                .map_err(io)?;
+            f.set_len(8).map_err(io)?;
+            f
+        } else {
+            match File::open(&path) {
+                Ok(f) if f.metadata().map(|m| m.len() == 8).unwrap_or(false) => f,
+                _ => return Ok(None),
+            }
+        };
+        let map = rowfile::Map::new(&f, 8, writable).map_err(io)?;
+        Ok(Some(Hint { map }))
+    }
+
+    fn cell(&self) -> &AtomicU64 {
+        // SAFETY: the mapping is page-aligned, 8 bytes long and lives as long as `self`; every
+        // access to it goes through this atomic.
+        unsafe { &*self.map.ptr().cast::<AtomicU64>() }
+    }
+
+    fn load(&self) -> u64 {
+        u64::from_le(self.cell().load(Ordering::Acquire))
+    }
+
+    fn store(&self, generation: u64) {
+        self.cell().store(generation.to_le(), Ordering::Release);
+    }
+}
 /// The LMDB map of a writer: address space only (the file grows as rows are written). Readers
 /// take the size from the environment, so it is never resized under them.
 const MAP_SIZE: usize = 1 << 40;
@@ -227,6 +275,8 @@ pub struct Artifact {
     dbi: Mutex<()>,
     /// The tables at the generation read last, their row files mapped.
     pinned: RwLock<Option<Arc<Pinned>>>,
+    /// The generation hint (absent in version 1 artifacts opened read-only).
+    hint: Option<Hint>,
 }
 
 /// One generation of an artifact as lookups use it: the table records and mapped row files.
@@ -395,11 +445,28 @@ impl Artifact {
             writer: Mutex::new(()),
             dbi: Mutex::new(()),
             pinned: RwLock::new(None),
+            hint: if create {
+                None
+            } else {
+                Hint::open(path, writable)?
+            },
         };
-        if writable && !create && a.state()?.version < FORMAT_VERSION {
-            a.migrate()?;
+        if writable && !create {
+            if a.state()?.version < FORMAT_VERSION {
+                a.migrate()?;
+            }
+            a.store_hint()?;
         }
         Ok(a)
+    }
+
+    /// Stores the generation LMDB holds in the hint file.
+    fn store_hint(&self) -> Result<()> {
+        if let Some(h) = &self.hint {
+            let txn = self.read_txn()?;
+            h.store(self.generation_in(&txn)?);
+        }
+        Ok(())
     }
 
     /// Turns a version 1 artifact (rows in LMDB) into a version 2 one in one write
@@ -661,6 +728,12 @@ impl Artifact {
     /// transaction. A row file the writer deleted meanwhile (two generations on) means the
     /// artifact moved on: read again.
     fn pin(&self) -> Result<Arc<Pinned>> {
+        if let Some(h) = &self.hint {
+            let p = self.pinned.read().unwrap_or_else(|e| e.into_inner());
+            if let Some(p) = p.as_ref().filter(|p| p.generation == h.load()) {
+                return Ok(Arc::clone(p));
+            }
+        }
         let mut attempts = 0;
         loop {
             let txn = self.read_txn()?;
@@ -1076,6 +1149,7 @@ impl Artifact {
                 return Err(e);
             }
         };
+        self.store_hint()?;
         // The previous generation's files stay for readers that pinned it a moment ago.
         if let Ok(new) = self.state() {
             prune(&self.path, &[&new, &state]);
@@ -1714,6 +1788,10 @@ fn build(
         .and_then(|()| File::open(&mpath)?.sync_all())
         .map_err(|e| storage(format!("writing {}: {e}", mpath.display())))?;
     a.env.force_sync().map_err(|e| lmdb(tmp, "syncing", e))?;
+    let hint = tmp.join(HINT);
+    std::fs::write(&hint, state.generation.to_le_bytes())
+        .and_then(|()| File::open(&hint)?.sync_all())
+        .map_err(|e| storage(format!("writing {}: {e}", hint.display())))?;
     let file_bytes = a.file_bytes();
     drop(a);
     fsync_dir(tmp)?;

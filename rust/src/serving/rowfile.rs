@@ -79,8 +79,8 @@ fn dtype_code(d: Dtype) -> u32 {
     }
 }
 
-/// A read-only mapping of the whole file.
-struct Map {
+/// A shared mapping of a whole file.
+pub(super) struct Map {
     ptr: *mut u8,
     len: usize,
 }
@@ -92,7 +92,7 @@ unsafe impl Send for Map {}
 unsafe impl Sync for Map {}
 
 impl Map {
-    fn new(f: &File, len: usize, writable: bool) -> std::io::Result<Map> {
+    pub(super) fn new(f: &File, len: usize, writable: bool) -> std::io::Result<Map> {
         let prot = if writable {
             libc::PROT_READ | libc::PROT_WRITE
         } else {
@@ -113,6 +113,11 @@ impl Map {
             return Err(std::io::Error::last_os_error());
         }
         Ok(Map { ptr: p.cast(), len })
+    }
+
+    /// The first byte (page-aligned).
+    pub(super) fn ptr(&self) -> *mut u8 {
+        self.ptr
     }
 
     fn bytes(&self) -> &[u8] {
