@@ -982,6 +982,125 @@ def test_a_damaged_increment_is_refused_and_changes_nothing(chain, tmp_path):
     model.close()
 
 
+def write_version_1(model_dir: Path, out: Path) -> None:
+    """A format version 1 artifact of the same tables as ``model_dir``, written with the
+    ``lmdb`` package from docs/FORMAT.md: the rows in ``rows/<name>`` (id big-endian -> row as
+    stored), the records in ``meta``, no row files."""
+    m = ServingStore(model_dir)
+    state = m.info()
+    out.mkdir()
+    env = lmdb.open(str(out), max_dbs=16, map_size=1 << 30)
+    with env.begin(write=True) as txn:
+        meta = env.open_db(b"meta", txn=txn)
+        txn.put(b"format", json.dumps({"format": "pstore-serving", "version": 1}).encode(), db=meta)
+        tables = []
+        for t in state["tables"]:
+            t = {k: v for k, v in t.items() if k != "index"}
+            tables.append(t)
+            txn.put(f"table/{t['name']}".encode(), json.dumps(t).encode(), db=meta)
+            if t["kind"] == "dense":
+                txn.put(f"dense/{t['name']}".encode(), m.dense(t["name"]).tobytes(), db=meta)
+                continue
+            rows = env.open_db(f"rows/{t['name']}".encode(), txn=txn)
+            ids, stored = m.stored_rows(t["name"])
+            for i, row in zip(ids, stored, strict=True):
+                txn.put(struct.pack(">Q", int(i)), row.tobytes(), db=rows)
+        v1 = {k: v for k, v in state.items() if k not in ("artifact",)}
+        v1 |= {"version": 1, "tables": tables}
+        txn.put(b"state", json.dumps(v1).encode(), db=meta)
+        txn.put(b"generation", struct.pack("<Q", state["generation"]), db=meta)
+    env.close()
+    m.close()
+
+
+def test_a_version_1_artifact_is_read_and_migrated_when_opened_writable(chain, tmp_path):
+    serving.export(chain.snaps[0], tmp_path / "v2")
+    write_version_1(tmp_path / "v2", tmp_path / "v1")
+    v1 = tmp_path / "v1"
+    # Read-only: the rows come from LMDB, as version 1 stores them.
+    model = ServingStore(v1)
+    assert model.info()["version"] == 1 and not (v1 / "tables").exists()
+    assert_artifact_is(model, chain.states[0], chain.universe)
+    model.close()
+    del model
+    gc.collect()
+    # Writable: migrated to row files in one transaction, then increments apply as usual.
+    model = ServingStore(v1, writable=True)
+    info = model.info()
+    assert info["version"] == 2 and info["generation"] == 2
+    assert all(
+        t["index"]["file"].startswith("tables/") for t in info["tables"] if t["kind"] == "sparse"
+    )
+    assert_artifact_is(model, chain.states[0], chain.universe)
+    env = lmdb.open(str(v1), readonly=True, lock=False, max_dbs=16)
+    with env.begin() as txn:
+        assert json.loads(txn.get(b"format", db=env.open_db(b"meta", txn=txn)))["version"] == 2
+        assert txn.stat(env.open_db(b"rows/user", txn=txn))["entries"] == 0
+    env.close()
+    model.apply(chain.snaps[1])
+    model.apply(chain.snaps[2])
+    assert_artifact_is(model, chain.states[2], chain.universe)
+    model.close()
+
+
+def reopened(path: Path) -> ServingStore:
+    """A read-only opening that is the process's first (earlier ones collected)."""
+    gc.collect()
+    return ServingStore(path)
+
+
+def test_damaged_foreign_and_stale_row_files_are_refused_by_name(chain, tmp_path):
+    a, b = tmp_path / "a", tmp_path / "b"
+    serving.export(chain.snaps[0], a)
+    serving.export(chain.snaps[0], b)
+    w = ServingStore(a, writable=True)
+
+    def user_file(m: ServingStore) -> str:
+        return str(next(t for t in m.info()["tables"] if t["name"] == "user")["index"]["file"])
+
+    old = user_file(w)
+    w.apply(chain.snaps[1])
+    cur = user_file(w)
+    assert cur != old and (a / old).exists()  # the previous generation's file stays a while
+    w.close()
+    del w
+    path = a / cur
+    good = path.read_bytes()
+    cases = {
+        "torn": good[: len(good) // 2],
+        "foreign": b"\x00" * len(good),
+        "header": good[:20] + bytes([good[20] ^ 1]) + good[21:],
+        "stale": (a / old).read_bytes(),
+        "another artifact": (b / b"tables".decode() / Path(old).name).read_bytes(),
+    }
+    want = {
+        "torn": "torn",
+        "foreign": "not a pstore row file",
+        "header": "CRC-32",
+        "stale": "written by generation 1",
+        "another artifact": "another artifact",
+    }
+    for case, data in cases.items():
+        path.write_bytes(data)
+        m = reopened(a)
+        with pytest.raises(pstore.CorruptError) as e:
+            m.lookup("user", [1, 2, 3])
+        assert str(path) in str(e.value) and want[case] in str(e.value), (case, str(e.value))
+        m.close()
+        del m
+    path.write_bytes(good)
+    m = reopened(a)
+    assert_artifact_is(m, chain.states[1], chain.universe)
+    # Ids of the wrong dtype name the argument.
+    with pytest.raises(pstore.DtypeError, match="ids"):
+        m.lookup("user", np.array([1.5, 2.0]))
+    with pytest.raises(pstore.DtypeError, match="ids"):
+        m.lookup("user", np.array([1, 2], dtype=np.int32))
+    with pytest.raises(pstore.DtypeError, match="ids"):
+        m.contains("user", np.array(["1"]))
+    m.close()
+
+
 # --- 8. the model server --------------------------------------------------------------------
 
 
