@@ -89,6 +89,8 @@ const MAP_SIZE: usize = 1 << 40;
 const MAX_DBS: u32 = 4096;
 /// Lookups of more ids than this are split over the thread pool.
 const PARALLEL_MIN_IDS: usize = 2048;
+/// Ids per part of a split lookup (row files).
+const PARALLEL_PART_IDS: usize = 512;
 
 /// The key of an id: 8 bytes big-endian, so keys sort as ids do.
 pub fn key(id: u64) -> [u8; 8] {
@@ -1259,7 +1261,12 @@ fn gather(
     if ids.len() < PARALLEL_MIN_IDS || dim == 0 {
         return part(ids, out, found);
     }
-    let chunk = ids.len().div_ceil(rayon::current_num_threads().max(1));
+    // Parts of at most 512 ids: a part a descheduled helper holds up is short, and the
+    // caller takes the parts nobody started (cores here are often shared).
+    let chunk = ids
+        .len()
+        .div_ceil(rayon::current_num_threads().max(1))
+        .min(PARALLEL_PART_IDS);
     ids.par_chunks(chunk)
         .zip(out.par_chunks_mut(chunk * dim))
         .zip(found.par_chunks_mut(chunk))
