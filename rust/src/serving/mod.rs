@@ -721,8 +721,17 @@ impl Artifact {
 
     /// The row width of sparse `table`.
     pub fn dim(&self, table: &str) -> Result<usize> {
-        let txn = self.read_txn()?;
-        Ok(self.sparse_view(&txn, table)?.1.dim)
+        let p = self.pin()?;
+        let t = p
+            .tables
+            .get(table)
+            .ok_or_else(|| Error::UnknownTable(table.to_string()))?;
+        if t.meta.kind != "sparse" {
+            return Err(Error::WrongKind(format!(
+                "table {table:?} is a dense table; read it with dense()"
+            )));
+        }
+        Ok(t.meta.dim)
     }
 
     /// The generation the artifact is at, its tables and their row files mapped: reused while
