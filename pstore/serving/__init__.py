@@ -4,12 +4,13 @@
 >>> model = pstore.serving.ServingStore("model")  # doctest: +SKIP
 >>> rows = model.lookup("user", ids, default="initial")  # doctest: +SKIP
 
-An artifact is one LMDB environment holding the weights of the tables (no optimizer state),
-optionally quantized (float16, or int8 with a per-row scale). Serving processes open it
-read-only and share one copy of it through the page cache. A writer
-(:meth:`ServingStore.apply`, :func:`follow`, ``pstore serving follow``) applies newer snapshots,
-each in one transaction: a lookup sees the old version or the new one, never a mix. The format
-is in docs/FORMAT.md.
+An artifact holds the weights of the tables (no optimizer state), optionally quantized
+(float16, or int8 with a per-row scale): an LMDB environment of records and, per sparse table, a
+read-only row file with a hashed index. Serving processes map it read-only and share one copy
+of it through the page cache. A writer (:meth:`ServingStore.apply`, :func:`follow`,
+``pstore serving follow``) applies newer snapshots, each committed by one transaction: a lookup
+sees the old version or the new one, never a mix. The format is in docs/FORMAT.md;
+:mod:`pstore.serving.torch` serves a model through ``torch.export``.
 """
 
 from __future__ import annotations
