@@ -1560,6 +1560,17 @@ fn apply_one(
                     old.filter(|o| rows.ids.is_empty() && tombs.is_empty() && o.index.is_some());
                 let (index, n) = match kept {
                     // Nothing changed: the table keeps its file.
+                    Some(o) if o.rows != e.total_rows => {
+                        return Err(corrupt(format!(
+                            "{}: table {:?} should have {} rows after this snapshot, the \
+                             artifact would have {}; is the artifact from this chain of \
+                             snapshots?",
+                            dir.display(),
+                            e.name,
+                            e.total_rows,
+                            o.rows
+                        )))
+                    }
                     Some(o) => (o.index.clone(), o.rows),
                     None => {
                         let (ix, n, d) = write_rows(a, state, tables.len(), e, &rows, &tombs, old)?;
