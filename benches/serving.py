@@ -1,7 +1,9 @@
 """W7: read-only serving. One table exported from a snapshot as serving artifacts (float32,
 float16, int8) and as an ONNX model, then opened and looked up by every way a server could read
 it: `pstore.serving.ServingStore` in process, a model server process on loopback, onnxruntime,
-and the `lmdb` package reading the artifact's LMDB file directly.
+and the `lmdb` package reading the same rows from an LMDB file of its own (keys the ids
+big-endian, values the float32 rows, as format 1 artifacts stored them). Then the open time of a
+10M-row artifact and the memory of 1 and 4 serving processes on one artifact.
 
 Run by run.py (`--only W7`). This file is also W7's child process, for the open times (each
 opening is timed in a fresh process, since a process shares one opening of an artifact):
@@ -17,6 +19,7 @@ import os
 import shutil
 import signal
 import statistics
+import subprocess
 import sys
 import tempfile
 import time
@@ -69,7 +72,13 @@ W7_PARTS = {
     "a": "artifacts on disk: one export of one full snapshot per dtype, and the ONNX model",
     "b": "open: a fresh process opens the {rows}-row artifact (or ONNX model), looks up 1 id",
     "c": "lookups of Zipf batches, 1 client thread; ids/s, per-call latency",
+    "d": "memory: N processes each open the float32 artifact (or ONNX model) and read every "
+    "row once; the machine's used memory (MemTotal - MemAvailable) and the processes' PSS",
 }
+W7_ARTIFACT = "artifact (data.mdb + row file)"
+W7_BIG_ROWS = 10_000_000  # the open time at this many rows (dim 8 when the table is smaller)
+W7_BIG_DIM = 8
+W7_PROCS = (1, 4)
 # Bytes per row while W7 runs: memory for the training store that builds the table (~450 B)
 # and for onnxruntime's copy of the weights and its id map; disk for the snapshot, the three
 # artifacts and the ONNX model (~1.1 kB together at dim 64).
@@ -115,8 +124,8 @@ CHILD_SCRIPT = Path(__file__).resolve()
 
 
 class LmdbRows:
-    """The artifact's LMDB file read with the `lmdb` PyPI package, as a user could without
-    pstore: one read transaction per call, keys = the ids' 8 bytes big-endian, one
+    """An LMDB file of the table's rows read with the `lmdb` PyPI package (written by
+    `write_lmdb_rows`): one read transaction per call, keys = the ids' 8 bytes big-endian, one
     `Cursor.getmulti` for the batch, the float32 values joined into an (n, dim) array.
 
     Only float32 artifacts (values are the row's float32 little-endian bytes). The keys are
@@ -149,6 +158,26 @@ class LmdbRows:
 
     def close(self) -> None:
         self.env.close()
+
+
+def write_lmdb_rows(lmdb: ModuleType, model: Any, out: Path) -> None:
+    """The float32 artifact's rows in a new LMDB environment `out` (database `rows/<table>`,
+    key the id's 8 bytes big-endian, value the float32 row), written in key order with the
+    `lmdb` package: what a user of the package would build, and the layout format 1 artifacts
+    had."""
+    ids, rows = model.stored_rows(W7_TABLE)
+    out.mkdir()
+    env = lmdb.open(str(out), max_dbs=16, map_size=max(1 << 30, 4 * rows.nbytes))
+    db = env.open_db(f"rows/{W7_TABLE}".encode())
+    keys = LmdbRows.keys(ids)
+    step = 1 << 16
+    for start in range(0, len(keys), step):
+        with env.begin(write=True, db=db) as txn:
+            cur = txn.cursor()
+            for k, r in zip(keys[start : start + step], rows[start : start + step], strict=True):
+                cur.put(k, r.tobytes(), append=True)
+    env.sync(True)
+    env.close()
 
 
 class OrtRows:
@@ -246,13 +275,15 @@ def _fit(requested: int, parent: Path) -> tuple[int, dict[str, Any], list[str]]:
 # The workload
 
 
-def _build(pstore: ModuleType, sec: Section, tmp: Path, n: int, name: str) -> Path:
+def _build(
+    pstore: ModuleType, sec: Section, tmp: Path, n: int, name: str, dim: int = W7_DIM
+) -> Path:
     """A table of positions 0..n-1 (rows made by pulling every id once: the initializer's
     values), snapshotted to tmp/name; the training store is closed before returning."""
     store = pstore.Store()
     try:
         table = store.create_sparse_table(
-            W7_TABLE, W7_DIM, optimizer=pstore.optim.SGD(lr=W7_LR), seed=7
+            W7_TABLE, dim, optimizer=pstore.optim.SGD(lr=W7_LR), seed=7
         )
         log(f"W7: populating {name} ({n:,} rows)")
         sec.config[f"{name}_populate_ids_per_s"] = _populate(table, n)
@@ -289,12 +320,11 @@ def _export_artifacts(
         info = pstore.serving.export(snap, out, dtype=dtype)
         secs = time.perf_counter() - t0
         arts[dtype] = out
-        mdb = (out / "data.mdb").stat().st_size
-        files = sorted(p.name for p in out.iterdir())
-        detail = f"dir {_file_bytes(out):,} B ({', '.join(files)})"
+        files = sorted(str(p.relative_to(out)) for p in out.rglob("*") if p.is_file())
+        detail = f"files: {', '.join(files)}"
         sec.rows.append(
-            _size_row("artifact data.mdb", dtype, mdb, n, secs, detail,
-                      dir_bytes=_file_bytes(out), export_info_file_bytes=info.get("file_bytes"))
+            _size_row(W7_ARTIFACT, dtype, _file_bytes(out), n, secs, detail,
+                      export_info_file_bytes=info.get("file_bytes"))
         )  # fmt: skip
     return arts
 
@@ -513,7 +543,7 @@ def _quant_errors(sec: Section, models: dict[str, Any], n: int) -> None:
     want = models["float32"].lookup(W7_TABLE, ids)
     scale = float(np.abs(want).max())
     for row in sec.rows:
-        if row.extra.get("part") == "a" and row.case == "artifact data.mdb":
+        if row.extra.get("part") == "a" and row.case == W7_ARTIFACT:
             got = models[row.impl].lookup(W7_TABLE, ids)
             err = float(np.abs(got - want).max())
             row.extra["max_abs_err"] = err
@@ -582,7 +612,16 @@ def w7_serving(ctx: Context) -> Section:
         try:
             lmdb = importlib.import_module("lmdb")
             sec.config["lmdb_package"] = f"{lmdb.__version__} (LMDB {lmdb.version()})"
-            targets[W7_LMDB] = arts["float32"]
+            log("W7: writing the rows into an LMDB file with the lmdb package")
+            lmdb_dir = tmp / "lmdb-rows"
+            t0 = time.perf_counter()
+            with pstore.serving.ServingStore(arts["float32"]) as m:
+                write_lmdb_rows(lmdb, m, lmdb_dir)
+            sec.rows.append(
+                _size_row("LMDB file (lmdb package)", "float32", _file_bytes(lmdb_dir), n,
+                          time.perf_counter() - t0, "rows/w7: id big-endian -> float32 row")
+            )  # fmt: skip
+            targets[W7_LMDB] = lmdb_dir
         except ImportError:
             lmdb, lmdb_skip = None, "the lmdb package is not installed"
             sec.notes.append(f"skipped {W7_LMDB}: {lmdb_skip}")
@@ -594,6 +633,8 @@ def w7_serving(ctx: Context) -> Section:
         log("W7: reading the artifacts and the ONNX model into the page cache")
         for path in [*arts.values(), *([onnx_path] if onnx_path is not None else [])]:
             _warm_cache(_files_of(path))
+        if W7_LMDB in targets:
+            _warm_cache(_files_of(targets[W7_LMDB]))
         for dtype, path in arts.items():
             models[dtype] = pstore.serving.ServingStore(path)
         _quant_errors(sec, models, n)
@@ -618,7 +659,7 @@ def w7_serving(ctx: Context) -> Section:
             skipped[W7_SERVER] = "the model server did not start"
             sec.notes.append(f"FAILED to start the model server: {type(exc).__name__}: {exc}")
         if lmdb is not None:
-            lm = LmdbRows(lmdb, str(arts["float32"]), W7_TABLE, W7_DIM)
+            lm = LmdbRows(lmdb, str(targets[W7_LMDB]), W7_TABLE, W7_DIM)
             peers.append(lm)
             readers[W7_LMDB] = lm.pull
         ort_small: dict[str, Callable[[np.ndarray], np.ndarray]] = {}
@@ -666,6 +707,25 @@ def w7_serving(ctx: Context) -> Section:
         if remote is not None:
             remote.close()
             peers.remove(remote)
+        if server is not None:
+            rc = server.stop()
+            sec.config["model_server_exit_code"] = rc
+            if rc != 0:
+                sec.notes.append(f"model server (pid {server.pid}) exited with {rc}: "
+                                 f"{server.log_tail()}")  # fmt: skip
+            server = None
+
+        # d: memory of 1 and 4 processes (this process's mappings closed first)
+        for m in models.values():
+            m.close()
+        models.clear()
+        mem_targets = {W7_REF: arts["float32"]}
+        if onnx_path is not None:
+            mem_targets[W7_ORT] = onnx_path
+        _memory(sec, mem_targets, n, search_dir)
+
+        # b, continued: the open time of a 10M-row artifact
+        _big_open(pstore, sec, tmp, n, search_dir, open_reps)
     finally:
         for p in peers:
             try:
@@ -687,6 +747,87 @@ def w7_serving(ctx: Context) -> Section:
         models.clear()
         shutil.rmtree(tmp, ignore_errors=True)
     return sec
+
+
+def _meminfo() -> dict[str, int]:
+    with open("/proc/meminfo") as f:
+        return {line.split(":")[0]: int(line.split()[1]) * 1024 for line in f}
+
+
+def _used_bytes() -> int:
+    m = _meminfo()
+    return m["MemTotal"] - m["MemAvailable"]
+
+
+def _smaps(pid: int) -> dict[str, int]:
+    out = {}
+    with open(f"/proc/{pid}/smaps_rollup") as f:
+        for line in f:
+            parts = line.split()
+            if len(parts) == 3 and parts[2] == "kB":
+                out[parts[0].rstrip(":")] = int(parts[1]) * 1024
+    return out
+
+
+def _memory(sec: Section, targets: dict[str, Path], n: int, search_dir: str) -> None:
+    """For each target and each count in W7_PROCS: that many processes open it and read every
+    row once, then hold it; the machine's used memory before and after, and their PSS/RSS."""
+    for impl, path in targets.items():
+        for k in W7_PROCS:
+            log(f"W7: memory, {k} x {impl}")
+            args = {"impl": impl, "path": str(path), "table": W7_TABLE, "n": n, "dim": W7_DIM,
+                    "pstore_dir": search_dir, "hold": True}  # fmt: skip
+            before = _used_bytes()
+            procs = [
+                subprocess.Popen([sys.executable, str(CHILD_SCRIPT), json.dumps(args)],
+                                 stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+                for _ in range(k)
+            ]  # fmt: skip
+            try:
+                for p in procs:
+                    assert p.stdout is not None
+                    p.stdout.readline()  # ready: every row read once
+                time.sleep(0.5)
+                used = _used_bytes() - before
+                sm = [_smaps(p.pid) for p in procs]
+            finally:
+                for p in procs:
+                    assert p.stdin is not None
+                    p.stdin.close()
+                    p.wait(60)
+            pss = sum(x.get("Pss", 0) for x in sm)
+            rss = sum(x.get("Rss", 0) for x in sm)
+            row = Row("W7", "memory", f"{k} proc", None, impl, "bytes", [float(used)])
+            row.extra.update(part="d", procs=k, used=used, pss=pss, rss=rss,
+                             pss_anon=sum(x.get("Pss_Anon", 0) for x in sm),
+                             pss_file=sum(x.get("Pss_File", 0) for x in sm))  # fmt: skip
+            sec.rows.append(row)
+
+
+def _big_open(
+    pstore: ModuleType, sec: Section, tmp: Path, n: int, search_dir: str, reps: int
+) -> None:
+    """Warm open + first lookup of a W7_BIG_ROWS-row artifact in fresh processes (when the
+    table has fewer rows: one of dim W7_BIG_DIM, built for this)."""
+    if n >= W7_BIG_ROWS:
+        return
+    snap = _build(pstore, sec, tmp, W7_BIG_ROWS, "big_snapshot", dim=W7_BIG_DIM)
+    art = tmp / "artifact-big"
+    log(f"W7: exporting a {W7_BIG_ROWS:,} x {W7_BIG_DIM} artifact")
+    pstore.serving.export(snap, art)
+    shutil.rmtree(snap)
+    _warm_cache(_files_of(art))
+    _open_child(W7_REF, art, W7_BIG_ROWS, search_dir, False)  # warm-up
+    xs = [_open_child(W7_REF, art, W7_BIG_ROWS, search_dir, False) for _ in range(reps)]
+    total = [x["total_s"] for x in xs]
+    case = f"open + first lookup, {W7_BIG_ROWS:,} x {W7_BIG_DIM}"
+    row = Row("W7", case, "warm", None, W7_REF, "s", total)
+    med = {k: statistics.median(x[k] for x in xs) for k in ("open_s", "first_s", "batch_s")}
+    detail = f"open {_ms(med['open_s'])} + 1 id {_ms(med['first_s'])} ms; then "
+    detail += f"{W7_FIRST_BATCH} ids {_ms(med['batch_s'])} ms; {_file_bytes(art):,} B"
+    row.extra.update(part="b", seconds=total, runs=xs, rows=W7_BIG_ROWS, detail=detail)
+    sec.rows.append(row)
+    shutil.rmtree(art)
 
 
 def _call(fn: Callable[[np.ndarray], Any], ids: list[np.ndarray], i: int) -> Any:
@@ -745,6 +886,17 @@ def format_w7(sec: Section) -> str:
                  r.ratio_of, _ms(e["p50_ms"] / 1e3), _ms(e["p99_ms"] / 1e3), str(e["calls"])]
             )  # fmt: skip
         out.append(f"-- c: {parts.get('c', '')}\n" + format_table(headers, lines))
+    rows_d = [r for r in sec.rows if r.extra.get("part") == "d"]
+    if rows_d:
+        headers = ["impl", "procs", "used MB", "PSS MB", "PSS anon MB", "PSS file MB", "RSS MB"]
+        mb = 1 << 20
+        lines = [
+            [r.impl, str(r.extra["procs"]), f"{r.extra['used'] / mb:.0f}",
+             f"{r.extra['pss'] / mb:.0f}", f"{r.extra['pss_anon'] / mb:.0f}",
+             f"{r.extra['pss_file'] / mb:.0f}", f"{r.extra['rss'] / mb:.0f}"]
+            for r in rows_d
+        ]  # fmt: skip
+        out.append(f"-- d: {parts.get('d', '')}\n" + format_table(headers, lines))
     return "\n".join(out) if out else "   (no rows)"
 
 
@@ -786,6 +938,16 @@ def _child(args: dict[str, Any]) -> dict[str, Any]:
         t3 = time.perf_counter()
     else:
         raise SystemExit(f"unknown impl {impl!r}")
+    if args.get("hold"):
+        lookup = model.lookup if impl == W7_REF else None
+        for start in range(0, n, POPULATE_BATCH):
+            ids = ids_of(np.arange(start, min(start + POPULATE_BATCH, n), dtype=np.int64))
+            if lookup is not None:
+                lookup(table, ids)
+            else:
+                rows.pull(ids)
+        print(json.dumps({"ready": True}), flush=True)
+        sys.stdin.read()  # until the parent closes it
     return {
         "impl": impl,
         "open_s": t1 - t0,

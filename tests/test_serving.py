@@ -21,6 +21,7 @@ import tempfile
 import threading
 import time
 import urllib.request
+import zlib
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -183,6 +184,44 @@ def assert_artifact_is(model: ServingStore, want: dict, universe: dict[str, set[
             np.testing.assert_array_equal(model.dense(name), want[name], err_msg=name)
 
 
+def artifact_bytes(out: Path) -> int:
+    """The LMDB data file and the row files of an artifact."""
+    rows = sum(f.stat().st_size for f in (out / "tables").glob("*.rows"))
+    return (out / "data.mdb").stat().st_size + rows
+
+
+def mix64(x: int) -> int:
+    m = (1 << 64) - 1
+    x ^= x >> 30
+    x = (x * 0xBF58476D1CE4E5B9) & m
+    x ^= x >> 27
+    x = (x * 0x94D049BB133111EB) & m
+    return x ^ (x >> 31)
+
+
+def read_row_file(path: Path, row_id: int) -> tuple[dict, bytes | None]:
+    """Reads one id's stored row from a row file with nothing but docs/FORMAT.md: the header,
+    then a linear probe of the slots from ``mix64(id) & (slots - 1)``."""
+    raw = path.read_bytes()
+    fields = struct.unpack_from("<8sIIIIQQQQQI", raw)
+    magic, version, dtype, dim, stride, rows, slots, gen, length, artifact, crc = fields
+    assert magic == b"PSTROWS\0" and version == 1 and zlib.crc32(raw[:64]) == crc
+    assert length == len(raw)
+    header = {"dtype": dtype, "dim": dim, "stride": stride, "rows": rows, "slots": slots}
+    header |= {"generation": gen, "artifact": artifact}
+    rows_at = -(-(4096 + 16 * slots) // 4096) * 4096
+    row_bytes = {0: 4 * dim, 1: 2 * dim, 2: 4 + dim}[dtype]
+    i = mix64(row_id) & (slots - 1)
+    while True:
+        k, r = struct.unpack_from("<QQ", raw, 4096 + 16 * i)
+        if r == 0:
+            return header, None
+        if k == row_id:
+            at = rows_at + (r - 1) * stride
+            return header, raw[at : at + row_bytes]
+        i = (i + 1) & (slots - 1)
+
+
 def flip_byte(path: Path) -> None:
     data = bytearray(path.read_bytes())
     data[len(data) // 2] ^= 0x5A
@@ -203,7 +242,7 @@ def test_export_holds_the_training_rows_at_the_snapshot(chain, tmp_path, upto):
     assert info["chain"] == upto + 1
     assert info["dtype"] == "float32"
     assert info["snapshot"]["id"] == chain.manifests[upto]["id"]
-    assert info["file_bytes"] == (out / "data.mdb").stat().st_size
+    assert info["file_bytes"] == artifact_bytes(out)
     model = ServingStore(out)
     assert not model.writable and model.dtype == "float32"
     state = model.info()
@@ -398,11 +437,14 @@ def test_bytes_per_row_by_dtype(tmp_path, rng):
     sizes, per_row = {}, {}
     for dtype in ("float32", "float16", "int8"):
         info = serving.export(tmp_path / "snap", tmp_path / dtype, dtype=dtype)
-        sizes[dtype] = (tmp_path / dtype / "data.mdb").stat().st_size
+        sizes[dtype] = artifact_bytes(tmp_path / dtype)
         assert info["file_bytes"] == sizes[dtype]
         per_row[dtype] = sizes[dtype] / n
         assert info["bytes_per_row"] == pytest.approx(per_row[dtype])
         assert per_row[dtype] >= {"float32": 256, "float16": 128, "int8": 68}[dtype]
+        # The row file: the rows at their stride, 16-byte slots at most two thirds full.
+        stride = {"float32": 256, "float16": 128, "int8": 68}[dtype]
+        assert per_row[dtype] <= stride + 16 * 3 + 8192 / n + 50_000 / n
     print(
         "bytes per row, dim 64: "
         + ", ".join(f"{d} {per_row[d]:.1f} ({per_row[d] / per_row['float32']:.2f}x)" for d in sizes)
@@ -465,27 +507,35 @@ def test_a_read_only_artifact_cannot_be_written(chain, tmp_path):
     assert not {n for n in public if any(n.startswith(w) for w in writes)}, public
     assert file_digest(out / "data.mdb") == before
 
-    # Another reader: the lmdb package, without pstore.
+    # Another reader: the lmdb package for the records, the row file read by hand.
     ids, rows = chain.states[1]["user"]
     env = lmdb.open(str(out), readonly=True, lock=False, max_dbs=16)
     try:
-        db = env.open_db(b"rows/user", create=False)
         meta = env.open_db(b"meta", create=False)
         with env.begin() as txn:
-            for k in (0, len(ids) // 2, len(ids) - 1):
-                raw = txn.get(struct.pack(">Q", int(ids[k])), db=db)
-                np.testing.assert_array_equal(np.frombuffer(raw, "<f4"), rows[k])
-                np.testing.assert_array_equal(
-                    np.frombuffer(raw, "<f4"), model.lookup("user", ids[k : k + 1])[0]
-                )
-            assert txn.get(struct.pack(">Q", int(chain.new_ids("user", 1)[0])), db=db) is None
             assert struct.unpack("<Q", txn.get(b"generation", db=meta))[0] == 2
             state = json.loads(txn.get(b"state", db=meta))
             assert state["snapshot"]["id"] == chain.manifests[1]["id"]
-            assert json.loads(txn.get(b"table/user", db=meta))["dim"] == 8
-            assert txn.stat(db)["entries"] == len(ids)
+            record = json.loads(txn.get(b"table/user", db=meta))
+            assert record["dim"] == 8
+            assert json.loads(txn.get(b"format", db=meta)) == {
+                "format": "pstore-serving",
+                "version": 2,
+            }
     finally:
         env.close()
+    path = out / record["index"]["file"]
+    for k in (0, len(ids) // 2, len(ids) - 1):
+        header, raw = read_row_file(path, int(ids[k]))
+        assert raw is not None
+        np.testing.assert_array_equal(np.frombuffer(raw, "<f4"), rows[k])
+        np.testing.assert_array_equal(
+            np.frombuffer(raw, "<f4"), model.lookup("user", ids[k : k + 1])[0]
+        )
+    assert header["rows"] == len(ids) and header["dim"] == 8 and header["dtype"] == 0
+    assert header["generation"] == record["index"]["generation"]
+    assert header["artifact"] == state["artifact"]
+    assert read_row_file(path, int(chain.new_ids("user", 1)[0]))[1] is None
     assert file_digest(out / "data.mdb") == before
 
 
@@ -800,6 +850,95 @@ def test_readers_never_see_a_mix_of_versions(tmp_path):
     model.close()
 
 
+def test_increments_apply_while_first_lookups_of_many_tables_race_them(tmp_path):
+    """Increments applied to a writable artifact while threads of this process (each starting
+    with no table looked up yet, so they open tables while the writer writes) and a read-only
+    process look up every table: every answer is one version (old or new) of its rows, never an
+    error. Repeated over fresh artifacts; this used to fail with MDB_BAD_DBI in most rounds."""
+    n, dim, tables, rounds, repeats = 500, 4, 10, 5, 6
+    store = pstore.Store(num_shards=4, threads=2)
+    ts = [sgd_table(store, f"t{i}", dim) for i in range(tables)]
+    ids = np.arange(n, dtype=np.uint64)
+    ones = np.ones((n, dim), F32)
+    root = tmp_path / "snapshots"
+    root.mkdir()
+    snaps = []
+    for k in range(1, rounds + 1):
+        for t in ts:
+            t.push(ids, ones)
+        snaps.append(root / f"snap-{k:02d}")
+        store.snapshot(snaps[-1], incremental=k > 1)
+    store.close()
+
+    for rep in range(repeats):
+        out = tmp_path / f"m{rep}"
+        serving.export(snaps[0], out)
+        model = ServingStore(out, writable=True)
+        stop = threading.Event()
+        problems: list[str] = []
+
+        def reader(
+            j: int,
+            model: ServingStore = model,
+            stop: threading.Event = stop,
+            problems: list[str] = problems,
+        ) -> None:
+            last: dict[str, float] = {}
+            try:
+                while not stop.is_set():
+                    for i in range(tables):
+                        name = f"t{(i * (j + 1) + j) % tables}"
+                        values = np.unique(model.lookup(name, ids))
+                        if len(values) != 1:
+                            problems.append(f"{name} mixed {values[:4]}")
+                        v = float(values[0])
+                        if v > last.get(name, 0.0) or v not in {-float(k) for k in range(1, 6)}:
+                            problems.append(f"{name} went from {last.get(name)} to {v}")
+                        last[name] = v
+            except Exception as e:
+                problems.append(repr(e))
+
+        ready, stop_file = tmp_path / f"ready-{rep}", tmp_path / f"stop-{rep}"
+        proc = subprocess.Popen(
+            [sys.executable, str(READER), str(out), "t3", str(n), str(ready), str(stop_file)],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+            env=child_env(),
+        )
+        threads = [threading.Thread(target=reader, args=(j,)) for j in range(4)]
+        try:
+            deadline = time.monotonic() + 60
+            while not ready.exists():
+                assert proc.poll() is None, proc.communicate()
+                assert time.monotonic() < deadline, "the reader process did not start"
+                time.sleep(0.01)
+            for th in threads:
+                th.start()
+            for snap in snaps[1:]:
+                a = model.apply(snap)
+                assert a is not None and a["rows"] == n * tables
+        finally:
+            stop.set()
+            stop_file.write_text("stop\n")
+            for th in threads:
+                if th.ident is not None:
+                    th.join(30)
+            try:
+                stdout, stderr = proc.communicate(timeout=60)
+            finally:
+                if proc.poll() is None:
+                    proc.kill()
+                    proc.wait()
+        assert problems == [], (rep, problems[:5])
+        assert proc.returncode == 0, stderr
+        seen = json.loads(stdout.strip().splitlines()[-1])
+        assert seen["error"] is None and seen["mixed"] == [] and seen["backwards"] == [], seen
+        for t in range(tables):
+            np.testing.assert_array_equal(model.lookup(f"t{t}", ids), -float(rounds))
+        model.close()
+
+
 # --- 7. a damaged increment -----------------------------------------------------------------
 
 
@@ -841,6 +980,125 @@ def test_a_damaged_increment_is_refused_and_changes_nothing(chain, tmp_path):
     assert model.apply(root / "snap-1")["generation"] == 2
     assert_artifact_is(model, chain.states[1], chain.universe)
     model.close()
+
+
+def write_version_1(model_dir: Path, out: Path) -> None:
+    """A format version 1 artifact of the same tables as ``model_dir``, written with the
+    ``lmdb`` package from docs/FORMAT.md: the rows in ``rows/<name>`` (id big-endian -> row as
+    stored), the records in ``meta``, no row files."""
+    m = ServingStore(model_dir)
+    state = m.info()
+    out.mkdir()
+    env = lmdb.open(str(out), max_dbs=16, map_size=1 << 30)
+    with env.begin(write=True) as txn:
+        meta = env.open_db(b"meta", txn=txn)
+        txn.put(b"format", json.dumps({"format": "pstore-serving", "version": 1}).encode(), db=meta)
+        tables = []
+        for t in state["tables"]:
+            t = {k: v for k, v in t.items() if k != "index"}
+            tables.append(t)
+            txn.put(f"table/{t['name']}".encode(), json.dumps(t).encode(), db=meta)
+            if t["kind"] == "dense":
+                txn.put(f"dense/{t['name']}".encode(), m.dense(t["name"]).tobytes(), db=meta)
+                continue
+            rows = env.open_db(f"rows/{t['name']}".encode(), txn=txn)
+            ids, stored = m.stored_rows(t["name"])
+            for i, row in zip(ids, stored, strict=True):
+                txn.put(struct.pack(">Q", int(i)), row.tobytes(), db=rows)
+        v1 = {k: v for k, v in state.items() if k not in ("artifact",)}
+        v1 |= {"version": 1, "tables": tables}
+        txn.put(b"state", json.dumps(v1).encode(), db=meta)
+        txn.put(b"generation", struct.pack("<Q", state["generation"]), db=meta)
+    env.close()
+    m.close()
+
+
+def test_a_version_1_artifact_is_read_and_migrated_when_opened_writable(chain, tmp_path):
+    serving.export(chain.snaps[0], tmp_path / "v2")
+    write_version_1(tmp_path / "v2", tmp_path / "v1")
+    v1 = tmp_path / "v1"
+    # Read-only: the rows come from LMDB, as version 1 stores them.
+    model = ServingStore(v1)
+    assert model.info()["version"] == 1 and not (v1 / "tables").exists()
+    assert_artifact_is(model, chain.states[0], chain.universe)
+    model.close()
+    del model
+    gc.collect()
+    # Writable: migrated to row files in one transaction, then increments apply as usual.
+    model = ServingStore(v1, writable=True)
+    info = model.info()
+    assert info["version"] == 2 and info["generation"] == 2
+    assert all(
+        t["index"]["file"].startswith("tables/") for t in info["tables"] if t["kind"] == "sparse"
+    )
+    assert_artifact_is(model, chain.states[0], chain.universe)
+    env = lmdb.open(str(v1), readonly=True, lock=False, max_dbs=16)
+    with env.begin() as txn:
+        assert json.loads(txn.get(b"format", db=env.open_db(b"meta", txn=txn)))["version"] == 2
+        assert txn.stat(env.open_db(b"rows/user", txn=txn))["entries"] == 0
+    env.close()
+    model.apply(chain.snaps[1])
+    model.apply(chain.snaps[2])
+    assert_artifact_is(model, chain.states[2], chain.universe)
+    model.close()
+
+
+def reopened(path: Path) -> ServingStore:
+    """A read-only opening that is the process's first (earlier ones collected)."""
+    gc.collect()
+    return ServingStore(path)
+
+
+def test_damaged_foreign_and_stale_row_files_are_refused_by_name(chain, tmp_path):
+    a, b = tmp_path / "a", tmp_path / "b"
+    serving.export(chain.snaps[0], a)
+    serving.export(chain.snaps[0], b)
+    w = ServingStore(a, writable=True)
+
+    def user_file(m: ServingStore) -> str:
+        return str(next(t for t in m.info()["tables"] if t["name"] == "user")["index"]["file"])
+
+    old = user_file(w)
+    w.apply(chain.snaps[1])
+    cur = user_file(w)
+    assert cur != old and (a / old).exists()  # the previous generation's file stays a while
+    w.close()
+    del w
+    path = a / cur
+    good = path.read_bytes()
+    cases = {
+        "torn": good[: len(good) // 2],
+        "foreign": b"\x00" * len(good),
+        "header": good[:20] + bytes([good[20] ^ 1]) + good[21:],
+        "stale": (a / old).read_bytes(),
+        "another artifact": (b / b"tables".decode() / Path(old).name).read_bytes(),
+    }
+    want = {
+        "torn": "torn",
+        "foreign": "not a pstore row file",
+        "header": "CRC-32",
+        "stale": "written by generation 1",
+        "another artifact": "another artifact",
+    }
+    for case, data in cases.items():
+        path.write_bytes(data)
+        m = reopened(a)
+        with pytest.raises(pstore.CorruptError) as e:
+            m.lookup("user", [1, 2, 3])
+        assert str(path) in str(e.value) and want[case] in str(e.value), (case, str(e.value))
+        m.close()
+        del m
+    path.write_bytes(good)
+    m = reopened(a)
+    assert_artifact_is(m, chain.states[1], chain.universe)
+    # Ids of the wrong dtype name the argument.
+    with pytest.raises(pstore.DtypeError, match="ids"):
+        m.lookup("user", np.array([1.5, 2.0]))
+    with pytest.raises(pstore.DtypeError, match="ids"):
+        m.lookup("user", np.array([1, 2], dtype=np.int32))
+    with pytest.raises(pstore.DtypeError, match="ids"):
+        m.contains("user", np.array(["1"]))
+    m.close()
 
 
 # --- 8. the model server --------------------------------------------------------------------

@@ -4,12 +4,13 @@
 >>> model = pstore.serving.ServingStore("model")  # doctest: +SKIP
 >>> rows = model.lookup("user", ids, default="initial")  # doctest: +SKIP
 
-An artifact is one LMDB environment holding the weights of the tables (no optimizer state),
-optionally quantized (float16, or int8 with a per-row scale). Serving processes open it
-read-only and share one copy of it through the page cache. A writer
-(:meth:`ServingStore.apply`, :func:`follow`, ``pstore serving follow``) applies newer snapshots,
-each in one transaction: a lookup sees the old version or the new one, never a mix. The format
-is in docs/FORMAT.md.
+An artifact holds the weights of the tables (no optimizer state), optionally quantized
+(float16, or int8 with a per-row scale): an LMDB environment of records and, per sparse table, a
+read-only row file with a hashed index. Serving processes map it read-only and share one copy
+of it through the page cache. A writer (:meth:`ServingStore.apply`, :func:`follow`,
+``pstore serving follow``) applies newer snapshots, each committed by one transaction: a lookup
+sees the old version or the new one, never a mix. The format is in docs/FORMAT.md;
+:mod:`pstore.serving.torch` serves a model through ``torch.export``.
 """
 
 from __future__ import annotations
@@ -173,20 +174,27 @@ class ServingStore:
         the table's dim. With ``return_found=True`` returns ``(rows, found)``, ``found`` a bool
         mask of the ids the artifact has.
         """
-        a = _as_ids(ids)
+        inner = self._native
+        if inner is None:
+            inner = self._inner  # raises: closed
+        # The common case (a contiguous uint64 array) skips the conversions.
+        if type(ids) is np.ndarray and ids.dtype == np.uint64 and ids.flags.c_contiguous:
+            a = ids if ids.ndim == 1 else _as_ids(ids)
+        else:
+            a = _as_ids(ids)
         if isinstance(default, str):
             if default not in ("zeros", "initial"):
                 raise InvalidArgumentError(
                     f"default must be 'zeros', 'initial' or a row, got {default!r}"
                 )
-            rows, found, _ = self._inner.lookup(table, a, default, None, return_found)
+            rows, found, _ = inner.lookup(table, a, default, None, return_found)
         else:
             row = _as_f32(default, "the default row")
             if row.ndim != 1:
                 from pstore.exceptions import ShapeError
 
                 raise ShapeError(f"the default row must be 1-D, got shape {row.shape}")
-            rows, found, _ = self._inner.lookup(table, a, "row", row, return_found)
+            rows, found, _ = inner.lookup(table, a, "row", row, return_found)
         return (rows, found) if return_found else rows
 
     def contains(self, table: str, ids: IdsLike) -> np.ndarray:

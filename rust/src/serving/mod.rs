@@ -8,6 +8,7 @@
 //! version or the new one, never a mix.
 
 pub mod quant;
+pub mod rowfile;
 
 use std::collections::HashMap;
 use std::fs::File;
@@ -17,7 +18,7 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, OnceLock, RwLock, Weak};
 
 use heed::types::Bytes;
-use heed::{Database, Env, EnvFlags, EnvOpenOptions, MdbError, PutFlags, RoTxn, RwTxn, WithoutTls};
+use heed::{Database, Env, EnvFlags, EnvOpenOptions, MdbError, RoTxn, RwTxn, WithoutTls};
 use rayon::prelude::*;
 use serde::{Deserialize, Serialize};
 
@@ -29,8 +30,58 @@ pub use quant::Dtype;
 
 /// The format's name, in the format record and the manifest.
 pub const FORMAT_NAME: &str = "pstore-serving";
-/// The format version this build writes and reads.
-pub const FORMAT_VERSION: u32 = 1;
+/// The format version this build writes (it reads version 1 too: rows in LMDB, no row files).
+pub const FORMAT_VERSION: u32 = 2;
+/// The directory of the row files, in the artifact's.
+const TABLES_DIR: &str = "tables";
+/// The generation hint file, in the artifact's directory.
+const HINT: &str = "generation";
+
+/// `MODEL_DIR/generation`: 8 bytes, the generation the artifact's LMDB holds, stored by the
+/// writer through its shared mapping after each commit. A reader whose pinned generation equals
+/// it skips LMDB; otherwise it reads the generation in a read transaction (the authority).
+struct Hint {
+    map: rowfile::Map,
+}
+
+impl Hint {
+    fn open(dir: &Path, writable: bool) -> Result<Option<Hint>> {
+        let path = dir.join(HINT);
+        let io = |e: std::io::Error| storage(format!("opening {}: {e}", path.display()));
+        let f = if writable {
+            let f = File::options()
+                .read(true)
+                .write(true)
+                .create(true)
+                .truncate(false)
+                .open(&path)
+                .map_err(io)?;
+            f.set_len(8).map_err(io)?;
+            f
+        } else {
+            match File::open(&path) {
+                Ok(f) if f.metadata().map(|m| m.len() == 8).unwrap_or(false) => f,
+                _ => return Ok(None),
+            }
+        };
+        let map = rowfile::Map::new(&f, 8, writable).map_err(io)?;
+        Ok(Some(Hint { map }))
+    }
+
+    fn cell(&self) -> &AtomicU64 {
+        // SAFETY: the mapping is page-aligned, 8 bytes long and lives as long as `self`; every
+        // access to it goes through this atomic.
+        unsafe { &*self.map.ptr().cast::<AtomicU64>() }
+    }
+
+    fn load(&self) -> u64 {
+        u64::from_le(self.cell().load(Ordering::Acquire))
+    }
+
+    fn store(&self, generation: u64) {
+        self.cell().store(generation.to_le(), Ordering::Release);
+    }
+}
 /// The LMDB map of a writer: address space only (the file grows as rows are written). Readers
 /// take the size from the environment, so it is never resized under them.
 const MAP_SIZE: usize = 1 << 40;
@@ -38,6 +89,8 @@ const MAP_SIZE: usize = 1 << 40;
 const MAX_DBS: u32 = 4096;
 /// Lookups of more ids than this are split over the thread pool.
 const PARALLEL_MIN_IDS: usize = 2048;
+/// Ids per part of a split lookup (row files).
+const PARALLEL_PART_IDS: usize = 512;
 
 /// The key of an id: 8 bytes big-endian, so keys sort as ids do.
 pub fn key(id: u64) -> [u8; 8] {
@@ -62,6 +115,19 @@ pub struct TableMeta {
     /// The training table's record at the snapshot: configuration (the initializer a lookup's
     /// `initial` default uses), learning rate, update sequence number, counters.
     pub record: TableRecord,
+    /// A sparse table's row file (format version 2); `None` in version 1, whose rows are in
+    /// the LMDB database `rows/<name>`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub index: Option<IndexRef>,
+}
+
+/// Where a sparse table's rows are: a row file (docs/FORMAT.md, "Row files").
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct IndexRef {
+    /// The file, relative to the artifact's directory.
+    pub file: String,
+    /// The generation that wrote it (its header says the same).
+    pub generation: u64,
 }
 
 /// The snapshot an artifact is at.
@@ -101,6 +167,10 @@ pub struct State {
     pub created_at: f64,
     /// Unix seconds when the last snapshot was applied.
     pub applied_at: f64,
+    /// A random id made by the export; every row file of the artifact carries it (0 in format
+    /// version 1).
+    #[serde(default)]
+    pub artifact: u64,
 }
 
 impl State {
@@ -201,6 +271,27 @@ pub struct Artifact {
     file_id: Option<(u64, u64)>,
     _lock: Option<File>,
     writer: Mutex<()>,
+    /// Held by every transaction that opens a database handle, from its start to its end, and
+    /// by every write transaction: LMDB forbids opening handles in two transactions at once
+    /// (both would take the same free slot, and one handle would turn `MDB_BAD_DBI`).
+    dbi: Mutex<()>,
+    /// The tables at the generation read last, their row files mapped.
+    pinned: RwLock<Option<Arc<Pinned>>>,
+    /// The generation hint (absent in version 1 artifacts opened read-only).
+    hint: Option<Hint>,
+}
+
+/// One generation of an artifact as lookups use it: the table records and mapped row files.
+/// A lookup holds it for its whole batch, so it reads one generation, even when a writer
+/// replaces the files meanwhile (a mapped file stays readable after it is deleted).
+struct Pinned {
+    generation: u64,
+    tables: HashMap<String, PinnedTable>,
+}
+
+struct PinnedTable {
+    meta: Arc<TableMeta>,
+    file: Option<Arc<rowfile::RowFile>>,
 }
 
 impl std::fmt::Debug for Artifact {
@@ -331,10 +422,10 @@ impl Artifact {
                     path.display()
                 )));
             }
-            if rec["version"] != FORMAT_VERSION {
+            if rec["version"] != 1 && rec["version"] != FORMAT_VERSION {
                 return Err(corrupt(format!(
-                    "{} is a serving artifact of format version {}; this pstore reads version \
-                     {FORMAT_VERSION}",
+                    "{} is a serving artifact of format version {}; this pstore reads versions \
+                     1 to {FORMAT_VERSION}",
                     path.display(),
                     rec["version"]
                 )));
@@ -344,7 +435,7 @@ impl Artifact {
             r.commit().map_err(|e| lmdb(path, "opening", e))?;
             m
         };
-        Ok(Artifact {
+        let a = Artifact {
             path: path.to_path_buf(),
             file_id: file_id(path),
             env,
@@ -354,7 +445,127 @@ impl Artifact {
             writable,
             _lock: lock,
             writer: Mutex::new(()),
-        })
+            dbi: Mutex::new(()),
+            pinned: RwLock::new(None),
+            hint: if create {
+                None
+            } else {
+                Hint::open(path, writable)?
+            },
+        };
+        if writable && !create {
+            if a.state()?.version < FORMAT_VERSION {
+                a.migrate()?;
+            }
+            a.store_hint()?;
+        }
+        Ok(a)
+    }
+
+    /// Stores the generation LMDB holds in the hint file.
+    fn store_hint(&self) -> Result<()> {
+        if let Some(h) = &self.hint {
+            let txn = self.read_txn()?;
+            h.store(self.generation_in(&txn)?);
+        }
+        Ok(())
+    }
+
+    /// Turns a version 1 artifact (rows in LMDB) into a version 2 one in one write
+    /// transaction: a row file per sparse table, the LMDB rows cleared, the format record and
+    /// state at version 2, the generation bumped (readers of this pstore move over to the
+    /// files; older pstores refuse the artifact when they open it).
+    fn migrate(&self) -> Result<()> {
+        let _one = self.writer.lock().unwrap_or_else(|e| e.into_inner());
+        let mut state = self.state()?;
+        let old = state.clone();
+        state.artifact = new_artifact_id();
+        state.generation += 1;
+        state.version = FORMAT_VERSION;
+        let generation = state.generation;
+        let r = self.write(|txn| {
+            let dir = self.path.join(TABLES_DIR);
+            std::fs::create_dir_all(&dir)
+                .map_err(|err| storage(format!("creating {}: {err}", dir.display())))?;
+            for (k, t) in state.tables.iter_mut().enumerate() {
+                if t.kind != "sparse" {
+                    continue;
+                }
+                let db: Database<Bytes, Bytes> = self
+                    .env
+                    .open_database(txn, Some(&format!("rows/{}", t.name)))
+                    .map_err(|e| lmdb(&self.path, "migrating", e))?
+                    .ok_or_else(|| {
+                        corrupt(format!(
+                            "the serving artifact at {} lists table {:?} but has no rows \
+                             database",
+                            self.path.display(),
+                            t.name
+                        ))
+                    })?;
+                let n = db.len(txn).map_err(|e| lmdb(&self.path, "migrating", e))?;
+                if n != t.rows {
+                    return Err(corrupt(format!(
+                        "the serving artifact at {}: table {:?} has {n} rows, its record says {}",
+                        self.path.display(),
+                        t.name,
+                        t.rows
+                    )));
+                }
+                let rel = format!("{TABLES_DIR}/g{generation:010}-t{k:04}.rows");
+                let want = rowfile::Expect {
+                    artifact: state.artifact,
+                    generation,
+                    dtype: t.dtype,
+                    dim: t.dim,
+                    rows: n,
+                };
+                let mut w = rowfile::Writer::create(&self.path.join(&rel), want)?;
+                let width = t.dtype.row_bytes(t.dim);
+                for kv in db.iter(txn).map_err(|e| lmdb(&self.path, "migrating", e))? {
+                    let (k, v) = kv.map_err(|e| lmdb(&self.path, "migrating", e))?;
+                    if k.len() != 8 || v.len() != width {
+                        return Err(corrupt(format!(
+                            "the serving artifact at {}: an entry of table {:?} has a \
+                             {}-byte key and a {}-byte row",
+                            self.path.display(),
+                            t.name,
+                            k.len(),
+                            v.len()
+                        )));
+                    }
+                    w.put(u64::from_be_bytes(k.try_into().expect("8 bytes")), v)?;
+                }
+                w.finish()?;
+                db.clear(txn)
+                    .map_err(|e| lmdb(&self.path, "migrating", e))?;
+                t.index = Some(IndexRef {
+                    file: rel,
+                    generation,
+                });
+                let b = serde_json::to_vec(&*t).map_err(|e| Error::Internal(e.to_string()))?;
+                self.meta
+                    .put(txn, format!("table/{}", t.name).as_bytes(), &b)
+                    .map_err(|e| lmdb(&self.path, "migrating", e))?;
+            }
+            fsync_dir(&dir)?;
+            let rec = serde_json::json!({"format": FORMAT_NAME, "version": FORMAT_VERSION});
+            let b = serde_json::to_vec(&state).map_err(|e| Error::Internal(e.to_string()))?;
+            for (k, v) in [
+                (&b"format"[..], rec.to_string().into_bytes()),
+                (&b"state"[..], b),
+                (&b"generation"[..], generation.to_le_bytes().to_vec()),
+            ] {
+                self.meta
+                    .put(txn, k, &v)
+                    .map_err(|e| lmdb(&self.path, "migrating", e))?;
+            }
+            Ok(())
+        });
+        if r.is_err() {
+            prune(&self.path, &[&old]);
+        }
+        r
     }
 
     /// The artifact's directory.
@@ -367,9 +578,17 @@ impl Artifact {
         self.writable
     }
 
-    /// Bytes of the data file.
+    /// Bytes of the LMDB data file and the row files.
     pub fn file_bytes(&self) -> u64 {
-        std::fs::metadata(self.path.join("data.mdb")).map_or(0, |m| m.len())
+        let rows: u64 = std::fs::read_dir(self.path.join(TABLES_DIR))
+            .map(|d| {
+                d.flatten()
+                    .filter_map(|e| e.metadata().ok())
+                    .map(|m| m.len())
+                    .sum()
+            })
+            .unwrap_or(0);
+        std::fs::metadata(self.path.join("data.mdb")).map_or(0, |m| m.len()) + rows
     }
 
     fn read_txn(&self) -> Result<RoTxn<'_, WithoutTls>> {
@@ -425,6 +644,7 @@ impl Artifact {
     /// The database of `table`'s rows, opened once (in its own read transaction, committed so
     /// the handle outlives it).
     fn rows_db(&self, table: &str) -> Result<Database<Bytes, Bytes>> {
+        let _open = self.dbi.lock().unwrap_or_else(|e| e.into_inner());
         if let Some(db) = self.cached_db(table) {
             return Ok(db);
         }
@@ -501,13 +721,206 @@ impl Artifact {
 
     /// The row width of sparse `table`.
     pub fn dim(&self, table: &str) -> Result<usize> {
-        let txn = self.read_txn()?;
-        Ok(self.sparse_view(&txn, table)?.1.dim)
+        let p = self.pin()?;
+        let t = p
+            .tables
+            .get(table)
+            .ok_or_else(|| Error::UnknownTable(table.to_string()))?;
+        if t.meta.kind != "sparse" {
+            return Err(Error::WrongKind(format!(
+                "table {table:?} is a dense table; read it with dense()"
+            )));
+        }
+        Ok(t.meta.dim)
     }
 
-    /// The rows of `ids` (`fallback` for ids the artifact lacks), all from one version. A
-    /// batch under the parallel threshold is read in one transaction, table metadata included.
+    /// The generation the artifact is at, its tables and their row files mapped: reused while
+    /// the generation stays (one LMDB read of the `generation` key), else read in one read
+    /// transaction. A row file the writer deleted meanwhile (two generations on) means the
+    /// artifact moved on: read again.
+    fn pin(&self) -> Result<Arc<Pinned>> {
+        if let Some(h) = &self.hint {
+            let p = self.pinned.read().unwrap_or_else(|e| e.into_inner());
+            if let Some(p) = p.as_ref().filter(|p| p.generation == h.load()) {
+                return Ok(Arc::clone(p));
+            }
+        }
+        let mut attempts = 0;
+        loop {
+            let txn = self.read_txn()?;
+            let generation = self.generation_in(&txn)?;
+            let old = self
+                .pinned
+                .read()
+                .unwrap_or_else(|e| e.into_inner())
+                .clone();
+            if let Some(p) = &old {
+                if p.generation == generation {
+                    return Ok(Arc::clone(p));
+                }
+            }
+            let state = self.state_in(&txn)?;
+            let mut tables = HashMap::new();
+            let mut gone = None;
+            for t in state.tables {
+                let file = match (&t.index, t.kind.as_str()) {
+                    (Some(ix), "sparse") => {
+                        let same = old
+                            .as_ref()
+                            .and_then(|p| p.tables.get(&t.name))
+                            .filter(|p| p.meta.index.as_ref() == Some(ix))
+                            .and_then(|p| p.file.clone());
+                        match same {
+                            Some(f) => Some(f),
+                            None => {
+                                let path = self.path.join(&ix.file);
+                                if !path.exists() {
+                                    gone = Some(path);
+                                    break;
+                                }
+                                Some(Arc::new(rowfile::RowFile::open(
+                                    &path,
+                                    rowfile::Expect {
+                                        artifact: state.artifact,
+                                        generation: ix.generation,
+                                        dtype: t.dtype,
+                                        dim: t.dim,
+                                        rows: t.rows,
+                                    },
+                                )?))
+                            }
+                        }
+                    }
+                    _ => None,
+                };
+                tables.insert(
+                    t.name.clone(),
+                    PinnedTable {
+                        meta: Arc::new(t),
+                        file,
+                    },
+                );
+            }
+            drop(txn);
+            if let Some(path) = gone {
+                attempts += 1;
+                if attempts > 20 {
+                    return Err(corrupt(format!(
+                        "the serving artifact at {}: its table record names the row file {}, \
+                         which does not exist",
+                        self.path.display(),
+                        path.display()
+                    )));
+                }
+                continue;
+            }
+            let p = Arc::new(Pinned { generation, tables });
+            let mut slot = self.pinned.write().unwrap_or_else(|e| e.into_inner());
+            if slot.as_ref().is_none_or(|q| q.generation < generation) {
+                *slot = Some(Arc::clone(&p));
+            }
+            return Ok(p);
+        }
+    }
+
+    /// The pinned generation and `table`'s row file, or `None` when the table's rows are in
+    /// LMDB (format version 1).
+    fn pinned_file(&self, table: &str) -> Result<Option<(Arc<Pinned>, Arc<rowfile::RowFile>)>> {
+        let p = self.pin()?;
+        let t = p
+            .tables
+            .get(table)
+            .ok_or_else(|| Error::UnknownTable(table.to_string()))?;
+        if t.meta.kind != "sparse" {
+            return Err(Error::WrongKind(format!(
+                "table {table:?} is a dense table; read it with dense()"
+            )));
+        }
+        Ok(t.file.clone().map(|f| (p, f)))
+    }
+
+    /// The rows of `ids` (`fallback` for ids the artifact lacks), all from one generation.
     pub fn lookup_owned(&self, table: &str, ids: &[u64], fallback: &Fallback) -> Result<Looked> {
+        let Some((p, f)) = self.pinned_file(table)? else {
+            return self.lookup_owned_lmdb(table, ids, fallback);
+        };
+        let meta = &p.tables[table].meta;
+        let mut rows = vec![0.0; ids.len() * meta.dim];
+        let mut found = vec![false; ids.len()];
+        gather(meta, &f, ids, fallback, &mut rows, &mut found)?;
+        Ok(Looked {
+            rows,
+            dim: meta.dim,
+            found,
+            generation: p.generation,
+        })
+    }
+
+    /// Writes the rows of `ids` into `out` (`ids.len() * dim` floats), `fallback` for ids the
+    /// artifact lacks, and marks found ids in `found` when given. All rows come from one
+    /// version of the artifact. Returns how many ids were found and the generation read.
+    pub fn lookup(
+        &self,
+        table: &str,
+        ids: &[u64],
+        fallback: &Fallback,
+        out: &mut [f32],
+        found: Option<&mut [bool]>,
+    ) -> Result<(usize, u64)> {
+        let Some((p, f)) = self.pinned_file(table)? else {
+            return self.lookup_lmdb(table, ids, fallback, out, found);
+        };
+        let meta = &p.tables[table].meta;
+        if out.len() != ids.len() * meta.dim {
+            return Err(invalid(format!(
+                "table {table:?} changed dim while it was read; look it up again"
+            )));
+        }
+        let mut scratch;
+        let found: &mut [bool] = match found {
+            Some(f) => f,
+            None => {
+                scratch = vec![false; ids.len()];
+                &mut scratch
+            }
+        };
+        gather(meta, &f, ids, fallback, out, found)?;
+        Ok((found.iter().filter(|&&f| f).count(), p.generation))
+    }
+
+    /// Which of `ids` the artifact has rows for.
+    pub fn contains(&self, table: &str, ids: &[u64]) -> Result<Vec<bool>> {
+        let Some((_, f)) = self.pinned_file(table)? else {
+            return self.contains_lmdb(table, ids);
+        };
+        ids.iter().map(|&id| f.contains(id)).collect()
+    }
+
+    /// Every row of sparse `table` as stored, in id order: ids, the stored bytes (row after row,
+    /// `dtype.row_bytes(dim)` each), dim and dtype. For exporters (ONNX) and tools.
+    pub fn scan(&self, table: &str) -> Result<(Vec<u64>, Vec<u8>, usize, Dtype)> {
+        let Some((p, f)) = self.pinned_file(table)? else {
+            return self.scan_lmdb(table);
+        };
+        let meta = &p.tables[table].meta;
+        let mut entries = f.entries()?;
+        entries.sort_unstable_by_key(|&(id, _)| id);
+        let want = meta.dtype.row_bytes(meta.dim);
+        let mut bytes = Vec::with_capacity(entries.len() * want);
+        for &(_, r) in &entries {
+            bytes.extend_from_slice(f.stored(r));
+        }
+        Ok((
+            entries.into_iter().map(|(id, _)| id).collect(),
+            bytes,
+            meta.dim,
+            meta.dtype,
+        ))
+    }
+
+    /// The rows of `ids` from LMDB (format version 1). A
+    /// batch under the parallel threshold is read in one transaction, table metadata included.
+    fn lookup_owned_lmdb(&self, table: &str, ids: &[u64], fallback: &Fallback) -> Result<Looked> {
         let db = self.table_db(table)?;
         let mut found = vec![false; ids.len()];
         if ids.len() < PARALLEL_MIN_IDS {
@@ -524,7 +937,8 @@ impl Artifact {
         }
         let dim = self.dim(table)?;
         let mut rows = vec![0.0; ids.len() * dim];
-        let (_, generation) = self.lookup(table, ids, fallback, &mut rows, Some(&mut found))?;
+        let (_, generation) =
+            self.lookup_lmdb(table, ids, fallback, &mut rows, Some(&mut found))?;
         Ok(Looked {
             rows,
             dim,
@@ -533,10 +947,8 @@ impl Artifact {
         })
     }
 
-    /// Writes the rows of `ids` into `out` (`ids.len() * dim` floats), `fallback` for ids the
-    /// artifact lacks, and marks found ids in `found` when given. All rows come from one
-    /// version of the artifact. Returns how many ids were found and the generation read.
-    pub fn lookup(
+    /// [`Artifact::lookup`] from LMDB (format version 1).
+    fn lookup_lmdb(
         &self,
         table: &str,
         ids: &[u64],
@@ -623,31 +1035,7 @@ impl Artifact {
                     b.len()
                 )))
                 }
-                None => match fallback {
-                    Fallback::Zeros => row.fill(0.0),
-                    Fallback::Row(r) if r.len() == dim => row.copy_from_slice(r),
-                    Fallback::Row(r) => {
-                        return Err(crate::error::shape(format!(
-                            "the default row has {} elements; table {:?} has dim {dim}",
-                            r.len(),
-                            meta.name
-                        )))
-                    }
-                    Fallback::Initial => {
-                        if init.is_none() {
-                            init = Some(match &meta.record {
-                                TableRecord::Sparse { config, .. } => config.clone(),
-                                TableRecord::Dense { .. } => {
-                                    return Err(Error::Internal(
-                                        "dense record of a sparse table".into(),
-                                    ))
-                                }
-                            });
-                        }
-                        let c = init.as_ref().expect("set above");
-                        c.initializer.fill(c.seed, id, row);
-                    }
-                },
+                None => fill_missing(meta, fallback, id, row, &mut init)?,
             }
         }
         Ok(())
@@ -666,8 +1054,8 @@ impl Artifact {
         self.rows_db(table)
     }
 
-    /// Which of `ids` the artifact has rows for.
-    pub fn contains(&self, table: &str, ids: &[u64]) -> Result<Vec<bool>> {
+    /// [`Artifact::contains`] from LMDB (format version 1).
+    fn contains_lmdb(&self, table: &str, ids: &[u64]) -> Result<Vec<bool>> {
         let db = self.table_db(table)?;
         let txn = self.read_txn()?;
         self.sparse_view(&txn, table)?;
@@ -712,9 +1100,8 @@ impl Artifact {
         Ok((meta.shape.clone(), v))
     }
 
-    /// Every row of sparse `table` as stored, in id order: ids, the stored bytes (row after row,
-    /// `dtype.row_bytes(dim)` each), dim and dtype. For exporters (ONNX) and tools.
-    pub fn scan(&self, table: &str) -> Result<(Vec<u64>, Vec<u8>, usize, Dtype)> {
+    /// [`Artifact::scan`] from LMDB (format version 1).
+    fn scan_lmdb(&self, table: &str) -> Result<(Vec<u64>, Vec<u8>, usize, Dtype)> {
         let db = self.table_db(table)?;
         let txn = self.read_txn()?;
         let (_, meta) = self.sparse_view(&txn, table)?;
@@ -766,7 +1153,18 @@ impl Artifact {
                 )));
             }
         }
-        let applied = self.write(|txn| apply_one(self, txn, dir, &m, &state))?;
+        let applied = match self.write(|txn| apply_one(self, txn, dir, &m, &state)) {
+            Ok(a) => a,
+            Err(e) => {
+                prune(&self.path, &[&state]);
+                return Err(e);
+            }
+        };
+        self.store_hint()?;
+        // The previous generation's files stay for readers that pinned it a moment ago.
+        if let Ok(new) = self.state() {
+            prune(&self.path, &[&new, &state]);
+        }
         self.views
             .write()
             .unwrap_or_else(|e| e.into_inner())
@@ -827,6 +1225,9 @@ impl Artifact {
     }
 
     fn write<R>(&self, f: impl FnOnce(&mut RwTxn<'_>) -> Result<R>) -> Result<R> {
+        // Write transactions open handles (`create_database`): none may run beside a reader
+        // opening one.
+        let _open = self.dbi.lock().unwrap_or_else(|e| e.into_inner());
         let mut txn = self
             .env
             .write_txn()
@@ -836,6 +1237,209 @@ impl Artifact {
             .map_err(|e| lmdb(&self.path, "committing to", e))?;
         Ok(r)
     }
+}
+
+/// Rows of a row file for `ids` into `out`, the fallback for the ids it lacks; batches of
+/// [`PARALLEL_MIN_IDS`] or more are split over the thread pool (all parts read one pinned
+/// generation).
+fn gather(
+    meta: &TableMeta,
+    f: &rowfile::RowFile,
+    ids: &[u64],
+    fallback: &Fallback,
+    out: &mut [f32],
+    found: &mut [bool],
+) -> Result<()> {
+    let dim = meta.dim;
+    let part = |ids: &[u64], out: &mut [f32], found: &mut [bool]| -> Result<()> {
+        f.gather(ids, out, found)?;
+        let mut init = None;
+        for (i, &id) in ids.iter().enumerate() {
+            if !found[i] {
+                fill_missing(
+                    meta,
+                    fallback,
+                    id,
+                    &mut out[i * dim..(i + 1) * dim],
+                    &mut init,
+                )?;
+            }
+        }
+        Ok(())
+    };
+    if ids.len() < PARALLEL_MIN_IDS || dim == 0 {
+        return part(ids, out, found);
+    }
+    // Parts of at most 512 ids: a part a descheduled helper holds up is short, and the
+    // caller takes the parts nobody started (cores here are often shared).
+    let chunk = ids
+        .len()
+        .div_ceil(rayon::current_num_threads().max(1))
+        .min(PARALLEL_PART_IDS);
+    ids.par_chunks(chunk)
+        .zip(out.par_chunks_mut(chunk * dim))
+        .zip(found.par_chunks_mut(chunk))
+        .try_for_each(|((ids, out), found)| part(ids, out, found))
+}
+
+/// Writes what a lookup returns for `id`, which the artifact lacks, into `row`. `init` caches
+/// the table's configuration between calls.
+fn fill_missing(
+    meta: &TableMeta,
+    fallback: &Fallback,
+    id: u64,
+    row: &mut [f32],
+    init: &mut Option<crate::SparseTableConfig>,
+) -> Result<()> {
+    match fallback {
+        Fallback::Zeros => row.fill(0.0),
+        Fallback::Row(r) if r.len() == row.len() => row.copy_from_slice(r),
+        Fallback::Row(r) => {
+            return Err(crate::error::shape(format!(
+                "the default row has {} elements; table {:?} has dim {}",
+                r.len(),
+                meta.name,
+                row.len()
+            )))
+        }
+        Fallback::Initial => {
+            if init.is_none() {
+                *init = Some(match &meta.record {
+                    TableRecord::Sparse { config, .. } => config.clone(),
+                    TableRecord::Dense { .. } => {
+                        return Err(Error::Internal("dense record of a sparse table".into()))
+                    }
+                });
+            }
+            let c = init.as_ref().expect("set above");
+            c.initializer.fill(c.seed, id, row);
+        }
+    }
+    Ok(())
+}
+
+/// A new artifact's id: random enough that two artifacts never share one.
+fn new_artifact_id() -> u64 {
+    let t = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0, |d| d.as_nanos() as u64);
+    let local = 0u8;
+    let addr = &local as *const u8 as u64;
+    crate::hash::mix64(t ^ crate::hash::mix64(u64::from(std::process::id()) ^ addr.rotate_left(32)))
+        .max(1)
+}
+
+/// The row files the states name.
+fn files_of(states: &[&State]) -> std::collections::HashSet<String> {
+    states
+        .iter()
+        .flat_map(|s| s.tables.iter())
+        .filter_map(|t| t.index.as_ref().map(|ix| ix.file.clone()))
+        .collect()
+}
+
+/// Deletes the row files in the artifact that none of `keep` names (a reader still using one
+/// keeps its mapping; a reader about to open one finds it gone and reads the newer state).
+fn prune(path: &Path, keep: &[&State]) {
+    let keep = files_of(keep);
+    let Ok(entries) = std::fs::read_dir(path.join(TABLES_DIR)) else {
+        return;
+    };
+    for e in entries.flatten() {
+        let rel = format!("{TABLES_DIR}/{}", e.file_name().to_string_lossy());
+        if !keep.contains(&rel) {
+            let _ = std::fs::remove_file(e.path());
+        }
+    }
+}
+
+/// Writes table `e`'s row file for the generation after `state`'s: the rows of `old` (the
+/// table as the artifact holds it, `None` for a table loaded whole) that the snapshot neither
+/// rewrote nor deleted, then the snapshot's rows but those deleted. Checks the row count the
+/// snapshot's manifest gives before writing. Returns where it is, its rows and the ids deleted.
+fn write_rows(
+    a: &Artifact,
+    state: &State,
+    position: usize,
+    e: &TableEntry,
+    rows: &Rows,
+    tombs: &[u64],
+    old: Option<&TableMeta>,
+) -> Result<(IndexRef, u64, u64)> {
+    let generation = state.generation + 1;
+    let dtype = state.dtype;
+    let old_file = match old.and_then(|o| o.index.as_ref().map(|ix| (o, ix))) {
+        Some((o, ix)) => Some(rowfile::RowFile::open(
+            &a.path.join(&ix.file),
+            rowfile::Expect {
+                artifact: state.artifact,
+                generation: ix.generation,
+                dtype: o.dtype,
+                dim: o.dim,
+                rows: o.rows,
+            },
+        )?),
+        None => None,
+    };
+    let tombs: std::collections::HashSet<u64> = tombs.iter().copied().collect();
+    let in_new = |id: u64| rows.ids.binary_search(&id).is_ok();
+    let mut kept = Vec::new();
+    let mut deleted = 0u64;
+    for &t in &tombs {
+        let held = match &old_file {
+            Some(f) => f.contains(t)?,
+            None => false,
+        };
+        if held || in_new(t) {
+            deleted += 1;
+        }
+    }
+    if let Some(f) = &old_file {
+        kept = f.entries()?;
+        kept.retain(|&(id, _)| !in_new(id) && !tombs.contains(&id));
+    }
+    let fresh = rows.ids.iter().filter(|id| !tombs.contains(id)).count() as u64;
+    let n = kept.len() as u64 + fresh;
+    if n != e.total_rows {
+        return Err(corrupt(format!(
+            "table {:?} should have {} rows after this snapshot, the artifact would have {n}; \
+             is the artifact from this chain of snapshots?",
+            e.name, e.total_rows
+        )));
+    }
+    let dir = a.path.join(TABLES_DIR);
+    std::fs::create_dir_all(&dir)
+        .map_err(|err| storage(format!("creating {}: {err}", dir.display())))?;
+    let rel = format!("{TABLES_DIR}/g{generation:010}-t{position:04}.rows");
+    let want = rowfile::Expect {
+        artifact: state.artifact,
+        generation,
+        dtype,
+        dim: e.dim,
+        rows: n,
+    };
+    let mut w = rowfile::Writer::create(&a.path.join(&rel), want)?;
+    if let Some(f) = &old_file {
+        for &(id, r) in &kept {
+            w.put(id, f.stored(r))?;
+        }
+    }
+    let width = dtype.row_bytes(e.dim);
+    for (i, &id) in rows.ids.iter().enumerate() {
+        if !tombs.contains(&id) {
+            w.put(id, &rows.bytes[i * width..(i + 1) * width])?;
+        }
+    }
+    w.finish()?;
+    fsync_dir(&dir)?;
+    Ok((
+        IndexRef {
+            file: rel,
+            generation,
+        },
+        n,
+        deleted,
+    ))
 }
 
 /// The snapshot under `root` taken last (directories with a readable manifest; hidden
@@ -924,22 +1528,6 @@ fn read_sparse(dir: &Path, e: &TableEntry, dtype: Dtype) -> Result<Rows> {
     Ok(out)
 }
 
-fn put(
-    a: &Artifact,
-    txn: &mut RwTxn<'_>,
-    db: Database<Bytes, Bytes>,
-    k: &[u8],
-    v: &[u8],
-    append: bool,
-) -> Result<()> {
-    let r = if append {
-        db.put_with_flags(txn, PutFlags::APPEND, k, v)
-    } else {
-        db.put(txn, k, v)
-    };
-    r.map_err(|e| lmdb(&a.path, "writing", e))
-}
-
 /// Applies one snapshot inside `txn` to an artifact in `state`.
 fn apply_one(
     a: &Artifact,
@@ -961,47 +1549,36 @@ fn apply_one(
         let same = old.is_some_and(|o| o.record.uid() == uid && o.kind == kind_of(e));
         match &e.record {
             TableRecord::Sparse { .. } => {
-                let db: Database<Bytes, Bytes> = a
-                    .env
-                    .create_database(txn, Some(&format!("rows/{}", e.name)))
-                    .map_err(|err| lmdb(&a.path, "writing", err))?;
                 let fresh = full || !same;
-                if fresh {
-                    db.clear(txn).map_err(|err| lmdb(&a.path, "writing", err))?;
-                }
                 let rows = read_sparse(dir, e, dtype)?;
-                let width = dtype.row_bytes(e.dim);
-                for (i, &id) in rows.ids.iter().enumerate() {
-                    put(
-                        a,
-                        txn,
-                        db,
-                        &key(id),
-                        &rows.bytes[i * width..(i + 1) * width],
-                        fresh,
-                    )?;
-                }
-                written += rows.ids.len() as u64;
-                if let (Some(fi), false) = (&e.tombstones, fresh) {
-                    for id in files::read_ids(&dir.join(&fi.name), fi)? {
-                        if db
-                            .delete(txn, &key(id))
-                            .map_err(|err| lmdb(&a.path, "writing", err))?
-                        {
-                            deleted += 1;
-                        }
+                let tombs = match (&e.tombstones, fresh) {
+                    (Some(fi), false) => files::read_ids(&dir.join(&fi.name), fi)?,
+                    _ => Vec::new(),
+                };
+                let old = if fresh { None } else { old };
+                let kept =
+                    old.filter(|o| rows.ids.is_empty() && tombs.is_empty() && o.index.is_some());
+                let (index, n) = match kept {
+                    // Nothing changed: the table keeps its file.
+                    Some(o) if o.rows != e.total_rows => {
+                        return Err(corrupt(format!(
+                            "{}: table {:?} should have {} rows after this snapshot, the \
+                             artifact would have {}; is the artifact from this chain of \
+                             snapshots?",
+                            dir.display(),
+                            e.name,
+                            e.total_rows,
+                            o.rows
+                        )))
                     }
-                }
-                let n = db.len(txn).map_err(|err| lmdb(&a.path, "reading", err))?;
-                if n != e.total_rows {
-                    return Err(corrupt(format!(
-                        "{}: table {:?} should have {} rows after this snapshot, the artifact \
-                         would have {n}; is the artifact from this chain of snapshots?",
-                        dir.display(),
-                        e.name,
-                        e.total_rows
-                    )));
-                }
+                    Some(o) => (o.index.clone(), o.rows),
+                    None => {
+                        let (ix, n, d) = write_rows(a, state, tables.len(), e, &rows, &tombs, old)?;
+                        deleted += d;
+                        (Some(ix), n)
+                    }
+                };
+                written += rows.ids.len() as u64;
                 tables.push(TableMeta {
                     name: e.name.clone(),
                     kind: "sparse".into(),
@@ -1010,6 +1587,7 @@ fn apply_one(
                     dtype,
                     rows: n,
                     record: e.record.clone(),
+                    index,
                 });
             }
             TableRecord::Dense { config, .. } => {
@@ -1030,6 +1608,7 @@ fn apply_one(
                     dtype: Dtype::Float32,
                     rows: 1,
                     record: e.record.clone(),
+                    index: None,
                 });
             }
         }
@@ -1039,15 +1618,7 @@ fn apply_one(
         if tables.iter().any(|t| t.name == old.name) {
             continue;
         }
-        if old.kind == "sparse" {
-            if let Some(db) = a
-                .env
-                .open_database::<Bytes, Bytes>(txn, Some(&format!("rows/{}", old.name)))
-                .map_err(|err| lmdb(&a.path, "writing", err))?
-            {
-                db.clear(txn).map_err(|err| lmdb(&a.path, "writing", err))?;
-            }
-        } else {
+        if old.kind != "sparse" {
             a.meta
                 .delete(txn, format!("dense/{}", old.name).as_bytes())
                 .map_err(|err| lmdb(&a.path, "writing", err))?;
@@ -1207,10 +1778,13 @@ fn build(
         generation: 0,
         created_at: now,
         applied_at: now,
+        artifact: new_artifact_id(),
     };
     for (dir, m) in chain {
         a.write(|txn| apply_one(&a, txn, dir, m, &state))?;
-        state = a.state()?;
+        let new = a.state()?;
+        prune(tmp, &[&new]);
+        state = new;
         done.fetch_add(1, Ordering::Relaxed);
     }
     // The chain counts as one update.
@@ -1241,6 +1815,10 @@ fn build(
         .and_then(|()| File::open(&mpath)?.sync_all())
         .map_err(|e| storage(format!("writing {}: {e}", mpath.display())))?;
     a.env.force_sync().map_err(|e| lmdb(tmp, "syncing", e))?;
+    let hint = tmp.join(HINT);
+    std::fs::write(&hint, state.generation.to_le_bytes())
+        .and_then(|()| File::open(&hint)?.sync_all())
+        .map_err(|e| storage(format!("writing {}: {e}", hint.display())))?;
     let file_bytes = a.file_bytes();
     drop(a);
     fsync_dir(tmp)?;
