@@ -70,27 +70,32 @@ impl SparseTable {
     pub fn evict(&self, before_seq: Option<u64>, before_secs: Option<u32>) -> Result<usize> {
         self.check_live()?;
         self.load_all()?;
-        let changing = self.changing();
+        let evicted = self.evict_where(|_, row| {
+            before_seq.is_some_and(|v| row_version(row) < v)
+                || before_secs.is_some_and(|t| row[crate::shard::UPDATED_AT] < t)
+        });
+        self.common.durable_wait()?;
+        Ok(evicted)
+    }
+
+    /// Removes the rows for which `evict(id, row)` holds (the row's words with its header) and
+    /// counts them as evicted; returns how many.
+    fn evict_where(&self, evict: impl Fn(u64, &[u32]) -> bool) -> usize {
+        let _changing = self.changing();
         let mut evicted = 0;
         for s in 0..self.shards.len() {
             let mut shard = self.write(s);
-            let old: Vec<u64> = shard
+            let victims: Vec<u64> = shard
                 .iter()
-                .filter(|&(_, slot)| {
-                    let row = shard.row(slot);
-                    before_seq.is_some_and(|v| row_version(row) < v)
-                        || before_secs.is_some_and(|t| row[crate::shard::UPDATED_AT] < t)
-                })
+                .filter(|&(id, slot)| evict(id, shard.row(slot)))
                 .map(|(id, _)| id)
                 .collect();
-            for id in old {
+            for id in victims {
                 evicted += shard.remove(id) as usize;
             }
         }
-        drop(changing);
         Counters::add(&self.common.counters.rows_evicted, evicted);
-        self.common.durable_wait()?;
-        Ok(evicted)
+        evicted
     }
 
     /// Keeps the table within `max_rows`: past it, evicts by the policy down to 99% of it.
@@ -131,20 +136,7 @@ impl SparseTable {
         }
         let k = excess.min(scores.len()) - 1;
         let (_, &mut cut, _) = scores.select_nth_unstable(k);
-        let _changing = self.changing();
-        let mut evicted = 0;
-        for s in 0..self.shards.len() {
-            let mut shard = self.write(s);
-            let victims: Vec<u64> = shard
-                .iter()
-                .filter(|&(id, slot)| score(id, shard.row(slot)) <= cut)
-                .map(|(id, _)| id)
-                .collect();
-            for id in victims {
-                evicted += shard.remove(id) as usize;
-            }
-        }
-        Counters::add(&self.common.counters.rows_evicted, evicted);
+        self.evict_where(|id, row| score(id, row) <= cut);
         Ok(())
     }
 
