@@ -14,11 +14,12 @@ pub mod files;
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicU64, Ordering};
 
+use rayon::prelude::*;
 use serde::{Deserialize, Serialize};
 
 use crate::durable::TableRecord;
 use crate::error::{corrupt, invalid, storage, Error, Result};
-use crate::table::SparseTable;
+use crate::table::{SparseTable, Table, TableHandle};
 use files::{FileInfo, PartSchema, PartWriter, RowBatch};
 
 /// The format's name, in every manifest.
@@ -289,6 +290,109 @@ pub(crate) fn parts_for(t: &SparseTable, rows: u64) -> usize {
 /// them (see [`SparseTable::copy_settled`]); the changed rows of tables beyond it are read back
 /// from the replica.
 pub(crate) const SETTLED_BYTES: usize = 256 << 20;
+
+/// The entry of a dense table of `words` (two header words, the first the step, then the tensor
+/// and its state), its one row written to `tmp`.
+pub(crate) fn dense_entry(
+    tmp: &Path,
+    name: &str,
+    dir: String,
+    record: TableRecord,
+    words: Vec<u32>,
+) -> Result<TableEntry> {
+    let TableRecord::Dense { config, .. } = &record else {
+        return Err(Error::Internal("a dense entry of a sparse table".into()));
+    };
+    let numel = config.numel();
+    let schema = PartSchema {
+        dim: numel,
+        state_len: words.len() - 2 - numel,
+    };
+    // One row, id 0: [step, version, updated_at, freq] then the tensor and its state.
+    let mut w = vec![words[0], 0, 0, 0, 0, 0];
+    w.extend_from_slice(&words[2..]);
+    let fname = format!("{dir}/value.arrow");
+    // Progress counts the rows of sparse tables only.
+    let uncounted = AtomicU64::new(0);
+    let mut part = Part {
+        writer: PartWriter::create(&tmp.join(&fname), &fname, schema)?,
+        batch: RowBatch::default(),
+        schema,
+        done: &uncounted,
+    };
+    part.add(0, &w)?;
+    Ok(TableEntry {
+        name: name.to_string(),
+        dir,
+        record,
+        dim: schema.dim,
+        state_len: schema.state_len,
+        rows: 1,
+        total_rows: 1,
+        files: vec![part.finish()?],
+        tombstones: None,
+    })
+}
+
+/// Loads the rows (or value) of `entry`, in the snapshot `dir`, into `table`.
+pub(crate) fn load_entry(
+    dir: &Path,
+    entry: &TableEntry,
+    table: &Table,
+    done: &AtomicU64,
+) -> Result<()> {
+    let schema = PartSchema {
+        dim: entry.dim,
+        state_len: entry.state_len,
+    };
+    match table {
+        Table::Sparse(t) => {
+            if t.dim() != entry.dim || t.state_len() != entry.state_len {
+                return Err(corrupt(format!(
+                    "{}: table {:?} has rows of dim {} and state {}, the chain's last \
+                     config says {} and {}",
+                    dir.display(),
+                    entry.name,
+                    entry.dim,
+                    entry.state_len,
+                    t.dim(),
+                    t.state_len()
+                )));
+            }
+            t.common().exec.install(|| {
+                entry.files.par_iter().try_for_each(|fi| {
+                    let path = dir.join(&fi.name);
+                    let mut ids = Vec::new();
+                    let mut words = Vec::new();
+                    files::read_part(&path, schema, fi, |b| {
+                        ids.clear();
+                        words.clear();
+                        for i in 0..b.len() {
+                            ids.push(b.ids[i]);
+                            b.row_words(i, schema, &mut words);
+                        }
+                        t.put_rows(&ids, &words)?;
+                        done.fetch_add(ids.len() as u64, Ordering::Relaxed);
+                        Ok(())
+                    })
+                })
+            })?;
+            if let Some(fi) = &entry.tombstones {
+                let gone = files::read_ids(&dir.join(&fi.name), fi)?;
+                t.remove(&gone)?;
+            }
+            Ok(())
+        }
+        Table::Dense(d) => {
+            let b = dense_value(dir, entry)?;
+            let mut w = Vec::new();
+            b.row_words(0, schema, &mut w);
+            let mut words = vec![w[0], 0];
+            words.extend_from_slice(&w[crate::shard::META..]);
+            d.set_words(&words)
+        }
+    }
+}
 
 /// The one row of dense table `entry` in the snapshot `dir` (value and optimizer state),
 /// checked like every part file.

@@ -12,6 +12,9 @@
 //! (a cycle rewrites each page it touches once, not once per shard). The id itself is in the value:
 //! a row's value is the id (u64 LE) then the row's words after its id (u32 LE); a `changed` or
 //! `removed` value is the cycle (u64 LE) then the id (u64 LE).
+//!
+//! `format` holds the on-disk format (keys, values, the format record and its checks), `read`
+//! and `write` the transactions, `inspect` the read-only look at a store directory.
 
 mod format;
 mod inspect;

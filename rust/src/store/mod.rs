@@ -1,5 +1,9 @@
 //! The embedded store: named tables sharing one thread pool and one ordered async applier, and,
 //! when it has a path, an LMDB replica kept by a background flusher.
+//!
+//! The top of the core's layers: it composes the tables (`table`), their durability (`durable`,
+//! `storage`) and snapshots (`snapshot`); none of those names the store (tests/layers.rs).
+//! `snapshot.rs` holds the store's snapshot and restore methods.
 
 mod snapshot;
 

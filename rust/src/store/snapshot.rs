@@ -13,9 +13,9 @@ use crate::error::{corrupt, invalid, storage, Error, Result};
 use crate::hash::shard_of;
 use crate::snapshot::files::{self, FileInfo, PartSchema, PartWriter, RowBatch};
 use crate::snapshot::{
-    dense_value, dir_of, fsync_dir, new_id, open_parts, parts_for, relative_to, unix_time,
-    Manifest, Parent, Part, SnapshotInfo, TableEntry, BATCH_ROWS, FORMAT_NAME, FORMAT_VERSION,
-    MANIFEST, SETTLED_BYTES, SNAPSHOT_KEY,
+    dense_entry, dir_of, fsync_dir, load_entry, new_id, open_parts, parts_for, relative_to,
+    unix_time, Manifest, Parent, Part, SnapshotInfo, TableEntry, BATCH_ROWS, FORMAT_NAME,
+    FORMAT_VERSION, MANIFEST, SETTLED_BYTES, SNAPSHOT_KEY,
 };
 use crate::storage::{cycle_of, words_into, Db};
 use crate::table::{Table, TableHandle};
@@ -295,53 +295,11 @@ impl Store {
                         tombstones,
                     }
                 }
-                Table::Dense(d) => self.dense_entry(tmp, name, dir, record, d.words())?,
+                Table::Dense(d) => dense_entry(tmp, name, dir, record, d.words())?,
             };
             entries.push(entry);
         }
         Ok(entries)
-    }
-
-    fn dense_entry(
-        &self,
-        tmp: &Path,
-        name: &str,
-        dir: String,
-        record: TableRecord,
-        words: Vec<u32>,
-    ) -> Result<TableEntry> {
-        let TableRecord::Dense { config, .. } = &record else {
-            return Err(Error::Internal("a dense entry of a sparse table".into()));
-        };
-        let numel = config.numel();
-        let schema = PartSchema {
-            dim: numel,
-            state_len: words.len() - 2 - numel,
-        };
-        // One row, id 0: [step, version, updated_at, freq] then the tensor and its state.
-        let mut w = vec![words[0], 0, 0, 0, 0, 0];
-        w.extend_from_slice(&words[2..]);
-        let fname = format!("{dir}/value.arrow");
-        // Progress counts the rows of sparse tables only.
-        let uncounted = AtomicU64::new(0);
-        let mut part = Part {
-            writer: PartWriter::create(&tmp.join(&fname), &fname, schema)?,
-            batch: RowBatch::default(),
-            schema,
-            done: &uncounted,
-        };
-        part.add(0, &w)?;
-        Ok(TableEntry {
-            name: name.to_string(),
-            dir,
-            record,
-            dim: schema.dim,
-            state_len: schema.state_len,
-            rows: 1,
-            total_rows: 1,
-            files: vec![part.finish()?],
-            tombstones: None,
-        })
     }
 
     /// A durable store's tables from one read transaction of its replica, after a flush.
@@ -487,7 +445,7 @@ impl Store {
                         })?;
                         let mut w = Vec::new();
                         words_into(&v, &mut w);
-                        self.dense_entry(tmp, name, dir, record, w)?
+                        dense_entry(tmp, name, dir, record, w)?
                     }
                 };
                 entries.push(entry);
@@ -600,7 +558,7 @@ impl Store {
                 if uid != 0 && uid != table.handle().common().uid() {
                     continue; // an earlier table of that name, dropped later in the chain
                 }
-                store.load_entry(path, entry, &table, done)?;
+                load_entry(path, entry, &table, done)?;
             }
         }
         for entry in &last.tables {
@@ -642,66 +600,6 @@ impl Store {
                 drop(store);
                 d.durability = mode;
                 Store::open(config, d)
-            }
-        }
-    }
-
-    fn load_entry(
-        &self,
-        dir: &Path,
-        entry: &TableEntry,
-        table: &Table,
-        done: &AtomicU64,
-    ) -> Result<()> {
-        let schema = PartSchema {
-            dim: entry.dim,
-            state_len: entry.state_len,
-        };
-        match table {
-            Table::Sparse(t) => {
-                if t.dim() != entry.dim || t.state_len() != entry.state_len {
-                    return Err(corrupt(format!(
-                        "{}: table {:?} has rows of dim {} and state {}, the chain's last \
-                         config says {} and {}",
-                        dir.display(),
-                        entry.name,
-                        entry.dim,
-                        entry.state_len,
-                        t.dim(),
-                        t.state_len()
-                    )));
-                }
-                self.pool_install(|| {
-                    entry.files.par_iter().try_for_each(|fi| {
-                        let path = dir.join(&fi.name);
-                        let mut ids = Vec::new();
-                        let mut words = Vec::new();
-                        files::read_part(&path, schema, fi, |b| {
-                            ids.clear();
-                            words.clear();
-                            for i in 0..b.len() {
-                                ids.push(b.ids[i]);
-                                b.row_words(i, schema, &mut words);
-                            }
-                            t.put_rows(&ids, &words)?;
-                            done.fetch_add(ids.len() as u64, Ordering::Relaxed);
-                            Ok(())
-                        })
-                    })
-                })?;
-                if let Some(fi) = &entry.tombstones {
-                    let gone = files::read_ids(&dir.join(&fi.name), fi)?;
-                    t.remove(&gone)?;
-                }
-                Ok(())
-            }
-            Table::Dense(d) => {
-                let b = dense_value(dir, entry)?;
-                let mut w = Vec::new();
-                b.row_words(0, schema, &mut w);
-                let mut words = vec![w[0], 0];
-                words.extend_from_slice(&w[crate::shard::META..]);
-                d.set_words(&words)
             }
         }
     }
