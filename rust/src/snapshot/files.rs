@@ -486,7 +486,7 @@ impl IpcFile {
     }
 
     /// Appends one record batch of `rows` rows; `columns` follow the schema.
-    fn write(&mut self, rows: usize, columns: &[Column]) -> Result<()> {
+    fn write(&mut self, rows: usize, columns: &[Column<'_>]) -> Result<()> {
         if columns.len() != self.schema.fields().len() {
             return Err(Error::Internal(format!(
                 "writing {}: {} columns for a schema of {}",
@@ -963,7 +963,7 @@ pub fn read_part(
     path: &Path,
     schema: PartSchema,
     expect: &FileInfo,
-    mut f: impl FnMut(&RowSlices) -> Result<()>,
+    mut f: impl FnMut(&RowSlices<'_>) -> Result<()>,
 ) -> Result<()> {
     let bytes = read_verified(path, expect)?;
     let expected = part_arrow_schema(schema);

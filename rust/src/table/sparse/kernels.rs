@@ -43,11 +43,15 @@ fn add_f64_portable(acc: &mut [f64], row: &[f32], first: bool) {
 #[inline(always)]
 pub(super) unsafe fn copy_floats(src: &[f32], dst: *mut f32) {
     // The common widths get a copy of fixed length: straight-line moves, no loop, no tail.
-    // SAFETY (all four): `src.len()` is the width, so `dst` is valid for it (the caller).
+    // In each arm `src.len()` is the width, so `dst` is valid for it (the caller's promise).
     match src.len() {
+        // SAFETY: as said above the match.
         16 => return unsafe { copy_fixed::<1>(src, dst) },
+        // SAFETY: as said above the match.
         32 => return unsafe { copy_fixed::<2>(src, dst) },
+        // SAFETY: as said above the match.
         64 => return unsafe { copy_fixed::<4>(src, dst) },
+        // SAFETY: as said above the match.
         128 => return unsafe { copy_fixed::<8>(src, dst) },
         _ => {}
     }
