@@ -243,7 +243,7 @@ fn float_list(size: usize) -> DataType {
 }
 
 /// The Arrow schema of a part file of `schema`.
-fn part_arrow_schema(schema: PartSchema) -> Schema {
+pub fn part_arrow_schema(schema: PartSchema) -> Schema {
     let mut fields = vec![
         Field::new("id", DataType::UInt64, false),
         Field::new("step", DataType::UInt32, false),
