@@ -138,35 +138,31 @@ fn write_with_crate(path: &Path, b: &RowBatch, schema: PartSchema) -> FileInfo {
             None,
         ))
     };
+    let u64s = |v: &[u64]| -> ArrayRef {
+        // SAFETY: the batch is written and dropped before `b` is.
+        Arc::new(PrimitiveArray::<UInt64Type>::new(
+            unsafe { borrowed(v) },
+            None,
+        ))
+    };
+    let u32s = |v: &[u32]| -> ArrayRef {
+        // SAFETY: as above.
+        Arc::new(PrimitiveArray::<UInt32Type>::new(
+            unsafe { borrowed(v) },
+            None,
+        ))
+    };
     let (dim, state) = (schema.dim, schema.state_len);
     for start in (0..b.len()).step_by(BATCH_ROWS) {
         let end = (start + BATCH_ROWS).min(b.len());
-        let mut columns: Vec<ArrayRef> =
-            // SAFETY: the batch is written and dropped before `b` is.
-            unsafe {
-            vec![
-                Arc::new(PrimitiveArray::<UInt64Type>::new(
-                    borrowed(&b.ids[start..end]),
-                    None,
-                )),
-                Arc::new(PrimitiveArray::<UInt32Type>::new(
-                    borrowed(&b.step[start..end]),
-                    None,
-                )),
-                Arc::new(PrimitiveArray::<UInt64Type>::new(
-                    borrowed(&b.version[start..end]),
-                    None,
-                )),
-                Arc::new(PrimitiveArray::<UInt32Type>::new(
-                    borrowed(&b.updated_at[start..end]),
-                    None,
-                )),
-                Arc::new(PrimitiveArray::<UInt32Type>::new(
-                    borrowed(&b.freq[start..end]),
-                    None,
-                )),
-            ]
-        };
+        let r = start..end;
+        let mut columns: Vec<ArrayRef> = vec![
+            u64s(&b.ids[r.clone()]),
+            u32s(&b.step[r.clone()]),
+            u64s(&b.version[r.clone()]),
+            u32s(&b.updated_at[r.clone()]),
+            u32s(&b.freq[r]),
+        ];
         columns.push(list(&b.weights[start * dim..end * dim], dim));
         if state > 0 {
             columns.push(list(&b.state[start * state..end * state], state));
