@@ -50,12 +50,19 @@ impl std::str::FromStr for Durability {
 /// The counters a table record keeps.
 #[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
 pub struct CountersRecord {
+    /// Push calls applied.
     pub pushes: u64,
+    /// Pull calls answered.
     pub pulls: u64,
+    /// Ids in applied pushes, duplicates included.
     pub ids_pushed: u64,
+    /// Ids in answered pulls, duplicates included.
     pub ids_pulled: u64,
+    /// Optimizer applications: one per unique id per push.
     pub rows_updated: u64,
+    /// Rows created by first touch.
     pub rows_created: u64,
+    /// Rows removed by eviction.
     pub rows_evicted: u64,
 }
 
@@ -65,9 +72,13 @@ pub struct CountersRecord {
 pub enum TableRecord {
     /// A sparse table.
     Sparse {
+        /// The table's configuration.
         config: SparseTableConfig,
+        /// The learning rate in force.
         lr: f64,
+        /// The update sequence number.
         seq: u64,
+        /// The counters.
         counters: CountersRecord,
         /// Tells a table from an earlier one of the same name (dropped and created again).
         #[serde(default)]
@@ -75,9 +86,13 @@ pub enum TableRecord {
     },
     /// A dense table; its value is under `dense/<name>` in the meta database.
     Dense {
+        /// The table's configuration.
         config: DenseTableConfig,
+        /// The learning rate in force.
         lr: f64,
+        /// The update sequence number.
         seq: u64,
+        /// The counters.
         counters: CountersRecord,
         /// As for sparse tables.
         #[serde(default)]

@@ -40,7 +40,9 @@ const WRITE_BUFFER: usize = 1 << 20;
 /// The shape of a part file's rows.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct PartSchema {
+    /// Row width (weights per row).
     pub dim: usize,
+    /// Optimizer state floats per row.
     pub state_len: usize,
 }
 
@@ -48,6 +50,7 @@ pub struct PartSchema {
 /// row.
 #[derive(Debug, Clone, Default, PartialEq)]
 pub struct RowBatch {
+    /// The ids, one per row.
     pub ids: Vec<u64>,
     /// Optimizer step count of the row.
     pub step: Vec<u32>,
@@ -57,7 +60,9 @@ pub struct RowBatch {
     pub updated_at: Vec<u32>,
     /// How often the id was pushed (saturating).
     pub freq: Vec<u32>,
+    /// The weights, `dim` per row.
     pub weights: Vec<f32>,
+    /// The optimizer state, `state_len` per row.
     pub state: Vec<f32>,
 }
 
@@ -67,6 +72,7 @@ impl RowBatch {
         self.ids.len()
     }
 
+    /// True when there is no row.
     pub fn is_empty(&self) -> bool {
         self.ids.is_empty()
     }
@@ -141,12 +147,19 @@ impl RowBatch {
 /// from the file's bytes.
 #[derive(Debug, Clone, Copy, PartialEq)]
 pub struct RowSlices<'a> {
+    /// The ids, one per row.
     pub ids: &'a [u64],
+    /// Optimizer step count per row.
     pub step: &'a [u32],
+    /// Table update sequence number of each row's last update.
     pub version: &'a [u64],
+    /// Unix seconds of each row's last update.
     pub updated_at: &'a [u32],
+    /// How often each id was pushed (saturating).
     pub freq: &'a [u32],
+    /// The weights, `dim` per row.
     pub weights: &'a [f32],
+    /// The optimizer state, `state_len` per row.
     pub state: &'a [f32],
 }
 
@@ -156,6 +169,7 @@ impl RowSlices<'_> {
         self.ids.len()
     }
 
+    /// True when there is no row.
     pub fn is_empty(&self) -> bool {
         self.ids.is_empty()
     }
@@ -210,8 +224,11 @@ fn as_floats(words: &[u32]) -> &[f32] {
 pub struct FileInfo {
     /// Path relative to the snapshot directory, '/' separated.
     pub name: String,
+    /// Rows in the file.
     pub rows: u64,
+    /// The file's size in bytes.
     pub bytes: u64,
+    /// CRC-32 of the whole file.
     pub crc32: u32,
 }
 

@@ -200,14 +200,22 @@ pub trait TableHandle {
     }
 }
 
+/// The counters of a table (see [`TableStats`] for each one's meaning).
 #[derive(Debug, Default)]
 pub struct Counters {
+    /// Push calls applied.
     pub pushes: AtomicU64,
+    /// Pull calls answered.
     pub pulls: AtomicU64,
+    /// Ids in applied pushes, duplicates included.
     pub ids_pushed: AtomicU64,
+    /// Ids in answered pulls, duplicates included.
     pub ids_pulled: AtomicU64,
+    /// Optimizer applications: one per unique id per push.
     pub rows_updated: AtomicU64,
+    /// Rows created by first touch.
     pub rows_created: AtomicU64,
+    /// Rows removed by eviction.
     pub rows_evicted: AtomicU64,
 }
 
