@@ -48,7 +48,9 @@ const WRITE_BUFFER: usize = 1 << 20;
 /// The shape of a part file's rows.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct PartSchema {
+    /// Row width (weights per row).
     pub dim: usize,
+    /// Optimizer state floats per row.
     pub state_len: usize,
 }
 
@@ -56,6 +58,7 @@ pub struct PartSchema {
 /// row.
 #[derive(Debug, Clone, Default, PartialEq)]
 pub struct RowBatch {
+    /// The ids, one per row.
     pub ids: Vec<u64>,
     /// Optimizer step count of the row.
     pub step: Vec<u32>,
@@ -65,7 +68,9 @@ pub struct RowBatch {
     pub updated_at: Vec<u32>,
     /// How often the id was pushed (saturating).
     pub freq: Vec<u32>,
+    /// The weights, `dim` per row.
     pub weights: Vec<f32>,
+    /// The optimizer state, `state_len` per row.
     pub state: Vec<f32>,
 }
 
@@ -75,6 +80,7 @@ impl RowBatch {
         self.ids.len()
     }
 
+    /// True when there is no row.
     pub fn is_empty(&self) -> bool {
         self.ids.is_empty()
     }
@@ -149,12 +155,19 @@ impl RowBatch {
 /// from the file's bytes.
 #[derive(Debug, Clone, Copy, PartialEq)]
 pub struct RowSlices<'a> {
+    /// The ids, one per row.
     pub ids: &'a [u64],
+    /// Optimizer step count per row.
     pub step: &'a [u32],
+    /// Table update sequence number of each row's last update.
     pub version: &'a [u64],
+    /// Unix seconds of each row's last update.
     pub updated_at: &'a [u32],
+    /// How often each id was pushed (saturating).
     pub freq: &'a [u32],
+    /// The weights, `dim` per row.
     pub weights: &'a [f32],
+    /// The optimizer state, `state_len` per row.
     pub state: &'a [f32],
 }
 
@@ -164,6 +177,7 @@ impl RowSlices<'_> {
         self.ids.len()
     }
 
+    /// True when there is no row.
     pub fn is_empty(&self) -> bool {
         self.ids.is_empty()
     }
@@ -218,8 +232,11 @@ fn as_floats(words: &[u32]) -> &[f32] {
 pub struct FileInfo {
     /// Path relative to the snapshot directory, '/' separated.
     pub name: String,
+    /// Rows in the file.
     pub rows: u64,
+    /// The file's size in bytes.
     pub bytes: u64,
+    /// CRC-32 of the whole file.
     pub crc32: u32,
 }
 
@@ -243,7 +260,7 @@ fn float_list(size: usize) -> DataType {
 }
 
 /// The Arrow schema of a part file of `schema`.
-fn part_arrow_schema(schema: PartSchema) -> Schema {
+pub fn part_arrow_schema(schema: PartSchema) -> Schema {
     let mut fields = vec![
         Field::new("id", DataType::UInt64, false),
         Field::new("step", DataType::UInt32, false),
@@ -486,7 +503,7 @@ impl IpcFile {
     }
 
     /// Appends one record batch of `rows` rows; `columns` follow the schema.
-    fn write(&mut self, rows: usize, columns: &[Column]) -> Result<()> {
+    fn write(&mut self, rows: usize, columns: &[Column<'_>]) -> Result<()> {
         if columns.len() != self.schema.fields().len() {
             return Err(Error::Internal(format!(
                 "writing {}: {} columns for a schema of {}",
@@ -963,7 +980,7 @@ pub fn read_part(
     path: &Path,
     schema: PartSchema,
     expect: &FileInfo,
-    mut f: impl FnMut(&RowSlices) -> Result<()>,
+    mut f: impl FnMut(&RowSlices<'_>) -> Result<()>,
 ) -> Result<()> {
     let bytes = read_verified(path, expect)?;
     let expected = part_arrow_schema(schema);
