@@ -1,5 +1,5 @@
 //! Should snapshot part files be written by pstore's own Arrow IPC writer or by arrow-ipc's
-//! `FileWriter`? (docs/decisions/arrow-ipc-writer.md)
+//! `FileWriter`? (docs/decisions/0028-snapshot-writer-measured-against-arrow-ipc.md)
 //!
 //! Both write the same rows (`ROWS` rows, default 2M, of 64 float32 weights plus 64 Adagrad
 //! state floats and the row metadata: the W5 table's shape) as one part file of record batches

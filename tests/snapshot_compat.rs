@@ -1,7 +1,7 @@
 //! Snapshots written by an earlier pstore still restore: `tests/fixtures/snapshot-handwritten/`
 //! holds a full snapshot and an increment on it written by pstore's own Arrow IPC writer (before
 //! snapshot files were written with arrow-ipc's `FileWriter`; see
-//! docs/decisions/arrow-ipc-writer.md). The store they were taken of is rebuilt here by the same
+//! docs/decisions/0028-snapshot-writer-measured-against-arrow-ipc.md). The store they were taken of is rebuilt here by the same
 //! steps, and the restore must equal it.
 
 use std::path::{Path, PathBuf};
