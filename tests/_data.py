@@ -25,3 +25,13 @@ def random_ids(rng: np.random.Generator, n: int, avoid: Iterable[int] = ()) -> n
 def grads(rng: np.random.Generator, n: int, dim: int) -> np.ndarray:
     """``n`` standard normal float32 gradient rows of ``dim`` columns."""
     return rng.standard_normal((n, dim)).astype(F32)
+
+
+def mix64(x: int) -> int:
+    """The placement hash of an id (the splitmix64 finaliser), as docs/FORMAT.md gives it."""
+    m = (1 << 64) - 1
+    x ^= x >> 30
+    x = (x * 0xBF58476D1CE4E5B9) & m
+    x ^= x >> 27
+    x = (x * 0x94D049BB133111EB) & m
+    return x ^ (x >> 31)

@@ -16,6 +16,7 @@ from pathlib import Path
 import lmdb
 import numpy as np
 import pytest
+from _data import mix64
 
 import pstore
 from pstore import init, optim
@@ -134,16 +135,6 @@ def read_replica(path: Path) -> Replica:
         finally:
             part.close()
     return rep
-
-
-def mix64(x: int) -> int:
-    """The placement hash of an id (the splitmix64 finaliser), as docs/FORMAT.md gives it."""
-    m = (1 << 64) - 1
-    x ^= x >> 30
-    x = (x * 0xBF58476D1CE4E5B9) & m
-    x ^= x >> 27
-    x = (x * 0x94D049BB133111EB) & m
-    return x ^ (x >> 31)
 
 
 def state_len(optimizer: dict, n: int) -> int:

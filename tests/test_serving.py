@@ -28,7 +28,7 @@ from pathlib import Path
 import lmdb
 import numpy as np
 import pytest
-from _data import F32, grads, random_ids, u64
+from _data import F32, grads, mix64, random_ids, u64
 from _netutil import child_env, free_port
 from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
@@ -188,15 +188,6 @@ def artifact_bytes(out: Path) -> int:
     """The LMDB data file and the row files of an artifact."""
     rows = sum(f.stat().st_size for f in (out / "tables").glob("*.rows"))
     return (out / "data.mdb").stat().st_size + rows
-
-
-def mix64(x: int) -> int:
-    m = (1 << 64) - 1
-    x ^= x >> 30
-    x = (x * 0xBF58476D1CE4E5B9) & m
-    x ^= x >> 27
-    x = (x * 0x94D049BB133111EB) & m
-    return x ^ (x >> 31)
 
 
 def read_row_file(path: Path, row_id: int) -> tuple[dict, bytes | None]:
