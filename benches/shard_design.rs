@@ -257,8 +257,9 @@ impl Table for Locked {
                     let shard = self.shards[s].read().expect("poisoned");
                     for &p in positions {
                         match shard.slot(ids[p as usize]) {
-                            // SAFETY: position p belongs to shard s only; `out` outlives the install.
                             Some(slot) => {
+                                // SAFETY: position p belongs to shard s only; `out` outlives the
+                                // install.
                                 unsafe { rows.row(p) }.copy_from_slice(shard.weights(slot))
                             }
                             None => missing.push(p),

@@ -320,11 +320,8 @@ mod tests {
             return true;
         }
         // SAFETY: geteuid only returns a value.
-        assert_ne!(
-            unsafe { libc::geteuid() },
-            0,
-            "root can always lift a thread"
-        );
+        let euid = unsafe { libc::geteuid() };
+        assert_ne!(euid, 0, "root can always lift a thread");
         eprintln!("this process cannot lift a thread out of SCHED_IDLE; nothing to check");
         false
     }

@@ -14,11 +14,26 @@ pub enum Initializer {
     /// Every element equals the value.
     Constant(f64),
     /// Uniform on [low, high).
-    Uniform { low: f64, high: f64 },
+    Uniform {
+        /// The lowest value.
+        low: f64,
+        /// The bound above every value.
+        high: f64,
+    },
     /// Normal with the given mean and standard deviation.
-    Normal { mean: f64, std: f64 },
+    Normal {
+        /// The mean.
+        mean: f64,
+        /// The standard deviation.
+        std: f64,
+    },
     /// Normal restricted to [mean - 2 std, mean + 2 std].
-    TruncatedNormal { mean: f64, std: f64 },
+    TruncatedNormal {
+        /// The mean.
+        mean: f64,
+        /// The standard deviation (before truncation).
+        std: f64,
+    },
 }
 
 impl Default for Initializer {

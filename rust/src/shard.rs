@@ -638,15 +638,20 @@ pub fn bump_step(row: &mut [u32]) -> u32 {
 /// [`mix64`] of the id at each of those positions (the shard and the index hash both come from
 /// it, so an id is hashed once per batch).
 pub struct Grouped {
+    /// Positions in the caller's arrays, shard after shard.
     pub positions: Vec<u32>,
+    /// The `mix64` of the id at each position.
     pub mixes: Vec<u64>,
+    /// Where each shard's positions start (one more entry than shards).
     pub offsets: Vec<usize>,
 }
 
 /// One shard's share of a [`Grouped`] batch.
 #[derive(Clone, Copy)]
 pub struct Part<'a> {
+    /// Positions in the caller's arrays of the shard's ids.
     pub positions: &'a [u32],
+    /// The `mix64` of the id at each position.
     pub mixes: &'a [u64],
 }
 

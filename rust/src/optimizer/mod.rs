@@ -18,25 +18,42 @@ use crate::error::{invalid, Result};
 pub enum OptimizerKind {
     /// `w -= lr * d`, with heavy-ball or Nesterov momentum when `momentum > 0`.
     Sgd {
+        /// Momentum factor (0: none).
         momentum: f64,
+        /// L2 penalty added to the gradient (0: none).
         weight_decay: f64,
+        /// Nesterov momentum instead of heavy-ball.
         nesterov: bool,
     },
     /// `sum += g^2; w -= lr * g / (sqrt(sum) + eps)`.
     Adagrad {
+        /// The starting value of the sum of squared gradients.
         initial_accumulator_value: f64,
+        /// Added to the denominator, for numerical stability.
         eps: f64,
+        /// L2 penalty added to the gradient (0: none).
         weight_decay: f64,
     },
     /// Adam with bias correction by a step count (per row in sparse tables).
     Adam {
+        /// Decay of the first-moment estimate.
         beta1: f64,
+        /// Decay of the second-moment estimate.
         beta2: f64,
+        /// Added to the denominator, for numerical stability.
         eps: f64,
+        /// L2 penalty added to the gradient (0: none).
         weight_decay: f64,
     },
     /// FTRL-Proximal; the learning rate is `alpha`.
-    Ftrl { beta: f64, l1: f64, l2: f64 },
+    Ftrl {
+        /// Added to the root of the sum of squared gradients in the per-coordinate rate.
+        beta: f64,
+        /// L1 regularisation strength.
+        l1: f64,
+        /// L2 regularisation strength.
+        l2: f64,
+    },
 }
 
 /// An optimizer: its kind, its (initial) learning rate and the gradient clipping applied first.

@@ -31,14 +31,23 @@ pub struct Metrics {
 
 /// A table's numbers at scrape time.
 pub struct TableSample {
+    /// The table's name.
     pub name: String,
+    /// `"sparse"` or `"dense"`.
     pub kind: &'static str,
+    /// Rows stored.
     pub rows: u64,
+    /// Bytes held by rows, state and index.
     pub bytes: u64,
+    /// Push calls applied.
     pub pushes: u64,
+    /// Pull calls answered.
     pub pulls: u64,
+    /// Ids in applied pushes, duplicates included.
     pub ids_pushed: u64,
+    /// Ids in answered pulls, duplicates included.
     pub ids_pulled: u64,
+    /// Staleness of the pushes that carried their pull's seq.
     pub staleness: super::state::Staleness,
 }
 
@@ -52,19 +61,25 @@ pub struct ReplicaSample {
     pub interval: Duration,
     /// Whether the last cycle failed (a full disk, say): pushes are refused until one succeeds.
     pub failing: bool,
+    /// Bytes of the replica's data files.
     pub file_bytes: u64,
-    /// Whether background writes run at idle CPU priority, how often one was lifted back to
-    /// normal priority, and how many gave way to a `flush()`.
+    /// Whether background writes run at idle CPU priority.
     pub idle_writes: bool,
+    /// How often an idle write was lifted back to normal priority.
     pub idle_lifts: u64,
+    /// How many background writes gave way to a `flush()`.
     pub superseded_writes: u64,
 }
 
 /// The server-wide numbers at scrape time.
 pub struct Sample {
+    /// Every table.
     pub tables: Vec<TableSample>,
+    /// The replica (a durable server only).
     pub replica: Option<ReplicaSample>,
+    /// Time since the server started.
     pub uptime: Duration,
+    /// The training clock each worker reported, by worker.
     pub clocks: Vec<u64>,
 }
 

@@ -176,8 +176,9 @@ mod policy_name {
 pub struct Staleness {
     /// Pushes that carried the seq of their pull.
     pub pushes: u64,
-    /// Sum and largest of their staleness.
+    /// Sum of their staleness.
     pub total: u64,
+    /// The largest staleness seen.
     pub max: u64,
     /// Pushes dropped by the `drop` policy.
     pub dropped: u64,
@@ -188,7 +189,9 @@ pub struct Staleness {
 /// What a push does given its staleness.
 #[derive(Debug, Clone, Copy, PartialEq)]
 pub enum Decision {
+    /// Apply it, the learning rate scaled by this factor.
     Apply(f64),
+    /// Drop it.
     Drop,
 }
 

@@ -19,19 +19,11 @@ use std::ptr::NonNull;
 use std::sync::Arc;
 
 use arrow_array::types::{ArrowPrimitiveType, Float32Type, UInt32Type, UInt64Type};
-use arrow_array::{Array, FixedSizeListArray, PrimitiveArray, RecordBatch};
-use arrow_buffer::{ArrowNativeType, Buffer, ToByteSlice};
-use arrow_ipc::convert::IpcSchemaEncoder;
+use arrow_array::{Array, ArrayRef, FixedSizeListArray, PrimitiveArray, RecordBatch};
+use arrow_buffer::{ArrowNativeType, Buffer, ScalarBuffer};
 use arrow_ipc::reader::{read_footer_length, FileDecoder};
-use arrow_ipc::writer::{
-    write_message, DictionaryTracker, EncodedData, IpcDataGenerator, IpcWriteOptions,
-};
-use arrow_ipc::{
-    Block, Buffer as IpcBuffer, FieldNode, FooterBuilder, MessageBuilder, MessageHeader,
-    MetadataVersion, RecordBatchBuilder,
-};
-use arrow_schema::{ArrowError, DataType, Field, Schema};
-use flatbuffers::FlatBufferBuilder;
+use arrow_ipc::writer::FileWriter;
+use arrow_schema::{ArrowError, DataType, Field, Schema, SchemaRef};
 
 use crate::error::{corrupt, storage, Error, Result};
 
@@ -48,7 +40,9 @@ const WRITE_BUFFER: usize = 1 << 20;
 /// The shape of a part file's rows.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct PartSchema {
+    /// Row width (weights per row).
     pub dim: usize,
+    /// Optimizer state floats per row.
     pub state_len: usize,
 }
 
@@ -56,6 +50,7 @@ pub struct PartSchema {
 /// row.
 #[derive(Debug, Clone, Default, PartialEq)]
 pub struct RowBatch {
+    /// The ids, one per row.
     pub ids: Vec<u64>,
     /// Optimizer step count of the row.
     pub step: Vec<u32>,
@@ -65,7 +60,9 @@ pub struct RowBatch {
     pub updated_at: Vec<u32>,
     /// How often the id was pushed (saturating).
     pub freq: Vec<u32>,
+    /// The weights, `dim` per row.
     pub weights: Vec<f32>,
+    /// The optimizer state, `state_len` per row.
     pub state: Vec<f32>,
 }
 
@@ -75,6 +72,7 @@ impl RowBatch {
         self.ids.len()
     }
 
+    /// True when there is no row.
     pub fn is_empty(&self) -> bool {
         self.ids.is_empty()
     }
@@ -149,12 +147,19 @@ impl RowBatch {
 /// from the file's bytes.
 #[derive(Debug, Clone, Copy, PartialEq)]
 pub struct RowSlices<'a> {
+    /// The ids, one per row.
     pub ids: &'a [u64],
+    /// Optimizer step count per row.
     pub step: &'a [u32],
+    /// Table update sequence number of each row's last update.
     pub version: &'a [u64],
+    /// Unix seconds of each row's last update.
     pub updated_at: &'a [u32],
+    /// How often each id was pushed (saturating).
     pub freq: &'a [u32],
+    /// The weights, `dim` per row.
     pub weights: &'a [f32],
+    /// The optimizer state, `state_len` per row.
     pub state: &'a [f32],
 }
 
@@ -164,6 +169,7 @@ impl RowSlices<'_> {
         self.ids.len()
     }
 
+    /// True when there is no row.
     pub fn is_empty(&self) -> bool {
         self.ids.is_empty()
     }
@@ -218,8 +224,11 @@ fn as_floats(words: &[u32]) -> &[f32] {
 pub struct FileInfo {
     /// Path relative to the snapshot directory, '/' separated.
     pub name: String,
+    /// Rows in the file.
     pub rows: u64,
+    /// The file's size in bytes.
     pub bytes: u64,
+    /// CRC-32 of the whole file.
     pub crc32: u32,
 }
 
@@ -235,15 +244,17 @@ fn metadata(kind: &str) -> std::collections::HashMap<String, String> {
     .collect()
 }
 
+/// The item field of a FixedSizeList<Float32> column.
+fn list_item() -> Arc<Field> {
+    Arc::new(Field::new("item", DataType::Float32, false))
+}
+
 fn float_list(size: usize) -> DataType {
-    DataType::FixedSizeList(
-        Arc::new(Field::new("item", DataType::Float32, false)),
-        size as i32,
-    )
+    DataType::FixedSizeList(list_item(), size as i32)
 }
 
 /// The Arrow schema of a part file of `schema`.
-fn part_arrow_schema(schema: PartSchema) -> Schema {
+pub fn part_arrow_schema(schema: PartSchema) -> Schema {
     let mut fields = vec![
         Field::new("id", DataType::UInt64, false),
         Field::new("step", DataType::UInt32, false),
@@ -395,187 +406,112 @@ fn write_error(path: &Path, e: ArrowError) -> Error {
     }
 }
 
-/// Body buffers start at multiples of this many bytes (as arrow-rs and pyarrow write them).
-const ALIGNMENT: usize = 64;
-const PADDING: [u8; ALIGNMENT] = [0; ALIGNMENT];
-
-/// Zero bytes that bring `len` to a multiple of [`ALIGNMENT`].
-fn padding(len: usize) -> usize {
-    len.next_multiple_of(ALIGNMENT) - len
+/// One non-null column of a record batch, borrowed from the caller's buffers.
+enum Column<'a> {
+    U64(&'a [u64]),
+    U32(&'a [u32]),
+    /// A FixedSizeList<Float32, size> column: its values, row after row.
+    List(&'a [f32], usize),
 }
 
-/// One non-null column of a record batch: its values as bytes, and for a
-/// FixedSizeList<Float32, size> column the list size.
-struct Column<'a> {
-    values: &'a [u8],
-    list: Option<usize>,
+/// A buffer over `values` that does not own them (no copy).
+///
+/// # Safety
+/// The buffer, and every array or batch made of it, must be dropped while `values` is still
+/// borrowed.
+unsafe fn borrowed<T: ArrowNativeType>(values: &[T]) -> ScalarBuffer<T> {
+    let ptr = NonNull::from(values).cast::<u8>();
+    // SAFETY: `ptr` is valid for `size_of_val(values)` bytes, not written, while `values` is
+    // borrowed, which outlasts the buffer (the caller's promise); the owner is a unit, so
+    // dropping the buffer frees nothing.
+    let buffer =
+        unsafe { Buffer::from_custom_allocation(ptr, std::mem::size_of_val(values), Arc::new(())) };
+    ScalarBuffer::new(buffer, 0, values.len())
 }
 
-impl<'a> Column<'a> {
-    fn primitive<T: ArrowNativeType>(values: &'a [T]) -> Self {
-        Self {
-            values: values.to_byte_slice(),
-            list: None,
+impl Column<'_> {
+    /// The column as an Arrow array over the same memory.
+    ///
+    /// # Safety
+    /// As [`borrowed`]: the array must be dropped while the column's values are borrowed.
+    unsafe fn array(&self) -> ArrayRef {
+        match *self {
+            Column::U64(v) => {
+                // SAFETY: the caller's promise.
+                let values = unsafe { borrowed(v) };
+                Arc::new(PrimitiveArray::<UInt64Type>::new(values, None))
+            }
+            Column::U32(v) => {
+                // SAFETY: the caller's promise.
+                let values = unsafe { borrowed(v) };
+                Arc::new(PrimitiveArray::<UInt32Type>::new(values, None))
+            }
+            Column::List(v, size) => {
+                // SAFETY: the caller's promise.
+                let values = unsafe { borrowed(v) };
+                let values = PrimitiveArray::<Float32Type>::new(values, None);
+                Arc::new(FixedSizeListArray::new(
+                    list_item(),
+                    size as i32,
+                    Arc::new(values),
+                    None,
+                ))
+            }
         }
     }
-
-    fn list(values: &'a [f32], size: usize) -> Self {
-        Self {
-            values: values.to_byte_slice(),
-            list: Some(size),
-        }
-    }
 }
 
-/// Writes an Arrow IPC file batch by batch. The header (magic, schema message) and footer are
-/// arrow-rs's own encoding; record batch messages are written here, straight from the caller's
-/// column buffers (no copy into an encoder buffer). Columns are non-null: every validity buffer
-/// is empty, as the Arrow format allows for a null count of 0 (pyarrow writes them so too).
+/// Writes an Arrow IPC file batch by batch with arrow-ipc's `FileWriter`, each record batch's
+/// arrays borrowing the caller's column buffers (the writer encodes them into its message; see
+/// docs/decisions/arrow-ipc-writer.md). Columns are non-null.
 struct IpcFile {
     path: PathBuf,
     name: String,
     rows: u64,
-    schema: Schema,
-    out: BufWriter<HashingFile>,
-    options: IpcWriteOptions,
-    /// Bytes written so far (the offset of the next message).
-    offset: usize,
-    blocks: Vec<Block>,
-    /// Reused per batch.
-    nodes: Vec<FieldNode>,
-    buffers: Vec<IpcBuffer>,
+    schema: SchemaRef,
+    writer: FileWriter<BufWriter<HashingFile>>,
 }
 
 impl IpcFile {
     fn create(path: &Path, name: &str, schema: &Schema) -> Result<Self> {
-        let io = |e: std::io::Error| storage(format!("writing {}: {e}", path.display()));
         let file = OpenOptions::new()
             .write(true)
             .create_new(true)
             .open(path)
             .map_err(|e| storage(format!("creating {}: {e}", path.display())))?;
-        let mut out = BufWriter::with_capacity(WRITE_BUFFER, HashingFile::new(file));
-        let options = IpcWriteOptions::default();
-        let header = MAGIC.len() + padding(MAGIC.len());
-        out.write_all(MAGIC).map_err(io)?;
-        out.write_all(&PADDING[..padding(MAGIC.len())])
-            .map_err(io)?;
-        let encoded = IpcDataGenerator::default().schema_to_bytes_with_dictionary_tracker(
-            schema,
-            &mut DictionaryTracker::new(true),
-            &options,
-        );
-        let (meta, data) =
-            write_message(&mut out, encoded, &options).map_err(|e| write_error(path, e))?;
+        let out = BufWriter::with_capacity(WRITE_BUFFER, HashingFile::new(file));
+        let schema = Arc::new(schema.clone());
+        let writer = FileWriter::try_new(out, &schema).map_err(|e| write_error(path, e))?;
         Ok(Self {
             path: path.to_path_buf(),
             name: name.to_string(),
             rows: 0,
-            schema: schema.clone(),
-            out,
-            options,
-            offset: header + meta + data,
-            blocks: Vec::new(),
-            nodes: Vec::new(),
-            buffers: Vec::new(),
+            schema,
+            writer,
         })
     }
 
-    fn io_error(&self, e: std::io::Error) -> Error {
-        storage(format!("writing {}: {e}", self.path.display()))
-    }
-
     /// Appends one record batch of `rows` rows; `columns` follow the schema.
-    fn write(&mut self, rows: usize, columns: &[Column]) -> Result<()> {
-        if columns.len() != self.schema.fields().len() {
-            return Err(Error::Internal(format!(
-                "writing {}: {} columns for a schema of {}",
-                self.path.display(),
-                columns.len(),
-                self.schema.fields().len()
-            )));
-        }
-        self.nodes.clear();
-        self.buffers.clear();
-        let mut body = 0usize;
-        for c in columns {
-            self.nodes.push(FieldNode::new(rows as i64, 0));
-            // The (empty) validity buffer of the column, then of the list's child.
-            self.buffers.push(IpcBuffer::new(body as i64, 0));
-            if let Some(size) = c.list {
-                self.nodes.push(FieldNode::new((rows * size) as i64, 0));
-                self.buffers.push(IpcBuffer::new(body as i64, 0));
-            }
-            self.buffers
-                .push(IpcBuffer::new(body as i64, c.values.len() as i64));
-            body += c.values.len() + padding(c.values.len());
-        }
-        let mut fbb = FlatBufferBuilder::new();
-        let buffers = fbb.create_vector(&self.buffers);
-        let nodes = fbb.create_vector(&self.nodes);
-        let header = {
-            let mut b = RecordBatchBuilder::new(&mut fbb);
-            b.add_length(rows as i64);
-            b.add_nodes(nodes);
-            b.add_buffers(buffers);
-            b.finish().as_union_value()
-        };
-        let mut message = MessageBuilder::new(&mut fbb);
-        message.add_version(MetadataVersion::V5);
-        message.add_header_type(MessageHeader::RecordBatch);
-        message.add_bodyLength(body as i64);
-        message.add_header(header);
-        let root = message.finish();
-        fbb.finish(root, None);
-        let encoded = EncodedData {
-            ipc_message: fbb.finished_data().to_vec(),
-            arrow_data: Vec::new(),
-        };
-        let (meta, _) = write_message(&mut self.out, encoded, &self.options)
+    fn write(&mut self, rows: usize, columns: &[Column<'_>]) -> Result<()> {
+        // SAFETY: the arrays and the batch are dropped at the end of this call, while `columns`
+        // is borrowed; the writer keeps nothing of a batch without dictionaries.
+        let arrays: Vec<ArrayRef> = columns.iter().map(|c| unsafe { c.array() }).collect();
+        let batch = RecordBatch::try_new(Arc::clone(&self.schema), arrays)
+            .map_err(|e| Error::Internal(format!("writing {}: {e}", self.path.display())))?;
+        self.writer
+            .write(&batch)
             .map_err(|e| write_error(&self.path, e))?;
-        for c in columns {
-            // Large columns bypass the write buffer: one copy, into the page cache.
-            let pad = &PADDING[..padding(c.values.len())];
-            self.out
-                .write_all(c.values)
-                .and_then(|_| self.out.write_all(pad))
-                .map_err(|e| self.io_error(e))?;
-        }
-        self.blocks
-            .push(Block::new(self.offset as i64, meta as i32, body as i64));
-        self.offset += meta + body;
         self.rows += rows as u64;
         Ok(())
     }
 
-    fn finish(mut self) -> Result<FileInfo> {
-        // End-of-stream marker, then the footer, its length and the magic.
-        let mut fbb = FlatBufferBuilder::new();
-        let dictionaries = fbb.create_vector::<Block>(&[]);
-        let record_batches = fbb.create_vector(&self.blocks);
-        let schema = IpcSchemaEncoder::new().schema_to_fb_offset(&mut fbb, &self.schema);
-        let root = {
-            let mut footer = FooterBuilder::new(&mut fbb);
-            footer.add_version(MetadataVersion::V5);
-            footer.add_schema(schema);
-            footer.add_dictionaries(dictionaries);
-            footer.add_recordBatches(record_batches);
-            footer.finish()
-        };
-        fbb.finish(root, None);
-        let footer = fbb.finished_data();
-        let written = [
-            &[0xff, 0xff, 0xff, 0xff, 0, 0, 0, 0][..],
-            footer,
-            &(footer.len() as i32).to_le_bytes(),
-            MAGIC,
-        ]
-        .iter()
-        .try_for_each(|b| self.out.write_all(b));
-        written.map_err(|e| self.io_error(e))?;
+    fn finish(self) -> Result<FileInfo> {
         let path = self.path;
-        let hashing = self
-            .out
+        let out = self
+            .writer
+            .into_inner()
+            .map_err(|e| write_error(&path, e))?;
+        let hashing = out
             .into_inner()
             .map_err(|e| storage(format!("writing {}: {}", path.display(), e.error())))?;
         hashing
@@ -641,15 +577,15 @@ impl PartWriter {
         for start in (0..batch.len()).step_by(max_rows) {
             let end = (start + max_rows).min(batch.len());
             let mut columns = vec![
-                Column::primitive(&batch.ids[start..end]),
-                Column::primitive(&batch.step[start..end]),
-                Column::primitive(&batch.version[start..end]),
-                Column::primitive(&batch.updated_at[start..end]),
-                Column::primitive(&batch.freq[start..end]),
-                Column::list(&batch.weights[start * dim..end * dim], dim),
+                Column::U64(&batch.ids[start..end]),
+                Column::U32(&batch.step[start..end]),
+                Column::U64(&batch.version[start..end]),
+                Column::U32(&batch.updated_at[start..end]),
+                Column::U32(&batch.freq[start..end]),
+                Column::List(&batch.weights[start * dim..end * dim], dim),
             ];
             if state_len > 0 {
-                columns.push(Column::list(
+                columns.push(Column::List(
                     &batch.state[start * state_len..end * state_len],
                     state_len,
                 ));
@@ -670,7 +606,7 @@ impl PartWriter {
 pub fn write_ids(path: &Path, name: &str, ids: &[u64]) -> Result<FileInfo> {
     let mut file = IpcFile::create(path, name, &ids_arrow_schema())?;
     if !ids.is_empty() {
-        file.write(ids.len(), &[Column::primitive(ids)])?;
+        file.write(ids.len(), &[Column::U64(ids)])?;
     }
     file.finish()
 }
@@ -963,7 +899,7 @@ pub fn read_part(
     path: &Path,
     schema: PartSchema,
     expect: &FileInfo,
-    mut f: impl FnMut(&RowSlices) -> Result<()>,
+    mut f: impl FnMut(&RowSlices<'_>) -> Result<()>,
 ) -> Result<()> {
     let bytes = read_verified(path, expect)?;
     let expected = part_arrow_schema(schema);
@@ -1328,7 +1264,7 @@ mod tests {
         let plain = Schema::new(vec![Field::new("id", DataType::UInt64, false)]);
         let plain_path = dir.path("plain.arrow");
         let mut file = IpcFile::create(&plain_path, "plain.arrow", &plain).unwrap();
-        file.write(2, &[Column::primitive(&[1u64, 2])]).unwrap();
+        file.write(2, &[Column::U64(&[1u64, 2])]).unwrap();
         let info = file.finish().unwrap();
         expect_corrupt(
             read_ids(&plain_path, &info),

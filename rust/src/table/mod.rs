@@ -4,13 +4,12 @@ mod dense;
 mod sparse;
 
 pub use dense::{DenseTable, DenseTableConfig};
-pub(crate) use sparse::{Backing, Spare, Taken};
-pub use sparse::{EvictPolicy, Lifecycle, SparseTable, SparseTableConfig};
+pub(crate) use sparse::{Backing, Taken};
+pub use sparse::{EvictPolicy, Lifecycle, RowSource, SparseTable, SparseTableConfig};
 
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Weak};
 
-use crate::durable::Flusher;
 use crate::error::{Error, Result};
 use crate::executor::Executor;
 use crate::shard::Grouped;
@@ -76,6 +75,34 @@ impl Lr {
     }
 }
 
+/// A table of either kind.
+#[derive(Clone)]
+pub enum Table {
+    /// A sparse embedding table.
+    Sparse(Arc<SparseTable>),
+    /// A dense tensor.
+    Dense(Arc<DenseTable>),
+}
+
+impl Table {
+    /// The table as its shared handle.
+    pub fn handle(&self) -> &dyn TableHandle {
+        match self {
+            Table::Sparse(t) => t.as_ref(),
+            Table::Dense(t) => t.as_ref(),
+        }
+    }
+}
+
+/// What a table tells the layer that keeps its changes (a durable store's flusher), around
+/// every change of its rows. The table defines it; the durable layer implements it.
+pub trait ChangeHook: Send + Sync {
+    /// Before a change: refuses it while the changes cannot be kept.
+    fn before_change(&self) -> Result<()>;
+    /// After a change was applied: returns once it is kept as promised (`sync` mode: on disk).
+    fn after_change(&self) -> Result<()>;
+}
+
 /// What every table has besides its data: a name, a run-time learning rate, the store's executor,
 /// counters, and the mark set when the table is dropped from its store.
 pub struct Common {
@@ -84,8 +111,8 @@ pub struct Common {
     pub(crate) exec: Arc<Executor>,
     pub(crate) counters: Counters,
     dropped: AtomicBool,
-    /// The flusher of a durable store.
-    pub(crate) durable: Option<Weak<Flusher>>,
+    /// What keeps the table's changes (the flusher of a durable store).
+    pub(crate) durable: Option<Weak<dyn ChangeHook>>,
     /// Tells this table from an earlier one of the same name (snapshot chains, the replica).
     uid: AtomicU64,
 }
@@ -118,7 +145,7 @@ impl Common {
     /// Refuses a push while the replica cannot be written (after retrying the write once).
     pub(crate) fn durable_check(&self) -> Result<()> {
         match self.durable.as_ref().and_then(Weak::upgrade) {
-            Some(f) => f.check(),
+            Some(f) => f.before_change(),
             None if self.durable.is_some() => Err(Error::Storage("the store is closed".into())),
             None => Ok(()),
         }
@@ -127,7 +154,7 @@ impl Common {
     /// In a `sync` store, waits until what was applied is committed to disk.
     pub(crate) fn durable_wait(&self) -> Result<()> {
         match self.durable.as_ref().and_then(Weak::upgrade) {
-            Some(f) => f.after_push(),
+            Some(f) => f.after_change(),
             None => Ok(()),
         }
     }
@@ -173,14 +200,22 @@ pub trait TableHandle {
     }
 }
 
+/// The counters of a table (see [`TableStats`] for each one's meaning).
 #[derive(Debug, Default)]
 pub struct Counters {
+    /// Push calls applied.
     pub pushes: AtomicU64,
+    /// Pull calls answered.
     pub pulls: AtomicU64,
+    /// Ids in applied pushes, duplicates included.
     pub ids_pushed: AtomicU64,
+    /// Ids in answered pulls, duplicates included.
     pub ids_pulled: AtomicU64,
+    /// Optimizer applications: one per unique id per push.
     pub rows_updated: AtomicU64,
+    /// Rows created by first touch.
     pub rows_created: AtomicU64,
+    /// Rows removed by eviction.
     pub rows_evicted: AtomicU64,
 }
 

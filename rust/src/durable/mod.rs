@@ -15,188 +15,25 @@ use std::sync::{Arc, Condvar, Mutex, MutexGuard, RwLock};
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
-use serde::{Deserialize, Serialize};
+mod record;
+mod replica;
 
-use crate::error::{invalid, storage, Error, Result};
+pub(crate) use record::restore_counters;
+pub use record::{
+    dense_key, seq_key, table_key, CountersRecord, Durability, TableRecord, CYCLE_KEY,
+};
+pub(crate) use replica::replica_row;
+
+use crate::error::{storage, Error, Result};
 use crate::idle::IdleWrites;
 use crate::storage::{bytes_of, Db, Storage};
-use crate::store::Table;
-use crate::table::{
-    DenseTable, DenseTableConfig, Spare, SparseTable, SparseTableConfig, TableHandle, Taken,
-};
+use crate::table::{ChangeHook, DenseTable, SparseTable, Table, Taken};
 
 /// A table's changes up to this size are written in one transaction (a push is then all or
 /// nothing in the replica).
 pub const ONE_TXN_BYTES: usize = 1 << 30;
 /// Past [`ONE_TXN_BYTES`] (a bulk load), the transactions carry this much each.
 pub const CHUNK_BYTES: usize = 64 << 20;
-
-/// When a push is durable.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
-#[serde(rename_all = "snake_case")]
-pub enum Durability {
-    /// A push returns after the transaction holding its rows has committed to disk.
-    Sync,
-    /// A background flusher commits every `flush_interval`: a crash loses the pushes of the
-    /// last interval plus the cycle in progress (up to five intervals plus two writes when its
-    /// idle-priority writes wait for busy cores, the interval stretched up to
-    /// [`MAX_STRETCH`] times while they cannot keep up; see [`crate::idle`] and
-    /// `Flusher::adapt`).
-    Async,
-    /// Rows reach disk only on `flush()`, `close()` and snapshots.
-    None,
-}
-
-impl Durability {
-    /// The mode's name: `"sync"`, `"async"` or `"none"`.
-    pub fn as_str(self) -> &'static str {
-        match self {
-            Self::Sync => "sync",
-            Self::Async => "async",
-            Self::None => "none",
-        }
-    }
-}
-
-impl std::str::FromStr for Durability {
-    type Err = Error;
-    fn from_str(s: &str) -> Result<Self> {
-        match s {
-            "sync" => Ok(Self::Sync),
-            "async" => Ok(Self::Async),
-            "none" => Ok(Self::None),
-            _ => Err(invalid(format!(
-                "durability must be \"sync\", \"async\" or \"none\", got {s:?}"
-            ))),
-        }
-    }
-}
-
-/// The counters a table record keeps.
-#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
-pub struct CountersRecord {
-    pub pushes: u64,
-    pub pulls: u64,
-    pub ids_pushed: u64,
-    pub ids_pulled: u64,
-    pub rows_updated: u64,
-    pub rows_created: u64,
-    pub rows_evicted: u64,
-}
-
-/// The meta record of a table (`table/<name>`), also a snapshot manifest's entry.
-#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
-#[serde(tag = "kind", rename_all = "snake_case")]
-pub enum TableRecord {
-    /// A sparse table.
-    Sparse {
-        config: SparseTableConfig,
-        lr: f64,
-        seq: u64,
-        counters: CountersRecord,
-        /// Tells a table from an earlier one of the same name (dropped and created again).
-        #[serde(default)]
-        uid: u64,
-    },
-    /// A dense table; its value is under `dense/<name>` in the meta database.
-    Dense {
-        config: DenseTableConfig,
-        lr: f64,
-        seq: u64,
-        counters: CountersRecord,
-        /// As for sparse tables.
-        #[serde(default)]
-        uid: u64,
-    },
-}
-
-impl TableRecord {
-    /// The record of a table as it is now.
-    pub fn of(table: &Table) -> Self {
-        match table {
-            Table::Sparse(t) => TableRecord::Sparse {
-                config: t.config().clone(),
-                lr: t.lr(),
-                seq: t.seq(),
-                counters: counters_of(t.as_ref()),
-                uid: t.common().uid(),
-            },
-            Table::Dense(t) => TableRecord::Dense {
-                config: t.config().clone(),
-                lr: t.lr(),
-                seq: t.stats().seq,
-                counters: counters_of(t.as_ref()),
-                uid: t.common().uid(),
-            },
-        }
-    }
-
-    /// The table's unique id (0 in records written before it existed).
-    pub fn uid(&self) -> u64 {
-        match self {
-            TableRecord::Sparse { uid, .. } | TableRecord::Dense { uid, .. } => *uid,
-        }
-    }
-
-    /// The counters.
-    pub fn counters(&self) -> &CountersRecord {
-        match self {
-            TableRecord::Sparse { counters, .. } | TableRecord::Dense { counters, .. } => counters,
-        }
-    }
-
-    /// Serialised.
-    pub fn to_json(&self) -> Vec<u8> {
-        serde_json::to_vec(self).expect("a table record serialises")
-    }
-}
-
-fn counters_of(t: &dyn TableHandle) -> CountersRecord {
-    use std::sync::atomic::Ordering::Relaxed;
-    let c = &t.common().counters;
-    CountersRecord {
-        pushes: c.pushes.load(Relaxed),
-        pulls: c.pulls.load(Relaxed),
-        ids_pushed: c.ids_pushed.load(Relaxed),
-        ids_pulled: c.ids_pulled.load(Relaxed),
-        rows_updated: c.rows_updated.load(Relaxed),
-        rows_created: c.rows_created.load(Relaxed),
-        rows_evicted: c.rows_evicted.load(Relaxed),
-    }
-}
-
-/// Sets a table's counters from a record.
-pub(crate) fn restore_counters(t: &dyn TableHandle, r: &CountersRecord) {
-    use std::sync::atomic::Ordering::Relaxed;
-    let c = &t.common().counters;
-    c.pushes.store(r.pushes, Relaxed);
-    c.pulls.store(r.pulls, Relaxed);
-    c.ids_pushed.store(r.ids_pushed, Relaxed);
-    c.ids_pulled.store(r.ids_pulled, Relaxed);
-    c.rows_updated.store(r.rows_updated, Relaxed);
-    c.rows_created.store(r.rows_created, Relaxed);
-    c.rows_evicted.store(r.rows_evicted, Relaxed);
-}
-
-/// The meta key of a table's record.
-pub fn table_key(name: &str) -> String {
-    format!("table/{name}")
-}
-
-/// The meta key of a dense table's value.
-pub fn dense_key(name: &str) -> String {
-    format!("dense/{name}")
-}
-
-/// The meta key of the last cycle number.
-pub const CYCLE_KEY: &str = "cycle";
-
-/// The key, in the `meta` of environments after the first, of the table sequence number that
-/// the environment's rows of table `name` are at most (see docs/FORMAT.md, "Several
-/// environments").
-pub fn seq_key(name: &str) -> String {
-    format!("seq/{name}")
-}
 
 struct FlushState {
     /// The ticket of the next cycle run.
@@ -615,7 +452,7 @@ impl Flusher {
             let _held = t.hold_changes();
             let gen = self.log_gen();
             // The pushes wait meanwhile: take the shards on all cores.
-            let all: Vec<Taken> = t.take_all(gen, &self.spare);
+            let all: Vec<Taken> = t.take_all(gen, &|| self.spare.take());
             for one in all {
                 if one.ids.is_empty() && one.forget.is_empty() {
                     self.spare.give_back(one);
@@ -806,6 +643,47 @@ impl Flusher {
                 }
                 Err(e)
             }
+        }
+    }
+}
+
+impl ChangeHook for Flusher {
+    fn before_change(&self) -> Result<()> {
+        self.check()
+    }
+    fn after_change(&self) -> Result<()> {
+        self.after_push()
+    }
+}
+
+/// Buffers of earlier flushes, for the next ones to take: a flush copies every changed row out
+/// of the shards, and fresh buffers for that would cost a page fault and a zeroed page for every
+/// 4 KiB copied, each cycle. At most [`Spare::KEEP`] bytes are kept.
+#[derive(Default)]
+struct Spare(Mutex<Vec<(Vec<u64>, Vec<u32>)>>);
+
+impl Spare {
+    /// The most bytes of buffers kept between flushes (a single transaction's worth).
+    const KEEP: usize = ONE_TXN_BYTES;
+
+    /// Empty buffers, reused if any are kept.
+    fn take(&self) -> (Vec<u64>, Vec<u32>) {
+        let mut v = self.0.lock().unwrap_or_else(|e| e.into_inner());
+        v.pop().unwrap_or_default()
+    }
+
+    /// Keeps the buffers of `t` for later flushes, up to [`Spare::KEEP`] bytes in all.
+    fn give_back(&self, t: Taken) {
+        let (mut ids, mut words) = (t.ids, t.words);
+        ids.clear();
+        words.clear();
+        let mut v = self.0.lock().unwrap_or_else(|e| e.into_inner());
+        let held: usize = v
+            .iter()
+            .map(|(i, w)| i.capacity() * 8 + w.capacity() * 4)
+            .sum();
+        if held + ids.capacity() * 8 + words.capacity() * 4 <= Self::KEEP {
+            v.push((ids, words));
         }
     }
 }

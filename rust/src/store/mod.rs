@@ -1,10 +1,15 @@
 //! The embedded store: named tables sharing one thread pool and one ordered async applier, and,
 //! when it has a path, an LMDB replica kept by a background flusher.
+//!
+//! The top of the core's layers: it composes the tables (`table`), their durability (`durable`,
+//! `storage`) and snapshots (`snapshot`); none of those names the store (tests/layers.rs).
+//! `snapshot.rs` holds the store's snapshot and restore methods.
+
+mod snapshot;
 
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
-use std::sync::atomic::AtomicU64;
-use std::sync::{Arc, Mutex, RwLock};
+use std::sync::{Arc, Mutex, RwLock, Weak};
 use std::time::Duration;
 
 use crate::durable::{
@@ -13,9 +18,10 @@ use crate::durable::{
 use crate::error::{corrupt, invalid, storage, Error, Result};
 use crate::executor::Executor;
 use crate::storage::{words_into, Db, Storage, DEFAULT_MAP_SIZE};
+pub use crate::table::Table;
 use crate::table::{
-    validate_name, Backing, Common, DenseTable, DenseTableConfig, SparseTable, SparseTableConfig,
-    TableHandle,
+    validate_name, Backing, ChangeHook, Common, DenseTable, DenseTableConfig, RowSource,
+    SparseTable, SparseTableConfig,
 };
 
 /// Where and how a durable store keeps its replica.
@@ -89,25 +95,6 @@ impl StoreConfig {
             return Err(invalid("max_inflight_bytes must be > 0"));
         }
         Ok(())
-    }
-}
-
-/// A table of either kind.
-#[derive(Clone)]
-pub enum Table {
-    /// A sparse embedding table.
-    Sparse(Arc<SparseTable>),
-    /// A dense tensor.
-    Dense(Arc<DenseTable>),
-}
-
-impl Table {
-    /// The table as its shared handle.
-    pub fn handle(&self) -> &dyn TableHandle {
-        match self {
-            Table::Sparse(t) => t.as_ref(),
-            Table::Dense(t) => t.as_ref(),
-        }
     }
 }
 
@@ -217,15 +204,12 @@ impl Store {
     ) -> Result<Table> {
         let st = flusher.storage();
         let mut common = Common::new(name.to_string(), 0.01, Arc::clone(&self.exec));
-        common.durable = Some(Arc::downgrade(flusher));
+        common.durable = Some(hook(flusher));
         let table = match rec {
             TableRecord::Sparse { config, seq, .. } => {
                 st.ensure_table(name)?;
                 let rows = st.read(|r| r.len(Db::Rows, name))?;
-                let backing = Backing {
-                    storage: Arc::downgrade(st),
-                    unloaded: AtomicU64::new(rows),
-                };
+                let backing = Backing::new(source(st), rows);
                 common.lr = crate::table::Lr::new(config.optimizer.lr);
                 let t = SparseTable::new(
                     common,
@@ -302,7 +286,7 @@ impl Store {
     /// A table's common part, tied to this store.
     fn common(&self, name: &str, lr: f64, flusher: &Option<Arc<Flusher>>) -> Common {
         let mut c = Common::new(name.to_string(), lr, Arc::clone(&self.exec));
-        c.durable = flusher.as_ref().map(Arc::downgrade);
+        c.durable = flusher.as_ref().map(hook);
         c
     }
 
@@ -351,10 +335,9 @@ impl Store {
     ) -> Result<Arc<SparseTable>> {
         let t = self.insert(name, || {
             let flusher = self.durable()?;
-            let backing = flusher.as_ref().map(|f| Backing {
-                storage: Arc::downgrade(f.storage()),
-                unloaded: AtomicU64::new(0),
-            });
+            let backing = flusher
+                .as_ref()
+                .map(|f| Backing::new(source(f.storage()), 0));
             let common = self.common(name, config.optimizer.lr, &flusher);
             let t = SparseTable::new(common, config, self.config.num_shards, backing)?;
             if flusher.is_none()
@@ -487,6 +470,18 @@ impl Store {
             None => Ok(()),
         }
     }
+}
+
+/// The flusher as the hook its tables call around their changes.
+fn hook(flusher: &Arc<Flusher>) -> Weak<dyn ChangeHook> {
+    let weak: Weak<Flusher> = Arc::downgrade(flusher);
+    weak
+}
+
+/// The replica as the source a table loads its rows from.
+fn source(storage: &Arc<Storage>) -> Weak<dyn RowSource> {
+    let weak: Weak<Storage> = Arc::downgrade(storage);
+    weak
 }
 
 impl Drop for Store {

@@ -1,0 +1,202 @@
+//! The life of rows: admission of ids pushed often enough, removal, eviction by age and by the
+//! `max_rows` budget.
+
+use std::collections::HashMap;
+
+use super::{EvictPolicy, SparseTable};
+use crate::error::Result;
+use crate::shard::{row_version, Shard, FREQ, NO_SLOT};
+use crate::table::{Counters, TableHandle};
+
+impl SparseTable {
+    pub(super) fn admit_after(&self) -> u32 {
+        self.config.lifecycle.admit_after.max(1)
+    }
+
+    /// Removes the rows of `ids` (and forgets their admission counts); returns how many existed.
+    /// Removed ids become tombstones of the next incremental snapshot.
+    pub fn remove(&self, ids: &[u64]) -> Result<usize> {
+        self.check_live()?;
+        let removed = {
+            let _changing = self.changing();
+            self.remove_rows(ids)?
+        };
+        self.common.durable_wait()?;
+        Ok(removed)
+    }
+
+    pub(super) fn remove_rows(&self, ids: &[u64]) -> Result<usize> {
+        let g = self.group(ids);
+        let mut removed = 0;
+        for s in 0..self.shards.len() {
+            let pos = g.of(s);
+            if pos.is_empty() {
+                continue;
+            }
+            let mut shard = self.write(s);
+            let mut absent = Vec::new();
+            for &p in pos {
+                let id = ids[p as usize];
+                if shard.remove(id) {
+                    removed += 1;
+                } else {
+                    absent.push(id);
+                }
+            }
+            if !absent.is_empty() && self.lazy().is_some() {
+                absent.sort_unstable();
+                absent.dedup();
+                // A row still in the replica: load it, then remove it like any other.
+                let found = self.fault_in(&mut shard, &absent)?;
+                for (&id, f) in absent.iter().zip(found) {
+                    if f && shard.remove(id) {
+                        removed += 1;
+                    }
+                }
+            }
+            let mut cand = self.candidates[s].lock().unwrap_or_else(|e| e.into_inner());
+            if !cand.is_empty() {
+                for &p in pos {
+                    cand.remove(&ids[p as usize]);
+                }
+            }
+        }
+        Ok(removed)
+    }
+
+    /// Removes the rows whose last update is older than `before_seq` (a version) or
+    /// `before_secs` (a unix second); returns how many. Rows still waiting in the replica are
+    /// loaded first.
+    pub fn evict(&self, before_seq: Option<u64>, before_secs: Option<u32>) -> Result<usize> {
+        self.check_live()?;
+        self.load_all()?;
+        let evicted = self.evict_where(|_, row| {
+            before_seq.is_some_and(|v| row_version(row) < v)
+                || before_secs.is_some_and(|t| row[crate::shard::UPDATED_AT] < t)
+        });
+        self.common.durable_wait()?;
+        Ok(evicted)
+    }
+
+    /// Removes the rows for which `evict(id, row)` holds (the row's words with its header) and
+    /// counts them as evicted; returns how many.
+    fn evict_where(&self, evict: impl Fn(u64, &[u32]) -> bool) -> usize {
+        let _changing = self.changing();
+        let mut evicted = 0;
+        for s in 0..self.shards.len() {
+            let mut shard = self.write(s);
+            let victims: Vec<u64> = shard
+                .iter()
+                .filter(|&(id, slot)| evict(id, shard.row(slot)))
+                .map(|(id, _)| id)
+                .collect();
+            for id in victims {
+                evicted += shard.remove(id) as usize;
+            }
+        }
+        Counters::add(&self.common.counters.rows_evicted, evicted);
+        evicted
+    }
+
+    /// Keeps the table within `max_rows`: past it, evicts by the policy down to 99% of it.
+    pub(super) fn enforce_budget(&self) -> Result<()> {
+        let Some(max) = self.config.lifecycle.max_rows else {
+            return Ok(());
+        };
+        if (self.len() as u64) <= max {
+            return Ok(());
+        }
+        let Ok(_one) = self.evicting.try_lock() else {
+            return Ok(()); // another thread is at it
+        };
+        self.load_all()?;
+        let len = self.len() as u64;
+        if len <= max {
+            return Ok(());
+        }
+        let target = max - max / 100;
+        let excess = (len - target) as usize;
+        let lfu = self.config.lifecycle.policy == EvictPolicy::Lfu;
+        // Scores: LFU by push count then version; LRU by version; ties by id, so the rows kept
+        // do not depend on the shard layout.
+        let score = |id: u64, row: &[u32]| -> (u64, u64, u64) {
+            if lfu {
+                (row[FREQ] as u64, row_version(row), id)
+            } else {
+                (row_version(row), 0, id)
+            }
+        };
+        let mut scores: Vec<(u64, u64, u64)> = Vec::with_capacity(len as usize);
+        for s in 0..self.shards.len() {
+            let shard = self.read(s);
+            scores.extend(shard.iter().map(|(id, slot)| score(id, shard.row(slot))));
+        }
+        if excess == 0 || scores.is_empty() {
+            return Ok(());
+        }
+        let k = excess.min(scores.len()) - 1;
+        let (_, &mut cut, _) = scores.select_nth_unstable(k);
+        self.evict_where(|id, row| score(id, row) <= cut);
+        Ok(())
+    }
+
+    /// Creates the rows of the shard's missing ids that are admitted now; returns the slot of
+    /// every position (`NO_SLOT` for an id still waiting for admission).
+    #[allow(clippy::too_many_arguments)]
+    pub(super) fn admit(
+        &self,
+        s: usize,
+        shard: &mut Shard,
+        ids: &[u64],
+        pos: &[u32],
+        slots: &mut [u32],
+        version: u64,
+        now: u32,
+    ) -> u64 {
+        let after = self.admit_after();
+        let mut made = 0u64;
+        if after <= 1 {
+            for (&p, slot) in pos.iter().zip(slots.iter_mut()) {
+                if *slot == NO_SLOT {
+                    let id = ids[p as usize];
+                    let (sl, new) = shard.find_or_insert(id, |b| self.init_body(id, b));
+                    if new {
+                        shard.touch(sl, version, now, 0);
+                        made += 1;
+                    }
+                    *slot = sl;
+                }
+            }
+            return made;
+        }
+        let mut seen: HashMap<u64, u32> = HashMap::new();
+        for (&p, &slot) in pos.iter().zip(slots.iter()) {
+            if slot == NO_SLOT {
+                *seen.entry(ids[p as usize]).or_default() += 1;
+            }
+        }
+        let mut cand = self.candidates[s].lock().unwrap_or_else(|e| e.into_inner());
+        let mut admitted: HashMap<u64, u32> = HashMap::new();
+        for (id, n) in seen {
+            let total = cand.get(&id).copied().unwrap_or(0).saturating_add(n);
+            if total >= after {
+                cand.remove(&id);
+                let (sl, new) = shard.find_or_insert(id, |b| self.init_body(id, b));
+                if new {
+                    // Counts of the pushes before this one; this one adds its own.
+                    shard.touch(sl, version, now, total - n);
+                    made += 1;
+                }
+                admitted.insert(id, sl);
+            } else {
+                cand.insert(id, total);
+            }
+        }
+        for (&p, slot) in pos.iter().zip(slots.iter_mut()) {
+            if *slot == NO_SLOT {
+                *slot = admitted.get(&ids[p as usize]).copied().unwrap_or(NO_SLOT);
+            }
+        }
+        made
+    }
+}

@@ -1,0 +1,608 @@
+//! Sparse embedding tables: u64 id -> float32 row, created on first touch.
+//!
+//! The table and its row operations (pull, push) are here; `lifecycle` admits and evicts rows,
+//! `changes` hands changed rows to whoever keeps them (a flusher, a snapshot), `lazy` loads rows
+//! kept outside memory, `kernels` holds the inner loops.
+
+mod changes;
+mod config;
+mod kernels;
+mod lazy;
+mod lifecycle;
+
+use std::collections::HashMap;
+use std::mem::MaybeUninit;
+use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
+use std::sync::{Arc, Mutex, RwLock, RwLockReadGuard, RwLockWriteGuard};
+
+pub(crate) use changes::Taken;
+pub use config::{EvictPolicy, Lifecycle, SparseTableConfig};
+use kernels::{add_f64, copy_floats, copy_floats_streaming, stream_min_bytes, Fence};
+pub(crate) use lazy::Backing;
+pub use lazy::RowSource;
+
+use super::{
+    check_finite, group_ids, unix_now, Common, Counters, Disjoint, TableHandle, TableStats,
+};
+use crate::error::{shape, Result};
+use crate::executor::PushHandle;
+use crate::shard::{
+    as_f32, as_f32_mut, bump_step, prefetch_lines, Grouped, Part, Shard, HEADER, META, NO_SLOT,
+};
+
+/// Batches smaller than this run on the calling thread: spreading them costs more than it saves.
+const PARALLEL_MIN_IDS: usize = 2048;
+/// How many rows ahead a push prefetches the row it will update.
+const PREFETCH_RUNS: usize = 6;
+/// How many gradient rows ahead a push prefetches the one it will add up.
+const PREFETCH_GRADS: usize = 8;
+/// A shard's part of a push at least this long is checked for distinct rows (which need no sort).
+const DISTINCT_MIN: usize = 32;
+
+/// True when no slot but `NO_SLOT` occurs twice in `slots` (all below `end`).
+fn distinct_slots(slots: &[u32], end: u32) -> bool {
+    let mut seen = vec![0u64; (end as usize).div_ceil(64)];
+    for &s in slots {
+        if s == NO_SLOT {
+            continue;
+        }
+        let (w, bit) = ((s >> 6) as usize, 1u64 << (s & 63));
+        if seen[w] & bit != 0 {
+            return false;
+        }
+        seen[w] |= bit;
+    }
+    true
+}
+
+/// A shard's lock and fields on cache lines of their own: the lock word of one shard, written by
+/// every reader, must not share a line with the next shard's fields another thread reads.
+#[repr(align(128))]
+struct Padded<T>(T);
+
+/// A sharded sparse table. Every method takes `&self`; each shard has its own lock, held once per
+/// batch, so pulls and pushes from many threads proceed in parallel.
+pub struct SparseTable {
+    common: Common,
+    config: SparseTableConfig,
+    state_len: usize,
+    shards: Vec<Padded<RwLock<Shard>>>,
+    /// Where the next batch starts its sweep over the shards.
+    sweep: AtomicUsize,
+    /// The update sequence number: pushes applied over the table's life (a row's version).
+    seq: AtomicU64,
+    /// Per shard, how often each not yet admitted id has been pushed.
+    candidates: Vec<Mutex<HashMap<u64, u32>>>,
+    /// Set while a thread enforces `max_rows`.
+    evicting: Mutex<()>,
+    /// Held shared by every change of rows, alone by a flush taking them (see `hold_changes`).
+    changes: RwLock<()>,
+    backing: Option<Backing>,
+}
+
+impl SparseTable {
+    /// A new empty table; `config` must be valid.
+    pub(crate) fn new(
+        common: Common,
+        config: SparseTableConfig,
+        num_shards: usize,
+        backing: Option<Backing>,
+    ) -> Result<Self> {
+        config.validate()?;
+        let state_len = config.optimizer.state_len(config.dim);
+        let stride = HEADER + config.dim + state_len;
+        let track = backing.is_some();
+        Ok(Self {
+            common,
+            sweep: AtomicUsize::new(0),
+            config,
+            state_len,
+            shards: (0..num_shards.max(1))
+                .map(|_| {
+                    let mut s = Shard::new(stride);
+                    s.set_tracking(track);
+                    Padded(RwLock::new(s))
+                })
+                .collect(),
+            seq: AtomicU64::new(0),
+            candidates: (0..num_shards.max(1)).map(|_| Mutex::default()).collect(),
+            evicting: Mutex::new(()),
+            changes: RwLock::new(()),
+            backing,
+        })
+    }
+
+    /// Words of a row after its id: metadata, weights and state.
+    pub fn row_words(&self) -> usize {
+        META + self.config.dim + self.state_len
+    }
+
+    /// Floats of optimizer state per row.
+    pub fn state_len(&self) -> usize {
+        self.state_len
+    }
+
+    /// The update sequence number (pushes applied over the table's life).
+    pub fn seq(&self) -> u64 {
+        self.seq.load(Ordering::Relaxed)
+    }
+
+    pub(crate) fn set_seq(&self, seq: u64) {
+        self.seq.store(seq, Ordering::Relaxed);
+    }
+
+    /// The table's configuration (with the optimizer's initial learning rate).
+    pub fn config(&self) -> &SparseTableConfig {
+        &self.config
+    }
+
+    /// Row width.
+    pub fn dim(&self) -> usize {
+        self.config.dim
+    }
+
+    /// Number of shards.
+    pub fn num_shards(&self) -> usize {
+        self.shards.len()
+    }
+
+    fn read(&self, s: usize) -> RwLockReadGuard<'_, Shard> {
+        // Shard mutations leave the shard consistent at every point a panic could occur, so a
+        // poisoned lock still guards valid data.
+        self.shards[s].0.read().unwrap_or_else(|e| e.into_inner())
+    }
+
+    fn write(&self, s: usize) -> RwLockWriteGuard<'_, Shard> {
+        self.shards[s].0.write().unwrap_or_else(|e| e.into_inner())
+    }
+
+    /// Rows stored (in memory, plus those of the replica not loaded yet).
+    pub fn len(&self) -> usize {
+        (0..self.shards.len())
+            .map(|s| self.read(s).len())
+            .sum::<usize>()
+            + self.unloaded() as usize
+    }
+
+    /// True when no row is stored.
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+
+    /// The values the rows of `ids` have before their first update, row after row. Creates
+    /// nothing.
+    pub fn initial_rows(&self, ids: &[u64]) -> Vec<f32> {
+        self.config.initial_rows(ids)
+    }
+
+    fn init_body(&self, id: u64, body: &mut [u32]) {
+        let (w, state) = as_f32_mut(body).split_at_mut(self.config.dim);
+        self.config.initializer.fill(self.config.seed, id, w);
+        self.config.optimizer.init_state(state);
+    }
+
+    fn group(&self, ids: &[u64]) -> Grouped {
+        group_ids(&self.common.exec, ids, self.shards.len())
+    }
+
+    /// Runs `f` for every non-empty shard of the batch, in parallel when the batch is large.
+    fn for_each_shard(&self, g: &Grouped, n: usize, f: impl Fn(usize, Part<'_>) + Sync + Send) {
+        let shards = self.shards.len();
+        // Each batch starts its sweep at another shard, so that concurrent batches do not walk
+        // the shards in lockstep, one waiting behind the other at every shard.
+        let start = self.sweep.fetch_add(1, Ordering::Relaxed) % shards;
+        let visit = |i: usize| {
+            let s = (start + i) % shards;
+            let part = g.part(s);
+            if !part.positions.is_empty() {
+                f(s, part);
+            }
+        };
+        let threads = self.common.exec.threads();
+        if n >= PARALLEL_MIN_IDS && threads > 1 {
+            // A thread that joined its OpenMP team (a torch training thread) runs the shards on
+            // that team; any other runs them itself, with the store's helper threads.
+            if !crate::openmp::run(shards, threads, &visit) {
+                self.common.exec.run_shared(shards, &visit);
+            }
+        } else {
+            (0..shards).for_each(visit);
+        }
+    }
+
+    /// The rows of `ids`, as `ids.len() * dim` floats. Missing rows are created.
+    pub fn pull(&self, ids: &[u64]) -> Result<Vec<f32>> {
+        let n = ids.len() * self.config.dim;
+        let mut out: Vec<f32> = Vec::with_capacity(n);
+        self.pull_into(ids, &mut out.spare_capacity_mut()[..n])?;
+        // SAFETY: `pull_into` returned Ok, so it wrote all `n` elements.
+        unsafe { out.set_len(n) };
+        Ok(out)
+    }
+
+    /// Writes the rows of `ids` into `out` (`ids.len() * dim` floats, row after row), creating
+    /// missing rows. On success every element of `out` has been written.
+    pub fn pull_into(&self, ids: &[u64], out: &mut [MaybeUninit<f32>]) -> Result<()> {
+        self.pull_rows(ids, out, out.len() * 4 > stream_min_bytes())
+    }
+
+    /// [`SparseTable::pull_into`], writing the output with streaming stores when `stream`.
+    fn pull_rows(&self, ids: &[u64], out: &mut [MaybeUninit<f32>], stream: bool) -> Result<()> {
+        self.check_live()?;
+        let dim = self.config.dim;
+        if out.len() != ids.len() * dim {
+            return Err(shape(format!(
+                "table {:?}: the output holds {} values, not len(ids) x dim = {}",
+                self.common.name,
+                out.len(),
+                ids.len() * dim
+            )));
+        }
+        let ptr = Disjoint(out.as_mut_ptr().cast::<f32>());
+        let created = std::sync::atomic::AtomicU64::new(0);
+        let failure: Mutex<Option<crate::Error>> = Mutex::new(None);
+        let g = self.group(ids);
+        self.for_each_shard(&g, ids.len(), |s, part| {
+            let pos = part.positions;
+            let copy = |shard: &Shard, slot: u32, p: u32| {
+                let row = as_f32(&shard.row(slot)[HEADER..HEADER + dim]);
+                let dst = ptr.get().wrapping_add(p as usize * dim);
+                // SAFETY: `p < ids.len()`, so the row lies inside `out`'s capacity, and only
+                // this task writes row `p` (see `Disjoint`).
+                unsafe {
+                    if stream {
+                        copy_floats_streaming(row, dst)
+                    } else {
+                        copy_floats(row, dst)
+                    }
+                };
+            };
+            // Every return of this task passes here: its streaming stores are ordered first.
+            let _fence = Fence(stream);
+            let mut missing = Vec::new();
+            {
+                let shard = self.read(s);
+                shard.for_each_found(ids, part, dim, |k, slot| {
+                    if slot == NO_SLOT {
+                        missing.push(pos[k]);
+                    } else {
+                        copy(&shard, slot, pos[k]);
+                    }
+                });
+            }
+            if missing.is_empty() {
+                return;
+            }
+            let mut shard = self.write(s);
+            let missing_ids: Vec<u64> = missing.iter().map(|&p| ids[p as usize]).collect();
+            if let Err(e) = self.fault_in(&mut shard, &missing_ids) {
+                failure
+                    .lock()
+                    .unwrap_or_else(|e| e.into_inner())
+                    .get_or_insert(e);
+                return;
+            }
+            let admit_now = self.admit_after() <= 1;
+            let (version, now) = (self.seq(), unix_now());
+            let mut made = 0;
+            for (&p, &id) in missing.iter().zip(&missing_ids) {
+                if !admit_now && shard.find(id).is_none() {
+                    // Not admitted yet: its initial value, and no row.
+                    // SAFETY: as in `copy`.
+                    let out = unsafe {
+                        std::slice::from_raw_parts_mut(ptr.get().add(p as usize * dim), dim)
+                    };
+                    self.config.initializer.fill(self.config.seed, id, out);
+                    continue;
+                }
+                let (slot, new) = shard.find_or_insert(id, |b| self.init_body(id, b));
+                if new {
+                    shard.touch(slot, version, now, 0);
+                    made += 1;
+                }
+                copy(&shard, slot, p);
+            }
+            created.fetch_add(made, std::sync::atomic::Ordering::Relaxed);
+        });
+        if let Some(e) = failure.into_inner().unwrap_or_else(|e| e.into_inner()) {
+            return Err(e);
+        }
+        Counters::add(&self.common.counters.pulls, 1);
+        Counters::add(&self.common.counters.ids_pulled, ids.len());
+        Counters::add(
+            &self.common.counters.rows_created,
+            created.into_inner() as usize,
+        );
+        self.enforce_budget()
+    }
+
+    /// Which of `ids` have a row. Creates nothing.
+    pub fn contains(&self, ids: &[u64]) -> Result<Vec<bool>> {
+        self.check_live()?;
+        let mut out = vec![false; ids.len()];
+        let g = self.group(ids);
+        let lazy = self.lazy();
+        for s in 0..self.shards.len() {
+            let pos = g.of(s);
+            if pos.is_empty() {
+                continue;
+            }
+            let shard = self.read(s);
+            let mut ask = Vec::new();
+            for &p in pos {
+                let id = ids[p as usize];
+                out[p as usize] = shard.find(id).is_some();
+                if !out[p as usize] && lazy.is_some() && !shard.is_gone(id) {
+                    ask.push(p);
+                }
+            }
+            if let (Some((_, src)), false) = (&lazy, ask.is_empty()) {
+                let asked: Vec<u64> = ask.iter().map(|&p| ids[p as usize]).collect();
+                src.has_rows(&self.common.name, &asked, &mut |j, held| {
+                    out[ask[j] as usize] = held;
+                })?;
+            }
+        }
+        Ok(out)
+    }
+
+    /// Checks a push without applying anything.
+    pub fn validate_push(&self, ids: &[u64], grads: &[f32]) -> Result<()> {
+        self.check_live()?;
+        let dim = self.config.dim;
+        if grads.len() != ids.len() * dim {
+            return Err(shape(format!(
+                "table {:?}: grads must hold len(ids) x dim = {} x {} values, got {}",
+                self.common.name,
+                ids.len(),
+                dim,
+                grads.len()
+            )));
+        }
+        check_finite(&self.common.exec, &self.common.name, grads, dim)?;
+        self.common.durable_check()
+    }
+
+    /// Applies the gradients `grads` (`ids.len() * dim` floats, row per id) with the table's
+    /// optimizer. Duplicate ids are summed and updated once. Returns once the update is visible to
+    /// every later pull (and, in a `sync` durable store, committed to disk); if asynchronous
+    /// pushes are in flight, it queues behind them so pushes from one thread apply in order. On
+    /// an error of the inputs nothing is applied.
+    pub fn push(self: &Arc<Self>, ids: &[u64], grads: &[f32]) -> Result<()> {
+        self.push_scaled(ids, grads, 1.0)
+    }
+
+    /// [`push`](Self::push) with the learning rate multiplied by `lr_scale` for this push only
+    /// (a store server scales stale gradients this way).
+    pub fn push_scaled(self: &Arc<Self>, ids: &[u64], grads: &[f32], lr_scale: f64) -> Result<()> {
+        self.validate_push(ids, grads)?;
+        self.push_validated(ids, grads, lr_scale)
+    }
+
+    /// [`push_scaled`](Self::push_scaled) of inputs that [`validate_push`](Self::validate_push)
+    /// accepted already (a store server checks a push before it looks at its request id), so
+    /// the gradients are not scanned twice.
+    pub(crate) fn push_validated(
+        self: &Arc<Self>,
+        ids: &[u64],
+        grads: &[f32],
+        lr_scale: f64,
+    ) -> Result<()> {
+        super::check_scale(lr_scale)?;
+        self.common.durable_check()?;
+        if self.common.exec.pending() > 0 {
+            return self.queue(ids.to_vec(), grads.to_vec(), lr_scale)?.wait();
+        }
+        self.apply(ids, grads, lr_scale)?;
+        self.common.durable_wait()
+    }
+
+    /// Queues a push and returns at once; the inputs are moved into the queue. Errors of the
+    /// inputs are reported here, before anything is queued.
+    pub fn push_async(self: &Arc<Self>, ids: Vec<u64>, grads: Vec<f32>) -> Result<PushHandle> {
+        self.validate_push(&ids, &grads)?;
+        self.queue(ids, grads, 1.0)
+    }
+
+    fn queue(
+        self: &Arc<Self>,
+        ids: Vec<u64>,
+        grads: Vec<f32>,
+        lr_scale: f64,
+    ) -> Result<PushHandle> {
+        let bytes = ids.len() * 8 + grads.len() * 4;
+        let me = Arc::clone(self);
+        self.common.exec.submit(
+            bytes,
+            Box::new(move || {
+                me.apply(&ids, &grads, lr_scale)?;
+                me.common.durable_wait()
+            }),
+        )
+    }
+
+    /// Applies a validated push.
+    fn apply(&self, ids: &[u64], grads: &[f32], lr_scale: f64) -> Result<()> {
+        let dim = self.config.dim;
+        let opt = self.config.optimizer;
+        let lr = self.lr() * lr_scale;
+        let updated = std::sync::atomic::AtomicU64::new(0);
+        let created = std::sync::atomic::AtomicU64::new(0);
+        let g = self.group(ids);
+        self.fault_in_batch(ids, &g)?;
+        let changing = self.changing();
+        let version = self.seq.fetch_add(1, Ordering::Relaxed) + 1;
+        let now = unix_now();
+        self.for_each_shard(&g, ids.len(), |s, part| {
+            let pos = part.positions;
+            let mut shard = self.write(s);
+            let mut slots = Vec::new();
+            shard.find_many(ids, part, 0, &mut slots);
+            let made = self.admit(s, &mut shard, ids, pos, &mut slots, version, now);
+            let stride = HEADER + dim + self.state_len;
+            let mut acc = vec![0f64; dim];
+            // The optimizer step of one row from its summed gradient `acc`, `hits` ids counted.
+            let update = |shard: &mut Shard, slot: u32, acc: &mut [f64], hits: u32| {
+                let row = shard.row_mut(slot);
+                let step = bump_step(row);
+                let (w, state) = as_f32_mut(&mut row[HEADER..]).split_at_mut(dim);
+                opt.apply(lr, step, w, state, acc);
+                shard.touch(slot, version, now, hits);
+            };
+            let mut runs = 0u64;
+            if pos.len() >= DISTINCT_MIN && distinct_slots(&slots, shard.slot_end()) {
+                // Every row once (the batch's ids are distinct here, as pstore.torch pushes
+                // them): the rows in the batch's order, with nothing to sum and so no sort.
+                for (k, (&p, &slot)) in pos.iter().zip(&slots).enumerate() {
+                    if slot == NO_SLOT {
+                        continue;
+                    }
+                    if let Some(&ahead) = slots.get(k + PREFETCH_RUNS) {
+                        if ahead != NO_SLOT {
+                            shard.prefetch_row(ahead, stride);
+                        }
+                    }
+                    let p = p as usize;
+                    add_f64(&mut acc, &grads[p * dim..(p + 1) * dim], true);
+                    update(&mut shard, slot, &mut acc, 1);
+                    runs += 1;
+                }
+            } else {
+                let mut pairs: Vec<u64> = pos
+                    .iter()
+                    .zip(&slots)
+                    .filter(|&(_, &slot)| slot != NO_SLOT)
+                    .map(|(&p, &slot)| ((slot as u64) << 32) | p as u64)
+                    .collect();
+                pairs.sort_unstable();
+                let runs_at: Vec<usize> = (0..pairs.len())
+                    .filter(|&i| i == 0 || pairs[i] >> 32 != pairs[i - 1] >> 32)
+                    .collect();
+                let mut q = 0; // index in `pairs` of the current pair
+                for (r, run) in pairs.chunk_by(|a, b| a >> 32 == b >> 32).enumerate() {
+                    let slot = (run[0] >> 32) as u32;
+                    if let Some(&ahead) = runs_at.get(r + PREFETCH_RUNS) {
+                        // Rows are visited at random: start loading the row a few runs ahead.
+                        shard.prefetch_row((pairs[ahead] >> 32) as u32, stride);
+                    }
+                    for (k, &pair) in run.iter().enumerate() {
+                        // Gradient rows too (a hot id's run reads many, from all over the batch).
+                        if let Some(&later) = pairs.get(q + PREFETCH_GRADS) {
+                            let p = (later & 0xffff_ffff) as usize;
+                            prefetch_lines(&grads[p * dim..(p + 1) * dim]);
+                        }
+                        q += 1;
+                        let p = (pair & 0xffff_ffff) as usize;
+                        add_f64(&mut acc, &grads[p * dim..(p + 1) * dim], k == 0);
+                    }
+                    let hits = run.len().min(u32::MAX as usize) as u32;
+                    update(&mut shard, slot, &mut acc, hits);
+                    runs += 1;
+                }
+            }
+            updated.fetch_add(runs, std::sync::atomic::Ordering::Relaxed);
+            created.fetch_add(made, std::sync::atomic::Ordering::Relaxed);
+        });
+        let c = &self.common.counters;
+        Counters::add(&c.pushes, 1);
+        Counters::add(&c.ids_pushed, ids.len());
+        Counters::add(&c.rows_updated, updated.into_inner() as usize);
+        Counters::add(&c.rows_created, created.into_inner() as usize);
+        drop(changing);
+        self.enforce_budget()
+    }
+
+    /// Makes room for `rows` rows in all (a bulk load sized in advance).
+    pub fn reserve(&self, rows: usize) {
+        let per = rows.div_ceil(self.shards.len()) + rows.div_ceil(self.shards.len()) / 16 + 16;
+        for s in 0..self.shards.len() {
+            self.write(s).reserve(per);
+        }
+    }
+
+    /// The table's counters and sizes.
+    pub fn stats(&self) -> TableStats {
+        let (mut rows, mut bytes) = (0u64, 0u64);
+        for s in 0..self.shards.len() {
+            let shard = self.read(s);
+            rows += shard.len() as u64;
+            bytes += shard.bytes() as u64;
+        }
+        let c = &self.common.counters;
+        rows += self.unloaded();
+        TableStats {
+            rows,
+            bytes_used: bytes,
+            pushes: Counters::get(&c.pushes),
+            pulls: Counters::get(&c.pulls),
+            ids_pushed: Counters::get(&c.ids_pushed),
+            ids_pulled: Counters::get(&c.ids_pulled),
+            rows_updated: Counters::get(&c.rows_updated),
+            rows_created: Counters::get(&c.rows_created),
+            rows_evicted: Counters::get(&c.rows_evicted),
+            seq: self.seq(),
+            rows_unloaded: self.unloaded(),
+            lr: self.lr(),
+        }
+    }
+}
+
+impl TableHandle for SparseTable {
+    fn common(&self) -> &Common {
+        &self.common
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::init::Initializer;
+
+    #[test]
+    fn streamed_and_cached_pulls_write_the_same_rows() {
+        // The same pulls with and without streaming stores, for a width that streams whole
+        // (64), one that does not (63) and a narrow one, with new ids (created by the pull),
+        // pushed ones and duplicates.
+        let exec = crate::executor::Executor::new(2, 1 << 20).unwrap();
+        for dim in [64usize, 63, 16] {
+            let config = SparseTableConfig {
+                dim,
+                optimizer: Default::default(),
+                initializer: Initializer::Normal {
+                    mean: 0.0,
+                    std: 1.0,
+                },
+                seed: 3,
+                lifecycle: Default::default(),
+            };
+            let common = Common::new(format!("t{dim}"), config.optimizer.lr, Arc::clone(&exec));
+            let t = Arc::new(SparseTable::new(common, config, 64, None).unwrap());
+            let ids: Vec<u64> = (0..20_000u64).map(|i| (i * 7919) % 15_000).collect();
+            let grads: Vec<f32> = (0..5_000 * dim).map(|i| (i % 13) as f32 - 6.0).collect();
+            t.push(&ids[..5_000], &grads).unwrap();
+            let pull = |stream: bool| {
+                let mut out: Vec<f32> = Vec::with_capacity(ids.len() * dim);
+                t.pull_rows(
+                    &ids,
+                    &mut out.spare_capacity_mut()[..ids.len() * dim],
+                    stream,
+                )
+                .unwrap();
+                // SAFETY: `pull_rows` returned Ok, so it wrote every element.
+                unsafe { out.set_len(ids.len() * dim) };
+                out
+            };
+            let streamed = pull(true);
+            let cached = pull(false);
+            assert_eq!(streamed, cached, "dim {dim}");
+            for (k, &id) in ids.iter().enumerate().step_by(997) {
+                let one = t.pull(&[id]).unwrap();
+                assert_eq!(
+                    &streamed[k * dim..(k + 1) * dim],
+                    &one[..],
+                    "dim {dim}, id {id}"
+                );
+            }
+        }
+    }
+}
