@@ -82,7 +82,7 @@ class Server:
 
     def _start(
         self,
-        start: Callable[[bytes | None, bytes | None], Any],
+        start: Callable[[bytes | None, bytes | None], _native.Server],
         host: str,
         port: int,
         metrics_port: int | None,

@@ -5,9 +5,8 @@ from __future__ import annotations
 import json
 import os
 import threading
-import time
 from collections.abc import Callable, Iterator, Sequence
-from typing import Any, Literal, TypeVar
+from typing import Any, Literal, Self, TypeVar
 
 import numpy as np
 import numpy.typing as npt
@@ -21,13 +20,10 @@ from pstore.exceptions import (
     WrongTableKindError,
 )
 
-__all__ = ["DenseTable", "PushHandle", "SparseTable", "Store"]
+__all__ = ["BaseStore", "DenseTable", "PushHandle", "SparseTable", "StalePolicy", "Store"]
 
 IdsLike = npt.ArrayLike
-# What a table wraps: a table of this process's store, or one on store servers (pstore.client).
-_NativeTable = (
-    _native.SparseTable | _native.DenseTable | _native.RemoteSparseTable | _native.RemoteDenseTable
-)
+StalePolicy = Literal["apply", "drop", "scale"]
 _OPTIMIZERS = {"sgd": optim.SGD, "adagrad": optim.Adagrad, "adam": optim.Adam, "ftrl": optim.Ftrl}
 _INITIALIZERS = {
     "zeros": init.Zeros,
@@ -111,7 +107,7 @@ class _Table:
 
     __slots__ = ("_inner",)
 
-    def __init__(self, inner: _NativeTable) -> None:
+    def __init__(self, inner: _native.SparseTable | _native.DenseTable) -> None:
         self._inner = inner
 
     @property
@@ -127,12 +123,14 @@ class _Table:
     @property
     def optimizer(self) -> optim.Optimizer:
         """The optimizer, with the learning rate it was created with."""
-        return _spec_to(_OPTIMIZERS, self._inner.optimizer_spec())
+        o: optim.Optimizer = _spec_to(_OPTIMIZERS, self._inner.optimizer_spec())
+        return o
 
     @property
     def initializer(self) -> init.Initializer:
         """The initialiser."""
-        return _spec_to(_INITIALIZERS, self._inner.initializer_spec())
+        i: init.Initializer = _spec_to(_INITIALIZERS, self._inner.initializer_spec())
+        return i
 
     @property
     def lr(self) -> float:
@@ -154,6 +152,13 @@ class SparseTable(_Table):
     Rows are created on first touch (a pull or a push) with the table's initialiser. Do not
     create it directly: use :meth:`Store.create_sparse_table` or :meth:`Store.table`.
 
+    The same class holds a table of this process's store or of store servers
+    (:func:`pstore.connect`), where the rows are spread over the servers by id (rendezvous
+    hashing). On servers, ``num_shards`` is the number of servers; ``len``, ``seq`` and
+    ``stats()`` add up the servers' numbers (``stats()`` also lists each server's under
+    ``"servers"`` and the staleness of pushes under ``"staleness"``); and
+    ``evict(not_updated_for_steps=n)`` counts each server's own pushes.
+
     Ids may be uint64 or int64 arrays (int64 is reinterpreted bit for bit, so ``-1`` is
     ``2**64 - 1``) or lists of ints. While a call runs, other Python threads keep running: do not
     modify the arrays you passed until it returns (``push_async`` copies its inputs).
@@ -169,13 +174,16 @@ class SparseTable(_Table):
 
     @property
     def num_shards(self) -> int:
-        """Number of shards."""
+        """Number of shards (of servers, for a table on store servers)."""
         return self._inner.num_shards
 
     def __len__(self) -> int:
         return len(self._inner)
 
     def __repr__(self) -> str:
+        # A repr asks no server: a table on store servers shows how many there are.
+        if not self._inner.in_process:
+            return f"<SparseTable {self.name!r} dim={self.dim} servers={self.num_shards}>"
         return f"<SparseTable {self.name!r} dim={self.dim} rows={len(self)}>"
 
     def pull(self, ids: IdsLike) -> np.ndarray:
@@ -274,25 +282,24 @@ class SparseTable(_Table):
 
         A row created by a pull and never pushed counts as updated when it was created. Evicted
         ids become tombstones of the next incremental snapshot. With both arguments, a row is
-        removed if either applies.
+        removed if either applies. On store servers, the steps are each server's pushes to its
+        part of the table and the seconds are measured by the servers' clocks.
         """
         if not_updated_for_steps is None and not_updated_for_seconds is None:
             raise InvalidArgumentError(
                 "evict needs not_updated_for_steps or not_updated_for_seconds"
             )
-        before_seq = None
+        steps = None
         if not_updated_for_steps is not None:
-            n = _check_int(not_updated_for_steps, "not_updated_for_steps")
-            before_seq = max(self.seq - n + 1, 0)
-        before_secs = None
+            steps = _check_int(not_updated_for_steps, "not_updated_for_steps")
+        secs = None
         if not_updated_for_seconds is not None:
             secs = float(not_updated_for_seconds)
             if not secs >= 0:
                 raise InvalidArgumentError(
                     f"not_updated_for_seconds must be >= 0, got {not_updated_for_seconds}"
                 )
-            before_secs = max(int(time.time() - secs), 0)
-        return self._inner.evict(before_seq, before_secs)
+        return self._inner.evict(steps, secs)
 
     def stats(self) -> dict[str, Any]:
         """Counters and sizes.
@@ -309,7 +316,10 @@ class SparseTable(_Table):
 
 
 class DenseTable(_Table):
-    """A dense float32 tensor with its own optimizer, updated as a whole by each push."""
+    """A dense float32 tensor with its own optimizer, updated as a whole by each push.
+
+    On store servers, the table lives whole on the server its name routes to.
+    """
 
     __slots__ = ()
     _inner: _native.DenseTable
@@ -321,7 +331,7 @@ class DenseTable(_Table):
 
     @property
     def step(self) -> int:
-        """Number of pushes applied."""
+        """Number of pushes applied (by its server, for a table on store servers)."""
         return self._inner.step
 
     def __repr__(self) -> str:
@@ -346,11 +356,171 @@ class DenseTable(_Table):
         return s
 
 
-def _wrap(t: _native.SparseTable | _native.DenseTable) -> SparseTable | DenseTable:
-    return SparseTable(t) if isinstance(t, _native.SparseTable) else DenseTable(t)
+class BaseStore:
+    """What every store has: creating, finding and dropping tables, flushing, closing.
+
+    :class:`Store` (in this process) and :class:`pstore.client.RemoteStore` (store servers) are
+    the two kinds; both hand out the same :class:`SparseTable` and :class:`DenseTable` classes.
+    """
+
+    _inner: _native.StoreApi
+
+    def create_sparse_table(
+        self,
+        name: str,
+        dim: int,
+        *,
+        optimizer: optim.Optimizer | None = None,
+        initializer: init.Initializer | None = None,
+        seed: int = 0,
+        admit_after: int = 0,
+        max_rows: int | None = None,
+        evict_policy: Literal["lru", "lfu"] = "lru",
+        stale_policy: StalePolicy = "apply",
+        max_staleness: int = 0,
+    ) -> SparseTable:
+        """Create a sparse table.
+
+        On store servers it is created on every server, or returned when a table of that name
+        and config exists (so every worker may call it).
+
+        Parameters
+        ----------
+        name : str
+            A new table name.
+        dim : int
+            Row width, 1 to 4096.
+        optimizer : pstore.optim.SGD | Adagrad | Adam | Ftrl, optional
+            Applied by pushes; default ``SGD(lr=0.01)``.
+        initializer : pstore.init.*, optional
+            Value of new rows, a function of (seed, id); default ``Normal(0.0, 0.01)``.
+        seed : int
+            Seed of the initialiser, 0 to 2**64 - 1.
+        admit_after : int
+            An id gets a trainable row only once it has been pushed this many times (duplicates
+            in one push count each); until then pulls return its initial value without storing
+            a row, and pushes only count it. 0 or 1 admits at once. Counts of ids not yet
+            admitted are kept in memory only.
+        max_rows : int, optional
+            A row budget (per server, on store servers): when a push or pull takes the table
+            past it, rows are evicted by ``evict_policy`` down to 99% of the budget.
+        evict_policy : "lru" or "lfu"
+            ``"lru"`` evicts the least recently updated rows, ``"lfu"`` the least often pushed
+            (then the least recently updated).
+        stale_policy : "apply", "drop" or "scale"
+            Store servers only (an embedded store applies every push when it is made). What a
+            stale push does: its staleness is the number of pushes the server applied to the
+            table between this worker's last pull and the push. ``"apply"`` applies it,
+            ``"drop"`` drops pushes staler than ``max_staleness``, ``"scale"`` divides the
+            learning rate by the staleness.
+        max_staleness : int
+            Store servers only: the bound of ``"drop"``.
+        """
+        opt, ini = _configs(optimizer, initializer, init.Normal(0.0, 0.01))
+        d = _check_int(dim, "dim", lo=-(2**63))
+        if not 1 <= d <= MAX_DIM:
+            raise InvalidArgumentError(f"dim must be in 1..={MAX_DIM}, got {d}")
+        return SparseTable(
+            self._inner.create_sparse_table(
+                name,
+                d,
+                opt._spec(),
+                ini._spec(),
+                _seed(seed),
+                _check_int(admit_after, "admit_after", 2**32),
+                None if max_rows is None else _check_int(max_rows, "max_rows"),
+                evict_policy,
+                stale_policy,
+                _check_int(max_staleness, "max_staleness"),
+            )
+        )
+
+    def create_dense_table(
+        self,
+        name: str,
+        shape: int | Sequence[int],
+        *,
+        optimizer: optim.Optimizer | None = None,
+        initializer: init.Initializer | None = None,
+        seed: int = 0,
+        stale_policy: StalePolicy = "apply",
+        max_staleness: int = 0,
+    ) -> DenseTable:
+        """Create a dense table: a float32 tensor of ``shape``.
+
+        ``optimizer`` defaults to ``SGD(lr=0.01)`` and ``initializer`` to ``Zeros()``;
+        ``stale_policy`` and ``max_staleness`` are those of :meth:`create_sparse_table`. On
+        store servers, the table lives on the server its name routes to.
+        """
+        dims = [shape] if isinstance(shape, int) else list(shape)
+        opt, ini = _configs(optimizer, initializer, init.Zeros())
+        return DenseTable(
+            self._inner.create_dense_table(
+                name,
+                [_check_int(d, "shape") for d in dims],
+                opt._spec(),
+                ini._spec(),
+                _seed(seed),
+                stale_policy,
+                _check_int(max_staleness, "max_staleness"),
+            )
+        )
+
+    def table(self, name: str) -> SparseTable | DenseTable:
+        """The table called ``name``; raises :class:`UnknownTableError` if there is none."""
+        t = self._inner.table(name)
+        return SparseTable(t) if isinstance(t, _native.SparseTable) else DenseTable(t)
+
+    def sparse_table(self, name: str) -> SparseTable:
+        """The sparse table called ``name``."""
+        t = self.table(name)
+        if not isinstance(t, SparseTable):
+            raise WrongTableKindError(f"table {name!r} is dense, not sparse")
+        return t
+
+    def tables(self) -> list[str]:
+        """The names of all tables, sorted."""
+        return self._inner.tables()
+
+    def __contains__(self, name: object) -> bool:
+        return isinstance(name, str) and name in self._inner.tables()
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self.tables())
+
+    def __getitem__(self, name: str) -> SparseTable | DenseTable:
+        return self.table(name)
+
+    def drop_table(self, name: str) -> None:
+        """Remove a table (from every server, on store servers)."""
+        self._inner.drop_table(name)
+
+    def flush(self) -> None:
+        """Wait until every ``push_async`` of every table has been applied.
+
+        A durable store then commits everything to disk (a failed write raises
+        :class:`StorageError`); store servers make themselves durable.
+        """
+        self._inner.flush()
+
+    def close(self) -> None:
+        """Apply (send) what is queued.
+
+        An embedded store then refuses further asynchronous pushes, and a durable one writes
+        everything to disk and releases its directory, so another ``Store`` may open it. Calling
+        it again does nothing. The connections to store servers close when the store is
+        collected.
+        """
+        self._inner.close()
+
+    def __enter__(self) -> Self:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
 
 
-class Store:
+class Store(BaseStore):
     """An embedded parameter store, in this process.
 
     Parameters
@@ -395,6 +565,8 @@ class Store:
     A store must be used in the process that created it (its threads do not survive ``fork``).
     One process at a time may open a store directory.
     """
+
+    _inner: _native.Store
 
     def __init__(
         self,
@@ -459,97 +631,6 @@ class Store:
     def threads(self) -> int:
         """Threads of the store's pool."""
         return self._inner.threads
-
-    def create_sparse_table(
-        self,
-        name: str,
-        dim: int,
-        *,
-        optimizer: optim.Optimizer | None = None,
-        initializer: init.Initializer | None = None,
-        seed: int = 0,
-        admit_after: int = 0,
-        max_rows: int | None = None,
-        evict_policy: Literal["lru", "lfu"] = "lru",
-    ) -> SparseTable:
-        """Create a sparse table.
-
-        Parameters
-        ----------
-        name : str
-            A new table name.
-        dim : int
-            Row width, 1 to 4096.
-        optimizer : pstore.optim.SGD | Adagrad | Adam | Ftrl, optional
-            Applied by pushes; default ``SGD(lr=0.01)``.
-        initializer : pstore.init.*, optional
-            Value of new rows, a function of (seed, id); default ``Normal(0.0, 0.01)``.
-        seed : int
-            Seed of the initialiser, 0 to 2**64 - 1.
-        admit_after : int
-            An id gets a trainable row only once it has been pushed this many times (duplicates
-            in one push count each); until then pulls return its initial value without storing
-            a row, and pushes only count it. 0 or 1 admits at once. Counts of ids not yet
-            admitted are kept in memory only.
-        max_rows : int, optional
-            A row budget: when a push or pull takes the table past it, rows are evicted by
-            ``evict_policy`` down to 99% of the budget.
-        evict_policy : "lru" or "lfu"
-            ``"lru"`` evicts the least recently updated rows, ``"lfu"`` the least often pushed
-            (then the least recently updated).
-        """
-        return SparseTable(
-            self._inner.create_sparse_table(
-                *_sparse_args(
-                    name, dim, optimizer, initializer, seed, admit_after, max_rows, evict_policy
-                )
-            )
-        )
-
-    def create_dense_table(
-        self,
-        name: str,
-        shape: int | Sequence[int],
-        *,
-        optimizer: optim.Optimizer | None = None,
-        initializer: init.Initializer | None = None,
-        seed: int = 0,
-    ) -> DenseTable:
-        """Create a dense table: a float32 tensor of ``shape``.
-
-        ``optimizer`` defaults to ``SGD(lr=0.01)`` and ``initializer`` to ``Zeros()``.
-        """
-        return DenseTable(
-            self._inner.create_dense_table(*_dense_args(name, shape, optimizer, initializer, seed))
-        )
-
-    def table(self, name: str) -> SparseTable | DenseTable:
-        """The table called ``name``; raises :class:`UnknownTableError` if there is none."""
-        return _wrap(self._inner.table(name))
-
-    def sparse_table(self, name: str) -> SparseTable:
-        """The sparse table called ``name``."""
-        t = self.table(name)
-        if not isinstance(t, SparseTable):
-            raise WrongTableKindError(f"table {name!r} is dense, not sparse")
-        return t
-
-    def tables(self) -> list[str]:
-        """The names of all tables, sorted."""
-        return self._inner.tables()
-
-    def __contains__(self, name: object) -> bool:
-        return isinstance(name, str) and name in self._inner.tables()
-
-    def __iter__(self) -> Iterator[str]:
-        return iter(self.tables())
-
-    def __getitem__(self, name: str) -> SparseTable | DenseTable:
-        return self.table(name)
-
-    def drop_table(self, name: str) -> None:
-        """Remove a table from the store."""
-        self._inner.drop_table(name)
 
     def snapshot(
         self,
@@ -625,28 +706,6 @@ class Store:
         self._inner = _with_progress(lambda: _native.Store.restore(*args), counter, progress)
         return self
 
-    def flush(self) -> None:
-        """Wait until every ``push_async`` of every table has been applied.
-
-        A durable store then commits everything to disk; a failed write raises
-        :class:`StorageError`.
-        """
-        self._inner.flush()
-
-    def close(self) -> None:
-        """Apply what is queued and refuse further asynchronous pushes.
-
-        A durable store writes everything to disk and releases its directory, so another
-        ``Store`` may open it. Calling it again does nothing.
-        """
-        self._inner.close()
-
-    def __enter__(self) -> Store:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()
-
     def __repr__(self) -> str:
         where = f" path={self.path!r} durability={self.durability}" if self.path else ""
         return (
@@ -655,46 +714,6 @@ class Store:
 
 
 _T = TypeVar("_T")
-
-
-def _sparse_args(
-    name: str,
-    dim: int,
-    optimizer: optim.Optimizer | None,
-    initializer: init.Initializer | None,
-    seed: int,
-    admit_after: int,
-    max_rows: int | None,
-    evict_policy: str,
-) -> tuple[str, int, dict[str, Any], dict[str, Any], int, int, int | None, str]:
-    """The native ``create_sparse_table`` arguments, checked (embedded and remote stores)."""
-    opt, ini = _configs(optimizer, initializer, init.Normal(0.0, 0.01))
-    d = _check_int(dim, "dim", lo=-(2**63))
-    if not 1 <= d <= MAX_DIM:
-        raise InvalidArgumentError(f"dim must be in 1..={MAX_DIM}, got {d}")
-    return (
-        name,
-        d,
-        opt._spec(),
-        ini._spec(),
-        _seed(seed),
-        _check_int(admit_after, "admit_after", 2**32),
-        None if max_rows is None else _check_int(max_rows, "max_rows"),
-        evict_policy,
-    )
-
-
-def _dense_args(
-    name: str,
-    shape: int | Sequence[int],
-    optimizer: optim.Optimizer | None,
-    initializer: init.Initializer | None,
-    seed: int,
-) -> tuple[str, list[int], dict[str, Any], dict[str, Any], int]:
-    """The native ``create_dense_table`` arguments, checked (embedded and remote stores)."""
-    dims = [shape] if isinstance(shape, int) else list(shape)
-    opt, ini = _configs(optimizer, initializer, init.Zeros())
-    return name, [_check_int(d, "shape") for d in dims], opt._spec(), ini._spec(), _seed(seed)
 
 
 def _store_args(

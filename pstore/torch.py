@@ -226,7 +226,7 @@ class _StoreRows(nn.Module):
         self.table = table
         self.staleness = staleness
         self.share_threads = share_threads
-        self._embedded = isinstance(getattr(table, "_inner", None), _native.SparseTable)
+        self._embedded = bool(getattr(getattr(table, "_inner", None), "in_process", False))
         self._pending: collections.deque[_Pending] = collections.deque()
         self._prefetched: _Prefetch | None = None
         self.pushes = 0

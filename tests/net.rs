@@ -118,3 +118,53 @@ fn a_stopped_server_is_a_clear_error_within_the_timeout() {
     assert!(t0.elapsed() < Duration::from_secs(5));
     assert!(e.to_string().contains(&addr), "{e}");
 }
+
+/// The same code, written against `pstore::api`, over an embedded store and over two servers.
+#[test]
+fn the_api_traits_drive_both_stores_alike() {
+    use pstore::api::{AnyTable, PushPolicy, StalePolicy, StoreApi};
+    use pstore::client::ClusterStore;
+
+    fn train(store: &dyn StoreApi) -> (Vec<f32>, u64, u64) {
+        let t = store
+            .create_sparse_table("emb", config(), PushPolicy::default())
+            .unwrap();
+        let ids: Vec<u64> = (0..300u64).map(|i| i * 7919).collect();
+        let grads: Vec<f32> = (0..ids.len() * 4).map(|i| (i % 5) as f32 - 2.0).collect();
+        t.push(&ids, &grads).unwrap();
+        t.push_async(ids[..10].to_vec(), grads[..40].to_vec())
+            .unwrap()
+            .wait()
+            .unwrap();
+        store.flush().unwrap();
+        let mut out = vec![std::mem::MaybeUninit::uninit(); ids.len() * 4];
+        t.pull_into(&ids, &mut out).unwrap();
+        // SAFETY: pull_into succeeded, so it wrote every element.
+        let rows = out.iter().map(|x| unsafe { x.assume_init() }).collect();
+        assert!(matches!(store.table("emb").unwrap(), AnyTable::Sparse(_)));
+        assert_eq!(store.tables().unwrap(), ["emb"]);
+        let stats = t.stats().unwrap();
+        (rows, t.len().unwrap(), stats.table.ids_pushed)
+    }
+
+    let local = Store::new(StoreConfig::default()).unwrap();
+    let servers = [server(), server()];
+    let names: Vec<String> = servers.iter().map(|s| s.addr().to_string()).collect();
+    let cluster = ClusterStore(Client::connect(ClientConfig::new(names)).unwrap());
+    assert_eq!(train(&local), train(&cluster));
+    let stats = match cluster.table("emb").unwrap() {
+        AnyTable::Sparse(t) => t.stats().unwrap(),
+        AnyTable::Dense(_) => unreachable!(),
+    };
+    let c = stats.cluster.expect("per-server stats");
+    assert_eq!(c.servers.len(), 2);
+    assert_eq!(c.servers.iter().map(|s| s.rows).sum::<u64>(), 300);
+    let drop_stale = PushPolicy {
+        stale_policy: StalePolicy::Drop,
+        max_staleness: 1,
+    };
+    assert!(StoreApi::create_sparse_table(&local, "x", config(), drop_stale).is_err());
+    cluster
+        .create_sparse_table("x", config(), drop_stale)
+        .unwrap();
+}

@@ -68,6 +68,29 @@ def test_remote_tables_match_the_embedded_store_bit_for_bit(cluster, rng):
     assert all(p > 0 for p in per) and sum(per) == len(remote.table("sgd"))
 
 
+def test_local_and_remote_tables_are_one_class(cluster):
+    remote, _ = cluster
+    local = pstore.Store()
+    assert isinstance(remote, pstore.store.BaseStore) and isinstance(local, pstore.store.BaseStore)
+    for store in (local, remote):
+        t = store.create_sparse_table("s", 2, optimizer=optim.SGD(lr=1.0), seed=1)
+        d = store.create_dense_table("d", 3, optimizer=optim.SGD(lr=1.0))
+        assert type(t) is pstore.SparseTable and type(store.table("s")) is pstore.SparseTable
+        assert type(d) is pstore.DenseTable and type(store["d"]) is pstore.DenseTable
+        t.push([1, 2], np.ones((2, 2), np.float32))
+        t.push([1], np.ones((1, 2), np.float32))
+        # Row 2 was not updated by the last push (on the servers: by its server's last push,
+        # and ids 1 and 2 may live on different servers, so only the sum is the same).
+        assert t.evict(not_updated_for_steps=1) <= 1
+        assert t.stats()["ids_pushed"] == 3 and store.tables() == ["d", "s"]
+        store.flush()
+    # Only store servers know stale pushes.
+    with pytest.raises(pstore.InvalidArgumentError, match="store servers"):
+        local.create_sparse_table("x", 2, stale_policy="drop", max_staleness=1)
+    assert "x" not in local
+    assert "staleness" in remote.table("s").stats() and "staleness" not in local["s"].stats()
+
+
 def test_remote_store_has_the_store_api(cluster):
     remote, _ = cluster
     t = remote.create_sparse_table("emb", 4, optimizer=optim.SGD(lr=1.0), seed=3)

@@ -13,72 +13,16 @@ from __future__ import annotations
 
 import json
 import os
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from typing import Any, Literal
 
-from pstore import _native, init, optim
-from pstore.exceptions import InvalidArgumentError, WrongTableKindError
-from pstore.store import DenseTable, SparseTable, _check_int, _dense_args, _sparse_args
+from pstore import _native
+from pstore.exceptions import InvalidArgumentError
+from pstore.store import BaseStore, _check_int
 
-__all__ = ["RemoteDenseTable", "RemoteSparseTable", "RemoteStore", "connect", "load_cluster"]
+__all__ = ["RemoteStore", "connect", "load_cluster"]
 
-StalePolicy = Literal["apply", "drop", "scale"]
 Mode = Literal["async", "bsp", "ssp"]
-
-
-class RemoteSparseTable(SparseTable):
-    """A sparse table spread over store servers by id (rendezvous hashing).
-
-    It has every method of :class:`pstore.SparseTable`. The differences: ``num_shards`` is the
-    number of servers; ``seq`` and ``stats()`` add up the servers' numbers (``stats()`` also
-    lists each server's under ``"servers"`` and the staleness of pushes under
-    ``"staleness"``); ``evict(not_updated_for_steps=n)`` counts each server's own pushes.
-    """
-
-    __slots__ = ()
-    _inner: Any
-
-    def __repr__(self) -> str:
-        return f"<RemoteSparseTable {self.name!r} dim={self.dim} servers={self.num_shards}>"
-
-    def evict(
-        self,
-        *,
-        not_updated_for_steps: int | None = None,
-        not_updated_for_seconds: float | None = None,
-    ) -> int:
-        """Remove the rows not updated lately on every server; returns how many.
-
-        ``not_updated_for_steps`` counts the pushes each server applied to its part of the
-        table; ``not_updated_for_seconds`` uses the servers' clocks.
-        """
-        if not_updated_for_steps is None and not_updated_for_seconds is None:
-            raise InvalidArgumentError(
-                "evict needs not_updated_for_steps or not_updated_for_seconds"
-            )
-        steps = 0 if not_updated_for_steps is None else _check_int(not_updated_for_steps, "steps")
-        secs = 0.0 if not_updated_for_seconds is None else float(not_updated_for_seconds)
-        if not secs >= 0:
-            raise InvalidArgumentError(
-                f"not_updated_for_seconds must be >= 0, got {not_updated_for_seconds}"
-            )
-        return self._inner.evict_remote(steps, secs)
-
-
-class RemoteDenseTable(DenseTable):
-    """A dense table held whole by one store server (the one its name routes to)."""
-
-    __slots__ = ()
-    _inner: Any
-
-    def __repr__(self) -> str:
-        return f"<RemoteDenseTable {self.name!r} shape={self.shape}>"
-
-
-def _wrap(t: Any) -> RemoteSparseTable | RemoteDenseTable:
-    if isinstance(t, _native.RemoteSparseTable):
-        return RemoteSparseTable(t)
-    return RemoteDenseTable(t)
 
 
 def _read_secret(value: str | None, file: str | os.PathLike[str] | None, env: str) -> str | None:
@@ -95,14 +39,16 @@ def _read_secret(value: str | None, file: str | os.PathLike[str] | None, env: st
     return value
 
 
-class RemoteStore:
+class RemoteStore(BaseStore):
     """Tables on store servers, with the API of :class:`pstore.Store`.
 
-    Made by :func:`connect`. Sparse rows are spread over the servers by id; a dense table lives
-    on one server. ``create_*_table`` creates the table on every server, or returns it when a
-    table of that name and config exists (so every worker may call it). Training clocks
-    (:meth:`end_step`) implement the BSP and SSP modes.
+    Made by :func:`connect`. The table methods (``create_sparse_table``, ``table``, ``flush``,
+    ...) are those of every store (:class:`pstore.store.BaseStore`); sparse rows are spread over
+    the servers by id, a dense table lives on one server. Besides, a cluster has status, health,
+    per-server snapshots and training clocks (:meth:`end_step`, for the BSP and SSP modes).
     """
+
+    _inner: _native.Client
 
     def __init__(
         self,
@@ -140,89 +86,6 @@ class RemoteStore:
     def wire_dtype(self) -> str:
         """Element type of rows and gradients on the wire."""
         return self._inner.wire_dtype
-
-    def create_sparse_table(
-        self,
-        name: str,
-        dim: int,
-        *,
-        optimizer: optim.Optimizer | None = None,
-        initializer: init.Initializer | None = None,
-        seed: int = 0,
-        admit_after: int = 0,
-        max_rows: int | None = None,
-        evict_policy: Literal["lru", "lfu"] = "lru",
-        stale_policy: StalePolicy = "apply",
-        max_staleness: int = 0,
-    ) -> RemoteSparseTable:
-        """Create a sparse table on every server (see :meth:`pstore.Store.create_sparse_table`).
-
-        ``max_rows`` is a budget per server. ``stale_policy`` says what a stale push does: its
-        staleness is the number of pushes the server applied to the table between this
-        worker's last pull and the push. ``"apply"`` applies it, ``"drop"`` drops pushes staler
-        than ``max_staleness``, ``"scale"`` divides the learning rate by the staleness.
-        """
-        return RemoteSparseTable(
-            self._inner.create_sparse_table(
-                *_sparse_args(
-                    name, dim, optimizer, initializer, seed, admit_after, max_rows, evict_policy
-                ),
-                stale_policy,
-                _check_int(max_staleness, "max_staleness"),
-            )
-        )
-
-    def create_dense_table(
-        self,
-        name: str,
-        shape: int | Sequence[int],
-        *,
-        optimizer: optim.Optimizer | None = None,
-        initializer: init.Initializer | None = None,
-        seed: int = 0,
-        stale_policy: StalePolicy = "apply",
-        max_staleness: int = 0,
-    ) -> RemoteDenseTable:
-        """Create a dense table on its server (see :meth:`pstore.Store.create_dense_table`)."""
-        return RemoteDenseTable(
-            self._inner.create_dense_table(
-                *_dense_args(name, shape, optimizer, initializer, seed),
-                stale_policy,
-                _check_int(max_staleness, "max_staleness"),
-            )
-        )
-
-    def table(self, name: str) -> RemoteSparseTable | RemoteDenseTable:
-        """The table called ``name``; raises :class:`UnknownTableError` if there is none."""
-        return _wrap(self._inner.table(name))
-
-    def sparse_table(self, name: str) -> RemoteSparseTable:
-        """The sparse table called ``name``."""
-        t = self.table(name)
-        if not isinstance(t, RemoteSparseTable):
-            raise WrongTableKindError(f"table {name!r} is dense, not sparse")
-        return t
-
-    def tables(self) -> list[str]:
-        """The names of all tables, sorted."""
-        return sorted(self._inner.tables())
-
-    def __contains__(self, name: object) -> bool:
-        return isinstance(name, str) and name in self.tables()
-
-    def __iter__(self) -> Iterator[str]:
-        return iter(self.tables())
-
-    def __getitem__(self, name: str) -> RemoteSparseTable | RemoteDenseTable:
-        return self.table(name)
-
-    def drop_table(self, name: str) -> None:
-        """Remove a table from every server."""
-        self._inner.drop_table(name)
-
-    def flush(self) -> None:
-        """Wait for this client's queued pushes, then make every server durable."""
-        self._inner.flush()
 
     def snapshot(self, dir: str, *, incremental: bool = False) -> list[dict[str, Any]]:
         """Every server writes a snapshot of its part into ``dir/server-<i>`` on its machine.
@@ -265,16 +128,6 @@ class RemoteStore:
         wait = {"async": None, "bsp": 0, "ssp": self._staleness}[self._mode]
         self._inner.clock(self._worker, self._num_workers, self._clock, wait, self._barrier_timeout)
         return self._clock
-
-    def close(self) -> None:
-        """Send what is queued. The connections close when the object is collected."""
-        self._inner.drain()
-
-    def __enter__(self) -> RemoteStore:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()
 
     def __repr__(self) -> str:
         return f"<RemoteStore servers={self.servers} mode={self._mode}>"

@@ -37,6 +37,7 @@
 //! assert!(user.pull(&[3]).unwrap()[0] < 0.0);
 //! ```
 
+pub mod api;
 mod buffer;
 pub mod client;
 pub mod durable;
@@ -60,6 +61,7 @@ pub mod table;
 #[cfg(feature = "python")]
 mod python;
 
+pub use api::{AnyTable, DenseTableApi, PushPolicy, SparseTableApi, StalePolicy, Stats, StoreApi};
 pub use durable::Durability;
 pub use error::{Error, Result};
 pub use executor::PushHandle;

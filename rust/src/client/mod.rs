@@ -23,6 +23,9 @@ use crate::net::proto::*;
 use crate::net::routing::Router;
 use crate::net::{error_of, wire, DEFAULT_MAX_MESSAGE};
 
+mod tables;
+pub use tables::{ClusterStats, ClusterStore, RemoteDense, RemoteSparse, ServerTable, Staleness};
+
 /// The largest request or answer the client asks for in one message: bigger batches go as
 /// several requests at once, which the server works on in parallel and whose answers are
 /// decoded while the next arrive.
@@ -419,7 +422,6 @@ impl Client {
         pos.chunks(per).map(<[u32]>::to_vec).collect()
     }
 
-    /// The rows of `ids` (`dim` wide) into `out`.
     /// The rows of `ids` (`dim` wide) as a vector.
     pub fn pull(&self, table: &str, dim: usize, ids: &[u64]) -> Result<Vec<f32>> {
         let n = ids.len() * dim;
@@ -592,6 +594,11 @@ impl Client {
     /// Waits until every queued push has been sent and answered.
     pub fn drain(&self) {
         self.applier.flush();
+    }
+
+    /// Waits up to `timeout` for the queued pushes; true when none is left.
+    pub fn drain_timeout(&self, timeout: Duration) -> bool {
+        self.applier.flush_timeout(timeout)
     }
 
     /// Which ids have a row.

@@ -221,18 +221,23 @@ pub fn initializer_spec<'py>(py: Python<'py>, i: &Initializer) -> PyResult<Bound
 /// child process gets a clear error instead of a hang.
 #[derive(Clone, Copy)]
 pub struct ForkGuard {
-    pid: u32,
+    pid: Option<u32>,
 }
 
 impl ForkGuard {
     pub fn new() -> Self {
         Self {
-            pid: std::process::id(),
+            pid: Some(std::process::id()),
         }
     }
 
+    /// No guard: for objects whose work does not need the threads of their creator.
+    pub fn none() -> Self {
+        Self { pid: None }
+    }
+
     pub fn check(&self) -> PyResult<()> {
-        if std::process::id() == self.pid {
+        if self.pid.is_none_or(|p| p == std::process::id()) {
             Ok(())
         } else {
             Err(err(Error::InvalidArgument(

@@ -1,33 +1,36 @@
 //! The PyO3 binding: the only module that names pyo3 or numpy.
 //!
-//! Arguments are converted while the GIL is held; all table work then runs detached from the
-//! interpreter, so other Python threads keep running. The Python package (`pstore/`) wraps these
-//! classes, checks dtypes and carries the documentation.
+//! Arguments are converted while the GIL is held; all work of the core then runs in [`run`],
+//! detached from the interpreter, so other Python threads keep running. The Python package
+//! (`pstore/`) wraps these classes, checks dtypes and carries the documentation.
+//!
+//! - `tables`: the table classes and the store methods every store has, over `crate::api`;
+//! - this module: the embedded `Store`'s own methods, push handles, helpers, free functions;
+//! - `net`: the store server and the cluster `Client`'s own methods;
+//! - `serving`: serving artifacts and the model server.
 
 mod convert;
 mod net;
 mod serving;
+mod tables;
 
 use std::mem::MaybeUninit;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
 
+use numpy::PyReadonlyArray2;
 use numpy::PyUntypedArrayMethods;
-use numpy::{IntoPyArray, PyArray1, PyArray2, PyArrayDyn, PyArrayMethods, PyReadonlyArray1};
-use numpy::{PyReadonlyArray2, PyReadonlyArrayDyn};
+use numpy::{IntoPyArray, PyArray1, PyArray2, PyArrayMethods, PyReadonlyArray1};
 use pyo3::prelude::*;
 use pyo3::types::PyDict;
 
 use crate::durable::Durability;
 use crate::error::Error;
 use crate::executor::PushHandle;
-use crate::store::{DurableConfig, Store, StoreConfig, Table};
-use crate::table::{
-    DenseTable, DenseTableConfig, EvictPolicy, Lifecycle, SparseTable, SparseTableConfig,
-    TableHandle, TableStats,
-};
-use convert::{err, initializer_from, initializer_spec, optimizer_from, optimizer_spec, ForkGuard};
+use crate::store::{DurableConfig, Store, StoreConfig};
+use convert::{err, ForkGuard};
+use tables::PyStoreApi;
 
 /// How long a blocking wait sleeps between checks for Ctrl-C.
 const POLL: Duration = Duration::from_millis(100);
@@ -64,7 +67,7 @@ pub(crate) fn pulled_rows<'py>(
 ) -> PyResult<Bound<'py, PyArray2<f32>>> {
     let len = n * dim;
     let write = |data: OutData| {
-        py.detach(move || {
+        run(py, move || {
             // SAFETY: `data` points to `len` elements of a new array that no other code can
             // reach until the caller returns it; MaybeUninit makes no claim on their values.
             let out = unsafe {
@@ -72,7 +75,6 @@ pub(crate) fn pulled_rows<'py>(
             };
             fill(out)
         })
-        .map_err(err)
     };
     if len * 4 < ALIGN_MIN_BYTES {
         // SAFETY: a new C-ordered array of n x dim float32: `write` fills it before it is
@@ -94,23 +96,6 @@ pub(crate) fn pulled_rows<'py>(
         .cast_into::<PyArray2<f32>>()?)
 }
 
-fn stats_dict<'py>(py: Python<'py>, s: &TableStats) -> PyResult<Bound<'py, PyDict>> {
-    let d = PyDict::new(py);
-    d.set_item("rows", s.rows)?;
-    d.set_item("bytes_used", s.bytes_used)?;
-    d.set_item("pushes", s.pushes)?;
-    d.set_item("pulls", s.pulls)?;
-    d.set_item("ids_pushed", s.ids_pushed)?;
-    d.set_item("ids_pulled", s.ids_pulled)?;
-    d.set_item("rows_updated", s.rows_updated)?;
-    d.set_item("rows_created", s.rows_created)?;
-    d.set_item("rows_evicted", s.rows_evicted)?;
-    d.set_item("rows_unloaded", s.rows_unloaded)?;
-    d.set_item("seq", s.seq)?;
-    d.set_item("lr", s.lr)?;
-    Ok(d)
-}
-
 fn slice<'a, T: numpy::Element, D: numpy::ndarray::Dimension>(
     a: &'a numpy::PyReadonlyArray<'_, T, D>,
     what: &str,
@@ -119,54 +104,19 @@ fn slice<'a, T: numpy::Element, D: numpy::ndarray::Dimension>(
         .map_err(|_| err(Error::Shape(format!("{what} must be C-contiguous"))))
 }
 
-/// The `#[pymethods]` block of a table class: the methods every table shares (from
-/// `TableHandle` and the config), then the class's own.
-macro_rules! table_methods {
-    ($ty:ident { $($own:tt)* }) => {
-        #[pymethods]
-        impl $ty {
-            #[getter]
-            fn name(&self) -> &str {
-                self.inner.name()
-            }
-
-            #[getter]
-            fn seed(&self) -> u64 {
-                self.inner.config().seed
-            }
-
-            #[getter]
-            fn optimizer_name(&self) -> &'static str {
-                self.inner.config().optimizer.name()
-            }
-
-            #[getter]
-            fn lr(&self) -> f64 {
-                self.inner.lr()
-            }
-
-            fn set_lr(&self, lr: f64) -> PyResult<()> {
-                self.inner.set_lr(lr).map_err(err)
-            }
-
-            fn optimizer_spec<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
-                optimizer_spec(py, &self.inner.config().optimizer)
-            }
-
-            fn initializer_spec<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
-                initializer_spec(py, &self.inner.config().initializer)
-            }
-
-            $($own)*
-        }
-    };
+/// The embedded store: the tables of [`PyStoreApi`], and snapshots, restore and durability.
+#[pyclass(extends = PyStoreApi, frozen, module = "pstore._native", name = "Store")]
+pub(crate) struct PyStore {
+    pub(crate) inner: Arc<Store>,
+    pub(crate) guard: ForkGuard,
 }
 
-/// The native store.
-#[pyclass(frozen, module = "pstore._native", name = "Store")]
-struct PyStore {
-    inner: Arc<Store>,
-    guard: ForkGuard,
+impl PyStore {
+    fn init(store: Store) -> PyClassInitializer<Self> {
+        let (inner, guard) = (Arc::new(store), ForkGuard::new());
+        PyClassInitializer::from(PyStoreApi::new(Arc::clone(&inner) as _, guard))
+            .add_subclass(Self { inner, guard })
+    }
 }
 
 #[pymethods]
@@ -187,7 +137,7 @@ impl PyStore {
         flush_interval: f64,
         map_size: Option<usize>,
         environments: Option<usize>,
-    ) -> PyResult<Self> {
+    ) -> PyResult<PyClassInitializer<Self>> {
         let (config, dc) = configs(
             num_shards,
             threads,
@@ -199,13 +149,10 @@ impl PyStore {
             environments,
         )?;
         let store = match dc {
-            None => Store::new(config),
-            Some(dc) => py.detach(move || Store::open(config, dc)),
+            None => Store::new(config).map_err(err)?,
+            Some(dc) => run(py, move || Store::open(config, dc))?,
         };
-        Ok(Self {
-            inner: Arc::new(store.map_err(err)?),
-            guard: ForkGuard::new(),
-        })
+        Ok(Self::init(store))
     }
 
     /// Rebuilds a store from a snapshot and its chain of increments.
@@ -227,7 +174,7 @@ impl PyStore {
         map_size: Option<usize>,
         environments: Option<usize>,
         counter: Option<&PyCounter>,
-    ) -> PyResult<Self> {
+    ) -> PyResult<Py<Self>> {
         let (config, dc) = configs(
             num_shards,
             threads,
@@ -239,13 +186,10 @@ impl PyStore {
             environments,
         )?;
         let c = counter.map_or_else(|| Arc::new(AtomicU64::new(0)), |c| Arc::clone(&c.0));
-        let store = py
-            .detach(move || Store::restore_counted(&snapshot, config, dc, &c))
-            .map_err(err)?;
-        Ok(Self {
-            inner: Arc::new(store),
-            guard: ForkGuard::new(),
-        })
+        let store = run(py, move || {
+            Store::restore_counted(&snapshot, config, dc, &c)
+        })?;
+        Py::new(py, Self::init(store))
     }
 
     /// Writes a snapshot into the new directory `dir`; returns (manifest JSON, bytes written).
@@ -261,9 +205,7 @@ impl PyStore {
         self.guard.check()?;
         let store = &self.inner;
         let c = counter.map_or_else(|| Arc::new(AtomicU64::new(0)), |c| Arc::clone(&c.0));
-        let info = py
-            .detach(|| store.snapshot_counted(&dir, incremental, &c))
-            .map_err(err)?;
+        let info = run(py, || store.snapshot_counted(&dir, incremental, &c))?;
         let json = serde_json::to_string(&info.manifest)
             .map_err(|e| err(Error::Internal(e.to_string())))?;
         Ok((json, info.bytes))
@@ -317,166 +259,7 @@ impl PyStore {
     fn max_inflight_bytes(&self) -> usize {
         self.inner.config().max_inflight_bytes
     }
-
-    #[pyo3(signature = (
-        name, dim, optimizer, initializer, seed, admit_after=0, max_rows=None, evict_policy="lru"
-    ))]
-    #[allow(clippy::too_many_arguments)]
-    fn create_sparse_table(
-        &self,
-        py: Python<'_>,
-        name: &str,
-        dim: usize,
-        optimizer: &Bound<'_, PyDict>,
-        initializer: &Bound<'_, PyDict>,
-        seed: u64,
-        admit_after: u32,
-        max_rows: Option<u64>,
-        evict_policy: &str,
-    ) -> PyResult<PySparseTable> {
-        self.guard.check()?;
-        let config = sparse_config(
-            dim,
-            optimizer,
-            initializer,
-            seed,
-            admit_after,
-            max_rows,
-            evict_policy,
-        )?;
-        let store = &self.inner;
-        let t = py
-            .detach(|| store.create_sparse_table(name, config))
-            .map_err(err)?;
-        Ok(PySparseTable {
-            inner: t,
-            guard: self.guard,
-        })
-    }
-
-    #[pyo3(signature = (name, shape, optimizer, initializer, seed))]
-    fn create_dense_table(
-        &self,
-        py: Python<'_>,
-        name: &str,
-        shape: Vec<usize>,
-        optimizer: &Bound<'_, PyDict>,
-        initializer: &Bound<'_, PyDict>,
-        seed: u64,
-    ) -> PyResult<PyDenseTable> {
-        self.guard.check()?;
-        let config = DenseTableConfig {
-            shape,
-            optimizer: optimizer_from(optimizer)?,
-            initializer: initializer_from(initializer)?,
-            seed,
-        };
-        let store = &self.inner;
-        let t = py
-            .detach(|| store.create_dense_table(name, config))
-            .map_err(err)?;
-        Ok(PyDenseTable {
-            inner: t,
-            guard: self.guard,
-        })
-    }
-
-    /// The table called `name`, as a SparseTable or DenseTable.
-    fn table(&self, py: Python<'_>, name: &str) -> PyResult<Py<PyAny>> {
-        self.guard.check()?;
-        Ok(match self.inner.table(name).map_err(err)? {
-            Table::Sparse(t) => Py::new(
-                py,
-                PySparseTable {
-                    inner: t,
-                    guard: self.guard,
-                },
-            )?
-            .into_any(),
-            Table::Dense(t) => Py::new(
-                py,
-                PyDenseTable {
-                    inner: t,
-                    guard: self.guard,
-                },
-            )?
-            .into_any(),
-        })
-    }
-
-    fn tables(&self) -> Vec<String> {
-        self.inner.tables()
-    }
-
-    fn drop_table(&self, py: Python<'_>, name: &str) -> PyResult<()> {
-        let store = &self.inner;
-        py.detach(|| store.drop_table(name)).map_err(err)
-    }
-
-    /// Waits for every queued asynchronous push (Ctrl-C interrupts the wait); a durable store
-    /// then commits everything to disk.
-    fn flush(&self, py: Python<'_>) -> PyResult<()> {
-        self.guard.check()?;
-        loop {
-            let store = Arc::clone(&self.inner);
-            if py.detach(move || store.flush_timeout(POLL)) {
-                break;
-            }
-            py.check_signals()?;
-        }
-        let store = &self.inner;
-        py.detach(|| store.flush()).map_err(err)
-    }
-
-    /// Applies what is queued and refuses further asynchronous pushes; a durable store writes
-    /// everything and releases its directory.
-    fn close(&self, py: Python<'_>) -> PyResult<()> {
-        let store = Arc::clone(&self.inner);
-        py.detach(move || store.close()).map_err(err)
-    }
 }
-
-/// `(admit_after, max_rows, evict_policy)` of a table.
-fn lifecycle_tuple(l: &Lifecycle) -> (u32, Option<u64>, &'static str) {
-    let p = match l.policy {
-        EvictPolicy::Lru => "lru",
-        EvictPolicy::Lfu => "lfu",
-    };
-    (l.admit_after, l.max_rows, p)
-}
-
-/// A sparse table's configuration from `create_sparse_table`'s arguments.
-fn sparse_config(
-    dim: usize,
-    optimizer: &Bound<'_, PyDict>,
-    initializer: &Bound<'_, PyDict>,
-    seed: u64,
-    admit_after: u32,
-    max_rows: Option<u64>,
-    evict_policy: &str,
-) -> PyResult<SparseTableConfig> {
-    let policy = match evict_policy {
-        "lru" => EvictPolicy::Lru,
-        "lfu" => EvictPolicy::Lfu,
-        _ => {
-            return Err(err(Error::InvalidArgument(format!(
-                "evict_policy must be \"lru\" or \"lfu\", got {evict_policy:?}"
-            ))))
-        }
-    };
-    Ok(SparseTableConfig {
-        dim,
-        optimizer: optimizer_from(optimizer)?,
-        initializer: initializer_from(initializer)?,
-        seed,
-        lifecycle: Lifecycle {
-            admit_after,
-            max_rows,
-            policy,
-        },
-    })
-}
-
 /// The store and durable configurations from the constructor's arguments.
 #[allow(clippy::too_many_arguments)]
 fn configs(
@@ -526,12 +309,10 @@ fn unique_inverse<'py>(
     ids: PyReadonlyArray1<'py, u64>,
 ) -> PyResult<UniqueInverse<'py>> {
     let ids_s = slice(&ids, "ids")?;
-    let (unique, inverse) = py
-        .detach(|| {
-            let mut inverse = vec![0i64; ids_s.len()];
-            crate::ops::unique_inverse(ids_s, &mut inverse).map(|u| (u, inverse))
-        })
-        .map_err(err)?;
+    let (unique, inverse) = run(py, || {
+        let mut inverse = vec![0i64; ids_s.len()];
+        crate::ops::unique_inverse(ids_s, &mut inverse).map(|u| (u, inverse))
+    })?;
     Ok((unique.into_pyarray(py), inverse.into_pyarray(py)))
 }
 
@@ -545,9 +326,7 @@ fn sum_rows<'py>(
 ) -> PyResult<Bound<'py, PyArray2<f32>>> {
     let dim = src.shape()[1];
     let (src_s, index_s) = (slice(&src, "src")?, slice(&index, "index")?);
-    let out = py
-        .detach(|| crate::ops::sum_rows(src_s, index_s, dim, rows))
-        .map_err(err)?;
+    let out = run(py, || crate::ops::sum_rows(src_s, index_s, dim, rows))?;
     out.into_pyarray(py).reshape([rows, dim])
 }
 
@@ -578,9 +357,7 @@ fn openmp_joined() -> bool {
 /// The manifests of a snapshot's chain, base first, as JSON.
 #[pyfunction]
 fn snapshot_chain(py: Python<'_>, dir: std::path::PathBuf) -> PyResult<Vec<(String, String)>> {
-    let chain = py
-        .detach(|| crate::snapshot::Manifest::chain(&dir))
-        .map_err(err)?;
+    let chain = run(py, || crate::snapshot::Manifest::chain(&dir))?;
     chain
         .into_iter()
         .map(|(p, m)| {
@@ -593,13 +370,13 @@ fn snapshot_chain(py: Python<'_>, dir: std::path::PathBuf) -> PyResult<Vec<(Stri
 /// Checks every file of a snapshot's chain (sizes and checksums); the first damaged one fails.
 #[pyfunction]
 fn verify_snapshot(py: Python<'_>, dir: std::path::PathBuf) -> PyResult<u64> {
-    py.detach(|| crate::snapshot::verify(&dir)).map_err(err)
+    run(py, || crate::snapshot::verify(&dir))
 }
 
 /// What a store directory holds, read without opening it for writing.
 #[pyfunction]
 fn inspect_store<'py>(py: Python<'py>, path: std::path::PathBuf) -> PyResult<Bound<'py, PyDict>> {
-    let s = py.detach(|| crate::storage::inspect(&path)).map_err(err)?;
+    let s = run(py, || crate::storage::inspect(&path))?;
     let d = PyDict::new(py);
     d.set_item("format", &s.format.format)?;
     d.set_item("version", s.format.version)?;
@@ -659,8 +436,18 @@ impl PyPushHandle {
     }
 }
 
+/// Runs `f`, work of the core, with the GIL released (other Python threads run meanwhile) and
+/// maps its error to the Python exception. Every call into the core that may take time goes
+/// through here; the arguments are converted before and the results after, with the GIL held.
+pub(crate) fn run<T: Send>(
+    py: Python<'_>,
+    f: impl FnOnce() -> crate::Result<T> + Send,
+) -> PyResult<T> {
+    py.detach(f).map_err(err)
+}
+
 /// Waits for `poll` to give a result, at most `timeout` seconds (forever with None), polling in
-/// steps so Ctrl-C is seen; True once done, False on timeout, the error if it failed.
+/// steps of [`run`] so Ctrl-C is seen; True once done, False on timeout, the error if it failed.
 fn wait_polling(
     py: Python<'_>,
     timeout: Option<f64>,
@@ -682,7 +469,7 @@ fn wait_polling(
                 .min(POLL),
             None => POLL,
         };
-        if let Some(r) = py.detach(|| poll(step)) {
+        if let Some(r) = run(py, || Ok(poll(step)))? {
             return r.map(|()| true).map_err(err);
         }
         if deadline.is_some_and(|d| std::time::Instant::now() >= d) {
@@ -691,218 +478,11 @@ fn wait_polling(
         py.check_signals()?;
     }
 }
-
-/// The native sparse table.
-#[pyclass(frozen, module = "pstore._native", name = "SparseTable")]
-struct PySparseTable {
-    inner: Arc<SparseTable>,
-    guard: ForkGuard,
-}
-
-table_methods!(PySparseTable {
-    #[getter]
-    fn dim(&self) -> usize {
-        self.inner.dim()
-    }
-
-    #[getter]
-    fn num_shards(&self) -> usize {
-        self.inner.num_shards()
-    }
-
-    fn __len__(&self) -> usize {
-        self.inner.len()
-    }
-
-    fn pull<'py>(
-        &self,
-        py: Python<'py>,
-        ids: PyReadonlyArray1<'py, u64>,
-    ) -> PyResult<Bound<'py, PyArray2<f32>>> {
-        self.guard.check()?;
-        let ids_s = slice(&ids, "ids")?;
-        let (n, dim, t) = (ids_s.len(), self.inner.dim(), &self.inner);
-        // numpy allocates the result (with its own huge-page advice for large arrays); the rows
-        // are written straight into it.
-        pulled_rows(py, n, dim, |out| t.pull_into(ids_s, out))
-    }
-
-    fn push(
-        &self,
-        py: Python<'_>,
-        ids: PyReadonlyArray1<'_, u64>,
-        grads: PyReadonlyArray2<'_, f32>,
-    ) -> PyResult<()> {
-        self.guard.check()?;
-        let (ids_s, grads_s) = (slice(&ids, "ids")?, slice(&grads, "grads")?);
-        self.check_cols(&grads)?;
-        let t = &self.inner;
-        py.detach(|| t.push(ids_s, grads_s)).map_err(err)
-    }
-
-    fn push_async(
-        &self,
-        py: Python<'_>,
-        ids: PyReadonlyArray1<'_, u64>,
-        grads: PyReadonlyArray2<'_, f32>,
-    ) -> PyResult<PyPushHandle> {
-        self.guard.check()?;
-        let (ids_s, grads_s) = (slice(&ids, "ids")?, slice(&grads, "grads")?);
-        self.check_cols(&grads)?;
-        let t = &self.inner;
-        let h = py
-            .detach(|| t.push_async(ids_s.to_vec(), grads_s.to_vec()))
-            .map_err(err)?;
-        Ok(PyPushHandle { inner: h })
-    }
-
-    fn contains<'py>(
-        &self,
-        py: Python<'py>,
-        ids: PyReadonlyArray1<'py, u64>,
-    ) -> PyResult<Bound<'py, PyArray1<bool>>> {
-        let ids_s = slice(&ids, "ids")?;
-        let t = &self.inner;
-        Ok(py
-            .detach(|| t.contains(ids_s))
-            .map_err(err)?
-            .into_pyarray(py))
-    }
-
-    fn remove(&self, py: Python<'_>, ids: PyReadonlyArray1<'_, u64>) -> PyResult<usize> {
-        self.guard.check()?;
-        let ids_s = slice(&ids, "ids")?;
-        let t = &self.inner;
-        py.detach(|| t.remove(ids_s)).map_err(err)
-    }
-
-    /// Removes rows last updated before version `before_seq` or unix second `before_secs`.
-    #[pyo3(signature = (before_seq=None, before_secs=None))]
-    fn evict(&self, py: Python<'_>, before_seq: Option<u64>, before_secs: Option<u32>) -> PyResult<usize> {
-        self.guard.check()?;
-        let t = &self.inner;
-        py.detach(|| t.evict(before_seq, before_secs)).map_err(err)
-    }
-
-    /// The update sequence number (pushes applied over the table's life).
-    #[getter]
-    fn seq(&self) -> u64 {
-        self.inner.seq()
-    }
-
-    /// (admit_after, max_rows, evict_policy)
-    #[getter]
-    fn lifecycle(&self) -> (u32, Option<u64>, &'static str) {
-        lifecycle_tuple(&self.inner.config().lifecycle)
-    }
-
-    fn initial_rows<'py>(
-        &self,
-        py: Python<'py>,
-        ids: PyReadonlyArray1<'py, u64>,
-    ) -> PyResult<Bound<'py, PyArray2<f32>>> {
-        let ids_s = slice(&ids, "ids")?;
-        let (n, dim) = (ids_s.len(), self.inner.dim());
-        let t = &self.inner;
-        let rows = py.detach(|| t.initial_rows(ids_s));
-        rows.into_pyarray(py).reshape([n, dim])
-    }
-
-    fn stats<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
-        let t = &self.inner;
-        let s = py.detach(|| t.stats());
-        stats_dict(py, &s)
-    }
-});
-
-impl PySparseTable {
-    fn check_cols(&self, grads: &PyReadonlyArray2<'_, f32>) -> PyResult<()> {
-        let cols = grads.shape()[1];
-        if cols != self.inner.dim() {
-            return Err(err(Error::Shape(format!(
-                "table {:?} has dim {}, but grads have {} columns",
-                self.inner.name(),
-                self.inner.dim(),
-                cols
-            ))));
-        }
-        Ok(())
-    }
-}
-
-/// The native dense table.
-#[pyclass(frozen, module = "pstore._native", name = "DenseTable")]
-struct PyDenseTable {
-    inner: Arc<DenseTable>,
-    guard: ForkGuard,
-}
-
-table_methods!(PyDenseTable {
-    #[getter]
-    fn shape(&self) -> Vec<usize> {
-        self.inner.config().shape.clone()
-    }
-
-    #[getter]
-    fn step(&self) -> u32 {
-        self.inner.step()
-    }
-
-    fn pull<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyArrayDyn<f32>>> {
-        self.guard.check()?;
-        let t = &self.inner;
-        let v = py.detach(|| t.pull()).map_err(err)?;
-        v.into_pyarray(py)
-            .reshape(self.inner.config().shape.clone())
-    }
-
-    fn push(&self, py: Python<'_>, grad: PyReadonlyArrayDyn<'_, f32>) -> PyResult<()> {
-        self.guard.check()?;
-        self.check_shape(&grad)?;
-        let g = slice(&grad, "grad")?;
-        let t = &self.inner;
-        py.detach(|| t.push(g)).map_err(err)
-    }
-
-    fn push_async(
-        &self,
-        py: Python<'_>,
-        grad: PyReadonlyArrayDyn<'_, f32>,
-    ) -> PyResult<PyPushHandle> {
-        self.guard.check()?;
-        self.check_shape(&grad)?;
-        let g = slice(&grad, "grad")?;
-        let t = &self.inner;
-        let h = py.detach(|| t.push_async(g.to_vec())).map_err(err)?;
-        Ok(PyPushHandle { inner: h })
-    }
-
-    fn stats<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
-        stats_dict(py, &self.inner.stats())
-    }
-});
-
-impl PyDenseTable {
-    fn check_shape(&self, grad: &PyReadonlyArrayDyn<'_, f32>) -> PyResult<()> {
-        let want = &self.inner.config().shape;
-        if grad.shape() != want.as_slice() {
-            return Err(err(Error::Shape(format!(
-                "table {:?}: gradient must have shape {:?}, got {:?}",
-                self.inner.name(),
-                want,
-                grad.shape()
-            ))));
-        }
-        Ok(())
-    }
-}
-
 /// The native module `pstore._native`.
 #[pymodule]
 fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
+    tables::register(m)?;
     m.add_class::<PyStore>()?;
-    m.add_class::<PySparseTable>()?;
-    m.add_class::<PyDenseTable>()?;
     m.add_class::<PyPushHandle>()?;
     m.add_class::<PyCounter>()?;
     net::register(m)?;

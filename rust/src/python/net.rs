@@ -1,24 +1,22 @@
 //! The binding of the store server and the distributed client.
 //!
-//! The remote table classes have the methods of the embedded ones (`pull`, `push`, `push_async`,
-//! ...), so the Python `SparseTable` and `DenseTable` classes wrap either.
+//! The client's tables are the embedded store's classes (`SparseTable`, `DenseTable`, over the
+//! traits of `crate::api`); here are only what a cluster has besides: status, health, clocks.
 
 use std::net::{SocketAddr, ToSocketAddrs};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
-use numpy::{IntoPyArray, PyArray1, PyArray2, PyArrayDyn, PyArrayMethods, PyReadonlyArray1};
-use numpy::{PyReadonlyArray2, PyReadonlyArrayDyn, PyUntypedArrayMethods};
 use pyo3::prelude::*;
 use pyo3::types::{PyDict, PyList};
 
-use super::convert::{err, initializer_from, initializer_spec, optimizer_from, optimizer_spec};
-use super::{lifecycle_tuple, pulled_rows, slice, sparse_config, PyPushHandle, PyStore};
-use crate::client::{Client, ClientConfig};
+use super::convert::{err, ForkGuard};
+use super::tables::{server_table_dict, PyStoreApi};
+use super::{run, PyStore};
+use crate::client::{Client, ClientConfig, ClusterStore};
 use crate::error::Error;
-use crate::net::proto::{CreateTableRequest, Dtype, StalePolicy, TableInfo, TableKind};
+use crate::net::proto::Dtype;
 use crate::server::{ServerConfig, ServerHandle, Tokens};
-use crate::table::{DenseTableConfig, SparseTableConfig};
 
 fn bad(msg: impl Into<String>) -> PyErr {
     err(Error::InvalidArgument(msg.into()))
@@ -119,9 +117,7 @@ impl PyServer {
             max_message,
         )?;
         let store = Arc::clone(&store.inner);
-        let h = py
-            .detach(move || crate::server::start(store, cfg))
-            .map_err(err)?;
+        let h = run(py, move || crate::server::start(store, cfg))?;
         Ok(Self::of(h))
     }
 
@@ -151,9 +147,7 @@ impl PyServer {
         }
         let h = self.inner.lock().unwrap_or_else(|e| e.into_inner()).take();
         match h {
-            Some(mut h) => py
-                .detach(move || h.stop(Duration::from_secs_f64(grace)))
-                .map_err(err),
+            Some(mut h) => run(py, move || h.stop(Duration::from_secs_f64(grace))),
             None => Ok(()),
         }
     }
@@ -170,109 +164,8 @@ fn dtype_of(name: &str) -> PyResult<Dtype> {
     }
 }
 
-fn policy_of(name: &str) -> PyResult<StalePolicy> {
-    match name {
-        "apply" => Ok(StalePolicy::Apply),
-        "drop" => Ok(StalePolicy::Drop),
-        "scale" => Ok(StalePolicy::Scale),
-        _ => Err(bad(format!(
-            "stale_policy must be \"apply\", \"drop\" or \"scale\", got {name:?}"
-        ))),
-    }
-}
-
-fn policy_name(p: i32) -> &'static str {
-    match StalePolicy::try_from(p) {
-        Ok(StalePolicy::Drop) => "drop",
-        Ok(StalePolicy::Scale) => "scale",
-        _ => "apply",
-    }
-}
-
-fn json<'py>(py: Python<'py>, text: &str) -> PyResult<Bound<'py, PyAny>> {
-    py.import("json")?.call_method1("loads", (text,))
-}
-
-fn info_dict<'py>(py: Python<'py>, t: &TableInfo) -> PyResult<Bound<'py, PyDict>> {
-    let d = PyDict::new(py);
-    d.set_item("name", &t.name)?;
-    d.set_item(
-        "kind",
-        if t.kind == TableKind::Dense as i32 {
-            "dense"
-        } else {
-            "sparse"
-        },
-    )?;
-    d.set_item("rows", t.rows)?;
-    d.set_item("seq", t.seq)?;
-    d.set_item("lr", t.lr)?;
-    d.set_item("stale_policy", policy_name(t.stale_policy))?;
-    d.set_item("max_staleness", t.max_staleness)?;
-    d.set_item("config", json(py, &t.config_json)?)?;
-    d.set_item("stats", json(py, &t.stats_json)?)?;
-    Ok(d)
-}
-
-/// Sums the stats of a table's servers; per-server dicts under "servers".
-fn merged_stats<'py>(
-    py: Python<'py>,
-    infos: &[TableInfo],
-    servers: &[String],
-) -> PyResult<Bound<'py, PyDict>> {
-    let d = PyDict::new(py);
-    let mut sums = serde_json::Map::new();
-    let mut stale = [0u64; 5];
-    for t in infos {
-        let v: serde_json::Value = serde_json::from_str(&t.stats_json)
-            .map_err(|e| err(Error::Internal(format!("stats from a server: {e}"))))?;
-        if let Some(o) = v.as_object() {
-            for (k, x) in o {
-                if let Some(n) = x.as_u64() {
-                    let e = sums.entry(k.clone()).or_insert(serde_json::json!(0u64));
-                    *e = serde_json::json!(e.as_u64().unwrap_or(0) + n);
-                }
-            }
-            if let Some(s) = o.get("staleness") {
-                let g = |k: &str| s.get(k).and_then(|x| x.as_u64()).unwrap_or(0);
-                stale[0] += g("pushes");
-                stale[1] += g("total");
-                stale[2] = stale[2].max(g("max"));
-                stale[3] += g("dropped");
-                stale[4] += g("scaled");
-            }
-        }
-    }
-    for (k, v) in sums {
-        d.set_item(k, v.as_u64())?;
-    }
-    d.set_item("lr", infos.first().map_or(0.0, |t| t.lr))?;
-    let s = PyDict::new(py);
-    s.set_item("pushes", stale[0])?;
-    s.set_item(
-        "mean",
-        if stale[0] == 0 {
-            0.0
-        } else {
-            stale[1] as f64 / stale[0] as f64
-        },
-    )?;
-    s.set_item("max", stale[2])?;
-    s.set_item("dropped", stale[3])?;
-    s.set_item("scaled", stale[4])?;
-    d.set_item("staleness", s)?;
-    let per = PyList::empty(py);
-    for (t, name) in infos.iter().zip(servers) {
-        let x = info_dict(py, t)?;
-        x.set_item("server", name)?;
-        per.append(x)?;
-    }
-    d.set_item("servers", per)?;
-    Ok(d)
-}
-
-/// A connection to store servers.
-#[pyclass(frozen, module = "pstore._native", name = "Client")]
+/// A connection to store servers: the tables of [`PyStoreApi`], and the cluster's own calls.
+#[pyclass(extends = PyStoreApi, frozen, module = "pstore._native", name = "Client")]
 struct PyClient {
     inner: Arc<Client>,
 }
@@ -296,7 +189,7 @@ impl PyClient {
         tls_domain: Option<String>,
         max_message: Option<usize>,
         max_inflight_bytes: Option<usize>,
-    ) -> PyResult<Self> {
+    ) -> PyResult<PyClassInitializer<Self>> {
         if !(timeout.is_finite() && timeout > 0.0) {
             return Err(bad(format!("timeout must be > 0 seconds, got {timeout}")));
         }
@@ -319,8 +212,12 @@ impl PyClient {
             }
             c.max_inflight_bytes = b;
         }
-        let inner = py.detach(move || Client::connect(c)).map_err(err)?;
-        Ok(Self { inner })
+        let inner = run(py, move || Client::connect(c))?;
+        let api = ClusterStore(Arc::clone(&inner));
+        Ok(
+            PyClassInitializer::from(PyStoreApi::new(Arc::new(api), ForkGuard::none()))
+                .add_subclass(Self { inner }),
+        )
     }
 
     #[getter]
@@ -338,19 +235,19 @@ impl PyClient {
     }
 
     /// The gRPC health status of every server.
-    fn health(&self, py: Python<'_>) -> Vec<String> {
+    fn health(&self, py: Python<'_>) -> PyResult<Vec<String>> {
         let c = &self.inner;
-        py.detach(|| c.health())
+        run(py, || Ok(c.health()))
     }
 
     /// The status of every server, as dicts.
     fn status<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyList>> {
         let c = &self.inner;
-        let all = py.detach(|| c.status()).map_err(err)?;
+        let all = run(py, || c.status())?;
         let out = PyList::empty(py);
         for (s, name) in all.iter().zip(c.servers()) {
             let d = PyDict::new(py);
-            d.set_item("server", name)?;
+            d.set_item("server", &name)?;
             d.set_item("version", &s.version)?;
             d.set_item("protocol", s.protocol)?;
             d.set_item("path", (!s.path.is_empty()).then_some(&s.path))?;
@@ -364,8 +261,8 @@ impl PyClient {
                 (!s.model_json.is_empty()).then_some(&s.model_json),
             )?;
             let tables = PyList::empty(py);
-            for t in &s.tables {
-                tables.append(info_dict(py, t)?)?;
+            for t in c.server_tables(s, &name) {
+                tables.append(server_table_dict(py, &t)?)?;
             }
             d.set_item("tables", tables)?;
             let clocks = s.clocks.clone().unwrap_or_default();
@@ -373,145 +270,6 @@ impl PyClient {
             out.append(d)?;
         }
         Ok(out)
-    }
-
-    #[pyo3(signature = (
-        name, dim, optimizer, initializer, seed, admit_after, max_rows, evict_policy,
-        stale_policy="apply", max_staleness=0
-    ))]
-    #[allow(clippy::too_many_arguments)]
-    fn create_sparse_table(
-        &self,
-        py: Python<'_>,
-        name: &str,
-        dim: usize,
-        optimizer: &Bound<'_, PyDict>,
-        initializer: &Bound<'_, PyDict>,
-        seed: u64,
-        admit_after: u32,
-        max_rows: Option<u64>,
-        evict_policy: &str,
-        stale_policy: &str,
-        max_staleness: u64,
-    ) -> PyResult<PyRemoteSparse> {
-        let config = sparse_config(
-            dim,
-            optimizer,
-            initializer,
-            seed,
-            admit_after,
-            max_rows,
-            evict_policy,
-        )?;
-        config.validate().map_err(err)?;
-        let req = CreateTableRequest {
-            name: name.to_string(),
-            kind: TableKind::Sparse as i32,
-            config_json: serde_json::to_string(&config)
-                .map_err(|e| err(Error::Internal(e.to_string())))?,
-            stale_policy: policy_of(stale_policy)? as i32,
-            max_staleness,
-        };
-        crate::table::validate_name(name).map_err(err)?;
-        let c = &self.inner;
-        py.detach(|| c.create_table(req)).map_err(err)?;
-        Ok(PyRemoteSparse {
-            client: Arc::clone(&self.inner),
-            name: name.to_string(),
-            config,
-        })
-    }
-
-    #[pyo3(signature = (name, shape, optimizer, initializer, seed, stale_policy="apply", max_staleness=0))]
-    #[allow(clippy::too_many_arguments)]
-    fn create_dense_table(
-        &self,
-        py: Python<'_>,
-        name: &str,
-        shape: Vec<usize>,
-        optimizer: &Bound<'_, PyDict>,
-        initializer: &Bound<'_, PyDict>,
-        seed: u64,
-        stale_policy: &str,
-        max_staleness: u64,
-    ) -> PyResult<PyRemoteDense> {
-        let config = DenseTableConfig {
-            shape,
-            optimizer: optimizer_from(optimizer)?,
-            initializer: initializer_from(initializer)?,
-            seed,
-        };
-        config.validate().map_err(err)?;
-        crate::table::validate_name(name).map_err(err)?;
-        let req = CreateTableRequest {
-            name: name.to_string(),
-            kind: TableKind::Dense as i32,
-            config_json: serde_json::to_string(&config)
-                .map_err(|e| err(Error::Internal(e.to_string())))?,
-            stale_policy: policy_of(stale_policy)? as i32,
-            max_staleness,
-        };
-        let c = &self.inner;
-        py.detach(|| c.create_table(req)).map_err(err)?;
-        Ok(PyRemoteDense {
-            client: Arc::clone(&self.inner),
-            name: name.to_string(),
-            config,
-        })
-    }
-
-    /// The table called `name`, as a RemoteSparseTable or RemoteDenseTable.
-    fn table(&self, py: Python<'_>, name: &str) -> PyResult<Py<PyAny>> {
-        let c = &self.inner;
-        let infos = py.detach(|| c.get_table(name)).map_err(err)?;
-        let info = infos
-            .first()
-            .ok_or_else(|| err(Error::UnknownTable(name.to_string())))?;
-        let bad_config = |e: serde_json::Error| {
-            err(Error::Internal(format!(
-                "table {name:?}: the server sent a config this client cannot read: {e}"
-            )))
-        };
-        Ok(if info.kind == TableKind::Dense as i32 {
-            let config: DenseTableConfig =
-                serde_json::from_str(&info.config_json).map_err(bad_config)?;
-            Py::new(
-                py,
-                PyRemoteDense {
-                    client: Arc::clone(&self.inner),
-                    name: name.to_string(),
-                    config,
-                },
-            )?
-            .into_any()
-        } else {
-            let config: SparseTableConfig =
-                serde_json::from_str(&info.config_json).map_err(bad_config)?;
-            Py::new(
-                py,
-                PyRemoteSparse {
-                    client: Arc::clone(&self.inner),
-                    name: name.to_string(),
-                    config,
-                },
-            )?
-            .into_any()
-        })
-    }
-
-    fn tables(&self, py: Python<'_>) -> PyResult<Vec<String>> {
-        let c = &self.inner;
-        py.detach(|| c.list_tables()).map_err(err)
-    }
-
-    fn drop_table(&self, py: Python<'_>, name: &str) -> PyResult<bool> {
-        let c = &self.inner;
-        py.detach(|| c.drop_table(name)).map_err(err)
-    }
-
-    fn flush(&self, py: Python<'_>) -> PyResult<()> {
-        let c = &self.inner;
-        py.detach(|| c.flush()).map_err(err)
     }
 
     /// Each server writes `dir/server-<i>`; returns [(dir, rows)].
@@ -523,14 +281,17 @@ impl PyClient {
         incremental: bool,
     ) -> PyResult<Vec<(String, u64)>> {
         let c = &self.inner;
-        let r = py.detach(|| c.snapshot(dir, incremental)).map_err(err)?;
+        let r = run(py, || c.snapshot(dir, incremental))?;
         Ok(r.into_iter().map(|s| (s.dir, s.rows)).collect())
     }
 
     /// Waits until every queued asynchronous push has been answered.
-    fn drain(&self, py: Python<'_>) {
+    fn drain(&self, py: Python<'_>) -> PyResult<()> {
         let c = &self.inner;
-        py.detach(|| c.drain());
+        run(py, || {
+            c.drain();
+            Ok(())
+        })
     }
 
     /// Reports `clock` for `worker`; with `staleness` given, waits (at most `timeout` seconds)
@@ -550,267 +311,13 @@ impl PyClient {
         }
         let c = &self.inner;
         let t = Duration::from_secs_f64(timeout);
-        let r = py
-            .detach(|| c.clock(worker, num_workers, clock, staleness, t))
-            .map_err(err)?;
+        let r = run(py, || c.clock(worker, num_workers, clock, staleness, t))?;
         Ok(r.clocks)
-    }
-}
-
-/// The methods both remote table kinds share.
-macro_rules! remote_methods {
-    ($ty:ident { $($own:tt)* }) => {
-        #[pymethods]
-        impl $ty {
-            #[getter]
-            fn name(&self) -> &str {
-                &self.name
-            }
-
-            #[getter]
-            fn seed(&self) -> u64 {
-                self.config.seed
-            }
-
-            #[getter]
-            fn optimizer_name(&self) -> &'static str {
-                self.config.optimizer.name()
-            }
-
-            /// The learning rate in force on the servers.
-            #[getter]
-            fn lr(&self, py: Python<'_>) -> PyResult<f64> {
-                let (c, n) = (&self.client, &self.name);
-                let infos = py.detach(|| c.get_table(n)).map_err(err)?;
-                Ok(infos.first().map_or(self.config.optimizer.lr, |t| t.lr))
-            }
-
-            fn set_lr(&self, py: Python<'_>, lr: f64) -> PyResult<()> {
-                let (c, n) = (&self.client, &self.name);
-                py.detach(|| c.set_lr(n, lr)).map_err(err)
-            }
-
-            fn optimizer_spec<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
-                optimizer_spec(py, &self.config.optimizer)
-            }
-
-            fn initializer_spec<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
-                initializer_spec(py, &self.config.initializer)
-            }
-
-            /// The servers' counters summed (per server under "servers"), with staleness.
-            fn stats<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
-                let (c, n) = (&self.client, &self.name);
-                let infos = py.detach(|| c.get_table(n)).map_err(err)?;
-                merged_stats(py, &infos, &self.client.servers())
-            }
-
-            /// The addresses of the servers.
-            #[getter]
-            fn servers(&self) -> Vec<String> {
-                self.client.servers()
-            }
-
-            $($own)*
-        }
-    };
-}
-
-/// A sparse table on store servers.
-#[pyclass(frozen, module = "pstore._native", name = "RemoteSparseTable")]
-struct PyRemoteSparse {
-    client: Arc<Client>,
-    name: String,
-    config: SparseTableConfig,
-}
-
-impl PyRemoteSparse {
-    fn check_cols(&self, grads: &PyReadonlyArray2<'_, f32>) -> PyResult<()> {
-        let cols = grads.shape()[1];
-        if cols != self.config.dim {
-            return Err(err(Error::Shape(format!(
-                "table {:?} has dim {}, but grads have {} columns",
-                self.name, self.config.dim, cols
-            ))));
-        }
-        Ok(())
-    }
-}
-
-remote_methods!(PyRemoteSparse {
-    #[getter]
-    fn dim(&self) -> usize {
-        self.config.dim
-    }
-
-    /// The number of servers the rows are spread over.
-    #[getter]
-    fn num_shards(&self) -> usize {
-        self.client.servers().len()
-    }
-
-    fn __len__(&self, py: Python<'_>) -> PyResult<usize> {
-        let (c, n) = (&self.client, &self.name);
-        let infos = py.detach(|| c.get_table(n)).map_err(err)?;
-        Ok(infos.iter().map(|t| t.rows as usize).sum())
-    }
-
-    fn pull<'py>(
-        &self,
-        py: Python<'py>,
-        ids: PyReadonlyArray1<'py, u64>,
-    ) -> PyResult<Bound<'py, PyArray2<f32>>> {
-        let ids_s = slice(&ids, "ids")?;
-        let (n, dim) = (ids_s.len(), self.config.dim);
-        let (c, name) = (&self.client, &self.name);
-        pulled_rows(py, n, dim, |out| c.pull_into(name, dim, ids_s, out))
-    }
-
-    fn push(
-        &self,
-        py: Python<'_>,
-        ids: PyReadonlyArray1<'_, u64>,
-        grads: PyReadonlyArray2<'_, f32>,
-    ) -> PyResult<()> {
-        let (ids_s, grads_s) = (slice(&ids, "ids")?, slice(&grads, "grads")?);
-        self.check_cols(&grads)?;
-        let (c, name, dim) = (&self.client, &self.name, self.config.dim);
-        py.detach(|| c.push(name, dim, ids_s, grads_s)).map_err(err)
-    }
-
-    fn push_async(
-        &self,
-        py: Python<'_>,
-        ids: PyReadonlyArray1<'_, u64>,
-        grads: PyReadonlyArray2<'_, f32>,
-    ) -> PyResult<PyPushHandle> {
-        let (ids_s, grads_s) = (slice(&ids, "ids")?, slice(&grads, "grads")?);
-        self.check_cols(&grads)?;
-        let (c, name, dim) = (&self.client, &self.name, self.config.dim);
-        let h = py
-            .detach(|| c.push_async(name, dim, ids_s.to_vec(), grads_s.to_vec()))
-            .map_err(err)?;
-        Ok(PyPushHandle { inner: h })
-    }
-
-    fn contains<'py>(
-        &self,
-        py: Python<'py>,
-        ids: PyReadonlyArray1<'py, u64>,
-    ) -> PyResult<Bound<'py, PyArray1<bool>>> {
-        let ids_s = slice(&ids, "ids")?;
-        let (c, name) = (&self.client, &self.name);
-        Ok(py
-            .detach(|| c.contains(name, ids_s))
-            .map_err(err)?
-            .into_pyarray(py))
-    }
-
-    fn remove(&self, py: Python<'_>, ids: PyReadonlyArray1<'_, u64>) -> PyResult<u64> {
-        let ids_s = slice(&ids, "ids")?;
-        let (c, name) = (&self.client, &self.name);
-        py.detach(|| c.remove(name, ids_s)).map_err(err)
-    }
-
-    /// Removes rows that none of each server's last `steps` pushes updated, or not updated for
-    /// `seconds` (0: not by that measure).
-    #[pyo3(signature = (steps=0, seconds=0.0))]
-    fn evict_remote(&self, py: Python<'_>, steps: u64, seconds: f64) -> PyResult<u64> {
-        let (c, name) = (&self.client, &self.name);
-        py.detach(|| c.evict(name, steps, seconds)).map_err(err)
-    }
-
-    /// The servers' update sequence numbers summed.
-    #[getter]
-    fn seq(&self, py: Python<'_>) -> PyResult<u64> {
-        let (c, n) = (&self.client, &self.name);
-        let infos = py.detach(|| c.get_table(n)).map_err(err)?;
-        Ok(infos.iter().map(|t| t.seq).sum())
-    }
-
-    #[getter]
-    fn lifecycle(&self) -> (u32, Option<u64>, &'static str) {
-        lifecycle_tuple(&self.config.lifecycle)
-    }
-
-    /// Computed here: a row's initial value is a function of (seed, id) alone.
-    fn initial_rows<'py>(
-        &self,
-        py: Python<'py>,
-        ids: PyReadonlyArray1<'py, u64>,
-    ) -> PyResult<Bound<'py, PyArray2<f32>>> {
-        let ids_s = slice(&ids, "ids")?;
-        let rows = self.config.initial_rows(ids_s);
-        rows.into_pyarray(py).reshape([ids_s.len(), self.config.dim])
-    }
-});
-
-/// A dense table on the store server its name routes to.
-#[pyclass(frozen, module = "pstore._native", name = "RemoteDenseTable")]
-struct PyRemoteDense {
-    client: Arc<Client>,
-    name: String,
-    config: DenseTableConfig,
-}
-
-remote_methods!(PyRemoteDense {
-    #[getter]
-    fn shape(&self) -> Vec<usize> {
-        self.config.shape.clone()
-    }
-
-    /// Pushes applied (the home server's count).
-    #[getter]
-    fn step(&self, py: Python<'_>) -> PyResult<u64> {
-        let (c, n) = (&self.client, &self.name);
-        let infos = py.detach(|| c.get_table(n)).map_err(err)?;
-        Ok(infos
-            .get(self.client.dense_home(n))
-            .map_or(0, |t| t.seq))
-    }
-
-    fn pull<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyArrayDyn<f32>>> {
-        let (c, n, numel) = (&self.client, &self.name, self.config.numel());
-        let v = py.detach(|| c.dense_pull(n, numel)).map_err(err)?;
-        v.into_pyarray(py).reshape(self.config.shape.clone())
-    }
-
-    fn push(&self, py: Python<'_>, grad: PyReadonlyArrayDyn<'_, f32>) -> PyResult<()> {
-        self.check_shape(&grad)?;
-        let g = slice(&grad, "grad")?;
-        let (c, n) = (&self.client, &self.name);
-        py.detach(|| c.dense_push(n, g)).map_err(err)
-    }
-
-    fn push_async(&self, py: Python<'_>, grad: PyReadonlyArrayDyn<'_, f32>) -> PyResult<PyPushHandle> {
-        self.check_shape(&grad)?;
-        let g = slice(&grad, "grad")?;
-        let (c, n) = (&self.client, &self.name);
-        let h = py
-            .detach(|| c.dense_push_async(n, g.to_vec()))
-            .map_err(err)?;
-        Ok(PyPushHandle { inner: h })
-    }
-});
-
-impl PyRemoteDense {
-    fn check_shape(&self, grad: &PyReadonlyArrayDyn<'_, f32>) -> PyResult<()> {
-        if grad.shape() != self.config.shape.as_slice() {
-            return Err(err(Error::Shape(format!(
-                "table {:?}: gradient must have shape {:?}, got {:?}",
-                self.name,
-                self.config.shape,
-                grad.shape()
-            ))));
-        }
-        Ok(())
     }
 }
 
 pub(super) fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<PyServer>()?;
     m.add_class::<PyClient>()?;
-    m.add_class::<PyRemoteSparse>()?;
-    m.add_class::<PyRemoteDense>()?;
     Ok(())
 }

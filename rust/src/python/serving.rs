@@ -9,7 +9,7 @@ use pyo3::prelude::*;
 
 use super::convert::err;
 use super::net::{server_config, PyServer};
-use super::{slice, PyCounter};
+use super::{run, slice, PyCounter};
 use crate::error::Error;
 use crate::serving::{Artifact, Dtype, Fallback};
 
@@ -55,7 +55,7 @@ impl PyArtifact {
     #[new]
     #[pyo3(signature = (path, writable=false))]
     fn new(py: Python<'_>, path: PathBuf, writable: bool) -> PyResult<Self> {
-        let inner = py.detach(|| Artifact::open(&path, writable)).map_err(err)?;
+        let inner = run(py, || Artifact::open(&path, writable))?;
         Ok(Self { inner, writable })
     }
 
@@ -71,7 +71,7 @@ impl PyArtifact {
 
     /// The state record as JSON.
     fn state_json(&self, py: Python<'_>) -> PyResult<String> {
-        let s = py.detach(|| self.inner.state()).map_err(err)?;
+        let s = run(py, || self.inner.state())?;
         json(&s)
     }
 
@@ -94,9 +94,7 @@ impl PyArtifact {
         let fb = fallback(default, row)?;
         let ids_s = slice(&ids, "ids")?;
         let a = &self.inner;
-        let r = py
-            .detach(|| a.lookup_owned(table, ids_s, &fb))
-            .map_err(err)?;
+        let r = run(py, || a.lookup_owned(table, ids_s, &fb))?;
         // The vectors become the arrays without a copy.
         let rows = r.rows.into_pyarray(py).reshape([ids_s.len(), r.dim])?;
         let found = mask.then(|| r.found.into_pyarray(py));
@@ -111,13 +109,13 @@ impl PyArtifact {
     ) -> PyResult<Bound<'py, PyArray1<bool>>> {
         let ids_s = slice(&ids, "ids")?;
         let a = &self.inner;
-        let m = py.detach(|| a.contains(table, ids_s)).map_err(err)?;
+        let m = run(py, || a.contains(table, ids_s))?;
         Ok(m.into_pyarray(py))
     }
 
     fn dense<'py>(&self, py: Python<'py>, table: &str) -> PyResult<Bound<'py, PyArrayDyn<f32>>> {
         let a = &self.inner;
-        let (shape, v) = py.detach(|| a.dense(table)).map_err(err)?;
+        let (shape, v) = run(py, || a.dense(table))?;
         v.into_pyarray(py).reshape(shape)
     }
 
@@ -134,7 +132,7 @@ impl PyArtifact {
         &'static str,
     )> {
         let a = &self.inner;
-        let (ids, bytes, dim, dtype) = py.detach(|| a.scan(table)).map_err(err)?;
+        let (ids, bytes, dim, dtype) = run(py, || a.scan(table))?;
         Ok((
             ids.into_pyarray(py),
             bytes.into_pyarray(py),
@@ -147,7 +145,7 @@ impl PyArtifact {
     fn apply(&self, py: Python<'_>, dir: PathBuf) -> PyResult<Option<String>> {
         self.check_writable()?;
         let a = &self.inner;
-        let r = py.detach(|| a.apply(&dir)).map_err(err)?;
+        let r = run(py, || a.apply(&dir))?;
         r.as_ref().map(json).transpose()
     }
 
@@ -155,14 +153,14 @@ impl PyArtifact {
     fn follow(&self, py: Python<'_>, root: PathBuf) -> PyResult<String> {
         self.check_writable()?;
         let a = &self.inner;
-        let r = py.detach(|| a.follow(&root)).map_err(err)?;
+        let r = run(py, || a.follow(&root))?;
         json(&r)
     }
 
     /// The snapshot directories under `root` that `follow` would apply, in order.
     fn pending(&self, py: Python<'_>, root: PathBuf) -> PyResult<Vec<String>> {
         let a = &self.inner;
-        let r = py.detach(|| a.pending(&root)).map_err(err)?;
+        let r = run(py, || a.pending(&root))?;
         Ok(r.iter().map(|p| p.display().to_string()).collect())
     }
 
@@ -198,9 +196,7 @@ impl PyArtifact {
             max_message,
         )?;
         let a = Arc::clone(&self.inner);
-        let h = py
-            .detach(move || crate::server::model::start(a, fb, cfg))
-            .map_err(err)?;
+        let h = run(py, move || crate::server::model::start(a, fb, cfg))?;
         Ok(PyServer::of(h))
     }
 }
@@ -219,9 +215,9 @@ fn export_artifact(
     let d = Dtype::parse(dtype).map_err(err)?;
     let local = Arc::new(AtomicU64::new(0));
     let done = progress.map_or(local, |c| Arc::clone(&c.0));
-    let r = py
-        .detach(|| crate::serving::export(&snapshot, &out, tables, d, &done))
-        .map_err(err)?;
+    let r = run(py, || {
+        crate::serving::export(&snapshot, &out, tables, d, &done)
+    })?;
     json(&r)
 }
 
@@ -236,8 +232,6 @@ pub(super) fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
 /// The newest snapshot directory under `root`, or None.
 #[pyfunction]
 fn newest_snapshot(py: Python<'_>, root: PathBuf) -> PyResult<Option<String>> {
-    let r = py
-        .detach(|| crate::serving::newest_snapshot(&root))
-        .map_err(err)?;
+    let r = run(py, || crate::serving::newest_snapshot(&root))?;
     Ok(r.map(|p| p.display().to_string()))
 }
