@@ -23,7 +23,9 @@ use crate::net::proto::*;
 use crate::net::routing::Router;
 use crate::net::{error_of, wire, DEFAULT_MAX_MESSAGE};
 
+mod bsp;
 mod tables;
+pub use bsp::JobConfig;
 pub use tables::{ClusterStats, ClusterStore, RemoteDense, RemoteSparse, ServerTable, Staleness};
 
 /// The largest request or answer the client asks for in one message: bigger batches go as
@@ -91,6 +93,8 @@ pub struct Client {
     pulled: Mutex<HashMap<String, Vec<Option<u64>>>>,
     /// Asynchronous pushes, sent in the order they were queued (the embedded store's applier).
     applier: Applier,
+    /// The synchronous job this worker takes part in (BSP, SSP), if any.
+    job: Mutex<Option<Arc<bsp::Job>>>,
 }
 
 fn is_retryable(s: &Status) -> bool {
@@ -187,6 +191,7 @@ impl Client {
             seq: AtomicU64::new(0),
             pulled: Mutex::new(HashMap::new()),
             applier,
+            job: Mutex::new(None),
         });
         let status = c.status()?;
         for (s, st) in c.servers.iter().zip(&status) {
@@ -519,6 +524,9 @@ impl Client {
     fn push_now(&self, table: &str, dim: usize, ids: &[u64], grads: &[f32]) -> Result<()> {
         self.check_grads(table, grads, dim)?;
         let d = self.config.wire;
+        let (job, worker, step) = self
+            .step_tag()
+            .map_or((String::new(), 0, None), |(j, w, s)| (j, w, Some(s)));
         let mut targets = Vec::new();
         for (i, pos) in self.router.split(ids).into_iter().enumerate() {
             for c in self.chunks(&pos, 8 + dim * wire::width(d)) {
@@ -531,6 +539,9 @@ impl Client {
                         dtype: d as i32,
                         request_id: self.next_id(),
                         pulled_seq: self.pulled_seq(table, i),
+                        step,
+                        job: job.clone(),
+                        worker,
                     },
                 ));
             }
@@ -699,12 +710,18 @@ impl Client {
     fn dense_push_now(&self, table: &str, grad: &[f32]) -> Result<()> {
         self.check_grads(table, grad, grad.len().max(1))?;
         let i = self.dense_home(table);
+        let (job, worker, step) = self
+            .step_tag()
+            .map_or((String::new(), 0, None), |(j, w, s)| (j, w, Some(s)));
         let m = DensePushRequest {
             table: table.to_string(),
             grad: wire::encode_values(grad, self.config.wire),
             dtype: self.config.wire as i32,
             request_id: self.next_id(),
             pulled_seq: self.pulled_seq(table, i),
+            step,
+            job,
+            worker,
         };
         self.fan_out(
             vec![(i, m)],
@@ -750,6 +767,7 @@ impl Client {
             wait: wait.is_some(),
             staleness: wait.unwrap_or(0),
             advance: true,
+            ..Default::default()
         };
         // A wait that ran out is not retried: the caller asked for at most `timeout`.
         let r = self
