@@ -323,3 +323,65 @@ def test_a_snapshot_after_step_c_holds_exactly_the_steps_to_c(
         # Two workers' unit gradients per step, SGD lr 1: -2 per step, exactly c steps.
         for r in rows.values():
             np.testing.assert_array_equal(r, np.full(DIM, -2.0 * c, np.float32))
+
+
+def test_a_durable_server_restarted_during_bsp_training_loses_no_step(tmp_path: Path) -> None:
+    """SIGKILL + restart of the coordinator (the first address in sorted order), twice, each time
+    after a worker's push of a step was acknowledged and before the step was applied, while two
+    workers train 16 BSP steps: the final rows equal the reference of 16 aggregated steps."""
+    from _netutil import ServerProcess
+
+    args = ("--durability", "sync")
+    procs = [ServerProcess("--path", str(tmp_path / f"s{i}"), *args) for i in range(2)]
+    for p in procs:
+        p.wait_ready()
+    servers = [p.address for p in procs]
+    coord = min(range(2), key=lambda i: servers[i])
+    name, job, steps = "durable_emb", uuid.uuid4().hex, 16
+    at_step = [threading.Event() for _ in range(steps + 1)]
+
+    def worker(w: int) -> np.ndarray:
+        s = pstore.connect(
+            servers, mode="bsp", worker=w, num_workers=2, job=job, retries=12, timeout=10.0
+        )
+        emb = s.create_sparse_table(name, DIM, optimizer=_opt("adagrad"), seed=3)
+        first = emb.pull(IDS)
+        for c in range(steps):
+            ids, g, _ = _batch(w, c)
+            emb.push(ids, g)
+            if w == 0:
+                # Worker 0's push of this step is acknowledged and pending on the servers.
+                at_step[c].set()
+            assert s.end_step() == c + 1
+        return first if w == 0 else emb.pull(IDS)
+
+    def killer() -> None:
+        for c in (5, 11):
+            assert at_step[c].wait(120)
+            procs[coord].proc.kill()  # SIGKILL, this pid only
+            procs[coord].proc.wait()
+            procs[coord] = ServerProcess(
+                "--path", str(tmp_path / f"s{coord}"), *args, port=procs[coord].port
+            )
+            procs[coord].wait_ready()
+
+    k = threading.Thread(target=killer)
+    k.start()
+    try:
+        first, last = _run_workers(2, worker)
+        k.join(120)
+        ref = _Ref("adagrad", first)
+        pos = {int(x): i for i, x in enumerate(IDS)}
+        for c in range(steps):
+            sums: dict[int, np.ndarray] = {}
+            for w in range(2):
+                ids, g, _ = _batch(w, c)
+                for i, row in zip(ids, g, strict=True):
+                    sums.setdefault(pos[int(i)], np.zeros(DIM, np.float64))
+                    sums[pos[int(i)]] += row
+            rows = np.array(sorted(sums))
+            ref.step(rows, np.stack([sums[r] for r in rows]).astype(np.float32))
+        np.testing.assert_allclose(last, ref.w, rtol=1e-6, atol=1e-7)
+    finally:
+        k.join(120)
+        stop_all(procs)

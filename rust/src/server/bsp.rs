@@ -13,14 +13,19 @@
 //! with `continue`, marks it lost and goes on without it. A lost worker that calls again rejoins
 //! at the step the job is at.
 
-use std::collections::{BTreeMap, HashMap};
+use std::collections::{BTreeMap, HashMap, HashSet};
+use std::path::PathBuf;
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use tokio::sync::watch;
 use tonic::Status;
 
-use crate::error::{invalid, Error, Result};
+use std::io::Write;
+
+use serde::{Deserialize, Serialize};
+
+use crate::error::{invalid, storage, Error, Result};
 use crate::net::proto::{ClockRequest, ClockResponse};
 use crate::net::status_of;
 use crate::store::{Store, Table};
@@ -60,6 +65,11 @@ struct Job {
     lost: Vec<bool>,
     /// Steps applied (every step <= applied is in the rows).
     applied: u64,
+    /// The request ids counted in each pending step.
+    rids: BTreeMap<u64, HashSet<(u64, u64)>>,
+    /// The step being applied and each table's seq before it (kept on disk by a durable
+    /// server, so that a crash in the middle applies the rest once).
+    marker: Option<(u64, BTreeMap<String, u64>)>,
     /// A worker lost under the `fail` option: the error every waiter gets.
     failed: Option<String>,
     pending: BTreeMap<u64, BTreeMap<String, Agg>>,
@@ -98,6 +108,8 @@ pub struct Steps {
     applying: Mutex<()>,
     /// Ticks on every change, for waiters.
     tick: watch::Sender<u64>,
+    /// A durable server's copy of the job state.
+    persist: Option<Persist>,
 }
 
 impl Default for Steps {
@@ -106,7 +118,181 @@ impl Default for Steps {
             job: Mutex::new(None),
             applying: Mutex::new(()),
             tick: watch::channel(0).0,
+            persist: None,
         }
+    }
+}
+
+/// The job state on disk, in `bsp/` of a durable server's directory: `job.json` (clocks, lost
+/// workers, applied steps, and the step being applied with each table's seq before it), written
+/// to a temporary file and renamed over the old one, and one append-only log per pending step of
+/// the pushes counted in it. A file rather than LMDB: the state is a few hundred bytes rewritten
+/// whole a few times per step, and the logs are written once and deleted when their step is
+/// applied, neither of which needs the store's transactions; the step's seqs make applying it
+/// idempotent across a crash (a table whose seq moved past the one recorded has the step).
+struct Persist {
+    dir: PathBuf,
+    /// fsync every write (the store's durability is `sync`).
+    sync: bool,
+}
+
+#[derive(Serialize, Deserialize)]
+struct Saved {
+    id: String,
+    lease_s: f64,
+    continue_on_loss: bool,
+    mean: bool,
+    clocks: Vec<u64>,
+    lost: Vec<bool>,
+    applied: u64,
+    /// The step being applied and each table's seq before it.
+    applying: Option<(u64, BTreeMap<String, u64>)>,
+}
+
+/// One push of a step's log: its head, ids and values.
+type LogRecord = (LogHead, Vec<u64>, Vec<f32>);
+
+#[derive(Serialize, Deserialize)]
+struct LogHead {
+    rid: Option<(u64, u64)>,
+    table: String,
+    /// 0: a dense table.
+    dim: usize,
+}
+
+fn io_err(path: &std::path::Path, e: std::io::Error) -> Error {
+    storage(format!("{}: {e}", path.display()))
+}
+
+impl Persist {
+    fn step_log(&self, step: u64) -> PathBuf {
+        self.dir.join(format!("step-{step}.log"))
+    }
+
+    fn save(&self, j: &Job, applying: Option<(u64, BTreeMap<String, u64>)>) -> Result<()> {
+        let saved = Saved {
+            id: j.id.clone(),
+            lease_s: j.opts.lease.as_secs_f64(),
+            continue_on_loss: j.opts.continue_on_loss,
+            mean: j.opts.mean,
+            clocks: j.clocks.clone(),
+            lost: j.lost.clone(),
+            applied: j.applied,
+            applying,
+        };
+        let f = self.dir.join("job.json");
+        let tmp = self.dir.join("job.json.tmp");
+        let body = serde_json::to_vec(&saved).expect("job state serializes");
+        let write = || -> std::io::Result<()> {
+            let mut h = std::fs::File::create(&tmp)?;
+            h.write_all(&body)?;
+            if self.sync {
+                h.sync_all()?;
+            }
+            std::fs::rename(&tmp, &f)?;
+            if self.sync {
+                std::fs::File::open(&self.dir)?.sync_all()?;
+            }
+            Ok(())
+        };
+        write().map_err(|e| io_err(&f, e))
+    }
+
+    fn log(&self, step: u64, head: &LogHead, ids: &[u64], vals: &[f32]) -> Result<()> {
+        let f = self.step_log(step);
+        let head = serde_json::to_vec(head).expect("log head serializes");
+        let mut rec = Vec::with_capacity(20 + head.len() + ids.len() * 8 + vals.len() * 4);
+        rec.extend_from_slice(&(head.len() as u32).to_le_bytes());
+        rec.extend_from_slice(&head);
+        rec.extend_from_slice(&(ids.len() as u64).to_le_bytes());
+        ids.iter()
+            .for_each(|x| rec.extend_from_slice(&x.to_le_bytes()));
+        rec.extend_from_slice(&(vals.len() as u64).to_le_bytes());
+        vals.iter()
+            .for_each(|x| rec.extend_from_slice(&x.to_le_bytes()));
+        let write = || -> std::io::Result<()> {
+            let mut h = std::fs::OpenOptions::new()
+                .create(true)
+                .append(true)
+                .open(&f)?;
+            h.write_all(&rec)?;
+            if self.sync {
+                h.sync_data()?;
+            }
+            Ok(())
+        };
+        write().map_err(|e| io_err(&f, e))
+    }
+
+    /// The records of a step's log; a torn last record (a crash while it was written, before
+    /// its push was answered) is left out.
+    fn read_log(&self, step: u64) -> Result<Vec<LogRecord>> {
+        let f = self.step_log(step);
+        let b = match std::fs::read(&f) {
+            Ok(b) => b,
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(Vec::new()),
+            Err(e) => return Err(io_err(&f, e)),
+        };
+        let mut out = Vec::new();
+        let mut at = 0usize;
+        let take = |at: &mut usize, n: usize| -> Option<&[u8]> {
+            let s = b.get(*at..at.checked_add(n)?)?;
+            *at += n;
+            Some(s)
+        };
+        while let Some(h) = take(&mut at, 4) {
+            let hl = u32::from_le_bytes(h.try_into().expect("4 bytes")) as usize;
+            let Some(h) = take(&mut at, hl) else { break };
+            let head: LogHead = serde_json::from_slice(h)
+                .map_err(|e| crate::error::corrupt(format!("{}: {e}", f.display())))?;
+            let Some(n) = take(&mut at, 8) else { break };
+            let n = u64::from_le_bytes(n.try_into().expect("8 bytes")) as usize;
+            let Some(ib) = take(&mut at, n.saturating_mul(8)) else {
+                break;
+            };
+            let ids = ib
+                .chunks_exact(8)
+                .map(|c| u64::from_le_bytes(c.try_into().expect("8")))
+                .collect();
+            let Some(m) = take(&mut at, 8) else { break };
+            let m = u64::from_le_bytes(m.try_into().expect("8 bytes")) as usize;
+            let Some(vb) = take(&mut at, m.saturating_mul(4)) else {
+                break;
+            };
+            let vals = vb
+                .chunks_exact(4)
+                .map(|c| f32::from_le_bytes(c.try_into().expect("4")))
+                .collect();
+            out.push((head, ids, vals));
+        }
+        Ok(out)
+    }
+
+    /// Deletes the logs of steps <= `applied` (and, with `all`, every log); makes the
+    /// directory if it is missing.
+    fn prune(&self, applied: u64, all: bool) -> Result<()> {
+        std::fs::create_dir_all(&self.dir).map_err(|e| io_err(&self.dir, e))?;
+        let rd = std::fs::read_dir(&self.dir).map_err(|e| io_err(&self.dir, e))?;
+        for e in rd.flatten() {
+            let name = e.file_name().to_string_lossy().into_owned();
+            let step = name
+                .strip_prefix("step-")
+                .and_then(|x| x.strip_suffix(".log"))
+                .and_then(|x| x.parse::<u64>().ok());
+            if let Some(st) = step {
+                if all || st <= applied {
+                    std::fs::remove_file(e.path()).map_err(|err| io_err(&e.path(), err))?;
+                }
+            }
+        }
+        Ok(())
+    }
+}
+
+fn seq_of(store: &Store, table: &str) -> Option<u64> {
+    match store.table(table).ok()? {
+        Table::Sparse(t) => Some(t.seq()),
+        Table::Dense(t) => Some(t.step() as u64),
     }
 }
 
@@ -118,6 +304,111 @@ fn lost_message(job: &str, w: usize, lease: Duration) -> String {
 }
 
 impl Steps {
+    /// The state of a server of `store`: a durable store's job state is read back from its
+    /// directory (a step a crash interrupted is finished, the pending steps' pushes counted
+    /// again); an in-memory store's starts empty.
+    pub fn load(store: &Store) -> Result<Self> {
+        let Some(path) = store.path() else {
+            return Ok(Self::default());
+        };
+        // Made when the first job starts.
+        let dir = path.join("bsp");
+        let sync = store
+            .flusher()
+            .is_some_and(|f| f.mode() == crate::durable::Durability::Sync);
+        let p = Persist { dir, sync };
+        let f = p.dir.join("job.json");
+        let job = match std::fs::read(&f) {
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => None,
+            Err(e) => return Err(io_err(&f, e)),
+            Ok(b) => {
+                let saved: Saved = serde_json::from_slice(&b)
+                    .map_err(|e| crate::error::corrupt(format!("{}: {e}", f.display())))?;
+                Some(Self::restore(&p, store, saved)?)
+            }
+        };
+        Ok(Self {
+            job: Mutex::new(job),
+            applying: Mutex::new(()),
+            tick: watch::channel(0).0,
+            persist: Some(p),
+        })
+    }
+
+    fn restore(p: &Persist, store: &Store, saved: Saved) -> Result<Job> {
+        let n = saved.clocks.len();
+        let now = Instant::now();
+        let mut j = Job {
+            id: saved.id,
+            opts: JobOptions {
+                lease: Duration::try_from_secs_f64(saved.lease_s).unwrap_or(DEFAULT_LEASE),
+                continue_on_loss: saved.continue_on_loss,
+                mean: saved.mean,
+            },
+            clocks: saved.clocks,
+            seen: vec![now; n],
+            joined: vec![true; n],
+            lost: saved.lost,
+            applied: saved.applied,
+            failed: None,
+            pending: BTreeMap::new(),
+            rids: BTreeMap::new(),
+            marker: None,
+        };
+        if j.lost.len() != n {
+            j.lost = vec![false; n];
+        }
+        let replay = |j: &mut Job, step: u64| -> Result<()> {
+            for (h, ids, vals) in p.read_log(step)? {
+                if let Some(r) = h.rid {
+                    if !j.rids.entry(step).or_default().insert(r) {
+                        continue;
+                    }
+                }
+                add_to(j, step, &h.table, h.dim, &ids, &vals)?;
+            }
+            Ok(())
+        };
+        if let Some((step, seqs)) = saved.applying {
+            // Finish the step the crash interrupted: the tables whose seq has not moved.
+            replay(&mut j, step)?;
+            let live = j.lost.iter().filter(|&&l| !l).count().max(1);
+            let divisor = if j.opts.mean { live as f64 } else { 1.0 };
+            for (name, agg) in j.pending.remove(&step).unwrap_or_default() {
+                if seqs
+                    .get(&name)
+                    .is_some_and(|&s| seq_of(store, &name) == Some(s))
+                {
+                    apply_one(store, &name, agg, divisor)?;
+                }
+            }
+            j.applied = j.applied.max(step);
+            j.rids.clear();
+        }
+        let mut steps: Vec<u64> = Vec::new();
+        for e in std::fs::read_dir(&p.dir)
+            .map_err(|e| io_err(&p.dir, e))?
+            .flatten()
+        {
+            let name = e.file_name().to_string_lossy().into_owned();
+            if let Some(st) = name
+                .strip_prefix("step-")
+                .and_then(|x| x.strip_suffix(".log"))
+                .and_then(|x| x.parse::<u64>().ok())
+            {
+                steps.push(st);
+            }
+        }
+        steps.sort_unstable();
+        let applied = j.applied;
+        for st in steps.into_iter().filter(|&st| st > applied) {
+            replay(&mut j, st)?;
+        }
+        p.save(&j, None)?;
+        p.prune(j.applied, false)?;
+        Ok(j)
+    }
+
     fn lock(&self) -> std::sync::MutexGuard<'_, Option<Job>> {
         self.job.lock().unwrap_or_else(|e| e.into_inner())
     }
@@ -179,7 +470,12 @@ impl Steps {
                 applied: 0,
                 failed: None,
                 pending: BTreeMap::new(),
+                rids: BTreeMap::new(),
+                marker: None,
             });
+            if let Some(p) = &self.persist {
+                p.prune(0, true)?;
+            }
         }
         let j = g.as_mut().expect("job set above");
         if j.clocks.len() != n as usize {
@@ -199,7 +495,13 @@ impl Steps {
         }
         j.joined[w] = true;
         j.seen[w] = Instant::now();
+        let before = j.clocks[w];
         j.clocks[w] = j.clocks[w].max(clock);
+        if let Some(p) = &self.persist {
+            if j.clocks[w] != before || clock == 0 {
+                p.save(j, j.marker.clone())?;
+            }
+        }
         drop(g);
         self.notify();
         Ok(())
@@ -234,12 +536,15 @@ impl Steps {
         }
     }
 
-    /// Adds a sparse push of worker `w` to step `step`'s aggregate of `table`.
+    /// Adds a push of worker `w` (request id `rid`) to step `step`'s aggregate of `table`; a
+    /// request id counted in the step already counts once. A durable server logs the push
+    /// before it is counted.
     #[allow(clippy::too_many_arguments)]
-    pub fn add_sparse(
+    pub fn add(
         &self,
         job: &str,
         w: u32,
+        rid: Option<(u64, u64)>,
         step: u64,
         table: &str,
         dim: usize,
@@ -254,70 +559,28 @@ impl Steps {
         if let Some(s) = j.seen.get_mut(w as usize) {
             *s = Instant::now();
         }
-        let agg = j
-            .pending
-            .entry(step)
-            .or_default()
-            .entry(table.to_string())
-            .or_insert_with(|| Agg::Sparse {
-                dim,
-                index: HashMap::new(),
-                ids: Vec::new(),
-                sums: Vec::new(),
-            });
-        let Agg::Sparse {
-            dim: d,
-            index,
-            ids: have,
-            sums,
-        } = agg
-        else {
-            return Err(invalid(format!("table {table:?} is not sparse")));
-        };
-        if *d != dim {
-            return Err(invalid(format!("table {table:?}: dim {dim}, expected {d}")));
-        }
-        for (k, &id) in ids.iter().enumerate() {
-            let r = *index.entry(id).or_insert_with(|| {
-                have.push(id);
-                sums.resize(sums.len() + dim, 0.0);
-                have.len() - 1
-            });
-            let dst = &mut sums[r * dim..(r + 1) * dim];
-            for (a, &b) in dst.iter_mut().zip(&grads[k * dim..(k + 1) * dim]) {
-                *a += f64::from(b);
+        if let Some(r) = rid {
+            if j.rids.get(&step).is_some_and(|x| x.contains(&r)) {
+                return Ok(());
             }
+        }
+        if let Some(p) = &self.persist {
+            p.log(
+                step,
+                &LogHead {
+                    rid,
+                    table: table.to_string(),
+                    dim,
+                },
+                ids,
+                grads,
+            )?;
+        }
+        add_to(j, step, table, dim, ids, grads)?;
+        if let Some(r) = rid {
+            j.rids.entry(step).or_default().insert(r);
         }
         Ok(())
-    }
-
-    /// Adds a dense push of worker `w` to step `step`'s aggregate of `table`.
-    pub fn add_dense(&self, job: &str, w: u32, step: u64, table: &str, grad: &[f32]) -> Result<()> {
-        let mut g = self.lock();
-        let j = g
-            .as_mut()
-            .ok_or_else(|| invalid(format!("job {job:?} has not started on this server")))?;
-        Self::check_push(j, job, step)?;
-        if let Some(s) = j.seen.get_mut(w as usize) {
-            *s = Instant::now();
-        }
-        let agg = j
-            .pending
-            .entry(step)
-            .or_default()
-            .entry(table.to_string())
-            .or_insert_with(|| Agg::Dense(vec![0.0; grad.len()]));
-        match agg {
-            Agg::Dense(sums) if sums.len() == grad.len() => {
-                for (a, &b) in sums.iter_mut().zip(grad) {
-                    *a += f64::from(b);
-                }
-                Ok(())
-            }
-            _ => Err(invalid(format!(
-                "table {table:?}: not a dense table of this size"
-            ))),
-        }
     }
 
     /// Applies every complete step (each live worker's clock is at least the step), in order.
@@ -338,6 +601,18 @@ impl Steps {
                 let tables = j.pending.remove(&step).unwrap_or_default();
                 let live = j.lost.iter().filter(|&&l| !l).count().max(1);
                 let divisor = if j.opts.mean { live as f64 } else { 1.0 };
+                if let Some(p) = &self.persist {
+                    let seqs = tables
+                        .keys()
+                        .filter_map(|t| Some((t.clone(), seq_of(store, t)?)))
+                        .collect();
+                    j.marker = Some((step, seqs));
+                    if let Err(e) = p.save(j, j.marker.clone()) {
+                        j.marker = None;
+                        j.pending.insert(step, tables);
+                        return Err(e);
+                    }
+                }
                 (step, tables, divisor)
             };
             let mut first_err = None;
@@ -350,6 +625,13 @@ impl Steps {
                 let mut g = self.lock();
                 if let Some(j) = g.as_mut() {
                     j.applied = j.applied.max(step);
+                    j.marker = None;
+                    j.rids = j.rids.split_off(&(step + 1));
+                    if let Some(p) = &self.persist {
+                        if let Err(e) = p.save(j, None).and_then(|_| p.prune(step, false)) {
+                            first_err.get_or_insert(e);
+                        }
+                    }
                 }
             }
             self.notify();
@@ -395,6 +677,9 @@ impl Steps {
                 if j.opts.continue_on_loss {
                     j.lost[w] = true;
                     newly_lost = true;
+                    if let Some(p) = &self.persist {
+                        p.save(j, j.marker.clone())?;
+                    }
                     eprintln!(
                         "event=worker_lost job={:?} worker={w} action=continue",
                         j.id
@@ -453,6 +738,66 @@ impl Steps {
             let _ = tokio::time::timeout(tick, rx.changed()).await;
         }
     }
+}
+
+/// Adds gradients to a step's aggregate: `ids` empty and `dim` 0 for a dense table.
+fn add_to(
+    j: &mut Job,
+    step: u64,
+    table: &str,
+    dim: usize,
+    ids: &[u64],
+    grads: &[f32],
+) -> Result<()> {
+    let tables = j.pending.entry(step).or_default();
+    if dim == 0 {
+        let agg = tables
+            .entry(table.to_string())
+            .or_insert_with(|| Agg::Dense(vec![0.0; grads.len()]));
+        return match agg {
+            Agg::Dense(sums) if sums.len() == grads.len() => {
+                for (a, &b) in sums.iter_mut().zip(grads) {
+                    *a += f64::from(b);
+                }
+                Ok(())
+            }
+            _ => Err(invalid(format!(
+                "table {table:?}: not a dense table of this size"
+            ))),
+        };
+    }
+    let agg = tables
+        .entry(table.to_string())
+        .or_insert_with(|| Agg::Sparse {
+            dim,
+            index: HashMap::new(),
+            ids: Vec::new(),
+            sums: Vec::new(),
+        });
+    let Agg::Sparse {
+        dim: d,
+        index,
+        ids: have,
+        sums,
+    } = agg
+    else {
+        return Err(invalid(format!("table {table:?} is not sparse")));
+    };
+    if *d != dim {
+        return Err(invalid(format!("table {table:?}: dim {dim}, expected {d}")));
+    }
+    for (k, &id) in ids.iter().enumerate() {
+        let r = *index.entry(id).or_insert_with(|| {
+            have.push(id);
+            sums.resize(sums.len() + dim, 0.0);
+            have.len() - 1
+        });
+        let dst = &mut sums[r * dim..(r + 1) * dim];
+        for (a, &b) in dst.iter_mut().zip(&grads[k * dim..(k + 1) * dim]) {
+            *a += f64::from(b);
+        }
+    }
+    Ok(())
 }
 
 fn apply_one(store: &Store, name: &str, agg: Agg, divisor: f64) -> Result<()> {
@@ -566,7 +911,7 @@ mod tests {
             (v.job.as_str(), v.clocks, v.joined),
             ("b", vec![0, 0], vec![0])
         );
-        assert!(s.add_sparse("a", 0, 1, "t", 1, &[1], &[1.0]).is_err());
+        assert!(s.add("a", 0, None, 1, "t", 1, &[1], &[1.0]).is_err());
         assert!(s.advance("a", 1, 2, 4, opts()).is_err());
         assert!(s.advance("b", 2, 2, 0, opts()).is_err());
         assert!(s.advance("b", 0, 3, 0, opts()).is_err());

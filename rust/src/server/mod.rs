@@ -564,8 +564,16 @@ impl PStore for Service {
             t.validate_push(&ids, &grads)?;
             s.pushes.once(request_id(&r.request_id), || {
                 if let Some(step) = r.step {
-                    s.steps
-                        .add_sparse(&r.job, r.worker, step, &r.table, t.dim(), &ids, &grads)?;
+                    s.steps.add(
+                        &r.job,
+                        r.worker,
+                        request_id(&r.request_id),
+                        step,
+                        &r.table,
+                        t.dim(),
+                        &ids,
+                        &grads,
+                    )?;
                     return Ok(bsp_accepted(t.seq()));
                 }
                 let stale = staleness(t.seq(), r.pulled_seq);
@@ -685,7 +693,9 @@ impl PStore for Service {
             t.validate_push(&grad)?;
             s.pushes.once(request_id(&r.request_id), || {
                 if let Some(step) = r.step {
-                    s.steps.add_dense(&r.job, r.worker, step, &r.table, &grad)?;
+                    let rid = request_id(&r.request_id);
+                    s.steps
+                        .add(&r.job, r.worker, rid, step, &r.table, 0, &[], &grad)?;
                     return Ok(bsp_accepted(t.step() as u64));
                 }
                 let stale = staleness(t.step() as u64, r.pulled_seq);
@@ -848,7 +858,7 @@ pub fn start(store: Arc<Store>, config: ServerConfig) -> Result<ServerHandle> {
         pushes: Dedup::new(state::DEDUP_CAPACITY),
         removes: Dedup::new(state::DEDUP_CAPACITY),
         clocks: Clocks::default(),
-        steps: Arc::new(bsp::Steps::default()),
+        steps: Arc::new(bsp::Steps::load(&store)?),
         policies,
         started: Instant::now(),
         max_message: config.max_message,
