@@ -33,11 +33,32 @@ use crate::store::{Store, Table};
 /// The lease when a job does not give one.
 pub const DEFAULT_LEASE: Duration = Duration::from_secs(10);
 
+/// Hashes an id with the splitmix64 finaliser: the default SipHash is built against chosen
+/// collisions, which a step's ids (already hashed into the tables the same way) do not need.
+#[derive(Default, Clone, Copy)]
+struct IdHasher(u64);
+
+impl std::hash::Hasher for IdHasher {
+    fn finish(&self) -> u64 {
+        self.0
+    }
+    fn write(&mut self, bytes: &[u8]) {
+        for &b in bytes {
+            self.0 = crate::hash::mix64(self.0 ^ u64::from(b));
+        }
+    }
+    fn write_u64(&mut self, x: u64) {
+        self.0 = crate::hash::mix64(x);
+    }
+}
+
+type IdMap = HashMap<u64, usize, std::hash::BuildHasherDefault<IdHasher>>;
+
 /// One table's part of a step: the float64 sum of the gradients per row.
 enum Agg {
     Sparse {
         dim: usize,
-        index: HashMap<u64, usize>,
+        index: IdMap,
         ids: Vec<u64>,
         sums: Vec<f64>,
     },
@@ -770,7 +791,7 @@ fn add_to(
         .entry(table.to_string())
         .or_insert_with(|| Agg::Sparse {
             dim,
-            index: HashMap::new(),
+            index: IdMap::default(),
             ids: Vec::new(),
             sums: Vec::new(),
         });
