@@ -68,7 +68,8 @@ impl Job {
 }
 
 impl Client {
-    fn coordinator(&self) -> usize {
+    /// The coordinator: the first server in sorted order of the addresses.
+    pub(super) fn coordinator(&self) -> usize {
         self.servers
             .iter()
             .enumerate()
@@ -205,20 +206,17 @@ impl Client {
         // On an error the clock stays: calling again reports the same clock (clocks only move
         // forward) and waits again, and pushes in between still belong to this step.
         self.clock_all(job.request(clock, true, Some(wait)), timeout)
-            .map_err(|e| match e {
-                Error::Remote {
-                    server, code: 4, ..
-                } => Error::Remote {
-                    server,
-                    code: 4,
-                    message: format!(
-                    "worker {} of job {:?} waited {:.1} s at clock {clock} for the slowest worker",
-                    job.config.worker,
-                    job.id,
-                    timeout.as_secs_f64()
-                ),
-                },
-                e => e,
+            .map_err(|e| {
+                super::waited(
+                    e,
+                    format!(
+                        "worker {} of job {:?} waited {:.1} s at clock {clock} for the slowest \
+                         worker",
+                        job.config.worker,
+                        job.id,
+                        timeout.as_secs_f64()
+                    ),
+                )
             })?;
         job.clock.store(clock, Ordering::Release);
         Ok(clock)

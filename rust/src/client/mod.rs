@@ -753,13 +753,7 @@ impl Client {
         timeout: Duration,
     ) -> Result<ClockResponse> {
         self.drain();
-        let coord = self
-            .servers
-            .iter()
-            .enumerate()
-            .min_by(|a, b| a.1.name.cmp(&b.1.name))
-            .map(|(i, _)| i)
-            .unwrap_or(0);
+        let coord = self.coordinator();
         let m = ClockRequest {
             worker,
             num_workers,
@@ -775,19 +769,29 @@ impl Client {
             .block_on(self.call(coord, m, timeout, false, |mut c, r| async move {
                 c.clock(r).await
             }));
-        r.map_err(|e| match e {
-            Error::Remote {
-                server, code: 4, ..
-            } => Error::Remote {
-                server,
-                code: 4,
-                message: format!(
+        r.map_err(|e| {
+            waited(
+                e,
+                format!(
                     "worker {worker} waited {:.1} s at clock {clock} for the slowest worker",
                     timeout.as_secs_f64()
                 ),
-            },
-            e => e,
+            )
         })
+    }
+}
+
+/// A clock wait's DEADLINE_EXCEEDED with `message` (who waited how long for what).
+fn waited(e: Error, message: String) -> Error {
+    match e {
+        Error::Remote {
+            server, code: 4, ..
+        } => Error::Remote {
+            server,
+            code: 4,
+            message,
+        },
+        e => e,
     }
 }
 

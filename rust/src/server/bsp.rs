@@ -261,28 +261,26 @@ impl Persist {
             *at += n;
             Some(s)
         };
+        // A length (u64) and that many values of `width` bytes.
+        let array = |at: &mut usize, width: usize| -> Option<&[u8]> {
+            let n = u64::from_le_bytes(take(at, 8)?.try_into().ok()?) as usize;
+            take(at, n.checked_mul(width)?)
+        };
         while let Some(h) = take(&mut at, 4) {
             let hl = u32::from_le_bytes(h.try_into().expect("4 bytes")) as usize;
             let Some(h) = take(&mut at, hl) else { break };
             let head: LogHead = serde_json::from_slice(h)
                 .map_err(|e| crate::error::corrupt(format!("{}: {e}", f.display())))?;
-            let Some(n) = take(&mut at, 8) else { break };
-            let n = u64::from_le_bytes(n.try_into().expect("8 bytes")) as usize;
-            let Some(ib) = take(&mut at, n.saturating_mul(8)) else {
+            let (Some(ib), Some(vb)) = (array(&mut at, 8), array(&mut at, 4)) else {
                 break;
             };
             let ids = ib
                 .chunks_exact(8)
-                .map(|c| u64::from_le_bytes(c.try_into().expect("8")))
+                .map(|c| u64::from_le_bytes(c.try_into().expect("8 bytes")))
                 .collect();
-            let Some(m) = take(&mut at, 8) else { break };
-            let m = u64::from_le_bytes(m.try_into().expect("8 bytes")) as usize;
-            let Some(vb) = take(&mut at, m.saturating_mul(4)) else {
-                break;
-            };
             let vals = vb
                 .chunks_exact(4)
-                .map(|c| f32::from_le_bytes(c.try_into().expect("4")))
+                .map(|c| f32::from_le_bytes(c.try_into().expect("4 bytes")))
                 .collect();
             out.push((head, ids, vals));
         }
