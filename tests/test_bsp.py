@@ -385,3 +385,29 @@ def test_a_durable_server_restarted_during_bsp_training_loses_no_step(tmp_path: 
     finally:
         k.join(120)
         stop_all(procs)
+
+
+@pytest.mark.parametrize(
+    "kw,match",
+    [
+        ({"aggregate": "max"}, "aggregate must be"),
+        ({"on_worker_loss": "retry"}, "on_worker_loss must be"),
+        ({"lease": 0.0}, "lease must be > 0"),
+        ({"lease": float("nan")}, "lease must be > 0"),
+        ({"job": ""}, "job must be a non-empty string"),
+    ],
+)
+def test_bad_job_arguments_are_refused_before_anything_changes(
+    servers: list[str], kw: dict[str, Any], match: str
+) -> None:
+    before = pstore.connect(servers).status()
+    with pytest.raises(pstore.InvalidArgumentError, match=match):
+        pstore.connect(servers, mode="bsp", worker=0, num_workers=2, **kw)
+    assert [s["clocks"] for s in pstore.connect(servers).status()] == [s["clocks"] for s in before]
+
+
+def test_a_worker_with_another_worker_count_is_refused(servers: list[str]) -> None:
+    job = uuid.uuid4().hex
+    pstore.connect(servers, mode="bsp", worker=0, num_workers=2, job=job)
+    with pytest.raises(pstore.InvalidArgumentError, match="has 2 workers, worker 1 says 3"):
+        pstore.connect(servers, mode="bsp", worker=1, num_workers=3, job=job)
