@@ -411,3 +411,21 @@ def test_a_worker_with_another_worker_count_is_refused(servers: list[str]) -> No
     pstore.connect(servers, mode="bsp", worker=0, num_workers=2, job=job)
     with pytest.raises(pstore.InvalidArgumentError, match="has 2 workers, worker 1 says 3"):
         pstore.connect(servers, mode="bsp", worker=1, num_workers=3, job=job)
+
+
+def test_a_worker_computing_longer_than_its_lease_is_not_lost(servers: list[str]) -> None:
+    job, name = uuid.uuid4().hex, "slow_" + uuid.uuid4().hex[:8]
+
+    def worker(w: int) -> int:
+        s = pstore.connect(
+            servers, mode="bsp", worker=w, num_workers=2, job=job, lease=0.5, barrier_timeout=30.0
+        )
+        t = s.create_sparse_table(name, DIM)
+        for _ in range(2):
+            t.push(IDS[:4], np.ones((4, DIM), np.float32))
+            if w == 1:
+                time.sleep(2.0)  # no call of its own: the heartbeat keeps the lease
+            s.end_step()
+        return s.clock
+
+    assert _run_workers(2, worker) == [2, 2]
