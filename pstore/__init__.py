@@ -29,6 +29,7 @@ from pstore.exceptions import (
     StorageError,
     TableExistsError,
     UnknownTableError,
+    WorkerLostError,
     WrongTableKindError,
 )
 from pstore.store import DenseTable, PushHandle, SparseTable, Store
@@ -53,6 +54,7 @@ __all__ = [
     "Store",
     "TableExistsError",
     "UnknownTableError",
+    "WorkerLostError",
     "WrongTableKindError",
     "connect",
     "init",

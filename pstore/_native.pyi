@@ -243,6 +243,18 @@ class Client(StoreApi):
         staleness: int | None = None,
         timeout: float = 300.0,
     ) -> list[int]: ...
+    def join_job(
+        self,
+        job: str | None,
+        worker: int,
+        num_workers: int,
+        synced: bool,
+        lease: float,
+        continue_on_loss: bool,
+        mean: bool,
+        timeout: float,
+    ) -> tuple[str, int]: ...
+    def end_job_step(self, staleness: int, timeout: float) -> int: ...
 
 # Serving artifacts (rust/src/python/serving.rs).
 def export_artifact(

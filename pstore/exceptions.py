@@ -20,6 +20,7 @@ __all__ = [
     "StorageError",
     "TableExistsError",
     "UnknownTableError",
+    "WorkerLostError",
     "WrongTableKindError",
 ]
 
@@ -95,6 +96,13 @@ class ServerError(PstoreError, ConnectionError):
 
 class ServerTimeoutError(ServerError, TimeoutError):
     """A call to a store server did not finish within its timeout."""
+
+
+class WorkerLostError(PstoreError, RuntimeError):
+    """A worker of a synchronous job (``mode="bsp"`` or ``"ssp"``) stopped calling for longer
+    than its lease (``connect(lease=)``), and the job fails then (``on_worker_loss="fail"``, the
+    default). The message names the worker and the job; restart that worker with the same rank
+    and job to go on."""
 
 
 class AuthenticationError(ServerError, PermissionError):

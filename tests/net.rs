@@ -82,6 +82,7 @@ fn a_retried_push_applies_once() {
             dtype: 0,
             request_id: Some(RequestId { client: 9, seq: 1 }),
             pulled_seq: None,
+            ..Default::default()
         };
         let first = raw.push(push.clone()).await.unwrap().into_inner();
         let again = raw.push(push.clone()).await.unwrap().into_inner();

@@ -66,6 +66,26 @@ class RemoteStore(BaseStore):
         self._num_workers = num_workers
         self._barrier_timeout = barrier_timeout
         self._clock = 0
+        self._job: str | None = None
+
+    def _join(self, job: str | None, lease: float, on_worker_loss: str, aggregate: str) -> None:
+        """Joins the job on every server (BSP and SSP modes)."""
+        assert self._worker is not None and self._num_workers is not None
+        self._job, self._clock = self._inner.join_job(
+            job,
+            self._worker,
+            self._num_workers,
+            self._mode == "bsp",
+            lease,
+            on_worker_loss == "continue",
+            aggregate == "mean",
+            self._barrier_timeout,
+        )
+
+    @property
+    def job(self) -> str | None:
+        """The id of the synchronous job this worker takes part in (BSP and SSP modes)."""
+        return self._job
 
     @property
     def servers(self) -> list[str]:
@@ -116,11 +136,17 @@ class RemoteStore(BaseStore):
     def end_step(self) -> int:
         """Mark the end of this worker's training step; returns the new clock.
 
-        Queued pushes are sent first. In ``"bsp"`` mode it then waits until every worker has
-        ended this step, so the next pull sees every worker's pushes of it; in ``"ssp"`` mode it
+        Queued pushes are sent first. In ``"bsp"`` mode it then waits until every live worker
+        has ended this step and every server applied the step's aggregate (one optimizer step
+        per row), so the next pull sees exactly the steps so far; in ``"ssp"`` mode it
         waits until the slowest worker is at most ``staleness`` steps behind. In ``"async"``
-        mode with a worker index it only reports the clock (for ``pstore status``).
+        mode with a worker index it only reports the clock (for ``pstore status``). When it
+        raises (a timeout, :class:`~pstore.WorkerLostError`), the clock stays: calling it again
+        waits for the same step.
         """
+        if self._job is not None:
+            self._clock = self._inner.end_job_step(self._staleness, self._barrier_timeout)
+            return self._clock
         self._clock += 1
         if self._worker is None or self._num_workers is None:
             self._inner.drain()
@@ -182,6 +208,10 @@ def connect(
     worker: int | None = None,
     num_workers: int | None = None,
     barrier_timeout: float = 300.0,
+    job: str | None = None,
+    aggregate: Literal["sum", "mean"] = "sum",
+    lease: float = 10.0,
+    on_worker_loss: Literal["fail", "continue"] = "fail",
     tls_ca: str | os.PathLike[str] | None = None,
     tls_domain: str | None = None,
     max_message: int | None = None,
@@ -210,6 +240,22 @@ def connect(
         need ``worker`` (0..num_workers-1) and ``num_workers``; "ssp" takes ``staleness``.
     barrier_timeout : float
         Seconds ``end_step`` waits for slow workers before raising ServerTimeoutError.
+    job : str, optional
+        "bsp" and "ssp": the job's id, the same on every worker. Clocks, leases and pending
+        steps belong to a job, and a new job resets them on every server. Default: worker 0
+        makes a new id when it connects and the other workers take it from the coordinator (the
+        first server in sorted order); a restarted worker rejoins a running job only with its
+        id (``store.job``), at the step the job is at.
+    aggregate : "sum" or "mean"
+        "bsp": the servers apply, once per row and step, the sum of the step's gradients of all
+        workers, or their mean (the sum divided by the number of live workers).
+    lease : float
+        "bsp" and "ssp": seconds without a call from a worker (the client sends a heartbeat
+        every lease/4 seconds while it computes) after which the worker is lost.
+    on_worker_loss : "fail" or "continue"
+        What the other workers' ``end_step`` does when a worker is lost: raise
+        :class:`~pstore.WorkerLostError` naming it, or go on without it (its clock no longer
+        counts; when it comes back with the same rank and job it rejoins at the current step).
     tls_ca : path, optional
         PEM file of the CA that signed the servers' certificates: connect over TLS.
     """
@@ -240,6 +286,16 @@ def connect(
         if num_workers is None or worker >= num_workers:
             raise InvalidArgumentError(f"worker must be in 0..num_workers, got {worker}")
     stale = _check_int(staleness, "staleness")
+    if aggregate not in ("sum", "mean"):
+        raise InvalidArgumentError(f'aggregate must be "sum" or "mean", got {aggregate!r}')
+    if on_worker_loss not in ("fail", "continue"):
+        raise InvalidArgumentError(
+            f'on_worker_loss must be "fail" or "continue", got {on_worker_loss!r}'
+        )
+    if isinstance(lease, bool) or not isinstance(lease, (int, float)) or not lease > 0:
+        raise InvalidArgumentError(f"lease must be > 0 seconds, got {lease!r}")
+    if job is not None and (not isinstance(job, str) or not job):
+        raise InvalidArgumentError(f"job must be a non-empty string, got {job!r}")
     secret = _read_secret(token, token_file, "PSTORE_TOKEN")
     ca = None
     if tls_ca is not None:
@@ -256,4 +312,7 @@ def connect(
         max_message,
         max_inflight_bytes,
     )
-    return RemoteStore(inner, mode, stale, worker, num_workers, float(barrier_timeout))
+    store = RemoteStore(inner, mode, stale, worker, num_workers, float(barrier_timeout))
+    if mode != "async":
+        store._join(job, float(lease), on_worker_loss, aggregate)
+    return store

@@ -33,6 +33,10 @@ pub enum Error {
     /// message names the file.
     #[error("{0}")]
     Corrupt(String),
+    /// A worker of a synchronous job stopped calling for longer than its lease, and the job
+    /// was started to fail then: the message names the worker and the job.
+    #[error("{0}")]
+    WorkerLost(String),
     /// A store server could not be reached or answered with a transport-level error (timeout,
     /// connection refused, unauthenticated, permission denied, ...).
     #[error("server {server}: {message}")]

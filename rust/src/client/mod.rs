@@ -23,7 +23,9 @@ use crate::net::proto::*;
 use crate::net::routing::Router;
 use crate::net::{error_of, wire, DEFAULT_MAX_MESSAGE};
 
+mod bsp;
 mod tables;
+pub use bsp::JobConfig;
 pub use tables::{
     ClusterStats, ClusterStore, RemoteDense, RemoteSparse, ServerStatus, ServerTable, Staleness,
 };
@@ -117,6 +119,8 @@ pub struct Client {
     pulled: Mutex<HashMap<String, Vec<Option<u64>>>>,
     /// Asynchronous pushes, sent in the order they were queued (the embedded store's applier).
     applier: Applier,
+    /// The synchronous job this worker takes part in (BSP, SSP), if any.
+    job: Mutex<Option<Arc<bsp::Job>>>,
 }
 
 fn is_retryable(s: &Status) -> bool {
@@ -213,6 +217,7 @@ impl Client {
             seq: AtomicU64::new(0),
             pulled: Mutex::new(HashMap::new()),
             applier,
+            job: Mutex::new(None),
         });
         let status = c.status()?;
         for (s, st) in c.servers.iter().zip(&status) {
@@ -545,6 +550,9 @@ impl Client {
     fn push_now(&self, table: &str, dim: usize, ids: &[u64], grads: &[f32]) -> Result<()> {
         self.check_grads(table, grads, dim)?;
         let d = self.config.wire;
+        let (job, worker, step) = self
+            .step_tag()
+            .map_or((String::new(), 0, None), |(j, w, s)| (j, w, Some(s)));
         let mut targets = Vec::new();
         for (i, pos) in self.router.split(ids).into_iter().enumerate() {
             for c in self.chunks(&pos, 8 + dim * wire::width(d)) {
@@ -557,6 +565,9 @@ impl Client {
                         dtype: d as i32,
                         request_id: self.next_id(),
                         pulled_seq: self.pulled_seq(table, i),
+                        step,
+                        job: job.clone(),
+                        worker,
                     },
                 ));
             }
@@ -725,12 +736,18 @@ impl Client {
     fn dense_push_now(&self, table: &str, grad: &[f32]) -> Result<()> {
         self.check_grads(table, grad, grad.len().max(1))?;
         let i = self.dense_home(table);
+        let (job, worker, step) = self
+            .step_tag()
+            .map_or((String::new(), 0, None), |(j, w, s)| (j, w, Some(s)));
         let m = DensePushRequest {
             table: table.to_string(),
             grad: wire::encode_values(grad, self.config.wire),
             dtype: self.config.wire as i32,
             request_id: self.next_id(),
             pulled_seq: self.pulled_seq(table, i),
+            step,
+            job,
+            worker,
         };
         self.fan_out(
             vec![(i, m)],
@@ -762,13 +779,7 @@ impl Client {
         timeout: Duration,
     ) -> Result<ClockResponse> {
         self.drain();
-        let coord = self
-            .servers
-            .iter()
-            .enumerate()
-            .min_by(|a, b| a.1.name.cmp(&b.1.name))
-            .map(|(i, _)| i)
-            .unwrap_or(0);
+        let coord = self.coordinator();
         let m = ClockRequest {
             worker,
             num_workers,
@@ -776,6 +787,7 @@ impl Client {
             wait: wait.is_some(),
             staleness: wait.unwrap_or(0),
             advance: true,
+            ..Default::default()
         };
         // A wait that ran out is not retried: the caller asked for at most `timeout`.
         let r = self
@@ -783,19 +795,29 @@ impl Client {
             .block_on(self.call(coord, m, timeout, false, |mut c, r| async move {
                 c.clock(r).await
             }));
-        r.map_err(|e| match e {
-            Error::Remote {
-                server, code: 4, ..
-            } => Error::Remote {
-                server,
-                code: 4,
-                message: format!(
+        r.map_err(|e| {
+            waited(
+                e,
+                format!(
                     "worker {worker} waited {:.1} s at clock {clock} for the slowest worker",
                     timeout.as_secs_f64()
                 ),
-            },
-            e => e,
+            )
         })
+    }
+}
+
+/// A clock wait's DEADLINE_EXCEEDED with `message` (who waited how long for what).
+fn waited(e: Error, message: String) -> Error {
+    match e {
+        Error::Remote {
+            server, code: 4, ..
+        } => Error::Remote {
+            server,
+            code: 4,
+            message,
+        },
+        e => e,
     }
 }
 

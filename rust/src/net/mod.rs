@@ -46,6 +46,7 @@ pub fn status_of(e: &crate::Error) -> tonic::Status {
         E::Storage(m) => (Code::FailedPrecondition, "storage", m.clone()),
         E::Corrupt(m) => (Code::DataLoss, "corrupt", m.clone()),
         E::Internal(m) => (Code::Internal, "internal", m.clone()),
+        E::WorkerLost(m) => (Code::Aborted, "worker_lost", m.clone()),
         E::Remote { message, .. } => (Code::Unavailable, "remote", message.clone()),
     };
     let shown = match e {
@@ -88,6 +89,7 @@ pub fn error_of(s: &tonic::Status, server: &str) -> crate::Error {
         ("table_exists", Some(t)) => E::TableExists(t),
         ("storage", _) => E::Storage(format!("server {server}: {m}")),
         ("corrupt", _) => E::Corrupt(format!("server {server}: {m}")),
+        ("worker_lost", _) => E::WorkerLost(m),
         _ => E::Remote {
             server: server.to_string(),
             code: s.code() as i32,

@@ -22,6 +22,7 @@ pub fn err(e: Error) -> PyErr {
         Error::Storage(_) => "StorageError",
         Error::Corrupt(_) => "CorruptError",
         Error::Internal(_) => "InternalError",
+        Error::WorkerLost(_) => "WorkerLostError",
         // DEADLINE_EXCEEDED, UNAUTHENTICATED, PERMISSION_DENIED.
         Error::Remote { code: 4, .. } => "ServerTimeoutError",
         Error::Remote { code: 7 | 16, .. } => "AuthenticationError",

@@ -293,6 +293,54 @@ impl PyClient {
         let r = run(py, || c.clock(worker, num_workers, clock, staleness, t))?;
         Ok(r.clocks)
     }
+
+    /// Joins a synchronous job on every server (`job` None: worker 0 starts one, the others
+    /// find it); returns the job's id and the clock this worker starts at.
+    #[allow(clippy::too_many_arguments)]
+    #[pyo3(signature = (job, worker, num_workers, synced, lease, continue_on_loss, mean, timeout))]
+    fn join_job(
+        &self,
+        py: Python<'_>,
+        job: Option<String>,
+        worker: u32,
+        num_workers: u32,
+        synced: bool,
+        lease: f64,
+        continue_on_loss: bool,
+        mean: bool,
+        timeout: f64,
+    ) -> PyResult<(String, u64)> {
+        if !(lease.is_finite() && lease > 0.0) {
+            return Err(bad(format!("lease must be > 0 seconds, got {lease}")));
+        }
+        if !(timeout.is_finite() && timeout > 0.0) {
+            return Err(bad(format!("timeout must be > 0 seconds, got {timeout}")));
+        }
+        let cfg = crate::client::JobConfig {
+            job,
+            worker,
+            num_workers,
+            synced,
+            lease: Duration::from_secs_f64(lease),
+            continue_on_loss,
+            mean,
+        };
+        let c = &self.inner;
+        run(py, || c.join_job(cfg, Duration::from_secs_f64(timeout)))
+    }
+
+    /// Ends this worker's step of its job on every server (waits as the job's mode says);
+    /// returns the new clock.
+    #[pyo3(signature = (staleness, timeout))]
+    fn end_job_step(&self, py: Python<'_>, staleness: u64, timeout: f64) -> PyResult<u64> {
+        if !(timeout.is_finite() && timeout > 0.0) {
+            return Err(bad(format!("timeout must be > 0 seconds, got {timeout}")));
+        }
+        let c = &self.inner;
+        run(py, || {
+            c.end_job_step(staleness, Duration::from_secs_f64(timeout))
+        })
+    }
 }
 
 pub(super) fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {

@@ -7,6 +7,7 @@
 //! runtime. A request that fails changes nothing, and nothing a client sends can stop the server:
 //! decoding errors, wrong lengths, NaN gradients, unknown tables all become error statuses.
 
+pub mod bsp;
 pub mod metrics;
 pub mod model;
 pub mod state;
@@ -89,6 +90,8 @@ struct Inner {
     pushes: Dedup<PushResponse>,
     removes: Dedup<RemoveResponse>,
     clocks: Clocks,
+    /// The synchronous steps of the current job (clocks, leases, pending aggregates).
+    steps: Arc<bsp::Steps>,
     policies: Policies,
     started: Instant,
     max_message: usize,
@@ -134,7 +137,7 @@ impl Inner {
                 superseded_writes: f.superseded_writes(),
             }),
             uptime: self.started.elapsed(),
-            clocks: self.clocks.get(),
+            clocks: self.clocks().clocks,
         }
     }
 
@@ -198,11 +201,16 @@ impl Inner {
     }
 
     fn clocks(&self) -> ClockResponse {
+        let v = self.steps.view();
+        if !v.job.is_empty() {
+            return bsp::job_clocks(v);
+        }
         let c = self.clocks.get();
         ClockResponse {
             min_clock: c.iter().min().copied().unwrap_or(0),
             max_clock: c.iter().max().copied().unwrap_or(0),
             clocks: c,
+            ..Default::default()
         }
     }
 }
@@ -412,6 +420,15 @@ fn dense(store: &Store, name: &str) -> Result<Arc<crate::DenseTable>> {
     }
 }
 
+/// The answer to a push added to a pending step's aggregate.
+fn bsp_accepted(seq: u64) -> PushResponse {
+    PushResponse {
+        applied: true,
+        staleness: 0,
+        seq,
+    }
+}
+
 fn staleness(seq_now: u64, pulled: Option<u64>) -> Option<u64> {
     pulled.map(|p| seq_now.saturating_sub(p))
 }
@@ -546,6 +563,19 @@ impl PStore for Service {
             let grads = wire::values(&r.grads, d, ids.len() * t.dim(), "grads")?;
             t.validate_push(&ids, &grads)?;
             s.pushes.once(request_id(&r.request_id), || {
+                if let Some(step) = r.step {
+                    s.steps.add(
+                        &r.job,
+                        r.worker,
+                        request_id(&r.request_id),
+                        step,
+                        &r.table,
+                        t.dim(),
+                        &ids,
+                        &grads,
+                    )?;
+                    return Ok(bsp_accepted(t.seq()));
+                }
                 let stale = staleness(t.seq(), r.pulled_seq);
                 let decision = s.policies.decide(&r.table, stale);
                 let applied = match decision {
@@ -662,6 +692,12 @@ impl PStore for Service {
             let grad = wire::values(&r.grad, d, t.config().numel(), "grad")?;
             t.validate_push(&grad)?;
             s.pushes.once(request_id(&r.request_id), || {
+                if let Some(step) = r.step {
+                    let rid = request_id(&r.request_id);
+                    s.steps
+                        .add(&r.job, r.worker, rid, step, &r.table, 0, &[], &grad)?;
+                    return Ok(bsp_accepted(t.step() as u64));
+                }
                 let stale = staleness(t.step() as u64, r.pulled_seq);
                 let decision = s.policies.decide(&r.table, stale);
                 let applied = match decision {
@@ -715,9 +751,11 @@ impl PStore for Service {
             if r.dir.is_empty() {
                 return Err(invalid("snapshot needs a directory"));
             }
-            let info = s
-                .store
-                .snapshot(std::path::Path::new(&r.dir), r.incremental)?;
+            // At a step boundary: no step is half applied, and pending steps are not in the rows.
+            let info = s.steps.at_boundary(|| {
+                s.store
+                    .snapshot(std::path::Path::new(&r.dir), r.incremental)
+            })?;
             Ok(SnapshotResponse {
                 dir: r.dir,
                 rows: info.manifest.tables.iter().map(|t| t.rows).sum(),
@@ -740,6 +778,9 @@ impl PStore for Service {
         let out = async {
             self.check(&req, access)?;
             let r = req.into_inner();
+            if !r.job.is_empty() {
+                return self.job_clock(r).await;
+            }
             if r.advance {
                 self.0
                     .clocks
@@ -817,6 +858,7 @@ pub fn start(store: Arc<Store>, config: ServerConfig) -> Result<ServerHandle> {
         pushes: Dedup::new(state::DEDUP_CAPACITY),
         removes: Dedup::new(state::DEDUP_CAPACITY),
         clocks: Clocks::default(),
+        steps: Arc::new(bsp::Steps::load(&store)?),
         policies,
         started: Instant::now(),
         max_message: config.max_message,

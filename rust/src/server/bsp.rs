@@ -1,0 +1,938 @@
+//! Synchronous steps of one job on one server: the job's clocks and worker leases, and each
+//! step's aggregate of the workers' gradients, applied once per row when the step is complete.
+//!
+//! A push tagged with step `s` of job `j` is added (in float64, per row) to the aggregate of
+//! `(s, table)` instead of being applied. When every live worker's clock is at least `s` (each
+//! worker reports its clock to every server after its pushes of the step were acknowledged), the
+//! aggregate is applied with the table's optimizer in one push: one optimizer step per row per
+//! step, whatever the number of workers. Snapshots and applies exclude each other, so a
+//! snapshot holds the steps applied so far and nothing of a later one.
+//!
+//! Leases: every call of a worker (clock, tagged push, heartbeat) renews its lease; a waiter that
+//! finds a worker silent for longer than the lease either fails with [`Error::WorkerLost`] or,
+//! with `continue`, marks it lost and goes on without it. A lost worker that calls again rejoins
+//! at the step the job is at.
+
+use std::collections::{BTreeMap, HashMap, HashSet};
+use std::path::PathBuf;
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use tokio::sync::watch;
+use tonic::Status;
+
+use std::io::Write;
+
+use serde::{Deserialize, Serialize};
+
+use crate::error::{invalid, storage, Error, Result};
+use crate::net::proto::{ClockRequest, ClockResponse};
+use crate::net::status_of;
+use crate::store::{Store, Table};
+
+/// The lease when a job does not give one.
+pub const DEFAULT_LEASE: Duration = Duration::from_secs(10);
+
+/// Hashes an id with the splitmix64 finaliser: the default SipHash is built against chosen
+/// collisions, which a step's ids (already hashed into the tables the same way) do not need.
+#[derive(Default, Clone, Copy)]
+struct IdHasher(u64);
+
+impl std::hash::Hasher for IdHasher {
+    fn finish(&self) -> u64 {
+        self.0
+    }
+    fn write(&mut self, bytes: &[u8]) {
+        for &b in bytes {
+            self.0 = crate::hash::mix64(self.0 ^ u64::from(b));
+        }
+    }
+    fn write_u64(&mut self, x: u64) {
+        self.0 = crate::hash::mix64(x);
+    }
+}
+
+type IdMap = HashMap<u64, usize, std::hash::BuildHasherDefault<IdHasher>>;
+
+/// One table's part of a step: the float64 sum of the gradients per row.
+enum Agg {
+    Sparse {
+        dim: usize,
+        index: IdMap,
+        ids: Vec<u64>,
+        sums: Vec<f64>,
+    },
+    Dense(Vec<f64>),
+}
+
+/// How a job was started (fixed by the first call of the job).
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct JobOptions {
+    /// Seconds without a call after which a worker is lost.
+    pub lease: Duration,
+    /// Waiters go on without a lost worker (false: they fail).
+    pub continue_on_loss: bool,
+    /// Apply the mean of the workers' gradients (false: the sum).
+    pub mean: bool,
+}
+
+/// The state of the current job.
+struct Job {
+    id: String,
+    opts: JobOptions,
+    clocks: Vec<u64>,
+    seen: Vec<Instant>,
+    joined: Vec<bool>,
+    lost: Vec<bool>,
+    /// Steps applied (every step <= applied is in the rows).
+    applied: u64,
+    /// The request ids counted in each pending step.
+    rids: BTreeMap<u64, HashSet<(u64, u64)>>,
+    /// The step being applied and each table's seq before it (kept on disk by a durable
+    /// server, so that a crash in the middle applies the rest once).
+    marker: Option<(u64, BTreeMap<String, u64>)>,
+    /// A worker lost under the `fail` option: the error every waiter gets.
+    failed: Option<String>,
+    pending: BTreeMap<u64, BTreeMap<String, Agg>>,
+}
+
+impl Job {
+    fn min_live(&self) -> Option<u64> {
+        self.clocks
+            .iter()
+            .zip(&self.lost)
+            .filter(|(_, &l)| !l)
+            .map(|(&c, _)| c)
+            .min()
+    }
+}
+
+/// What a clock call's answer reports of the job.
+#[derive(Debug, Clone, Default)]
+pub struct JobView {
+    /// The job's id ("" when the server has none).
+    pub job: String,
+    /// Every worker's clock.
+    pub clocks: Vec<u64>,
+    /// Workers that called since the job started.
+    pub joined: Vec<u32>,
+    /// Workers lost (and not back).
+    pub lost: Vec<u32>,
+    /// Steps applied.
+    pub applied: u64,
+}
+
+/// The synchronous-step state of a server.
+pub struct Steps {
+    job: Mutex<Option<Job>>,
+    /// Held while a step is applied and while a snapshot is written.
+    applying: Mutex<()>,
+    /// Ticks on every change, for waiters.
+    tick: watch::Sender<u64>,
+    /// A durable server's copy of the job state.
+    persist: Option<Persist>,
+}
+
+impl Default for Steps {
+    fn default() -> Self {
+        Self {
+            job: Mutex::new(None),
+            applying: Mutex::new(()),
+            tick: watch::channel(0).0,
+            persist: None,
+        }
+    }
+}
+
+/// The job state on disk, in `bsp/` of a durable server's directory: `job.json` (clocks, lost
+/// workers, applied steps, and the step being applied with each table's seq before it), written
+/// to a temporary file and renamed over the old one, and one append-only log per pending step of
+/// the pushes counted in it. A file rather than LMDB: the state is a few hundred bytes rewritten
+/// whole a few times per step, and the logs are written once and deleted when their step is
+/// applied, neither of which needs the store's transactions; the step's seqs make applying it
+/// idempotent across a crash (a table whose seq moved past the one recorded has the step).
+struct Persist {
+    dir: PathBuf,
+    /// fsync every write (the store's durability is `sync`).
+    sync: bool,
+}
+
+#[derive(Serialize, Deserialize)]
+struct Saved {
+    id: String,
+    lease_s: f64,
+    continue_on_loss: bool,
+    mean: bool,
+    clocks: Vec<u64>,
+    lost: Vec<bool>,
+    applied: u64,
+    /// The step being applied and each table's seq before it.
+    applying: Option<(u64, BTreeMap<String, u64>)>,
+}
+
+/// One push of a step's log: its head, ids and values.
+type LogRecord = (LogHead, Vec<u64>, Vec<f32>);
+
+#[derive(Serialize, Deserialize)]
+struct LogHead {
+    rid: Option<(u64, u64)>,
+    table: String,
+    /// 0: a dense table.
+    dim: usize,
+}
+
+fn io_err(path: &std::path::Path, e: std::io::Error) -> Error {
+    storage(format!("{}: {e}", path.display()))
+}
+
+impl Persist {
+    fn step_log(&self, step: u64) -> PathBuf {
+        self.dir.join(format!("step-{step}.log"))
+    }
+
+    fn save(&self, j: &Job, applying: Option<(u64, BTreeMap<String, u64>)>) -> Result<()> {
+        let saved = Saved {
+            id: j.id.clone(),
+            lease_s: j.opts.lease.as_secs_f64(),
+            continue_on_loss: j.opts.continue_on_loss,
+            mean: j.opts.mean,
+            clocks: j.clocks.clone(),
+            lost: j.lost.clone(),
+            applied: j.applied,
+            applying,
+        };
+        let f = self.dir.join("job.json");
+        let tmp = self.dir.join("job.json.tmp");
+        let body = serde_json::to_vec(&saved).expect("job state serializes");
+        let write = || -> std::io::Result<()> {
+            let mut h = std::fs::File::create(&tmp)?;
+            h.write_all(&body)?;
+            if self.sync {
+                h.sync_all()?;
+            }
+            std::fs::rename(&tmp, &f)?;
+            if self.sync {
+                std::fs::File::open(&self.dir)?.sync_all()?;
+            }
+            Ok(())
+        };
+        write().map_err(|e| io_err(&f, e))
+    }
+
+    fn log(&self, step: u64, head: &LogHead, ids: &[u64], vals: &[f32]) -> Result<()> {
+        let f = self.step_log(step);
+        let head = serde_json::to_vec(head).expect("log head serializes");
+        let mut rec = Vec::with_capacity(20 + head.len() + ids.len() * 8 + vals.len() * 4);
+        rec.extend_from_slice(&(head.len() as u32).to_le_bytes());
+        rec.extend_from_slice(&head);
+        rec.extend_from_slice(&(ids.len() as u64).to_le_bytes());
+        ids.iter()
+            .for_each(|x| rec.extend_from_slice(&x.to_le_bytes()));
+        rec.extend_from_slice(&(vals.len() as u64).to_le_bytes());
+        vals.iter()
+            .for_each(|x| rec.extend_from_slice(&x.to_le_bytes()));
+        let write = || -> std::io::Result<()> {
+            let mut h = std::fs::OpenOptions::new()
+                .create(true)
+                .append(true)
+                .open(&f)?;
+            h.write_all(&rec)?;
+            if self.sync {
+                h.sync_data()?;
+            }
+            Ok(())
+        };
+        write().map_err(|e| io_err(&f, e))
+    }
+
+    /// The records of a step's log; a torn last record (a crash while it was written, before
+    /// its push was answered) is left out.
+    fn read_log(&self, step: u64) -> Result<Vec<LogRecord>> {
+        let f = self.step_log(step);
+        let b = match std::fs::read(&f) {
+            Ok(b) => b,
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(Vec::new()),
+            Err(e) => return Err(io_err(&f, e)),
+        };
+        let mut out = Vec::new();
+        let mut at = 0usize;
+        let take = |at: &mut usize, n: usize| -> Option<&[u8]> {
+            let s = b.get(*at..at.checked_add(n)?)?;
+            *at += n;
+            Some(s)
+        };
+        // A length (u64) and that many values of `width` bytes.
+        let array = |at: &mut usize, width: usize| -> Option<&[u8]> {
+            let n = u64::from_le_bytes(take(at, 8)?.try_into().ok()?) as usize;
+            take(at, n.checked_mul(width)?)
+        };
+        while let Some(h) = take(&mut at, 4) {
+            let hl = u32::from_le_bytes(h.try_into().expect("4 bytes")) as usize;
+            let Some(h) = take(&mut at, hl) else { break };
+            let head: LogHead = serde_json::from_slice(h)
+                .map_err(|e| crate::error::corrupt(format!("{}: {e}", f.display())))?;
+            let (Some(ib), Some(vb)) = (array(&mut at, 8), array(&mut at, 4)) else {
+                break;
+            };
+            let ids = ib
+                .chunks_exact(8)
+                .map(|c| u64::from_le_bytes(c.try_into().expect("8 bytes")))
+                .collect();
+            let vals = vb
+                .chunks_exact(4)
+                .map(|c| f32::from_le_bytes(c.try_into().expect("4 bytes")))
+                .collect();
+            out.push((head, ids, vals));
+        }
+        Ok(out)
+    }
+
+    /// Deletes the logs of steps <= `applied` (and, with `all`, every log); makes the
+    /// directory if it is missing.
+    fn prune(&self, applied: u64, all: bool) -> Result<()> {
+        std::fs::create_dir_all(&self.dir).map_err(|e| io_err(&self.dir, e))?;
+        let rd = std::fs::read_dir(&self.dir).map_err(|e| io_err(&self.dir, e))?;
+        for e in rd.flatten() {
+            let name = e.file_name().to_string_lossy().into_owned();
+            let step = name
+                .strip_prefix("step-")
+                .and_then(|x| x.strip_suffix(".log"))
+                .and_then(|x| x.parse::<u64>().ok());
+            if let Some(st) = step {
+                if all || st <= applied {
+                    std::fs::remove_file(e.path()).map_err(|err| io_err(&e.path(), err))?;
+                }
+            }
+        }
+        Ok(())
+    }
+}
+
+fn seq_of(store: &Store, table: &str) -> Option<u64> {
+    match store.table(table).ok()? {
+        Table::Sparse(t) => Some(t.seq()),
+        Table::Dense(t) => Some(t.step() as u64),
+    }
+}
+
+fn lost_message(job: &str, w: usize, lease: Duration) -> String {
+    format!(
+        "worker {w} of job {job:?} is lost: no call from it for {:.1} s (its lease)",
+        lease.as_secs_f64()
+    )
+}
+
+impl Steps {
+    /// The state of a server of `store`: a durable store's job state is read back from its
+    /// directory (a step a crash interrupted is finished, the pending steps' pushes counted
+    /// again); an in-memory store's starts empty.
+    pub fn load(store: &Store) -> Result<Self> {
+        let Some(path) = store.path() else {
+            return Ok(Self::default());
+        };
+        // Made when the first job starts.
+        let dir = path.join("bsp");
+        let sync = store
+            .flusher()
+            .is_some_and(|f| f.mode() == crate::durable::Durability::Sync);
+        let p = Persist { dir, sync };
+        let f = p.dir.join("job.json");
+        let job = match std::fs::read(&f) {
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => None,
+            Err(e) => return Err(io_err(&f, e)),
+            Ok(b) => {
+                let saved: Saved = serde_json::from_slice(&b)
+                    .map_err(|e| crate::error::corrupt(format!("{}: {e}", f.display())))?;
+                Some(Self::restore(&p, store, saved)?)
+            }
+        };
+        Ok(Self {
+            job: Mutex::new(job),
+            applying: Mutex::new(()),
+            tick: watch::channel(0).0,
+            persist: Some(p),
+        })
+    }
+
+    fn restore(p: &Persist, store: &Store, saved: Saved) -> Result<Job> {
+        let n = saved.clocks.len();
+        let now = Instant::now();
+        let mut j = Job {
+            id: saved.id,
+            opts: JobOptions {
+                lease: Duration::try_from_secs_f64(saved.lease_s).unwrap_or(DEFAULT_LEASE),
+                continue_on_loss: saved.continue_on_loss,
+                mean: saved.mean,
+            },
+            clocks: saved.clocks,
+            seen: vec![now; n],
+            joined: vec![true; n],
+            lost: saved.lost,
+            applied: saved.applied,
+            failed: None,
+            pending: BTreeMap::new(),
+            rids: BTreeMap::new(),
+            marker: None,
+        };
+        if j.lost.len() != n {
+            j.lost = vec![false; n];
+        }
+        let replay = |j: &mut Job, step: u64| -> Result<()> {
+            for (h, ids, vals) in p.read_log(step)? {
+                if let Some(r) = h.rid {
+                    if !j.rids.entry(step).or_default().insert(r) {
+                        continue;
+                    }
+                }
+                add_to(j, step, &h.table, h.dim, &ids, &vals)?;
+            }
+            Ok(())
+        };
+        if let Some((step, seqs)) = saved.applying {
+            // Finish the step the crash interrupted: the tables whose seq has not moved.
+            replay(&mut j, step)?;
+            let live = j.lost.iter().filter(|&&l| !l).count().max(1);
+            let divisor = if j.opts.mean { live as f64 } else { 1.0 };
+            for (name, agg) in j.pending.remove(&step).unwrap_or_default() {
+                if seqs
+                    .get(&name)
+                    .is_some_and(|&s| seq_of(store, &name) == Some(s))
+                {
+                    apply_one(store, &name, agg, divisor)?;
+                }
+            }
+            j.applied = j.applied.max(step);
+            j.rids.clear();
+        }
+        let mut steps: Vec<u64> = Vec::new();
+        for e in std::fs::read_dir(&p.dir)
+            .map_err(|e| io_err(&p.dir, e))?
+            .flatten()
+        {
+            let name = e.file_name().to_string_lossy().into_owned();
+            if let Some(st) = name
+                .strip_prefix("step-")
+                .and_then(|x| x.strip_suffix(".log"))
+                .and_then(|x| x.parse::<u64>().ok())
+            {
+                steps.push(st);
+            }
+        }
+        steps.sort_unstable();
+        let applied = j.applied;
+        for st in steps.into_iter().filter(|&st| st > applied) {
+            replay(&mut j, st)?;
+        }
+        p.save(&j, None)?;
+        p.prune(j.applied, false)?;
+        Ok(j)
+    }
+
+    fn lock(&self) -> std::sync::MutexGuard<'_, Option<Job>> {
+        self.job.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    fn notify(&self) {
+        self.tick.send_modify(|t| *t = t.wrapping_add(1));
+    }
+
+    /// The job's state as a clock answer reports it.
+    pub fn view(&self) -> JobView {
+        let g = self.lock();
+        let Some(j) = g.as_ref() else {
+            return JobView::default();
+        };
+        let list = |v: &[bool]| {
+            v.iter()
+                .enumerate()
+                .filter(|(_, &b)| b)
+                .map(|(i, _)| i as u32)
+                .collect()
+        };
+        JobView {
+            job: j.id.clone(),
+            clocks: j.clocks.clone(),
+            joined: list(&j.joined),
+            lost: list(&j.lost),
+            applied: j.applied,
+        }
+    }
+
+    /// Worker `w` of job `job` reports clock `clock` (clocks only move forward). A job other
+    /// than the current one starts afresh; a lost worker rejoins at the job's applied step.
+    pub fn advance(&self, job: &str, w: u32, n: u32, clock: u64, opts: JobOptions) -> Result<()> {
+        if n == 0 || n > super::state::MAX_WORKERS || w >= n {
+            return Err(invalid(format!(
+                "worker {w} is not in 0..num_workers = 0..{n} (at most {})",
+                super::state::MAX_WORKERS
+            )));
+        }
+        let mut g = self.lock();
+        if g.as_ref().is_none_or(|j| j.id != job) {
+            if clock > 0 {
+                // Only a worker joining at clock 0 starts a job: a late call of an ended job
+                // must not replace the job that followed it.
+                return Err(invalid(format!(
+                    "job {job:?} is not running on this server (its job is {:?}); a worker \
+                     joins a job at clock 0",
+                    g.as_ref().map_or("", |j| j.id.as_str())
+                )));
+            }
+            let now = Instant::now();
+            *g = Some(Job {
+                id: job.to_string(),
+                opts,
+                clocks: vec![0; n as usize],
+                seen: vec![now; n as usize],
+                joined: vec![false; n as usize],
+                lost: vec![false; n as usize],
+                applied: 0,
+                failed: None,
+                pending: BTreeMap::new(),
+                rids: BTreeMap::new(),
+                marker: None,
+            });
+            if let Some(p) = &self.persist {
+                p.prune(0, true)?;
+            }
+        }
+        let j = g.as_mut().expect("job set above");
+        if j.clocks.len() != n as usize {
+            return Err(invalid(format!(
+                "job {job:?} has {} workers, worker {w} says {n}",
+                j.clocks.len()
+            )));
+        }
+        let w = w as usize;
+        if j.lost[w] {
+            j.lost[w] = false;
+            j.clocks[w] = j.clocks[w].max(j.applied);
+        }
+        if j.failed.is_some() && !j.lost.iter().any(|&l| l) {
+            // The lost worker is back under `fail`: the job may go on.
+            j.failed = None;
+        }
+        j.joined[w] = true;
+        j.seen[w] = Instant::now();
+        let before = j.clocks[w];
+        j.clocks[w] = j.clocks[w].max(clock);
+        if let Some(p) = &self.persist {
+            if j.clocks[w] != before || clock == 0 {
+                p.save(j, j.marker.clone())?;
+            }
+        }
+        drop(g);
+        self.notify();
+        Ok(())
+    }
+
+    fn check_push(j: &Job, job: &str, step: u64) -> Result<()> {
+        if j.id != job {
+            return Err(invalid(format!(
+                "a push of job {job:?} reached a server whose job is {:?}",
+                j.id
+            )));
+        }
+        if step <= j.applied {
+            return Err(invalid(format!(
+                "job {job:?}: a push for step {step} arrived after the step was applied \
+                 ({} steps applied)",
+                j.applied
+            )));
+        }
+        Ok(())
+    }
+
+    /// Renews worker `w`'s lease in job `job` (a heartbeat); false when that is not the job.
+    pub fn renew(&self, job: &str, w: u32) -> bool {
+        let mut g = self.lock();
+        match g.as_mut() {
+            Some(j) if j.id == job && (w as usize) < j.seen.len() => {
+                j.seen[w as usize] = Instant::now();
+                true
+            }
+            _ => false,
+        }
+    }
+
+    /// Adds a push of worker `w` (request id `rid`) to step `step`'s aggregate of `table`; a
+    /// request id counted in the step already counts once. A durable server logs the push
+    /// before it is counted.
+    #[allow(clippy::too_many_arguments)]
+    pub fn add(
+        &self,
+        job: &str,
+        w: u32,
+        rid: Option<(u64, u64)>,
+        step: u64,
+        table: &str,
+        dim: usize,
+        ids: &[u64],
+        grads: &[f32],
+    ) -> Result<()> {
+        let mut g = self.lock();
+        let j = g
+            .as_mut()
+            .ok_or_else(|| invalid(format!("job {job:?} has not started on this server")))?;
+        Self::check_push(j, job, step)?;
+        if let Some(s) = j.seen.get_mut(w as usize) {
+            *s = Instant::now();
+        }
+        if let Some(r) = rid {
+            if j.rids.get(&step).is_some_and(|x| x.contains(&r)) {
+                return Ok(());
+            }
+        }
+        if let Some(p) = &self.persist {
+            p.log(
+                step,
+                &LogHead {
+                    rid,
+                    table: table.to_string(),
+                    dim,
+                },
+                ids,
+                grads,
+            )?;
+        }
+        add_to(j, step, table, dim, ids, grads)?;
+        if let Some(r) = rid {
+            j.rids.entry(step).or_default().insert(r);
+        }
+        Ok(())
+    }
+
+    /// Applies every complete step (each live worker's clock is at least the step), in order.
+    /// Blocking: runs the optimizer over the aggregates.
+    pub fn apply_ready(&self, store: &Store) -> Result<()> {
+        let _a = self.applying.lock().unwrap_or_else(|e| e.into_inner());
+        loop {
+            let (step, tables, divisor) = {
+                let mut g = self.lock();
+                let Some(j) = g.as_mut() else { return Ok(()) };
+                let Some(min) = j.min_live() else {
+                    return Ok(());
+                };
+                if min <= j.applied {
+                    return Ok(());
+                }
+                let step = j.applied + 1;
+                let tables = j.pending.remove(&step).unwrap_or_default();
+                let live = j.lost.iter().filter(|&&l| !l).count().max(1);
+                let divisor = if j.opts.mean { live as f64 } else { 1.0 };
+                if let Some(p) = &self.persist {
+                    let seqs = tables
+                        .keys()
+                        .filter_map(|t| Some((t.clone(), seq_of(store, t)?)))
+                        .collect();
+                    j.marker = Some((step, seqs));
+                    if let Err(e) = p.save(j, j.marker.clone()) {
+                        j.marker = None;
+                        j.pending.insert(step, tables);
+                        return Err(e);
+                    }
+                }
+                (step, tables, divisor)
+            };
+            let mut first_err = None;
+            for (name, agg) in tables {
+                if let Err(e) = apply_one(store, &name, agg, divisor) {
+                    first_err.get_or_insert(e);
+                }
+            }
+            {
+                let mut g = self.lock();
+                if let Some(j) = g.as_mut() {
+                    j.applied = j.applied.max(step);
+                    j.marker = None;
+                    j.rids = j.rids.split_off(&(step + 1));
+                    if let Some(p) = &self.persist {
+                        if let Err(e) = p.save(j, None).and_then(|_| p.prune(step, false)) {
+                            first_err.get_or_insert(e);
+                        }
+                    }
+                }
+            }
+            self.notify();
+            if let Some(e) = first_err {
+                return Err(e);
+            }
+        }
+    }
+
+    /// Runs `f` while no step is being applied (a snapshot at a step boundary).
+    pub fn at_boundary<R>(&self, f: impl FnOnce() -> R) -> R {
+        let _a = self.applying.lock().unwrap_or_else(|e| e.into_inner());
+        f()
+    }
+
+    /// What a waiter sees now: Ok(true) when done, Ok(false) to wait on, an error when the job
+    /// failed, ended, or a worker is lost under `fail`. Marks workers lost under `continue`
+    /// (returns `needs_apply` then).
+    fn check(&self, job: &str, target: u64, synced: bool) -> Result<(bool, bool)> {
+        let mut g = self.lock();
+        let Some(j) = g.as_mut() else {
+            return Err(invalid(format!(
+                "job {job:?} has not started on this server"
+            )));
+        };
+        if j.id != job {
+            return Err(invalid(format!(
+                "job {job:?} ended: this server's job is now {:?}",
+                j.id
+            )));
+        }
+        if let Some(m) = &j.failed {
+            return Err(Error::WorkerLost(m.clone()));
+        }
+        let now = Instant::now();
+        let mut newly_lost = false;
+        for w in 0..j.clocks.len() {
+            if j.lost[w] || j.clocks[w] >= target {
+                continue;
+            }
+            if now.duration_since(j.seen[w]) > j.opts.lease {
+                let m = lost_message(&j.id, w, j.opts.lease);
+                if j.opts.continue_on_loss {
+                    j.lost[w] = true;
+                    newly_lost = true;
+                    if let Some(p) = &self.persist {
+                        p.save(j, j.marker.clone())?;
+                    }
+                    eprintln!(
+                        "event=worker_lost job={:?} worker={w} action=continue",
+                        j.id
+                    );
+                } else {
+                    eprintln!("event=worker_lost job={:?} worker={w} action=fail", j.id);
+                    j.failed = Some(m.clone());
+                    drop(g);
+                    self.notify();
+                    return Err(Error::WorkerLost(m));
+                }
+            }
+        }
+        let min = j.min_live().unwrap_or(u64::MAX);
+        let done = min >= target && (!synced || j.applied >= target);
+        Ok((done, newly_lost))
+    }
+
+    /// Waits until every live worker's clock is at least `target` and, with `synced`, step
+    /// `target` is applied. Renews `w`'s lease while it waits.
+    pub async fn wait(
+        self: &Arc<Self>,
+        store: &Arc<Store>,
+        job: &str,
+        w: u32,
+        target: u64,
+        synced: bool,
+    ) -> Result<()> {
+        let mut rx = self.tick.subscribe();
+        loop {
+            let (done, newly_lost) = self.check(job, target, synced)?;
+            if done {
+                return Ok(());
+            }
+            if newly_lost {
+                let (me, st) = (Arc::clone(self), Arc::clone(store));
+                tokio::task::spawn_blocking(move || me.apply_ready(&st))
+                    .await
+                    .map_err(|e| Error::Internal(format!("applying a step: {e}")))??;
+                continue;
+            }
+            let lease = {
+                let mut g = self.lock();
+                match g.as_mut() {
+                    Some(j) => {
+                        // A waiting worker is alive: its call is open.
+                        if let Some(s) = j.seen.get_mut(w as usize) {
+                            *s = Instant::now();
+                        }
+                        j.opts.lease
+                    }
+                    None => DEFAULT_LEASE,
+                }
+            };
+            let tick = (lease / 4).clamp(Duration::from_millis(20), Duration::from_secs(1));
+            let _ = tokio::time::timeout(tick, rx.changed()).await;
+        }
+    }
+}
+
+/// Adds gradients to a step's aggregate: `ids` empty and `dim` 0 for a dense table.
+fn add_to(
+    j: &mut Job,
+    step: u64,
+    table: &str,
+    dim: usize,
+    ids: &[u64],
+    grads: &[f32],
+) -> Result<()> {
+    let tables = j.pending.entry(step).or_default();
+    if dim == 0 {
+        let agg = tables
+            .entry(table.to_string())
+            .or_insert_with(|| Agg::Dense(vec![0.0; grads.len()]));
+        return match agg {
+            Agg::Dense(sums) if sums.len() == grads.len() => {
+                for (a, &b) in sums.iter_mut().zip(grads) {
+                    *a += f64::from(b);
+                }
+                Ok(())
+            }
+            _ => Err(invalid(format!(
+                "table {table:?}: not a dense table of this size"
+            ))),
+        };
+    }
+    let agg = tables
+        .entry(table.to_string())
+        .or_insert_with(|| Agg::Sparse {
+            dim,
+            index: IdMap::default(),
+            ids: Vec::new(),
+            sums: Vec::new(),
+        });
+    let Agg::Sparse {
+        dim: d,
+        index,
+        ids: have,
+        sums,
+    } = agg
+    else {
+        return Err(invalid(format!("table {table:?} is not sparse")));
+    };
+    if *d != dim {
+        return Err(invalid(format!("table {table:?}: dim {dim}, expected {d}")));
+    }
+    for (k, &id) in ids.iter().enumerate() {
+        let r = *index.entry(id).or_insert_with(|| {
+            have.push(id);
+            sums.resize(sums.len() + dim, 0.0);
+            have.len() - 1
+        });
+        let dst = &mut sums[r * dim..(r + 1) * dim];
+        for (a, &b) in dst.iter_mut().zip(&grads[k * dim..(k + 1) * dim]) {
+            *a += f64::from(b);
+        }
+    }
+    Ok(())
+}
+
+fn apply_one(store: &Store, name: &str, agg: Agg, divisor: f64) -> Result<()> {
+    let table = match store.table(name) {
+        Ok(t) => t,
+        // Dropped while its step was pending: nothing to apply.
+        Err(Error::UnknownTable(_)) => return Ok(()),
+        Err(e) => return Err(e),
+    };
+    match (table, agg) {
+        (Table::Sparse(t), Agg::Sparse { ids, sums, .. }) => {
+            let grads: Vec<f32> = sums.iter().map(|&x| (x / divisor) as f32).collect();
+            t.validate_push(&ids, &grads)?;
+            t.push_validated(&ids, &grads, 1.0)
+        }
+        (Table::Dense(t), Agg::Dense(sums)) => {
+            let grad: Vec<f32> = sums.iter().map(|&x| (x / divisor) as f32).collect();
+            t.validate_push(&grad)?;
+            t.push_validated(&grad, 1.0)
+        }
+        _ => Err(invalid(format!(
+            "table {name:?} changed kind while a step was pending"
+        ))),
+    }
+}
+
+/// A clock answer of a job.
+pub(super) fn job_clocks(v: JobView) -> ClockResponse {
+    ClockResponse {
+        min_clock: v.clocks.iter().min().copied().unwrap_or(0),
+        max_clock: v.clocks.iter().max().copied().unwrap_or(0),
+        clocks: v.clocks,
+        job: v.job,
+        joined: v.joined,
+        lost: v.lost,
+        applied: v.applied,
+    }
+}
+
+impl super::Service {
+    /// A clock call of a job: reports the clock, applies the steps it completed, and waits.
+    pub(super) async fn job_clock(
+        &self,
+        r: ClockRequest,
+    ) -> std::result::Result<ClockResponse, Status> {
+        let inner = &self.0;
+        if r.advance {
+            let lease = if r.lease_seconds > 0.0 && r.lease_seconds.is_finite() {
+                Duration::from_secs_f64(r.lease_seconds)
+            } else if r.lease_seconds == 0.0 {
+                DEFAULT_LEASE
+            } else {
+                return Err(status_of(&invalid(format!(
+                    "lease_seconds must be > 0, got {}",
+                    r.lease_seconds
+                ))));
+            };
+            let opts = JobOptions {
+                lease,
+                continue_on_loss: r.continue_on_worker_loss,
+                mean: r.mean,
+            };
+            inner
+                .steps
+                .advance(&r.job, r.worker, r.num_workers, r.clock, opts)
+                .map_err(|e| status_of(&e))?;
+            let (steps, store) = (Arc::clone(&inner.steps), Arc::clone(&inner.store));
+            tokio::task::spawn_blocking(move || steps.apply_ready(&store))
+                .await
+                .map_err(|e| Status::internal(format!("applying a step: {e}")))?
+                .map_err(|e| status_of(&e))?;
+        }
+        if !r.advance {
+            inner.steps.renew(&r.job, r.worker);
+        }
+        if r.wait {
+            let target = r.clock.saturating_sub(r.staleness);
+            inner
+                .steps
+                .wait(&inner.store, &r.job, r.worker, target, r.staleness == 0)
+                .await
+                .map_err(|e| status_of(&e))?;
+        }
+        Ok(job_clocks(inner.steps.view()))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn opts() -> JobOptions {
+        JobOptions {
+            lease: Duration::from_secs(10),
+            continue_on_loss: false,
+            mean: false,
+        }
+    }
+
+    #[test]
+    fn a_new_job_resets_the_clocks_and_a_stale_push_is_refused() {
+        let s = Steps::default();
+        assert!(s.advance("a", 0, 2, 3, opts()).is_err());
+        s.advance("a", 0, 2, 0, opts()).unwrap();
+        s.advance("a", 0, 2, 3, opts()).unwrap();
+        s.advance("a", 1, 2, 3, opts()).unwrap();
+        assert_eq!(s.view().clocks, vec![3, 3]);
+        s.advance("b", 0, 2, 0, opts()).unwrap();
+        let v = s.view();
+        assert_eq!(
+            (v.job.as_str(), v.clocks, v.joined),
+            ("b", vec![0, 0], vec![0])
+        );
+        assert!(s.add("a", 0, None, 1, "t", 1, &[1], &[1.0]).is_err());
+        assert!(s.advance("a", 1, 2, 4, opts()).is_err());
+        assert!(s.advance("b", 2, 2, 0, opts()).is_err());
+        assert!(s.advance("b", 0, 3, 0, opts()).is_err());
+    }
+}
