@@ -5,6 +5,7 @@ servers retried only where it did not apply. Real `pstore serve` processes on lo
 from __future__ import annotations
 
 import signal
+import threading
 import urllib.request
 
 import numpy as np
@@ -157,3 +158,43 @@ def test_a_push_that_failed_on_one_server_is_retried_only_where_it_missed(tmp_pa
         _spans_every_server(t, 3)
     finally:
         stop_all(procs)
+
+
+def test_pushes_retried_across_kill_9_apply_exactly_once(tmp_path):
+    """A durable sync server killed at random points during a stream of pushes: each push that
+    failed is retried (the same call: its request ids) after the restart, and every push is
+    applied exactly once, whether the kill came before or after its commit."""
+    path = tmp_path / "srv"
+    srv = ServerProcess("--path", str(path), "--durability", "sync")
+    srv.wait_ready()
+    rng = np.random.default_rng(11)
+    ids = np.arange(40, dtype=np.uint64)
+    expected = np.zeros((len(ids), 2), np.float32)
+    store = pstore.connect([srv.address], timeout=5.0, retries=0)
+    t = store.create_sparse_table("once", 2, optimizer=optim.SGD(lr=1.0), initializer=init.Zeros())
+    kills, retried = 0, 0
+    try:
+        for round_ in range(4):
+            timer = threading.Timer(float(rng.uniform(0.05, 0.4)), srv.send, (signal.SIGKILL,))
+            timer.start()
+            step = 0
+            while True:
+                g = np.full((len(ids), 2), float(round_ * 1000 + step + 1), np.float32)
+                step += 1
+                try:
+                    t.push(ids, g)
+                except pstore.ServerError:
+                    timer.join()
+                    srv.proc.wait(30)
+                    kills += 1
+                    srv = ServerProcess("--path", str(path), "--durability", "sync", port=srv.port)
+                    srv.wait_ready()
+                    t.push(ids, g)  # the same call again, after the restart
+                    retried += 1
+                    expected -= g
+                    break
+                expected -= g
+        assert (kills, retried) == (4, 4)
+        assert np.array_equal(t.pull(ids), expected)
+    finally:
+        srv.stop()

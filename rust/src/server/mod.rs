@@ -621,7 +621,19 @@ impl PStore for Service {
             let ids = wire::ids(&r.ids)?;
             let grads = wire::values(&r.grads, d, ids.len() * t.dim(), "grads")?;
             t.validate_push(&ids, &grads)?;
-            s.pushes.once(request_id(&r.request_id), || {
+            let rid = request_id(&r.request_id);
+            s.pushes.once(rid, || {
+                if let Some((client, seq)) = rid {
+                    // Applied before a restart: the replica kept its id with its rows.
+                    if t.was_applied(client, seq)? {
+                        return Ok(PushResponse {
+                            applied: true,
+                            staleness: 0,
+                            seq: t.seq(),
+                            version: s.versions.get(&r.table),
+                        });
+                    }
+                }
                 let (by_version, version) =
                     s.versions.arrive(&r.table, r.pulled_version, r.continued);
                 let stale = match r.pulled_version {
@@ -634,7 +646,7 @@ impl PStore for Service {
                     // A part with no ids (the batch has none on this server) only counts.
                     Decision::Apply(_) if r.version_only && ids.is_empty() => true,
                     Decision::Apply(scale) => {
-                        t.push_validated(&ids, &grads, scale)?;
+                        t.push_validated_as(&ids, &grads, scale, rid)?;
                         true
                     }
                 };
