@@ -121,17 +121,20 @@ def test_declaring_an_existing_table_matches_or_fails(two_servers):
     assert _table(b, "decl", "drop", bound=2).name == "decl"
 
 
-def test_a_push_that_failed_on_one_server_is_retried_only_where_it_missed(tmp_path):
-    dirs = [tmp_path / f"s{i}" for i in range(3)]
-    args = [("--path", str(d), "--durability", "sync") for d in dirs]
+def _three_durable_servers(tmp_path, name: str):
+    """Three `sync` servers with a directory each, and an SGD table (lr 0.5, zeros) on them."""
+    args = [("--path", str(tmp_path / f"s{i}"), "--durability", "sync") for i in range(3)]
     procs = [ServerProcess(*a) for a in args]
     for p in procs:
         p.wait_ready()
+    store = pstore.connect([p.address for p in procs], timeout=2.0, retries=1)
+    t = store.create_sparse_table(name, 4, optimizer=optim.SGD(lr=0.5), initializer=init.Zeros())
+    return args, procs, t
+
+
+def test_a_push_that_failed_on_one_server_is_retried_only_where_it_missed(tmp_path):
+    args, procs, t = _three_durable_servers(tmp_path, "sgd")
     try:
-        store = pstore.connect([p.address for p in procs], timeout=2.0, retries=1)
-        t = store.create_sparse_table(
-            "sgd", 4, optimizer=optim.SGD(lr=0.5), initializer=init.Zeros()
-        )
         ids = np.arange(300, dtype=np.uint64)
         expected = np.zeros((len(ids), 4), np.float32)
         rng = np.random.default_rng(5)
@@ -164,15 +167,8 @@ def test_a_server_killed_mid_stream_and_restarted_leaves_exact_rows(tmp_path):
     """One of three durable servers gets SIGKILL at a random moment of a stream of SGD pushes
     (perhaps mid-push, before or after its commit); the pushes it missed raise
     PartialPushError and are made again once it is back: every row ends exactly as expected."""
-    args = [("--path", str(tmp_path / f"s{i}"), "--durability", "sync") for i in range(3)]
-    procs = [ServerProcess(*a) for a in args]
-    for p in procs:
-        p.wait_ready()
+    args, procs, t = _three_durable_servers(tmp_path, "mid")
     try:
-        store = pstore.connect([p.address for p in procs], timeout=2.0, retries=1)
-        t = store.create_sparse_table(
-            "mid", 4, optimizer=optim.SGD(lr=0.5), initializer=init.Zeros()
-        )
         ids = np.arange(300, dtype=np.uint64)
         expected = np.zeros((len(ids), 4), np.float32)
         rng = np.random.default_rng(7)
