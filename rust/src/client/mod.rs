@@ -88,8 +88,8 @@ pub struct Client {
     /// Random per client: with `seq`, the ids of write requests.
     id: u64,
     seq: AtomicU64,
-    /// The seq each server answered the last pull of each table with.
-    /// Per table, per server (by position in the list).
+    /// The seq the home server answered the last pull of each dense table with (a sparse
+    /// push carries the versions of its own batch's pull instead, see `once.rs`).
     pulled: Mutex<HashMap<String, Vec<Option<u64>>>>,
     /// Asynchronous pushes, sent in the order they were queued (the embedded store's applier).
     applier: Applier,
@@ -483,7 +483,6 @@ impl Client {
             }
         }
         let answers = self.fan_out(targets, |mut c, r| async move { c.pull(r).await })?;
-        let mut seqs = HashMap::new();
         let mut versions = vec![u64::MAX; self.servers.len()];
         for ((i, pos), a) in parts.iter().zip(&answers) {
             let dt = wire::dtype(a.dtype)?;
@@ -494,12 +493,7 @@ impl Client {
                 )));
             }
             wire::scatter_rows(&a.rows, dt, pos, dim, out)?;
-            let e = seqs.entry(*i).or_insert(a.seq);
-            *e = (*e).min(a.seq);
             versions[*i] = versions[*i].min(a.version);
-        }
-        for (i, s) in seqs {
-            self.set_pulled(table, i, s);
         }
         self.remember_versions(table, ids, versions.clone());
         Ok(versions)
