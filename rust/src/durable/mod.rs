@@ -15,11 +15,10 @@ use std::sync::{Arc, Condvar, Mutex, MutexGuard, RwLock};
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
-mod applied;
 mod record;
 mod replica;
 
-pub use applied::{applied_key, AppliedIds};
+pub use crate::table::{applied_key, AppliedIds};
 
 pub(crate) use record::restore_counters;
 pub use record::{

@@ -81,7 +81,7 @@ pub struct SparseTable {
     backing: Option<Backing>,
     /// The request ids of the pushes applied, and whether they changed since the flusher took
     /// them (`once.rs`).
-    applied: Mutex<(crate::durable::AppliedIds, bool)>,
+    applied: Mutex<(super::AppliedIds, bool)>,
 }
 
 impl SparseTable {

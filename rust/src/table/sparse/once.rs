@@ -1,11 +1,11 @@
 //! The request ids of applied pushes, kept beside the rows: a durable store's flusher takes
 //! them with the rows (under the same hold, see `hold_changes`) and writes both in one
 //! transaction, so a store server recognises a retried push after a restart
-//! ([`crate::durable::AppliedIds`]).
+//! ([`AppliedIds`]).
 
 use super::SparseTable;
-use crate::durable::AppliedIds;
 use crate::error::Result;
+use crate::table::AppliedIds;
 
 impl SparseTable {
     fn applied_ids(&self) -> std::sync::MutexGuard<'_, (AppliedIds, bool)> {
