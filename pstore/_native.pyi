@@ -1,5 +1,6 @@
 # Hand-written stub of the native module (rust/src/python/). `make lint` checks it with
 # mypy.stubtest against the built extension.
+from collections.abc import Sequence
 from typing import Any, final
 
 import numpy as np
@@ -63,8 +64,8 @@ class StoreApi:
         admit_after: int = 0,
         max_rows: int | None = None,
         evict_policy: str = "lru",
-        stale_policy: str = "apply",
-        max_staleness: int = 0,
+        stale_policy: str | None = None,
+        max_staleness: int | None = None,
     ) -> SparseTable: ...
     def create_dense_table(
         self,
@@ -73,8 +74,8 @@ class StoreApi:
         optimizer: dict[str, Any],
         initializer: str | dict[str, Any],
         seed: int,
-        stale_policy: str = "apply",
-        max_staleness: int = 0,
+        stale_policy: str | None = None,
+        max_staleness: int | None = None,
     ) -> DenseTable: ...
     def table(self, name: str) -> SparseTable | DenseTable: ...
     def tables(self) -> list[str]: ...
@@ -155,9 +156,20 @@ class SparseTable:
     def set_lr(self, lr: float) -> None: ...
     def __len__(self) -> int: ...
     def pull(self, ids: npt.NDArray[np.uint64]) -> npt.NDArray[np.float32]: ...
-    def push(self, ids: npt.NDArray[np.uint64], grads: npt.NDArray[np.float32]) -> None: ...
+    def pull_versioned(
+        self, ids: npt.NDArray[np.uint64]
+    ) -> tuple[npt.NDArray[np.float32], list[int]]: ...
+    def push(
+        self,
+        ids: npt.NDArray[np.uint64],
+        grads: npt.NDArray[np.float32],
+        version: Sequence[int] | None = None,
+    ) -> None: ...
     def push_async(
-        self, ids: npt.NDArray[np.uint64], grads: npt.NDArray[np.float32]
+        self,
+        ids: npt.NDArray[np.uint64],
+        grads: npt.NDArray[np.float32],
+        version: Sequence[int] | None = None,
     ) -> PushHandle: ...
     def contains(self, ids: npt.NDArray[np.uint64]) -> npt.NDArray[np.bool_]: ...
     def remove(self, ids: npt.NDArray[np.uint64]) -> int: ...

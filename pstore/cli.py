@@ -282,6 +282,12 @@ def _cmd_status(args: argparse.Namespace) -> int:
                 f"seq {t['seq']:>10,}  lr {t['lr']:g}  stale {t['stale_policy']} "
                 f"(mean {mean:.2f}, max {st['max']}, dropped {st['dropped']})"
             )
+            hist = st.get("histogram")
+            if st["pushes"] and hist:
+                bounds = t["stats"].get("staleness_buckets", [])
+                names = [str(b) for b in bounds] + [f">{bounds[-1]}" if bounds else "more"]
+                shown = "  ".join(f"{b}: {n}" for b, n in zip(names, hist, strict=True) if n)
+                print(f"  {'':<20} staleness histogram  {shown}")
     return 0 if all(h == "SERVING" for h in health) else 1
 
 

@@ -13,6 +13,7 @@ __all__ = [
     "InternalError",
     "InvalidArgumentError",
     "NonFiniteError",
+    "PartialPushError",
     "PstoreError",
     "ServerError",
     "ServerTimeoutError",
@@ -92,6 +93,19 @@ class ServerError(PstoreError, ConnectionError):
     def code(self) -> int | None:
         """The gRPC status code (14 is UNAVAILABLE, 4 DEADLINE_EXCEEDED, ...)."""
         return getattr(self, "_code", None)
+
+
+class PartialPushError(ServerError):
+    """A push spread over several servers was applied by some and failed on others.
+
+    ``applied`` lists the servers whose parts were applied, ``failed`` those whose parts were
+    not. Retrying the same call (the same ids and gradients, from the same connection) sends only
+    the parts that were not applied: each part keeps its request id, so a server that applied
+    its part answers the retry without applying it again.
+    """
+
+    applied: list[str]
+    failed: list[str]
 
 
 class ServerTimeoutError(ServerError, TimeoutError):

@@ -6,7 +6,7 @@ import json
 import os
 import threading
 from collections.abc import Callable, Iterator, Sequence
-from typing import Any, Literal, Self, TypeVar
+from typing import Any, Literal, Self, TypeVar, overload
 
 import numpy as np
 import numpy.typing as npt
@@ -24,6 +24,13 @@ __all__ = ["BaseStore", "DenseTable", "PushHandle", "SparseTable", "StalePolicy"
 
 IdsLike = npt.ArrayLike
 StalePolicy = Literal["apply", "drop", "scale"]
+
+
+def _version(version: Sequence[int] | None) -> list[int] | None:
+    """A pull's version as the binding takes it."""
+    if version is None:
+        return None
+    return [_check_int(v, "version") for v in version]
 
 
 def _as_ids(ids: IdsLike) -> np.ndarray:
@@ -166,13 +173,30 @@ class SparseTable(_Table):
             return f"<SparseTable {self.name!r} dim={self.dim} servers={self.num_shards}>"
         return f"<SparseTable {self.name!r} dim={self.dim} rows={len(self)}>"
 
-    def pull(self, ids: IdsLike) -> np.ndarray:
+    @overload
+    def pull(self, ids: IdsLike, *, return_version: Literal[False] = False) -> np.ndarray: ...
+    @overload
+    def pull(
+        self, ids: IdsLike, *, return_version: Literal[True]
+    ) -> tuple[np.ndarray, tuple[int, ...]]: ...
+    def pull(
+        self, ids: IdsLike, *, return_version: bool = False
+    ) -> np.ndarray | tuple[np.ndarray, tuple[int, ...]]:
         """The rows of ``ids``, as a new ``(len(ids), dim)`` float32 array.
 
         Rows that do not exist yet are created with their initial value. A result of 64 KiB or
         more starts on a 64-byte boundary: it is a view into a new array 15 floats longer (its
         ``base``), which nothing else refers to.
+
+        On store servers a pull reads the table's *version* (the pushes each server received),
+        the clock staleness is counted on: the push of the same ids (the batch's gradients)
+        carries it without being told, so several pulls may be in flight (prefetching). With
+        ``return_version=True`` the answer is ``(rows, version)``, and ``push(..., version=v)``
+        carries it explicitly. The version of an embedded table is ``()``: it has no stale pushes.
         """
+        if return_version:
+            rows, version = self._inner.pull_versioned(_as_ids(ids))
+            return rows, tuple(version)
         return self._inner.pull(_as_ids(ids))
 
     def _args(self, ids: IdsLike, grads: npt.ArrayLike) -> tuple[np.ndarray, np.ndarray]:
@@ -185,7 +209,9 @@ class SparseTable(_Table):
             )
         return i, g
 
-    def push(self, ids: IdsLike, grads: npt.ArrayLike) -> None:
+    def push(
+        self, ids: IdsLike, grads: npt.ArrayLike, *, version: Sequence[int] | None = None
+    ) -> None:
         """Apply gradients with the table's optimizer; returns once they are applied.
 
         Duplicate ids are coalesced: their gradient rows are summed and the optimizer is applied
@@ -196,18 +222,24 @@ class SparseTable(_Table):
         ----------
         ids : array of int64 or uint64, shape (n,)
         grads : float32 array, shape (n, dim)
+        version : the version ``pull(..., return_version=True)`` returned for the rows the
+            gradients were computed from (store servers count the push's staleness from it);
+            by default, the version the last pull of the same ids read.
         """
-        self._inner.push(*self._args(ids, grads))
+        self._inner.push(*self._args(ids, grads), _version(version))
 
-    def push_async(self, ids: IdsLike, grads: npt.ArrayLike) -> PushHandle:
+    def push_async(
+        self, ids: IdsLike, grads: npt.ArrayLike, *, version: Sequence[int] | None = None
+    ) -> PushHandle:
         """Queue a push and return at once.
 
         The inputs are copied. Pushes apply in the order they were queued, so pushes from one
         thread apply in the order they were made. When the store's in-flight budget
         (``max_inflight_bytes``) is used up, this call blocks until room frees (backpressure).
         Input errors raise here; :meth:`PushHandle.wait` raises errors of the application.
+        ``version`` is that of :meth:`push`.
         """
-        return PushHandle(self._inner.push_async(*self._args(ids, grads)))
+        return PushHandle(self._inner.push_async(*self._args(ids, grads), _version(version)))
 
     def contains(self, ids: IdsLike) -> np.ndarray:
         """A bool array: which ids have a row. Creates nothing."""
@@ -356,8 +388,8 @@ class BaseStore:
         admit_after: int = 0,
         max_rows: int | None = None,
         evict_policy: Literal["lru", "lfu"] = "lru",
-        stale_policy: StalePolicy = "apply",
-        max_staleness: int = 0,
+        stale_policy: StalePolicy | None = None,
+        max_staleness: int | None = None,
     ) -> SparseTable:
         """Create a sparse table.
 
@@ -387,14 +419,17 @@ class BaseStore:
         evict_policy : "lru" or "lfu"
             ``"lru"`` evicts the least recently updated rows, ``"lfu"`` the least often pushed
             (then the least recently updated).
-        stale_policy : "apply", "drop" or "scale"
+        stale_policy : "apply", "drop" or "scale", optional
             Store servers only (an embedded store applies every push when it is made). What a
-            stale push does: its staleness is the number of pushes the server applied to the
-            table between this worker's last pull and the push. ``"apply"`` applies it,
-            ``"drop"`` drops pushes staler than ``max_staleness``, ``"scale"`` divides the
-            learning rate by the staleness.
-        max_staleness : int
-            Store servers only: the bound of ``"drop"``.
+            stale push does: its staleness is the number of pushes of the table the servers
+            received between the pull its gradients were computed from and the push.
+            ``"apply"`` applies it, ``"drop"`` drops pushes staler than ``max_staleness``,
+            ``"scale"`` divides the learning rate by the staleness. Left unset (with
+            ``max_staleness``), an existing table keeps its own and a new one gets ``"apply"``;
+            given, declaring an existing table with another policy raises
+            :class:`TableExistsError` naming the field (a declaration never changes a table).
+        max_staleness : int, optional
+            Store servers only: the bound of ``"drop"`` (default 0: no bound).
         """
         opt, ini = _configs(optimizer, initializer, init.Normal(0.0, 0.01))
         d = _check_int(dim, "dim", lo=-(2**63))
@@ -411,7 +446,7 @@ class BaseStore:
                 None if max_rows is None else _check_int(max_rows, "max_rows"),
                 evict_policy,
                 stale_policy,
-                _check_int(max_staleness, "max_staleness"),
+                None if max_staleness is None else _check_int(max_staleness, "max_staleness"),
             )
         )
 
@@ -423,8 +458,8 @@ class BaseStore:
         optimizer: optim.Optimizer | None = None,
         initializer: init.Initializer | None = None,
         seed: int = 0,
-        stale_policy: StalePolicy = "apply",
-        max_staleness: int = 0,
+        stale_policy: StalePolicy | None = None,
+        max_staleness: int | None = None,
     ) -> DenseTable:
         """Create a dense table: a float32 tensor of ``shape``.
 
@@ -442,7 +477,7 @@ class BaseStore:
                 ini._spec(),
                 _seed(seed),
                 stale_policy,
-                _check_int(max_staleness, "max_staleness"),
+                None if max_staleness is None else _check_int(max_staleness, "max_staleness"),
             )
         )
 

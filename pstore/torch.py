@@ -59,8 +59,9 @@ import collections
 import os
 import threading
 import weakref
+from collections.abc import Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
-from typing import Any, NamedTuple, Protocol
+from typing import Any, Literal, NamedTuple, Protocol, overload
 
 import numpy as np
 import numpy.typing as npt
@@ -70,6 +71,7 @@ from torch.nn import functional as F
 
 from pstore import _native
 from pstore.exceptions import DtypeError, InvalidArgumentError
+from pstore.store import SparseTable
 
 __all__ = ["Embedding", "EmbeddingBag"]
 
@@ -114,12 +116,29 @@ class _Table(Protocol):
     def name(self) -> str: ...
     @property
     def dim(self) -> int: ...
-    def pull(self, ids: npt.NDArray[np.uint64]) -> np.ndarray: ...
+    @overload
+    def pull(
+        self, ids: npt.NDArray[np.uint64], *, return_version: Literal[False] = False
+    ) -> np.ndarray: ...
+    @overload
+    def pull(
+        self, ids: npt.NDArray[np.uint64], *, return_version: Literal[True]
+    ) -> tuple[np.ndarray, tuple[int, ...]]: ...
     def contains(self, ids: npt.NDArray[np.uint64]) -> np.ndarray: ...
     def initial_rows(self, ids: npt.NDArray[np.uint64]) -> np.ndarray: ...
-    def push(self, ids: npt.NDArray[np.uint64], grads: npt.NDArray[np.float32]) -> None: ...
+    def push(
+        self,
+        ids: npt.NDArray[np.uint64],
+        grads: npt.NDArray[np.float32],
+        *,
+        version: Sequence[int] | None = None,
+    ) -> None: ...
     def push_async(
-        self, ids: npt.NDArray[np.uint64], grads: npt.NDArray[np.float32]
+        self,
+        ids: npt.NDArray[np.uint64],
+        grads: npt.NDArray[np.float32],
+        *,
+        version: Sequence[int] | None = None,
     ) -> _Pending: ...
 
 
@@ -128,7 +147,7 @@ class _Prefetch(NamedTuple):
     version: int
     keys: np.ndarray
     inverse: Tensor
-    rows: Future[np.ndarray]
+    rows: Future[tuple[np.ndarray, tuple[int, ...] | None]]  # the rows, the version read at
 
 
 _prefetch_pool: ThreadPoolExecutor | None = None
@@ -144,11 +163,22 @@ def _prefetcher() -> ThreadPoolExecutor:
         return _prefetch_pool
 
 
-def _pull_after(table: _Table, pushes: list[_Pending], keys: np.ndarray) -> np.ndarray:
-    """``table.pull(keys)`` once ``pushes`` have been applied."""
+def _pull_after(
+    table: _Table, pushes: list[_Pending], keys: np.ndarray, versioned: bool
+) -> tuple[np.ndarray, tuple[int, ...] | None]:
+    """``table.pull(keys)`` and the version it read, once ``pushes`` have been applied."""
     for handle in pushes:
         handle.wait()
-    return table.pull(keys)
+    return _pull(table, keys, versioned)
+
+
+def _pull(
+    table: _Table, keys: np.ndarray, versioned: bool
+) -> tuple[np.ndarray, tuple[int, ...] | None]:
+    """The rows of ``keys`` and the version they were read at (None: not asked)."""
+    if versioned:
+        return table.pull(keys, return_version=True)
+    return table.pull(keys), None
 
 
 def _check_ids(ids: Tensor) -> None:
@@ -227,6 +257,9 @@ class _StoreRows(nn.Module):
         self.staleness = staleness
         self.share_threads = share_threads
         self._embedded = bool(getattr(getattr(table, "_inner", None), "in_process", False))
+        # A pstore table takes the version of each pull back with its push (other objects with
+        # the same methods are called without it).
+        self._versioned = isinstance(table, SparseTable)
         self._pending: collections.deque[_Pending] = collections.deque()
         self._prefetched: _Prefetch | None = None
         self.pushes = 0
@@ -274,7 +307,7 @@ class _StoreRows(nn.Module):
         # The next forward pass comes after one more push (this batch's): it would wait for all
         # but the newest `staleness` of those, that is all but the newest `staleness - 1` here.
         older = list(self._pending)[: max(0, len(self._pending) - (self.staleness - 1))]
-        future = _prefetcher().submit(_pull_after, self.table, older, keys)
+        future = _prefetcher().submit(_pull_after, self.table, older, keys, self._versioned)
         self._prefetched = _Prefetch(ids, ids._version, keys, inverse, future)
 
     def _drop_prefetch(self) -> None:
@@ -283,8 +316,10 @@ class _StoreRows(nn.Module):
         if p is not None:
             p.rows.exception()  # waits; an error of an unused prefetch does not matter
 
-    def _take_prefetch(self, ids: Tensor) -> tuple[np.ndarray, Tensor, np.ndarray] | None:
-        """(keys, inverse, rows) of the prefetch of ``ids`` if there is one, else None."""
+    def _take_prefetch(
+        self, ids: Tensor
+    ) -> tuple[np.ndarray, Tensor, tuple[np.ndarray, tuple[int, ...] | None]] | None:
+        """(keys, inverse, (rows, version)) of the prefetch of ``ids`` if there is one."""
         p = self._prefetched
         if p is None:
             return None
@@ -305,18 +340,24 @@ class _StoreRows(nn.Module):
         training = torch.is_grad_enabled()
         shared = self.shares_threads
         got = self._take_prefetch(ids) if training else None
+        # The version the rows were read at: their push carries it, so a store server counts
+        # its staleness from this pull (whatever else was pulled or prefetched meanwhile).
+        version: tuple[int, ...] | None = None
         if got is not None:
-            keys, inverse, pulled = got
+            keys, inverse, (pulled, version) = got
             self.prefetch_hits += 1
         else:
             keys, inverse = _unique(ids)
             with _on_team(shared):
-                pulled = self.table.pull(keys) if training else self._peek(keys)
+                if training:
+                    pulled, version = _pull(self.table, keys, self._versioned)
+                else:
+                    pulled = self._peek(keys)
         self.ids_pulled += len(keys)
         rows = torch.from_numpy(pulled)
         if training:
             rows.requires_grad_(True)
-            rows.register_hook(lambda grad: self._push(keys, grad, shared))
+            rows.register_hook(lambda grad: self._push(keys, grad, shared, version))
         return rows, inverse.reshape(ids.shape)
 
     def _peek(self, keys: np.ndarray) -> np.ndarray:
@@ -330,14 +371,22 @@ class _StoreRows(nn.Module):
             rows[have] = self.table.pull(keys[have])
         return rows
 
-    def _push(self, keys: np.ndarray, grad: Tensor, shared: bool) -> None:
+    def _push(
+        self, keys: np.ndarray, grad: Tensor, shared: bool, version: tuple[int, ...] | None
+    ) -> None:
         g = grad.detach().to("cpu", torch.float32).contiguous().numpy()
+        # The version of this batch's pull goes with its push (only to a pstore table).
         if shared:  # applied now, on torch's team, after any push still queued
             self._wait_pending(0)
             with _on_team(True):
-                self.table.push(keys, g)
-        else:
+                if version is None:
+                    self.table.push(keys, g)
+                else:
+                    self.table.push(keys, g, version=version)
+        elif version is None:
             self._pending.append(self.table.push_async(keys, g))
+        else:
+            self._pending.append(self.table.push_async(keys, g, version=version))
         self.pushes += 1
         if self.staleness == 0:
             self.flush()

@@ -35,6 +35,7 @@ fn create(c: &Client, name: &str) {
         config_json: serde_json::to_string(&config()).unwrap(),
         stale_policy: 0,
         max_staleness: 0,
+        policy_unset: false,
     })
     .unwrap();
 }
@@ -51,7 +52,7 @@ fn two_servers_hold_one_table_like_an_embedded_store() {
         .map(|i| i.wrapping_mul(0x9e37_79b9_7f4a_7c15))
         .collect();
     let grads: Vec<f32> = (0..ids.len() * 4).map(|i| (i % 7) as f32 - 3.0).collect();
-    client.push("emb", 4, &ids, &grads).unwrap();
+    client.push("emb", 4, &ids, &grads, None).unwrap();
     lt.push(&ids, &grads).unwrap();
     assert_eq!(client.pull("emb", 4, &ids).unwrap(), lt.pull(&ids).unwrap());
     let rows: Vec<u64> = servers
@@ -163,6 +164,7 @@ fn the_api_traits_drive_both_stores_alike() {
     let drop_stale = PushPolicy {
         stale_policy: StalePolicy::Drop,
         max_staleness: 1,
+        given: true,
     };
     assert!(StoreApi::create_sparse_table(&local, "x", config(), drop_stale).is_err());
     cluster

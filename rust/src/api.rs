@@ -65,6 +65,10 @@ pub struct PushPolicy {
     pub stale_policy: StalePolicy,
     /// Pushes staler than this are dropped (with [`StalePolicy::Drop`]).
     pub max_staleness: u64,
+    /// False when the caller left the policy unset: an existing table keeps its own (a new one
+    /// gets the fields above). When true, declaring an existing table with another policy
+    /// fails naming the field; a declaration never changes a table.
+    pub given: bool,
 }
 
 /// A table's counters: the store's own, and for a table on store servers each server's.
@@ -118,6 +122,28 @@ pub trait SparseTableApi: Send + Sync {
     fn push(&self, ids: &[u64], grads: &[f32]) -> Result<()>;
     /// Queues a push and returns at once.
     fn push_async(&self, ids: Vec<u64>, grads: Vec<f32>) -> Result<PushHandle>;
+    /// [`pull_into`](Self::pull_into), returning the table version the rows were read at: one
+    /// per server of a remote table, none for an embedded one (which has no stale pushes).
+    fn pull_versioned(&self, ids: &[u64], out: &mut [MaybeUninit<f32>]) -> Result<Vec<u64>> {
+        self.pull_into(ids, out).map(|()| Vec::new())
+    }
+    /// [`push`](Self::push) of gradients computed from rows read at `version` (what
+    /// [`pull_versioned`](Self::pull_versioned) returned; None: a remote table uses the
+    /// version its last pull of the same ids read).
+    fn push_versioned(&self, ids: &[u64], grads: &[f32], version: Option<Vec<u64>>) -> Result<()> {
+        let _ = version;
+        self.push(ids, grads)
+    }
+    /// [`push_async`](Self::push_async) with a version, as [`push_versioned`](Self::push_versioned).
+    fn push_async_versioned(
+        &self,
+        ids: Vec<u64>,
+        grads: Vec<f32>,
+        version: Option<Vec<u64>>,
+    ) -> Result<PushHandle> {
+        let _ = version;
+        self.push_async(ids, grads)
+    }
     /// Which ids have a row.
     fn contains(&self, ids: &[u64]) -> Result<Vec<bool>>;
     /// Removes rows; returns how many existed.
@@ -206,7 +232,7 @@ pub struct LocalDense(pub Arc<DenseTable>);
 
 /// Refuses a stale-push policy on an embedded store, which applies every push when it is made.
 fn local_policy(policy: PushPolicy) -> Result<()> {
-    if policy == PushPolicy::default() {
+    if policy.stale_policy == StalePolicy::Apply && policy.max_staleness == 0 {
         Ok(())
     } else {
         Err(invalid(
@@ -421,6 +447,7 @@ mod tests {
         let scale = PushPolicy {
             stale_policy: StalePolicy::Scale,
             max_staleness: 0,
+            given: true,
         };
         assert!(store.create_sparse_table("u", sparse(2), scale).is_err());
         assert_eq!(store.tables().unwrap(), ["t"]);

@@ -22,6 +22,21 @@ pub enum Error {
     /// A table of this name exists already.
     #[error("table {0:?} already exists")]
     TableExists(String),
+    /// A declaration of an existing table differs from it: the message names the field; the
+    /// second value is the table's name. Nothing was changed.
+    #[error("{0}")]
+    TableMismatch(String, String),
+    /// A push spread over several servers was applied by some and failed on others. Retrying
+    /// the same call (same ids and gradients) sends only the parts that did not apply.
+    #[error("{message}")]
+    PartialPush {
+        /// What happened, naming the servers.
+        message: String,
+        /// The servers whose parts were applied.
+        applied: Vec<String>,
+        /// The servers whose parts failed.
+        failed: Vec<String>,
+    },
     /// A table was used as the other kind (a dense table where a sparse one is needed).
     #[error("{0}")]
     WrongKind(String),

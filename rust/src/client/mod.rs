@@ -24,8 +24,10 @@ use crate::net::routing::Router;
 use crate::net::{error_of, wire, DEFAULT_MAX_MESSAGE};
 
 mod bsp;
+mod once;
 mod tables;
 pub use bsp::JobConfig;
+pub use once::{REMEMBERED_BATCHES, REMEMBERED_FAILURES};
 pub use tables::{
     ClusterStats, ClusterStore, RemoteDense, RemoteSparse, ServerStatus, ServerTable, Staleness,
 };
@@ -114,13 +116,15 @@ pub struct Client {
     /// Random per client: with `seq`, the ids of write requests.
     id: u64,
     seq: AtomicU64,
-    /// The seq each server answered the last pull of each table with.
-    /// Per table, per server (by position in the list).
+    /// The seq the home server answered the last pull of each dense table with (a sparse
+    /// push carries the versions of its own batch's pull instead, see `once.rs`).
     pulled: Mutex<HashMap<String, Vec<Option<u64>>>>,
     /// Asynchronous pushes, sent in the order they were queued (the embedded store's applier).
     applier: Applier,
     /// The synchronous job this worker takes part in (BSP, SSP), if any.
     job: Mutex<Option<Arc<bsp::Job>>>,
+    /// Versions of recent pulls and request ids of failed pushes (`once.rs`).
+    memo: once::Memo,
 }
 
 fn is_retryable(s: &Status) -> bool {
@@ -218,6 +222,7 @@ impl Client {
             pulled: Mutex::new(HashMap::new()),
             applier,
             job: Mutex::new(None),
+            memo: once::Memo::default(),
         });
         let status = c.status()?;
         for (s, st) in c.servers.iter().zip(&status) {
@@ -464,7 +469,8 @@ impl Client {
     }
 
     /// Writes the rows of `ids` (`dim` wide) into `out`; on success every element is written
-    /// (the servers' parts of the batch cover every position once).
+    /// (the servers' parts of the batch cover every position once). The table versions read
+    /// are remembered for the push of the same ids.
     pub fn pull_into(
         &self,
         table: &str,
@@ -472,6 +478,18 @@ impl Client {
         ids: &[u64],
         out: &mut [std::mem::MaybeUninit<f32>],
     ) -> Result<()> {
+        self.pull_versioned(table, dim, ids, out).map(drop)
+    }
+
+    /// [`pull_into`](Self::pull_into), returning the table version each server read the rows
+    /// at (in the order of the list), which a push of gradients computed from them carries.
+    pub fn pull_versioned(
+        &self,
+        table: &str,
+        dim: usize,
+        ids: &[u64],
+        out: &mut [std::mem::MaybeUninit<f32>],
+    ) -> Result<Vec<u64>> {
         if out.len() != ids.len() * dim {
             return Err(shape("pull_into: out must hold len(ids) x dim floats"));
         }
@@ -479,7 +497,13 @@ impl Client {
         let mut targets = Vec::new();
         let mut parts = Vec::new();
         for (i, pos) in self.router.split(ids).into_iter().enumerate() {
-            for c in self.chunks(&pos, 8 + dim * wire::width(d)) {
+            let mut chunks = self.chunks(&pos, 8 + dim * wire::width(d));
+            if chunks.is_empty() {
+                // Every server answers its version, so the push of this batch carries one for
+                // each server it goes to (every server: see `push_parts`).
+                chunks.push(Vec::new());
+            }
+            for c in chunks {
                 let m = PullRequest {
                     table: table.to_string(),
                     ids: wire::encode_ids_at(ids, &c),
@@ -490,7 +514,7 @@ impl Client {
             }
         }
         let answers = self.fan_out(targets, |mut c, r| async move { c.pull(r).await })?;
-        let mut seqs = HashMap::new();
+        let mut versions = vec![u64::MAX; self.servers.len()];
         for ((i, pos), a) in parts.iter().zip(&answers) {
             let dt = wire::dtype(a.dtype)?;
             if a.dim as usize != dim {
@@ -500,13 +524,10 @@ impl Client {
                 )));
             }
             wire::scatter_rows(&a.rows, dt, pos, dim, out)?;
-            let e = seqs.entry(*i).or_insert(a.seq);
-            *e = (*e).min(a.seq);
+            versions[*i] = versions[*i].min(a.version);
         }
-        for (i, s) in seqs {
-            self.set_pulled(table, i, s);
-        }
-        Ok(())
+        self.remember_versions(table, ids, versions.clone());
+        Ok(versions)
     }
 
     /// Remembers the seq server `i` answered a pull of `table` with.
@@ -525,13 +546,16 @@ impl Client {
         p.get(table).and_then(|v| v[i])
     }
 
-    /// Applies gradients now (after the queued asynchronous pushes).
+    /// Applies gradients now (after the queued asynchronous pushes). `version` is the one
+    /// [`pull_versioned`](Self::pull_versioned) returned for the rows they were computed from
+    /// (None: the one the last pull of the same ids read, if remembered).
     pub fn push(
         self: &Arc<Self>,
         table: &str,
         dim: usize,
         ids: &[u64],
         grads: &[f32],
+        version: Option<Vec<u64>>,
     ) -> Result<()> {
         if grads.len() != ids.len() * dim {
             return Err(shape(format!(
@@ -541,39 +565,10 @@ impl Client {
             )));
         }
         if self.pending() > 0 {
-            let h = self.push_async(table, dim, ids.to_vec(), grads.to_vec())?;
+            let h = self.push_async(table, dim, ids.to_vec(), grads.to_vec(), version)?;
             return h.wait();
         }
-        self.push_now(table, dim, ids, grads)
-    }
-
-    fn push_now(&self, table: &str, dim: usize, ids: &[u64], grads: &[f32]) -> Result<()> {
-        self.check_grads(table, grads, dim)?;
-        let d = self.config.wire;
-        let (job, worker, step) = self
-            .step_tag()
-            .map_or((String::new(), 0, None), |(j, w, s)| (j, w, Some(s)));
-        let mut targets = Vec::new();
-        for (i, pos) in self.router.split(ids).into_iter().enumerate() {
-            for c in self.chunks(&pos, 8 + dim * wire::width(d)) {
-                targets.push((
-                    i,
-                    PushRequest {
-                        table: table.to_string(),
-                        ids: wire::encode_ids_at(ids, &c),
-                        grads: wire::encode_rows_at(grads, dim, &c, d),
-                        dtype: d as i32,
-                        request_id: self.next_id(),
-                        pulled_seq: self.pulled_seq(table, i),
-                        step,
-                        job: job.clone(),
-                        worker,
-                    },
-                ));
-            }
-        }
-        self.fan_out(targets, |mut c, r| async move { c.push(r).await })?;
-        Ok(())
+        self.push_parts(table, dim, ids, grads, version)
     }
 
     /// Refuses a gradient a server would refuse, before any server gets any part of it, so a
@@ -600,12 +595,14 @@ impl Client {
     }
 
     /// Queues a push and returns at once (blocking while the queue holds too many bytes).
+    /// `version` as in [`push`](Self::push); a remembered one is looked up when it is sent.
     pub fn push_async(
         self: &Arc<Self>,
         table: &str,
         dim: usize,
         ids: Vec<u64>,
         grads: Vec<f32>,
+        version: Option<Vec<u64>>,
     ) -> Result<PushHandle> {
         if grads.len() != ids.len() * dim {
             return Err(shape(format!(
@@ -620,7 +617,7 @@ impl Client {
         let table = table.to_string();
         self.applier.submit(
             bytes,
-            Box::new(move || me.push_now(&table, dim, &ids, &grads)),
+            Box::new(move || me.push_parts(&table, dim, &ids, &grads, version)),
         )
     }
 

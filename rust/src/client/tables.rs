@@ -107,6 +107,11 @@ pub struct Staleness {
     pub dropped: u64,
     /// Pushes applied with a scaled learning rate.
     pub scaled: u64,
+    /// Pushes per staleness bucket; bucket `k` holds staleness up to `buckets[k]`, the last one
+    /// (one longer than `buckets`) the rest.
+    pub histogram: Vec<u64>,
+    /// The upper bounds of the histogram's buckets.
+    pub buckets: Vec<u64>,
 }
 
 /// What only a table on store servers reports.
@@ -164,6 +169,15 @@ fn merge(infos: &[TableInfo], servers: &[String]) -> Result<Stats> {
             st.max = st.max.max(g(s, "max"));
             st.dropped += g(s, "dropped");
             st.scaled += g(s, "scaled");
+            if let Some(h) = s.get("histogram").and_then(|h| h.as_array()) {
+                st.histogram.resize(st.histogram.len().max(h.len()), 0);
+                for (a, b) in st.histogram.iter_mut().zip(h) {
+                    *a += b.as_u64().unwrap_or(0);
+                }
+            }
+            if let Some(b) = v.get("staleness_buckets").and_then(|b| b.as_array()) {
+                st.buckets = b.iter().filter_map(|x| x.as_u64()).collect();
+            }
         }
     }
     if st.pushes > 0 {
@@ -199,6 +213,7 @@ impl Client {
                 .map_err(|e| Error::Internal(e.to_string()))?,
             stale_policy: stale_proto(policy.stale_policy) as i32,
             max_staleness: policy.max_staleness,
+            policy_unset: !policy.given,
         })?;
         Ok(())
     }
@@ -355,11 +370,29 @@ impl SparseTableApi for RemoteSparse {
         self.client.pull_into(&self.name, self.config.dim, ids, out)
     }
     fn push(&self, ids: &[u64], grads: &[f32]) -> Result<()> {
-        self.client.push(&self.name, self.config.dim, ids, grads)
+        self.client
+            .push(&self.name, self.config.dim, ids, grads, None)
     }
     fn push_async(&self, ids: Vec<u64>, grads: Vec<f32>) -> Result<PushHandle> {
         self.client
-            .push_async(&self.name, self.config.dim, ids, grads)
+            .push_async(&self.name, self.config.dim, ids, grads, None)
+    }
+    fn pull_versioned(&self, ids: &[u64], out: &mut [MaybeUninit<f32>]) -> Result<Vec<u64>> {
+        self.client
+            .pull_versioned(&self.name, self.config.dim, ids, out)
+    }
+    fn push_versioned(&self, ids: &[u64], grads: &[f32], version: Option<Vec<u64>>) -> Result<()> {
+        self.client
+            .push(&self.name, self.config.dim, ids, grads, version)
+    }
+    fn push_async_versioned(
+        &self,
+        ids: Vec<u64>,
+        grads: Vec<f32>,
+        version: Option<Vec<u64>>,
+    ) -> Result<PushHandle> {
+        self.client
+            .push_async(&self.name, self.config.dim, ids, grads, version)
     }
     fn contains(&self, ids: &[u64]) -> Result<Vec<bool>> {
         self.client.contains(&self.name, ids)

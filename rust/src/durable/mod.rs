@@ -18,6 +18,8 @@ use std::time::{Duration, Instant};
 mod record;
 mod replica;
 
+pub use crate::table::{applied_key, AppliedIds};
+
 pub(crate) use record::restore_counters;
 pub use record::{
     dense_key, seq_key, table_key, CountersRecord, Durability, TableRecord, CYCLE_KEY,
@@ -461,10 +463,14 @@ impl Flusher {
                 bytes += one.words.len() * 4 + one.ids.len() * 8 + one.gone.len() * 8;
                 taken.push(one);
             }
-            (self.record_if_changed(name, table), t.seq())
+            (
+                self.record_if_changed(name, table),
+                t.seq(),
+                t.take_applied(),
+            )
         };
-        let (rec, seq) = rec;
-        if taken.is_empty() && rec.is_none() {
+        let (rec, seq, applied) = rec;
+        if taken.is_empty() && rec.is_none() && applied.is_none() {
             return Ok(Some(false));
         }
         if bytes > ONE_TXN_BYTES {
@@ -476,9 +482,14 @@ impl Flusher {
                 size += one.words.len() * 4 + one.ids.len() * 8 + one.gone.len() * 8;
                 chunk.push(one);
                 if size >= CHUNK_BYTES && rest.peek().is_some() {
-                    if let Err(e) = self.write_chunk(name, t, &mut chunk, cycle, seq, None, false) {
+                    if let Err(e) =
+                        self.write_chunk(name, t, &mut chunk, cycle, seq, None, None, false)
+                    {
                         for one in rest {
                             t.untake(&one);
+                        }
+                        if applied.is_some() {
+                            t.untake_applied();
                         }
                         return Err(e);
                     }
@@ -490,7 +501,21 @@ impl Flusher {
         // A bulk load's earlier chunks have committed under this cycle's number: its last chunk
         // does not give way (the number must then count as written).
         let supersedable = bytes <= ONE_TXN_BYTES;
-        if !self.write_chunk(name, t, &mut taken, cycle, seq, rec.clone(), supersedable)? {
+        let had_applied = applied.is_some();
+        let wrote = self.write_chunk(
+            name,
+            t,
+            &mut taken,
+            cycle,
+            seq,
+            rec.clone(),
+            applied,
+            supersedable,
+        );
+        if !matches!(wrote, Ok(true)) && had_applied {
+            t.untake_applied();
+        }
+        if !wrote? {
             return Ok(None);
         }
         if let Some(rec) = rec {
@@ -512,6 +537,7 @@ impl Flusher {
         cycle: u64,
         seq: u64,
         record: Option<Vec<u8>>,
+        applied: Option<Vec<u8>>,
         supersedable: bool,
     ) -> Result<bool> {
         let superseded = || supersedable && self.supersede.load(Ordering::Relaxed);
@@ -571,6 +597,10 @@ impl Flusher {
             if p == 0 {
                 if let Some(rec) = &record {
                     w.put_meta(&table_key(name), rec)?;
+                }
+                if let Some(a) = &applied {
+                    // The request ids of the pushes whose rows this transaction carries.
+                    w.put_meta(&applied_key(name), a)?;
                 }
                 w.put_meta(CYCLE_KEY, &tag)?;
             } else {

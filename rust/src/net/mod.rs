@@ -47,6 +47,8 @@ pub fn status_of(e: &crate::Error) -> tonic::Status {
         E::Corrupt(m) => (Code::DataLoss, "corrupt", m.clone()),
         E::Internal(m) => (Code::Internal, "internal", m.clone()),
         E::WorkerLost(m) => (Code::Aborted, "worker_lost", m.clone()),
+        E::TableMismatch(m, _) => (Code::AlreadyExists, "table_mismatch", m.clone()),
+        E::PartialPush { message, .. } => (Code::Unavailable, "remote", message.clone()),
         E::Remote { message, .. } => (Code::Unavailable, "remote", message.clone()),
     };
     let shown = match e {
@@ -57,7 +59,7 @@ pub fn status_of(e: &crate::Error) -> tonic::Status {
     if let Ok(v) = kind.parse() {
         s.metadata_mut().insert(ERROR_KIND, v);
     }
-    if let E::UnknownTable(n) | E::TableExists(n) = e {
+    if let E::UnknownTable(n) | E::TableExists(n) | E::TableMismatch(_, n) = e {
         if let Ok(v) = n.parse() {
             s.metadata_mut().insert("pstore-table", v);
         }
@@ -87,6 +89,7 @@ pub fn error_of(s: &tonic::Status, server: &str) -> crate::Error {
         ("wrong_kind", _) => E::WrongKind(m),
         ("unknown_table", Some(t)) => E::UnknownTable(t),
         ("table_exists", Some(t)) => E::TableExists(t),
+        ("table_mismatch", Some(t)) => E::TableMismatch(m, t),
         ("storage", _) => E::Storage(format!("server {server}: {m}")),
         ("corrupt", _) => E::Corrupt(format!("server {server}: {m}")),
         ("worker_lost", _) => E::WorkerLost(m),

@@ -17,7 +17,8 @@ pub fn err(e: Error) -> PyErr {
         Error::NonFinite(_) => "NonFiniteError",
         Error::Dtype(_) => "DtypeError",
         Error::UnknownTable(_) => "UnknownTableError",
-        Error::TableExists(_) => "TableExistsError",
+        Error::TableExists(_) | Error::TableMismatch(..) => "TableExistsError",
+        Error::PartialPush { .. } => "PartialPushError",
         Error::WrongKind(_) => "WrongTableKindError",
         Error::Storage(_) => "StorageError",
         Error::Corrupt(_) => "CorruptError",
@@ -30,6 +31,13 @@ pub fn err(e: Error) -> PyErr {
     };
     let code = match &e {
         Error::Remote { code, .. } => Some(*code),
+        Error::PartialPush { .. } => Some(14),
+        _ => None,
+    };
+    let parts = match &e {
+        Error::PartialPush {
+            applied, failed, ..
+        } => Some((applied.clone(), failed.clone())),
         _ => None,
     };
     let msg = e.to_string();
@@ -44,6 +52,10 @@ pub fn err(e: Error) -> PyErr {
                 if let Some(code) = code {
                     // A Python attribute of the exception instance (`ServerError.code`).
                     let _ = e.value(py).setattr("_code", code);
+                }
+                if let Some((applied, failed)) = parts {
+                    let _ = e.value(py).setattr("applied", applied);
+                    let _ = e.value(py).setattr("failed", failed);
                 }
                 e
             }

@@ -44,10 +44,12 @@ impl PyStoreApi {
     }
 }
 
-fn policy(stale_policy: &str, max_staleness: u64) -> PyResult<PushPolicy> {
+/// The policy of a declaration; `None` for both: left unset (an existing table keeps its own).
+fn policy(stale_policy: Option<&str>, max_staleness: Option<u64>) -> PyResult<PushPolicy> {
     Ok(PushPolicy {
-        stale_policy: stale_policy.parse().map_err(err)?,
-        max_staleness,
+        stale_policy: stale_policy.unwrap_or("apply").parse().map_err(err)?,
+        max_staleness: max_staleness.unwrap_or(0),
+        given: stale_policy.is_some() || max_staleness.is_some(),
     })
 }
 
@@ -55,7 +57,7 @@ fn policy(stale_policy: &str, max_staleness: u64) -> PyResult<PushPolicy> {
 impl PyStoreApi {
     #[pyo3(signature = (
         name, dim, optimizer, initializer, seed, admit_after=0, max_rows=None, evict_policy="lru",
-        stale_policy="apply", max_staleness=0
+        stale_policy=None, max_staleness=None
     ))]
     #[allow(clippy::too_many_arguments)]
     fn create_sparse_table(
@@ -69,8 +71,8 @@ impl PyStoreApi {
         admit_after: u32,
         max_rows: Option<u64>,
         evict_policy: &str,
-        stale_policy: &str,
-        max_staleness: u64,
+        stale_policy: Option<&str>,
+        max_staleness: Option<u64>,
     ) -> PyResult<PySparseTable> {
         self.guard.check()?;
         let policy_ = match evict_policy {
@@ -100,7 +102,7 @@ impl PyStoreApi {
     }
 
     #[pyo3(signature = (
-        name, shape, optimizer, initializer, seed, stale_policy="apply", max_staleness=0
+        name, shape, optimizer, initializer, seed, stale_policy=None, max_staleness=None
     ))]
     #[allow(clippy::too_many_arguments)]
     fn create_dense_table(
@@ -111,8 +113,8 @@ impl PyStoreApi {
         optimizer: &Bound<'_, PyDict>,
         initializer: &Bound<'_, PyAny>,
         seed: u64,
-        stale_policy: &str,
-        max_staleness: u64,
+        stale_policy: Option<&str>,
+        max_staleness: Option<u64>,
     ) -> PyResult<PyDenseTable> {
         self.guard.check()?;
         let config = DenseTableConfig {
@@ -269,26 +271,51 @@ table_methods!(PySparseTable {
         pulled_rows(py, n, dim, |out| t.pull_into(ids_s, out))
     }
 
+    /// The rows and the table version they were read at (one int per server; empty for an
+    /// embedded table).
+    fn pull_versioned<'py>(
+        &self,
+        py: Python<'py>,
+        ids: PyReadonlyArray1<'py, u64>,
+    ) -> PyResult<(Bound<'py, PyArray2<f32>>, Vec<u64>)> {
+        self.guard.check()?;
+        let ids_s = slice(&ids, "ids")?;
+        let (n, dim, t) = (ids_s.len(), self.inner.dim(), &self.inner);
+        let mut version = Vec::new();
+        let rows = pulled_rows(py, n, dim, |out| {
+            version = t.pull_versioned(ids_s, out)?;
+            Ok(())
+        })?;
+        Ok((rows, version))
+    }
+
+    #[pyo3(signature = (ids, grads, version=None))]
     fn push(
         &self,
         py: Python<'_>,
         ids: PyReadonlyArray1<'_, u64>,
         grads: PyReadonlyArray2<'_, f32>,
+        version: Option<Vec<u64>>,
     ) -> PyResult<()> {
         let (ids_s, grads_s) = (slice(&ids, "ids")?, slice(&grads, "grads")?);
         self.check_cols(&grads)?;
-        self.run(py, || self.inner.push(ids_s, grads_s))
+        self.run(py, || self.inner.push_versioned(ids_s, grads_s, version))
     }
 
+    #[pyo3(signature = (ids, grads, version=None))]
     fn push_async(
         &self,
         py: Python<'_>,
         ids: PyReadonlyArray1<'_, u64>,
         grads: PyReadonlyArray2<'_, f32>,
+        version: Option<Vec<u64>>,
     ) -> PyResult<PyPushHandle> {
         let (ids_s, grads_s) = (slice(&ids, "ids")?, slice(&grads, "grads")?);
         self.check_cols(&grads)?;
-        let h = self.run(py, || self.inner.push_async(ids_s.to_vec(), grads_s.to_vec()))?;
+        let h = self.run(py, || {
+            self.inner
+                .push_async_versioned(ids_s.to_vec(), grads_s.to_vec(), version)
+        })?;
         Ok(PyPushHandle { inner: h })
     }
 
@@ -457,6 +484,8 @@ fn stats_dict<'py>(py: Python<'py>, s: &Stats) -> PyResult<Bound<'py, PyDict>> {
         st.set_item("max", c.staleness.max)?;
         st.set_item("dropped", c.staleness.dropped)?;
         st.set_item("scaled", c.staleness.scaled)?;
+        st.set_item("histogram", c.staleness.histogram.clone())?;
+        st.set_item("buckets", c.staleness.buckets.clone())?;
         d.set_item("staleness", st)?;
         let per = PyList::empty(py);
         for t in &c.servers {

@@ -225,6 +225,7 @@ impl Metrics {
                 );
             }
         }
+        staleness_histogram(&mut o, &s.tables);
         if let Some(r) = &s.replica {
             let mut one = |name: &str, kind: &str, help: &str, value: f64| {
                 let _ = writeln!(
@@ -341,5 +342,30 @@ pub async fn serve(listener: TcpListener, render: Arc<dyn Fn() -> String + Send 
             let _ = sock.write_all(resp.as_bytes()).await;
             let _ = sock.shutdown().await;
         });
+    }
+}
+
+/// The staleness histogram of every table (pushes counted once each, on the table's home
+/// server; buckets of `super::versions::BUCKET_BOUNDS`, cumulative as Prometheus wants).
+fn staleness_histogram(o: &mut String, tables: &[TableSample]) {
+    let name = "pstore_table_staleness";
+    let _ = writeln!(
+        o,
+        "# HELP {name} Staleness of pushes (pushes of the table received between a push's pull \
+         and the push).\n# TYPE {name} histogram"
+    );
+    for t in tables {
+        let labels = format!("table=\"{}\",kind=\"{}\"", escape(&t.name), t.kind);
+        let st = &t.staleness;
+        let mut cum = 0;
+        for (k, n) in st.histogram.iter().enumerate() {
+            cum += n;
+            let le = super::versions::BUCKET_BOUNDS
+                .get(k)
+                .map_or_else(|| "+Inf".to_string(), u64::to_string);
+            let _ = writeln!(o, "{name}_bucket{{{labels},le=\"{le}\"}} {cum}");
+        }
+        let _ = writeln!(o, "{name}_sum{{{labels}}} {}", st.total);
+        let _ = writeln!(o, "{name}_count{{{labels}}} {}", st.pushes);
     }
 }

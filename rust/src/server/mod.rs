@@ -11,6 +11,7 @@ pub mod bsp;
 pub mod metrics;
 pub mod model;
 pub mod state;
+pub mod versions;
 
 use std::net::SocketAddr;
 use std::sync::Arc;
@@ -27,6 +28,7 @@ use crate::store::{Store, Table};
 use crate::table::{DenseTableConfig, SparseTableConfig, TableStats};
 use metrics::{Metrics, ReplicaSample, Sample, TableSample};
 use state::{Clocks, Decision, Dedup, Policies, Policy};
+use versions::Versions;
 
 /// Who may call what.
 #[derive(Debug, Clone, Default)]
@@ -93,6 +95,8 @@ struct Inner {
     /// The synchronous steps of the current job (clocks, leases, pending aggregates).
     steps: Arc<bsp::Steps>,
     policies: Policies,
+    /// Table versions, the clock of staleness.
+    versions: Versions,
     started: Instant,
     max_message: usize,
     /// No replica: calls may run on the store's pool (see `run`).
@@ -151,6 +155,8 @@ impl Inner {
             "rows_updated": s.rows_updated, "rows_created": s.rows_created,
             "rows_evicted": s.rows_evicted, "rows_unloaded": s.rows_unloaded, "seq": s.seq,
             "lr": s.lr, "staleness": st,
+            "version": self.versions.get(name),
+            "staleness_buckets": versions::BUCKET_BOUNDS,
         });
         let (config, dim, shape) = match t {
             Table::Sparse(t) => (
@@ -421,16 +427,81 @@ fn dense(store: &Store, name: &str) -> Result<Arc<crate::DenseTable>> {
 }
 
 /// The answer to a push added to a pending step's aggregate.
-fn bsp_accepted(seq: u64) -> PushResponse {
+fn bsp_accepted(seq: u64, version: u64) -> PushResponse {
     PushResponse {
         applied: true,
         staleness: 0,
         seq,
+        version,
     }
 }
 
 fn staleness(seq_now: u64, pulled: Option<u64>) -> Option<u64> {
     pulled.map(|p| seq_now.saturating_sub(p))
+}
+
+/// Sets the policy of a table just created, or checks a declaration of an existing table
+/// against its policy (never changing it): `unset` keeps the existing one.
+fn declare_policy(s: &Inner, name: &str, p: Policy, existed: bool, unset: bool) -> Result<()> {
+    if !existed {
+        return s.policies.set(name, p);
+    }
+    let have = s.policies.get(name);
+    if unset || have == p {
+        return Ok(());
+    }
+    let (field, a, b) = if have.policy != p.policy {
+        (
+            "stale_policy",
+            format!("{:?}", have.policy.as_str_name().to_ascii_lowercase()),
+            format!("{:?}", p.policy.as_str_name().to_ascii_lowercase()),
+        )
+    } else {
+        (
+            "max_staleness",
+            have.max_staleness.to_string(),
+            p.max_staleness.to_string(),
+        )
+    };
+    Err(Error::TableMismatch(
+        format!(
+            "table {name:?} exists with {field} = {a}, this declaration gives {b}; declaring an \
+         existing table never changes it (leave the policy unset to take the table's)"
+        ),
+        name.to_string(),
+    ))
+}
+
+/// The error of a declaration whose config differs from the existing table's, naming the first
+/// field that differs.
+fn mismatch<C: serde::Serialize>(name: &str, have: &C, given: &C) -> Error {
+    fn first_diff(a: &serde_json::Value, b: &serde_json::Value, path: &str) -> Option<String> {
+        match (a.as_object(), b.as_object()) {
+            (Some(x), Some(y)) => {
+                let mut keys: Vec<&String> = x.keys().chain(y.keys()).collect();
+                keys.sort();
+                keys.dedup();
+                keys.into_iter().find_map(|k| {
+                    let p = if path.is_empty() {
+                        k.clone()
+                    } else {
+                        format!("{path}.{k}")
+                    };
+                    let n = serde_json::Value::Null;
+                    first_diff(x.get(k).unwrap_or(&n), y.get(k).unwrap_or(&n), &p)
+                })
+            }
+            _ if a != b => Some(format!("{path} = {a}, this declaration gives {b}")),
+            _ => None,
+        }
+    }
+    let a = serde_json::to_value(have).unwrap_or_default();
+    let b = serde_json::to_value(given).unwrap_or_default();
+    let what = first_diff(&a, &b, "").unwrap_or_else(|| "another config".to_string());
+    Error::TableMismatch(
+        format!("table {name:?} exists with {what}; declaring an existing table never changes it"),
+        name.to_string(),
+    )
 }
 
 fn policy_of(policy: i32, max_staleness: u64) -> Result<Policy> {
@@ -450,6 +521,7 @@ impl PStore for Service {
     ) -> std::result::Result<Response<TableInfo>, Status> {
         self.run("CreateTable", Access::Write, On::Blocking, req, |s, r| {
             let policy = policy_of(r.stale_policy, r.max_staleness)?;
+            let existed = s.store.table(&r.name).is_ok();
             let bad = |e: serde_json::Error| invalid(format!("config_json: {e}"));
             let t = match TableKind::try_from(r.kind) {
                 Ok(TableKind::Sparse) => {
@@ -459,6 +531,7 @@ impl PStore for Service {
                         Ok(t) => Table::Sparse(t),
                         Err(Error::TableExists(_)) => match s.store.table(&r.name)? {
                             Table::Sparse(t) if *t.config() == c => Table::Sparse(t),
+                            Table::Sparse(t) => return Err(mismatch(&r.name, t.config(), &c)),
                             _ => return Err(Error::TableExists(r.name)),
                         },
                         Err(e) => return Err(e),
@@ -473,6 +546,7 @@ impl PStore for Service {
                         Ok(t) => Table::Dense(t),
                         Err(Error::TableExists(_)) => match s.store.table(&r.name)? {
                             Table::Dense(t) if *t.config() == c => Table::Dense(t),
+                            Table::Dense(t) => return Err(mismatch(&r.name, t.config(), &c)),
                             _ => return Err(Error::TableExists(r.name)),
                         },
                         Err(e) => return Err(e),
@@ -480,7 +554,7 @@ impl PStore for Service {
                 }
                 Err(_) => return Err(invalid(format!("unknown table kind {}", r.kind))),
             };
-            s.policies.set(&r.name, policy)?;
+            declare_policy(s, &r.name, policy, existed, r.policy_unset)?;
             s.info(&r.name, &t)
         })
         .await
@@ -519,6 +593,7 @@ impl PStore for Service {
                 Err(e) => return Err(e),
             }
             s.policies.remove(&r.name)?;
+            s.versions.remove(&r.name);
             Ok(DropTableResponse { dropped: true })
         })
         .await
@@ -535,6 +610,7 @@ impl PStore for Service {
             // Refused before any row is created.
             s.fits(ids.len() * t.dim() * wire::width(d), "pull")?;
             let seq = t.seq();
+            let version = s.versions.get(&r.table);
             let rows = match d {
                 // Rows are written straight into the answer's buffer.
                 Dtype::Float32 => {
@@ -547,6 +623,7 @@ impl PStore for Service {
                 dtype: d as i32,
                 dim: t.dim() as u32,
                 seq,
+                version,
             })
         })
         .await
@@ -562,34 +639,56 @@ impl PStore for Service {
             let ids = wire::ids(&r.ids)?;
             let grads = wire::values(&r.grads, d, ids.len() * t.dim(), "grads")?;
             t.validate_push(&ids, &grads)?;
-            s.pushes.once(request_id(&r.request_id), || {
+            let rid = request_id(&r.request_id);
+            s.pushes.once(rid, || {
+                if let Some((client, seq)) = rid {
+                    // Applied before a restart: the replica kept its id with its rows.
+                    if t.was_applied(client, seq)? {
+                        return Ok(PushResponse {
+                            applied: true,
+                            staleness: 0,
+                            seq: t.seq(),
+                            version: s.versions.get(&r.table),
+                        });
+                    }
+                }
                 if let Some(step) = r.step {
                     s.steps.add(
                         &r.job,
                         r.worker,
-                        request_id(&r.request_id),
+                        rid,
                         step,
                         &r.table,
                         t.dim(),
                         &ids,
                         &grads,
                     )?;
-                    return Ok(bsp_accepted(t.seq()));
+                    return Ok(bsp_accepted(t.seq(), s.versions.get(&r.table)));
                 }
-                let stale = staleness(t.seq(), r.pulled_seq);
+                let (by_version, version) =
+                    s.versions.arrive(&r.table, r.pulled_version, r.continued);
+                let stale = match r.pulled_version {
+                    Some(_) => by_version,
+                    None => staleness(t.seq(), r.pulled_seq),
+                };
                 let decision = s.policies.decide(&r.table, stale);
                 let applied = match decision {
                     Decision::Drop => false,
+                    // A part with no ids (the batch has none on this server) only counts.
+                    Decision::Apply(_) if r.version_only && ids.is_empty() => true,
                     Decision::Apply(scale) => {
-                        t.push_validated(&ids, &grads, scale)?;
+                        t.push_validated_as(&ids, &grads, scale, rid)?;
                         true
                     }
                 };
-                s.policies.record(&r.table, stale, decision);
+                if !r.uncounted {
+                    s.policies.record(&r.table, stale, decision);
+                }
                 Ok(PushResponse {
                     applied,
                     staleness: stale.unwrap_or(0),
                     seq: t.seq(),
+                    version,
                 })
             })
         })
@@ -696,7 +795,7 @@ impl PStore for Service {
                     let rid = request_id(&r.request_id);
                     s.steps
                         .add(&r.job, r.worker, rid, step, &r.table, 0, &[], &grad)?;
-                    return Ok(bsp_accepted(t.step() as u64));
+                    return Ok(bsp_accepted(t.step() as u64, 0));
                 }
                 let stale = staleness(t.step() as u64, r.pulled_seq);
                 let decision = s.policies.decide(&r.table, stale);
@@ -712,6 +811,7 @@ impl PStore for Service {
                     applied,
                     staleness: stale.unwrap_or(0),
                     seq: t.step() as u64,
+                    version: 0,
                 })
             })
         })
@@ -860,6 +960,7 @@ pub fn start(store: Arc<Store>, config: ServerConfig) -> Result<ServerHandle> {
         clocks: Clocks::default(),
         steps: Arc::new(bsp::Steps::load(&store)?),
         policies,
+        versions: Versions::default(),
         started: Instant::now(),
         max_message: config.max_message,
         in_memory,

@@ -275,6 +275,7 @@ impl PStore for ModelService {
                 dtype: d as i32,
                 dim: dim as u32,
                 seq: generation,
+                version: generation,
             })
         })
         .await

@@ -184,6 +184,9 @@ pub struct Staleness {
     pub dropped: u64,
     /// Pushes whose learning rate the `scale` policy lowered.
     pub scaled: u64,
+    /// Pushes per staleness bucket (bounds in [`super::versions::BUCKET_BOUNDS`], the last
+    /// bucket above them).
+    pub histogram: [u64; super::versions::BUCKETS],
 }
 
 /// What a push does given its staleness.
@@ -290,6 +293,7 @@ impl Policies {
         st.pushes += 1;
         st.total += s;
         st.max = st.max.max(s);
+        st.histogram[super::versions::bucket_of(s)] += 1;
         match d {
             Decision::Drop => st.dropped += 1,
             Decision::Apply(x) if x < 1.0 => st.scaled += 1,
@@ -360,6 +364,7 @@ mod tests {
             (s.pushes, s.total, s.max, s.dropped, s.scaled),
             (2, 6, 4, 1, 1)
         );
+        assert_eq!(s.histogram, [0, 0, 1, 1, 0, 0, 0, 0, 0]);
     }
 
     #[test]

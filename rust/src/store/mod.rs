@@ -157,11 +157,13 @@ impl Store {
                         durable.path.display()
                     ))
                 })?;
-                let dense = match rec {
-                    TableRecord::Dense { .. } => r.meta(&dense_key(&name))?,
-                    TableRecord::Sparse { .. } => None,
+                let (dense, applied) = match rec {
+                    TableRecord::Dense { .. } => (r.meta(&dense_key(&name))?, None),
+                    TableRecord::Sparse { .. } => {
+                        (None, r.meta(&crate::durable::applied_key(&name))?)
+                    }
                 };
-                out.push((name, rec, dense));
+                out.push((name, rec, dense, applied));
             }
             Ok((out, cycle))
         })?;
@@ -182,8 +184,12 @@ impl Store {
             path: Some(durable.path.clone()),
             last_snapshot: Mutex::new(None),
         };
-        for (name, rec, dense) in records {
+        for (name, rec, dense, applied) in records {
             let t = flusher.exclusive(|| store.build(&name, &rec, dense.as_deref(), &flusher))?;
+            if let (Table::Sparse(s), Some(a)) = (&t, applied) {
+                let what = format!("{}: applied/{name}", durable.path.display());
+                s.load_applied(&a, &what)?;
+            }
             flusher.record_loaded(&name, rec.to_json());
             store
                 .tables
@@ -416,6 +422,7 @@ impl Store {
                 // the next open empties (never a record whose rows are half gone).
                 f.storage().write(|w| {
                     w.delete_meta(&table_key(name))?;
+                    w.delete_meta(&crate::durable::applied_key(name))?;
                     w.delete_meta(&dense_key(name))
                 })?;
                 f.record_dropped(name);

@@ -1,8 +1,10 @@
 //! The tables: sparse embedding tables (u64 id -> row) and dense tensors.
 
+mod applied;
 mod dense;
 mod sparse;
 
+pub use applied::{applied_key, AppliedIds};
 pub use dense::{DenseTable, DenseTableConfig};
 pub(crate) use sparse::{Backing, Taken};
 pub use sparse::{EvictPolicy, Lifecycle, RowSource, SparseTable, SparseTableConfig};

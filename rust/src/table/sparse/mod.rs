@@ -9,6 +9,7 @@ mod config;
 mod kernels;
 mod lazy;
 mod lifecycle;
+mod once;
 
 use std::collections::HashMap;
 use std::mem::MaybeUninit;
@@ -78,6 +79,9 @@ pub struct SparseTable {
     /// Held shared by every change of rows, alone by a flush taking them (see `hold_changes`).
     changes: RwLock<()>,
     backing: Option<Backing>,
+    /// The request ids of the pushes applied, and whether they changed since the flusher took
+    /// them (`once.rs`).
+    applied: Mutex<(super::AppliedIds, bool)>,
 }
 
 impl SparseTable {
@@ -109,6 +113,7 @@ impl SparseTable {
             evicting: Mutex::new(()),
             changes: RwLock::new(()),
             backing,
+            applied: Mutex::default(),
         })
     }
 
@@ -388,12 +393,26 @@ impl SparseTable {
         grads: &[f32],
         lr_scale: f64,
     ) -> Result<()> {
+        self.push_validated_as(ids, grads, lr_scale, None)
+    }
+
+    /// [`push_validated`](Self::push_validated) of the write request `rid` (client, seq), which
+    /// is recorded with the rows it changed (see `once.rs`).
+    pub(crate) fn push_validated_as(
+        self: &Arc<Self>,
+        ids: &[u64],
+        grads: &[f32],
+        lr_scale: f64,
+        rid: Option<(u64, u64)>,
+    ) -> Result<()> {
         super::check_scale(lr_scale)?;
         self.common.durable_check()?;
         if self.common.exec.pending() > 0 {
-            return self.queue(ids.to_vec(), grads.to_vec(), lr_scale)?.wait();
+            return self
+                .queue(ids.to_vec(), grads.to_vec(), lr_scale, rid)?
+                .wait();
         }
-        self.apply(ids, grads, lr_scale)?;
+        self.apply(ids, grads, lr_scale, rid)?;
         self.common.durable_wait()
     }
 
@@ -401,7 +420,7 @@ impl SparseTable {
     /// inputs are reported here, before anything is queued.
     pub fn push_async(self: &Arc<Self>, ids: Vec<u64>, grads: Vec<f32>) -> Result<PushHandle> {
         self.validate_push(&ids, &grads)?;
-        self.queue(ids, grads, 1.0)
+        self.queue(ids, grads, 1.0, None)
     }
 
     fn queue(
@@ -409,20 +428,27 @@ impl SparseTable {
         ids: Vec<u64>,
         grads: Vec<f32>,
         lr_scale: f64,
+        rid: Option<(u64, u64)>,
     ) -> Result<PushHandle> {
         let bytes = ids.len() * 8 + grads.len() * 4;
         let me = Arc::clone(self);
         self.common.exec.submit(
             bytes,
             Box::new(move || {
-                me.apply(&ids, &grads, lr_scale)?;
+                me.apply(&ids, &grads, lr_scale, rid)?;
                 me.common.durable_wait()
             }),
         )
     }
 
     /// Applies a validated push.
-    fn apply(&self, ids: &[u64], grads: &[f32], lr_scale: f64) -> Result<()> {
+    fn apply(
+        &self,
+        ids: &[u64],
+        grads: &[f32],
+        lr_scale: f64,
+        rid: Option<(u64, u64)>,
+    ) -> Result<()> {
         let dim = self.config.dim;
         let opt = self.config.optimizer;
         let lr = self.lr() * lr_scale;
@@ -508,6 +534,10 @@ impl SparseTable {
         Counters::add(&c.ids_pushed, ids.len());
         Counters::add(&c.rows_updated, updated.into_inner() as usize);
         Counters::add(&c.rows_created, created.into_inner() as usize);
+        if let Some((client, seq)) = rid {
+            // Under the same hold as the rows: a flush takes both or neither.
+            self.note_applied(client, seq);
+        }
         drop(changing);
         self.enforce_budget()
     }

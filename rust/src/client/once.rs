@@ -1,0 +1,263 @@
+//! What the client remembers so that staleness is counted from a batch's own pull and a push
+//! that failed on some servers is retried only where it did not apply.
+//!
+//! * Versions per batch: a pull records, under a digest of its table and ids, the table version
+//!   each server answered; a later push of the same ids (the batch's gradients) takes it, so
+//!   several pulls may be in flight (prefetch) and each push carries the version of its own
+//!   pull. A push may also carry a version given explicitly (`pull_versioned`).
+//! * Request ids per failed push: a push that failed on some server keeps the request ids of
+//!   all its parts under a digest of its table, ids and gradients; the same call made again
+//!   reuses them, so the servers that applied their part answer from their memory of request
+//!   ids and only the missing parts apply.
+//!
+//! Both memories are bounded (oldest forgotten first): [`REMEMBERED_BATCHES`] pulls and
+//! [`REMEMBERED_FAILURES`] failed pushes.
+
+use std::collections::{HashMap, VecDeque};
+use std::sync::Mutex;
+
+use super::Client;
+use crate::error::{Error, Result};
+use crate::hash::mix64;
+use crate::net::proto::*;
+use crate::net::wire;
+
+/// Pulls whose versions are remembered for their pushes.
+pub const REMEMBERED_BATCHES: usize = 4096;
+
+/// Failed pushes whose request ids are remembered for their retry.
+pub const REMEMBERED_FAILURES: usize = 1024;
+
+type Key = (String, u64);
+
+/// A bounded map, oldest entries forgotten first.
+struct Bounded<T> {
+    map: HashMap<Key, T>,
+    order: VecDeque<Key>,
+    cap: usize,
+}
+
+impl<T> Bounded<T> {
+    fn new(cap: usize) -> Self {
+        Self {
+            map: HashMap::new(),
+            order: VecDeque::new(),
+            cap,
+        }
+    }
+
+    fn put(&mut self, k: Key, v: T) {
+        if self.map.insert(k.clone(), v).is_none() {
+            self.order.push_back(k);
+        }
+        while self.map.len() > self.cap {
+            match self.order.pop_front() {
+                Some(old) => {
+                    self.map.remove(&old);
+                }
+                None => break,
+            }
+        }
+        if self.order.len() > 2 * self.cap {
+            // Keys taken out by `take` linger in `order`; drop them now and then.
+            let map = &self.map;
+            self.order.retain(|k| map.contains_key(k));
+        }
+    }
+
+    fn take(&mut self, k: &Key) -> Option<T> {
+        self.map.remove(k)
+    }
+}
+
+/// A failed push's request ids (one per part, in the order of the parts) and the versions it
+/// was sent with.
+type Failed = (Vec<RequestId>, Option<Vec<u64>>);
+
+/// The client's memories of pulls and failed pushes.
+pub(crate) struct Memo {
+    versions: Mutex<Bounded<Vec<u64>>>,
+    failed: Mutex<Bounded<Failed>>,
+}
+
+impl Default for Memo {
+    fn default() -> Self {
+        Self {
+            versions: Mutex::new(Bounded::new(REMEMBERED_BATCHES)),
+            failed: Mutex::new(Bounded::new(REMEMBERED_FAILURES)),
+        }
+    }
+}
+
+fn digest_u64s(mut h: u64, xs: impl Iterator<Item = u64>) -> u64 {
+    for x in xs {
+        h = mix64(h ^ x).wrapping_add(0x9e37_79b9_7f4a_7c15);
+    }
+    h
+}
+
+fn ids_digest(ids: &[u64]) -> u64 {
+    digest_u64s(ids.len() as u64, ids.iter().copied())
+}
+
+fn push_digest(ids: &[u64], grads: &[f32]) -> u64 {
+    digest_u64s(
+        ids_digest(ids),
+        grads.iter().map(|g| u64::from(g.to_bits())),
+    )
+}
+
+impl Client {
+    /// Remembers the versions a pull of `ids` read, for the push of the same batch.
+    pub(crate) fn remember_versions(&self, table: &str, ids: &[u64], versions: Vec<u64>) {
+        let mut m = self.memo.versions.lock().unwrap_or_else(|e| e.into_inner());
+        m.put((table.to_string(), ids_digest(ids)), versions);
+    }
+
+    /// Sends one push, every server getting a part (a part without ids where the batch has
+    /// none there, so every server's table version counts the push), and reports which parts
+    /// applied if some fail. `version` is the pulled version per server (None: the one a pull
+    /// of the same ids recorded, if any).
+    pub(crate) fn push_parts(
+        &self,
+        table: &str,
+        dim: usize,
+        ids: &[u64],
+        grads: &[f32],
+        version: Option<Vec<u64>>,
+    ) -> Result<()> {
+        self.check_grads(table, grads, dim)?;
+        let n = self.servers.len();
+        if let Some(v) = &version {
+            if v.len() != n {
+                return Err(crate::error::invalid(format!(
+                    "table {table:?}: version has {} entries, this client has {n} servers \
+                     (pass the version a pull of this client returned)",
+                    v.len()
+                )));
+            }
+        }
+        let key = (table.to_string(), push_digest(ids, grads));
+        let retry = {
+            let mut f = self.memo.failed.lock().unwrap_or_else(|e| e.into_inner());
+            f.take(&key)
+        };
+        let version = match (version, &retry) {
+            (Some(v), _) => Some(v),
+            (None, Some((_, v))) => v.clone(),
+            (None, None) => {
+                let mut m = self.memo.versions.lock().unwrap_or_else(|e| e.into_inner());
+                m.take(&(table.to_string(), ids_digest(ids)))
+            }
+        };
+        let home = self.dense_home(table);
+        let d = self.config.wire;
+        let (job, worker, step) = self
+            .step_tag()
+            .map_or((String::new(), 0, None), |(j, w, s)| (j, w, Some(s)));
+        let mut targets = Vec::new();
+        for (i, pos) in self.router.split(ids).into_iter().enumerate() {
+            let mut chunks = self.chunks(&pos, 8 + dim * wire::width(d));
+            if chunks.is_empty() {
+                chunks.push(Vec::new());
+            }
+            for (k, c) in chunks.iter().enumerate() {
+                targets.push((
+                    i,
+                    PushRequest {
+                        table: table.to_string(),
+                        ids: wire::encode_ids_at(ids, c),
+                        grads: wire::encode_rows_at(grads, dim, c, d),
+                        dtype: d as i32,
+                        request_id: None,
+                        pulled_seq: None,
+                        pulled_version: version.as_ref().map(|v| v[i]),
+                        continued: k > 0,
+                        uncounted: i != home || k > 0,
+                        version_only: c.is_empty(),
+                        step,
+                        job: job.clone(),
+                        worker,
+                    },
+                ));
+            }
+        }
+        let reuse = retry.map(|(r, _)| r).filter(|r| r.len() == targets.len());
+        let rids: Vec<RequestId> = match reuse {
+            Some(r) => r,
+            None => (0..targets.len()).filter_map(|_| self.next_id()).collect(),
+        };
+        for ((_, m), r) in targets.iter_mut().zip(&rids) {
+            m.request_id = Some(*r);
+        }
+        let servers: Vec<usize> = targets.iter().map(|(i, _)| *i).collect();
+        let t = self.config.timeout;
+        let results = self.rt.block_on(async {
+            let calls = targets
+                .into_iter()
+                .map(|(i, m)| self.call(i, m, t, true, |mut c, r| async move { c.push(r).await }));
+            super::futures_join_all(calls).await
+        });
+        let mut ok = vec![true; n];
+        let mut first_err = None;
+        for (i, r) in servers.iter().zip(results) {
+            if let Err(e) = r {
+                ok[*i] = false;
+                first_err.get_or_insert(e);
+            }
+        }
+        let Some(err) = first_err else {
+            return Ok(());
+        };
+        {
+            let mut f = self.memo.failed.lock().unwrap_or_else(|e| e.into_inner());
+            f.put(key, (rids, version));
+        }
+        // An error that is the caller's (a bad gradient, an unknown table) applied nowhere.
+        if !ok.iter().any(|&x| x) || !matches!(err, Error::Remote { .. } | Error::Storage(_)) {
+            return Err(err);
+        }
+        let name = |want: bool| -> Vec<String> {
+            (0..n)
+                .filter(|&i| ok[i] == want)
+                .map(|i| self.servers[i].name.clone())
+                .collect()
+        };
+        let (applied, failed) = (name(true), name(false));
+        Err(Error::PartialPush {
+            message: format!(
+                "push to table {table:?}: the parts of {} were applied, those of {} were not \
+                 ({err}); calling push again with the same ids and gradients sends only the \
+                 missing parts",
+                applied.join(", "),
+                failed.join(", ")
+            ),
+            applied,
+            failed,
+        })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn bounded_forgets_the_oldest() {
+        let mut b = Bounded::new(2);
+        for i in 0..3u64 {
+            b.put(("t".to_string(), i), i);
+        }
+        assert_eq!(b.take(&("t".to_string(), 0)), None);
+        assert_eq!(b.take(&("t".to_string(), 2)), Some(2));
+        assert_eq!(b.take(&("t".to_string(), 2)), None);
+    }
+
+    #[test]
+    fn digests_tell_batches_apart() {
+        assert_ne!(ids_digest(&[1, 2]), ids_digest(&[2, 1]));
+        assert_ne!(ids_digest(&[]), ids_digest(&[0]));
+        assert_ne!(push_digest(&[1], &[1.0]), push_digest(&[1], &[2.0]));
+        assert_eq!(push_digest(&[1], &[1.0]), push_digest(&[1], &[1.0]));
+    }
+}
