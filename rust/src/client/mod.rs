@@ -23,7 +23,9 @@ use crate::net::proto::*;
 use crate::net::routing::Router;
 use crate::net::{error_of, wire, DEFAULT_MAX_MESSAGE};
 
+pub mod cluster;
 mod tables;
+pub use cluster::{ClusterManifest, RestoreReport};
 pub use tables::{ClusterStats, ClusterStore, RemoteDense, RemoteSparse, ServerTable, Staleness};
 
 /// The largest request or answer the client asks for in one message: bigger batches go as
@@ -91,6 +93,8 @@ pub struct Client {
     pulled: Mutex<HashMap<String, Vec<Option<u64>>>>,
     /// Asynchronous pushes, sent in the order they were queued (the embedded store's applier).
     applier: Applier,
+    /// The hash of the server list, sent with every call (`crate::server::layout`).
+    layout: tonic::metadata::MetadataValue<tonic::metadata::Ascii>,
 }
 
 fn is_retryable(s: &Status) -> bool {
@@ -178,6 +182,9 @@ impl Client {
             });
         }
         let applier = Applier::new(config.max_inflight_bytes, "pstore-client-push")?;
+        let layout = cluster::layout_hash(&config.servers)
+            .parse()
+            .map_err(|_| Error::Internal("a layout hash is ASCII".into()))?;
         let c = Arc::new(Self {
             rt,
             router: Router::new(&config.servers),
@@ -187,6 +194,7 @@ impl Client {
             seq: AtomicU64::new(0),
             pulled: Mutex::new(HashMap::new()),
             applier,
+            layout,
         });
         let status = c.status()?;
         for (s, st) in c.servers.iter().zip(&status) {
@@ -222,6 +230,8 @@ impl Client {
     fn request<T>(&self, msg: T, timeout: Duration) -> Request<T> {
         let mut r = Request::new(msg);
         r.set_timeout(timeout);
+        r.metadata_mut()
+            .insert(crate::server::layout::LAYOUT_KEY, self.layout.clone());
         if let Some(t) = &self.config.token {
             if let Ok(v) = format!("Bearer {t}").parse() {
                 r.metadata_mut().insert("authorization", v);
