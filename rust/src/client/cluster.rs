@@ -511,6 +511,7 @@ impl Client {
     }
 
     /// Sends every row of `t` to the server this client routes it to; returns the rows sent.
+    /// Requests of about [`CHUNK_BYTES`] go out [`IN_FLIGHT`] bytes at a time, all at once.
     fn send_sparse(
         &self,
         name: &str,
@@ -522,47 +523,64 @@ impl Client {
         let per_request = (CHUNK_BYTES / (8 + 4 * m)).max(1);
         let mut ids: Vec<Vec<u64>> = vec![Vec::new(); n];
         let mut words: Vec<Vec<u8>> = vec![Vec::new(); n];
+        let mut pending: Vec<(usize, BulkLoadRequest)> = Vec::new();
+        let mut pending_bytes = 0usize;
         let mut sent = 0u64;
-        let send = |ids: &mut Vec<Vec<u64>>, words: &mut Vec<Vec<u8>>| -> Result<u64> {
-            let mut targets = Vec::new();
-            let mut count = 0u64;
-            for i in 0..n {
-                if ids[i].is_empty() {
-                    continue;
-                }
-                count += ids[i].len() as u64;
-                targets.push((
-                    i,
-                    BulkLoadRequest {
-                        table: name.to_string(),
-                        config_json: config_json.to_string(),
-                        ids: crate::net::wire::encode_ids(&std::mem::take(&mut ids[i])),
-                        words: std::mem::take(&mut words[i]).into(),
-                        seq: None,
-                    },
-                ));
-            }
-            if !targets.is_empty() {
-                self.fan_out(targets, |mut c, r| async move { c.bulk_load(r).await })?;
-            }
-            Ok(count)
+        let cut = |i: usize,
+                   ids: &mut Vec<Vec<u64>>,
+                   words: &mut Vec<Vec<u8>>,
+                   pending: &mut Vec<(usize, BulkLoadRequest)>|
+         -> usize {
+            let bytes = words[i].len() + 8 * ids[i].len();
+            pending.push((
+                i,
+                BulkLoadRequest {
+                    table: name.to_string(),
+                    config_json: config_json.to_string(),
+                    ids: crate::net::wire::encode_ids(&std::mem::take(&mut ids[i])),
+                    words: std::mem::take(&mut words[i]).into(),
+                    seq: None,
+                },
+            ));
+            bytes
+        };
+        let send = |pending: &mut Vec<(usize, BulkLoadRequest)>| -> Result<u64> {
+            let batch = std::mem::take(pending);
+            let rows = self.fan_out(batch, |mut c, r| async move { c.bulk_load(r).await })?;
+            Ok(rows.iter().map(|r| r.rows).sum())
         };
         for s in 0..t.num_shards() {
             t.copy_shard(s, false, |id, w| {
                 let i = self.router.server_of(id);
                 ids[i].push(id);
+                let out = &mut words[i];
+                out.reserve(4 * w.len());
                 for x in w {
-                    words[i].extend_from_slice(&x.to_le_bytes());
+                    out.extend_from_slice(&x.to_le_bytes());
                 }
             });
-            if ids.iter().any(|v| v.len() >= per_request) {
-                sent += send(&mut ids, &mut words)?;
+            for i in 0..n {
+                if ids[i].len() >= per_request {
+                    pending_bytes += cut(i, &mut ids, &mut words, &mut pending);
+                }
+            }
+            if pending_bytes >= IN_FLIGHT {
+                sent += send(&mut pending)?;
+                pending_bytes = 0;
             }
         }
-        sent += send(&mut ids, &mut words)?;
+        for i in 0..n {
+            if !ids[i].is_empty() {
+                cut(i, &mut ids, &mut words, &mut pending);
+            }
+        }
+        sent += send(&mut pending)?;
         Ok(sent)
     }
 }
+
+/// Bytes of bulk-load requests a restore has in flight at once.
+const IN_FLIGHT: usize = 64 << 20;
 
 fn words_bytes(w: &[u32]) -> Vec<u8> {
     w.iter().flat_map(|x| x.to_le_bytes()).collect()
