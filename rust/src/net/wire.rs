@@ -34,7 +34,7 @@ fn in_place<T: Copy>(b: &[u8]) -> Option<&[T]> {
         && (b.as_ptr() as usize).is_multiple_of(std::mem::align_of::<T>())
     {
         // SAFETY: the pointer is aligned for T, the length is a whole number of T (checked by the
-        // callers), the bytes live as long as the borrow, and T (u64 or f32) is valid for every
+        // callers), the bytes live as long as the borrow, and T (u64, u32 or f32) is valid for every
         // bit pattern.
         Some(unsafe { std::slice::from_raw_parts(b.as_ptr().cast::<T>(), b.len() / size) })
     } else {
@@ -55,6 +55,24 @@ pub fn ids(b: &Bytes) -> Result<Cow<'_, [u64]>> {
         None => Cow::Owned(
             b.chunks_exact(8)
                 .map(|c| u64::from_le_bytes(c.try_into().expect("8 bytes")))
+                .collect(),
+        ),
+    })
+}
+
+/// The little-endian u32 words of a `words` field (bulk loads), in place when aligned.
+pub fn words(b: &Bytes) -> Result<Cow<'_, [u32]>> {
+    if !b.len().is_multiple_of(4) {
+        return Err(shape(format!(
+            "words must be little-endian u32 (4 bytes each), got {} bytes",
+            b.len()
+        )));
+    }
+    Ok(match in_place::<u32>(b) {
+        Some(s) => Cow::Borrowed(s),
+        None => Cow::Owned(
+            b.chunks_exact(4)
+                .map(|c| u32::from_le_bytes(c.try_into().expect("4 bytes")))
                 .collect(),
         ),
     })

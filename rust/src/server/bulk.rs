@@ -11,20 +11,6 @@ use crate::net::wire;
 use crate::store::{Store, Table};
 use crate::table::{DenseTableConfig, SparseTableConfig};
 
-/// The words of a little-endian `u32` array.
-fn words_of(bytes: &[u8]) -> Result<Vec<u32>> {
-    if !bytes.len().is_multiple_of(4) {
-        return Err(invalid(format!(
-            "bulk load: words of {} bytes, not a multiple of 4",
-            bytes.len()
-        )));
-    }
-    Ok(bytes
-        .chunks_exact(4)
-        .map(|c| u32::from_le_bytes([c[0], c[1], c[2], c[3]]))
-        .collect())
-}
-
 /// Writes the rows of `r` into its table on `store`.
 pub(super) fn bulk_load(store: &Store, r: BulkLoadRequest) -> Result<BulkLoadResponse> {
     let bad = |e: serde_json::Error| invalid(format!("bulk load: config_json: {e}"));
@@ -44,7 +30,7 @@ pub(super) fn bulk_load(store: &Store, r: BulkLoadRequest) -> Result<BulkLoadRes
                 )));
             }
             let ids = wire::ids(&r.ids)?;
-            let words = words_of(&r.words)?;
+            let words = wire::words(&r.words)?;
             // put_rows checks the word count before it writes anything.
             t.put_rows(&ids, &words)?;
             if let Some(seq) = r.seq {
@@ -74,7 +60,7 @@ pub(super) fn bulk_load(store: &Store, r: BulkLoadRequest) -> Result<BulkLoadRes
                     r.table
                 )));
             }
-            let words = words_of(&r.words)?;
+            let words = wire::words(&r.words)?;
             let want = d.words().len();
             if !words.is_empty() && words.len() != want {
                 return Err(invalid(format!(
