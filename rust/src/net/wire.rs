@@ -42,39 +42,37 @@ fn in_place<T: Copy>(b: &[u8]) -> Option<&[T]> {
     }
 }
 
-/// The ids of an `ids` field.
-pub fn ids(b: &Bytes) -> Result<Cow<'_, [u64]>> {
-    if !b.len().is_multiple_of(8) {
+/// A field of little-endian `T` (`ty` names it in errors), in place when aligned.
+fn le_array<'a, T: Copy>(
+    b: &'a Bytes,
+    what: &str,
+    ty: &str,
+    from: impl Fn(&[u8]) -> T,
+) -> Result<Cow<'a, [T]>> {
+    let size = std::mem::size_of::<T>();
+    if !b.len().is_multiple_of(size) {
         return Err(shape(format!(
-            "ids must be little-endian u64 (8 bytes each), got {} bytes",
+            "{what} must be little-endian {ty} ({size} bytes each), got {} bytes",
             b.len()
         )));
     }
-    Ok(match in_place::<u64>(b) {
+    Ok(match in_place::<T>(b) {
         Some(s) => Cow::Borrowed(s),
-        None => Cow::Owned(
-            b.chunks_exact(8)
-                .map(|c| u64::from_le_bytes(c.try_into().expect("8 bytes")))
-                .collect(),
-        ),
+        None => Cow::Owned(b.chunks_exact(size).map(from).collect()),
     })
 }
 
-/// The little-endian u32 words of a `words` field (bulk loads), in place when aligned.
+/// The ids of an `ids` field.
+pub fn ids(b: &Bytes) -> Result<Cow<'_, [u64]>> {
+    le_array(b, "ids", "u64", |c| {
+        u64::from_le_bytes(c.try_into().expect("8 bytes"))
+    })
+}
+
+/// The u32 words of a `words` field (bulk loads).
 pub fn words(b: &Bytes) -> Result<Cow<'_, [u32]>> {
-    if !b.len().is_multiple_of(4) {
-        return Err(shape(format!(
-            "words must be little-endian u32 (4 bytes each), got {} bytes",
-            b.len()
-        )));
-    }
-    Ok(match in_place::<u32>(b) {
-        Some(s) => Cow::Borrowed(s),
-        None => Cow::Owned(
-            b.chunks_exact(4)
-                .map(|c| u32::from_le_bytes(c.try_into().expect("4 bytes")))
-                .collect(),
-        ),
+    le_array(b, "words", "u32", |c| {
+        u32::from_le_bytes(c.try_into().expect("4 bytes"))
     })
 }
 
