@@ -14,7 +14,7 @@ from __future__ import annotations
 from pstore import init, inspection, optim, server
 from pstore._native import MAX_DIM
 from pstore._native import __version__ as __version__
-from pstore.client import RemoteStore, connect
+from pstore.client import RemoteStore, connect, restore_cluster
 from pstore.exceptions import (
     AuthenticationError,
     CorruptError,
@@ -62,5 +62,6 @@ __all__ = [
     "init",
     "inspection",
     "optim",
+    "restore_cluster",
     "server",
 ]

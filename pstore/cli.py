@@ -291,6 +291,23 @@ def _cmd_status(args: argparse.Namespace) -> int:
     return 0 if all(h == "SERVING" for h in health) else 1
 
 
+def _cmd_reshard(args: argparse.Namespace) -> int:
+    if (args.cluster is None) == (not args.servers):
+        raise pstore.InvalidArgumentError("give the servers (HOST:PORT ...) or --cluster FILE")
+    report = pstore.restore_cluster(
+        args.snapshot,
+        args.cluster or args.servers,
+        token_file=args.token_file,
+        timeout=args.timeout,
+        tls_ca=args.tls_ca,
+    )
+    print(
+        f"loaded {report['rows']:,} rows of {report['tables']} tables from "
+        f"{report['parts']} part(s) of {args.snapshot}"
+    )
+    return 0
+
+
 def _cmd_export(args: argparse.Namespace) -> int:
     from pstore import serving
 
@@ -424,6 +441,21 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("-q", "--quiet", action="store_true", help="no progress bar")
     p.set_defaults(func=_cmd_restore)
+
+    p = sub.add_parser(
+        "reshard",
+        help="load a cluster snapshot onto any list of store servers",
+        description="Load the cluster snapshot SNAPSHOT (written by store.snapshot(DIR) on a "
+        "connected store) onto the servers of --cluster FILE or HOST:PORT ..., routing every "
+        "row by the new list: the same call as pstore.restore_cluster.",
+    )
+    p.add_argument("snapshot", metavar="SNAPSHOT", help="a cluster snapshot directory")
+    p.add_argument("servers", nargs="*", metavar="HOST:PORT")
+    p.add_argument("--cluster", default=None, help="a cluster file of the new servers")
+    p.add_argument("--token-file", default=None, help="file holding a token ($PSTORE_TOKEN)")
+    p.add_argument("--tls-ca", default=None, help="CA certificate (PEM) of the servers")
+    p.add_argument("--timeout", type=float, default=300.0, help="deadline of each call, s")
+    p.set_defaults(func=_cmd_reshard)
 
     p = sub.add_parser(
         "inspect",

@@ -944,7 +944,7 @@ FUZZ_SETTINGS = settings(
 # Snapshot is left out: a random request could name any directory to write on this machine.
 RAW_METHODS = (
     "CreateTable", "GetTable", "ListTables", "DropTable", "Pull", "Push", "Contains", "Remove",
-    "Evict", "DensePull", "DensePush", "SetLr", "Flush", "Clock", "Status",
+    "Evict", "DensePull", "DensePush", "SetLr", "Flush", "Clock", "Status", "BulkLoad",
 )  # fmt: skip
 FUZZ_POOL = (0, 1, 2, 2**63, U64_MAX)
 FUZZ_DIM = 2
@@ -1016,6 +1016,13 @@ def raw_fuzz(api) -> Iterator[SimpleNamespace]:
             "Flush": m.FlushRequest(),
             "Clock": m.ClockRequest(worker=0, num_workers=1, clock=2),
             "Status": m.StatusRequest(),
+            # Into "scratch", which rows() does not read: a fuzzed load that succeeds writes rows.
+            "BulkLoad": m.BulkLoadRequest(
+                table="scratch",
+                config_json=sparse_config(1),
+                ids=ids_bytes([1]),
+                words=np.arange(8, dtype="<u4").tobytes(),
+            ),
         }.items()
     }
     # Identity (de)serializers: the bytes go on the wire as they are.

@@ -989,8 +989,14 @@ def test_snapshot_into_an_existing_directory(tmp_path):
     assert list((tmp_path / "empty").iterdir()) == []
     assert sorted(p.name for p in tmp_path.iterdir()) == ["empty", "snap"]
     assert len(pstore.Store.restore(tmp_path / "snap").table("emb")) == 2
+    # Missing parents are created (snaps/0001 with no snaps/ yet); a file in the way is refused.
+    store.snapshot(tmp_path / "no" / "such" / "snap")
+    assert len(pstore.Store.restore(tmp_path / "no" / "such" / "snap").table("emb")) == 2
+    (tmp_path / "file").write_text("x")
     with pytest.raises(pstore.InvalidArgumentError, match="not a directory"):
-        store.snapshot(tmp_path / "no" / "such" / "snap")
+        store.snapshot(tmp_path / "file" / "snap")
+    with pytest.raises(pstore.StorageError, match="creating"):
+        store.snapshot(tmp_path / "file" / "sub" / "snap")
 
 
 def test_restore_into_a_path_holding_a_store(tmp_path):

@@ -20,7 +20,7 @@ from pstore import _native
 from pstore.exceptions import InvalidArgumentError
 from pstore.store import BaseStore, _check_int
 
-__all__ = ["RemoteStore", "connect", "load_cluster"]
+__all__ = ["RemoteStore", "connect", "load_cluster", "restore_cluster"]
 
 Mode = Literal["async", "bsp", "ssp"]
 
@@ -107,17 +107,31 @@ class RemoteStore(BaseStore):
         """Element type of rows and gradients on the wire."""
         return self._inner.wire_dtype
 
-    def snapshot(self, dir: str, *, incremental: bool = False) -> list[dict[str, Any]]:
-        """Every server writes a snapshot of its part into ``dir/server-<i>`` on its machine.
+    def snapshot(
+        self, dest: str | os.PathLike[str], *, incremental: bool = False
+    ) -> dict[str, Any]:
+        """Write one snapshot of the whole cluster into ``dest``; return its cluster manifest.
 
-        ``i`` is the server's position in the list given to :func:`connect`. Each part is an
-        ordinary snapshot: ``pstore restore dir/server-<i> --path ...`` rebuilds that server's
-        store. Returns ``[{"server", "dir", "rows"}]``.
+        ``dest`` is a directory (or ``file://DIR``) that the client and every server reach (on
+        one machine, or a shared file system); it is created with its parents. Each server
+        writes its part, ``dest/server-<i>`` (an ordinary snapshot, per-row consistent while
+        training goes on), then the client writes ``dest/cluster.json``: the layout (server
+        list, routing), the tables' configs and every part's manifest id and checksum
+        (docs/FORMAT.md). With ``incremental``, each part holds the rows changed since the
+        previous cluster snapshot plus tombstones, and the manifest names it as parent.
+        :func:`restore_cluster` loads it onto any server list.
         """
-        out = self._inner.snapshot(os.fspath(dir), incremental)
-        return [
-            {"server": s, "dir": d, "rows": r} for s, (d, r) in zip(self.servers, out, strict=True)
-        ]
+        out = self._inner.cluster_snapshot(os.fspath(dest), incremental)
+        manifest: dict[str, Any] = json.loads(out)
+        return manifest
+
+    def restore_cluster(self, snapshot: str | os.PathLike[str]) -> dict[str, int]:
+        """Load a cluster snapshot into these servers, routing every row by this store's list.
+
+        See :func:`restore_cluster`. Returns ``{"rows", "tables", "parts"}``.
+        """
+        rows, tables, parts = self._inner.restore_cluster(os.fspath(snapshot))
+        return {"rows": rows, "tables": tables, "parts": parts}
 
     def status(self) -> list[dict[str, Any]]:
         """Each server's status: version, durability, tables with rows and seq, clocks, and
@@ -316,3 +330,22 @@ def connect(
     if mode != "async":
         store._join(job, float(lease), on_worker_loss, aggregate)
     return store
+
+
+def restore_cluster(
+    snapshot: str | os.PathLike[str],
+    servers: Sequence[str] | str | os.PathLike[str],
+    **connect_args: Any,
+) -> dict[str, int]:
+    """Load a cluster snapshot (:meth:`RemoteStore.snapshot`) onto ``servers``, any number of them.
+
+    Every row (weights, optimizer state, step, version, frequency) is sent with the ``BulkLoad``
+    call to the server the new list routes it to, so a snapshot of 4 servers restores onto 8 or
+    onto 2. Everything is checked before anything is written: every part present with its
+    manifest's checksum, every file of every part's chain, and every table that exists already
+    on the new servers having the snapshot's dim (shape) and optimizer. If a write fails later,
+    the tables the restore created are dropped again. ``servers`` and ``connect_args`` are
+    those of :func:`connect`. Returns ``{"rows", "tables", "parts"}``.
+    """
+    store = connect(servers, **connect_args)
+    return store.restore_cluster(snapshot)

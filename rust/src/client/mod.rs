@@ -24,9 +24,11 @@ use crate::net::routing::Router;
 use crate::net::{error_of, wire, DEFAULT_MAX_MESSAGE};
 
 mod bsp;
+pub mod cluster;
 mod once;
 mod tables;
 pub use bsp::JobConfig;
+pub use cluster::{ClusterManifest, RestoreReport};
 pub use once::{REMEMBERED_BATCHES, REMEMBERED_FAILURES};
 pub use tables::{
     ClusterStats, ClusterStore, RemoteDense, RemoteSparse, ServerStatus, ServerTable, Staleness,
@@ -125,6 +127,8 @@ pub struct Client {
     job: Mutex<Option<Arc<bsp::Job>>>,
     /// Versions of recent pulls and request ids of failed pushes (`once.rs`).
     memo: once::Memo,
+    /// The hash of the server list, sent with every call (`crate::server::layout`).
+    layout: tonic::metadata::MetadataValue<tonic::metadata::Ascii>,
 }
 
 fn is_retryable(s: &Status) -> bool {
@@ -212,6 +216,9 @@ impl Client {
             });
         }
         let applier = Applier::new(config.max_inflight_bytes, "pstore-client-push")?;
+        let layout = cluster::layout_hash(&config.servers)
+            .parse()
+            .map_err(|_| Error::Internal("a layout hash is ASCII".into()))?;
         let c = Arc::new(Self {
             rt,
             router: Router::new(&config.servers),
@@ -223,6 +230,7 @@ impl Client {
             applier,
             job: Mutex::new(None),
             memo: once::Memo::default(),
+            layout,
         });
         let status = c.status()?;
         for (s, st) in c.servers.iter().zip(&status) {
@@ -258,6 +266,8 @@ impl Client {
     fn request<T>(&self, msg: T, timeout: Duration) -> Request<T> {
         let mut r = Request::new(msg);
         r.set_timeout(timeout);
+        r.metadata_mut()
+            .insert(crate::server::layout::LAYOUT_KEY, self.layout.clone());
         if let Some(t) = &self.config.token {
             if let Ok(v) = format!("Bearer {t}").parse() {
                 r.metadata_mut().insert("authorization", v);

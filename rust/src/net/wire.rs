@@ -34,7 +34,7 @@ fn in_place<T: Copy>(b: &[u8]) -> Option<&[T]> {
         && (b.as_ptr() as usize).is_multiple_of(std::mem::align_of::<T>())
     {
         // SAFETY: the pointer is aligned for T, the length is a whole number of T (checked by the
-        // callers), the bytes live as long as the borrow, and T (u64 or f32) is valid for every
+        // callers), the bytes live as long as the borrow, and T (u64, u32 or f32) is valid for every
         // bit pattern.
         Some(unsafe { std::slice::from_raw_parts(b.as_ptr().cast::<T>(), b.len() / size) })
     } else {
@@ -42,21 +42,37 @@ fn in_place<T: Copy>(b: &[u8]) -> Option<&[T]> {
     }
 }
 
-/// The ids of an `ids` field.
-pub fn ids(b: &Bytes) -> Result<Cow<'_, [u64]>> {
-    if !b.len().is_multiple_of(8) {
+/// A field of little-endian `T` (`ty` names it in errors), in place when aligned.
+fn le_array<'a, T: Copy>(
+    b: &'a Bytes,
+    what: &str,
+    ty: &str,
+    from: impl Fn(&[u8]) -> T,
+) -> Result<Cow<'a, [T]>> {
+    let size = std::mem::size_of::<T>();
+    if !b.len().is_multiple_of(size) {
         return Err(shape(format!(
-            "ids must be little-endian u64 (8 bytes each), got {} bytes",
+            "{what} must be little-endian {ty} ({size} bytes each), got {} bytes",
             b.len()
         )));
     }
-    Ok(match in_place::<u64>(b) {
+    Ok(match in_place::<T>(b) {
         Some(s) => Cow::Borrowed(s),
-        None => Cow::Owned(
-            b.chunks_exact(8)
-                .map(|c| u64::from_le_bytes(c.try_into().expect("8 bytes")))
-                .collect(),
-        ),
+        None => Cow::Owned(b.chunks_exact(size).map(from).collect()),
+    })
+}
+
+/// The ids of an `ids` field.
+pub fn ids(b: &Bytes) -> Result<Cow<'_, [u64]>> {
+    le_array(b, "ids", "u64", |c| {
+        u64::from_le_bytes(c.try_into().expect("8 bytes"))
+    })
+}
+
+/// The u32 words of a `words` field (bulk loads).
+pub fn words(b: &Bytes) -> Result<Cow<'_, [u32]>> {
+    le_array(b, "words", "u32", |c| {
+        u32::from_le_bytes(c.try_into().expect("4 bytes"))
     })
 }
 

@@ -264,6 +264,22 @@ impl PyClient {
         Ok(r.into_iter().map(|s| (s.dir, s.rows)).collect())
     }
 
+    /// Writes one snapshot of the whole cluster into `dest`; returns `cluster.json` as JSON.
+    #[pyo3(signature = (dest, incremental=false))]
+    fn cluster_snapshot(&self, py: Python<'_>, dest: &str, incremental: bool) -> PyResult<String> {
+        let c = &self.inner;
+        let m = run(py, || c.cluster_snapshot(dest, incremental))?;
+        serde_json::to_string(&m).map_err(|e| bad(e.to_string()))
+    }
+
+    /// Loads a cluster snapshot, routing its rows by this client's servers; returns
+    /// (rows, tables, parts).
+    fn restore_cluster(&self, py: Python<'_>, snapshot: &str) -> PyResult<(u64, usize, usize)> {
+        let c = &self.inner;
+        let r = run(py, || c.restore_cluster(snapshot))?;
+        Ok((r.rows, r.tables, r.parts))
+    }
+
     /// Waits until every queued asynchronous push has been answered.
     fn drain(&self, py: Python<'_>) -> PyResult<()> {
         let c = &self.inner;

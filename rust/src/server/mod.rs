@@ -8,6 +8,8 @@
 //! decoding errors, wrong lengths, NaN gradients, unknown tables all become error statuses.
 
 pub mod bsp;
+mod bulk;
+pub mod layout;
 pub mod metrics;
 pub mod model;
 pub mod state;
@@ -103,6 +105,8 @@ struct Inner {
     in_memory: bool,
     /// Calls being answered (a graceful stop waits for them).
     inflight: Arc<std::sync::atomic::AtomicUsize>,
+    /// The server list this server's tables belong to.
+    layout: layout::Layout,
 }
 
 impl Inner {
@@ -340,7 +344,11 @@ impl Service {
     {
         let t0 = Instant::now();
         let _busy = Busy::new(&self.0.inflight);
-        let out = match self.check(&req, access) {
+        let checked = self.check(&req, access).and_then(|()| match method {
+            "Status" => Ok(()),
+            _ => self.0.layout.check(&self.0.store, &req),
+        });
+        let out = match checked {
             Err(s) => Err(s),
             Ok(()) => {
                 let inner = Arc::clone(&self.0);
@@ -856,10 +864,23 @@ impl PStore for Service {
                 s.store
                     .snapshot(std::path::Path::new(&r.dir), r.incremental)
             })?;
+            let manifest_json = serde_json::to_string_pretty(&info.manifest)
+                .map_err(|e| Error::Internal(e.to_string()))?;
             Ok(SnapshotResponse {
                 dir: r.dir,
                 rows: info.manifest.tables.iter().map(|t| t.rows).sum(),
+                manifest_json,
             })
+        })
+        .await
+    }
+
+    async fn bulk_load(
+        &self,
+        req: Request<BulkLoadRequest>,
+    ) -> std::result::Result<Response<BulkLoadResponse>, Status> {
+        self.run("BulkLoad", Access::Write, On::Blocking, req, |s, r| {
+            bulk::bulk_load(&s.store, r)
         })
         .await
     }
@@ -877,6 +898,7 @@ impl PStore for Service {
         };
         let out = async {
             self.check(&req, access)?;
+            self.0.layout.check(&self.0.store, &req)?;
             let r = req.into_inner();
             if !r.job.is_empty() {
                 return self.job_clock(r).await;
@@ -965,6 +987,7 @@ pub fn start(store: Arc<Store>, config: ServerConfig) -> Result<ServerHandle> {
         max_message: config.max_message,
         in_memory,
         inflight: Arc::new(std::sync::atomic::AtomicUsize::new(0)),
+        layout: layout::Layout::default(),
     });
     let m = Arc::clone(&inner);
     launch(

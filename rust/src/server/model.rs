@@ -342,6 +342,10 @@ impl PStore for ModelService {
         self.refuse("Snapshot", &req)
     }
 
+    async fn bulk_load(&self, req: Request<BulkLoadRequest>) -> Answer<BulkLoadResponse> {
+        self.refuse("BulkLoad", &req)
+    }
+
     async fn clock(&self, req: Request<ClockRequest>) -> Answer<ClockResponse> {
         self.refuse("Clock", &req)
     }

@@ -21,7 +21,8 @@ use crate::storage::{cycle_of, words_into, Db};
 use crate::table::{Table, TableHandle};
 
 impl Store {
-    /// Writes a snapshot of every table into the new directory `dir`: all rows, or with
+    /// Writes a snapshot of every table into the new directory `dir` (its missing parents are
+    /// created): all rows, or with
     /// `incremental` only the rows changed since this store's previous snapshot plus tombstones
     /// for ids removed or evicted since then. Training may go on meanwhile.
     pub fn snapshot(&self, dir: &Path, incremental: bool) -> Result<SnapshotInfo> {
@@ -43,6 +44,11 @@ impl Store {
         }
         let parent_dir = dir.parent().filter(|p| !p.as_os_str().is_empty());
         let parent_dir = parent_dir.unwrap_or(Path::new("."));
+        if !parent_dir.exists() {
+            // `snaps/0001` with no `snaps/` yet: the parents are created.
+            std::fs::create_dir_all(parent_dir)
+                .map_err(|e| storage(format!("creating {}: {e}", parent_dir.display())))?;
+        }
         if !parent_dir.is_dir() {
             return Err(invalid(format!(
                 "cannot write a snapshot into {}: {} is not a directory",

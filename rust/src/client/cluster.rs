@@ -1,0 +1,588 @@
+//! Cluster snapshots and restores onto any server list (format in docs/FORMAT.md, "Cluster
+//! snapshots").
+//!
+//! A cluster snapshot is a directory holding one ordinary snapshot per server (`server-<i>`,
+//! written by the server itself through its `Snapshot` call, so rows never pass through the
+//! client) and `cluster.json`, written last by the client: the layout (server list, routing,
+//! layout hash), the tables' configs and stale policies, and per part its manifest's id and
+//! CRC-32. A directory without `cluster.json` is not a cluster snapshot.
+//!
+//! A restore routes every row by the client's own server list, so a snapshot of 4 servers loads
+//! onto 8 or 2: it checks everything first (every part present, every manifest's checksum, every
+//! file of every part's chain, every existing target table's dim and optimizer), creates the
+//! tables that are missing, then loads each part's chain into a private in-memory store (the
+//! embedded restore, increments and tombstones included) and sends its rows with `BulkLoad`. If
+//! a write fails after that, the tables the restore created are dropped on every server.
+
+use std::path::{Path, PathBuf};
+use std::sync::atomic::AtomicU64;
+
+use serde::{Deserialize, Serialize};
+
+use super::{Client, CHUNK_BYTES};
+use crate::error::{corrupt, invalid, storage, Error, Result};
+use crate::hash::mix64;
+use crate::net::proto::*;
+use crate::net::routing::key;
+use crate::snapshot::{self, Manifest};
+use crate::store::{Store, StoreConfig, Table};
+
+/// The cluster manifest's file name.
+pub const CLUSTER_MANIFEST: &str = "cluster.json";
+/// The format's name, in every cluster manifest.
+pub const CLUSTER_FORMAT: &str = "pstore-cluster-snapshot";
+/// The cluster manifest version this build writes and reads.
+pub const CLUSTER_VERSION: u32 = 1;
+/// How ids were routed: rendezvous hashing of the address strings ([`crate::net::routing`]).
+pub const ROUTING: &str = "rendezvous-fnv1a-mix64";
+
+/// The servers a snapshot was taken from and how ids were routed among them.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct Layout {
+    /// The addresses, in the client's order (`server-<i>` is the i-th).
+    pub servers: Vec<String>,
+    /// Always [`ROUTING`] in this version.
+    pub routing: String,
+    /// [`layout_hash`] of the servers.
+    pub hash: String,
+}
+
+/// A hash of a server list that does not depend on its order (routing does not either).
+pub fn layout_hash<S: AsRef<str>>(servers: &[S]) -> String {
+    let mut keys: Vec<u64> = servers.iter().map(|s| key(s.as_ref())).collect();
+    keys.sort_unstable();
+    let mut h = mix64(keys.len() as u64);
+    for k in keys {
+        h = mix64(h ^ k);
+    }
+    format!("{h:016x}")
+}
+
+/// One table of a cluster snapshot.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct ClusterTable {
+    /// The table's name.
+    pub name: String,
+    /// `"sparse"` or `"dense"`.
+    pub kind: String,
+    /// The table's config (the `config` object of a table record).
+    pub config: serde_json::Value,
+    /// `"APPLY"`, `"DROP"` or `"SCALE"`.
+    pub stale_policy: String,
+    /// The limit of the `DROP` policy.
+    pub max_staleness: u64,
+    /// The learning rate in force.
+    pub lr: f64,
+}
+
+/// One server's part.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct ClusterPart {
+    /// The server's address.
+    pub server: String,
+    /// The part's directory, relative to the cluster snapshot.
+    pub dir: String,
+    /// The id in the part's `manifest.json`.
+    pub manifest_id: String,
+    /// CRC-32 of the part's `manifest.json` bytes.
+    pub manifest_crc32: u32,
+    /// Rows in the part's files.
+    pub rows: u64,
+}
+
+/// The cluster snapshot an incremental one builds on.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct ClusterParent {
+    /// The parent's id.
+    pub id: String,
+    /// Its directory: a sibling's name, or an absolute path.
+    pub path: String,
+}
+
+/// `cluster.json`.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct ClusterManifest {
+    /// Always [`CLUSTER_FORMAT`].
+    pub format: String,
+    /// The format version.
+    pub version: u32,
+    /// A unique id.
+    pub id: String,
+    /// `"full"` or `"incremental"`.
+    pub kind: String,
+    /// The cluster snapshot an increment builds on.
+    pub parent: Option<ClusterParent>,
+    /// Unix seconds when it was taken.
+    pub created_at: f64,
+    /// The servers and the routing.
+    pub layout: Layout,
+    /// The tables.
+    pub tables: Vec<ClusterTable>,
+    /// The parts, one per server, in the layout's order.
+    pub parts: Vec<ClusterPart>,
+}
+
+impl ClusterManifest {
+    /// Reads and checks the cluster manifest in `dir`.
+    pub fn read(dir: &Path) -> Result<Self> {
+        let path = dir.join(CLUSTER_MANIFEST);
+        let bytes = match std::fs::read(&path) {
+            Ok(b) => b,
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => {
+                return Err(invalid(format!(
+                    "{} is not a cluster snapshot: it has no {CLUSTER_MANIFEST}",
+                    dir.display()
+                )))
+            }
+            Err(e) => return Err(storage(format!("reading {}: {e}", path.display()))),
+        };
+        let m: ClusterManifest = serde_json::from_slice(&bytes)
+            .map_err(|e| corrupt(format!("{}: not a readable manifest: {e}", path.display())))?;
+        if m.format != CLUSTER_FORMAT || m.version != CLUSTER_VERSION {
+            return Err(corrupt(format!(
+                "{}: format {:?} version {}, this pstore reads {CLUSTER_FORMAT:?} version \
+                 {CLUSTER_VERSION}",
+                path.display(),
+                m.format,
+                m.version
+            )));
+        }
+        if m.parts.len() != m.layout.servers.len() {
+            return Err(corrupt(format!(
+                "{}: {} parts for {} servers",
+                path.display(),
+                m.parts.len(),
+                m.layout.servers.len()
+            )));
+        }
+        if m.layout.hash != layout_hash(&m.layout.servers) {
+            return Err(corrupt(format!(
+                "{}: layout hash {} does not match its server list (hash {})",
+                path.display(),
+                m.layout.hash,
+                layout_hash(&m.layout.servers)
+            )));
+        }
+        Ok(m)
+    }
+}
+
+/// A local directory from a destination: a path, or a `file://` URI.
+pub fn local_dir(dest: &str) -> Result<PathBuf> {
+    if let Some(p) = dest.strip_prefix("file://") {
+        return Ok(PathBuf::from(p));
+    }
+    if let Some((scheme, _)) = dest.split_once("://") {
+        return Err(invalid(format!(
+            "snapshot destination {dest:?}: scheme {scheme}:// is not supported by this build; \
+             give a directory (or file://DIR) that every server and the client can reach"
+        )));
+    }
+    if dest.is_empty() {
+        return Err(invalid("a snapshot needs a destination directory"));
+    }
+    Ok(PathBuf::from(dest))
+}
+
+/// What a cluster restore did.
+#[derive(Debug, Clone, PartialEq)]
+pub struct RestoreReport {
+    /// Rows written (the last state of every row of every part's chain).
+    pub rows: u64,
+    /// Tables restored.
+    pub tables: usize,
+    /// Parts read.
+    pub parts: usize,
+}
+
+fn policy_name(p: i32) -> String {
+    StalePolicy::try_from(p)
+        .unwrap_or(StalePolicy::Apply)
+        .as_str_name()
+        .to_string()
+}
+
+fn write_atomically(path: &Path, bytes: &[u8]) -> Result<()> {
+    use std::io::Write;
+    let dir = path.parent().unwrap_or(Path::new("."));
+    let tmp = dir.join(format!(".{CLUSTER_MANIFEST}.tmp-{}", snapshot::new_id()));
+    let r = (|| {
+        let mut f = std::fs::File::create(&tmp)?;
+        f.write_all(bytes)?;
+        f.sync_all()?;
+        std::fs::rename(&tmp, path)
+    })();
+    if let Err(e) = r {
+        let _ = std::fs::remove_file(&tmp);
+        return Err(storage(format!("writing {}: {e}", path.display())));
+    }
+    snapshot::fsync_dir(dir)
+}
+
+impl Client {
+    /// Writes one snapshot of the whole cluster into `dest` (created with its parents): every
+    /// server writes `dest/server-<i>` itself, then the client writes `dest/cluster.json`. With
+    /// `incremental`, each server writes the rows changed since its previous snapshot, which
+    /// must be a part of one earlier cluster snapshot: the new manifest names it as parent.
+    pub fn cluster_snapshot(&self, dest: &str, incremental: bool) -> Result<ClusterManifest> {
+        let dir = local_dir(dest)?;
+        if dir.join(CLUSTER_MANIFEST).exists() {
+            return Err(invalid(format!(
+                "{} holds a cluster snapshot already; a snapshot is written into a new directory",
+                dir.display()
+            )));
+        }
+        std::fs::create_dir_all(&dir)
+            .map_err(|e| storage(format!("creating {}: {e}", dir.display())))?;
+        let mut tables = Vec::new();
+        for name in self.list_tables()? {
+            let info = self.get_table(&name)?.swap_remove(0);
+            let dense = info.kind == TableKind::Dense as i32;
+            tables.push(ClusterTable {
+                name,
+                kind: if dense { "dense" } else { "sparse" }.to_string(),
+                config: serde_json::from_str(&info.config_json)
+                    .map_err(|e| corrupt(format!("a server's table config: {e}")))?,
+                stale_policy: policy_name(info.stale_policy),
+                max_staleness: info.max_staleness,
+                lr: info.lr,
+            });
+        }
+        let dir_str = dir.to_string_lossy().into_owned();
+        let answers = self.snapshot(&dir_str, incremental)?;
+        let mut parts = Vec::new();
+        let mut parents = Vec::new();
+        for (i, a) in answers.iter().enumerate() {
+            let m: Manifest = serde_json::from_str(&a.manifest_json).map_err(|e| {
+                corrupt(format!(
+                    "server {}: its snapshot manifest does not read: {e}",
+                    self.servers[i].name
+                ))
+            })?;
+            if let Some(p) = &m.parent {
+                let part_dir = dir.join(format!("server-{i}"));
+                let server_prev = snapshot::resolve(&part_dir, &p.path);
+                parents.push((server_prev, p.id.clone()));
+            }
+            parts.push(ClusterPart {
+                server: self.servers[i].name.clone(),
+                dir: format!("server-{i}"),
+                manifest_id: m.id,
+                manifest_crc32: crc32fast::hash(a.manifest_json.as_bytes()),
+                rows: a.rows,
+            });
+        }
+        let parent = if incremental {
+            Some(self.cluster_parent(&dir, &parents)?)
+        } else {
+            None
+        };
+        let servers = self.servers();
+        let manifest = ClusterManifest {
+            format: CLUSTER_FORMAT.into(),
+            version: CLUSTER_VERSION,
+            id: snapshot::new_id(),
+            kind: if incremental { "incremental" } else { "full" }.into(),
+            parent,
+            created_at: snapshot::unix_time(),
+            layout: Layout {
+                hash: layout_hash(&servers),
+                servers,
+                routing: ROUTING.into(),
+            },
+            tables,
+            parts,
+        };
+        let bytes =
+            serde_json::to_vec_pretty(&manifest).map_err(|e| Error::Internal(e.to_string()))?;
+        write_atomically(&dir.join(CLUSTER_MANIFEST), &bytes)?;
+        Ok(manifest)
+    }
+
+    /// The cluster snapshot whose parts are the servers' previous snapshots.
+    fn cluster_parent(&self, dir: &Path, parents: &[(PathBuf, String)]) -> Result<ClusterParent> {
+        let not_one = || {
+            invalid(format!(
+                "incremental cluster snapshot {}: the servers' previous snapshots are not the \
+                 parts of one cluster snapshot (take a full cluster snapshot first)",
+                dir.display()
+            ))
+        };
+        let first = parents.first().ok_or_else(not_one)?;
+        let pdir = first.0.parent().ok_or_else(not_one)?.to_path_buf();
+        let pm = ClusterManifest::read(&pdir).map_err(|_| not_one())?;
+        if pm.parts.len() != parents.len() {
+            return Err(not_one());
+        }
+        for (part, (path, id)) in pm.parts.iter().zip(parents) {
+            if part.manifest_id != *id || path.parent() != Some(pdir.as_path()) {
+                return Err(not_one());
+            }
+        }
+        Ok(ClusterParent {
+            id: pm.id,
+            path: snapshot::relative_to(dir, &pdir),
+        })
+    }
+
+    /// Loads the cluster snapshot in `snapshot` into this client's servers, routing every row
+    /// by this client's server list (any number of servers). Tables that exist already must
+    /// have the snapshot's dim and optimizer; their rows of the same ids are replaced.
+    pub fn restore_cluster(&self, snapshot: &str) -> Result<RestoreReport> {
+        self.drain();
+        let dir = local_dir(snapshot)?;
+        let m = ClusterManifest::read(&dir)?;
+        // Everything is checked before anything is written.
+        let mut part_dirs = Vec::new();
+        for part in &m.parts {
+            let pdir = dir.join(&part.dir);
+            let mpath = pdir.join(snapshot::MANIFEST);
+            let bytes = std::fs::read(&mpath).map_err(|e| {
+                invalid(format!(
+                    "cluster snapshot {}: part {} (server {}) is missing: {}: {e}; nothing was \
+                     loaded",
+                    dir.display(),
+                    part.dir,
+                    part.server,
+                    mpath.display()
+                ))
+            })?;
+            if crc32fast::hash(&bytes) != part.manifest_crc32 {
+                return Err(corrupt(format!(
+                    "cluster snapshot {}: the manifest of part {} does not match its checksum \
+                     in {CLUSTER_MANIFEST}; nothing was loaded",
+                    dir.display(),
+                    part.dir
+                )));
+            }
+            let pm = Manifest::read(&pdir)?;
+            if pm.id != part.manifest_id {
+                return Err(corrupt(format!(
+                    "cluster snapshot {}: part {} holds snapshot {}, {CLUSTER_MANIFEST} names {}; \
+                     nothing was loaded",
+                    dir.display(),
+                    part.dir,
+                    pm.id,
+                    part.manifest_id
+                )));
+            }
+            snapshot::verify(&pdir)?;
+            part_dirs.push(pdir);
+        }
+        let mut create = Vec::new();
+        for t in &m.tables {
+            let config_json = t.config.to_string();
+            match self.get_table(&t.name) {
+                Ok(infos) => {
+                    for (i, info) in infos.iter().enumerate() {
+                        self.check_target(t, info, &self.servers[i].name)?;
+                    }
+                }
+                Err(Error::UnknownTable(_)) => create.push(CreateTableRequest {
+                    name: t.name.clone(),
+                    kind: if t.kind == "dense" {
+                        TableKind::Dense
+                    } else {
+                        TableKind::Sparse
+                    } as i32,
+                    config_json,
+                    stale_policy: StalePolicy::from_str_name(&t.stale_policy)
+                        .unwrap_or(StalePolicy::Apply) as i32,
+                    max_staleness: t.max_staleness,
+                    policy_unset: false,
+                }),
+                Err(e) => return Err(e),
+            }
+        }
+        let mut created = Vec::new();
+        let r = (|| {
+            for req in create {
+                let name = req.name.clone();
+                self.create_table(req)?;
+                created.push(name);
+            }
+            self.load_parts(&m, &part_dirs)
+        })();
+        match r {
+            Ok(report) => Ok(report),
+            Err(e) => {
+                for name in &created {
+                    let _ = self.drop_table(name);
+                }
+                Err(e)
+            }
+        }
+    }
+
+    /// Refuses a table of another kind, dim or optimizer on server `server`.
+    fn check_target(&self, t: &ClusterTable, info: &TableInfo, server: &str) -> Result<()> {
+        let have: serde_json::Value = serde_json::from_str(&info.config_json)
+            .map_err(|e| corrupt(format!("server {server}: table config: {e}")))?;
+        let field = |v: &serde_json::Value, k: &str| v.get(k).cloned().unwrap_or_default();
+        let kind = if info.kind == TableKind::Dense as i32 {
+            "dense"
+        } else {
+            "sparse"
+        };
+        let size = if t.kind == "dense" { "shape" } else { "dim" };
+        if kind != t.kind
+            || field(&have, size) != field(&t.config, size)
+            || field(&have, "optimizer") != field(&t.config, "optimizer")
+        {
+            return Err(invalid(format!(
+                "restore of table {:?}: server {server} has a {kind} table of {size} {} and \
+                 optimizer {}, the snapshot's is a {} table of {size} {} and optimizer {}; \
+                 nothing was loaded",
+                t.name,
+                field(&have, size),
+                field(&have, "optimizer"),
+                t.kind,
+                field(&t.config, size),
+                field(&t.config, "optimizer"),
+            )));
+        }
+        Ok(())
+    }
+
+    /// Loads each part's chain into a private store and sends its rows where they now belong.
+    fn load_parts(&self, m: &ClusterManifest, part_dirs: &[PathBuf]) -> Result<RestoreReport> {
+        let mut rows = 0u64;
+        let mut seqs = std::collections::HashMap::<String, u64>::new();
+        let config = StoreConfig {
+            num_shards: 64,
+            ..StoreConfig::default()
+        };
+        // A dense table lives on the server its name routes to; the other parts hold unused
+        // copies of its initial value.
+        let old = crate::net::routing::Router::new(&m.layout.servers);
+        for (i, pdir) in part_dirs.iter().enumerate() {
+            let store = Store::restore_counted(pdir, config.clone(), None, &AtomicU64::new(0))?;
+            for name in store.tables() {
+                let Some(t) = m.tables.iter().find(|t| t.name == name) else {
+                    continue;
+                };
+                let config_json = t.config.to_string();
+                match store.table(&name)? {
+                    Table::Sparse(st) => {
+                        let seq = seqs.entry(name.clone()).or_default();
+                        *seq = (*seq).max(st.seq());
+                        rows += self.send_sparse(&name, &config_json, &st)?;
+                    }
+                    Table::Dense(_) if old.server_of(key(&name)) != i => {}
+                    Table::Dense(d) => {
+                        let home = self.dense_home(&name);
+                        let req = BulkLoadRequest {
+                            table: name.clone(),
+                            config_json,
+                            ids: Default::default(),
+                            words: words_bytes(&d.words()).into(),
+                            seq: None,
+                        };
+                        self.fan_out(
+                            vec![(home, req)],
+                            |mut c, r| async move { c.bulk_load(r).await },
+                        )?;
+                        rows += 1;
+                    }
+                }
+            }
+        }
+        for t in &m.tables {
+            if let Some(&seq) = seqs.get(&t.name) {
+                let req = BulkLoadRequest {
+                    table: t.name.clone(),
+                    config_json: t.config.to_string(),
+                    ids: Default::default(),
+                    words: Default::default(),
+                    seq: Some(seq),
+                };
+                self.fan_out(
+                    self.all(req),
+                    |mut c, r| async move { c.bulk_load(r).await },
+                )?;
+            }
+            self.set_lr(&t.name, t.lr)?;
+        }
+        self.flush()?;
+        Ok(RestoreReport {
+            rows,
+            tables: m.tables.len(),
+            parts: part_dirs.len(),
+        })
+    }
+
+    /// Sends every row of `t` to the server this client routes it to; returns the rows sent.
+    /// Requests of about [`CHUNK_BYTES`] go out [`IN_FLIGHT`] bytes at a time, all at once.
+    fn send_sparse(
+        &self,
+        name: &str,
+        config_json: &str,
+        t: &crate::table::SparseTable,
+    ) -> Result<u64> {
+        let n = self.servers.len();
+        let m = t.row_words();
+        let per_request = (CHUNK_BYTES / (8 + 4 * m)).max(1);
+        let mut ids: Vec<Vec<u64>> = vec![Vec::new(); n];
+        let mut words: Vec<Vec<u8>> = vec![Vec::new(); n];
+        let mut pending: Vec<(usize, BulkLoadRequest)> = Vec::new();
+        let mut pending_bytes = 0usize;
+        let mut sent = 0u64;
+        let cut = |i: usize,
+                   ids: &mut Vec<Vec<u64>>,
+                   words: &mut Vec<Vec<u8>>,
+                   pending: &mut Vec<(usize, BulkLoadRequest)>|
+         -> usize {
+            let bytes = words[i].len() + 8 * ids[i].len();
+            pending.push((
+                i,
+                BulkLoadRequest {
+                    table: name.to_string(),
+                    config_json: config_json.to_string(),
+                    ids: crate::net::wire::encode_ids(&std::mem::take(&mut ids[i])),
+                    words: std::mem::take(&mut words[i]).into(),
+                    seq: None,
+                },
+            ));
+            bytes
+        };
+        let send = |pending: &mut Vec<(usize, BulkLoadRequest)>| -> Result<u64> {
+            let batch = std::mem::take(pending);
+            let rows = self.fan_out(batch, |mut c, r| async move { c.bulk_load(r).await })?;
+            Ok(rows.iter().map(|r| r.rows).sum())
+        };
+        for s in 0..t.num_shards() {
+            t.copy_shard(s, false, |id, w| {
+                let i = self.router.server_of(id);
+                ids[i].push(id);
+                let out = &mut words[i];
+                out.reserve(4 * w.len());
+                for x in w {
+                    out.extend_from_slice(&x.to_le_bytes());
+                }
+            });
+            for i in 0..n {
+                if ids[i].len() >= per_request {
+                    pending_bytes += cut(i, &mut ids, &mut words, &mut pending);
+                }
+            }
+            if pending_bytes >= IN_FLIGHT {
+                sent += send(&mut pending)?;
+                pending_bytes = 0;
+            }
+        }
+        for i in 0..n {
+            if !ids[i].is_empty() {
+                cut(i, &mut ids, &mut words, &mut pending);
+            }
+        }
+        sent += send(&mut pending)?;
+        Ok(sent)
+    }
+}
+
+/// Bytes of bulk-load requests a restore has in flight at once.
+const IN_FLIGHT: usize = 64 << 20;
+
+fn words_bytes(w: &[u32]) -> Vec<u8> {
+    w.iter().flat_map(|x| x.to_le_bytes()).collect()
+}
