@@ -661,16 +661,8 @@ impl PStore for Service {
                     }
                 }
                 if let Some(step) = r.step {
-                    s.steps.add(
-                        &r.job,
-                        r.worker,
-                        rid,
-                        step,
-                        &r.table,
-                        t.dim(),
-                        &ids,
-                        &grads,
-                    )?;
+                    s.steps
+                        .add(&r.job, r.worker, rid, step, &r.table, t.dim(), &ids, &grads)?;
                     return Ok(bsp_accepted(t.seq(), s.versions.get(&r.table)));
                 }
                 let (by_version, version) =
