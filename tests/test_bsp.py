@@ -313,7 +313,9 @@ def test_a_snapshot_after_step_c_holds_exactly_the_steps_to_c(
     snaps = _run_workers(2, worker)[0]
     for c, d in enumerate(snaps, start=1):
         rows = {}
-        for part in sorted(d.iterdir()):
+        parts = sorted(d.glob("server-*"))
+        assert len(parts) == 2 and (d / "cluster.json").is_file()
+        for part in parts:
             t = pstore.Store.restore(part).table(name)
             have = t.contains(ids)
             for i, h in zip(ids, have, strict=True):
