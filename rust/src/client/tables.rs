@@ -154,7 +154,12 @@ fn merge(infos: &[TableInfo], servers: &[String]) -> Result<Stats> {
         let g = |v: &serde_json::Value, k: &str| v.get(k).and_then(|x| x.as_u64()).unwrap_or(0);
         t.rows += g(&v, "rows");
         t.bytes_used += g(&v, "bytes_used");
-        t.pushes += g(&v, "pushes");
+        // One per push over all servers (servers of this version count each push once, on
+        // the request without `uncounted`); each server's own applies are under "servers".
+        t.pushes += match v.get("pushes_counted") {
+            Some(_) => g(&v, "pushes_counted"),
+            None => g(&v, "pushes"),
+        };
         t.pulls += g(&v, "pulls");
         t.ids_pushed += g(&v, "ids_pushed");
         t.ids_pulled += g(&v, "ids_pulled");
