@@ -287,3 +287,36 @@ def test_pushes_over_two_servers_count_once(tmp_path):
         assert total == 2
     finally:
         stop_all(procs)
+
+
+def test_dense_staleness_is_counted_from_the_batchs_own_pull():
+    procs = start_servers(2)
+    try:
+        a = pstore.connect([p.address for p in procs])
+        b = pstore.connect([p.address for p in procs])
+        ta = a.create_dense_table(
+            "dv", (3,), optimizer=optim.SGD(lr=1.0), initializer=init.Zeros(), stale_policy="apply"
+        )
+        tb = b.table("dv")
+        assert isinstance(tb, pstore.DenseTable)
+        value, version = ta.pull(return_version=True)
+        assert value.shape == (3,) and len(version) == 1
+        for _ in range(3):  # another worker pushes meanwhile
+            tb.pull()
+            tb.push(np.ones(3, np.float32))
+        ta.pull()  # a's next batch, read before the first one's push
+        ta.push(np.ones(3, np.float32), version=version)
+        ta.pull()
+        ta.push(np.ones(3, np.float32))  # by default: the version of the last pull
+        st = ta.stats()["staleness"]
+        assert (st["pushes"], st["max"]) == (5, 3)
+        assert st["histogram"][:4] == [4, 0, 0, 1]
+        _, now = tb.pull(return_version=True)
+        assert now == (5,)
+        with pytest.raises(pstore.InvalidArgumentError, match="one number"):
+            ta.push(np.ones(3, np.float32), version=(1, 2))
+        # An embedded table has no version.
+        local = pstore.Store().create_dense_table("e", (2,))
+        assert local.pull(return_version=True)[1] == ()
+    finally:
+        stop_all(procs)

@@ -444,8 +444,39 @@ impl DenseTableApi for RemoteDense {
     fn push_async(&self, grad: Vec<f32>) -> Result<PushHandle> {
         self.client.dense_push_async(&self.name, grad)
     }
+    fn pull_versioned(&self) -> Result<(Vec<f32>, Vec<u64>)> {
+        let (v, version) = self
+            .client
+            .dense_pull_versioned(&self.name, self.config.numel())?;
+        Ok((v, vec![version]))
+    }
+    fn push_versioned(&self, grad: &[f32], version: Option<Vec<u64>>) -> Result<()> {
+        let v = one_version(version)?;
+        self.client.dense_push_versioned(&self.name, grad, v)
+    }
+    fn push_async_versioned(
+        &self,
+        grad: Vec<f32>,
+        version: Option<Vec<u64>>,
+    ) -> Result<PushHandle> {
+        let v = one_version(version)?;
+        self.client.dense_push_async_versioned(&self.name, grad, v)
+    }
     fn stats(&self) -> Result<Stats> {
         self.client.stats(&self.name)
+    }
+}
+
+/// The version of a dense table's pull: one number (its server's).
+fn one_version(version: Option<Vec<u64>>) -> Result<Option<u64>> {
+    match version.as_deref() {
+        None => Ok(None),
+        Some([v]) => Ok(Some(*v)),
+        Some(v) => Err(crate::error::invalid(format!(
+            "a dense table's version is one number (what pull(return_version=True) returned), \
+             got {} numbers",
+            v.len()
+        ))),
     }
 }
 

@@ -848,12 +848,14 @@ impl PStore for Service {
             let d = wire::dtype(r.dtype)?;
             s.fits(t.config().numel() * wire::width(d), "dense pull")?;
             let seq = t.step() as u64;
+            let version = versions::get(&*t);
             let v = t.pull()?;
             Ok(DensePullResponse {
                 values: wire::encode_values(&v, d),
                 dtype: d as i32,
                 shape: t.config().shape.iter().map(|&x| x as u64).collect(),
                 seq,
+                version,
             })
         })
         .await
@@ -877,7 +879,7 @@ impl PStore for Service {
                             applied: true,
                             staleness: 0,
                             seq: t.step() as u64,
-                            version: 0,
+                            version: versions::get(&*t),
                         });
                     }
                 }
@@ -885,9 +887,13 @@ impl PStore for Service {
                     s.steps
                         .add(&r.job, r.worker, rid, step, &r.table, 0, &[], &grad)?;
                     versions::count(&*t);
-                    return Ok(bsp_accepted(t.step() as u64, 0));
+                    return Ok(bsp_accepted(t.step() as u64, versions::get(&*t)));
                 }
-                let stale = staleness(t.step() as u64, r.pulled_seq);
+                let (by_version, version) = versions::arrive(&*t, r.pulled_version, false);
+                let stale = match r.pulled_version {
+                    Some(_) => by_version,
+                    None => staleness(t.step() as u64, r.pulled_seq),
+                };
                 let decision = s.policies.decide(&r.table, stale);
                 let applied = match decision {
                     Decision::Drop => false,
@@ -904,7 +910,7 @@ impl PStore for Service {
                     applied,
                     staleness: stale.unwrap_or(0),
                     seq: t.step() as u64,
-                    version: 0,
+                    version,
                 })
             })
         })
