@@ -25,6 +25,7 @@ from _netutil import ServerProcess, free_port, start_servers, stop_all
 from grpc_tools import protoc
 
 import pstore
+import pstore.cli
 from pstore import init, optim
 
 PROTO = Path(__file__).resolve().parents[1] / "proto" / "pstore" / "v1" / "pstore.proto"
@@ -262,7 +263,7 @@ def test_a_restarted_server_keeps_its_layout_and_versions(tmp_path):
         stop_all(other)
 
 
-def test_pushes_over_two_servers_count_once(tmp_path):
+def test_pushes_over_two_servers_count_once(tmp_path, capsys):
     mports = [free_port(), free_port()]
     procs = [ServerProcess("--metrics-port", str(p)) for p in mports]
     try:
@@ -285,6 +286,8 @@ def test_pushes_over_two_servers_count_once(tmp_path):
                     if line.startswith('pstore_table_pushes_total{table="c"'):
                         total += int(float(line.split()[-1]))
         assert total == 2
+        assert pstore.cli.main(["status", *(p.address for p in procs)]) == 0
+        assert "cluster: c 2 pushes" in capsys.readouterr().out
     finally:
         stop_all(procs)
 

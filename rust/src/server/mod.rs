@@ -461,9 +461,14 @@ fn still_to_apply(
     if !done.iter().any(|&d| d) {
         return Some(None);
     }
-    let f = store.flusher()?;
-    let st = Arc::clone(f.storage());
-    Some(Some(Box::new(move |id| !done[st.environment_of(id)])))
+    // Sets that disagree come from a replica of several environments.
+    match store.flusher() {
+        Some(f) => {
+            let st = Arc::clone(f.storage());
+            Some(Some(Box::new(move |id| !done[st.environment_of(id)])))
+        }
+        None => Some(None),
+    }
 }
 
 /// `ids` and their gradient rows (of `dim` values) for which `keep` holds.
