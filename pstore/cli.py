@@ -288,6 +288,14 @@ def _cmd_status(args: argparse.Namespace) -> int:
                 names = [str(b) for b in bounds] + [f">{bounds[-1]}" if bounds else "more"]
                 shown = "  ".join(f"{b}: {n}" for b, n in zip(names, hist, strict=True) if n)
                 print(f"  {'':<20} staleness histogram  {shown}")
+    # Each push is counted once, by one server (however many servers its ids span).
+    pushes: dict[str, int] = {}
+    for s in status:
+        for t in s.get("tables", []):
+            if "pushes_counted" in t["stats"]:
+                pushes[t["name"]] = pushes.get(t["name"], 0) + t["stats"]["pushes_counted"]
+    if len(status) > 1 and pushes:
+        print("cluster: " + ", ".join(f"{n} {c:,} pushes" for n, c in sorted(pushes.items())))
     return 0 if all(h == "SERVING" for h in health) else 1
 
 

@@ -349,17 +349,38 @@ class DenseTable(_Table):
     def __repr__(self) -> str:
         return f"<DenseTable {self.name!r} shape={self.shape}>"
 
-    def pull(self) -> np.ndarray:
-        """A copy of the tensor."""
+    @overload
+    def pull(self, *, return_version: Literal[False] = False) -> np.ndarray: ...
+    @overload
+    def pull(self, *, return_version: Literal[True]) -> tuple[np.ndarray, tuple[int, ...]]: ...
+    def pull(
+        self, *, return_version: bool = False
+    ) -> np.ndarray | tuple[np.ndarray, tuple[int, ...]]:
+        """A copy of the tensor.
+
+        With ``return_version=True`` the answer is ``(value, version)``: on store servers the
+        table's version (the pushes its server received, one int), which ``push(...,
+        version=v)`` carries so that the push's staleness is counted from this pull; ``()`` for
+        an embedded table. Without it a push carries the version of this client's last pull.
+        """
+        if return_version:
+            value, version = self._inner.pull_versioned()
+            return value, tuple(version)
         return self._inner.pull()
 
-    def push(self, grad: npt.ArrayLike) -> None:
-        """Apply one gradient of the whole tensor (float32, the table's shape)."""
-        self._inner.push(_as_f32(grad, "grad"))
+    def push(self, grad: npt.ArrayLike, *, version: Sequence[int] | None = None) -> None:
+        """Apply one gradient of the whole tensor (float32, the table's shape).
 
-    def push_async(self, grad: npt.ArrayLike) -> PushHandle:
+        ``version``: what ``pull(return_version=True)`` returned for the value the gradient was
+        computed from (see :meth:`pull`).
+        """
+        self._inner.push(_as_f32(grad, "grad"), _version(version))
+
+    def push_async(
+        self, grad: npt.ArrayLike, *, version: Sequence[int] | None = None
+    ) -> PushHandle:
         """Queue one gradient and return at once (see :meth:`SparseTable.push_async`)."""
-        return PushHandle(self._inner.push_async(_as_f32(grad, "grad")))
+        return PushHandle(self._inner.push_async(_as_f32(grad, "grad"), _version(version)))
 
     def stats(self) -> dict[str, Any]:
         """Counters and sizes (``pushes``, ``pulls``, ``bytes_used``, ``lr``, ...)."""

@@ -459,7 +459,10 @@ def test_killed_server_keeps_every_acknowledged_sync_push(tmp_path):
     assert time.monotonic() - t0 < 10  # within its timeout (2 s) and retries
     assert acked > 10
     p.stop()
-    p2 = ServerProcess("--path", path, "--durability", "sync", env={"PSTORE_TOKEN": token})
+    # On its own address: a durable server keeps the hash of its cluster's server list.
+    p2 = ServerProcess(
+        "--path", path, "--durability", "sync", env={"PSTORE_TOKEN": token}, port=p.port
+    )
     try:
         r2 = p2.wait_ready(token)
         rows = r2.table("emb").pull(np.arange(50))

@@ -178,6 +178,27 @@ pub trait DenseTableApi: Send + Sync {
     fn push(&self, grad: &[f32]) -> Result<()>;
     /// Queues one gradient and returns at once.
     fn push_async(&self, grad: Vec<f32>) -> Result<PushHandle>;
+    /// [`pull`](Self::pull), with the table version the value was read at: one for a remote
+    /// table (its server's), none for an embedded one (which has no stale pushes).
+    fn pull_versioned(&self) -> Result<(Vec<f32>, Vec<u64>)> {
+        self.pull().map(|v| (v, Vec::new()))
+    }
+    /// [`push`](Self::push) of a gradient computed from the value read at `version` (what
+    /// [`pull_versioned`](Self::pull_versioned) returned; None: a remote table uses the version
+    /// of its last pull).
+    fn push_versioned(&self, grad: &[f32], version: Option<Vec<u64>>) -> Result<()> {
+        let _ = version;
+        self.push(grad)
+    }
+    /// [`push_async`](Self::push_async) with a version, as [`push_versioned`](Self::push_versioned).
+    fn push_async_versioned(
+        &self,
+        grad: Vec<f32>,
+        version: Option<Vec<u64>>,
+    ) -> Result<PushHandle> {
+        let _ = version;
+        self.push_async(grad)
+    }
     /// Counters and sizes.
     fn stats(&self) -> Result<Stats>;
 }

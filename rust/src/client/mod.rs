@@ -118,9 +118,10 @@ pub struct Client {
     /// Random per client: with `seq`, the ids of write requests.
     id: u64,
     seq: AtomicU64,
-    /// The seq the home server answered the last pull of each dense table with (a sparse
-    /// push carries the versions of its own batch's pull instead, see `once.rs`).
-    pulled: Mutex<HashMap<String, Vec<Option<u64>>>>,
+    /// The seq and version the home server answered the last pull of each dense table with
+    /// (what a dense push without an explicit version carries; a sparse push carries the
+    /// versions of its own batch's pull, see `once.rs`).
+    pulled: Mutex<HashMap<String, (u64, u64)>>,
     /// Asynchronous pushes, sent in the order they were queued (the embedded store's applier).
     applier: Applier,
     /// The synchronous job this worker takes part in (BSP, SSP), if any.
@@ -541,19 +542,14 @@ impl Client {
     }
 
     /// Remembers the seq server `i` answered a pull of `table` with.
-    fn set_pulled(&self, table: &str, i: usize, seq: u64) {
+    fn set_pulled(&self, table: &str, seq: u64, version: u64) {
         let mut p = self.pulled.lock().unwrap_or_else(|e| e.into_inner());
-        if !p.contains_key(table) {
-            p.insert(table.to_string(), vec![None; self.servers.len()]);
-        }
-        if let Some(v) = p.get_mut(table) {
-            v[i] = Some(seq);
-        }
+        p.insert(table.to_string(), (seq, version));
     }
 
-    fn pulled_seq(&self, table: &str, i: usize) -> Option<u64> {
+    fn pulled_of(&self, table: &str) -> Option<(u64, u64)> {
         let p = self.pulled.lock().unwrap_or_else(|e| e.into_inner());
-        p.get(table).and_then(|v| v[i])
+        p.get(table).copied()
     }
 
     /// Applies gradients now (after the queued asynchronous pushes). `version` is the one
@@ -716,6 +712,12 @@ impl Client {
 
     /// The value of a dense table.
     pub fn dense_pull(&self, table: &str, numel: usize) -> Result<Vec<f32>> {
+        self.dense_pull_versioned(table, numel).map(|(v, _)| v)
+    }
+
+    /// The value of a dense table and the table version it was read at (a push computed from
+    /// it carries that version, [`dense_push_versioned`](Self::dense_push_versioned)).
+    pub fn dense_pull_versioned(&self, table: &str, numel: usize) -> Result<(Vec<f32>, u64)> {
         let i = self.dense_home(table);
         let m = DensePullRequest {
             table: table.to_string(),
@@ -727,20 +729,31 @@ impl Client {
         )?;
         let a = a.pop().ok_or_else(|| Error::Internal("no answer".into()))?;
         let v = wire::values(&a.values, wire::dtype(a.dtype)?, numel, "values")?.into_owned();
-        self.set_pulled(table, i, a.seq);
-        Ok(v)
+        self.set_pulled(table, a.seq, a.version);
+        Ok((v, a.version))
     }
 
     /// Applies one gradient of a dense table (after the queued asynchronous pushes).
     pub fn dense_push(self: &Arc<Self>, table: &str, grad: &[f32]) -> Result<()> {
-        if self.pending() > 0 {
-            let h = self.dense_push_async(table, grad.to_vec())?;
-            return h.wait();
-        }
-        self.dense_push_now(table, grad)
+        self.dense_push_versioned(table, grad, None)
     }
 
-    fn dense_push_now(&self, table: &str, grad: &[f32]) -> Result<()> {
+    /// [`dense_push`](Self::dense_push) of a gradient computed from the value read at
+    /// `version` (None: the version of this client's last pull of the table).
+    pub fn dense_push_versioned(
+        self: &Arc<Self>,
+        table: &str,
+        grad: &[f32],
+        version: Option<u64>,
+    ) -> Result<()> {
+        if self.pending() > 0 {
+            let h = self.dense_push_async_versioned(table, grad.to_vec(), version)?;
+            return h.wait();
+        }
+        self.dense_push_now(table, grad, version)
+    }
+
+    fn dense_push_now(&self, table: &str, grad: &[f32], version: Option<u64>) -> Result<()> {
         self.check_grads(table, grad, grad.len().max(1))?;
         let i = self.dense_home(table);
         let (job, worker, step) = self
@@ -751,7 +764,11 @@ impl Client {
             grad: wire::encode_values(grad, self.config.wire),
             dtype: self.config.wire as i32,
             request_id: self.next_id(),
-            pulled_seq: self.pulled_seq(table, i),
+            pulled_seq: self
+                .pulled_of(table)
+                .map(|p| p.0)
+                .filter(|_| version.is_none()),
+            pulled_version: version.or(self.pulled_of(table).map(|p| p.1)),
             step,
             job,
             worker,
@@ -765,12 +782,23 @@ impl Client {
 
     /// Queues one dense gradient.
     pub fn dense_push_async(self: &Arc<Self>, table: &str, grad: Vec<f32>) -> Result<PushHandle> {
+        self.dense_push_async_versioned(table, grad, None)
+    }
+
+    /// [`dense_push_async`](Self::dense_push_async) with a version, as
+    /// [`dense_push_versioned`](Self::dense_push_versioned).
+    pub fn dense_push_async_versioned(
+        self: &Arc<Self>,
+        table: &str,
+        grad: Vec<f32>,
+        version: Option<u64>,
+    ) -> Result<PushHandle> {
         self.check_grads(table, &grad, grad.len().max(1))?;
         let me = Arc::clone(self);
         let table = table.to_string();
         self.applier.submit(
             grad.len() * 4,
-            Box::new(move || me.dense_push_now(&table, &grad)),
+            Box::new(move || me.dense_push_now(&table, &grad, version)),
         )
     }
 

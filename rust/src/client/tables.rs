@@ -154,7 +154,12 @@ fn merge(infos: &[TableInfo], servers: &[String]) -> Result<Stats> {
         let g = |v: &serde_json::Value, k: &str| v.get(k).and_then(|x| x.as_u64()).unwrap_or(0);
         t.rows += g(&v, "rows");
         t.bytes_used += g(&v, "bytes_used");
-        t.pushes += g(&v, "pushes");
+        // One per push over all servers (servers of this version count each push once, on
+        // the request without `uncounted`); each server's own applies are under "servers".
+        t.pushes += match v.get("pushes_counted") {
+            Some(_) => g(&v, "pushes_counted"),
+            None => g(&v, "pushes"),
+        };
         t.pulls += g(&v, "pulls");
         t.ids_pushed += g(&v, "ids_pushed");
         t.ids_pulled += g(&v, "ids_pulled");
@@ -439,8 +444,39 @@ impl DenseTableApi for RemoteDense {
     fn push_async(&self, grad: Vec<f32>) -> Result<PushHandle> {
         self.client.dense_push_async(&self.name, grad)
     }
+    fn pull_versioned(&self) -> Result<(Vec<f32>, Vec<u64>)> {
+        let (v, version) = self
+            .client
+            .dense_pull_versioned(&self.name, self.config.numel())?;
+        Ok((v, vec![version]))
+    }
+    fn push_versioned(&self, grad: &[f32], version: Option<Vec<u64>>) -> Result<()> {
+        let v = one_version(version)?;
+        self.client.dense_push_versioned(&self.name, grad, v)
+    }
+    fn push_async_versioned(
+        &self,
+        grad: Vec<f32>,
+        version: Option<Vec<u64>>,
+    ) -> Result<PushHandle> {
+        let v = one_version(version)?;
+        self.client.dense_push_async_versioned(&self.name, grad, v)
+    }
     fn stats(&self) -> Result<Stats> {
         self.client.stats(&self.name)
+    }
+}
+
+/// The version of a dense table's pull: one number (its server's).
+fn one_version(version: Option<Vec<u64>>) -> Result<Option<u64>> {
+    match version.as_deref() {
+        None => Ok(None),
+        Some([v]) => Ok(Some(*v)),
+        Some(v) => Err(crate::error::invalid(format!(
+            "a dense table's version is one number (what pull(return_version=True) returned), \
+             got {} numbers",
+            v.len()
+        ))),
     }
 }
 

@@ -29,7 +29,7 @@ pub(crate) use replica::replica_row;
 use crate::error::{storage, Error, Result};
 use crate::idle::IdleWrites;
 use crate::storage::{bytes_of, Db, Storage};
-use crate::table::{ChangeHook, DenseTable, SparseTable, Table, Taken};
+use crate::table::{ChangeHook, DenseTable, SparseTable, Table, TableHandle, Taken};
 
 /// A table's changes up to this size are written in one transaction (a push is then all or
 /// nothing in the replica).
@@ -537,7 +537,7 @@ impl Flusher {
         cycle: u64,
         seq: u64,
         record: Option<Vec<u8>>,
-        applied: Option<Vec<u8>>,
+        applied: Option<Vec<Vec<u8>>>,
         supersedable: bool,
     ) -> Result<bool> {
         let superseded = || supersedable && self.supersede.load(Ordering::Relaxed);
@@ -598,8 +598,8 @@ impl Flusher {
                 if let Some(rec) = &record {
                     w.put_meta(&table_key(name), rec)?;
                 }
-                if let Some(a) = &applied {
-                    // The request ids of the pushes whose rows this transaction carries.
+                if let Some(a) = applied.as_ref().and_then(|a| a.first()) {
+                    // The request ids of the writes whose rows this transaction carries.
                     w.put_meta(&applied_key(name), a)?;
                 }
                 w.put_meta(CYCLE_KEY, &tag)?;
@@ -609,6 +609,10 @@ impl Flusher {
                 // numbers cycles and row versions past everything any environment holds.
                 w.put_part_meta(p, CYCLE_KEY, &tag)?;
                 w.put_part_meta(p, &seq_key(name), &seq.to_le_bytes())?;
+                if let Some(a) = applied.as_ref().and_then(|a| a.get(p)) {
+                    // Its own set: the writes whose rows in this environment it commits.
+                    w.put_part_meta(p, &applied_key(name), a)?;
+                }
             }
             Ok(())
         };
@@ -644,8 +648,8 @@ impl Flusher {
     }
 
     fn flush_dense(&self, name: &str, t: &DenseTable, table: &Table, cycle: u64) -> Result<bool> {
-        let (value, rec) = t.take_dirty_words(|| self.record_if_changed(name, table));
-        if value.is_none() && rec.is_none() {
+        let (value, applied, rec) = t.take_dirty_words(|| self.record_if_changed(name, table));
+        if value.is_none() && rec.is_none() && applied.is_none() {
             return Ok(false);
         }
         let tag = cycle.to_le_bytes();
@@ -656,6 +660,11 @@ impl Flusher {
             }
             if let Some(rec) = &rec {
                 w.put_meta(&table_key(name), rec)?;
+            }
+            if let Some(a) = applied.as_ref().and_then(|a| a.first()) {
+                // The request ids of the pushes this value holds (a dense table lives in
+                // environment 0).
+                w.put_meta(&applied_key(name), a)?;
             }
             w.put_meta(CYCLE_KEY, &tag)
         });
@@ -670,6 +679,9 @@ impl Flusher {
             Err(e) => {
                 if value.is_some() {
                     t.mark_dirty();
+                }
+                if applied.is_some() {
+                    t.common().applied.untake();
                 }
                 Err(e)
             }

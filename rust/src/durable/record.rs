@@ -64,6 +64,18 @@ pub struct CountersRecord {
     pub rows_created: u64,
     /// Rows removed by eviction.
     pub rows_evicted: u64,
+    /// Pushes a store server received (the table version; 0, and left out, where no server
+    /// counted any).
+    #[serde(default, skip_serializing_if = "is_zero")]
+    pub received: u64,
+    /// Pushes a store server counted for its cluster (one per push over all servers; left out
+    /// when 0).
+    #[serde(default, skip_serializing_if = "is_zero")]
+    pub counted: u64,
+}
+
+fn is_zero(x: &u64) -> bool {
+    *x == 0
 }
 
 /// The meta record of a table (`table/<name>`), also a snapshot manifest's entry.
@@ -152,6 +164,8 @@ fn counters_of(t: &dyn TableHandle) -> CountersRecord {
         rows_updated: c.rows_updated.load(Relaxed),
         rows_created: c.rows_created.load(Relaxed),
         rows_evicted: c.rows_evicted.load(Relaxed),
+        received: c.received.load(Relaxed),
+        counted: c.counted.load(Relaxed),
     }
 }
 
@@ -166,6 +180,8 @@ pub(crate) fn restore_counters(t: &dyn TableHandle, r: &CountersRecord) {
     c.rows_updated.store(r.rows_updated, Relaxed);
     c.rows_created.store(r.rows_created, Relaxed);
     c.rows_evicted.store(r.rows_evicted, Relaxed);
+    c.received.store(r.received, Relaxed);
+    c.counted.store(r.counted, Relaxed);
 }
 
 /// The meta key of a table's record.

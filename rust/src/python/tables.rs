@@ -408,20 +408,41 @@ table_methods!(PyDenseTable {
             .reshape(self.inner.config().shape.clone())
     }
 
-    fn push(&self, py: Python<'_>, grad: PyReadonlyArrayDyn<'_, f32>) -> PyResult<()> {
-        self.check_shape(&grad)?;
-        let g = slice(&grad, "grad")?;
-        self.run(py, || self.inner.push(g))
+    /// The value and the table version it was read at (one int for a remote table; empty for
+    /// an embedded one).
+    fn pull_versioned<'py>(
+        &self,
+        py: Python<'py>,
+    ) -> PyResult<(Bound<'py, PyArrayDyn<f32>>, Vec<u64>)> {
+        let (v, version) = self.run(py, || self.inner.pull_versioned())?;
+        let a = v
+            .into_pyarray(py)
+            .reshape(self.inner.config().shape.clone())?;
+        Ok((a, version))
     }
 
+    #[pyo3(signature = (grad, version=None))]
+    fn push(
+        &self,
+        py: Python<'_>,
+        grad: PyReadonlyArrayDyn<'_, f32>,
+        version: Option<Vec<u64>>,
+    ) -> PyResult<()> {
+        self.check_shape(&grad)?;
+        let g = slice(&grad, "grad")?;
+        self.run(py, || self.inner.push_versioned(g, version))
+    }
+
+    #[pyo3(signature = (grad, version=None))]
     fn push_async(
         &self,
         py: Python<'_>,
         grad: PyReadonlyArrayDyn<'_, f32>,
+        version: Option<Vec<u64>>,
     ) -> PyResult<PyPushHandle> {
         self.check_shape(&grad)?;
         let g = slice(&grad, "grad")?;
-        let h = self.run(py, || self.inner.push_async(g.to_vec()))?;
+        let h = self.run(py, || self.inner.push_async_versioned(g.to_vec(), version))?;
         Ok(PyPushHandle { inner: h })
     }
 });

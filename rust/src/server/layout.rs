@@ -6,27 +6,53 @@
 //! elsewhere and train some of them twice) fails at its first call with an error naming both
 //! hashes. A server with no table takes the hash of the next call that carries one (a new
 //! cluster, or a restore onto a new list); calls without the metadata (clients generated from
-//! the .proto) are not checked. The hash lives in memory: a restarted server takes the hash of
-//! its first call again.
+//! the .proto) are not checked. A durable server keeps the hash in its replica (the meta key
+//! [`LAYOUT_META`], written when it is taken), so a restarted server still refuses another list.
 
 use std::sync::Mutex;
 
 use tonic::{Request, Status};
 
-use crate::error::invalid;
+use crate::error::{corrupt, invalid, Result};
 use crate::net::status_of;
 use crate::store::Store;
 
 /// The metadata key of the layout hash.
 pub const LAYOUT_KEY: &str = "x-pstore-layout";
 
+/// The meta key under which a durable server keeps the layout hash.
+pub const LAYOUT_META: &str = "cluster/layout";
+
 /// The layout this server's tables belong to.
 #[derive(Default)]
 pub(super) struct Layout(Mutex<Option<String>>);
 
 impl Layout {
+    /// The layout a durable store kept, if any (none for an in-memory store).
+    pub(super) fn load(store: &Store) -> Result<Self> {
+        let Some(f) = store.flusher() else {
+            return Ok(Self::default());
+        };
+        let kept = f.storage().read(|r| r.meta(LAYOUT_META))?;
+        let hash = kept
+            .map(|b| {
+                String::from_utf8(b).map_err(|_| {
+                    corrupt(format!(
+                        "{}: the meta key {LAYOUT_META} is not a layout hash",
+                        f.storage().path().display()
+                    ))
+                })
+            })
+            .transpose()?;
+        Ok(Self(Mutex::new(hash)))
+    }
+
     /// Refuses a request whose layout is not this server's while it holds tables.
-    pub(super) fn check<T>(&self, store: &Store, req: &Request<T>) -> Result<(), Status> {
+    pub(super) fn check<T>(
+        &self,
+        store: &Store,
+        req: &Request<T>,
+    ) -> std::result::Result<(), Status> {
         let Some(given) = req.metadata().get(LAYOUT_KEY).and_then(|v| v.to_str().ok()) else {
             return Ok(());
         };
@@ -39,6 +65,12 @@ impl Layout {
                  list of servers (a new list needs a cluster snapshot and `pstore reshard`)"
             )))),
             _ => {
+                if let Some(f) = store.flusher() {
+                    // Kept before it is taken: a restart refuses other lists from the start.
+                    f.storage()
+                        .write(|w| w.put_meta(LAYOUT_META, given.as_bytes()))
+                        .map_err(|e| status_of(&e))?;
+                }
                 *pinned = Some(given.to_string());
                 Ok(())
             }

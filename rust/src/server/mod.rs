@@ -30,7 +30,6 @@ use crate::store::{Store, Table};
 use crate::table::{DenseTableConfig, SparseTableConfig, TableStats};
 use metrics::{Metrics, ReplicaSample, Sample, TableSample};
 use state::{Clocks, Decision, Dedup, Policies, Policy};
-use versions::Versions;
 
 /// Who may call what.
 #[derive(Debug, Clone, Default)]
@@ -97,8 +96,6 @@ struct Inner {
     /// The synchronous steps of the current job (clocks, leases, pending aggregates).
     steps: Arc<bsp::Steps>,
     policies: Policies,
-    /// Table versions, the clock of staleness.
-    versions: Versions,
     started: Instant,
     max_message: usize,
     /// No replica: calls may run on the store's pool (see `run`).
@@ -121,7 +118,7 @@ impl Inner {
                     kind,
                     rows: s.rows,
                     bytes: s.bytes_used,
-                    pushes: s.pushes,
+                    pushes: versions::counted(t.handle()),
                     pulls: s.pulls,
                     ids_pushed: s.ids_pushed,
                     ids_pulled: s.ids_pulled,
@@ -159,7 +156,8 @@ impl Inner {
             "rows_updated": s.rows_updated, "rows_created": s.rows_created,
             "rows_evicted": s.rows_evicted, "rows_unloaded": s.rows_unloaded, "seq": s.seq,
             "lr": s.lr, "staleness": st,
-            "version": self.versions.get(name),
+            "version": versions::get(t.handle()),
+            "pushes_counted": versions::counted(t.handle()),
             "staleness_buckets": versions::BUCKET_BOUNDS,
         });
         let (config, dim, shape) = match t {
@@ -448,6 +446,48 @@ fn staleness(seq_now: u64, pulled: Option<u64>) -> Option<u64> {
     pulled.map(|p| seq_now.saturating_sub(p))
 }
 
+/// What the table's replica says of a write's request id: `None` when it was applied in every
+/// environment (answer it, apply nothing); otherwise which ids still have to be applied: all of
+/// them, or (`Some(Some(keep))`) after a crash between the commits of several environments,
+/// those of the environments that did not commit it.
+#[allow(clippy::type_complexity)]
+fn still_to_apply(
+    store: &Store,
+    done: Vec<bool>,
+) -> Option<Option<Box<dyn Fn(u64) -> bool + Send + Sync>>> {
+    if done.iter().all(|&d| d) {
+        return None;
+    }
+    if !done.iter().any(|&d| d) {
+        return Some(None);
+    }
+    // Sets that disagree come from a replica of several environments.
+    match store.flusher() {
+        Some(f) => {
+            let st = Arc::clone(f.storage());
+            Some(Some(Box::new(move |id| !done[st.environment_of(id)])))
+        }
+        None => Some(None),
+    }
+}
+
+/// `ids` and their gradient rows (of `dim` values) for which `keep` holds.
+fn keep_rows(
+    ids: &[u64],
+    grads: &[f32],
+    dim: usize,
+    keep: &dyn Fn(u64) -> bool,
+) -> (Vec<u64>, Vec<f32>) {
+    let (mut i, mut g) = (Vec::new(), Vec::new());
+    for (k, &id) in ids.iter().enumerate() {
+        if keep(id) {
+            i.push(id);
+            g.extend_from_slice(&grads[k * dim..(k + 1) * dim]);
+        }
+    }
+    (i, g)
+}
+
 /// Sets the policy of a table just created, or checks a declaration of an existing table
 /// against its policy (never changing it): `unset` keeps the existing one.
 fn declare_policy(s: &Inner, name: &str, p: Policy, existed: bool, unset: bool) -> Result<()> {
@@ -601,7 +641,6 @@ impl PStore for Service {
                 Err(e) => return Err(e),
             }
             s.policies.remove(&r.name)?;
-            s.versions.remove(&r.name);
             Ok(DropTableResponse { dropped: true })
         })
         .await
@@ -618,7 +657,7 @@ impl PStore for Service {
             // Refused before any row is created.
             s.fits(ids.len() * t.dim() * wire::width(d), "pull")?;
             let seq = t.seq();
-            let version = s.versions.get(&r.table);
+            let version = versions::get(&*t);
             let rows = match d {
                 // Rows are written straight into the answer's buffer.
                 Dtype::Float32 => {
@@ -649,24 +688,38 @@ impl PStore for Service {
             t.validate_push(&ids, &grads)?;
             let rid = request_id(&r.request_id);
             s.pushes.once(rid, || {
+                let mut part = None;
                 if let Some((client, seq)) = rid {
                     // Applied before a restart: the replica kept its id with its rows.
-                    if t.was_applied(client, seq)? {
-                        return Ok(PushResponse {
-                            applied: true,
-                            staleness: 0,
-                            seq: t.seq(),
-                            version: s.versions.get(&r.table),
-                        });
+                    match still_to_apply(&s.store, t.was_applied(client, seq)?) {
+                        None => {
+                            return Ok(PushResponse {
+                                applied: true,
+                                staleness: 0,
+                                seq: t.seq(),
+                                version: versions::get(&*t),
+                            })
+                        }
+                        Some(keep) => part = keep,
                     }
                 }
+                let kept;
+                let (ids, grads): (&[u64], &[f32]) = match &part {
+                    None => (&ids, &grads),
+                    Some(keep) => {
+                        kept = keep_rows(&ids, &grads, t.dim(), keep.as_ref());
+                        (&kept.0, &kept.1)
+                    }
+                };
                 if let Some(step) = r.step {
                     s.steps
-                        .add(&r.job, r.worker, rid, step, &r.table, t.dim(), &ids, &grads)?;
-                    return Ok(bsp_accepted(t.seq(), s.versions.get(&r.table)));
+                        .add(&r.job, r.worker, rid, step, &r.table, t.dim(), ids, grads)?;
+                    if !r.uncounted {
+                        versions::count(&*t);
+                    }
+                    return Ok(bsp_accepted(t.seq(), versions::get(&*t)));
                 }
-                let (by_version, version) =
-                    s.versions.arrive(&r.table, r.pulled_version, r.continued);
+                let (by_version, version) = versions::arrive(&*t, r.pulled_version, r.continued);
                 let stale = match r.pulled_version {
                     Some(_) => by_version,
                     None => staleness(t.seq(), r.pulled_seq),
@@ -677,12 +730,15 @@ impl PStore for Service {
                     // A part with no ids (the batch has none on this server) only counts.
                     Decision::Apply(_) if r.version_only && ids.is_empty() => true,
                     Decision::Apply(scale) => {
-                        t.push_validated_as(&ids, &grads, scale, rid)?;
+                        t.push_validated_as(ids, grads, scale, rid)?;
                         true
                     }
                 };
                 if !r.uncounted {
                     s.policies.record(&r.table, stale, decision);
+                    if applied {
+                        versions::count(&*t);
+                    }
                 }
                 Ok(PushResponse {
                     applied,
@@ -717,9 +773,26 @@ impl PStore for Service {
         self.run("Remove", Access::Write, On::Pool, req, |s, r| {
             let t = sparse(&s.store, &r.table)?;
             let ids = wire::ids(&r.ids)?;
-            s.removes.once(request_id(&r.request_id), || {
+            let rid = request_id(&r.request_id);
+            s.removes.once(rid, || {
+                let mut part = None;
+                if let Some((client, seq)) = rid {
+                    match still_to_apply(&s.store, t.was_applied(client, seq)?) {
+                        // Removed before a restart (how many is not kept).
+                        None => return Ok(RemoveResponse { removed: 0 }),
+                        Some(keep) => part = keep,
+                    }
+                }
+                let kept: Vec<u64>;
+                let ids: &[u64] = match &part {
+                    None => &ids,
+                    Some(keep) => {
+                        kept = ids.iter().copied().filter(|&id| keep(id)).collect();
+                        &kept
+                    }
+                };
                 Ok(RemoveResponse {
-                    removed: t.remove(&ids)? as u64,
+                    removed: t.remove_as(ids, rid)? as u64,
                 })
             })
         })
@@ -743,7 +816,15 @@ impl PStore for Service {
                     "evict needs not_updated_for_steps or not_updated_for_seconds",
                 ));
             }
-            s.removes.once(request_id(&r.request_id), || {
+            let rid = request_id(&r.request_id);
+            s.removes.once(rid, || {
+                let mut part = None;
+                if let Some((client, seq)) = rid {
+                    match still_to_apply(&s.store, t.was_applied(client, seq)?) {
+                        None => return Ok(RemoveResponse { removed: 0 }),
+                        Some(keep) => part = keep,
+                    }
+                }
                 let before_seq = (r.not_updated_for_steps > 0)
                     .then(|| (t.seq() + 1).saturating_sub(r.not_updated_for_steps));
                 let before_secs = (secs > 0.0).then(|| {
@@ -754,7 +835,9 @@ impl PStore for Service {
                     (now - secs).max(0.0) as u32
                 });
                 Ok(RemoveResponse {
-                    removed: t.evict(before_seq, before_secs)? as u64,
+                    removed: t.evict_as(before_seq, before_secs, rid, &|id| {
+                        part.as_ref().is_none_or(|keep| keep(id))
+                    })? as u64,
                 })
             })
         })
@@ -770,12 +853,14 @@ impl PStore for Service {
             let d = wire::dtype(r.dtype)?;
             s.fits(t.config().numel() * wire::width(d), "dense pull")?;
             let seq = t.step() as u64;
+            let version = versions::get(&*t);
             let v = t.pull()?;
             Ok(DensePullResponse {
                 values: wire::encode_values(&v, d),
                 dtype: d as i32,
                 shape: t.config().shape.iter().map(|&x| x as u64).collect(),
                 seq,
+                version,
             })
         })
         .await
@@ -790,28 +875,47 @@ impl PStore for Service {
             let d = wire::dtype(r.dtype)?;
             let grad = wire::values(&r.grad, d, t.config().numel(), "grad")?;
             t.validate_push(&grad)?;
-            s.pushes.once(request_id(&r.request_id), || {
+            let rid = request_id(&r.request_id);
+            s.pushes.once(rid, || {
+                if let Some((client, seq)) = rid {
+                    // Applied before a restart: the replica kept its id with the value.
+                    if t.was_applied(client, seq)?.iter().all(|&d| d) {
+                        return Ok(PushResponse {
+                            applied: true,
+                            staleness: 0,
+                            seq: t.step() as u64,
+                            version: versions::get(&*t),
+                        });
+                    }
+                }
                 if let Some(step) = r.step {
-                    let rid = request_id(&r.request_id);
                     s.steps
                         .add(&r.job, r.worker, rid, step, &r.table, 0, &[], &grad)?;
-                    return Ok(bsp_accepted(t.step() as u64, 0));
+                    versions::count(&*t);
+                    return Ok(bsp_accepted(t.step() as u64, versions::get(&*t)));
                 }
-                let stale = staleness(t.step() as u64, r.pulled_seq);
+                let (by_version, version) = versions::arrive(&*t, r.pulled_version, false);
+                let stale = match r.pulled_version {
+                    Some(_) => by_version,
+                    None => staleness(t.step() as u64, r.pulled_seq),
+                };
                 let decision = s.policies.decide(&r.table, stale);
                 let applied = match decision {
                     Decision::Drop => false,
                     Decision::Apply(scale) => {
-                        t.push_validated(&grad, scale)?;
+                        t.push_validated_as(&grad, scale, rid)?;
                         true
                     }
                 };
                 s.policies.record(&r.table, stale, decision);
+                if applied {
+                    versions::count(&*t);
+                }
                 Ok(PushResponse {
                     applied,
                     staleness: stale.unwrap_or(0),
                     seq: t.step() as u64,
-                    version: 0,
+                    version,
                 })
             })
         })
@@ -974,12 +1078,11 @@ pub fn start(store: Arc<Store>, config: ServerConfig) -> Result<ServerHandle> {
         clocks: Clocks::default(),
         steps: Arc::new(bsp::Steps::load(&store)?),
         policies,
-        versions: Versions::default(),
         started: Instant::now(),
         max_message: config.max_message,
         in_memory,
         inflight: Arc::new(std::sync::atomic::AtomicUsize::new(0)),
-        layout: layout::Layout::default(),
+        layout: layout::Layout::load(&store)?,
     });
     let m = Arc::clone(&inner);
     launch(

@@ -320,6 +320,7 @@ impl PStore for ModelService {
                     dtype: d as i32,
                     shape: shape.iter().map(|&x| x as u64).collect(),
                     seq,
+                    version: 0,
                 })
             },
         )

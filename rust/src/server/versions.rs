@@ -8,11 +8,14 @@
 //! read; the push computed from those rows sends it back, and its staleness is the number of
 //! pushes received in between (docs/decisions/0050-table-version-counted-on-every-server.md).
 //!
-//! Versions are kept in memory: a restarted server counts from 0 again, and a push whose pulled
-//! version is ahead of the server's (pulled before the restart) has no known staleness.
+//! A table's version is its `received` counter, kept in the table's record: a durable server
+//! commits it with the rows of each flush cycle and reads it back at a restart, so staleness
+//! goes on counting from where it was (a push whose pulled version is ahead of the server's has
+//! no known staleness).
 
-use std::collections::HashMap;
-use std::sync::Mutex;
+use std::sync::atomic::Ordering;
+
+use crate::table::TableHandle;
 
 /// Upper bounds of the staleness histogram's buckets; the last bucket holds everything above
 /// the last bound.
@@ -29,37 +32,34 @@ pub fn bucket_of(s: u64) -> usize {
         .unwrap_or(BUCKET_BOUNDS.len())
 }
 
-/// The version of every table on this server.
-#[derive(Default)]
-pub struct Versions {
-    map: Mutex<HashMap<String, u64>>,
+/// The table's version now.
+pub fn get(t: &dyn TableHandle) -> u64 {
+    t.common().counters.received.load(Ordering::Acquire)
 }
 
-impl Versions {
-    /// The table's version now.
-    pub fn get(&self, table: &str) -> u64 {
-        let m = self.map.lock().unwrap_or_else(|e| e.into_inner());
-        m.get(table).copied().unwrap_or(0)
-    }
+/// Counts a push of the table that arrived (unless it is a `continued` chunk) and returns its
+/// staleness (pushes received since the version `pulled`, when it is known and not ahead of
+/// this server's) and the version after it.
+pub fn arrive(t: &dyn TableHandle, pulled: Option<u64>, continued: bool) -> (Option<u64>, u64) {
+    let c = &t.common().counters.received;
+    let before = if continued {
+        c.load(Ordering::Acquire)
+    } else {
+        c.fetch_add(1, Ordering::AcqRel)
+    };
+    let stale = pulled.and_then(|p| before.checked_sub(p));
+    (stale, before + u64::from(!continued))
+}
 
-    /// Counts a push of `table` that arrived (unless it is a `continued` chunk) and returns its
-    /// staleness (pushes received since the version `pulled`, when it is known and not ahead of
-    /// this server's) and the version after it.
-    pub fn arrive(&self, table: &str, pulled: Option<u64>, continued: bool) -> (Option<u64>, u64) {
-        let mut m = self.map.lock().unwrap_or_else(|e| e.into_inner());
-        let v = m.entry(table.to_string()).or_insert(0);
-        let stale = pulled.and_then(|p| v.checked_sub(p));
-        if !continued {
-            *v += 1;
-        }
-        (stale, *v)
-    }
+/// Counts a push of the table for the cluster's `pushes` counter (call for one request per
+/// push: the one without `uncounted`).
+pub fn count(t: &dyn TableHandle) {
+    t.common().counters.counted.fetch_add(1, Ordering::Relaxed);
+}
 
-    /// Forgets a dropped table.
-    pub fn remove(&self, table: &str) {
-        let mut m = self.map.lock().unwrap_or_else(|e| e.into_inner());
-        m.remove(table);
-    }
+/// The pushes counted for the cluster on this server (see [`count`]).
+pub fn counted(t: &dyn TableHandle) -> u64 {
+    t.common().counters.counted.load(Ordering::Relaxed)
 }
 
 #[cfg(test)]
@@ -77,18 +77,30 @@ mod tests {
 
     #[test]
     fn a_push_counts_once_and_staleness_is_counted_from_its_pull() {
-        let v = Versions::default();
-        assert_eq!(v.get("t"), 0);
-        let pulled = v.get("t");
+        let store = crate::store::Store::new(crate::store::StoreConfig::default()).unwrap();
+        let t = store
+            .create_sparse_table(
+                "t",
+                crate::table::SparseTableConfig {
+                    dim: 2,
+                    optimizer: Default::default(),
+                    initializer: crate::init::Initializer::Zeros,
+                    seed: 0,
+                    lifecycle: Default::default(),
+                },
+            )
+            .unwrap();
+        let t: &dyn TableHandle = t.as_ref();
+        assert_eq!(get(t), 0);
+        let pulled = get(t);
         for _ in 0..3 {
-            v.arrive("t", None, false);
+            arrive(t, None, false);
         }
         // A chunk of the same push does not count again.
-        assert_eq!(v.arrive("t", Some(pulled), false), (Some(3), 4));
-        assert_eq!(v.arrive("t", Some(pulled), true), (Some(4), 4));
+        assert_eq!(arrive(t, Some(pulled), false), (Some(3), 4));
+        assert_eq!(arrive(t, Some(pulled), true), (Some(4), 4));
         // Pulled before a restart: unknown.
-        assert_eq!(v.arrive("t", Some(99), false), (None, 5));
-        v.remove("t");
-        assert_eq!(v.get("t"), 0);
+        assert_eq!(arrive(t, Some(99), false), (None, 5));
+        assert_eq!(get(t), 5);
     }
 }

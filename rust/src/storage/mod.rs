@@ -281,16 +281,22 @@ impl Storage {
                 .map_err(|e| lmdb_err(&part.dir, "reading", e))?;
             let names = orphans(&part.env, &txn, &|t| live.contains(t))
                 .map_err(|e| lmdb_err(&part.dir, "reading", e))?;
-            // The sequence numbers another environment keeps of tables (`seq/<name>`).
+            // The sequence numbers and applied request ids another environment keeps of tables
+            // (`seq/<name>`, `applied/<name>`).
             let mut keys = Vec::new();
-            if part.dir != self.path {
+            let prefixes: &[&[u8]] = if part.dir != self.path {
+                &[b"seq/", b"applied/"]
+            } else {
+                &[]
+            };
+            for prefix in prefixes {
                 for item in part
                     .meta
-                    .prefix_iter(&txn, b"seq/")
+                    .prefix_iter(&txn, prefix)
                     .map_err(|e| lmdb_err(&part.dir, "reading", e))?
                 {
                     let (k, _) = item.map_err(|e| lmdb_err(&part.dir, "reading", e))?;
-                    if !live.contains(String::from_utf8_lossy(&k[4..]).as_ref()) {
+                    if !live.contains(String::from_utf8_lossy(&k[prefix.len()..]).as_ref()) {
                         keys.push(k.to_vec());
                     }
                 }

@@ -157,10 +157,16 @@ impl Store {
                         durable.path.display()
                     ))
                 })?;
-                let (dense, applied) = match rec {
-                    TableRecord::Dense { .. } => (r.meta(&dense_key(&name))?, None),
+                let key = crate::durable::applied_key(&name);
+                let mut applied = vec![r.meta(&key)?];
+                let dense = match rec {
+                    TableRecord::Dense { .. } => r.meta(&dense_key(&name))?,
                     TableRecord::Sparse { .. } => {
-                        (None, r.meta(&crate::durable::applied_key(&name))?)
+                        // Each environment keeps the ids of the writes whose rows it holds.
+                        for k in 1..st.environments() {
+                            applied.push(r.part_meta(k, &key)?);
+                        }
+                        None
                     }
                 };
                 out.push((name, rec, dense, applied));
@@ -186,10 +192,8 @@ impl Store {
         };
         for (name, rec, dense, applied) in records {
             let t = flusher.exclusive(|| store.build(&name, &rec, dense.as_deref(), &flusher))?;
-            if let (Table::Sparse(s), Some(a)) = (&t, applied) {
-                let what = format!("{}: applied/{name}", durable.path.display());
-                s.load_applied(&a, &what)?;
-            }
+            let what = format!("{}: applied/{name}", durable.path.display());
+            t.handle().common().applied.load(&applied, &what)?;
             flusher.record_loaded(&name, rec.to_json());
             store
                 .tables
@@ -211,6 +215,7 @@ impl Store {
         let st = flusher.storage();
         let mut common = Common::new(name.to_string(), 0.01, Arc::clone(&self.exec));
         common.durable = Some(hook(flusher));
+        common.applied.set_environments(st.environments());
         let table = match rec {
             TableRecord::Sparse { config, seq, .. } => {
                 st.ensure_table(name)?;
@@ -293,6 +298,9 @@ impl Store {
     fn common(&self, name: &str, lr: f64, flusher: &Option<Arc<Flusher>>) -> Common {
         let mut c = Common::new(name.to_string(), lr, Arc::clone(&self.exec));
         c.durable = flusher.as_ref().map(hook);
+        if let Some(f) = flusher {
+            c.applied.set_environments(f.storage().environments());
+        }
         c
     }
 
@@ -433,6 +441,7 @@ impl Store {
                     }
                     for k in 1..st.environments() {
                         w.delete_part_meta(k, &crate::durable::seq_key(name))?;
+                        w.delete_part_meta(k, &crate::durable::applied_key(name))?;
                     }
                     Ok(())
                 })?;

@@ -1,13 +1,20 @@
 //! The request ids of the writes a table applied, kept in the replica with the rows they
 //! changed: the flusher writes them (`applied/<table>`) in the same transaction as the rows,
 //! so after a crash a retried push is recognised if its rows were committed and applied again
-//! if they were not. Exactly once across restarts, for a durable store's sparse pushes.
+//! if they were not. Exactly once across restarts, for every write of a durable store (sparse
+//! and dense pushes, removals, evictions).
+//!
+//! With several environments each one keeps its own set ([`Applied`]): the ids of the writes
+//! whose rows in that environment it committed. Environments commit apart, so after a crash a
+//! write may be known to some and not to others; its retry then applies the part of the
+//! environments that do not know it (the server filters the ids).
 //!
 //! Per client, a window of [`WINDOW`] request seqs below the newest one applied (a bitmap); per
 //! table, the [`CLIENTS`] clients that wrote last. A seq older than its client's window is
 //! neither known applied nor known new: asking about it is an error, never a second apply.
 
 use std::collections::HashMap;
+use std::sync::Mutex;
 
 use crate::error::{corrupt, invalid, Result};
 
@@ -169,6 +176,89 @@ impl AppliedIds {
     }
 }
 
+/// A table's applied request ids, one set per environment of its store's replica (one for an
+/// in-memory store), and whether they changed since the flusher took them.
+pub struct Applied(Mutex<(Vec<AppliedIds>, bool)>);
+
+impl Default for Applied {
+    fn default() -> Self {
+        Self(Mutex::new((vec![AppliedIds::default()], false)))
+    }
+}
+
+impl Applied {
+    fn lock(&self) -> std::sync::MutexGuard<'_, (Vec<AppliedIds>, bool)> {
+        self.0.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    /// Keeps one set per environment of a replica with `n` environments.
+    pub(crate) fn set_environments(&self, n: usize) {
+        let mut a = self.lock();
+        let first = a.0[0].clone();
+        a.0.resize(n.max(1), first);
+    }
+
+    /// Records that `(client, seq)` was applied, in every environment (call under the change
+    /// hold of the write that applied it, so a flush takes both or neither).
+    pub(crate) fn note(&self, client: u64, seq: u64) {
+        let mut a = self.lock();
+        for ids in a.0.iter_mut() {
+            ids.insert(client, seq);
+        }
+        a.1 = true;
+    }
+
+    /// Per environment, whether `(client, seq)` was applied there (an error when it is older
+    /// than what the table remembers of its client).
+    pub fn check(&self, client: u64, seq: u64) -> Result<Vec<bool>> {
+        self.lock()
+            .0
+            .iter()
+            .map(|ids| ids.contains(client, seq))
+            .collect()
+    }
+
+    /// The sets to write, one per environment, if they changed since the last take (call
+    /// while holding changes off, so they match the rows taken).
+    pub(crate) fn take(&self) -> Option<Vec<Vec<u8>>> {
+        let mut a = self.lock();
+        if !a.1 {
+            return None;
+        }
+        a.1 = false;
+        Some(a.0.iter().map(AppliedIds::encode).collect())
+    }
+
+    /// Marks the sets to be written again (a write that took them failed).
+    pub(crate) fn untake(&self) {
+        self.lock().1 = true;
+    }
+
+    /// Loads the sets a durable store kept, one per environment (`None`: the environment
+    /// kept none, as stores written before environments kept their own: it takes the first
+    /// environment's).
+    pub(crate) fn load(&self, kept: &[Option<Vec<u8>>], what: &str) -> Result<()> {
+        let mut sets = Vec::with_capacity(kept.len());
+        for (k, b) in kept.iter().enumerate() {
+            sets.push(match b {
+                Some(b) => Some(AppliedIds::decode(b, &format!("{what} (environment {k})"))?),
+                None => None,
+            });
+        }
+        let first = sets.first().cloned().flatten().unwrap_or_default();
+        let sets: Vec<AppliedIds> = sets
+            .into_iter()
+            .map(|s| s.unwrap_or_else(|| first.clone()))
+            .collect();
+        let mut a = self.lock();
+        if !sets.is_empty() {
+            a.0 = sets;
+        }
+        a.1 = false;
+        Ok(())
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -207,6 +297,27 @@ mod tests {
                 assert_eq!(a.contains(7, 1000 + s).unwrap_or(false), want, "{k} {s}");
             }
         }
+    }
+
+    #[test]
+    fn environments_keep_their_own_sets() {
+        let a = Applied::default();
+        a.set_environments(3);
+        a.note(1, 5);
+        assert_eq!(a.check(1, 5).unwrap(), vec![true, true, true]);
+        let kept = a.take().unwrap();
+        assert!(a.take().is_none());
+        // Environment 1 committed a later write, the others did not.
+        let b = Applied::default();
+        let mut later = AppliedIds::decode(&kept[1], "t").unwrap();
+        later.insert(1, 6);
+        b.load(&[Some(kept[0].clone()), Some(later.encode()), None], "t")
+            .unwrap();
+        assert_eq!(b.check(1, 6).unwrap(), vec![false, true, false]);
+        assert_eq!(b.check(1, 5).unwrap(), vec![true, true, true]);
+        b.note(1, 6);
+        assert_eq!(b.check(1, 6).unwrap(), vec![true, true, true]);
+        assert!(b.load(&[Some(b"PSAI".to_vec())], "t").is_err());
     }
 
     #[test]

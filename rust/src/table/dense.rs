@@ -154,33 +154,55 @@ impl DenseTable {
     /// [`push_scaled`](Self::push_scaled) of a gradient that
     /// [`validate_push`](Self::validate_push) accepted already.
     pub(crate) fn push_validated(self: &Arc<Self>, grad: &[f32], lr_scale: f64) -> Result<()> {
+        self.push_validated_as(grad, lr_scale, None)
+    }
+
+    /// [`push_validated`](Self::push_validated) of the write request `rid` (client, seq),
+    /// recorded with the value it changed (a durable store commits both together).
+    pub(crate) fn push_validated_as(
+        self: &Arc<Self>,
+        grad: &[f32],
+        lr_scale: f64,
+        rid: Option<(u64, u64)>,
+    ) -> Result<()> {
         super::check_scale(lr_scale)?;
         self.common.durable_check()?;
         if self.common.exec.pending() > 0 {
-            return self.queue(grad.to_vec(), lr_scale)?.wait();
+            return self.queue(grad.to_vec(), lr_scale, rid)?.wait();
         }
-        self.apply(grad, lr_scale);
+        self.apply(grad, lr_scale, rid);
         self.common.durable_wait()
+    }
+
+    /// Per environment of the replica, whether the write request `(client, seq)` was applied
+    /// (an error when it is older than what the table remembers of its client).
+    pub fn was_applied(&self, client: u64, seq: u64) -> Result<Vec<bool>> {
+        self.common.applied.check(client, seq)
     }
 
     /// Queues one gradient and returns at once.
     pub fn push_async(self: &Arc<Self>, grad: Vec<f32>) -> Result<PushHandle> {
         self.validate_push(&grad)?;
-        self.queue(grad, 1.0)
+        self.queue(grad, 1.0, None)
     }
 
-    fn queue(self: &Arc<Self>, grad: Vec<f32>, lr_scale: f64) -> Result<PushHandle> {
+    fn queue(
+        self: &Arc<Self>,
+        grad: Vec<f32>,
+        lr_scale: f64,
+        rid: Option<(u64, u64)>,
+    ) -> Result<PushHandle> {
         let me = Arc::clone(self);
         self.common.exec.submit(
             grad.len() * 4,
             Box::new(move || {
-                me.apply(&grad, lr_scale);
+                me.apply(&grad, lr_scale, rid);
                 me.common.durable_wait()
             }),
         )
     }
 
-    fn apply(&self, grad: &[f32], lr_scale: f64) {
+    fn apply(&self, grad: &[f32], lr_scale: f64, rid: Option<(u64, u64)>) {
         let mut g: Vec<f64> = grad.iter().map(|&x| x as f64).collect();
         let lr = self.lr() * lr_scale;
         let mut d = self.data.write().unwrap_or_else(|e| e.into_inner());
@@ -189,20 +211,29 @@ impl DenseTable {
         self.config
             .optimizer
             .apply(lr, d.step, &mut d.weights, &mut d.state, &mut g);
+        if let Some((client, seq)) = rid {
+            // Under the write lock: a flush takes the value and the id together.
+            self.common.applied.note(client, seq);
+        }
         self.dirty.store(true, Ordering::Release);
         Counters::add(&self.common.counters.pushes, 1);
         Counters::add(&self.common.counters.rows_updated, 1);
     }
 
-    /// The value as words `[step, 0, weights, state]` if it changed since the last take, with
-    /// what `f` returns while no push can run (the record that matches the value).
-    pub(crate) fn take_dirty_words<R>(&self, f: impl FnOnce() -> R) -> (Option<Vec<u32>>, R) {
+    /// The value as words `[step, 0, weights, state]` if it changed since the last take, the
+    /// applied request ids if they changed (one set per environment), with what `f` returns
+    /// while no push can run (the record that matches the value).
+    #[allow(clippy::type_complexity)]
+    pub(crate) fn take_dirty_words<R>(
+        &self,
+        f: impl FnOnce() -> R,
+    ) -> (Option<Vec<u32>>, Option<Vec<Vec<u8>>>, R) {
         let d = self.read();
         let words = self
             .dirty
             .swap(false, Ordering::AcqRel)
             .then(|| Self::words_of(&d));
-        (words, f())
+        (words, self.common.applied.take(), f())
     }
 
     fn words_of(d: &DenseState) -> Vec<u32> {

@@ -4,7 +4,7 @@ mod applied;
 mod dense;
 mod sparse;
 
-pub use applied::{applied_key, AppliedIds};
+pub use applied::{applied_key, Applied, AppliedIds};
 pub use dense::{DenseTable, DenseTableConfig};
 pub(crate) use sparse::{Backing, Taken};
 pub use sparse::{EvictPolicy, Lifecycle, RowSource, SparseTable, SparseTableConfig};
@@ -117,6 +117,8 @@ pub struct Common {
     pub(crate) durable: Option<Weak<dyn ChangeHook>>,
     /// Tells this table from an earlier one of the same name (snapshot chains, the replica).
     uid: AtomicU64,
+    /// The request ids of the writes applied (`applied.rs`).
+    pub(crate) applied: Applied,
 }
 
 impl Common {
@@ -129,6 +131,7 @@ impl Common {
             dropped: AtomicBool::new(false),
             durable: None,
             uid: AtomicU64::new(new_uid()),
+            applied: Applied::default(),
         }
     }
 
@@ -219,6 +222,12 @@ pub struct Counters {
     pub rows_created: AtomicU64,
     /// Rows removed by eviction.
     pub rows_evicted: AtomicU64,
+    /// Pushes a store server received for the table, applied or not: its table version, the
+    /// clock staleness is counted on (`server/versions.rs`). Kept with the table's record.
+    pub received: AtomicU64,
+    /// Pushes a store server counted for its cluster: one per push over all servers (the
+    /// request without `uncounted`), applied ones only. Kept with the table's record.
+    pub counted: AtomicU64,
 }
 
 impl Counters {

@@ -16,10 +16,20 @@ impl SparseTable {
     /// Removes the rows of `ids` (and forgets their admission counts); returns how many existed.
     /// Removed ids become tombstones of the next incremental snapshot.
     pub fn remove(&self, ids: &[u64]) -> Result<usize> {
+        self.remove_as(ids, None)
+    }
+
+    /// [`remove`](Self::remove) of the write request `rid` (client, seq), which is recorded
+    /// with the rows it removed (see `once.rs`).
+    pub fn remove_as(&self, ids: &[u64], rid: Option<(u64, u64)>) -> Result<usize> {
         self.check_live()?;
         let removed = {
             let _changing = self.changing();
-            self.remove_rows(ids)?
+            let removed = self.remove_rows(ids)?;
+            if let Some((client, seq)) = rid {
+                self.note_applied(client, seq);
+            }
+            removed
         };
         self.common.durable_wait()?;
         Ok(removed)
@@ -68,11 +78,25 @@ impl SparseTable {
     /// `before_secs` (a unix second); returns how many. Rows still waiting in the replica are
     /// loaded first.
     pub fn evict(&self, before_seq: Option<u64>, before_secs: Option<u32>) -> Result<usize> {
+        self.evict_as(before_seq, before_secs, None, &|_| true)
+    }
+
+    /// [`evict`](Self::evict) of the write request `rid` (client, seq), recorded with the rows
+    /// it removed (see `once.rs`), among the ids for which `among` holds (a retry that some
+    /// environments of the replica committed evicts in the others only).
+    pub fn evict_as(
+        &self,
+        before_seq: Option<u64>,
+        before_secs: Option<u32>,
+        rid: Option<(u64, u64)>,
+        among: &dyn Fn(u64) -> bool,
+    ) -> Result<usize> {
         self.check_live()?;
         self.load_all()?;
-        let evicted = self.evict_where(|_, row| {
-            before_seq.is_some_and(|v| row_version(row) < v)
-                || before_secs.is_some_and(|t| row[crate::shard::UPDATED_AT] < t)
+        let evicted = self.evict_where(rid, |id, row| {
+            among(id)
+                && (before_seq.is_some_and(|v| row_version(row) < v)
+                    || before_secs.is_some_and(|t| row[crate::shard::UPDATED_AT] < t))
         });
         self.common.durable_wait()?;
         Ok(evicted)
@@ -80,7 +104,7 @@ impl SparseTable {
 
     /// Removes the rows for which `evict(id, row)` holds (the row's words with its header) and
     /// counts them as evicted; returns how many.
-    fn evict_where(&self, evict: impl Fn(u64, &[u32]) -> bool) -> usize {
+    fn evict_where(&self, rid: Option<(u64, u64)>, evict: impl Fn(u64, &[u32]) -> bool) -> usize {
         let _changing = self.changing();
         let mut evicted = 0;
         for s in 0..self.shards.len() {
@@ -95,6 +119,9 @@ impl SparseTable {
             }
         }
         Counters::add(&self.common.counters.rows_evicted, evicted);
+        if let Some((client, seq)) = rid {
+            self.note_applied(client, seq);
+        }
         evicted
     }
 
@@ -136,7 +163,7 @@ impl SparseTable {
         }
         let k = excess.min(scores.len()) - 1;
         let (_, &mut cut, _) = scores.select_nth_unstable(k);
-        self.evict_where(|id, row| score(id, row) <= cut);
+        self.evict_where(None, |id, row| score(id, row) <= cut);
         Ok(())
     }
 

@@ -79,9 +79,6 @@ pub struct SparseTable {
     /// Held shared by every change of rows, alone by a flush taking them (see `hold_changes`).
     changes: RwLock<()>,
     backing: Option<Backing>,
-    /// The request ids of the pushes applied, and whether they changed since the flusher took
-    /// them (`once.rs`).
-    applied: Mutex<(super::AppliedIds, bool)>,
 }
 
 impl SparseTable {
@@ -113,7 +110,6 @@ impl SparseTable {
             evicting: Mutex::new(()),
             changes: RwLock::new(()),
             backing,
-            applied: Mutex::default(),
         })
     }
 

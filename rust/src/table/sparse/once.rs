@@ -1,51 +1,33 @@
-//! The request ids of applied pushes, kept beside the rows: a durable store's flusher takes
-//! them with the rows (under the same hold, see `hold_changes`) and writes both in one
-//! transaction, so a store server recognises a retried push after a restart
-//! ([`AppliedIds`]).
+//! The request ids of a sparse table's applied writes, kept beside the rows: a durable store's
+//! flusher takes them with the rows (under the same hold, see `hold_changes`) and writes both
+//! in one transaction per environment, so a store server recognises a retried write after a
+//! restart ([`crate::table::Applied`]).
 
 use super::SparseTable;
 use crate::error::Result;
-use crate::table::AppliedIds;
 
 impl SparseTable {
-    fn applied_ids(&self) -> std::sync::MutexGuard<'_, (AppliedIds, bool)> {
-        self.applied.lock().unwrap_or_else(|e| e.into_inner())
-    }
-
     /// Records that the write request `(client, seq)` was applied (called under the change
-    /// hold of the push that applied it).
+    /// hold of the write that applied it).
     pub(super) fn note_applied(&self, client: u64, seq: u64) {
-        let mut a = self.applied_ids();
-        a.0.insert(client, seq);
-        a.1 = true;
+        self.common.applied.note(client, seq);
     }
 
-    /// Whether the write request `(client, seq)` was applied (an error when it is older than
-    /// what the table remembers of its client).
-    pub fn was_applied(&self, client: u64, seq: u64) -> Result<bool> {
-        self.applied_ids().0.contains(client, seq)
+    /// Per environment of the replica (one for an in-memory store), whether the write request
+    /// `(client, seq)` was applied there (an error when it is older than what the table
+    /// remembers of its client).
+    pub fn was_applied(&self, client: u64, seq: u64) -> Result<Vec<bool>> {
+        self.common.applied.check(client, seq)
     }
 
-    /// The applied ids to write, if they changed since the last take (call while holding
-    /// changes off, so they match the rows taken).
-    pub(crate) fn take_applied(&self) -> Option<Vec<u8>> {
-        let mut a = self.applied_ids();
-        if !a.1 {
-            return None;
-        }
-        a.1 = false;
-        Some(a.0.encode())
+    /// The applied ids to write, one set per environment, if they changed since the last take
+    /// (call while holding changes off, so they match the rows taken).
+    pub(crate) fn take_applied(&self) -> Option<Vec<Vec<u8>>> {
+        self.common.applied.take()
     }
 
     /// Marks the applied ids to be written again (a write that took them failed).
     pub(crate) fn untake_applied(&self) {
-        self.applied_ids().1 = true;
-    }
-
-    /// Loads the applied ids a durable store kept.
-    pub(crate) fn load_applied(&self, bytes: &[u8], what: &str) -> Result<()> {
-        let ids = AppliedIds::decode(bytes, what)?;
-        *self.applied_ids() = (ids, false);
-        Ok(())
+        self.common.applied.untake()
     }
 }
