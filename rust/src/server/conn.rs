@@ -71,8 +71,8 @@ pub fn default_max_connections() -> u64 {
     };
     // SAFETY: `getrlimit` writes the limit into `r`, a valid `rlimit`.
     let ok = unsafe { libc::getrlimit(libc::RLIMIT_NOFILE, &mut r) } == 0;
-    let soft = if ok && r.rlim_cur != libc::RLIM_INFINITY {
-        r.rlim_cur as u64
+    let soft: u64 = if ok && r.rlim_cur != libc::RLIM_INFINITY {
+        r.rlim_cur
     } else {
         u64::MAX
     };
@@ -97,9 +97,17 @@ impl ConnStats {
     }
 }
 
+/// A metric: name, type, help, and its value in a port's counters.
+type Series = (
+    &'static str,
+    &'static str,
+    &'static str,
+    fn(&ConnStats) -> u64,
+);
+
 /// Appends the connection counters of `ports` (name, stats) in the Prometheus text format.
 pub fn render(o: &mut String, ports: &[(&str, &ConnStats)]) {
-    let series: [(&str, &str, &str, fn(&ConnStats) -> u64); 5] = [
+    let series: [Series; 5] = [
         (
             "pstore_connections_accepted_total",
             "counter",
