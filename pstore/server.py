@@ -196,7 +196,7 @@ def is_loopback(host: str) -> bool:
         infos = socket.getaddrinfo(host, None)
     except OSError:
         return False
-    addrs = {ipaddress.ip_address(i[4][0].split("%")[0]) for i in infos}
+    addrs = {ipaddress.ip_address(str(i[4][0]).split("%")[0]) for i in infos}
     return bool(addrs) and all(a.is_loopback for a in addrs)
 
 
@@ -344,7 +344,7 @@ def run_until_signal(
     try:
         # Logged before the port opens: the settings are unsafe whether or not it opens.
         for w in warnings or []:
-            log_event("insecure", level="warning", **w)
+            log_event("insecure", None, level="warning", **w)
         srv = make()
         log_event(
             "serving",
