@@ -347,3 +347,79 @@ impl AsyncWrite for Conn {
         Pin::new(&mut self.get_mut().io).poll_shutdown(cx)
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn limits_are_checked() {
+        let ok = Limits::default();
+        assert!(ok.validate().is_ok());
+        assert!((1..=DEFAULT_MAX_CONNECTIONS).contains(&ok.max_connections));
+        for bad in [
+            Limits {
+                max_connections: 0,
+                ..ok
+            },
+            Limits {
+                handshake_timeout: 0.0,
+                ..ok
+            },
+            Limits {
+                handshake_timeout: f64::NAN,
+                ..ok
+            },
+            Limits {
+                handshake_timeout: -1.0,
+                ..ok
+            },
+        ] {
+            assert!(bad.validate().is_err(), "{bad:?}");
+        }
+    }
+
+    #[test]
+    fn counters_render_per_port() {
+        let (g, m) = (ConnStats::default(), ConnStats::default());
+        g.refused.fetch_add(2, Ordering::Relaxed);
+        m.open.fetch_add(1, Ordering::Relaxed);
+        let mut o = String::new();
+        render(&mut o, &[("grpc", &g), ("metrics", &m)]);
+        assert!(o.contains("pstore_connections_refused_total{port=\"grpc\"} 2\n"));
+        assert!(o.contains("pstore_connections_open{port=\"metrics\"} 1\n"));
+        assert!(o.contains("# TYPE pstore_connections_open gauge\n"));
+    }
+
+    #[test]
+    fn a_silent_connection_is_closed_and_a_refused_one_at_once() {
+        let rt = tokio::runtime::Builder::new_current_thread()
+            .enable_all()
+            .build()
+            .unwrap();
+        rt.block_on(async {
+            use tokio::io::AsyncReadExt;
+            let l = TcpListener::bind("127.0.0.1:0").await.unwrap();
+            let addr = l.local_addr().unwrap();
+            let stats = Arc::new(ConnStats::default());
+            let limits = Limits {
+                max_connections: 1,
+                handshake_timeout: 0.2,
+            };
+            let mut inc = Incoming::new(l, limits, Arc::clone(&stats));
+            let _a = TcpStream::connect(addr).await.unwrap();
+            let mut conn = inc.accept().await;
+            let mut b = TcpStream::connect(addr).await.unwrap();
+            // Over the cap: accepted and closed while the loop waits for the next one.
+            let pending = tokio::time::timeout(Duration::from_millis(300), inc.accept()).await;
+            assert!(pending.is_err());
+            assert_eq!(b.read(&mut [0u8; 1]).await.unwrap(), 0);
+            assert_eq!(stats.refused.load(Ordering::Relaxed), 1);
+            let err = conn.read(&mut [0u8; 1]).await.unwrap_err();
+            assert_eq!(err.kind(), io::ErrorKind::TimedOut);
+            assert_eq!(stats.timed_out.load(Ordering::Relaxed), 1);
+            drop(conn);
+            assert_eq!(stats.open(), 0);
+        });
+    }
+}
