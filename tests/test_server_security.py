@@ -151,7 +151,7 @@ def test_idle_flood_with_few_descriptors_neither_spins_nor_locks_clients_out():
         time.sleep(1.5)
         cpu = _cpu_seconds(srv.proc.pid) - cpu0
         wall = time.monotonic() - t0
-        assert cpu < 0.3 * wall, f"the server used {cpu:.2f} s of CPU in {wall:.2f} s"
+        assert cpu < 0.1 * wall, f"the server used {cpu:.2f} s of CPU in {wall:.2f} s"
 
         # Idle sockets are closed after the handshake timeout; a real client then gets in.
         def answers() -> bool:
