@@ -219,6 +219,7 @@ class Server:
         tls_cert: bytes | None = None,
         tls_key: bytes | None = None,
         max_message: int | None = None,
+        net: str | None = None,
     ) -> Server: ...
     @property
     def port(self) -> int: ...
@@ -319,4 +320,5 @@ class Artifact:
         tls_cert: bytes | None = None,
         tls_key: bytes | None = None,
         max_message: int | None = None,
+        net: str | None = None,
     ) -> Server: ...

@@ -189,6 +189,11 @@ def _server_settings(args: argparse.Namespace, token_file: str | None) -> dict[s
         "read_token": _read_secret(None, args.read_token_file, "PSTORE_READ_TOKEN"),
         "tls_cert": args.tls_cert,
         "tls_key": args.tls_key,
+        "metrics_host": args.metrics_host,
+        "metrics_token": _read_secret(None, args.metrics_token_file, "PSTORE_METRICS_TOKEN"),
+        "metrics_tls": args.metrics_tls,
+        "max_connections": args.max_connections,
+        "handshake_timeout": args.handshake_timeout,
         "max_message": args.max_message,
         "log_interval": args.log_interval,
         "grace": args.grace,
@@ -398,6 +403,32 @@ def _server_options(p: argparse.ArgumentParser, *, token: str, logs: str) -> Non
     """The options `pstore serve` and `pstore serve-model` share: metrics, tokens, TLS, message
     size, logs and the stop's grace period."""
     p.add_argument("--metrics-port", type=int, default=None, help="serve Prometheus metrics")
+    p.add_argument(
+        "--metrics-host", default=None, help="bind address of the metrics port (default: --host)"
+    )
+    p.add_argument(
+        "--metrics-token-file",
+        default=None,
+        help="file holding a token every scrape must carry ($PSTORE_METRICS_TOKEN)",
+    )
+    p.add_argument(
+        "--metrics-tls",
+        action="store_true",
+        help="serve the metrics over HTTPS with --tls-cert and --tls-key",
+    )
+    p.add_argument(
+        "--max-connections",
+        type=int,
+        default=None,
+        help="connections open at once per port; more are closed as they come (default: the "
+        "open-file limit less 64, at most 4096)",
+    )
+    p.add_argument(
+        "--handshake-timeout",
+        type=float,
+        default=None,
+        help="seconds a connection may stay open before its first request (default 10)",
+    )
     p.add_argument("--token-file", default=None, help=f"file holding {token}")
     p.add_argument("--read-token-file", default=None, help="file holding a read-only token")
     p.add_argument("--tls-cert", default=None, help="PEM certificate chain: serve TLS")

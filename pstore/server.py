@@ -9,8 +9,11 @@
 from __future__ import annotations
 
 import datetime as _dt
+import ipaddress
+import json
 import os
 import signal
+import socket
 import sys
 import threading
 import time
@@ -50,7 +53,21 @@ class Server:
     tls_cert, tls_key : path, optional
         PEM certificate chain and key: serve TLS.
     metrics_port : int, optional
-        Serve Prometheus text on ``http://host:metrics_port/metrics``.
+        Serve Prometheus text on ``http://metrics_host:metrics_port/metrics``.
+    metrics_host : str, optional
+        The metrics port's own bind address (default: ``host``), so that scrapes can stay on a
+        private network while gRPC listens on a public one.
+    metrics_token : str, optional
+        A token every scrape must carry (``Authorization: Bearer <token>``); without one the
+        metrics are open to whoever reaches the port.
+    metrics_tls : bool
+        Serve the metrics over HTTPS with ``tls_cert`` and ``tls_key`` (which it needs).
+    max_connections : int, optional
+        Connections each port keeps open at once; further ones are closed as they come
+        (default: the open-file limit less 64, at most 4096).
+    handshake_timeout : float, optional
+        Seconds a connection may stay open before its first request, TLS handshake included
+        (default 10).
     max_message : int, optional
         The largest request accepted, in bytes (default 64 MiB); clients split bigger batches.
     """
@@ -67,11 +84,26 @@ class Server:
         tls_cert: str | os.PathLike[str] | None = None,
         tls_key: str | os.PathLike[str] | None = None,
         max_message: int | None = None,
+        metrics_host: str | None = None,
+        metrics_token: str | None = None,
+        metrics_tls: bool = False,
+        max_connections: int | None = None,
+        handshake_timeout: float | None = None,
     ) -> None:
         self.store: Store | None = store
+        net = _net(metrics_host, metrics_token, metrics_tls, max_connections, handshake_timeout)
         self._start(
             lambda cert, key: _native.Server(
-                store._inner, host, port, metrics_port, token, read_token, cert, key, max_message
+                store._inner,
+                host,
+                port,
+                metrics_port,
+                token,
+                read_token,
+                cert,
+                key,
+                max_message,
+                net,
             ),
             host,
             port,
@@ -139,6 +171,81 @@ class Server:
         return f"<Server {self.address} running={self.running}>"
 
 
+def _net(
+    metrics_host: str | None,
+    metrics_token: str | None,
+    metrics_tls: bool,
+    max_connections: int | None,
+    handshake_timeout: float | None,
+) -> str:
+    """The native server's ``net`` settings (JSON of the ones given)."""
+    given = {
+        "metrics_host": metrics_host,
+        "metrics_token": metrics_token,
+        "metrics_tls": metrics_tls,
+        "max_connections": max_connections,
+        "handshake_timeout": handshake_timeout,
+    }
+    return json.dumps({k: v for k, v in given.items() if v is not None})
+
+
+def is_loopback(host: str) -> bool:
+    """True when every address ``host`` resolves to is a loopback address (127.0.0.0/8, ::1);
+    a wildcard such as ``0.0.0.0`` is not."""
+    try:
+        infos = socket.getaddrinfo(host, None)
+    except OSError:
+        return False
+    addrs = {ipaddress.ip_address(str(i[4][0]).split("%")[0]) for i in infos}
+    return bool(addrs) and all(a.is_loopback for a in addrs)
+
+
+def exposure_warnings(
+    host: str,
+    *,
+    auth: bool,
+    tls: bool,
+    metrics_port: int | None,
+    metrics_host: str | None,
+    metrics_token: bool,
+    metrics_tls: bool,
+) -> list[dict[str, str]]:
+    """What ``pstore serve`` warns about at start: a token (or a metrics scrape) sent in clear
+    text to a non-loopback address, where anyone on the path can read it and replay it."""
+    out = []
+    if auth and not tls and not is_loopback(host):
+        out.append(
+            {
+                "what": "token_without_tls",
+                "address": host,
+                "hint": "tokens cross the network in clear text: give --tls-cert and "
+                "--tls-key, or listen on 127.0.0.1 (docs/CLUSTER.md)",
+            }
+        )
+    mhost = metrics_host or host
+    if metrics_port is not None and not is_loopback(mhost):
+        if auth and not metrics_token:
+            out.append(
+                {
+                    "what": "metrics_without_token",
+                    "address": mhost,
+                    "hint": "the metrics (table names, sizes, request counts) are open to "
+                    "anyone who reaches the port: give --metrics-token-file, or "
+                    "--metrics-host 127.0.0.1",
+                }
+            )
+        elif metrics_token and not metrics_tls:
+            out.append(
+                {
+                    "what": "metrics_token_without_tls",
+                    "address": mhost,
+                    "hint": "the metrics token crosses the network in clear text: give "
+                    "--metrics-tls",
+                }
+            )
+    return out
+
+
 def _read(path: str | os.PathLike[str] | None) -> bytes | None:
     if path is None:
         return None
@@ -186,10 +293,24 @@ def serve(
         close=store.close,
         auth=bool(server_args.get("token")),
         tls=bool(server_args.get("tls_cert")),
+        warnings=_warnings_of(server_args),
         log_interval=log_interval,
         grace=grace,
         ready=ready,
         restore_signals=restore_signals,
+    )
+
+
+def _warnings_of(server_args: dict[str, Any]) -> list[dict[str, str]]:
+    """:func:`exposure_warnings` of the arguments of a :class:`Server`."""
+    return exposure_warnings(
+        server_args.get("host", "127.0.0.1"),
+        auth=bool(server_args.get("token") or server_args.get("read_token")),
+        tls=bool(server_args.get("tls_cert")),
+        metrics_port=server_args.get("metrics_port"),
+        metrics_host=server_args.get("metrics_host"),
+        metrics_token=bool(server_args.get("metrics_token")),
+        metrics_tls=bool(server_args.get("metrics_tls")),
     )
 
 
@@ -201,6 +322,7 @@ def run_until_signal(
     close: Callable[[], None],
     auth: bool,
     tls: bool,
+    warnings: list[dict[str, str]] | None = None,
     log_interval: float,
     grace: float,
     ready: threading.Event | None,
@@ -209,7 +331,8 @@ def run_until_signal(
     """The loop of ``pstore serve`` and ``pstore serve-model``: start the server ``make``
     returns, log ``event=serving`` with ``describe(server)``, call ``tick`` every
     ``log_interval`` seconds, and on SIGTERM or SIGINT stop (at most ``grace`` seconds) and
-    ``close``. Returns 0 after a signal, 1 if the transport stopped by itself."""
+    ``close``. Each of ``warnings`` is logged first, as ``level=warning event=insecure``.
+    Returns 0 after a signal, 1 if the transport stopped by itself."""
     got: list[int] = []
 
     def on_signal(signum: int, _frame: object) -> None:
@@ -219,6 +342,9 @@ def run_until_signal(
     # a graceful stop too.
     old = {s: signal.signal(s, on_signal) for s in (signal.SIGTERM, signal.SIGINT)}
     try:
+        # Logged before the port opens: the settings are unsafe whether or not it opens.
+        for w in warnings or []:
+            log_event("insecure", None, level="warning", **w)
         srv = make()
         log_event(
             "serving",

@@ -8,7 +8,7 @@ import socket
 import subprocess
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
 import pstore
@@ -39,6 +39,7 @@ class ServerProcess:
         port: int | None = None,
         env: dict[str, str] | None = None,
         log: str | os.PathLike[str] | None = None,
+        preexec_fn: Callable[[], None] | None = None,
     ) -> None:
         self.port = port or free_port()
         self.address = f"127.0.0.1:{self.port}"
@@ -57,7 +58,11 @@ class ServerProcess:
         ]
         self.log = open(log, "ab") if log else subprocess.DEVNULL
         self.proc = subprocess.Popen(
-            cmd, stdout=subprocess.DEVNULL, stderr=self.log, env={**os.environ, **(env or {})}
+            cmd,
+            stdout=subprocess.DEVNULL,
+            stderr=self.log,
+            env={**os.environ, **(env or {})},
+            preexec_fn=preexec_fn,
         )
 
     def wait_ready(self, token: str | None = None, timeout: float = 30.0) -> pstore.RemoteStore:

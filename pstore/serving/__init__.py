@@ -27,7 +27,7 @@ import numpy.typing as npt
 
 from pstore import _native
 from pstore.exceptions import InvalidArgumentError
-from pstore.server import Server, log_event
+from pstore.server import Server, _net, _warnings_of, log_event
 from pstore.store import IdsLike, _as_f32, _as_ids
 
 __all__ = ["DTYPES", "ModelServer", "ServingStore", "export", "follow", "serve_model"]
@@ -289,8 +289,8 @@ class ModelServer(Server):
 
     Clients use :func:`pstore.connect` as for store servers: ``table.pull(ids)`` is a lookup
     (ids the artifact lacks get ``default``: ``"initial"``, ``"zeros"`` or a row), and
-    ``contains``, dense ``pull``, ``status`` work; every write is refused. Tokens, TLS, metrics
-    and ``max_message`` are as for :class:`pstore.server.Server`; metrics add
+    ``contains``, dense ``pull``, ``status`` work; every write is refused. Tokens, TLS, metrics,
+    connection limits and ``max_message`` are as for :class:`pstore.server.Server`; metrics add
     ``pstore_model_lag_seconds`` and ``pstore_model_generation``.
     """
 
@@ -307,6 +307,11 @@ class ModelServer(Server):
         tls_cert: str | os.PathLike[str] | None = None,
         tls_key: str | os.PathLike[str] | None = None,
         max_message: int | None = None,
+        metrics_host: str | None = None,
+        metrics_token: str | None = None,
+        metrics_tls: bool = False,
+        max_connections: int | None = None,
+        handshake_timeout: float | None = None,
     ) -> None:
         kind, row = (default, None) if isinstance(default, str) else ("row", default)
         if kind not in ("zeros", "initial", "row"):
@@ -319,9 +324,20 @@ class ModelServer(Server):
         self.model = model
         self.store = None
         fallback = None if row is None else _as_f32(row, "the default row")
+        net = _net(metrics_host, metrics_token, metrics_tls, max_connections, handshake_timeout)
         self._start(
             lambda cert, key: model._inner.serve(
-                kind, fallback, host, port, metrics_port, token, read_token, cert, key, max_message
+                kind,
+                fallback,
+                host,
+                port,
+                metrics_port,
+                token,
+                read_token,
+                cert,
+                key,
+                max_message,
+                net,
             ),
             host,
             port,
@@ -467,6 +483,7 @@ def serve_model(
         close=close,
         auth=bool(server_args.get("token") or server_args.get("read_token")),
         tls=bool(server_args.get("tls_cert")),
+        warnings=_warnings_of(server_args),
         log_interval=log_interval,
         grace=grace,
         ready=ready,

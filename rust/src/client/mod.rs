@@ -136,7 +136,7 @@ fn is_retryable(s: &Status) -> bool {
     matches!(
         s.code(),
         Code::Unavailable | Code::DeadlineExceeded | Code::Unknown
-    )
+    ) && crate::net::tls_hint(s).is_none()
 }
 
 fn random_id() -> u64 {

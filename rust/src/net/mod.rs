@@ -67,6 +67,43 @@ pub fn status_of(e: &crate::Error) -> tonic::Status {
     s
 }
 
+/// What to do about a TLS failure whose cause a client cannot guess from the transport's own
+/// words (`invalid peer certificate: Other(...)`), if `s` is one. Such a failure is not retried:
+/// the same certificate fails the same way.
+pub fn tls_hint(s: &tonic::Status) -> Option<&'static str> {
+    let mut chain = format!("{} {:?}", s.message(), s.message());
+    let mut e: Option<&(dyn std::error::Error + 'static)> = std::error::Error::source(s);
+    while let Some(x) = e {
+        chain.push_str(&format!(" {x} {x:?}"));
+        e = x.source();
+    }
+    if chain.contains("CaUsedAsEndEntity") {
+        Some(
+            "the server's certificate is a CA certificate (basicConstraints CA:TRUE, what \
+             `openssl req -x509` makes by default) used as the server's own certificate, which \
+             this client refuses. Either make a CA and a server certificate signed by it and give \
+             the client the CA (tls_ca), or make the self-signed certificate with \
+             `-addext basicConstraints=critical,CA:FALSE -addext subjectAltName=DNS:<host>` \
+             (docs/CLUSTER.md, \"TLS certificates\")",
+        )
+    } else if chain.contains("UnknownIssuer") {
+        Some(
+            "the server's certificate is not signed by the CA given to this client (tls_ca): \
+             give the CA certificate that issued it",
+        )
+    } else if chain.contains("NotValidForName") {
+        Some(
+            "the server's certificate does not carry the name this client checks (the host of \
+             the address, or tls_domain): reissue it with that name in subjectAltName, or give \
+             tls_domain the name it carries",
+        )
+    } else if chain.contains("CertExpired") || chain.contains("CertNotValidYet") {
+        Some("the server's certificate is outside its validity period (or a clock is wrong)")
+    } else {
+        None
+    }
+}
+
 /// The core error a client reports for a status; `server` names who answered.
 pub fn error_of(s: &tonic::Status, server: &str) -> crate::Error {
     use crate::Error as E;
@@ -81,6 +118,13 @@ pub fn error_of(s: &tonic::Status, server: &str) -> crate::Error {
         .and_then(|v| v.to_str().ok())
         .map(str::to_string);
     let m = s.message().to_string();
+    if let Some(hint) = tls_hint(s) {
+        return E::Remote {
+            server: server.to_string(),
+            code: s.code() as i32,
+            message: format!("TLS: {hint} (the transport said: {m})"),
+        };
+    }
     match (kind, table) {
         ("invalid_argument", _) => E::InvalidArgument(m),
         ("shape", _) => E::Shape(m),

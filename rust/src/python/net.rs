@@ -47,6 +47,20 @@ impl PyServer {
     }
 }
 
+/// The transport settings of a server beyond its address, tokens and TLS files (the JSON the
+/// Python `Server` classes pass as `net`).
+#[derive(serde::Deserialize, Default)]
+#[serde(deny_unknown_fields)]
+struct Net {
+    /// Where the metrics port listens (default: the gRPC host).
+    metrics_host: Option<String>,
+    metrics_token: Option<String>,
+    #[serde(default)]
+    metrics_tls: bool,
+    max_connections: Option<u64>,
+    handshake_timeout: Option<f64>,
+}
+
 /// The configuration of a server from the arguments both kinds of server take.
 #[allow(clippy::too_many_arguments)]
 pub(super) fn server_config(
@@ -58,9 +72,26 @@ pub(super) fn server_config(
     tls_cert: Option<Vec<u8>>,
     tls_key: Option<Vec<u8>>,
     max_message: Option<usize>,
+    net: Option<&str>,
 ) -> PyResult<ServerConfig> {
+    let net: Net = match net {
+        Some(j) => serde_json::from_str(j).map_err(|e| bad(format!("server settings: {e}")))?,
+        None => Net::default(),
+    };
     let mut cfg = ServerConfig::new(addr(host, port, "server")?);
-    cfg.metrics_addr = metrics_port.map(|p| addr(host, p, "metrics")).transpose()?;
+    let metrics_host = net.metrics_host.as_deref().unwrap_or(host);
+    cfg.metrics_addr = metrics_port
+        .map(|p| addr(metrics_host, p, "metrics"))
+        .transpose()?;
+    cfg.metrics_token = net.metrics_token.map(String::into_bytes);
+    cfg.metrics_tls = net.metrics_tls;
+    if let Some(m) = net.max_connections {
+        cfg.limits.max_connections = m;
+    }
+    if let Some(t) = net.handshake_timeout {
+        cfg.limits.handshake_timeout = t;
+    }
+    cfg.limits.validate().map_err(err)?;
     if token.as_deref() == Some("") || read_token.as_deref() == Some("") {
         return Err(bad("a token must not be empty"));
     }
@@ -89,7 +120,7 @@ impl PyServer {
     #[new]
     #[pyo3(signature = (
         store, host="127.0.0.1", port=0, metrics_port=None, token=None, read_token=None,
-        tls_cert=None, tls_key=None, max_message=None
+        tls_cert=None, tls_key=None, max_message=None, net=None
     ))]
     #[allow(clippy::too_many_arguments)]
     fn new(
@@ -103,6 +134,7 @@ impl PyServer {
         tls_cert: Option<Vec<u8>>,
         tls_key: Option<Vec<u8>>,
         max_message: Option<usize>,
+        net: Option<&str>,
     ) -> PyResult<Self> {
         store.guard.check()?;
         let cfg = server_config(
@@ -114,6 +146,7 @@ impl PyServer {
             tls_cert,
             tls_key,
             max_message,
+            net,
         )?;
         let store = Arc::clone(&store.inner);
         let h = run(py, move || crate::server::start(store, cfg))?;

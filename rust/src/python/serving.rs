@@ -167,7 +167,7 @@ impl PyArtifact {
     /// Serves the artifact read-only over gRPC.
     #[pyo3(signature = (
         default="initial", row=None, host="127.0.0.1", port=0, metrics_port=None, token=None,
-        read_token=None, tls_cert=None, tls_key=None, max_message=None
+        read_token=None, tls_cert=None, tls_key=None, max_message=None, net=None
     ))]
     #[allow(clippy::too_many_arguments)]
     fn serve(
@@ -183,6 +183,7 @@ impl PyArtifact {
         tls_cert: Option<Vec<u8>>,
         tls_key: Option<Vec<u8>>,
         max_message: Option<usize>,
+        net: Option<&str>,
     ) -> PyResult<PyServer> {
         let fb = fallback(default, row)?;
         let cfg = server_config(
@@ -194,6 +195,7 @@ impl PyArtifact {
             tls_cert,
             tls_key,
             max_message,
+            net,
         )?;
         let a = Arc::clone(&self.inner);
         let h = run(py, move || crate::server::model::start(a, fb, cfg))?;

@@ -1,5 +1,6 @@
-//! Prometheus metrics of a store server, in the text exposition format, served over plain HTTP
-//! on `--metrics-port` (`GET /metrics`).
+//! Prometheus metrics of a store server, in the text exposition format, served over HTTP (or
+//! HTTPS with the gRPC port's certificate, and optionally behind a token of its own) on
+//! `--metrics-port` (`GET /metrics`).
 
 use std::collections::BTreeMap;
 use std::fmt::Write as _;
@@ -296,53 +297,101 @@ impl Metrics {
     }
 }
 
+/// How the metrics port answers: who may scrape, over what.
+pub struct Endpoint {
+    /// Connection cap and handshake timeout.
+    pub limits: super::conn::Limits,
+    /// What the port counted.
+    pub stats: Arc<super::conn::ConnStats>,
+    /// Serve HTTPS with this acceptor (the gRPC port's certificate).
+    pub tls: Option<tokio_rustls::TlsAcceptor>,
+    /// A scrape must carry `Authorization: Bearer <token>`.
+    pub token: Option<Vec<u8>>,
+    /// The exposition.
+    pub render: Arc<dyn Fn() -> String + Send + Sync>,
+}
+
 /// Answers `GET /metrics` (and `GET /`) with `render()` until the listener is dropped.
-pub async fn serve(listener: TcpListener, render: Arc<dyn Fn() -> String + Send + Sync>) {
+pub async fn serve(listener: TcpListener, e: Endpoint) {
+    let mut incoming = super::conn::Incoming::new(listener, e.limits, Arc::clone(&e.stats));
+    let e = Arc::new(e);
     loop {
-        let Ok((mut sock, _)) = listener.accept().await else {
-            continue;
-        };
-        let render = Arc::clone(&render);
+        let conn = incoming.accept().await;
+        let e = Arc::clone(&e);
         tokio::spawn(async move {
-            let mut buf = Vec::with_capacity(1024);
-            let mut chunk = [0u8; 1024];
-            let head = loop {
-                let read = tokio::time::timeout(Duration::from_secs(5), sock.read(&mut chunk));
-                match read.await {
-                    Ok(Ok(n)) if n > 0 => buf.extend_from_slice(&chunk[..n]),
-                    _ => return,
+            // The handshake timeout of `conn` bounds the TLS handshake and the request's head.
+            match &e.tls {
+                Some(tls) => {
+                    if let Ok(s) = tls.accept(conn).await {
+                        answer(s, &e).await;
+                    }
                 }
-                if let Some(end) = buf.windows(4).position(|w| w == b"\r\n\r\n") {
-                    break String::from_utf8_lossy(&buf[..end]).into_owned();
-                }
-                if buf.len() > 16 * 1024 {
-                    return;
-                }
-            };
-            let mut parts = head.split_whitespace();
-            let (method, path) = (parts.next().unwrap_or(""), parts.next().unwrap_or(""));
-            let path = path.split('?').next().unwrap_or("");
-            let (status, ctype, body) = match (method, path) {
-                ("GET", "/metrics" | "/") => (
-                    "200 OK",
-                    "text/plain; version=0.0.4; charset=utf-8",
-                    render(),
-                ),
-                ("GET", _) => ("404 Not Found", "text/plain", "not found\n".to_string()),
-                _ => (
-                    "405 Method Not Allowed",
-                    "text/plain",
-                    "only GET\n".to_string(),
-                ),
-            };
-            let resp = format!(
-                "HTTP/1.1 {status}\r\nContent-Type: {ctype}\r\nContent-Length: {}\r\nConnection: close\r\n\r\n{body}",
-                body.len()
-            );
-            let _ = sock.write_all(resp.as_bytes()).await;
-            let _ = sock.shutdown().await;
+                None => answer(conn, &e).await,
+            }
         });
     }
+}
+
+/// Reads one request's head from `sock` and answers it.
+async fn answer<S: tokio::io::AsyncRead + tokio::io::AsyncWrite + Unpin>(
+    mut sock: S,
+    e: &Endpoint,
+) {
+    let mut buf = Vec::with_capacity(1024);
+    let mut chunk = [0u8; 1024];
+    let head = loop {
+        let read = tokio::time::timeout(Duration::from_secs(5), sock.read(&mut chunk));
+        match read.await {
+            Ok(Ok(n)) if n > 0 => buf.extend_from_slice(&chunk[..n]),
+            _ => return,
+        }
+        if let Some(end) = buf.windows(4).position(|w| w == b"\r\n\r\n") {
+            break String::from_utf8_lossy(&buf[..end]).into_owned();
+        }
+        if buf.len() > 16 * 1024 {
+            return;
+        }
+    };
+    let mut lines = head.split("\r\n");
+    let mut parts = lines.next().unwrap_or("").split_whitespace();
+    let (method, path) = (parts.next().unwrap_or(""), parts.next().unwrap_or(""));
+    let path = path.split('?').next().unwrap_or("");
+    let authorized = match &e.token {
+        None => true,
+        Some(want) => {
+            let given = lines
+                .filter_map(|l| l.split_once(':'))
+                .find(|(k, _)| k.trim().eq_ignore_ascii_case("authorization"))
+                .and_then(|(_, v)| v.trim().strip_prefix("Bearer "))
+                .map(|v| v.trim().as_bytes());
+            given.is_some_and(|g| crate::net::token_eq(g, want))
+        }
+    };
+    let (status, ctype, body) = match (method, path) {
+        _ if !authorized => (
+            "401 Unauthorized\r\nWWW-Authenticate: Bearer",
+            "text/plain",
+            "this metrics endpoint needs a token: header `Authorization: Bearer <token>`\n"
+                .to_string(),
+        ),
+        ("GET", "/metrics" | "/") => (
+            "200 OK",
+            "text/plain; version=0.0.4; charset=utf-8",
+            (e.render)(),
+        ),
+        ("GET", _) => ("404 Not Found", "text/plain", "not found\n".to_string()),
+        _ => (
+            "405 Method Not Allowed",
+            "text/plain",
+            "only GET\n".to_string(),
+        ),
+    };
+    let resp = format!(
+        "HTTP/1.1 {status}\r\nContent-Type: {ctype}\r\nContent-Length: {}\r\nConnection: close\r\n\r\n{body}",
+        body.len()
+    );
+    let _ = sock.write_all(resp.as_bytes()).await;
+    let _ = sock.shutdown().await;
 }
 
 /// The staleness histogram of every table (pushes counted once each, on the table's home

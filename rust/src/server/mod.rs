@@ -9,6 +9,7 @@
 
 pub mod bsp;
 mod bulk;
+pub mod conn;
 pub mod layout;
 pub mod metrics;
 pub mod model;
@@ -47,12 +48,18 @@ pub struct ServerConfig {
     pub addr: SocketAddr,
     /// Where to serve Prometheus metrics, if anywhere.
     pub metrics_addr: Option<SocketAddr>,
+    /// A token every scrape of the metrics must carry (`Authorization: Bearer`); none: open.
+    pub metrics_token: Option<Vec<u8>>,
+    /// Serve the metrics over HTTPS with the certificate of `tls` (which must be set).
+    pub metrics_tls: bool,
     /// Tokens; with none set, every call is allowed.
     pub tokens: Tokens,
     /// PEM certificate chain and private key: serve TLS.
     pub tls: Option<(Vec<u8>, Vec<u8>)>,
     /// The largest message accepted or sent.
     pub max_message: usize,
+    /// Connection cap and handshake timeout of each port.
+    pub limits: conn::Limits,
 }
 
 impl ServerConfig {
@@ -61,9 +68,12 @@ impl ServerConfig {
         Self {
             addr,
             metrics_addr: None,
+            metrics_token: None,
+            metrics_tls: false,
             tokens: Tokens::default(),
             tls: None,
             max_message: DEFAULT_MAX_MESSAGE,
+            limits: conn::Limits::default(),
         }
     }
 }
@@ -650,7 +660,9 @@ impl PStore for Service {
         &self,
         req: Request<PullRequest>,
     ) -> std::result::Result<Response<PullResponse>, Status> {
-        self.run("Pull", Access::Read, On::Pool, req, |s, r| {
+        // A read-only principal never creates a row: unknown ids read as their initial value.
+        let create = !matches!(authenticate(&self.0.tokens, &req), Ok(Some(Access::Read)));
+        self.run("Pull", Access::Read, On::Pool, req, move |s, r| {
             let t = sparse(&s.store, &r.table)?;
             let d = wire::dtype(r.dtype)?;
             let ids = wire::ids(&r.ids)?;
@@ -658,12 +670,16 @@ impl PStore for Service {
             s.fits(ids.len() * t.dim() * wire::width(d), "pull")?;
             let seq = t.seq();
             let version = versions::get(&*t);
-            let rows = match d {
+            let rows = match (d, create) {
                 // Rows are written straight into the answer's buffer.
-                Dtype::Float32 => {
+                (Dtype::Float32, true) => {
                     wire::fill_f32(ids.len() * t.dim(), |out| t.pull_into(&ids, out))?
                 }
-                _ => wire::encode_values(&t.pull(&ids)?, d),
+                (Dtype::Float32, false) => {
+                    wire::fill_f32(ids.len() * t.dim(), |out| t.pull_existing_into(&ids, out))?
+                }
+                (_, true) => wire::encode_values(&t.pull(&ids)?, d),
+                (_, false) => wire::encode_values(&t.pull_existing(&ids)?, d),
             };
             Ok(PullResponse {
                 rows,
@@ -1094,6 +1110,27 @@ pub fn start(store: Arc<Store>, config: ServerConfig) -> Result<ServerHandle> {
     )
 }
 
+/// A TLS acceptor for the metrics port from the gRPC port's PEM certificate chain and key.
+fn metrics_tls_acceptor(cert: &[u8], key: &[u8]) -> Result<tokio_rustls::TlsAcceptor> {
+    use tokio_rustls::rustls;
+    use tokio_rustls::rustls::pki_types::pem::PemObject;
+    use tokio_rustls::rustls::pki_types::{CertificateDer, PrivateKeyDer};
+    let bad = |e: &dyn std::fmt::Display| invalid(format!("TLS certificate or key: {e}"));
+    let chain = CertificateDer::pem_slice_iter(cert)
+        .collect::<std::result::Result<Vec<_>, _>>()
+        .map_err(|e| bad(&e))?;
+    let key = PrivateKeyDer::from_pem_slice(key).map_err(|e| bad(&e))?;
+    let provider = Arc::new(rustls::crypto::ring::default_provider());
+    let mut tls = rustls::ServerConfig::builder_with_provider(provider)
+        .with_safe_default_protocol_versions()
+        .map_err(|e| bad(&e))?
+        .with_no_client_auth()
+        .with_single_cert(chain, key)
+        .map_err(|e| bad(&e))?;
+    tls.alpn_protocols = vec![b"http/1.1".to_vec()];
+    Ok(tokio_rustls::TlsAcceptor::from(Arc::new(tls)))
+}
+
 /// Runs `service` as the `pstore.v1.PStore` service of a server on `config`'s ports, with the
 /// health service, token check before decoding, TLS and metrics (`render` answers a scrape).
 pub(crate) fn launch<S: PStore>(
@@ -1106,6 +1143,18 @@ pub(crate) fn launch<S: PStore>(
     if config.max_message < 1024 {
         return Err(invalid("max_message must be at least 1024 bytes"));
     }
+    config.limits.validate()?;
+    if config.metrics_token.as_deref() == Some(b"") {
+        return Err(invalid("the metrics token must not be empty"));
+    }
+    let metrics_tls =
+        match (&config.tls, config.metrics_tls) {
+            (Some((cert, key)), true) => Some(metrics_tls_acceptor(cert, key)?),
+            (None, true) => return Err(invalid(
+                "metrics over TLS use the server's certificate: give the TLS certificate and key",
+            )),
+            (_, false) => None,
+        };
     let rt = tokio::runtime::Builder::new_multi_thread()
         .worker_threads(2)
         .thread_name("pstore-server")
@@ -1150,10 +1199,27 @@ pub(crate) fn launch<S: PStore>(
         let _g = rt.enter();
         let listener =
             tokio::net::TcpListener::from_std(grpc).map_err(|e| Error::Internal(e.to_string()))?;
+        let grpc_conns = Arc::new(conn::ConnStats::default());
+        let metrics_conns = Arc::new(conn::ConnStats::default());
         if let Some(l) = metrics_listener {
             let l =
                 tokio::net::TcpListener::from_std(l).map_err(|e| Error::Internal(e.to_string()))?;
-            rt.spawn(metrics::serve(l, render));
+            let (g, m) = (Arc::clone(&grpc_conns), Arc::clone(&metrics_conns));
+            let render = Arc::new(move || {
+                let mut text = render();
+                conn::render(&mut text, &[("grpc", &g), ("metrics", &m)]);
+                text
+            });
+            rt.spawn(metrics::serve(
+                l,
+                metrics::Endpoint {
+                    limits: config.limits,
+                    stats: metrics_conns,
+                    tls: metrics_tls,
+                    token: config.metrics_token.clone(),
+                    render,
+                },
+            ));
         }
         let (reporter, health) = tonic_health::server::health_reporter();
         // Large windows: a 64k-id pull answers 16 MiB, which the default 64 KiB stream window
@@ -1168,11 +1234,19 @@ pub(crate) fn launch<S: PStore>(
                 .tls_config(tls)
                 .map_err(|e| invalid(format!("TLS certificate or key: {e}")))?;
         }
-        let router = builder.add_service(health).add_service(svc);
-        // Accepted sockets get TCP_NODELAY here (the builder's setting covers only the sockets
-        // it binds itself): without it a small answer waits ~40 ms for a delayed ACK.
-        let incoming =
-            tonic::transport::server::TcpIncoming::from(listener).with_nodelay(Some(true));
+        // Any request (health checks too) lifts its connection's handshake timeout.
+        let served = tower::util::MapRequestLayer::new(
+            |req: tonic::codegen::http::Request<tonic::body::Body>| {
+                if let Some(c) = req.extensions().get::<conn::ConnInfo>() {
+                    c.served();
+                }
+                req
+            },
+        );
+        let router = builder.layer(served).add_service(health).add_service(svc);
+        // Our own accept loop: the connection cap, the pause after a failed accept, the
+        // handshake timeout, TCP_NODELAY (`conn.rs`).
+        let incoming = conn::Incoming::new(listener, config.limits, grpc_conns);
         rt.spawn(async move {
             reporter.set_serving::<PStoreServer<S>>().await;
             router

@@ -224,11 +224,36 @@ impl SparseTable {
     /// Writes the rows of `ids` into `out` (`ids.len() * dim` floats, row after row), creating
     /// missing rows. On success every element of `out` has been written.
     pub fn pull_into(&self, ids: &[u64], out: &mut [MaybeUninit<f32>]) -> Result<()> {
-        self.pull_rows(ids, out, out.len() * 4 > stream_min_bytes())
+        self.pull_rows(ids, out, out.len() * 4 > stream_min_bytes(), true)
     }
 
-    /// [`SparseTable::pull_into`], writing the output with streaming stores when `stream`.
-    fn pull_rows(&self, ids: &[u64], out: &mut [MaybeUninit<f32>], stream: bool) -> Result<()> {
+    /// Writes the rows of `ids` into `out` as [`SparseTable::pull_into`] does, except that an id
+    /// with no row reads as its initial value and nothing is created or admitted: rows, their
+    /// metadata, `seq` and `rows_created` stay as they were (only the `pulls` and `ids_pulled`
+    /// traffic counters count the call). What a read-only principal of a server gets.
+    pub fn pull_existing_into(&self, ids: &[u64], out: &mut [MaybeUninit<f32>]) -> Result<()> {
+        self.pull_rows(ids, out, out.len() * 4 > stream_min_bytes(), false)
+    }
+
+    /// [`SparseTable::pull_existing_into`] into a new vector.
+    pub fn pull_existing(&self, ids: &[u64]) -> Result<Vec<f32>> {
+        let n = ids.len() * self.config.dim;
+        let mut out: Vec<f32> = Vec::with_capacity(n);
+        self.pull_existing_into(ids, &mut out.spare_capacity_mut()[..n])?;
+        // SAFETY: `pull_existing_into` returned Ok, so it wrote all `n` elements.
+        unsafe { out.set_len(n) };
+        Ok(out)
+    }
+
+    /// [`SparseTable::pull_into`], writing the output with streaming stores when `stream`, and
+    /// creating missing rows only when `create`.
+    fn pull_rows(
+        &self,
+        ids: &[u64],
+        out: &mut [MaybeUninit<f32>],
+        stream: bool,
+        create: bool,
+    ) -> Result<()> {
         self.check_live()?;
         let dim = self.config.dim;
         if out.len() != ids.len() * dim {
@@ -283,12 +308,14 @@ impl SparseTable {
                     .get_or_insert(e);
                 return;
             }
-            let admit_now = self.admit_after() <= 1;
+            // A pull that must not create reads a row loaded from the replica above (it exists),
+            // and the initial value of any other.
+            let admit_now = create && self.admit_after() <= 1;
             let (version, now) = (self.seq(), unix_now());
             let mut made = 0;
             for (&p, &id) in missing.iter().zip(&missing_ids) {
                 if !admit_now && shard.find(id).is_none() {
-                    // Not admitted yet: its initial value, and no row.
+                    // Not admitted yet (or not to be created): its initial value, and no row.
                     // SAFETY: as in `copy`.
                     let out = unsafe {
                         std::slice::from_raw_parts_mut(ptr.get().add(p as usize * dim), dim)
@@ -585,6 +612,45 @@ mod tests {
     use crate::init::Initializer;
 
     #[test]
+    fn pull_existing_creates_nothing() {
+        // Unknown ids read as their initial value; known ids as their row; the table keeps its
+        // rows, bytes, seq and rows_created. A creating pull then gives the same values.
+        let exec = crate::executor::Executor::new(2, 1 << 20).unwrap();
+        let config = SparseTableConfig {
+            dim: 8,
+            optimizer: Default::default(),
+            initializer: Initializer::Normal {
+                mean: 0.0,
+                std: 1.0,
+            },
+            seed: 5,
+            lifecycle: Default::default(),
+        };
+        let common = Common::new("t".to_string(), config.optimizer.lr, Arc::clone(&exec));
+        let t = Arc::new(SparseTable::new(common, config, 16, None).unwrap());
+        t.push(&[1, 2], &[0.5; 16]).unwrap();
+        let before = t.stats();
+        let ids: Vec<u64> = (0..5_000u64).collect();
+        let got = t.pull_existing(&ids).unwrap();
+        let after = t.stats();
+        assert_eq!(
+            (after.rows, after.bytes_used, after.seq, after.rows_created),
+            (
+                before.rows,
+                before.bytes_used,
+                before.seq,
+                before.rows_created
+            )
+        );
+        assert_eq!(after.pulls, before.pulls + 1);
+        assert_eq!(&got[8..24], &t.pull(&[1, 2]).unwrap()[..]);
+        assert_eq!(&got[24..32], &t.initial_rows(&[3])[..]);
+        assert_eq!(t.len(), 2);
+        assert_eq!(got, t.pull(&ids).unwrap());
+        assert_eq!(t.len(), 5_000);
+    }
+
+    #[test]
     fn streamed_and_cached_pulls_write_the_same_rows() {
         // The same pulls with and without streaming stores, for a width that streams whole
         // (64), one that does not (63) and a narrow one, with new ids (created by the pull),
@@ -612,6 +678,7 @@ mod tests {
                     &ids,
                     &mut out.spare_capacity_mut()[..ids.len() * dim],
                     stream,
+                    true,
                 )
                 .unwrap();
                 // SAFETY: `pull_rows` returned Ok, so it wrote every element.
