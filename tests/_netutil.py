@@ -39,10 +39,12 @@ class ServerProcess:
         port: int | None = None,
         env: dict[str, str] | None = None,
         log: str | os.PathLike[str] | None = None,
+        prefix: Sequence[str] = (),
     ) -> None:
         self.port = port or free_port()
         self.address = f"127.0.0.1:{self.port}"
         cmd = [
+            *prefix,
             sys.executable,
             "-m",
             "pstore",
