@@ -283,7 +283,7 @@ impl PyClient {
         via: &str,
     ) -> PyResult<(u64, usize, usize)> {
         let c = &self.inner;
-        let via: crate::client::cluster::Via = via.parse()?;
+        let via: crate::client::cluster::Via = via.parse().map_err(super::err)?;
         let r = run(py, || c.restore_cluster(snapshot, via))?;
         Ok((r.rows, r.tables, r.parts))
     }
