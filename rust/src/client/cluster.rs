@@ -484,7 +484,10 @@ impl Client {
         };
         // A load takes as long as the rows need: no deadline but the client's own for a call
         // that does not answer at all is too short, so an hour per call.
-        let timeout = self.config.timeout.max(std::time::Duration::from_secs(3600));
+        let timeout = self
+            .config
+            .timeout
+            .max(std::time::Duration::from_secs(3600));
         let answers = self.rt.block_on(async {
             let calls = (0..self.servers.len()).map(|i| {
                 let req = LoadSnapshotRequest {

@@ -10,11 +10,11 @@
 use std::path::{Component, Path, PathBuf};
 use std::sync::atomic::AtomicU64;
 
+use crate::durable::TableRecord;
 use crate::error::{invalid, Result};
 use crate::net::proto::{LoadSnapshotRequest, LoadSnapshotResponse};
 use crate::net::routing::{key, Router};
 use crate::snapshot::{load_chain, Manifest, TableEntry, MANIFEST};
-use crate::durable::TableRecord;
 use crate::store::{Store, Table};
 
 /// The local directory of a snapshot location: an absolute path, or `file://` and one. The one
@@ -90,7 +90,8 @@ pub(super) fn load_snapshot(store: &Store, r: LoadSnapshotRequest) -> Result<Loa
     for p in &r.parts {
         let dir = part_dir(&root, &p.dir)?;
         let mpath = dir.join(MANIFEST);
-        let bytes = std::fs::read(&mpath).map_err(|e| unreadable(&root, format!("{}: {e}", mpath.display())))?;
+        let bytes = std::fs::read(&mpath)
+            .map_err(|e| unreadable(&root, format!("{}: {e}", mpath.display())))?;
         if crc32fast::hash(&bytes) != p.manifest_crc32 {
             return Err(unreadable(
                 &root,
@@ -120,7 +121,10 @@ pub(super) fn load_snapshot(store: &Store, r: LoadSnapshotRequest) -> Result<Loa
         let table = store.table(name)?;
         let entries: Vec<Option<&TableEntry>> = chains
             .iter()
-            .map(|c| c.last().and_then(|(_, m)| m.tables.iter().find(|e| &e.name == name)))
+            .map(|c| {
+                c.last()
+                    .and_then(|(_, m)| m.tables.iter().find(|e| &e.name == name))
+            })
             .collect();
         for e in entries.iter().flatten() {
             check_fits(name, &table, &e.record)?;
@@ -233,7 +237,9 @@ mod tests {
             if !dir.exists() {
                 let s = Store::new(StoreConfig::default()).unwrap();
                 let t = s.create_sparse_table("t", config()).unwrap();
-                let ids: Vec<u64> = (0..1000u64).filter(|&id| router.server_of(id) == i).collect();
+                let ids: Vec<u64> = (0..1000u64)
+                    .filter(|&id| router.server_of(id) == i)
+                    .collect();
                 t.push(&ids, &vec![0.5; 2 * ids.len()]).unwrap();
                 s.snapshot(&dir, false).unwrap();
             }

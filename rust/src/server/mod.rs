@@ -9,8 +9,8 @@
 
 pub mod bsp;
 mod bulk;
-mod load;
 pub mod layout;
+mod load;
 pub mod metrics;
 pub mod model;
 pub mod state;
