@@ -349,7 +349,7 @@ def test_a_server_killed_during_the_load_leaves_no_table(cluster, tmp_path):
         def restore() -> None:
             try:
                 outcome["report"] = pstore.restore_cluster(tmp_path / "snap", addrs)
-            except BaseException as e:  # noqa: BLE001 - handed to the test thread
+            except BaseException as e:  # handed to the test's thread
                 outcome["error"] = e
 
         th = threading.Thread(target=restore)

@@ -995,7 +995,9 @@ def raw_fuzz(api) -> Iterator[SimpleNamespace]:
     f = fuzz_server(api)
     m = api.m
     methods = {x.name for x in m.DESCRIPTOR.services_by_name["PStore"].methods}
-    assert methods == {*RAW_METHODS, "Snapshot", "LoadSnapshot"}, "a new method: fuzz it or say why not"
+    assert methods == {*RAW_METHODS, "Snapshot", "LoadSnapshot"}, (
+        "a new method: fuzz it or say why not"
+    )
     rid = m.RequestId(client=5, seq=5)
     f.seeds = {
         k: v.SerializeToString()
