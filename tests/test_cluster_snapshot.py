@@ -397,3 +397,28 @@ def test_reshard_command_via_client_and_a_bad_via(cluster, tmp_path):
     np.testing.assert_array_equal(dst.table("adagrad").pull(IDS), src.table("adagrad").pull(IDS))
     with pytest.raises(pstore.InvalidArgumentError, match='"servers" or "client"'):
         dst.restore_cluster(tmp_path / "snap", via="nowhere")  # type: ignore[arg-type]
+
+
+def test_durable_servers_load_on_their_side_and_keep_the_rows_after_a_restart(cluster, tmp_path):
+    src = pstore.connect(cluster(3))
+    declare(src)
+    train(src, range(5))
+    src.snapshot(tmp_path / "snap")
+    paths = [tmp_path / f"durable-{i}" for i in range(2)]
+    procs = [ServerProcess("--path", str(p)) for p in paths]
+    try:
+        for p in procs:
+            p.wait_ready()
+        addrs = [p.address for p in procs]
+        pstore.restore_cluster(tmp_path / "snap", addrs)
+        # The load was flushed: the same servers restarted on their directories hold every row.
+        stop_all(procs)
+        procs = [ServerProcess("--path", str(d), port=p.port) for d, p in zip(paths, procs)]
+        for p in procs:
+            p.wait_ready()
+        dst = pstore.connect(addrs)
+        for name in ("adagrad", "sgd"):
+            np.testing.assert_array_equal(dst.table(name).pull(IDS), src.table(name).pull(IDS))
+        np.testing.assert_array_equal(dst.table("bias").pull(), src.table("bias").pull())
+    finally:
+        stop_all(procs)

@@ -131,6 +131,8 @@ pub(super) fn load_snapshot(store: &Store, r: LoadSnapshotRequest) -> Result<Loa
         }
         tables.push((name, table, entries));
     }
+    // An in-memory table's rows are written on its own pool; a durable one's beside it.
+    let own_pool = store.path().is_none();
     let router = Router::new(&r.servers);
     let old = Router::new(&r.snapshot_servers);
     let done = AtomicU64::new(0);
@@ -143,7 +145,14 @@ pub(super) fn load_snapshot(store: &Store, r: LoadSnapshotRequest) -> Result<Loa
                 let mut seq = 0;
                 for (chain, e) in chains.iter().zip(&entries) {
                     let Some(e) = e else { continue };
-                    rows += load_chain(chain, e, &table, |id| router.server_of(id) == me, &done)?;
+                    rows += load_chain(
+                        chain,
+                        e,
+                        &table,
+                        |id| router.server_of(id) == me,
+                        own_pool,
+                        &done,
+                    )?;
                     if let TableRecord::Sparse { seq: s, .. } = &e.record {
                         seq = seq.max(*s);
                     }
@@ -156,7 +165,7 @@ pub(super) fn load_snapshot(store: &Store, r: LoadSnapshotRequest) -> Result<Loa
                 let home = old.server_of(k);
                 if router.server_of(k) == me {
                     if let Some(e) = entries[home] {
-                        rows += load_chain(&chains[home], e, &table, |_| true, &done)?;
+                        rows += load_chain(&chains[home], e, &table, |_| true, own_pool, &done)?;
                     }
                 }
             }

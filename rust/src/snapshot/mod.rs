@@ -344,11 +344,16 @@ pub(crate) fn dense_entry(
 /// a tombstone only ever hides the chain's own older rows: rows of `table` that the chain does
 /// not name are left as they are. Entries of an earlier table of the same name (another uid,
 /// dropped later in the chain) are skipped.
+///
+/// Files are read in parallel on the table's pool, or with `own_pool` false on rayon's global
+/// pool: a durable store's flusher holds the table's change lock while it runs work on the
+/// table's pool, so rows written into a live durable table must not wait on that pool.
 pub(crate) fn load_chain<F>(
     chain: &[(PathBuf, Manifest)],
     last: &TableEntry,
     table: &Table,
     keep: F,
+    own_pool: bool,
     done: &AtomicU64,
 ) -> Result<u64>
 where
@@ -371,7 +376,7 @@ where
         if !keep(0) {
             return Ok(0);
         }
-        load_entry(dir, e, table, |_| true, None, done)?;
+        load_entry(dir, e, table, |_| true, None, own_pool, done)?;
         return Ok(1);
     }
     let mut decided = std::collections::HashSet::<u64>::new();
@@ -385,7 +390,7 @@ where
         let written = (k > 0).then(|| std::sync::Mutex::new(Vec::new()));
         let check = !decided.is_empty();
         let keep_here = |id: u64| keep(id) && !(check && decided.contains(&id));
-        rows += load_entry(dir, e, table, keep_here, written.as_ref(), done)?;
+        rows += load_entry(dir, e, table, keep_here, written.as_ref(), own_pool, done)?;
         if let Some(w) = written {
             decided.extend(w.into_inner().unwrap_or_else(|e| e.into_inner()));
         }
@@ -401,6 +406,7 @@ fn load_entry<F>(
     table: &Table,
     keep: F,
     written: Option<&std::sync::Mutex<Vec<u64>>>,
+    own_pool: bool,
     done: &AtomicU64,
 ) -> Result<u64>
 where
@@ -425,7 +431,7 @@ where
                 )));
             }
             let rows = AtomicU64::new(0);
-            t.common().exec.install(|| {
+            let load = || {
                 entry.files.par_iter().try_for_each(|fi| {
                     let path = dir.join(&fi.name);
                     let mut ids = Vec::new();
@@ -448,7 +454,12 @@ where
                         Ok(())
                     })
                 })
-            })?;
+            };
+            if own_pool {
+                t.common().exec.install(load)?;
+            } else {
+                load()?;
+            }
             Ok(rows.into_inner())
         }
         Table::Dense(d) => {

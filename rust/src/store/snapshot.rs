@@ -557,7 +557,7 @@ impl Store {
         }
         for entry in &last.tables {
             let table = store.table(&entry.name)?;
-            load_chain(chain, entry, &table, |_| true, done)?;
+            load_chain(chain, entry, &table, |_| true, true, done)?;
         }
         for entry in &last.tables {
             let table = store.table(&entry.name)?;
