@@ -413,7 +413,9 @@ def test_durable_servers_load_on_their_side_and_keep_the_rows_after_a_restart(cl
         pstore.restore_cluster(tmp_path / "snap", addrs)
         # The load was flushed: the same servers restarted on their directories hold every row.
         stop_all(procs)
-        procs = [ServerProcess("--path", str(d), port=p.port) for d, p in zip(paths, procs)]
+        procs = [
+            ServerProcess("--path", str(d), port=p.port) for d, p in zip(paths, procs, strict=True)
+        ]
         for p in procs:
             p.wait_ready()
         dst = pstore.connect(addrs)
