@@ -313,6 +313,7 @@ def _cmd_reshard(args: argparse.Namespace) -> int:
         token_file=args.token_file,
         timeout=args.timeout,
         tls_ca=args.tls_ca,
+        via=args.via,
     )
     print(
         f"loaded {report['rows']:,} rows of {report['tables']} tables from "
@@ -494,6 +495,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--token-file", default=None, help="file holding a token ($PSTORE_TOKEN)")
     p.add_argument("--tls-ca", default=None, help="CA certificate (PEM) of the servers")
     p.add_argument("--timeout", type=float, default=300.0, help="deadline of each call, s")
+    p.add_argument(
+        "--via",
+        choices=("servers", "client"),
+        default="servers",
+        help="servers: each server reads the snapshot's directory itself (default); client: "
+        "this command reads it and sends the rows (for servers that do not reach it)",
+    )
     p.set_defaults(func=_cmd_reshard)
 
     p = sub.add_parser(

@@ -40,10 +40,12 @@ class ServerProcess:
         env: dict[str, str] | None = None,
         log: str | os.PathLike[str] | None = None,
         preexec_fn: Callable[[], None] | None = None,
+        prefix: Sequence[str] = (),
     ) -> None:
         self.port = port or free_port()
         self.address = f"127.0.0.1:{self.port}"
         cmd = [
+            *prefix,
             sys.executable,
             "-m",
             "pstore",

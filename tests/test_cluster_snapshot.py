@@ -5,8 +5,11 @@ from __future__ import annotations
 
 import json
 import shutil
+import signal
 import subprocess
 import sys
+import threading
+import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
@@ -78,7 +81,8 @@ def cluster_rows(snap: Path) -> dict[str, dict[int, tuple]]:
     return out
 
 
-def test_snapshot_on_4_restores_bit_exact_on_8_and_2_and_trains_on(cluster, tmp_path):
+@pytest.mark.parametrize("via", ["servers", "client"])
+def test_snapshot_on_4_restores_bit_exact_on_8_and_2_and_trains_on(cluster, tmp_path, via):
     src = pstore.connect(cluster(4))
     declare(src)
     train(src, range(12))
@@ -94,8 +98,9 @@ def test_snapshot_on_4_restores_bit_exact_on_8_and_2_and_trains_on(cluster, tmp_
 
     on8, on2 = cluster(8), cluster(2)
     for addrs in (on8, on2):
-        report = pstore.restore_cluster(dest, addrs)
+        report = pstore.restore_cluster(dest, addrs, via=via)
         assert report["tables"] == 3 and report["parts"] == 4
+        assert report["rows"] == 2 * len(touched) + 1
         dst = pstore.connect(addrs)
         assert all(len(dst.table(n)) == len(touched) for n in ("adagrad", "sgd"))
         # Every row bit-exact: weights, optimizer state, step, version, update time, count.
@@ -115,7 +120,8 @@ def test_snapshot_on_4_restores_bit_exact_on_8_and_2_and_trains_on(cluster, tmp_
     np.testing.assert_array_equal(dst.table("bias").pull(), src.table("bias").pull())
 
 
-def test_incremental_cluster_snapshots_chain_with_tombstones(cluster, tmp_path):
+@pytest.mark.parametrize("via", ["servers", "client"])
+def test_incremental_cluster_snapshots_chain_with_tombstones(cluster, tmp_path, via):
     src = pstore.connect(cluster(4))
     declare(src)
     train(src, range(6))
@@ -128,13 +134,31 @@ def test_incremental_cluster_snapshots_chain_with_tombstones(cluster, tmp_path):
     assert inc["parent"]["path"] == "s1"
     assert inc["parent"]["id"] == json.loads((tmp_path / "s1" / "cluster.json").read_text())["id"]
     addrs = cluster(2)
-    pstore.restore_cluster(tmp_path / "s2", addrs)
+    pstore.restore_cluster(tmp_path / "s2", addrs, via=via)
     dst = pstore.connect(addrs)
     keep = np.setdiff1d(np.unique(np.concatenate([batch_ids(k) for k in range(9)])), gone)
     assert len(dst.table("adagrad")) == len(src.table("adagrad")) == len(keep)
     assert not dst.table("adagrad").contains(gone).any()
     np.testing.assert_array_equal(dst.table("adagrad").pull(keep), src.table("adagrad").pull(keep))
     np.testing.assert_array_equal(dst.table("sgd").pull(IDS), src.table("sgd").pull(IDS))
+    # Every row bit-exact, optimizer state included: full snapshots of both sides compared.
+    src.snapshot(tmp_path / "src-full")
+    dst.snapshot(tmp_path / "dst-full")
+    assert cluster_rows(tmp_path / "dst-full") == cluster_rows(tmp_path / "src-full")
+
+    # Onto servers that hold rows already: the chain's rows replace those of the same ids, and
+    # its tombstones hide only the chain's own older rows, whichever way the rows go.
+    more = cluster(2)
+    pre = pstore.connect(more)
+    t = pre.create_sparse_table("adagrad", DIM, optimizer=pstore.optim.Adagrad(lr=0.1))
+    own = np.array([10**12 + k for k in range(5)], dtype=np.uint64)
+    t.push(np.concatenate([gone[:5], keep[:5], own]), grads(99, 15))
+    before = t.pull(np.concatenate([gone[:5], own]))
+    pstore.restore_cluster(tmp_path / "s2", more, via=via)
+    np.testing.assert_array_equal(t.pull(np.concatenate([gone[:5], own])), before)
+    assert not t.contains(gone[5:]).any()
+    np.testing.assert_array_equal(t.pull(keep), src.table("adagrad").pull(keep))
+    assert len(t) == len(keep) + 10
     # An increment whose servers' previous snapshots are not one cluster snapshot is refused:
     # here each server's last snapshot is a loose per-server one, with no cluster.json.
     src._inner.snapshot(str(tmp_path / "loose"))
@@ -249,3 +273,154 @@ def test_reshard_command(cluster, tmp_path):
     assert "loaded" in out.stdout
     dst = pstore.connect(addrs)
     np.testing.assert_array_equal(dst.table("sgd").pull(IDS), src.table("sgd").pull(IDS))
+
+
+def unshare_works() -> bool:
+    """Whether this machine lets a process have its own mount namespace (Linux, unprivileged
+    user namespaces or root)."""
+    if not shutil.which("unshare"):
+        return False
+    r = subprocess.run(
+        ["unshare", "-r", "-m", "sh", "-c", "mount -t tmpfs none /tmp"],
+        capture_output=True,
+        timeout=30,
+        check=False,
+    )
+    return r.returncode == 0
+
+
+@pytest.mark.skipif(not unshare_works(), reason="needs `unshare -r -m` (a mount namespace)")
+def test_a_server_that_cannot_read_the_snapshot_is_named_and_nothing_stays(cluster, tmp_path):
+    src = pstore.connect(cluster(2))
+    declare(src)
+    train(src, range(3))
+    snap = tmp_path / "shared" / "snap"
+    src.snapshot(snap)
+    # One new server sees an empty directory where the snapshot is (its own mount namespace with
+    # a tmpfs over the parent): as a server on another machine without the shared file system.
+    blind = ServerProcess(
+        prefix=[
+            "unshare", "-r", "-m", "sh", "-c",
+            f'mount -t tmpfs none "{tmp_path / "shared"}" && exec "$0" "$@"',
+        ]
+    )  # fmt: skip
+    try:
+        blind.wait_ready()
+        addrs = [*cluster(2), blind.address]
+        dst = pstore.connect(addrs)
+        with pytest.raises(pstore.InvalidArgumentError) as e:
+            pstore.restore_cluster(snap, addrs)
+        msg = str(e.value)
+        assert f"server {blind.address}" in msg, msg
+        assert f"cannot read the cluster snapshot at {snap.resolve()}" in msg, msg
+        assert 'via="client"' in msg and "were dropped" in msg, msg
+        assert dst.tables() == []
+        # The documented fallback: the client reads the parts and sends the rows.
+        pstore.restore_cluster(snap, addrs, via="client")
+        for name in ("adagrad", "sgd"):
+            np.testing.assert_array_equal(dst.table(name).pull(IDS), src.table(name).pull(IDS))
+    finally:
+        blind.stop()
+
+
+def table_rows_on(address: str, name: str) -> int:
+    """Rows of table `name` on the one server at `address` (0 while it has no such table)."""
+    for t in pstore.connect([address], timeout=5.0, retries=0).status()[0]["tables"]:
+        if t["name"] == name:
+            return int(t["rows"])
+    return 0
+
+
+def test_a_server_killed_during_the_load_leaves_no_table(cluster, tmp_path):
+    src = pstore.connect(cluster(4))
+    t = src.create_sparse_table("big", 32, optimizer=pstore.optim.Adagrad(lr=0.1))
+    n, chunk = 600_000, 1 << 16
+    rng = np.random.default_rng(3)
+    for lo in range(0, n, chunk):
+        ids = np.arange(lo, min(n, lo + chunk), dtype=np.uint64)
+        t.push(ids, rng.standard_normal((len(ids), 32), dtype=np.float32))
+    src.snapshot(tmp_path / "snap")
+    procs = start_servers(2, "--threads", "1")
+    survivor, victim = procs
+    try:
+        addrs = [p.address for p in procs]
+        outcome: dict[str, BaseException | dict[str, int]] = {}
+
+        def restore() -> None:
+            try:
+                outcome["report"] = pstore.restore_cluster(tmp_path / "snap", addrs)
+            except BaseException as e:  # handed to the test's thread
+                outcome["error"] = e
+
+        th = threading.Thread(target=restore)
+        th.start()
+        # SIGKILL the victim as soon as it holds some of its rows, not all.
+        while th.is_alive() and table_rows_on(victim.address, "big") == 0:
+            time.sleep(0.002)
+        victim.send(signal.SIGKILL)
+        th.join(timeout=300)
+        assert not th.is_alive()
+        assert "error" in outcome, f"the load ended before the kill: {outcome}"
+        msg = str(outcome["error"])
+        assert victim.address in msg, msg
+        assert "the tables it created (big) were dropped on the servers that answered" in msg, msg
+        # The survivor finished its part, then dropped the table: no half-loaded table is left.
+        assert table_rows_on(survivor.address, "big") == 0
+        assert pstore.connect([survivor.address]).status()[0]["tables"] == []
+    finally:
+        stop_all(procs)
+
+
+def test_reshard_command_via_client_and_a_bad_via(cluster, tmp_path):
+    src = pstore.connect(cluster(2))
+    declare(src)
+    train(src, range(4))
+    src.snapshot(tmp_path / "snap")
+    addrs = cluster(3)
+
+    def reshard(*extra: str) -> subprocess.CompletedProcess[str]:
+        return subprocess.run(
+            [sys.executable, "-m", "pstore", "reshard", str(tmp_path / "snap"), *addrs, *extra],
+            capture_output=True,
+            text=True,
+            timeout=120,
+            env=child_env(),
+            check=False,
+        )
+
+    bad = reshard("--via", "carrier-pigeon")
+    assert bad.returncode != 0 and "--via" in bad.stderr
+    assert pstore.connect(addrs).tables() == []
+    out = reshard("--via", "client")
+    assert out.returncode == 0, out.stderr
+    dst = pstore.connect(addrs)
+    np.testing.assert_array_equal(dst.table("adagrad").pull(IDS), src.table("adagrad").pull(IDS))
+    with pytest.raises(pstore.InvalidArgumentError, match='"servers" or "client"'):
+        dst.restore_cluster(tmp_path / "snap", via="nowhere")  # type: ignore[arg-type]
+
+
+def test_durable_servers_load_on_their_side_and_keep_the_rows_after_a_restart(cluster, tmp_path):
+    src = pstore.connect(cluster(3))
+    declare(src)
+    train(src, range(5))
+    src.snapshot(tmp_path / "snap")
+    paths = [tmp_path / f"durable-{i}" for i in range(2)]
+    procs = [ServerProcess("--path", str(p)) for p in paths]
+    try:
+        for p in procs:
+            p.wait_ready()
+        addrs = [p.address for p in procs]
+        pstore.restore_cluster(tmp_path / "snap", addrs)
+        # The load was flushed: the same servers restarted on their directories hold every row.
+        stop_all(procs)
+        procs = [
+            ServerProcess("--path", str(d), port=p.port) for d, p in zip(paths, procs, strict=True)
+        ]
+        for p in procs:
+            p.wait_ready()
+        dst = pstore.connect(addrs)
+        for name in ("adagrad", "sgd"):
+            np.testing.assert_array_equal(dst.table(name).pull(IDS), src.table(name).pull(IDS))
+        np.testing.assert_array_equal(dst.table("bias").pull(), src.table("bias").pull())
+    finally:
+        stop_all(procs)

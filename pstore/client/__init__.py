@@ -125,12 +125,14 @@ class RemoteStore(BaseStore):
         manifest: dict[str, Any] = json.loads(out)
         return manifest
 
-    def restore_cluster(self, snapshot: str | os.PathLike[str]) -> dict[str, int]:
+    def restore_cluster(
+        self, snapshot: str | os.PathLike[str], via: Literal["servers", "client"] = "servers"
+    ) -> dict[str, int]:
         """Load a cluster snapshot into these servers, routing every row by this store's list.
 
         See :func:`restore_cluster`. Returns ``{"rows", "tables", "parts"}``.
         """
-        rows, tables, parts = self._inner.restore_cluster(os.fspath(snapshot))
+        rows, tables, parts = self._inner.restore_cluster(os.fspath(snapshot), via)
         return {"rows": rows, "tables": tables, "parts": parts}
 
     def status(self) -> list[dict[str, Any]]:
@@ -335,17 +337,24 @@ def connect(
 def restore_cluster(
     snapshot: str | os.PathLike[str],
     servers: Sequence[str] | str | os.PathLike[str],
+    *,
+    via: Literal["servers", "client"] = "servers",
     **connect_args: Any,
 ) -> dict[str, int]:
     """Load a cluster snapshot (:meth:`RemoteStore.snapshot`) onto ``servers``, any number of them.
 
-    Every row (weights, optimizer state, step, version, frequency) is sent with the ``BulkLoad``
-    call to the server the new list routes it to, so a snapshot of 4 servers restores onto 8 or
-    onto 2. Everything is checked before anything is written: every part present with its
-    manifest's checksum, every file of every part's chain, and every table that exists already
-    on the new servers having the snapshot's dim (shape) and optimizer. If a write fails later,
-    the tables the restore created are dropped again. ``servers`` and ``connect_args`` are
-    those of :func:`connect`. Returns ``{"rows", "tables", "parts"}``.
+    Every row (weights, optimizer state, step, version, frequency) goes to the server the new
+    list routes it to, so a snapshot of 4 servers restores onto 8 or onto 2. Everything is
+    checked before anything is written: every part present with its manifest's checksum, every
+    file of every part's chain, and every table that exists already on the new servers having
+    the snapshot's dim (shape) and optimizer. With ``via="servers"`` (the default) every server
+    reads the parts itself from the snapshot's directory, at the absolute path the client sees,
+    and keeps its rows; a server that cannot read it fails the restore naming itself and the
+    path. ``via="client"`` is the fallback for servers that do not reach the directory: the
+    client reads the parts and sends every row with the ``BulkLoad`` call (several times
+    slower). If a write fails later, the tables the restore created are dropped again and the
+    error says so. ``servers`` and ``connect_args`` are those of :func:`connect`. Returns
+    ``{"rows", "tables", "parts"}``.
     """
     store = connect(servers, **connect_args)
-    return store.restore_cluster(snapshot)
+    return store.restore_cluster(snapshot, via)

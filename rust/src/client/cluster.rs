@@ -9,10 +9,13 @@
 //!
 //! A restore routes every row by the client's own server list, so a snapshot of 4 servers loads
 //! onto 8 or 2: it checks everything first (every part present, every manifest's checksum, every
-//! file of every part's chain, every existing target table's dim and optimizer), creates the
-//! tables that are missing, then loads each part's chain into a private in-memory store (the
-//! embedded restore, increments and tombstones included) and sends its rows with `BulkLoad`. If
-//! a write fails after that, the tables the restore created are dropped on every server.
+//! file of every part's chain, every existing target table's dim and optimizer) and creates the
+//! tables that are missing. Then, [`Via::Servers`] (the default): every server at once reads the
+//! parts itself with `LoadSnapshot` and keeps the rows the new list routes to it (the embedded
+//! restore's chain code, increments and tombstones included); [`Via::Client`]: the client loads
+//! each part's chain into a private in-memory store and sends its rows with `BulkLoad` (for
+//! servers that do not reach the snapshot's directory). If a write fails after that, the tables
+//! the restore created are dropped on every server that answers, and the error says so.
 
 use std::path::{Path, PathBuf};
 use std::sync::atomic::AtomicU64;
@@ -184,6 +187,32 @@ pub fn local_dir(dest: &str) -> Result<PathBuf> {
     Ok(PathBuf::from(dest))
 }
 
+/// How a cluster restore moves the rows onto the new servers.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum Via {
+    /// Every server reads the snapshot's parts itself (`LoadSnapshot`) and keeps its rows: the
+    /// snapshot's directory must be readable by every server at the path the client sees.
+    #[default]
+    Servers,
+    /// The client reads the parts and sends every row with `BulkLoad`: slower, for servers that
+    /// do not reach the snapshot's directory.
+    Client,
+}
+
+impl std::str::FromStr for Via {
+    type Err = Error;
+
+    fn from_str(s: &str) -> Result<Self> {
+        match s {
+            "servers" => Ok(Via::Servers),
+            "client" => Ok(Via::Client),
+            _ => Err(invalid(format!(
+                "via {s:?}: a cluster restore goes via \"servers\" or \"client\""
+            ))),
+        }
+    }
+}
+
 /// What a cluster restore did.
 #[derive(Debug, Clone, PartialEq)]
 pub struct RestoreReport {
@@ -326,9 +355,10 @@ impl Client {
     }
 
     /// Loads the cluster snapshot in `snapshot` into this client's servers, routing every row
-    /// by this client's server list (any number of servers). Tables that exist already must
-    /// have the snapshot's dim and optimizer; their rows of the same ids are replaced.
-    pub fn restore_cluster(&self, snapshot: &str) -> Result<RestoreReport> {
+    /// by this client's server list (any number of servers), the rows moved as `via` says.
+    /// Tables that exist already must have the snapshot's dim and optimizer; their rows of the
+    /// same ids are replaced.
+    pub fn restore_cluster(&self, snapshot: &str, via: Via) -> Result<RestoreReport> {
         self.drain();
         let dir = local_dir(snapshot)?;
         let m = ClusterManifest::read(&dir)?;
@@ -401,17 +431,97 @@ impl Client {
                 self.create_table(req)?;
                 created.push(name);
             }
-            self.load_parts(&m, &part_dirs)
+            match via {
+                Via::Servers => self.load_on_servers(&dir, &m),
+                Via::Client => self.load_parts(&m, &part_dirs),
+            }
         })();
         match r {
             Ok(report) => Ok(report),
+            Err(e) if created.is_empty() => Err(e),
             Err(e) => {
-                for name in &created {
-                    let _ = self.drop_table(name);
-                }
-                Err(e)
+                let dropped = created.iter().all(|name| self.drop_table(name).is_ok());
+                let how = if dropped {
+                    "were dropped"
+                } else {
+                    "were dropped on the servers that answered; drop them on the others"
+                };
+                Err(with_note(
+                    e,
+                    &format!(
+                        "the restore failed; the tables it created ({}) {how}",
+                        created.join(", ")
+                    ),
+                ))
             }
         }
+    }
+
+    /// Asks every server at once to read the parts from `dir` and keep its rows, then sets
+    /// each table's learning rate.
+    fn load_on_servers(&self, dir: &Path, m: &ClusterManifest) -> Result<RestoreReport> {
+        // The path as the client sees it, absolute: the servers resolve it the same way when
+        // they share the directory.
+        let abs = dir
+            .canonicalize()
+            .map_err(|e| storage(format!("reading {}: {e}", dir.display())))?;
+        let servers = self.servers();
+        let base = LoadSnapshotRequest {
+            location: abs.to_string_lossy().into_owned(),
+            parts: m
+                .parts
+                .iter()
+                .map(|p| SnapshotPart {
+                    dir: p.dir.clone(),
+                    manifest_id: p.manifest_id.clone(),
+                    manifest_crc32: p.manifest_crc32,
+                })
+                .collect(),
+            snapshot_servers: m.layout.servers.clone(),
+            servers,
+            index: 0,
+            tables: m.tables.iter().map(|t| t.name.clone()).collect(),
+        };
+        // A load takes as long as the rows need: no deadline but the client's own for a call
+        // that does not answer at all is too short, so an hour per call.
+        let timeout = self
+            .config
+            .timeout
+            .max(std::time::Duration::from_secs(3600));
+        let answers = self.rt.block_on(async {
+            let calls = (0..self.servers.len()).map(|i| {
+                let req = LoadSnapshotRequest {
+                    index: i as u32,
+                    ..base.clone()
+                };
+                async move {
+                    self.call(i, req, timeout, false, |mut c, r| async move {
+                        c.load_snapshot(r).await
+                    })
+                    .await
+                    .map_err(|e| match e {
+                        Error::InvalidArgument(msg) => {
+                            invalid(format!("server {}: {msg}", self.servers[i].name))
+                        }
+                        e => e,
+                    })
+                }
+            });
+            super::futures_join_all(calls).await
+        });
+        let mut rows = 0;
+        for a in answers {
+            rows += a?.rows;
+        }
+        for t in &m.tables {
+            self.set_lr(&t.name, t.lr)?;
+        }
+        self.flush()?;
+        Ok(RestoreReport {
+            rows,
+            tables: m.tables.len(),
+            parts: m.parts.len(),
+        })
     }
 
     /// Refuses a table of another kind, dim or optimizer on server `server`.
@@ -577,6 +687,25 @@ impl Client {
         }
         sent += send(&mut pending)?;
         Ok(sent)
+    }
+}
+
+/// `e` with `note` added to its message, of the same kind.
+fn with_note(e: Error, note: &str) -> Error {
+    match e {
+        Error::InvalidArgument(m) => Error::InvalidArgument(format!("{m}; {note}")),
+        Error::Storage(m) => Error::Storage(format!("{m}; {note}")),
+        Error::Corrupt(m) => Error::Corrupt(format!("{m}; {note}")),
+        Error::Remote {
+            server,
+            code,
+            message,
+        } => Error::Remote {
+            server,
+            code,
+            message: format!("{message}; {note}"),
+        },
+        e => e,
     }
 }
 

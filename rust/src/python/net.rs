@@ -305,11 +305,19 @@ impl PyClient {
         serde_json::to_string(&m).map_err(|e| bad(e.to_string()))
     }
 
-    /// Loads a cluster snapshot, routing its rows by this client's servers; returns
+    /// Loads a cluster snapshot, routing its rows by this client's servers, `via` "servers"
+    /// (each reads the parts) or "client" (rows sent with BulkLoad); returns
     /// (rows, tables, parts).
-    fn restore_cluster(&self, py: Python<'_>, snapshot: &str) -> PyResult<(u64, usize, usize)> {
+    #[pyo3(signature = (snapshot, via = "servers"))]
+    fn restore_cluster(
+        &self,
+        py: Python<'_>,
+        snapshot: &str,
+        via: &str,
+    ) -> PyResult<(u64, usize, usize)> {
         let c = &self.inner;
-        let r = run(py, || c.restore_cluster(snapshot))?;
+        let via: crate::client::cluster::Via = via.parse().map_err(super::err)?;
+        let r = run(py, || c.restore_cluster(snapshot, via))?;
         Ok((r.rows, r.tables, r.parts))
     }
 

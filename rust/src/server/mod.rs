@@ -11,6 +11,7 @@ pub mod bsp;
 mod bulk;
 pub mod conn;
 pub mod layout;
+mod load;
 pub mod metrics;
 pub mod model;
 pub mod state;
@@ -993,6 +994,16 @@ impl PStore for Service {
     ) -> std::result::Result<Response<BulkLoadResponse>, Status> {
         self.run("BulkLoad", Access::Write, On::Blocking, req, |s, r| {
             bulk::bulk_load(&s.store, r)
+        })
+        .await
+    }
+
+    async fn load_snapshot(
+        &self,
+        req: Request<LoadSnapshotRequest>,
+    ) -> std::result::Result<Response<LoadSnapshotResponse>, Status> {
+        self.run("LoadSnapshot", Access::Write, On::Blocking, req, |s, r| {
+            load::load_snapshot(&s.store, r)
         })
         .await
     }

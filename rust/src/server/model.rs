@@ -347,6 +347,13 @@ impl PStore for ModelService {
         self.refuse("BulkLoad", &req)
     }
 
+    async fn load_snapshot(
+        &self,
+        req: Request<LoadSnapshotRequest>,
+    ) -> Answer<LoadSnapshotResponse> {
+        self.refuse("LoadSnapshot", &req)
+    }
+
     async fn clock(&self, req: Request<ClockRequest>) -> Answer<ClockResponse> {
         self.refuse("Clock", &req)
     }

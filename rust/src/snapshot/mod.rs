@@ -334,13 +334,84 @@ pub(crate) fn dense_entry(
     })
 }
 
-/// Loads the rows (or value) of `entry`, in the snapshot `dir`, into `table`.
-pub(crate) fn load_entry(
+/// Loads table `last` (an entry of the chain's last manifest) from the whole `chain` into
+/// `table`, keeping only the ids `keep` accepts (every id for the embedded restore; the ids a
+/// server owns in a new layout for a cluster restore). Returns the rows written.
+///
+/// The chain is applied newest first: a member's tombstones, then its rows, each id decided by
+/// the newest member that names it. The result is the embedded rules' (rows in chain order, each
+/// member's tombstones after its rows), without writing a row that a later member replaces, and
+/// a tombstone only ever hides the chain's own older rows: rows of `table` that the chain does
+/// not name are left as they are. Entries of an earlier table of the same name (another uid,
+/// dropped later in the chain) are skipped.
+///
+/// Files are read in parallel on the table's pool, or with `own_pool` false on rayon's global
+/// pool: a durable store's flusher holds the table's change lock while it runs work on the
+/// table's pool, so rows written into a live durable table must not wait on that pool.
+pub(crate) fn load_chain<F>(
+    chain: &[(PathBuf, Manifest)],
+    last: &TableEntry,
+    table: &Table,
+    keep: F,
+    own_pool: bool,
+    done: &AtomicU64,
+) -> Result<u64>
+where
+    F: Fn(u64) -> bool + Sync,
+{
+    let uid = last.record.uid();
+    let members: Vec<(&Path, &TableEntry)> = chain
+        .iter()
+        .filter_map(|(p, m)| {
+            m.tables
+                .iter()
+                .find(|e| e.name == last.name && (e.record.uid() == 0 || e.record.uid() == uid))
+                .map(|e| (p.as_path(), e))
+        })
+        .collect();
+    if let Table::Dense(_) = table {
+        let Some((dir, e)) = members.last() else {
+            return Ok(0);
+        };
+        if !keep(0) {
+            return Ok(0);
+        }
+        load_entry(dir, e, table, |_| true, None, own_pool, done)?;
+        return Ok(1);
+    }
+    let mut decided = std::collections::HashSet::<u64>::new();
+    let mut rows = 0;
+    for (k, (dir, e)) in members.iter().enumerate().rev() {
+        if let Some(fi) = &e.tombstones {
+            let gone = files::read_ids(&dir.join(&fi.name), fi)?;
+            decided.extend(gone.into_iter().filter(|&id| keep(id)));
+        }
+        // The oldest member's ids need no record: nothing older is left to hide.
+        let written = (k > 0).then(|| std::sync::Mutex::new(Vec::new()));
+        let check = !decided.is_empty();
+        let keep_here = |id: u64| keep(id) && !(check && decided.contains(&id));
+        rows += load_entry(dir, e, table, keep_here, written.as_ref(), own_pool, done)?;
+        if let Some(w) = written {
+            decided.extend(w.into_inner().unwrap_or_else(|e| e.into_inner()));
+        }
+    }
+    Ok(rows)
+}
+
+/// Loads the rows (or value) of `entry`, in the snapshot `dir`, into `table`: the rows whose id
+/// `keep` accepts (their ids also go to `written` when given). Returns the rows written.
+fn load_entry<F>(
     dir: &Path,
     entry: &TableEntry,
     table: &Table,
+    keep: F,
+    written: Option<&std::sync::Mutex<Vec<u64>>>,
+    own_pool: bool,
     done: &AtomicU64,
-) -> Result<()> {
+) -> Result<u64>
+where
+    F: Fn(u64) -> bool + Sync,
+{
     let schema = PartSchema {
         dim: entry.dim,
         state_len: entry.state_len,
@@ -359,7 +430,8 @@ pub(crate) fn load_entry(
                     t.state_len()
                 )));
             }
-            t.common().exec.install(|| {
+            let rows = AtomicU64::new(0);
+            let load = || {
                 entry.files.par_iter().try_for_each(|fi| {
                     let path = dir.join(&fi.name);
                     let mut ids = Vec::new();
@@ -368,20 +440,27 @@ pub(crate) fn load_entry(
                         ids.clear();
                         words.clear();
                         for i in 0..b.len() {
-                            ids.push(b.ids[i]);
-                            b.row_words(i, schema, &mut words);
+                            if keep(b.ids[i]) {
+                                ids.push(b.ids[i]);
+                                b.row_words(i, schema, &mut words);
+                            }
                         }
                         t.put_rows(&ids, &words)?;
-                        done.fetch_add(ids.len() as u64, Ordering::Relaxed);
+                        if let Some(w) = written {
+                            w.lock().unwrap_or_else(|e| e.into_inner()).extend(&ids);
+                        }
+                        rows.fetch_add(ids.len() as u64, Ordering::Relaxed);
+                        done.fetch_add(b.len() as u64, Ordering::Relaxed);
                         Ok(())
                     })
                 })
-            })?;
-            if let Some(fi) = &entry.tombstones {
-                let gone = files::read_ids(&dir.join(&fi.name), fi)?;
-                t.remove(&gone)?;
+            };
+            if own_pool {
+                t.common().exec.install(load)?;
+            } else {
+                load()?;
             }
-            Ok(())
+            Ok(rows.into_inner())
         }
         Table::Dense(d) => {
             let b = dense_value(dir, entry)?;
@@ -389,7 +468,8 @@ pub(crate) fn load_entry(
             b.row_words(0, schema, &mut w);
             let mut words = vec![w[0], 0];
             words.extend_from_slice(&w[crate::shard::META..]);
-            d.set_words(&words)
+            d.set_words(&words)?;
+            Ok(1)
         }
     }
 }

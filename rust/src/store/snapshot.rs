@@ -13,7 +13,7 @@ use crate::error::{corrupt, invalid, storage, Error, Result};
 use crate::hash::shard_of;
 use crate::snapshot::files::{self, FileInfo, PartSchema, PartWriter, RowBatch};
 use crate::snapshot::{
-    dense_entry, dir_of, fsync_dir, load_entry, new_id, open_parts, parts_for, relative_to,
+    dense_entry, dir_of, fsync_dir, load_chain, new_id, open_parts, parts_for, relative_to,
     unix_time, Manifest, Parent, Part, SnapshotInfo, TableEntry, BATCH_ROWS, FORMAT_NAME,
     FORMAT_VERSION, MANIFEST, SETTLED_BYTES, SNAPSHOT_KEY,
 };
@@ -555,17 +555,9 @@ impl Store {
                 t.reserve(entry.total_rows as usize);
             }
         }
-        for (path, m) in chain {
-            for entry in &m.tables {
-                let Ok(table) = store.table(&entry.name) else {
-                    continue; // dropped later in the chain
-                };
-                let uid = entry.record.uid();
-                if uid != 0 && uid != table.handle().common().uid() {
-                    continue; // an earlier table of that name, dropped later in the chain
-                }
-                load_entry(path, entry, &table, done)?;
-            }
+        for entry in &last.tables {
+            let table = store.table(&entry.name)?;
+            load_chain(chain, entry, &table, |_| true, true, done)?;
         }
         for entry in &last.tables {
             let table = store.table(&entry.name)?;
