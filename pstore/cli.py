@@ -412,10 +412,13 @@ def build_parser() -> argparse.ArgumentParser:
         "snapshot",
         help="write a snapshot of a durable store (not open in another process)",
         description="Write a full (or, with --incremental, an incremental) snapshot of the "
-        "durable store STORE into the new directory OUT.",
+        "durable store STORE into the new directory OUT, or into the object-store prefix OUT "
+        "(s3://BUCKET/PREFIX, credentials and endpoint from the AWS_* environment).",
     )
     p.add_argument("store", metavar="STORE", help="a durable store directory")
-    p.add_argument("out", metavar="OUT", help="the snapshot directory to create")
+    p.add_argument(
+        "out", metavar="OUT", help="the snapshot directory (or s3://BUCKET/PREFIX) to create"
+    )
     p.add_argument(
         "--incremental",
         action="store_true",
@@ -430,7 +433,9 @@ def build_parser() -> argparse.ArgumentParser:
         description="Rebuild the durable store OUT (a new directory) from SNAPSHOT, following "
         "an increment's parents back to its full snapshot.",
     )
-    p.add_argument("snapshot", metavar="SNAPSHOT", help="a snapshot directory")
+    p.add_argument(
+        "snapshot", metavar="SNAPSHOT", help="a snapshot directory or s3://BUCKET/PREFIX"
+    )
     p.add_argument("out", metavar="OUT", help="the store directory to create")
     p.add_argument("--num-shards", type=int, default=None, help="shards per table (default 64)")
     p.add_argument(
@@ -449,7 +454,9 @@ def build_parser() -> argparse.ArgumentParser:
         "connected store) onto the servers of --cluster FILE or HOST:PORT ..., routing every "
         "row by the new list: the same call as pstore.restore_cluster.",
     )
-    p.add_argument("snapshot", metavar="SNAPSHOT", help="a cluster snapshot directory")
+    p.add_argument(
+        "snapshot", metavar="SNAPSHOT", help="a cluster snapshot directory or s3://BUCKET/PREFIX"
+    )
     p.add_argument("servers", nargs="*", metavar="HOST:PORT")
     p.add_argument("--cluster", default=None, help="a cluster file of the new servers")
     p.add_argument("--token-file", default=None, help="file holding a token ($PSTORE_TOKEN)")

@@ -113,9 +113,11 @@ class RemoteStore(BaseStore):
         """Write one snapshot of the whole cluster into ``dest``; return its cluster manifest.
 
         ``dest`` is a directory (or ``file://DIR``) that the client and every server reach (on
-        one machine, or a shared file system); it is created with its parents. Each server
-        writes its part, ``dest/server-<i>`` (an ordinary snapshot, per-row consistent while
-        training goes on), then the client writes ``dest/cluster.json``: the layout (server
+        one machine, or a shared file system), created with its parents, or an object-store
+        prefix ``s3://BUCKET/PREFIX`` that every server writes to itself (each server and the
+        client need the ``AWS_*`` environment, docs/CLUSTER.md). Each server writes its part,
+        ``dest/server-<i>`` (an ordinary snapshot, per-row consistent while training goes on),
+        so no row passes through the client, then the client writes ``dest/cluster.json``: the layout (server
         list, routing), the tables' configs and every part's manifest id and checksum
         (docs/FORMAT.md). With ``incremental``, each part holds the rows changed since the
         previous cluster snapshot plus tombstones, and the manifest names it as parent.
@@ -344,8 +346,9 @@ def restore_cluster(
     onto 2. Everything is checked before anything is written: every part present with its
     manifest's checksum, every file of every part's chain, and every table that exists already
     on the new servers having the snapshot's dim (shape) and optimizer. If a write fails later,
-    the tables the restore created are dropped again. ``servers`` and ``connect_args`` are
-    those of :func:`connect`. Returns ``{"rows", "tables", "parts"}``.
+    the tables the restore created are dropped again. ``snapshot`` is a directory or an
+    ``s3://BUCKET/PREFIX`` URI (downloaded into a staging directory first). ``servers`` and
+    ``connect_args`` are those of :func:`connect`. Returns ``{"rows", "tables", "parts"}``.
     """
     store = connect(servers, **connect_args)
     return store.restore_cluster(snapshot)
