@@ -125,7 +125,9 @@ def _record(rec: dict[str, Any]) -> str:
 
 def _cmd_inspect(args: argparse.Namespace) -> int:
     path = args.path
-    if os.path.isfile(os.path.join(path, "manifest.json")):
+    # An object-store URI (s3://) can only be a snapshot: its chain says if it is none.
+    remote = "://" in path and not path.startswith("file://")
+    if remote or os.path.isfile(os.path.join(path, "manifest.json")):
         chain = _chain(path)
         if args.verify:
             checked = verify_snapshot(path)
@@ -468,7 +470,9 @@ def build_parser() -> argparse.ArgumentParser:
         "inspect",
         help="show a store or a snapshot: tables, rows, bytes, versions, chain of increments",
     )
-    p.add_argument("path", metavar="PATH", help="a store directory or a snapshot directory")
+    p.add_argument(
+        "path", metavar="PATH", help="a store directory, a snapshot directory or s3://BUCKET/PREFIX"
+    )
     p.add_argument("--json", action="store_true", help="print JSON")
     p.add_argument(
         "--verify", action="store_true", help="check every snapshot file's size and checksum"

@@ -703,14 +703,14 @@ class Store(BaseStore):
     ) -> Store:
         """Rebuild a store from a snapshot and its chain of increments.
 
-        ``snapshot_dir`` is a full snapshot or an increment; its parents are followed back to
-        the base. It is a directory, ``file://DIR`` or an ``s3://BUCKET/PREFIX`` URI, which is
-        downloaded with its chain into a staging directory (removed afterwards) and checked
-        like a local one. The result is an in-memory store, or a durable one at ``path`` (a directory
-        that holds no store yet), with any ``num_shards``. Every file is checked against the
-        size and checksum its manifest records: a truncated or altered file raises
-        :class:`CorruptError` naming it, and no store is left behind. ``progress``, if given, is
-        called from this thread with the rows loaded so far, every 0.1 s or so.
+        ``snapshot_dir`` is a full snapshot or an increment; its parents are followed back to the
+        base. It is a directory, ``file://DIR`` or an ``s3://BUCKET/PREFIX`` URI, which is
+        downloaded with its chain into a staging directory (removed afterwards) and checked like a
+        local one. The result is an in-memory store, or a durable one at ``path`` (a directory that
+        holds no store yet), with any ``num_shards``. Every file is checked against the size and
+        checksum its manifest records: a truncated or altered file raises :class:`CorruptError`
+        naming it, and no store is left behind. ``progress``, if given, is called from this thread
+        with the rows loaded so far, every 0.1 s or so.
         """
         counter = _native.Counter()
         args = (

@@ -112,15 +112,15 @@ class RemoteStore(BaseStore):
     ) -> dict[str, Any]:
         """Write one snapshot of the whole cluster into ``dest``; return its cluster manifest.
 
-        ``dest`` is a directory (or ``file://DIR``) that the client and every server reach (on
-        one machine, or a shared file system), created with its parents, or an object-store
-        prefix ``s3://BUCKET/PREFIX`` that every server writes to itself (each server and the
-        client need the ``AWS_*`` environment, docs/CLUSTER.md). Each server writes its part,
-        ``dest/server-<i>`` (an ordinary snapshot, per-row consistent while training goes on),
-        so no row passes through the client, then the client writes ``dest/cluster.json``: the layout (server
-        list, routing), the tables' configs and every part's manifest id and checksum
-        (docs/FORMAT.md). With ``incremental``, each part holds the rows changed since the
-        previous cluster snapshot plus tombstones, and the manifest names it as parent.
+        ``dest`` is a directory (or ``file://DIR``) that the client and every server reach (on one
+        machine, or a shared file system), created with its parents, or an object-store prefix
+        ``s3://BUCKET/PREFIX`` that every server writes to itself (each server and the client need
+        the ``AWS_*`` environment, docs/CLUSTER.md). Each server writes its part,
+        ``dest/server-<i>`` (an ordinary snapshot, per-row consistent while training goes on), so no
+        row passes through the client, then the client writes ``dest/cluster.json``: the layout
+        (server list, routing), the tables' configs and every part's manifest id and checksum
+        (docs/FORMAT.md). With ``incremental``, each part holds the rows changed since the previous
+        cluster snapshot plus tombstones, and the manifest names it as parent.
         :func:`restore_cluster` loads it onto any server list.
         """
         out = self._inner.cluster_snapshot(os.fspath(dest), incremental)
