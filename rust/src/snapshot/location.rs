@@ -390,7 +390,29 @@ fn remote_error(uri: &str, what: &str, e: object_store::Error) -> Error {
         object_store::Error::NotFound { .. } if hint.is_empty() => {
             invalid(format!("{uri}: {what}: no such object"))
         }
-        _ => storage(format!("{uri}: {what} failed: {hint}{text}")),
+        _ => storage(format!("{uri}: {what} failed: {hint}{}", short(&text))),
+    }
+}
+
+/// An S3 error answer's code and message (`NoSuchBucket: The specified bucket does not exist`)
+/// instead of its whole XML body; other errors as they are.
+fn short(text: &str) -> String {
+    let tag = |t: &str| -> Option<&str> {
+        let open = format!("<{t}>");
+        let from = text.find(&open)? + open.len();
+        let to = text[from..].find(&format!("</{t}>"))? + from;
+        Some(&text[from..to])
+    };
+    match (tag("Code"), tag("Message")) {
+        (Some(code), Some(msg)) => {
+            let status = text
+                .find("status code: ")
+                .map(|i| &text[i + 13..])
+                .and_then(|t| t.split(':').next())
+                .unwrap_or("");
+            format!("{code}: {msg} ({status})")
+        }
+        _ => text.to_string(),
     }
 }
 
@@ -964,6 +986,22 @@ mod tests {
             resolve_key("b", "a/s2", ".."),
             Err(Error::Corrupt(_))
         ));
+    }
+
+    #[test]
+    fn s3_error_answers_are_shortened() {
+        let body = "Generic S3 error: Error performing GET http://h/b in 9ms - Server returned \
+                    non-2xx status code: 404 Not Found: <?xml version=\"1.0\"?><Error>\
+                    <Code>NoSuchBucket</Code><Message>The specified bucket does not exist\
+                    </Message><RequestId>x</RequestId></Error>";
+        assert_eq!(
+            short(body),
+            "NoSuchBucket: The specified bucket does not exist (404 Not Found)"
+        );
+        assert_eq!(
+            short("HTTP error: error sending request"),
+            "HTTP error: error sending request"
+        );
     }
 
     #[test]
