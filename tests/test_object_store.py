@@ -52,7 +52,7 @@ class Moto:
                     raise
                 time.sleep(0.05)
 
-    def client(self):  # type: ignore[no-untyped-def]
+    def client(self):
         return boto3.client(
             "s3",
             endpoint_url=self.endpoint,
@@ -74,7 +74,7 @@ def moto() -> Iterator[Moto]:
 
 
 @pytest.fixture
-def s3(moto: Moto, monkeypatch: pytest.MonkeyPatch):  # type: ignore[no-untyped-def]
+def s3(moto: Moto, monkeypatch: pytest.MonkeyPatch):
     """The environment a user sets for an S3-compatible server (the servers started by the
     test inherit it), and a boto3 client of that server."""
     for k in list(os.environ):
@@ -89,20 +89,20 @@ def s3(moto: Moto, monkeypatch: pytest.MonkeyPatch):  # type: ignore[no-untyped-
 
 
 @pytest.fixture
-def bucket(s3) -> str:  # type: ignore[no-untyped-def]
+def bucket(s3) -> str:
     name = f"pstore-{uuid.uuid4().hex[:12]}"
     s3.create_bucket(Bucket=name)
     return name
 
 
-def keys(s3, bucket: str, prefix: str) -> list[str]:  # type: ignore[no-untyped-def]
+def keys(s3, bucket: str, prefix: str) -> list[str]:
     out: list[str] = []
     for page in s3.get_paginator("list_objects_v2").paginate(Bucket=bucket, Prefix=prefix):
         out.extend(o["Key"] for o in page.get("Contents", []))
     return sorted(out)
 
 
-def download(s3, bucket: str, prefix: str, dest: Path) -> Path:  # type: ignore[no-untyped-def]
+def download(s3, bucket: str, prefix: str, dest: Path) -> Path:
     """The objects under `prefix`, as files under `dest` (with boto3, not pstore)."""
     for k in keys(s3, bucket, prefix + "/"):
         path = dest / k[len(prefix) + 1 :]
@@ -225,7 +225,7 @@ def test_incremental_chain_with_tombstones_through_s3(s3, bucket, tmp_path, rng,
 
 
 @pytest.fixture
-def cluster(s3) -> Iterator[Callable[[int], list[str]]]:  # type: ignore[no-untyped-def]
+def cluster(s3) -> Iterator[Callable[[int], list[str]]]:
     """Starts n in-memory servers (with the S3 environment) per call; all stopped at the end."""
     procs: list[ServerProcess] = []
 
