@@ -964,26 +964,26 @@ mod tests {
         ] {
             assert_eq!(relative_key(child, parent), rel, "{child} -> {parent}");
             assert_eq!(
-                resolve_key("b", child, rel).unwrap(),
+                resolve_key("bkt", child, rel).unwrap(),
                 parent,
                 "{child} + {rel}"
             );
         }
-        assert_eq!(resolve_key("b", "a/s2", "s3://b/q/s1").unwrap(), "q/s1");
+        assert_eq!(resolve_key("bkt", "a/s2", "s3://bkt/q/s1").unwrap(), "q/s1");
         assert!(matches!(
-            resolve_key("b", "a/s2", "s3://c/q/s1"),
+            resolve_key("bkt", "a/s2", "s3://ccc/q/s1"),
             Err(Error::InvalidArgument(_))
         ));
         assert!(matches!(
-            resolve_key("b", "a/s2", "/abs/s1"),
+            resolve_key("bkt", "a/s2", "/abs/s1"),
             Err(Error::InvalidArgument(_))
         ));
         assert!(matches!(
-            resolve_key("b", "a/s2", "../../s1"),
+            resolve_key("bkt", "a/s2", "../../s1"),
             Err(Error::Corrupt(_))
         ));
         assert!(matches!(
-            resolve_key("b", "a/s2", ".."),
+            resolve_key("bkt", "a/s2", ".."),
             Err(Error::Corrupt(_))
         ));
     }
