@@ -125,7 +125,9 @@ def _record(rec: dict[str, Any]) -> str:
 
 def _cmd_inspect(args: argparse.Namespace) -> int:
     path = args.path
-    if os.path.isfile(os.path.join(path, "manifest.json")):
+    # An object-store URI (s3://) can only be a snapshot: its chain says if it is none.
+    remote = "://" in path and not path.startswith("file://")
+    if remote or os.path.isfile(os.path.join(path, "manifest.json")):
         chain = _chain(path)
         if args.verify:
             checked = verify_snapshot(path)
@@ -452,10 +454,13 @@ def build_parser() -> argparse.ArgumentParser:
         "snapshot",
         help="write a snapshot of a durable store (not open in another process)",
         description="Write a full (or, with --incremental, an incremental) snapshot of the "
-        "durable store STORE into the new directory OUT.",
+        "durable store STORE into the new directory OUT, or into the object-store prefix OUT "
+        "(s3://BUCKET/PREFIX, credentials and endpoint from the AWS_* environment).",
     )
     p.add_argument("store", metavar="STORE", help="a durable store directory")
-    p.add_argument("out", metavar="OUT", help="the snapshot directory to create")
+    p.add_argument(
+        "out", metavar="OUT", help="the snapshot directory (or s3://BUCKET/PREFIX) to create"
+    )
     p.add_argument(
         "--incremental",
         action="store_true",
@@ -470,7 +475,9 @@ def build_parser() -> argparse.ArgumentParser:
         description="Rebuild the durable store OUT (a new directory) from SNAPSHOT, following "
         "an increment's parents back to its full snapshot.",
     )
-    p.add_argument("snapshot", metavar="SNAPSHOT", help="a snapshot directory")
+    p.add_argument(
+        "snapshot", metavar="SNAPSHOT", help="a snapshot directory or s3://BUCKET/PREFIX"
+    )
     p.add_argument("out", metavar="OUT", help="the store directory to create")
     p.add_argument("--num-shards", type=int, default=None, help="shards per table (default 64)")
     p.add_argument(
@@ -489,7 +496,9 @@ def build_parser() -> argparse.ArgumentParser:
         "connected store) onto the servers of --cluster FILE or HOST:PORT ..., routing every "
         "row by the new list: the same call as pstore.restore_cluster.",
     )
-    p.add_argument("snapshot", metavar="SNAPSHOT", help="a cluster snapshot directory")
+    p.add_argument(
+        "snapshot", metavar="SNAPSHOT", help="a cluster snapshot directory or s3://BUCKET/PREFIX"
+    )
     p.add_argument("servers", nargs="*", metavar="HOST:PORT")
     p.add_argument("--cluster", default=None, help="a cluster file of the new servers")
     p.add_argument("--token-file", default=None, help="file holding a token ($PSTORE_TOKEN)")
@@ -508,7 +517,9 @@ def build_parser() -> argparse.ArgumentParser:
         "inspect",
         help="show a store or a snapshot: tables, rows, bytes, versions, chain of increments",
     )
-    p.add_argument("path", metavar="PATH", help="a store directory or a snapshot directory")
+    p.add_argument(
+        "path", metavar="PATH", help="a store directory, a snapshot directory or s3://BUCKET/PREFIX"
+    )
     p.add_argument("--json", action="store_true", help="print JSON")
     p.add_argument(
         "--verify", action="store_true", help="check every snapshot file's size and checksum"

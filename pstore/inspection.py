@@ -20,6 +20,9 @@ __all__ = ["inspect_store", "snapshot_chain", "verify_snapshot"]
 def snapshot_chain(snapshot_dir: str | os.PathLike[str]) -> list[tuple[str, dict[str, Any]]]:
     """The manifests of a snapshot's chain, the full snapshot first, each with its directory.
 
+    ``snapshot_dir`` may be an ``s3://BUCKET/PREFIX`` URI: its manifests are read from the
+    object store (no part file is downloaded) and each comes with its URI.
+
     Raises :class:`InvalidArgumentError` if a directory has no manifest (it is not a snapshot)
     and :class:`CorruptError` if a manifest is unreadable, of another version, or names a parent
     that is not the snapshot found there.
@@ -31,7 +34,8 @@ def verify_snapshot(snapshot_dir: str | os.PathLike[str]) -> int:
     """Check every file of a snapshot's chain against its manifest (size, then CRC-32).
 
     Returns the bytes checked; the first damaged or missing file raises :class:`CorruptError`
-    naming it.
+    naming it. An ``s3://BUCKET/PREFIX`` snapshot is downloaded with its chain into a staging
+    directory (removed afterwards) and checked there.
     """
     return _native.verify_snapshot(os.fspath(snapshot_dir))
 

@@ -677,6 +677,14 @@ class Store(BaseStore):
     ) -> dict[str, Any]:
         """Write a snapshot of every table into the new directory ``dir``; returns its manifest.
 
+        ``dir`` is a local path (its missing parents are created), ``file://DIR``, or an
+        object-store prefix ``s3://BUCKET/PREFIX`` (credentials and endpoint from the
+        environment: ``AWS_ACCESS_KEY_ID``, ``AWS_SECRET_ACCESS_KEY``, ``AWS_REGION``,
+        ``AWS_ENDPOINT_URL``, ``AWS_ALLOW_HTTP``; docs/CLUSTER.md). A remote snapshot is written
+        into a local staging directory (``PSTORE_STAGING_DIR``, else the temporary directory)
+        and uploaded with its manifest last; a prefix that holds objects already is refused,
+        and an increment goes into the bucket of the snapshot it builds on.
+
         A full snapshot holds every row; with ``incremental=True`` only the rows changed since
         this store's previous snapshot, plus tombstones for ids removed or evicted since then
         (its manifest names that snapshot as its parent). Each table is written as Arrow IPC
@@ -716,12 +724,14 @@ class Store(BaseStore):
     ) -> Store:
         """Rebuild a store from a snapshot and its chain of increments.
 
-        ``snapshot_dir`` is a full snapshot or an increment; its parents are followed back to
-        the base. The result is an in-memory store, or a durable one at ``path`` (a directory
-        that holds no store yet), with any ``num_shards``. Every file is checked against the
-        size and checksum its manifest records: a truncated or altered file raises
-        :class:`CorruptError` naming it, and no store is left behind. ``progress``, if given, is
-        called from this thread with the rows loaded so far, every 0.1 s or so.
+        ``snapshot_dir`` is a full snapshot or an increment; its parents are followed back to the
+        base. It is a directory, ``file://DIR`` or an ``s3://BUCKET/PREFIX`` URI, which is
+        downloaded with its chain into a staging directory (removed afterwards) and checked like a
+        local one. The result is an in-memory store, or a durable one at ``path`` (a directory that
+        holds no store yet), with any ``num_shards``. Every file is checked against the size and
+        checksum its manifest records: a truncated or altered file raises :class:`CorruptError`
+        naming it, and no store is left behind. ``progress``, if given, is called from this thread
+        with the rows loaded so far, every 0.1 s or so.
         """
         counter = _native.Counter()
         args = (

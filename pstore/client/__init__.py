@@ -112,13 +112,15 @@ class RemoteStore(BaseStore):
     ) -> dict[str, Any]:
         """Write one snapshot of the whole cluster into ``dest``; return its cluster manifest.
 
-        ``dest`` is a directory (or ``file://DIR``) that the client and every server reach (on
-        one machine, or a shared file system); it is created with its parents. Each server
-        writes its part, ``dest/server-<i>`` (an ordinary snapshot, per-row consistent while
-        training goes on), then the client writes ``dest/cluster.json``: the layout (server
-        list, routing), the tables' configs and every part's manifest id and checksum
-        (docs/FORMAT.md). With ``incremental``, each part holds the rows changed since the
-        previous cluster snapshot plus tombstones, and the manifest names it as parent.
+        ``dest`` is a directory (or ``file://DIR``) that the client and every server reach (on one
+        machine, or a shared file system), created with its parents, or an object-store prefix
+        ``s3://BUCKET/PREFIX`` that every server writes to itself (each server and the client need
+        the ``AWS_*`` environment, docs/CLUSTER.md). Each server writes its part,
+        ``dest/server-<i>`` (an ordinary snapshot, per-row consistent while training goes on), so no
+        row passes through the client, then the client writes ``dest/cluster.json``: the layout
+        (server list, routing), the tables' configs and every part's manifest id and checksum
+        (docs/FORMAT.md). With ``incremental``, each part holds the rows changed since the previous
+        cluster snapshot plus tombstones, and the manifest names it as parent.
         :func:`restore_cluster` loads it onto any server list.
         """
         out = self._inner.cluster_snapshot(os.fspath(dest), incremental)
@@ -344,17 +346,19 @@ def restore_cluster(
     """Load a cluster snapshot (:meth:`RemoteStore.snapshot`) onto ``servers``, any number of them.
 
     Every row (weights, optimizer state, step, version, frequency) goes to the server the new
-    list routes it to, so a snapshot of 4 servers restores onto 8 or onto 2. Everything is
-    checked before anything is written: every part present with its manifest's checksum, every
-    file of every part's chain, and every table that exists already on the new servers having
-    the snapshot's dim (shape) and optimizer. With ``via="servers"`` (the default) every server
-    reads the parts itself from the snapshot's directory, at the absolute path the client sees,
-    and keeps its rows; a server that cannot read it fails the restore naming itself and the
-    path. ``via="client"`` is the fallback for servers that do not reach the directory: the
-    client reads the parts and sends every row with the ``BulkLoad`` call (several times
-    slower). If a write fails later, the tables the restore created are dropped again and the
-    error says so. ``servers`` and ``connect_args`` are those of :func:`connect`. Returns
-    ``{"rows", "tables", "parts"}``.
+    list routes it to, so a snapshot of 4 servers restores onto 8 or onto 2. ``snapshot`` is a
+    directory or an ``s3://BUCKET/PREFIX`` URI. Everything is checked before anything is
+    written: every part present with its manifest's checksum, every file of every part's chain
+    (a remote snapshot is downloaded into a staging directory for this), and every table that
+    exists already on the new servers having the snapshot's dim (shape) and optimizer. With
+    ``via="servers"`` (the default) every server reads the parts itself, from the object store
+    or from the snapshot's directory at the absolute path the client sees, and keeps its rows; a
+    server that cannot read it fails the restore naming itself and the location.
+    ``via="client"`` is the fallback for servers that do not reach it: the client reads the
+    parts and sends every row with the ``BulkLoad`` call (several times slower). If a write
+    fails later, the tables the restore created are dropped again and the error says so.
+    ``servers`` and ``connect_args`` are those of :func:`connect`. Returns ``{"rows", "tables",
+    "parts"}``.
     """
     store = connect(servers, **connect_args)
     return store.restore_cluster(snapshot, via)

@@ -27,11 +27,12 @@ use crate::error::{corrupt, invalid, storage, Error, Result};
 use crate::hash::mix64;
 use crate::net::proto::*;
 use crate::net::routing::key;
+use crate::snapshot::location::{self, Location};
 use crate::snapshot::{self, Manifest};
 use crate::store::{Store, StoreConfig, Table};
 
 /// The cluster manifest's file name.
-pub const CLUSTER_MANIFEST: &str = "cluster.json";
+pub const CLUSTER_MANIFEST: &str = location::CLUSTER_MANIFEST;
 /// The format's name, in every cluster manifest.
 pub const CLUSTER_FORMAT: &str = "pstore-cluster-snapshot";
 /// The cluster manifest version this build writes and reads.
@@ -139,21 +140,34 @@ impl ClusterManifest {
             }
             Err(e) => return Err(storage(format!("reading {}: {e}", path.display()))),
         };
-        let m: ClusterManifest = serde_json::from_slice(&bytes)
-            .map_err(|e| corrupt(format!("{}: not a readable manifest: {e}", path.display())))?;
+        Self::from_bytes(&bytes, &path.display().to_string())
+    }
+
+    /// Reads and checks the cluster manifest at `at`, a directory or an object-store prefix.
+    pub fn read_at(at: &Location) -> Result<Self> {
+        let bytes = at.read(CLUSTER_MANIFEST)?.ok_or_else(|| {
+            invalid(format!(
+                "{at} is not a cluster snapshot: it has no {CLUSTER_MANIFEST}"
+            ))
+        })?;
+        Self::from_bytes(&bytes, &format!("{at}/{CLUSTER_MANIFEST}"))
+    }
+
+    /// Parses and checks the cluster manifest bytes read from `path`.
+    pub fn from_bytes(bytes: &[u8], path: &str) -> Result<Self> {
+        let m: ClusterManifest = serde_json::from_slice(bytes)
+            .map_err(|e| corrupt(format!("{path}: not a readable manifest: {e}")))?;
         if m.format != CLUSTER_FORMAT || m.version != CLUSTER_VERSION {
             return Err(corrupt(format!(
                 "{}: format {:?} version {}, this pstore reads {CLUSTER_FORMAT:?} version \
                  {CLUSTER_VERSION}",
-                path.display(),
-                m.format,
-                m.version
+                path, m.format, m.version
             )));
         }
         if m.parts.len() != m.layout.servers.len() {
             return Err(corrupt(format!(
                 "{}: {} parts for {} servers",
-                path.display(),
+                path,
                 m.parts.len(),
                 m.layout.servers.len()
             )));
@@ -161,30 +175,13 @@ impl ClusterManifest {
         if m.layout.hash != layout_hash(&m.layout.servers) {
             return Err(corrupt(format!(
                 "{}: layout hash {} does not match its server list (hash {})",
-                path.display(),
+                path,
                 m.layout.hash,
                 layout_hash(&m.layout.servers)
             )));
         }
         Ok(m)
     }
-}
-
-/// A local directory from a destination: a path, or a `file://` URI.
-pub fn local_dir(dest: &str) -> Result<PathBuf> {
-    if let Some(p) = dest.strip_prefix("file://") {
-        return Ok(PathBuf::from(p));
-    }
-    if let Some((scheme, _)) = dest.split_once("://") {
-        return Err(invalid(format!(
-            "snapshot destination {dest:?}: scheme {scheme}:// is not supported by this build; \
-             give a directory (or file://DIR) that every server and the client can reach"
-        )));
-    }
-    if dest.is_empty() {
-        return Err(invalid("a snapshot needs a destination directory"));
-    }
-    Ok(PathBuf::from(dest))
 }
 
 /// How a cluster restore moves the rows onto the new servers.
@@ -231,38 +228,21 @@ fn policy_name(p: i32) -> String {
         .to_string()
 }
 
-fn write_atomically(path: &Path, bytes: &[u8]) -> Result<()> {
-    use std::io::Write;
-    let dir = path.parent().unwrap_or(Path::new("."));
-    let tmp = dir.join(format!(".{CLUSTER_MANIFEST}.tmp-{}", snapshot::new_id()));
-    let r = (|| {
-        let mut f = std::fs::File::create(&tmp)?;
-        f.write_all(bytes)?;
-        f.sync_all()?;
-        std::fs::rename(&tmp, path)
-    })();
-    if let Err(e) = r {
-        let _ = std::fs::remove_file(&tmp);
-        return Err(storage(format!("writing {}: {e}", path.display())));
-    }
-    snapshot::fsync_dir(dir)
-}
-
 impl Client {
-    /// Writes one snapshot of the whole cluster into `dest` (created with its parents): every
-    /// server writes `dest/server-<i>` itself, then the client writes `dest/cluster.json`. With
+    /// Writes one snapshot of the whole cluster into `dest`, a directory (created with its
+    /// parents) or an object-store prefix (`s3://bucket/prefix`): every server writes
+    /// `dest/server-<i>` itself, then the client writes `dest/cluster.json`. With
     /// `incremental`, each server writes the rows changed since its previous snapshot, which
     /// must be a part of one earlier cluster snapshot: the new manifest names it as parent.
     pub fn cluster_snapshot(&self, dest: &str, incremental: bool) -> Result<ClusterManifest> {
-        let dir = local_dir(dest)?;
-        if dir.join(CLUSTER_MANIFEST).exists() {
+        let dir = Location::open(dest)?;
+        if dir.read(CLUSTER_MANIFEST)?.is_some() {
             return Err(invalid(format!(
-                "{} holds a cluster snapshot already; a snapshot is written into a new directory",
-                dir.display()
+                "{dir} holds a cluster snapshot already; a snapshot is written into a new \
+                 directory"
             )));
         }
-        std::fs::create_dir_all(&dir)
-            .map_err(|e| storage(format!("creating {}: {e}", dir.display())))?;
+        dir.create_dir_all()?;
         let mut tables = Vec::new();
         for name in self.list_tables()? {
             let info = self.get_table(&name)?.swap_remove(0);
@@ -277,8 +257,7 @@ impl Client {
                 lr: info.lr,
             });
         }
-        let dir_str = dir.to_string_lossy().into_owned();
-        let answers = self.snapshot(&dir_str, incremental)?;
+        let answers = self.snapshot(&dir.to_string(), incremental)?;
         let mut parts = Vec::new();
         let mut parents = Vec::new();
         for (i, a) in answers.iter().enumerate() {
@@ -289,8 +268,7 @@ impl Client {
                 ))
             })?;
             if let Some(p) = &m.parent {
-                let part_dir = dir.join(format!("server-{i}"));
-                let server_prev = snapshot::resolve(&part_dir, &p.path);
+                let server_prev = dir.join(&format!("server-{i}")).resolve(&p.path)?;
                 parents.push((server_prev, p.id.clone()));
             }
             parts.push(ClusterPart {
@@ -324,44 +302,60 @@ impl Client {
         };
         let bytes =
             serde_json::to_vec_pretty(&manifest).map_err(|e| Error::Internal(e.to_string()))?;
-        write_atomically(&dir.join(CLUSTER_MANIFEST), &bytes)?;
+        dir.write(CLUSTER_MANIFEST, &bytes)?;
         Ok(manifest)
     }
 
     /// The cluster snapshot whose parts are the servers' previous snapshots.
-    fn cluster_parent(&self, dir: &Path, parents: &[(PathBuf, String)]) -> Result<ClusterParent> {
+    fn cluster_parent(
+        &self,
+        dir: &Location,
+        parents: &[(Location, String)],
+    ) -> Result<ClusterParent> {
         let not_one = || {
             invalid(format!(
-                "incremental cluster snapshot {}: the servers' previous snapshots are not the \
-                 parts of one cluster snapshot (take a full cluster snapshot first)",
-                dir.display()
+                "incremental cluster snapshot {dir}: the servers' previous snapshots are not the \
+                 parts of one cluster snapshot (take a full cluster snapshot first)"
             ))
         };
         let first = parents.first().ok_or_else(not_one)?;
-        let pdir = first.0.parent().ok_or_else(not_one)?.to_path_buf();
-        let pm = ClusterManifest::read(&pdir).map_err(|_| not_one())?;
+        let pdir = first.0.parent().ok_or_else(not_one)?;
+        let pm = ClusterManifest::read_at(&pdir).map_err(|_| not_one())?;
         if pm.parts.len() != parents.len() {
             return Err(not_one());
         }
         for (part, (path, id)) in pm.parts.iter().zip(parents) {
-            if part.manifest_id != *id || path.parent() != Some(pdir.as_path()) {
+            let same = path
+                .parent()
+                .is_some_and(|p| p.to_string() == pdir.to_string());
+            if part.manifest_id != *id || !same {
                 return Err(not_one());
             }
         }
         Ok(ClusterParent {
             id: pm.id,
-            path: snapshot::relative_to(dir, &pdir),
+            path: dir.relative(&pdir)?,
         })
     }
 
-    /// Loads the cluster snapshot in `snapshot` into this client's servers, routing every row
-    /// by this client's server list (any number of servers), the rows moved as `via` says.
-    /// Tables that exist already must have the snapshot's dim and optimizer; their rows of the
-    /// same ids are replaced.
+    /// Loads the cluster snapshot in `snapshot` (a directory or an object-store prefix) into
+    /// this client's servers, routing every row by this client's server list (any number of
+    /// servers), the rows moved as `via` says. Tables that exist already must have the
+    /// snapshot's dim and optimizer; their rows of the same ids are replaced. A remote snapshot
+    /// is downloaded into a staging directory to be checked; with [`Via::Servers`] every server
+    /// then reads it from the object store itself.
     pub fn restore_cluster(&self, snapshot: &str, via: Via) -> Result<RestoreReport> {
         self.drain();
-        let dir = local_dir(snapshot)?;
-        let m = ClusterManifest::read(&dir)?;
+        let staged = location::stage(snapshot)?;
+        // The servers read a remote snapshot from the object store, a local one at the path
+        // the client sees.
+        let remote = staged.is_staged().then_some(snapshot);
+        self.restore_staged(staged.dir(), remote, via)
+            .map_err(|e| staged.explain(e))
+    }
+
+    fn restore_staged(&self, dir: &Path, remote: Option<&str>, via: Via) -> Result<RestoreReport> {
+        let m = ClusterManifest::read(dir)?;
         // Everything is checked before anything is written.
         let mut part_dirs = Vec::new();
         for part in &m.parts {
@@ -432,7 +426,7 @@ impl Client {
                 created.push(name);
             }
             match via {
-                Via::Servers => self.load_on_servers(&dir, &m),
+                Via::Servers => self.load_on_servers(dir, remote, &m),
                 Via::Client => self.load_parts(&m, &part_dirs),
             }
         })();
@@ -459,15 +453,25 @@ impl Client {
 
     /// Asks every server at once to read the parts from `dir` and keep its rows, then sets
     /// each table's learning rate.
-    fn load_on_servers(&self, dir: &Path, m: &ClusterManifest) -> Result<RestoreReport> {
-        // The path as the client sees it, absolute: the servers resolve it the same way when
-        // they share the directory.
-        let abs = dir
-            .canonicalize()
-            .map_err(|e| storage(format!("reading {}: {e}", dir.display())))?;
+    fn load_on_servers(
+        &self,
+        dir: &Path,
+        remote: Option<&str>,
+        m: &ClusterManifest,
+    ) -> Result<RestoreReport> {
+        // A remote snapshot's URI, or the path as the client sees it, absolute: the servers
+        // resolve it the same way when they share the directory.
+        let location = match remote {
+            Some(uri) => uri.to_string(),
+            None => dir
+                .canonicalize()
+                .map_err(|e| storage(format!("reading {}: {e}", dir.display())))?
+                .to_string_lossy()
+                .into_owned(),
+        };
         let servers = self.servers();
         let base = LoadSnapshotRequest {
-            location: abs.to_string_lossy().into_owned(),
+            location,
             parts: m
                 .parts
                 .iter()

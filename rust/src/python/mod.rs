@@ -164,7 +164,7 @@ impl PyStore {
     #[allow(clippy::too_many_arguments)]
     fn restore(
         py: Python<'_>,
-        snapshot: std::path::PathBuf,
+        snapshot: String,
         num_shards: Option<usize>,
         threads: Option<usize>,
         max_inflight_bytes: Option<usize>,
@@ -186,26 +186,24 @@ impl PyStore {
             environments,
         )?;
         let c = counter.map_or_else(|| Arc::new(AtomicU64::new(0)), |c| Arc::clone(&c.0));
-        let store = run(py, move || {
-            Store::restore_counted(&snapshot, config, dc, &c)
-        })?;
+        let store = run(py, move || Store::restore_from(&snapshot, config, dc, &c))?;
         Py::new(py, Self::init(store))
     }
 
-    /// Writes a snapshot into the new directory `dir`; returns (manifest JSON, bytes written).
-    /// Rows written are added to `counter` as they go.
+    /// Writes a snapshot into the new directory (or object-store prefix) `dir`; returns
+    /// (manifest JSON, bytes written). Rows written are added to `counter` as they go.
     #[pyo3(signature = (dir, incremental=false, counter=None))]
     fn snapshot(
         &self,
         py: Python<'_>,
-        dir: std::path::PathBuf,
+        dir: String,
         incremental: bool,
         counter: Option<&PyCounter>,
     ) -> PyResult<(String, u64)> {
         self.guard.check()?;
         let store = &self.inner;
         let c = counter.map_or_else(|| Arc::new(AtomicU64::new(0)), |c| Arc::clone(&c.0));
-        let info = run(py, || store.snapshot_counted(&dir, incremental, &c))?;
+        let info = run(py, || store.snapshot_to(&dir, incremental, &c))?;
         let json = serde_json::to_string(&info.manifest)
             .map_err(|e| err(Error::Internal(e.to_string())))?;
         Ok((json, info.bytes))
@@ -354,23 +352,28 @@ fn openmp_joined() -> bool {
     crate::openmp::joined()
 }
 
-/// The manifests of a snapshot's chain, base first, as JSON.
+/// The manifests of a snapshot's chain, base first, as JSON: a directory or an object-store
+/// prefix (its manifests are read without downloading the files).
 #[pyfunction]
-fn snapshot_chain(py: Python<'_>, dir: std::path::PathBuf) -> PyResult<Vec<(String, String)>> {
-    let chain = run(py, || crate::snapshot::Manifest::chain(&dir))?;
+fn snapshot_chain(py: Python<'_>, dir: String) -> PyResult<Vec<(String, String)>> {
+    let chain = run(py, || crate::snapshot::location::manifest_chain(&dir))?;
     chain
         .into_iter()
         .map(|(p, m)| {
             let j = serde_json::to_string(&m).map_err(|e| err(Error::Internal(e.to_string())))?;
-            Ok((p.to_string_lossy().into_owned(), j))
+            Ok((p, j))
         })
         .collect()
 }
 
 /// Checks every file of a snapshot's chain (sizes and checksums); the first damaged one fails.
+/// An object-store snapshot is downloaded into a staging directory and checked there.
 #[pyfunction]
-fn verify_snapshot(py: Python<'_>, dir: std::path::PathBuf) -> PyResult<u64> {
-    run(py, || crate::snapshot::verify(&dir))
+fn verify_snapshot(py: Python<'_>, dir: String) -> PyResult<u64> {
+    run(py, || {
+        let staged = crate::snapshot::location::stage(&dir)?;
+        crate::snapshot::verify(staged.dir()).map_err(|e| staged.explain(e))
+    })
 }
 
 /// What a store directory holds, read without opening it for writing.

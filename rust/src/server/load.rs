@@ -14,6 +14,7 @@ use crate::durable::TableRecord;
 use crate::error::{invalid, Result};
 use crate::net::proto::{LoadSnapshotRequest, LoadSnapshotResponse};
 use crate::net::routing::{key, Router};
+use crate::snapshot::location::{self, Uri};
 use crate::snapshot::{load_chain, Manifest, TableEntry, MANIFEST};
 use crate::store::{Store, Table};
 
@@ -63,9 +64,20 @@ fn part_dir(root: &Path, dir: &str) -> Result<PathBuf> {
     Ok(root.join(rel))
 }
 
-/// Does the work of `LoadSnapshot` on `store`.
+/// Does the work of `LoadSnapshot` on `store`: an object-store location (`s3://`) is
+/// downloaded into a staging directory of this server's first (removed afterwards), a local one
+/// is read where it is.
 pub(super) fn load_snapshot(store: &Store, r: LoadSnapshotRequest) -> Result<LoadSnapshotResponse> {
+    if let Uri::S3 { .. } = location::parse(&r.location)? {
+        let staged = location::stage(&r.location)?;
+        let root = staged.dir().to_path_buf();
+        return load_from(store, root, r).map_err(|e| staged.explain(e));
+    }
     let root = snapshot_location(&r.location)?;
+    load_from(store, root, r)
+}
+
+fn load_from(store: &Store, root: PathBuf, r: LoadSnapshotRequest) -> Result<LoadSnapshotResponse> {
     let me = r.index as usize;
     if me >= r.servers.len() {
         return Err(invalid(format!(
@@ -316,7 +328,7 @@ mod tests {
         );
         fails(
             LoadSnapshotRequest {
-                location: "s3://bucket/x".into(),
+                location: "gs://bucket/x".into(),
                 ..good.clone()
             },
             "not supported",

@@ -974,8 +974,9 @@ impl PStore for Service {
             }
             // At a step boundary: no step is half applied, and pending steps are not in the rows.
             let info = s.steps.at_boundary(|| {
+                // A directory on this server, or an object-store prefix it writes to itself.
                 s.store
-                    .snapshot(std::path::Path::new(&r.dir), r.incremental)
+                    .snapshot_to(&r.dir, r.incremental, &std::sync::atomic::AtomicU64::new(0))
             })?;
             let manifest_json = serde_json::to_string_pretty(&info.manifest)
                 .map_err(|e| Error::Internal(e.to_string()))?;

@@ -10,6 +10,7 @@
 //! while training goes on.
 
 pub mod files;
+pub mod location;
 
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -105,19 +106,23 @@ impl Manifest {
             }
             Err(e) => return Err(storage(format!("reading {}: {e}", path.display()))),
         };
-        let m: Manifest = serde_json::from_slice(&bytes)
-            .map_err(|e| corrupt(format!("{}: not a readable manifest: {e}", path.display())))?;
+        Self::from_bytes(&bytes, &path.display().to_string())
+    }
+
+    /// Parses and checks the manifest bytes read from `name`.
+    pub fn from_bytes(bytes: &[u8], name: &str) -> Result<Self> {
+        let m: Manifest = serde_json::from_slice(bytes)
+            .map_err(|e| corrupt(format!("{name}: not a readable manifest: {e}")))?;
         if m.format != FORMAT_NAME {
             return Err(corrupt(format!(
-                "{}: format {:?}, not {FORMAT_NAME:?}",
-                path.display(),
+                "{name}: format {:?}, not {FORMAT_NAME:?}",
                 m.format
             )));
         }
         if m.version != FORMAT_VERSION {
             return Err(corrupt(format!(
-                "{}: a snapshot of format version {}; this pstore reads version {FORMAT_VERSION}",
-                path.display(),
+                "{name}: a snapshot of format version {}; this pstore reads version \
+                 {FORMAT_VERSION}",
                 m.version
             )));
         }

@@ -12,6 +12,7 @@ use crate::durable::{Durability, TableRecord};
 use crate::error::{corrupt, invalid, storage, Error, Result};
 use crate::hash::shard_of;
 use crate::snapshot::files::{self, FileInfo, PartSchema, PartWriter, RowBatch};
+use crate::snapshot::location::{self, Location, StagingDir};
 use crate::snapshot::{
     dense_entry, dir_of, fsync_dir, load_chain, new_id, open_parts, parts_for, relative_to,
     unix_time, Manifest, Parent, Part, SnapshotInfo, TableEntry, BATCH_ROWS, FORMAT_NAME,
@@ -59,9 +60,19 @@ impl Store {
         // Pushes queued before the call are in the snapshot.
         while !self.flush_timeout(std::time::Duration::from_secs(3600)) {}
         let parent = if incremental {
-            Some(self.last_parent()?.ok_or_else(|| {
-                invalid("no previous snapshot of this store to build an increment on; take a full one first")
-            })?)
+            let p = self.previous()?;
+            if location::is_uri(&p.path) {
+                return Err(invalid(format!(
+                    "{} cannot build on {}: an increment is written into the store (or bucket) \
+                     of the snapshot it builds on; take a full snapshot there first",
+                    dir.display(),
+                    p.path
+                )));
+            }
+            Some(Parent {
+                path: relative_to(dir, Path::new(&p.path)),
+                ..p
+            })
         } else {
             None
         };
@@ -74,7 +85,7 @@ impl Store {
         let tmp = parent_dir.join(format!(".{name}.tmp-{id}"));
         std::fs::create_dir(&tmp)
             .map_err(|e| storage(format!("creating {}: {e}", tmp.display())))?;
-        let r = self.write_snapshot(&tmp, dir, id, parent, done);
+        let r = self.write_snapshot(&tmp, id, parent, done);
         match r {
             Ok((manifest, bytes)) => {
                 std::fs::rename(&tmp, dir).map_err(|e| {
@@ -86,18 +97,91 @@ impl Store {
                     ))
                 })?;
                 fsync_dir(parent_dir)?;
-                self.snapshot_taken(dir, &manifest)?;
+                let abs = dir.canonicalize().unwrap_or_else(|_| dir.to_path_buf());
+                self.snapshot_taken(abs.to_string_lossy().into_owned(), &manifest)?;
                 Ok(SnapshotInfo { manifest, bytes })
             }
             Err(e) => {
                 let _ = std::fs::remove_dir_all(&tmp);
-                if self.path().is_none() {
-                    // The shards' change records were consumed: only a full snapshot is safe now.
-                    *self.last_snapshot.lock().unwrap_or_else(|e| e.into_inner()) = None;
-                }
+                self.snapshot_failed();
                 Err(e)
             }
         }
+    }
+
+    /// Writes a snapshot into `dest`: a local directory (as [`Store::snapshot`]) or an
+    /// object-store prefix (`s3://bucket/prefix`, see [`crate::snapshot::location`]). A remote
+    /// snapshot is written into a local staging directory, then uploaded file by file with the
+    /// manifest last; a prefix that holds objects already is refused, and an increment must go
+    /// into the bucket of the snapshot it builds on.
+    pub fn snapshot_to(
+        &self,
+        dest: &str,
+        incremental: bool,
+        done: &AtomicU64,
+    ) -> Result<SnapshotInfo> {
+        let remote = match Location::open(dest)? {
+            Location::Local(dir) => return self.snapshot_counted(&dir, incremental, done),
+            Location::Remote(r) => r,
+        };
+        let here = Location::Remote(remote.clone());
+        if here.exists()? {
+            return Err(invalid(format!(
+                "{dest} exists (objects lie under it); a snapshot is written into a new prefix"
+            )));
+        }
+        // Pushes queued before the call are in the snapshot.
+        while !self.flush_timeout(std::time::Duration::from_secs(3600)) {}
+        let parent = if incremental {
+            let p = self.previous()?;
+            let at = if location::is_uri(&p.path) {
+                Location::open(&p.path)?
+            } else {
+                Location::Local(PathBuf::from(&p.path))
+            };
+            Some(Parent {
+                path: here.relative(&at)?,
+                ..p
+            })
+        } else {
+            None
+        };
+        let staging = StagingDir::new()?;
+        let tmp = staging.path().join("snapshot");
+        std::fs::create_dir(&tmp)
+            .map_err(|e| storage(format!("creating {}: {e}", tmp.display())))?;
+        let r = self
+            .write_snapshot(&tmp, new_id(), parent, done)
+            .and_then(|(manifest, bytes)| remote.upload_dir(&tmp).map(|_| (manifest, bytes)));
+        drop(staging);
+        match r {
+            Ok((manifest, bytes)) => {
+                self.snapshot_taken(remote.uri(), &manifest)?;
+                Ok(SnapshotInfo { manifest, bytes })
+            }
+            Err(e) => {
+                self.snapshot_failed();
+                Err(e)
+            }
+        }
+    }
+
+    /// After a failed snapshot of an in-memory store, whose shards' change records were
+    /// consumed: only a full snapshot is safe now.
+    fn snapshot_failed(&self) {
+        if self.path().is_none() {
+            *self.last_snapshot.lock().unwrap_or_else(|e| e.into_inner()) = None;
+        }
+    }
+
+    /// The snapshot an increment builds on: this store's last one.
+    fn previous(&self) -> Result<Parent> {
+        self.last_parent()?.ok_or_else(|| {
+            invalid(
+                "no previous snapshot of this store to build an increment on; take a full one \
+                 first",
+            )
+        })
     }
 
     /// The last snapshot of this store, if any.
@@ -124,7 +208,6 @@ impl Store {
     fn write_snapshot(
         &self,
         tmp: &Path,
-        dir: &Path,
         id: String,
         parent: Option<Parent>,
         done: &AtomicU64,
@@ -145,10 +228,7 @@ impl Store {
             version: FORMAT_VERSION,
             id: id.clone(),
             kind: if incremental { "incremental" } else { "full" }.into(),
-            parent: parent.map(|p| Parent {
-                path: relative_to(dir, Path::new(&p.path)),
-                ..p
-            }),
+            parent,
             created_at: unix_time(),
             source_path: self.path().map(|p| p.to_string_lossy().into_owned()),
             cycle,
@@ -181,11 +261,11 @@ impl Store {
 
     /// Records the snapshot as the parent of the next increment (and, in a durable store, drops
     /// the change records it covers).
-    fn snapshot_taken(&self, dir: &Path, m: &Manifest) -> Result<()> {
-        let abs = dir.canonicalize().unwrap_or_else(|_| dir.to_path_buf());
+    /// `at` is where the snapshot lies: an absolute directory or a URI.
+    fn snapshot_taken(&self, at: String, m: &Manifest) -> Result<()> {
         let p = Parent {
             id: m.id.clone(),
-            path: abs.to_string_lossy().into_owned(),
+            path: at,
             cycle: m.cycle,
         };
         match self.flusher() {
@@ -469,6 +549,19 @@ impl Store {
         durable: Option<DurableConfig>,
     ) -> Result<Store> {
         Self::restore_counted(dir, config, durable, &AtomicU64::new(0))
+    }
+
+    /// [`Store::restore_counted`] from a location string: a directory, `file://DIR` or an
+    /// object-store URI (`s3://bucket/prefix`), which is downloaded with its chain into a
+    /// staging directory first (removed afterwards); errors name the URI.
+    pub fn restore_from(
+        src: &str,
+        config: StoreConfig,
+        durable: Option<DurableConfig>,
+        done: &AtomicU64,
+    ) -> Result<Store> {
+        let staged = location::stage(src)?;
+        Self::restore_counted(staged.dir(), config, durable, done).map_err(|e| staged.explain(e))
     }
 
     /// [`Store::restore`], adding the rows loaded to `done` as it goes (for progress bars).
