@@ -422,6 +422,7 @@ mod tests {
             initializer: crate::init::Initializer::Zeros,
             seed: 1,
             lifecycle: Default::default(),
+            refuse_nonfinite: false,
         }
     }
 

@@ -64,6 +64,9 @@ pub struct CountersRecord {
     pub rows_created: u64,
     /// Rows removed by eviction.
     pub rows_evicted: u64,
+    /// Updates that left a non-finite weight.
+    #[serde(default)]
+    pub rows_nonfinite: u64,
 }
 
 /// The meta record of a table (`table/<name>`), also a snapshot manifest's entry.
@@ -152,6 +155,7 @@ fn counters_of(t: &dyn TableHandle) -> CountersRecord {
         rows_updated: c.rows_updated.load(Relaxed),
         rows_created: c.rows_created.load(Relaxed),
         rows_evicted: c.rows_evicted.load(Relaxed),
+        rows_nonfinite: c.rows_nonfinite.load(Relaxed),
     }
 }
 
@@ -166,6 +170,7 @@ pub(crate) fn restore_counters(t: &dyn TableHandle, r: &CountersRecord) {
     c.rows_updated.store(r.rows_updated, Relaxed);
     c.rows_created.store(r.rows_created, Relaxed);
     c.rows_evicted.store(r.rows_evicted, Relaxed);
+    c.rows_nonfinite.store(r.rows_nonfinite, Relaxed);
 }
 
 /// The meta key of a table's record.

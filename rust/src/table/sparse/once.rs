@@ -42,6 +42,11 @@ impl SparseTable {
         self.applied_ids().1 = true;
     }
 
+    /// Forgets every applied id (going back to a commit that held none).
+    pub(crate) fn clear_applied(&self) {
+        *self.applied_ids() = (AppliedIds::default(), false);
+    }
+
     /// Loads the applied ids a durable store kept.
     pub(crate) fn load_applied(&self, bytes: &[u8], what: &str) -> Result<()> {
         let ids = AppliedIds::decode(bytes, what)?;
