@@ -91,7 +91,7 @@ def test_a_sync_push_refused_by_a_full_disk_changes_nothing_and_its_retry_applie
         d = s.create_dense_table(
             "d", [DENSE], optimizer=optim.SGD(lr=1.0), initializer=init.Zeros()
         )
-        t.push(np.array([0], np.uint64), np.ones((1, DIM), np.float32))  # committed: -1 (not in BIG)
+        t.push(np.array([0], np.uint64), np.ones((1, DIM), np.float32))  # -1, committed
         filler = fill(disk)
         g = np.ones((len(BIG), DIM), np.float32)
         with pytest.raises(pstore.StorageError) as e:
