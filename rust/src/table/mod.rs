@@ -196,6 +196,11 @@ impl Common {
     /// commit, so the push is then undone and the error says nothing was applied (a retry
     /// applies it once); only when that giving back failed too is the push still in memory.
     pub(crate) fn durable_wait_push(&self, epoch: u64) -> Result<()> {
+        self.durable_wait_change(epoch, "push")
+    }
+
+    /// [`Common::durable_wait_push`] of a change `what` ("push", "bulk load") other than a push.
+    pub(crate) fn durable_wait_change(&self, epoch: u64, what: &str) -> Result<()> {
         let Some(f) = self.durable.as_ref().and_then(Weak::upgrade) else {
             return Ok(());
         };
@@ -206,15 +211,15 @@ impl Common {
                 Ok(()) => "an earlier commit failed".to_string(),
             };
             return Err(Error::Storage(format!(
-                "{why}; the push was not applied: the table went back to its last commit{} \
+                "{why}; the {what} was not applied: the table went back to its last commit{} \
                  (retry once the store can write again)",
                 f.revert_caveat()
             )));
         }
         r.map_err(|e| {
             Error::Storage(format!(
-                "{e}; the push was applied in memory but is not durable yet (it will be written \
-                 once the store can write again)"
+                "{e}; the {what} was applied in memory but is not durable yet (it will be \
+                 written once the store can write again)"
             ))
         })
     }
