@@ -530,3 +530,30 @@ def test_a_refusing_table_keeps_its_setting_through_a_reopen_and_a_snapshot(tmp_
             overflow_push(t)
         assert math.isfinite(float(t.pull(np.array([5], np.uint64))[0, 0]))
         s.close()
+
+
+def test_a_bulk_load_refused_by_a_full_disk_is_undone_and_its_retry_loads_it(tmp_path):
+    (src,) = start_servers(1)
+    try:
+        c = pstore.connect([src.address])
+        t = sgd_table(c)
+        t.push(BIG, np.ones((len(BIG), DIM), np.float32))
+        c.snapshot(tmp_path / "snap")
+    finally:
+        stop_all([src])
+    with small_disk(16) as disk:
+        dst = ServerProcess("--path", str(disk / "s"), "--durability", "sync")
+        try:
+            d = dst.wait_ready()
+            sgd_table(d)  # the restore loads into it (creating a table needs space too)
+            filler = fill(disk)
+            with pytest.raises(pstore.StorageError, match="bulk load was not applied"):
+                pstore.restore_cluster(tmp_path / "snap", [dst.address])
+            assert len(d.sparse_table("t")) == 0
+            filler.unlink()
+            assert pstore.restore_cluster(tmp_path / "snap", [dst.address])["tables"] == 1
+            assert np.array_equal(
+                d.sparse_table("t").pull(BIG), -np.ones((len(BIG), DIM), np.float32)
+            )
+        finally:
+            assert dst.stop() == 0
