@@ -66,6 +66,7 @@ class StoreApi:
         evict_policy: str = "lru",
         stale_policy: str | None = None,
         max_staleness: int | None = None,
+        refuse_nonfinite: bool = False,
     ) -> SparseTable: ...
     def create_dense_table(
         self,

@@ -126,11 +126,11 @@ class _Table:
 
     @lr.setter
     def lr(self, value: float) -> None:
-        self._inner.set_lr(float(value))
+        self._inner.set_lr(_check_float(value, "lr"))
 
     def set_lr(self, lr: float) -> None:
         """Change the learning rate for every later push."""
-        self._inner.set_lr(float(lr))
+        self._inner.set_lr(_check_float(lr, "lr"))
 
 
 class SparseTable(_Table):
@@ -411,6 +411,7 @@ class BaseStore:
         evict_policy: Literal["lru", "lfu"] = "lru",
         stale_policy: StalePolicy | None = None,
         max_staleness: int | None = None,
+        refuse_nonfinite: bool = False,
     ) -> SparseTable:
         """Create a sparse table.
 
@@ -451,6 +452,11 @@ class BaseStore:
             :class:`TableExistsError` naming the field (a declaration never changes a table).
         max_staleness : int, optional
             Store servers only: the bound of ``"drop"`` (default 0: no bound).
+        refuse_nonfinite : bool
+            Refuse a push whose update would leave a NaN or infinite weight (finite gradients
+            can still overflow a weight): it raises :class:`NonFiniteError` and changes nothing.
+            Such a table's pushes run one at a time. Off (the default), the update is applied
+            and counted in ``stats()["rows_nonfinite"]``.
         """
         opt, ini = _configs(optimizer, initializer, init.Normal(0.0, 0.01))
         d = _check_int(dim, "dim", lo=-(2**63))
@@ -468,6 +474,7 @@ class BaseStore:
                 evict_policy,
                 stale_policy,
                 None if max_staleness is None else _check_int(max_staleness, "max_staleness"),
+                _check_bool(refuse_nonfinite, "refuse_nonfinite"),
             )
         )
 
@@ -826,6 +833,19 @@ def _check_int(v: object, what: str, hi: int = 2**63, lo: int = 0) -> int:
     if not lo <= int(v) < hi:
         raise InvalidArgumentError(f"{what} must be a non-negative int below {hi}, got {v}")
     return int(v)
+
+
+def _check_bool(v: object, what: str) -> bool:
+    if not isinstance(v, bool | np.bool_):
+        raise DtypeError(f"{what} must be a bool, got {type(v).__name__}")
+    return bool(v)
+
+
+def _check_float(v: object, what: str) -> float:
+    """A real number (an int or float, numpy's included; not a bool or a string)."""
+    if isinstance(v, bool | np.bool_) or not isinstance(v, int | float | np.integer | np.floating):
+        raise DtypeError(f"{what} must be a number, got {type(v).__name__} {v!r:.40}")
+    return float(v)
 
 
 def _configs(

@@ -46,6 +46,7 @@ fn adam_table(s: &Store, dim: usize, initializer: Initializer, seed: u64) -> Arc
         initializer,
         seed,
         lifecycle: Default::default(),
+        refuse_nonfinite: false,
     };
     s.create_sparse_table("t", config).unwrap()
 }
@@ -139,6 +140,7 @@ fn sgd_table_matches_a_hashmap_model() {
                 initializer: Initializer::Constant(1.0),
                 seed: 0,
                 lifecycle: Default::default(),
+                refuse_nonfinite: false,
             },
         )
         .unwrap();
@@ -197,6 +199,7 @@ fn concurrent_sgd_pushes_sum_up() {
                 initializer: Initializer::Zeros,
                 seed: 0,
                 lifecycle: Default::default(),
+                refuse_nonfinite: false,
             },
         )
         .unwrap();
@@ -240,6 +243,7 @@ fn async_pushes_apply_in_order() {
         initializer: Initializer::Zeros,
         seed: 0,
         lifecycle: Default::default(),
+        refuse_nonfinite: false,
     };
     let a = s.create_sparse_table("a", cfg.clone()).unwrap();
     let b = s.create_sparse_table("b", cfg).unwrap();
@@ -267,6 +271,7 @@ fn rejected_push_changes_nothing() {
                 initializer: Initializer::Zeros,
                 seed: 0,
                 lifecycle: Default::default(),
+                refuse_nonfinite: false,
             },
         )
         .unwrap();
@@ -295,6 +300,7 @@ fn names_and_configs_are_checked() {
         initializer: Initializer::Zeros,
         seed: 0,
         lifecycle: Default::default(),
+        refuse_nonfinite: false,
     };
     assert!(matches!(
         s.create_sparse_table("x", cfg.clone()),
@@ -320,6 +326,7 @@ fn dropped_tables_refuse_their_handles() {
         initializer: Initializer::Zeros,
         seed: 0,
         lifecycle: Default::default(),
+        refuse_nonfinite: false,
     };
     let t = s.create_sparse_table("d", cfg.clone()).unwrap();
     t.pull(&[1]).unwrap();

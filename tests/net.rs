@@ -25,6 +25,7 @@ fn config() -> SparseTableConfig {
         initializer: Initializer::Constant(0.5),
         seed: 1,
         lifecycle: Default::default(),
+        refuse_nonfinite: false,
     }
 }
 

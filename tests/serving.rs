@@ -36,6 +36,7 @@ fn config(dim: usize) -> SparseTableConfig {
         },
         seed: 9,
         lifecycle: Default::default(),
+        refuse_nonfinite: false,
     }
 }
 

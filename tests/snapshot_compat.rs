@@ -50,6 +50,7 @@ fn build(steps: usize) -> Store {
                 },
                 seed: 11,
                 lifecycle: Default::default(),
+                refuse_nonfinite: false,
             },
         )
         .unwrap();

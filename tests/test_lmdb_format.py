@@ -340,7 +340,7 @@ def test_a_closed_store_decodes_with_lmdb_and_the_document(tmp_path, rng, enviro
     assert rep.cycle >= pushes
 
     counters = ["pushes", "pulls", "ids_pushed", "ids_pulled"]
-    counters += ["rows_updated", "rows_created", "rows_evicted"]
+    counters += ["rows_updated", "rows_created", "rows_evicted", "rows_nonfinite"]
     for name, ref in refs.items():
         exp = expected[name]
         rec = rep.records[name]

@@ -336,7 +336,7 @@ with Server(store, metrics_port=0) as srv:
         pass
     scrape("full")
     resource.setrlimit(resource.RLIMIT_FSIZE, (soft, hard))
-    t.push(ids, np.ones((1000, 64), np.float32))
+    t.push(big, np.ones((len(big), 64), np.float32))  # the refused push (undone), retried
     store.flush()
     scrape("freed")
     print("info idle_writes", int(store.storage_info()["idle_writes"]))

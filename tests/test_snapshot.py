@@ -287,7 +287,7 @@ def test_manifests_describe_the_chain(history):
     full, inc1, inc2 = history.manifests
     for m in history.manifests:
         assert m["format"] == "pstore-snapshot"
-        assert m["version"] == 1
+        assert m["version"] == 2 and m["checksum"].startswith("crc32:")
         assert m["bytes"] > 0
     assert len({m["id"] for m in history.manifests}) == 3
     assert (full["kind"], full["parent"]) == ("full", None)

@@ -443,6 +443,7 @@ mod tests {
             initializer: crate::init::Initializer::Zeros,
             seed: 1,
             lifecycle: Default::default(),
+            refuse_nonfinite: false,
         }
     }
 

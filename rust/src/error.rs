@@ -17,10 +17,10 @@ pub enum Error {
     #[error("{0}")]
     Dtype(String),
     /// No table of this name exists.
-    #[error("unknown table {0:?}")]
+    #[error("unknown table {}", quoted_name(.0))]
     UnknownTable(String),
     /// A table of this name exists already.
-    #[error("table {0:?} already exists")]
+    #[error("table {} already exists", quoted_name(.0))]
     TableExists(String),
     /// A declaration of an existing table differs from it: the message names the field; the
     /// second value is the table's name. Nothing was changed.
@@ -70,6 +70,35 @@ pub enum Error {
 
 /// The result type of the core.
 pub type Result<T> = std::result::Result<T, Error>;
+
+/// The longest table name, in bytes (UTF-8).
+pub const MAX_NAME_BYTES: usize = 255;
+/// How much of a name longer than [`MAX_NAME_BYTES`] an error quotes.
+const QUOTED_PREFIX_BYTES: usize = 64;
+
+/// The longest prefix of `s` of at most `max` bytes that ends on a character boundary.
+pub(crate) fn prefix(s: &str, max: usize) -> &str {
+    let mut end = s.len().min(max);
+    while !s.is_char_boundary(end) {
+        end -= 1;
+    }
+    &s[..end]
+}
+
+/// A table name as errors quote it: whole up to [`MAX_NAME_BYTES`], else a bounded prefix and
+/// the name's length (an error echoing a name of megabytes would be one too; over the wire,
+/// its reply headers would overflow).
+pub fn quoted_name(name: &str) -> String {
+    if name.len() <= MAX_NAME_BYTES {
+        format!("{name:?}")
+    } else {
+        format!(
+            "{:?}... ({} bytes)",
+            prefix(name, QUOTED_PREFIX_BYTES),
+            name.len()
+        )
+    }
+}
 
 pub(crate) fn invalid(msg: impl Into<String>) -> Error {
     Error::InvalidArgument(msg.into())

@@ -45,14 +45,29 @@ impl Default for Initializer {
     }
 }
 
+/// How far from `mean`, in standard deviations, a `Normal` draw can land: the quantile of the
+/// smallest open-interval draw (2^-53) is about 8.2.
+const NORMAL_REACH: f64 = 9.0;
+
 fn finite(name: &str, v: f64) -> Result<()> {
-    if v.is_finite() {
-        Ok(())
-    } else {
-        Err(invalid(format!(
+    if !v.is_finite() {
+        return Err(invalid(format!(
             "initializer {name} must be finite, got {v}"
-        )))
+        )));
     }
+    within_f32(name, v)
+}
+
+/// Rows are float32: a value past float32's range would be stored as inf.
+fn within_f32(name: &str, v: f64) -> Result<()> {
+    if v.abs() > f64::from(f32::MAX) {
+        return Err(invalid(format!(
+            "initializer {name} = {v:e} is outside float32's range (|x| <= {:e}): rows would \
+             hold inf",
+            f32::MAX
+        )));
+    }
+    Ok(())
 }
 
 /// The initialisers' schema, derived from their serde form: `{kind: [field, ...]}`, fields sorted
@@ -144,7 +159,8 @@ impl Initializer {
                 if std < 0.0 {
                     return Err(invalid(format!("std must be >= 0, got {std}")));
                 }
-                Ok(())
+                // Every draw must be a float32 too (a truncated normal stays within 2 std).
+                within_f32("mean + 9 std", mean.abs() + NORMAL_REACH * std)
             }
         }
     }

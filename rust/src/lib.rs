@@ -27,6 +27,7 @@
 //!             initializer: Initializer::Zeros,
 //!             seed: 7,
 //!             lifecycle: Default::default(),
+//!             refuse_nonfinite: false,
 //!         },
 //!     )
 //!     .unwrap();

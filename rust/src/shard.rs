@@ -547,6 +547,32 @@ impl Shard {
         self.changed.clear();
     }
 
+    /// Clears the change list and returns the ids of its marked rows (a `sync` store going back
+    /// to its last commit: these are the rows changed since).
+    pub fn take_marked(&mut self) -> Vec<u64> {
+        let changed = std::mem::take(&mut self.changed);
+        let mut ids = Vec::with_capacity(changed.len());
+        for &slot in &changed {
+            let row = self.row_mut(slot);
+            if row[FLAGS] & MARKED != 0 {
+                row[FLAGS] &= !MARKED;
+                ids.push(row[0] as u64 | ((row[1] as u64) << 32));
+            }
+        }
+        self.changed = changed;
+        self.changed.clear();
+        ids
+    }
+
+    /// Drops the row of `id` from memory without recording a removal (a row created since the
+    /// last commit, when going back to it); true if there was one.
+    pub fn discard(&mut self, id: u64) -> bool {
+        let track = std::mem::replace(&mut self.track, false);
+        let had = self.remove(id);
+        self.track = track;
+        had
+    }
+
     /// The words after the id of the row at `slot` (as [`Shard::take_changed`] hands them out)
     /// when they are what the last committed flush cycle wrote to the replica: in a durable
     /// store every change of a row marks it (a push, a pull that creates it, a restore) and only

@@ -35,8 +35,8 @@ use crate::store::{Store, StoreConfig, Table};
 pub const CLUSTER_MANIFEST: &str = location::CLUSTER_MANIFEST;
 /// The format's name, in every cluster manifest.
 pub const CLUSTER_FORMAT: &str = "pstore-cluster-snapshot";
-/// The cluster manifest version this build writes and reads.
-pub const CLUSTER_VERSION: u32 = 1;
+/// The cluster manifest version this build writes (it reads 1 too: no `checksum` then).
+pub const CLUSTER_VERSION: u32 = 2;
 /// How ids were routed: rendezvous hashing of the address strings ([`crate::net::routing`]).
 pub const ROUTING: &str = "rendezvous-fnv1a-mix64";
 
@@ -124,6 +124,9 @@ pub struct ClusterManifest {
     pub tables: Vec<ClusterTable>,
     /// The parts, one per server, in the layout's order.
     pub parts: Vec<ClusterPart>,
+    /// The file's own checksum, as a snapshot manifest's (absent in version 1).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub checksum: Option<String>,
 }
 
 impl ClusterManifest {
@@ -157,13 +160,14 @@ impl ClusterManifest {
     pub fn from_bytes(bytes: &[u8], path: &str) -> Result<Self> {
         let m: ClusterManifest = serde_json::from_slice(bytes)
             .map_err(|e| corrupt(format!("{path}: not a readable manifest: {e}")))?;
-        if m.format != CLUSTER_FORMAT || m.version != CLUSTER_VERSION {
+        if m.format != CLUSTER_FORMAT || !(1..=CLUSTER_VERSION).contains(&m.version) {
             return Err(corrupt(format!(
-                "{}: format {:?} version {}, this pstore reads {CLUSTER_FORMAT:?} version \
-                 {CLUSTER_VERSION}",
+                "{}: format {:?} version {}, this pstore reads {CLUSTER_FORMAT:?} versions 1 \
+                 to {CLUSTER_VERSION}",
                 path, m.format, m.version
             )));
         }
+        snapshot::check_seal(path, bytes, m.checksum.as_deref(), m.version >= 2)?;
         if m.parts.len() != m.layout.servers.len() {
             return Err(corrupt(format!(
                 "{}: {} parts for {} servers",
@@ -285,7 +289,7 @@ impl Client {
             None
         };
         let servers = self.servers();
-        let manifest = ClusterManifest {
+        let mut manifest = ClusterManifest {
             format: CLUSTER_FORMAT.into(),
             version: CLUSTER_VERSION,
             id: snapshot::new_id(),
@@ -299,9 +303,10 @@ impl Client {
             },
             tables,
             parts,
+            checksum: Some(snapshot::SEAL_PLACEHOLDER.into()),
         };
-        let bytes =
-            serde_json::to_vec_pretty(&manifest).map_err(|e| Error::Internal(e.to_string()))?;
+        let (bytes, sum) = snapshot::seal_json(&manifest)?;
+        manifest.checksum = Some(sum);
         dir.write(CLUSTER_MANIFEST, &bytes)?;
         Ok(manifest)
     }

@@ -143,6 +143,7 @@ fn merge(infos: &[TableInfo], servers: &[String]) -> Result<Stats> {
         rows_updated: 0,
         rows_created: 0,
         rows_evicted: 0,
+        rows_nonfinite: 0,
         seq: 0,
         rows_unloaded: 0,
         lr: infos.first().map_or(0.0, |i| i.lr),
@@ -166,6 +167,7 @@ fn merge(infos: &[TableInfo], servers: &[String]) -> Result<Stats> {
         t.rows_updated += g(&v, "rows_updated");
         t.rows_created += g(&v, "rows_created");
         t.rows_evicted += g(&v, "rows_evicted");
+        t.rows_nonfinite += g(&v, "rows_nonfinite");
         t.seq += g(&v, "seq");
         t.rows_unloaded += g(&v, "rows_unloaded");
         if let Some(s) = v.get("staleness") {

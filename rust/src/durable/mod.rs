@@ -242,7 +242,19 @@ impl Flusher {
             let started = Instant::now();
             let r = {
                 let _held = self.cycle_lock.lock().unwrap_or_else(|e| e.into_inner());
-                self.cycle(number)
+                let r = self.cycle(number);
+                match r {
+                    // In `sync` mode whoever changed something waits for this cycle or the next:
+                    // a failed one undoes every change since the last commit, so that those
+                    // calls fail having changed nothing.
+                    Err(e) if self.mode == Durability::Sync => match self.revert_all() {
+                        Ok(()) => Err(e),
+                        Err(r) => Err(storage(format!(
+                            "{e} (and going back to the last commit failed: {r})"
+                        ))),
+                    },
+                    r => r,
+                }
             };
             let mut st = self.lock();
             if st.background {
@@ -349,17 +361,57 @@ impl Flusher {
         })
     }
 
-    /// After a push was applied: in `sync` mode, waits until it is committed.
+    /// After a change was applied: in `sync` mode, waits until it is committed (the caller
+    /// says what a failure means for its change).
     pub(crate) fn after_push(&self) -> Result<()> {
         if self.mode != Durability::Sync {
             return Ok(());
         }
-        self.flush().map_err(|e| {
-            storage(format!(
-                "{e}; the push was applied in memory but is not durable yet (it will be written \
-                 once the store can write again)"
-            ))
-        })
+        self.flush()
+    }
+
+    /// After a failed cycle of a `sync` store: every table goes back to what the replica holds
+    /// (its last commit). The changes since then were all made by calls still waiting for a
+    /// commit (a `sync` push returns only after one), so each of them fails and changes
+    /// nothing, and a retry applies it once. Rows are read back from the replica (one not in it
+    /// is dropped from memory: it was created since, and is created again from its seed on the
+    /// next touch); a sparse table's applied request ids are read back too. Removals, evictions
+    /// and learning rates stay applied (their callers say so).
+    fn revert_all(&self) -> Result<()> {
+        let tables: Vec<(String, Table)> = self
+            .tables
+            .read()
+            .unwrap_or_else(|e| e.into_inner())
+            .iter()
+            .map(|(k, v)| (k.clone(), v.clone()))
+            .collect();
+        for (name, table) in tables {
+            match &table {
+                Table::Sparse(t) => {
+                    // Each environment's own set, as the store's open reads them.
+                    let key = applied_key(&name);
+                    let applied = self.storage.read(|r| {
+                        let mut a = vec![r.meta(&key)?];
+                        for k in 1..self.storage.environments() {
+                            a.push(r.part_meta(k, &key)?);
+                        }
+                        Ok(a)
+                    })?;
+                    t.revert_to(self.storage.as_ref(), &applied)?;
+                }
+                Table::Dense(t) => {
+                    let (words, applied) = self
+                        .storage
+                        .read(|r| Ok((r.meta(&dense_key(&name))?, r.meta(&applied_key(&name))?)))?;
+                    if let Some(w) = words {
+                        let mut v = Vec::new();
+                        crate::storage::words_into(&w, &mut v);
+                        t.revert_to(&v, applied)?;
+                    }
+                }
+            }
+        }
+        Ok(())
     }
 
     /// Records that `name`'s record on disk is `rec` (a table just created or loaded).
@@ -695,6 +747,14 @@ impl ChangeHook for Flusher {
     }
     fn after_change(&self) -> Result<()> {
         self.after_push()
+    }
+    fn revert_caveat(&self) -> &'static str {
+        if self.storage.environments() > 1 {
+            " as the replica holds it (with several environments, the rows of environments \
+             whose commit succeeded are kept)"
+        } else {
+            ""
+        }
     }
 }
 

@@ -72,6 +72,9 @@ pub struct CountersRecord {
     /// when 0).
     #[serde(default, skip_serializing_if = "is_zero")]
     pub counted: u64,
+    /// Updates that left a non-finite weight.
+    #[serde(default)]
+    pub rows_nonfinite: u64,
 }
 
 fn is_zero(x: &u64) -> bool {
@@ -166,6 +169,7 @@ fn counters_of(t: &dyn TableHandle) -> CountersRecord {
         rows_evicted: c.rows_evicted.load(Relaxed),
         received: c.received.load(Relaxed),
         counted: c.counted.load(Relaxed),
+        rows_nonfinite: c.rows_nonfinite.load(Relaxed),
     }
 }
 
@@ -182,6 +186,7 @@ pub(crate) fn restore_counters(t: &dyn TableHandle, r: &CountersRecord) {
     c.rows_evicted.store(r.rows_evicted, Relaxed);
     c.received.store(r.received, Relaxed);
     c.counted.store(r.counted, Relaxed);
+    c.rows_nonfinite.store(r.rows_nonfinite, Relaxed);
 }
 
 /// The meta key of a table's record.

@@ -31,6 +31,9 @@ pub fn token_eq(given: &[u8], expected: &[u8]) -> bool {
 /// client raises the same exception the embedded store would.
 pub const ERROR_KIND: &str = "pstore-error";
 
+/// The most bytes of an error message a status carries.
+pub const MAX_MESSAGE_BYTES: usize = 2048;
+
 /// The gRPC status of a core error (code, message, and the error's kind in metadata).
 pub fn status_of(e: &crate::Error) -> tonic::Status {
     use crate::Error as E;
@@ -55,11 +58,27 @@ pub fn status_of(e: &crate::Error) -> tonic::Status {
         E::UnknownTable(_) | E::TableExists(_) => e.to_string(),
         _ => msg.clone(),
     };
+    // A reply's headers carry the message: bounded, so that no request (a name of megabytes)
+    // makes them overflow and the client see a transport error instead of this one.
+    let shown = if shown.len() > MAX_MESSAGE_BYTES {
+        format!(
+            "{}... ({} bytes in all)",
+            crate::error::prefix(&shown, MAX_MESSAGE_BYTES),
+            shown.len()
+        )
+    } else {
+        shown
+    };
     let mut s = tonic::Status::new(code, shown);
     if let Ok(v) = kind.parse() {
         s.metadata_mut().insert(ERROR_KIND, v);
     }
     if let E::UnknownTable(n) | E::TableExists(n) | E::TableMismatch(_, n) = e {
+        let n = if n.len() > crate::error::MAX_NAME_BYTES {
+            format!("{}... ({} bytes)", crate::error::prefix(n, 64), n.len())
+        } else {
+            n.clone()
+        };
         if let Ok(v) = n.parse() {
             s.metadata_mut().insert("pstore-table", v);
         }

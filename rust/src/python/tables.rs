@@ -57,7 +57,7 @@ fn policy(stale_policy: Option<&str>, max_staleness: Option<u64>) -> PyResult<Pu
 impl PyStoreApi {
     #[pyo3(signature = (
         name, dim, optimizer, initializer, seed, admit_after=0, max_rows=None, evict_policy="lru",
-        stale_policy=None, max_staleness=None
+        stale_policy=None, max_staleness=None, refuse_nonfinite=false
     ))]
     #[allow(clippy::too_many_arguments)]
     fn create_sparse_table(
@@ -73,6 +73,7 @@ impl PyStoreApi {
         evict_policy: &str,
         stale_policy: Option<&str>,
         max_staleness: Option<u64>,
+        refuse_nonfinite: bool,
     ) -> PyResult<PySparseTable> {
         self.guard.check()?;
         let policy_ = match evict_policy {
@@ -94,6 +95,7 @@ impl PyStoreApi {
                 max_rows,
                 policy: policy_,
             },
+            refuse_nonfinite,
         };
         let p = policy(stale_policy, max_staleness)?;
         let s = &self.inner;
@@ -495,6 +497,7 @@ fn stats_dict<'py>(py: Python<'py>, s: &Stats) -> PyResult<Bound<'py, PyDict>> {
     d.set_item("rows_updated", t.rows_updated)?;
     d.set_item("rows_created", t.rows_created)?;
     d.set_item("rows_evicted", t.rows_evicted)?;
+    d.set_item("rows_nonfinite", t.rows_nonfinite)?;
     d.set_item("rows_unloaded", t.rows_unloaded)?;
     d.set_item("seq", t.seq)?;
     d.set_item("lr", t.lr)?;

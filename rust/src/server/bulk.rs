@@ -9,7 +9,7 @@ use crate::error::{invalid, Result};
 use crate::net::proto::{BulkLoadRequest, BulkLoadResponse};
 use crate::net::wire;
 use crate::store::{Store, Table};
-use crate::table::{DenseTableConfig, SparseTableConfig};
+use crate::table::{DenseTableConfig, SparseTableConfig, TableHandle};
 
 /// Writes the rows of `r` into its table on `store`.
 pub(super) fn bulk_load(store: &Store, r: BulkLoadRequest) -> Result<BulkLoadResponse> {
@@ -31,8 +31,12 @@ pub(super) fn bulk_load(store: &Store, r: BulkLoadRequest) -> Result<BulkLoadRes
             }
             let ids = wire::ids(&r.ids)?;
             let words = wire::words(&r.words)?;
-            // put_rows checks the word count before it writes anything.
+            // put_rows checks the word count before it writes anything. A `sync` store commits
+            // the rows before the answer (a failed commit undoes them, and the load says so; a
+            // load is idempotent, so its retry is safe either way).
+            let epoch = t.common().revert_epoch();
             t.put_rows(&ids, &words)?;
+            t.common().durable_wait_change(epoch, "bulk load")?;
             if let Some(seq) = r.seq {
                 t.set_seq(t.seq().max(seq));
             }
@@ -70,7 +74,9 @@ pub(super) fn bulk_load(store: &Store, r: BulkLoadRequest) -> Result<BulkLoadRes
                 )));
             }
             if !words.is_empty() {
+                let epoch = d.common().revert_epoch();
                 d.set_words(&words)?;
+                d.common().durable_wait_change(epoch, "bulk load")?;
             }
             Ok(BulkLoadResponse {
                 rows: u64::from(!words.is_empty()),
@@ -92,6 +98,7 @@ mod tests {
             initializer: crate::init::Initializer::Zeros,
             seed: 0,
             lifecycle: Default::default(),
+            refuse_nonfinite: false,
         }
     }
 

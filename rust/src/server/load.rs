@@ -244,6 +244,7 @@ mod tests {
             initializer: crate::init::Initializer::Zeros,
             seed: 0,
             lifecycle: Default::default(),
+            refuse_nonfinite: false,
         }
     }
 

@@ -46,6 +46,8 @@ pub struct TableSample {
     pub pulls: u64,
     /// Ids in applied pushes, duplicates included.
     pub ids_pushed: u64,
+    /// Updates that left a non-finite weight.
+    pub rows_nonfinite: u64,
     /// Ids in answered pulls, duplicates included.
     pub ids_pulled: u64,
     /// Staleness of the pushes that carried their pull's seq.
@@ -154,7 +156,7 @@ impl Metrics {
         }
         drop(m);
         type Get = fn(&TableSample) -> f64;
-        let gauges: [(&str, &str, &str, Get); 9] = [
+        let gauges: [(&str, &str, &str, Get); 10] = [
             ("pstore_table_rows", "gauge", "Rows stored.", |t| {
                 t.rows as f64
             }),
@@ -206,6 +208,12 @@ impl Metrics {
                 "gauge",
                 "Largest staleness seen.",
                 |t| t.staleness.max as f64,
+            ),
+            (
+                "pstore_table_rows_nonfinite_total",
+                "counter",
+                "Updates that left a NaN or infinite weight.",
+                |t| t.rows_nonfinite as f64,
             ),
             (
                 "pstore_table_stale_dropped_total",

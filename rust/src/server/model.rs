@@ -91,6 +91,7 @@ impl Inner {
                     pulls: 0,
                     ids_pushed: 0,
                     ids_pulled: 0,
+                    rows_nonfinite: 0,
                     staleness: Default::default(),
                 });
             }

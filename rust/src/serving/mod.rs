@@ -377,6 +377,8 @@ impl Artifact {
         } else {
             None
         };
+        // A data file cut short would be mapped past its end (SIGBUS on the first read there).
+        crate::storage::check_data_file(path, "artifact")?;
         let mut opts = EnvOpenOptions::new().read_txn_without_tls();
         opts.max_dbs(MAX_DBS).max_readers(4096);
         if writable {

@@ -25,8 +25,11 @@ use files::{FileInfo, PartSchema, PartWriter, RowBatch};
 
 /// The format's name, in every manifest.
 pub const FORMAT_NAME: &str = "pstore-snapshot";
-/// The manifest version this build writes and reads.
-pub const FORMAT_VERSION: u32 = 1;
+/// The manifest version this build writes; it reads this one and version 1 (written before
+/// manifests carried their `checksum`).
+pub const FORMAT_VERSION: u32 = 2;
+/// The first manifest version whose manifests must carry their checksum.
+pub const SEALED_VERSION: u32 = 2;
 /// The manifest's file name.
 pub const MANIFEST: &str = "manifest.json";
 /// Part files per sparse table at most (rows go to part `shard % parts`).
@@ -89,6 +92,10 @@ pub struct Manifest {
     pub cycle: u64,
     /// The tables.
     pub tables: Vec<TableEntry>,
+    /// `crc32:` and 8 hex digits: the CRC-32 of the file's bytes with these 8 digits written as
+    /// zeros (see [`seal_json`]). Absent in version 1.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub checksum: Option<String>,
 }
 
 impl Manifest {
@@ -119,14 +126,28 @@ impl Manifest {
                 m.format
             )));
         }
-        if m.version != FORMAT_VERSION {
+        if !(1..=FORMAT_VERSION).contains(&m.version) {
             return Err(corrupt(format!(
-                "{name}: a snapshot of format version {}; this pstore reads version \
+                "{name}: a snapshot of format version {}; this pstore reads versions 1 to \
                  {FORMAT_VERSION}",
                 m.version
             )));
         }
+        check_seal(
+            name,
+            bytes,
+            m.checksum.as_deref(),
+            m.version >= SEALED_VERSION,
+        )?;
         Ok(m)
+    }
+
+    /// The manifest's file: its JSON with its own checksum, which is also set in `self`.
+    pub fn sealed(&mut self) -> Result<Vec<u8>> {
+        self.checksum = Some(SEAL_PLACEHOLDER.into());
+        let (bytes, sum) = seal_json(&*self)?;
+        self.checksum = Some(sum);
+        Ok(bytes)
     }
 
     /// The chain from the base snapshot to `dir`, base first.
@@ -172,6 +193,75 @@ impl Manifest {
         }
         Ok(out)
     }
+}
+
+/// The checksum field's value while the checksum is computed.
+pub(crate) const SEAL_PLACEHOLDER: &str = "crc32:00000000";
+
+/// The JSON file of `v` (pretty-printed), whose `checksum` field holds [`SEAL_PLACEHOLDER`] and
+/// is its last field: the file's bytes with the placeholder's digits replaced by the CRC-32 of
+/// the file as it is with the placeholder. Returns the bytes and the checksum's value.
+pub(crate) fn seal_json<T: Serialize>(v: &T) -> Result<(Vec<u8>, String)> {
+    let mut bytes = serde_json::to_vec_pretty(v).map_err(|e| Error::Internal(e.to_string()))?;
+    let quoted = format!("\"{SEAL_PLACEHOLDER}\"");
+    let at = find_last(&bytes, quoted.as_bytes())
+        .ok_or_else(|| Error::Internal("a sealed file without its checksum field".into()))?;
+    let sum = format!("crc32:{:08x}", crc32fast::hash(&bytes));
+    bytes[at + 1..at + 1 + sum.len()].copy_from_slice(sum.as_bytes());
+    Ok((bytes, sum))
+}
+
+fn find_last(hay: &[u8], needle: &[u8]) -> Option<usize> {
+    (0..=hay.len().checked_sub(needle.len())?)
+        .rev()
+        .find(|&i| &hay[i..i + needle.len()] == needle)
+}
+
+/// Checks the file `path` of `bytes` against its checksum field `checksum` (see [`seal_json`]);
+/// `required` when its version must carry one. Any edit of the file (a digit of a learning
+/// rate, a seed, a path) makes it fail.
+pub(crate) fn check_seal(
+    path: &str,
+    bytes: &[u8],
+    checksum: Option<&str>,
+    required: bool,
+) -> Result<()> {
+    let bad = |why: &str| {
+        corrupt(format!(
+            "{}: {why}; the file was edited or damaged after it was written, so nothing in it \
+             is trusted",
+            path
+        ))
+    };
+    let Some(sum) = checksum else {
+        return if required {
+            Err(bad("it has no checksum field"))
+        } else {
+            Ok(())
+        };
+    };
+    let digits = sum.strip_prefix("crc32:").unwrap_or("");
+    if digits.len() != 8 || !digits.bytes().all(|b| b.is_ascii_hexdigit()) {
+        return Err(bad(&format!(
+            "its checksum {sum:?} is not crc32: and 8 hex digits"
+        )));
+    }
+    let quoted = format!("\"{sum}\"");
+    let Some(at) = find_last(bytes, quoted.as_bytes()) else {
+        return Err(bad(
+            "its checksum field is not written as this pstore writes it",
+        ));
+    };
+    let mut plain = bytes.to_vec();
+    plain[at + 1..at + 1 + SEAL_PLACEHOLDER.len()].copy_from_slice(SEAL_PLACEHOLDER.as_bytes());
+    let want = u32::from_str_radix(digits, 16).unwrap_or(0);
+    let got = crc32fast::hash(&plain);
+    if got != want {
+        return Err(bad(&format!(
+            "its content does not match its checksum (CRC-32 {got:08x}, recorded {want:08x})"
+        )));
+    }
+    Ok(())
 }
 
 /// The parent directory named by `rel`, as seen from the snapshot directory `child`.
@@ -537,4 +627,41 @@ pub(crate) fn dir_of(chain: &[(PathBuf, Manifest)]) -> String {
         .last()
         .map(|(p, _)| p.display().to_string())
         .unwrap_or_default()
+}
+
+#[cfg(test)]
+mod seal_tests {
+    use super::*;
+
+    #[derive(Serialize)]
+    struct Doc {
+        lr: f64,
+        name: String,
+        checksum: Option<String>,
+    }
+
+    #[test]
+    fn a_sealed_file_checks_and_any_edit_fails() {
+        let doc = Doc {
+            lr: 0.1,
+            name: "crc32:00000000".into(),
+            checksum: Some(SEAL_PLACEHOLDER.into()),
+        };
+        let (bytes, sum) = seal_json(&doc).unwrap();
+        let path = "m.json";
+        check_seal(path, &bytes, Some(&sum), true).unwrap();
+        let text = String::from_utf8(bytes.clone()).unwrap();
+        let edited = text.replacen("0.1", "0.9", 1);
+        let e = check_seal(path, edited.as_bytes(), Some(&sum), true).unwrap_err();
+        assert!(matches!(e, Error::Corrupt(_)) && e.to_string().contains("m.json"));
+        // Another checksum value, or none where one is required.
+        assert!(check_seal(path, &bytes, Some("crc32:0000000g"), true).is_err());
+        assert!(check_seal(path, &bytes, None, true).is_err());
+        assert!(check_seal(path, &bytes, None, false).is_ok());
+        for i in 0..bytes.len() {
+            let mut b = bytes.clone();
+            b[i] ^= 0x01;
+            assert!(check_seal(path, &b, Some(&sum), true).is_err(), "byte {i}");
+        }
+    }
 }

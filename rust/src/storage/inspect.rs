@@ -46,6 +46,7 @@ pub fn inspect(path: &Path) -> Result<StoreSummary> {
         )));
     }
     let open_ro = |dir: &Path| {
+        super::check_data_file(dir, "store")?;
         let mut opts = EnvOpenOptions::new().read_txn_without_tls();
         opts.max_dbs(MAX_DBS);
         // SAFETY: read-only: this process writes nothing; LMDB's reader table handles

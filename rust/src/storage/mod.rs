@@ -16,11 +16,13 @@
 //! `format` holds the on-disk format (keys, values, the format record and its checks), `read`
 //! and `write` the transactions, `inspect` the read-only look at a store directory.
 
+mod check;
 mod format;
 mod inspect;
 mod read;
 mod write;
 
+pub use check::check_data_file;
 pub use format::{
     bytes_of, cycle_of, key, words_into, Db, FormatRecord, DEFAULT_MAP_SIZE, FORMAT_NAME,
     FORMAT_VERSION, MAX_ENVIRONMENTS,
@@ -89,6 +91,8 @@ fn open_env(dir: &Path, create: bool, map_size: usize) -> Result<(Env<WithoutTls
         std::fs::create_dir_all(dir)
             .map_err(|e| storage(format!("creating {}: {e}", dir.display())))?;
     }
+    // A data file cut short would be mapped past its end (SIGBUS on the first read there).
+    check_data_file(dir, "store")?;
     let page = crate::buffer::page_size();
     let map_size = map_size.max(page).div_ceil(page) * page;
     let existing = std::fs::metadata(dir.join("data.mdb"))

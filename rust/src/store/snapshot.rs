@@ -223,7 +223,7 @@ impl Store {
             None if self.path().is_some() => return Err(storage("the store is closed")),
             None => (self.write_from_memory(tmp, &tables, incremental, done)?, 0),
         };
-        let manifest = Manifest {
+        let mut manifest = Manifest {
             format: FORMAT_NAME.into(),
             version: FORMAT_VERSION,
             id: id.clone(),
@@ -233,9 +233,9 @@ impl Store {
             source_path: self.path().map(|p| p.to_string_lossy().into_owned()),
             cycle,
             tables: entries,
+            checksum: None,
         };
-        let bytes =
-            serde_json::to_vec_pretty(&manifest).map_err(|e| Error::Internal(e.to_string()))?;
+        let bytes = manifest.sealed()?;
         let mpath = tmp.join(MANIFEST);
         {
             use std::io::Write;

@@ -170,8 +170,8 @@ impl DenseTable {
         if self.common.exec.pending() > 0 {
             return self.queue(grad.to_vec(), lr_scale, rid)?.wait();
         }
-        self.apply(grad, lr_scale, rid);
-        self.common.durable_wait()
+        let epoch = self.apply(grad, lr_scale, rid);
+        self.common.durable_wait_push(epoch)
     }
 
     /// Per environment of the replica, whether the write request `(client, seq)` was applied
@@ -196,16 +196,18 @@ impl DenseTable {
         self.common.exec.submit(
             grad.len() * 4,
             Box::new(move || {
-                me.apply(&grad, lr_scale, rid);
-                me.common.durable_wait()
+                let epoch = me.apply(&grad, lr_scale, rid);
+                me.common.durable_wait_push(epoch)
             }),
         )
     }
 
-    fn apply(&self, grad: &[f32], lr_scale: f64, rid: Option<(u64, u64)>) {
+    /// Applies one gradient; returns the revert epoch it was applied in.
+    fn apply(&self, grad: &[f32], lr_scale: f64, rid: Option<(u64, u64)>) -> u64 {
         let mut g: Vec<f64> = grad.iter().map(|&x| x as f64).collect();
         let lr = self.lr() * lr_scale;
         let mut d = self.data.write().unwrap_or_else(|e| e.into_inner());
+        let epoch = self.common.revert_epoch();
         let d = &mut *d;
         d.step = d.step.saturating_add(1);
         self.config
@@ -215,9 +217,13 @@ impl DenseTable {
             // Under the write lock: a flush takes the value and the id together.
             self.common.applied.note(client, seq);
         }
+        if !super::finite_row(&d.weights) {
+            Counters::add(&self.common.counters.rows_nonfinite, 1);
+        }
         self.dirty.store(true, Ordering::Release);
         Counters::add(&self.common.counters.pushes, 1);
         Counters::add(&self.common.counters.rows_updated, 1);
+        epoch
     }
 
     /// The value as words `[step, 0, weights, state]` if it changed since the last take, the
@@ -283,6 +289,34 @@ impl DenseTable {
         Ok(())
     }
 
+    /// Goes back to the value `words` the replica holds (a `sync` store whose commit failed;
+    /// see `Flusher::revert_all`).
+    pub(crate) fn revert_to(&self, words: &[u32], applied: Option<Vec<u8>>) -> Result<()> {
+        let mut d = self.data.write().unwrap_or_else(|e| e.into_inner());
+        let (n, m) = (d.weights.len(), d.state.len());
+        if words.len() != 2 + n + m {
+            return Err(crate::error::corrupt(format!(
+                "dense table {:?}: a stored value of {} words, not {}",
+                self.common.name,
+                words.len(),
+                2 + n + m
+            )));
+        }
+        d.step = words[0];
+        for (x, &w) in d.weights.iter_mut().zip(&words[2..2 + n]) {
+            *x = f32::from_bits(w);
+        }
+        for (x, &w) in d.state.iter_mut().zip(&words[2 + n..]) {
+            *x = f32::from_bits(w);
+        }
+        self.common
+            .applied
+            .load(&[applied], "the applied request ids")?;
+        self.dirty.store(false, Ordering::Release);
+        self.common.note_reverted();
+        Ok(())
+    }
+
     /// The table's counters and sizes.
     pub fn stats(&self) -> TableStats {
         let d = self.read();
@@ -297,6 +331,7 @@ impl DenseTable {
             rows_updated: Counters::get(&c.rows_updated),
             rows_created: 0,
             rows_evicted: 0,
+            rows_nonfinite: Counters::get(&c.rows_nonfinite),
             seq: Counters::get(&c.pushes),
             rows_unloaded: 0,
             lr: self.lr(),

@@ -40,6 +40,9 @@ pub struct TableStats {
     pub rows_created: u64,
     /// Rows removed by eviction (by age or by the `max_rows` budget).
     pub rows_evicted: u64,
+    /// Updates that left a row (or a dense tensor) with a NaN or infinite weight, refused ones
+    /// included: finite gradients can still overflow a weight.
+    pub rows_nonfinite: u64,
     /// The update sequence number: pushes applied over the table's life.
     pub seq: u64,
     /// Rows of the LMDB replica not loaded into memory yet (included in `rows`).
@@ -103,6 +106,11 @@ pub trait ChangeHook: Send + Sync {
     fn before_change(&self) -> Result<()>;
     /// After a change was applied: returns once it is kept as promised (`sync` mode: on disk).
     fn after_change(&self) -> Result<()>;
+    /// What a refused push's error adds about what the revert could not undo ("" when it undid
+    /// everything).
+    fn revert_caveat(&self) -> &'static str {
+        ""
+    }
 }
 
 /// What every table has besides its data: a name, a run-time learning rate, the store's executor,
@@ -119,6 +127,9 @@ pub struct Common {
     uid: AtomicU64,
     /// The request ids of the writes applied (`applied.rs`).
     pub(crate) applied: Applied,
+    /// How often a `sync` store gave back this table's changes after a failed commit (see
+    /// [`Common::durable_wait_push`]).
+    reverts: AtomicU64,
 }
 
 impl Common {
@@ -132,6 +143,7 @@ impl Common {
             durable: None,
             uid: AtomicU64::new(new_uid()),
             applied: Applied::default(),
+            reverts: AtomicU64::new(0),
         }
     }
 
@@ -156,12 +168,63 @@ impl Common {
         }
     }
 
-    /// In a `sync` store, waits until what was applied is committed to disk.
+    /// In a `sync` store, waits until what was applied is committed to disk (a change that
+    /// stays applied in memory when the commit fails: a removal, eviction, learning rate).
     pub(crate) fn durable_wait(&self) -> Result<()> {
         match self.durable.as_ref().and_then(Weak::upgrade) {
-            Some(f) => f.after_change(),
+            Some(f) => f.after_change().map_err(|e| {
+                Error::Storage(format!(
+                    "{e}; the change was applied in memory but is not durable yet (it will be \
+                     written once the store can write again)"
+                ))
+            }),
             None => Ok(()),
         }
+    }
+
+    /// The count of reverts so far: read by a push under its change hold (sparse) or value lock
+    /// (dense), the hold a revert takes alone.
+    pub(crate) fn revert_epoch(&self) -> u64 {
+        self.reverts.load(Ordering::Acquire)
+    }
+
+    /// Notes that the table went back to its last commit (called under the hold a push reads
+    /// [`Common::revert_epoch`] under).
+    pub(crate) fn note_reverted(&self) {
+        self.reverts.fetch_add(1, Ordering::AcqRel);
+    }
+
+    /// After a push applied at revert epoch `epoch`: in a `sync` store, waits until it is
+    /// committed. A failed commit in `sync` mode gives back every change since the last
+    /// commit, so the push is then undone and the error says nothing was applied (a retry
+    /// applies it once); only when that giving back failed too is the push still in memory.
+    pub(crate) fn durable_wait_push(&self, epoch: u64) -> Result<()> {
+        self.durable_wait_change(epoch, "push")
+    }
+
+    /// [`Common::durable_wait_push`] of a change `what` ("push", "bulk load") other than a push.
+    pub(crate) fn durable_wait_change(&self, epoch: u64, what: &str) -> Result<()> {
+        let Some(f) = self.durable.as_ref().and_then(Weak::upgrade) else {
+            return Ok(());
+        };
+        let r = f.after_change();
+        if self.revert_epoch() != epoch {
+            let why = match r {
+                Err(e) => e.to_string(),
+                Ok(()) => "an earlier commit failed".to_string(),
+            };
+            return Err(Error::Storage(format!(
+                "{why}; the {what} was not applied: the table went back to its last commit{} \
+                 (retry once the store can write again)",
+                f.revert_caveat()
+            )));
+        }
+        r.map_err(|e| {
+            Error::Storage(format!(
+                "{e}; the {what} was applied in memory but is not durable yet (it will be \
+                 written once the store can write again)"
+            ))
+        })
     }
 
     /// Marks the table as dropped from its store: every later operation fails.
@@ -228,6 +291,8 @@ pub struct Counters {
     /// Pushes a store server counted for its cluster: one per push over all servers (the
     /// request without `uncounted`), applied ones only. Kept with the table's record.
     pub counted: AtomicU64,
+    /// Updates that left a non-finite weight.
+    pub rows_nonfinite: AtomicU64,
 }
 
 impl Counters {
@@ -277,6 +342,13 @@ pub(crate) fn check_finite(exec: &Executor, table: &str, grads: &[f32], dim: usi
         return Ok(());
     }
     check_finite_slice(table, grads, dim)
+}
+
+/// Whether every weight of an updated row is finite (no early exit: one pass the compiler
+/// vectorises).
+#[inline]
+pub(crate) fn finite_row(w: &[f32]) -> bool {
+    w.iter().fold(true, |ok, x| ok & x.is_finite())
 }
 
 /// Whether every value of `v` is finite.
@@ -413,11 +485,14 @@ pub(crate) fn group_ids(exec: &Executor, ids: &[u64], num_shards: usize) -> Grou
     }
 }
 
-/// A table name must be non-empty printable text.
+/// A table name must be non-empty printable text of at most
+/// [`MAX_NAME_BYTES`](crate::error::MAX_NAME_BYTES) bytes.
 pub(crate) fn validate_name(name: &str) -> Result<()> {
-    if name.is_empty() || name.len() > 255 || name.chars().any(|c| c.is_control()) {
+    use crate::error::{quoted_name, MAX_NAME_BYTES};
+    if name.is_empty() || name.len() > MAX_NAME_BYTES || name.chars().any(|c| c.is_control()) {
         return Err(Error::InvalidArgument(format!(
-            "table name must be 1 to 255 bytes without control characters, got {name:?}"
+            "table name must be 1 to {MAX_NAME_BYTES} bytes without control characters, got {}",
+            quoted_name(name)
         )));
     }
     Ok(())

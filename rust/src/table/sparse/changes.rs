@@ -7,7 +7,7 @@ use std::sync::{RwLockReadGuard, RwLockWriteGuard};
 
 use rayon::prelude::*;
 
-use super::SparseTable;
+use super::{RowSource, SparseTable};
 use crate::error::{shape, Result};
 use crate::shard::NO_SLOT;
 use crate::table::Disjoint;
@@ -128,6 +128,36 @@ impl SparseTable {
                 shard.remark(slot, logged);
             }
         }
+    }
+
+    /// Goes back to the last commit of a `sync` store (see `Flusher::revert_all`): every row
+    /// changed since is read back from `src`, or dropped when `src` has none; the applied
+    /// request ids become those each environment kept (`applied`, one per environment; none
+    /// where `None`). Pushes are held off meanwhile, and each
+    /// push applied before it learns so from [`Common::revert_epoch`](crate::table::Common).
+    pub(crate) fn revert_to(&self, src: &dyn RowSource, applied: &[Option<Vec<u8>>]) -> Result<()> {
+        let _held = self.hold_changes();
+        let m = self.row_words();
+        for s in 0..self.shards.len() {
+            let mut shard = self.write(s);
+            let ids = shard.take_marked();
+            if ids.is_empty() {
+                continue;
+            }
+            let mut found = vec![false; ids.len()];
+            src.read_rows(&self.common.name, m, &ids, &mut |k, words| {
+                shard.put_words(ids[k], words);
+                found[k] = true;
+            })?;
+            for (&id, _) in ids.iter().zip(&found).filter(|(_, &f)| !f) {
+                shard.discard(id);
+            }
+        }
+        self.common
+            .applied
+            .load(applied, "the applied request ids")?;
+        self.common.note_reverted();
+        Ok(())
     }
 
     /// After a flush committed: the removals it wrote are done.

@@ -19,6 +19,12 @@ pub struct SparseTableConfig {
     /// Admission and eviction.
     #[serde(default)]
     pub lifecycle: Lifecycle,
+    /// Refuse a push whose update would leave a NaN or infinite weight (finite gradients can
+    /// overflow a weight): the push fails with a non-finite error and changes nothing. Such
+    /// pushes of the table then run one at a time. Off: the update is applied and counted
+    /// (`rows_nonfinite`).
+    #[serde(default)]
+    pub refuse_nonfinite: bool,
 }
 
 /// Which rows a `max_rows` budget evicts first.

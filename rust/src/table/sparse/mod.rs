@@ -23,7 +23,8 @@ pub(crate) use lazy::Backing;
 pub use lazy::RowSource;
 
 use super::{
-    check_finite, group_ids, unix_now, Common, Counters, Disjoint, TableHandle, TableStats,
+    check_finite, finite_row, group_ids, unix_now, Common, Counters, Disjoint, TableHandle,
+    TableStats,
 };
 use crate::error::{shape, Result};
 use crate::executor::PushHandle;
@@ -76,6 +77,8 @@ pub struct SparseTable {
     candidates: Vec<Mutex<HashMap<u64, u32>>>,
     /// Set while a thread enforces `max_rows`.
     evicting: Mutex<()>,
+    /// Held by a push of a table that refuses non-finite weights (see `apply`).
+    refusing: Mutex<()>,
     /// Held shared by every change of rows, alone by a flush taking them (see `hold_changes`).
     changes: RwLock<()>,
     backing: Option<Backing>,
@@ -108,6 +111,7 @@ impl SparseTable {
             seq: AtomicU64::new(0),
             candidates: (0..num_shards.max(1)).map(|_| Mutex::default()).collect(),
             evicting: Mutex::new(()),
+            refusing: Mutex::new(()),
             changes: RwLock::new(()),
             backing,
         })
@@ -429,14 +433,19 @@ impl SparseTable {
         rid: Option<(u64, u64)>,
     ) -> Result<()> {
         super::check_scale(lr_scale)?;
+        let pending = self.common.exec.pending() > 0;
+        if ids.is_empty() && !pending {
+            // Nothing to apply: not a push (no count, no sequence number, no commit to wait for).
+            return Ok(());
+        }
         self.common.durable_check()?;
-        if self.common.exec.pending() > 0 {
+        if pending {
             return self
                 .queue(ids.to_vec(), grads.to_vec(), lr_scale, rid)?
                 .wait();
         }
-        self.apply(ids, grads, lr_scale, rid)?;
-        self.common.durable_wait()
+        let epoch = self.apply(ids, grads, lr_scale, rid)?;
+        self.common.durable_wait_push(epoch)
     }
 
     /// Queues a push and returns at once; the inputs are moved into the queue. Errors of the
@@ -458,28 +467,42 @@ impl SparseTable {
         self.common.exec.submit(
             bytes,
             Box::new(move || {
-                me.apply(&ids, &grads, lr_scale, rid)?;
-                me.common.durable_wait()
+                let epoch = me.apply(&ids, &grads, lr_scale, rid)?;
+                me.common.durable_wait_push(epoch)
             }),
         )
     }
 
-    /// Applies a validated push.
+    /// Applies a validated push; returns the revert epoch it was applied in (see
+    /// [`Common::durable_wait_push`]).
     fn apply(
         &self,
         ids: &[u64],
         grads: &[f32],
         lr_scale: f64,
         rid: Option<(u64, u64)>,
-    ) -> Result<()> {
+    ) -> Result<u64> {
+        if ids.is_empty() {
+            // Not a push: nothing counted, no sequence number taken.
+            return Ok(self.common.revert_epoch());
+        }
         let dim = self.config.dim;
         let opt = self.config.optimizer;
         let lr = self.lr() * lr_scale;
         let updated = std::sync::atomic::AtomicU64::new(0);
         let created = std::sync::atomic::AtomicU64::new(0);
+        // Rows the update left with a non-finite weight, and (when the table refuses them) the
+        // rows as they were before, to put back.
+        let nonfinite = std::sync::atomic::AtomicU64::new(0);
+        let refuse = self.config.refuse_nonfinite;
+        let before: Mutex<Vec<(usize, Vec<u32>)>> = Mutex::new(Vec::new());
+        // A push that may have to be undone runs alone among the table's pushes, so that no
+        // other push changes its rows before they are put back.
+        let _alone = refuse.then(|| self.refusing.lock().unwrap_or_else(|e| e.into_inner()));
         let g = self.group(ids);
         self.fault_in_batch(ids, &g)?;
         let changing = self.changing();
+        let epoch = self.common.revert_epoch();
         let version = self.seq.fetch_add(1, Ordering::Relaxed) + 1;
         let now = unix_now();
         self.for_each_shard(&g, ids.len(), |s, part| {
@@ -490,12 +513,18 @@ impl SparseTable {
             let made = self.admit(s, &mut shard, ids, pos, &mut slots, version, now);
             let stride = HEADER + dim + self.state_len;
             let mut acc = vec![0f64; dim];
+            let mut saved: Vec<u32> = Vec::new();
+            let mut bad = 0u64;
             // The optimizer step of one row from its summed gradient `acc`, `hits` ids counted.
-            let update = |shard: &mut Shard, slot: u32, acc: &mut [f64], hits: u32| {
+            let mut update = |shard: &mut Shard, slot: u32, acc: &mut [f64], hits: u32| {
+                if refuse {
+                    saved.extend_from_slice(shard.row(slot));
+                }
                 let row = shard.row_mut(slot);
                 let step = bump_step(row);
                 let (w, state) = as_f32_mut(&mut row[HEADER..]).split_at_mut(dim);
                 opt.apply(lr, step, w, state, acc);
+                bad += u64::from(!finite_row(w));
                 shard.touch(slot, version, now, hits);
             };
             let mut runs = 0u64;
@@ -551,7 +580,27 @@ impl SparseTable {
             }
             updated.fetch_add(runs, std::sync::atomic::Ordering::Relaxed);
             created.fetch_add(made, std::sync::atomic::Ordering::Relaxed);
+            if bad > 0 {
+                nonfinite.fetch_add(bad, std::sync::atomic::Ordering::Relaxed);
+            }
+            if refuse && !saved.is_empty() {
+                before
+                    .lock()
+                    .unwrap_or_else(|e| e.into_inner())
+                    .push((s, saved));
+            }
         });
+        let nonfinite = nonfinite.into_inner();
+        Counters::add(&self.common.counters.rows_nonfinite, nonfinite as usize);
+        if refuse && nonfinite > 0 {
+            let first = self.put_back(before.into_inner().unwrap_or_else(|e| e.into_inner()));
+            return Err(crate::error::Error::NonFinite(format!(
+                "table {:?}: the push would leave {nonfinite} row(s) with a non-finite weight \
+                 (first id {first}); nothing was applied (the table refuses non-finite weights: \
+                 lower the learning rate or clip the gradients)",
+                self.common.name
+            )));
+        }
         let c = &self.common.counters;
         Counters::add(&c.pushes, 1);
         Counters::add(&c.ids_pushed, ids.len());
@@ -562,7 +611,26 @@ impl SparseTable {
             self.note_applied(client, seq);
         }
         drop(changing);
-        self.enforce_budget()
+        self.enforce_budget()?;
+        Ok(epoch)
+    }
+
+    /// Puts back rows as a refused push found them (whole rows, header included, by shard);
+    /// returns the smallest id among them.
+    fn put_back(&self, before: Vec<(usize, Vec<u32>)>) -> u64 {
+        let stride = HEADER + self.config.dim + self.state_len;
+        let mut first = u64::MAX;
+        for (s, rows) in before {
+            let mut shard = self.write(s);
+            for row in rows.chunks_exact(stride) {
+                let id = row[0] as u64 | ((row[1] as u64) << 32);
+                first = first.min(id);
+                if let Some(slot) = shard.find(id) {
+                    shard.row_mut(slot).copy_from_slice(row);
+                }
+            }
+        }
+        first
     }
 
     /// Makes room for `rows` rows in all (a bulk load sized in advance).
@@ -593,6 +661,7 @@ impl SparseTable {
             rows_updated: Counters::get(&c.rows_updated),
             rows_created: Counters::get(&c.rows_created),
             rows_evicted: Counters::get(&c.rows_evicted),
+            rows_nonfinite: Counters::get(&c.rows_nonfinite),
             seq: self.seq(),
             rows_unloaded: self.unloaded(),
             lr: self.lr(),
@@ -625,6 +694,7 @@ mod tests {
             },
             seed: 5,
             lifecycle: Default::default(),
+            refuse_nonfinite: false,
         };
         let common = Common::new("t".to_string(), config.optimizer.lr, Arc::clone(&exec));
         let t = Arc::new(SparseTable::new(common, config, 16, None).unwrap());
@@ -666,6 +736,7 @@ mod tests {
                 },
                 seed: 3,
                 lifecycle: Default::default(),
+                refuse_nonfinite: false,
             };
             let common = Common::new(format!("t{dim}"), config.optimizer.lr, Arc::clone(&exec));
             let t = Arc::new(SparseTable::new(common, config, 64, None).unwrap());
