@@ -136,7 +136,7 @@ def test_a_server_refusing_a_sync_push_for_a_full_disk_applies_its_retry_once():
             assert np.array_equal(t.pull(BIG), -np.ones((len(BIG), DIM), np.float32))
         finally:
             assert srv.stop() == 0
-        srv = ServerProcess("--path", str(disk / "s"), "--durability", "sync")
+        srv = ServerProcess("--path", str(disk / "s"), "--durability", "sync", port=srv.port)
         try:
             t = srv.wait_ready().sparse_table("t")
             assert np.array_equal(t.pull(BIG), -np.ones((len(BIG), DIM), np.float32))
@@ -547,9 +547,11 @@ def test_a_bulk_load_refused_by_a_full_disk_is_undone_and_its_retry_loads_it(tmp
             d = dst.wait_ready()
             sgd_table(d)  # the restore loads into it (creating a table needs space too)
             filler = fill(disk)
-            with pytest.raises(pstore.StorageError, match="bulk load was not applied"):
-                pstore.restore_cluster(tmp_path / "snap", [dst.address])
-            assert len(d.sparse_table("t")) == 0
+            # Both ways of loading: the client's BulkLoad and the server's own LoadSnapshot.
+            for via in ("client", "servers"):
+                with pytest.raises(pstore.StorageError, match="load was not applied"):
+                    pstore.restore_cluster(tmp_path / "snap", [dst.address], via=via)
+                assert len(d.sparse_table("t")) == 0, via
             filler.unlink()
             assert pstore.restore_cluster(tmp_path / "snap", [dst.address])["tables"] == 1
             assert np.array_equal(

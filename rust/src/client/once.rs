@@ -117,7 +117,8 @@ impl Client {
     /// Sends one push, every server getting a part (a part without ids where the batch has
     /// none there, so every server's table version counts the push), and reports which parts
     /// applied if some fail. `version` is the pulled version per server (None: the one a pull
-    /// of the same ids recorded, if any).
+    /// of the same ids recorded, if any). A push of no ids is not a push: nothing is sent, no
+    /// version or counter moves (as on the embedded store).
     pub(crate) fn push_parts(
         &self,
         table: &str,
@@ -136,6 +137,9 @@ impl Client {
                     v.len()
                 )));
             }
+        }
+        if ids.is_empty() {
+            return Ok(());
         }
         let key = (table.to_string(), push_digest(ids, grads));
         let retry = {

@@ -378,13 +378,7 @@ impl Flusher {
     /// next touch); a sparse table's applied request ids are read back too. Removals, evictions
     /// and learning rates stay applied (their callers say so).
     fn revert_all(&self) -> Result<()> {
-        let tables: Vec<(String, Table)> = self
-            .tables
-            .read()
-            .unwrap_or_else(|e| e.into_inner())
-            .iter()
-            .map(|(k, v)| (k.clone(), v.clone()))
-            .collect();
+        let tables = self.table_list();
         for (name, table) in tables {
             match &table {
                 Table::Sparse(t) => {
@@ -449,15 +443,19 @@ impl Flusher {
         r
     }
 
-    /// One cycle over every table.
-    fn cycle(&self, cycle: u64) -> Result<CycleDone> {
-        let tables: Vec<(String, Table)> = self
-            .tables
+    /// The tables with their names, taken out of the map (so no lock is held while they work).
+    fn table_list(&self) -> Vec<(String, Table)> {
+        self.tables
             .read()
             .unwrap_or_else(|e| e.into_inner())
             .iter()
             .map(|(k, v)| (k.clone(), v.clone()))
-            .collect();
+            .collect()
+    }
+
+    /// One cycle over every table.
+    fn cycle(&self, cycle: u64) -> Result<CycleDone> {
+        let tables = self.table_list();
         let mut done = CycleDone::default();
         for (name, table) in tables {
             let wrote = match &table {

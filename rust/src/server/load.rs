@@ -150,6 +150,9 @@ fn load_from(store: &Store, root: PathBuf, r: LoadSnapshotRequest) -> Result<Loa
     let done = AtomicU64::new(0);
     let mut rows = 0u64;
     for (name, table, entries) in tables {
+        // A `sync` store commits each table's rows before the answer; a failed commit undoes
+        // them (the load is idempotent, so its retry is safe).
+        let epoch = table.handle().common().revert_epoch();
         match &table {
             Table::Sparse(t) => {
                 let total: u64 = entries.iter().flatten().map(|e| e.total_rows).sum();
@@ -182,6 +185,10 @@ fn load_from(store: &Store, root: PathBuf, r: LoadSnapshotRequest) -> Result<Loa
                 }
             }
         }
+        table
+            .handle()
+            .common()
+            .durable_wait_change(epoch, "snapshot load")?;
     }
     Ok(LoadSnapshotResponse {
         rows,

@@ -269,6 +269,14 @@ impl DenseTable {
     /// Replaces the value by words `[step, 0, weights, state]`.
     pub fn set_words(&self, words: &[u32]) -> Result<()> {
         let mut d = self.data.write().unwrap_or_else(|e| e.into_inner());
+        self.load_words(&mut d, words)?;
+        self.dirty.store(true, Ordering::Release);
+        Ok(())
+    }
+
+    /// Loads the value `d` (under its write lock) from words `[step, 0, weights, state]`,
+    /// checking their count.
+    fn load_words(&self, d: &mut DenseState, words: &[u32]) -> Result<()> {
         let (n, m) = (d.weights.len(), d.state.len());
         if words.len() != 2 + n + m {
             return Err(crate::error::corrupt(format!(
@@ -285,7 +293,6 @@ impl DenseTable {
         for (x, &w) in d.state.iter_mut().zip(&words[2 + n..]) {
             *x = f32::from_bits(w);
         }
-        self.dirty.store(true, Ordering::Release);
         Ok(())
     }
 
@@ -293,22 +300,7 @@ impl DenseTable {
     /// see `Flusher::revert_all`).
     pub(crate) fn revert_to(&self, words: &[u32], applied: Option<Vec<u8>>) -> Result<()> {
         let mut d = self.data.write().unwrap_or_else(|e| e.into_inner());
-        let (n, m) = (d.weights.len(), d.state.len());
-        if words.len() != 2 + n + m {
-            return Err(crate::error::corrupt(format!(
-                "dense table {:?}: a stored value of {} words, not {}",
-                self.common.name,
-                words.len(),
-                2 + n + m
-            )));
-        }
-        d.step = words[0];
-        for (x, &w) in d.weights.iter_mut().zip(&words[2..2 + n]) {
-            *x = f32::from_bits(w);
-        }
-        for (x, &w) in d.state.iter_mut().zip(&words[2 + n..]) {
-            *x = f32::from_bits(w);
-        }
+        self.load_words(&mut d, words)?;
         self.common
             .applied
             .load(&[applied], "the applied request ids")?;
