@@ -916,10 +916,13 @@ mod tests {
             parse("snaps/0001").unwrap(),
             Uri::Local("snaps/0001".into())
         );
-        assert_eq!(parse("/data/s").unwrap(), Uri::Local("/data/s".into()));
+        // An absolute path of this machine, made at run time.
+        let abs = std::env::temp_dir().join("s");
+        let abs_str = abs.display().to_string();
+        assert_eq!(parse(&abs_str).unwrap(), Uri::Local(abs.clone()));
         assert_eq!(
-            parse("file:///data/s").unwrap(),
-            Uri::Local("/data/s".into())
+            parse(&format!("file://{abs_str}")).unwrap(),
+            Uri::Local(abs)
         );
         assert_eq!(parse("s3://my-bucket/a/b").unwrap(), s3("my-bucket", "a/b"));
         assert_eq!(
@@ -974,8 +977,9 @@ mod tests {
             resolve_key("bkt", "a/s2", "s3://ccc/q/s1"),
             Err(Error::InvalidArgument(_))
         ));
+        let local_parent = std::env::temp_dir().join("s1");
         assert!(matches!(
-            resolve_key("bkt", "a/s2", "/abs/s1"),
+            resolve_key("bkt", "a/s2", &local_parent.display().to_string()),
             Err(Error::InvalidArgument(_))
         ));
         assert!(matches!(
