@@ -7,7 +7,9 @@ PIP ?= $(PYTHON) -m pip
 help: ## list the targets
 	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  %-12s %s\n", $$1, $$2}'
 
-install: ## build and install the wheel with the test tools and the torch extra
+install: ## build and install the wheel with the test tools and the torch extra (and, as root, libfuse3 for the power-loss test)
+	@if [ "$$(id -u)" = 0 ] && ! ldconfig -p | grep -q 'libfuse3\.so\.3'; then \
+		apt-get update -qq && apt-get install -y -qq libfuse3-3; fi
 	$(PIP) install --quiet --upgrade pip
 	$(PIP) install --quiet ".[test,torch]"
 
