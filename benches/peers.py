@@ -265,3 +265,28 @@ class RedisRows:
             pairs = zip(keys[s : s + chunk], self.values(rows[s : s + chunk]), strict=True)
             pipe.execute_command("MSET", *itertools.chain.from_iterable(pairs))
         pipe.execute()
+
+
+class ReferenceGather:
+    """The memory limit of a pull: pstore's reference kernel (rust/src/reference.rs) copies the
+    rows at given positions out of a 64-byte aligned arena on huge pages, with no table logic,
+    into a new array each call (as every contender allocates its answer)."""
+
+    def __init__(self, rows: Any, dim: int, threads: int, prefetch: bool) -> None:
+        self.rows, self.dim, self.threads, self.prefetch = rows, dim, threads, prefetch
+
+    def pull(self, pos: np.ndarray) -> np.ndarray:
+        out = np.empty((len(pos), self.dim), dtype=np.float32)
+        self.rows.gather(pos.astype(np.uint64, copy=False), out, self.threads, self.prefetch)
+        return out
+
+
+class ReferenceAdagrad:
+    """The memory limit of an Adagrad push: the reference kernel's read-modify-write of the
+    weights and accumulators (2 x dim words per row) at the batch's positions, no table logic."""
+
+    def __init__(self, rows: Any, lr: float, threads: int) -> None:
+        self.rows, self.lr, self.threads = rows, lr, threads
+
+    def push(self, pos: np.ndarray, grads: np.ndarray) -> None:
+        self.rows.adagrad(pos.astype(np.uint64, copy=False), grads, self.lr, self.threads, True)

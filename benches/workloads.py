@@ -49,6 +49,8 @@ from peers import (
     NumpySave,
     NumpyTake,
     RedisRows,
+    ReferenceAdagrad,
+    ReferenceGather,
     TorchEmbeddingPull,
     TorchSparseStep,
 )
@@ -247,10 +249,18 @@ def w1_pull(ctx: Context) -> Section:
     dict_peer = DictTake(ids_of(np.arange(n, dtype=np.int64)), table)
     sec.config["dict_build_s"] = time.perf_counter() - t0
     np_peer = NumpyTake(table)
+    log("W1: building the reference rows (dense gather, the memory limit)")
+    ref_rows = ctx.pstore._native.ReferenceRows(table, dim, 0.0)
+    sec.config["reference_huge_pages"] = ref_rows.huge_pages
+    ref_peers = {
+        f"ref_gather_{t}t{'' if pf else '_noprefetch'}": ReferenceGather(ref_rows, dim, t, pf)
+        for t, pf in ((2, True), (2, False), (1, True), (1, False))
+    }
     torch_peer = TorchEmbeddingPull(torch, table) if torch is not None else None
     skipped = {} if torch is not None else {"torch_embedding": "torch not installed"}
     targets = {"numpy_take": (">=1.0x", 1.0), "dict_take": (">=5x", 5.0)}
     sampler = PositionSampler(n, seed=11)
+    ref_goal = {4096: (">=0.5x", 0.5), 65536: (">=0.6x", 0.6)}
     for dist in DISTS:
         for batch in batch_sizes:
             nb = max(1, ctx.sizes.w1_ids_per_rep // batch)
@@ -262,6 +272,9 @@ def w1_pull(ctx: Context) -> Section:
                 "numpy_take": _loop(np_peer.pull, pos),
                 "dict_take": _loop(dict_peer.pull, ids),
             }
+            for ref_name, ref_peer in ref_peers.items():
+                fns[ref_name] = _loop(ref_peer.pull, pos)
+            targets["ref_gather_2t"] = ref_goal[batch]
             if torch_peer is not None:
                 fns["torch_embedding"] = _loop(torch_peer.pull, pos)
             log(f"W1: {dist} batch {batch}: {nb} batches x {ctx.reps} reps")
@@ -335,6 +348,14 @@ def w2_push(ctx: Context) -> Section:
                 peers[torch_name[name]] = peer
         if name in ("Adagrad", "Adam"):
             targets[torch_name[name]] = (">=3x", 3.0)
+        if name == "Adagrad":
+            log("W2 Adagrad: building the reference rows (dense read-modify-write)")
+            ref_rows = ctx.pstore._native.ReferenceRows(
+                rng.random((n, dim), dtype=np.float32), 2 * dim, kw["init_acc"]
+            )
+            for t in (2, 1):
+                peers[f"ref_rmw_{t}t"] = ReferenceAdagrad(ref_rows, kw["lr"], t)
+            targets["ref_rmw_2t"] = (">=0.5x", 0.5)
         if name == "SGD":
             peers["numpy_add_at"] = NumpyAddAt(rng.random((n, dim), dtype=np.float32), kw["lr"])
             targets["numpy_add_at"] = (">=5x", 5.0)

@@ -323,3 +323,24 @@ class Artifact:
         max_message: int | None = None,
         net: str | None = None,
     ) -> Server: ...
+
+@final
+class ReferenceRows:
+    def __new__(cls, init: npt.NDArray[np.float32], words: int, fill: float) -> ReferenceRows: ...
+    @property
+    def huge_pages(self) -> bool: ...
+    def gather(
+        self,
+        positions: npt.NDArray[np.uint64],
+        out: npt.NDArray[np.float32],
+        threads: int = 1,
+        prefetch: bool = True,
+    ) -> None: ...
+    def adagrad(
+        self,
+        positions: npt.NDArray[np.uint64],
+        grads: npt.NDArray[np.float32],
+        lr: float,
+        threads: int = 1,
+        prefetch: bool = True,
+    ) -> None: ...

@@ -51,6 +51,7 @@ pub mod net;
 pub mod openmp;
 pub mod ops;
 pub mod optimizer;
+pub mod reference;
 pub mod server;
 pub mod serving;
 pub mod shard;

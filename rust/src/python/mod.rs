@@ -11,6 +11,7 @@
 
 mod convert;
 mod net;
+mod reference;
 mod serving;
 mod tables;
 
@@ -500,6 +501,7 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(openmp_joined, m)?)?;
     m.add_function(wrap_pyfunction!(verify_snapshot, m)?)?;
     m.add_function(wrap_pyfunction!(inspect_store, m)?)?;
+    reference::register(m)?;
     m.add("MAX_DIM", crate::table::MAX_DIM)?;
     m.add("__version__", env!("CARGO_PKG_VERSION"))?;
     Ok(())

@@ -1,0 +1,90 @@
+//! The benchmarks' reference kernels (`crate::reference`) for Python: `ReferenceRows`.
+
+use std::sync::Mutex;
+
+use numpy::{PyReadonlyArray1, PyReadonlyArray2, PyReadwriteArray2, PyUntypedArrayMethods};
+use pyo3::prelude::*;
+
+use super::{run, slice};
+use crate::error::Error;
+use crate::reference::DenseRows;
+
+/// Rows at fixed positions, 64-byte aligned, for the dense-gather and read-modify-write limits
+/// that the benchmarks report pstore against (not a table: no ids, no locks).
+#[pyclass(frozen, module = "pstore._native", name = "ReferenceRows")]
+pub(crate) struct PyReferenceRows {
+    rows: Mutex<DenseRows>,
+}
+
+#[pymethods]
+impl PyReferenceRows {
+    /// Rows of `words` float32, each starting with a row of `init` (n x dim), the rest `fill`.
+    #[new]
+    fn new(
+        py: Python<'_>,
+        init: PyReadonlyArray2<'_, f32>,
+        words: usize,
+        fill: f32,
+    ) -> PyResult<Self> {
+        let (n, dim) = (init.shape()[0], init.shape()[1]);
+        let init_s = slice(&init, "init")?;
+        let rows = run(py, || DenseRows::new(n, words, dim, init_s, fill))?;
+        Ok(Self {
+            rows: Mutex::new(rows),
+        })
+    }
+
+    /// Whether the kernel took `MADV_HUGEPAGE` for the rows.
+    #[getter]
+    fn huge_pages(&self) -> bool {
+        self.lock().huge_pages()
+    }
+
+    /// `out[i] = rows[positions[i]][:dim]` (out is n x dim, C-contiguous float32).
+    #[pyo3(signature = (positions, out, threads=1, prefetch=true))]
+    fn gather(
+        &self,
+        py: Python<'_>,
+        positions: PyReadonlyArray1<'_, u64>,
+        mut out: PyReadwriteArray2<'_, f32>,
+        threads: usize,
+        prefetch: bool,
+    ) -> PyResult<()> {
+        let dim = out.shape()[1];
+        let pos = slice(&positions, "positions")?;
+        let out_s = out
+            .as_slice_mut()
+            .map_err(|_| super::err(Error::Shape("out must be C-contiguous".into())))?;
+        let guard = self.lock();
+        let rows: &DenseRows = &guard;
+        run(py, || rows.gather(pos, dim, out_s, threads, prefetch))
+    }
+
+    /// One Adagrad step per position (weights in words 0..dim, accumulators in dim..2*dim).
+    #[pyo3(signature = (positions, grads, lr, threads=1, prefetch=true))]
+    fn adagrad(
+        &self,
+        py: Python<'_>,
+        positions: PyReadonlyArray1<'_, u64>,
+        grads: PyReadonlyArray2<'_, f32>,
+        lr: f32,
+        threads: usize,
+        prefetch: bool,
+    ) -> PyResult<()> {
+        let dim = grads.shape()[1];
+        let (pos, g) = (slice(&positions, "positions")?, slice(&grads, "grads")?);
+        let mut guard = self.lock();
+        let rows: &mut DenseRows = &mut guard;
+        run(py, || rows.adagrad(pos, dim, g, lr, threads, prefetch))
+    }
+}
+
+impl PyReferenceRows {
+    fn lock(&self) -> std::sync::MutexGuard<'_, DenseRows> {
+        self.rows.lock().unwrap_or_else(|e| e.into_inner())
+    }
+}
+
+pub(super) fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
+    m.add_class::<PyReferenceRows>()
+}

@@ -1,0 +1,283 @@
+//! Reference kernels for the benchmarks: what the memory system allows for a batch of row
+//! positions, with no table logic (no ids, no hashing, no locks, no version or step).
+//!
+//! [`DenseRows`] holds `n` rows of `words` float32 each in one anonymous mapping, every row on a
+//! 64-byte boundary and the mapping on transparent huge pages where the kernel allows
+//! (`MADV_HUGEPAGE`). [`DenseRows::gather`] copies the first `dim` words of the rows at the given
+//! positions into an output, the *dense-gather limit* every pull figure is set against;
+//! [`DenseRows::adagrad`] is the read-modify-write limit of a push: each position's row holds
+//! `dim` weights then `dim` accumulators and gets one Adagrad step. Both split the batch over
+//! `threads` scoped threads and, with `prefetch`, ask for the row lines a fixed distance ahead.
+//! `benches/workloads.py` (W1, W2) runs them in the same process as the peers.
+
+use crate::error::{invalid, shape, Result};
+
+/// Positions ahead of the copy whose row lines are prefetched.
+const AHEAD: usize = 8;
+
+/// Rows at fixed positions, cache-line aligned, for the reference kernels.
+pub struct DenseRows {
+    ptr: *mut f32,
+    bytes: usize,
+    n: usize,
+    words: usize,
+    stride: usize,
+    huge: bool,
+}
+
+// SAFETY: the mapping is owned by this value alone; `&self` methods only read it and `&mut self`
+// methods are the only writers.
+unsafe impl Send for DenseRows {}
+// SAFETY: as above: shared references only read.
+unsafe impl Sync for DenseRows {}
+
+impl Drop for DenseRows {
+    fn drop(&mut self) {
+        // SAFETY: `ptr` and `bytes` are exactly the mapping made in `new`, unmapped once.
+        unsafe { libc::munmap(self.ptr.cast(), self.bytes) };
+    }
+}
+
+#[inline(always)]
+fn prefetch(p: *const f32) {
+    #[cfg(target_arch = "x86_64")]
+    {
+        use std::arch::x86_64::{_mm_prefetch, _MM_HINT_T0};
+        // SAFETY: SSE is part of x86_64; a prefetch never faults, whatever the address.
+        unsafe { _mm_prefetch::<_MM_HINT_T0>(p.cast()) };
+    }
+    #[cfg(not(target_arch = "x86_64"))]
+    let _ = p;
+}
+
+impl DenseRows {
+    /// `n` rows of `words` float32, row `i` starting with `init[i * dim..(i + 1) * dim]` and the
+    /// rest of its words set to `fill`.
+    pub fn new(n: usize, words: usize, dim: usize, init: &[f32], fill: f32) -> Result<Self> {
+        if dim == 0 || dim > words || init.len() != n * dim {
+            return Err(shape(format!(
+                "{} initial values for {n} rows of dim {dim} in rows of {words} words",
+                init.len()
+            )));
+        }
+        let stride = words.div_ceil(16) * 16;
+        let bytes = (n * stride * 4).max(4096);
+        // SAFETY: an anonymous private mapping; the result is checked before use.
+        let ptr = unsafe {
+            libc::mmap(
+                std::ptr::null_mut(),
+                bytes,
+                libc::PROT_READ | libc::PROT_WRITE,
+                libc::MAP_PRIVATE | libc::MAP_ANONYMOUS,
+                -1,
+                0,
+            )
+        };
+        if ptr == libc::MAP_FAILED {
+            return Err(invalid(format!(
+                "cannot map {bytes} bytes for the reference rows"
+            )));
+        }
+        // SAFETY: advice on the mapping just made; failure only means small pages.
+        let huge = unsafe { libc::madvise(ptr, bytes, libc::MADV_HUGEPAGE) } == 0;
+        let me = Self {
+            ptr: ptr.cast(),
+            bytes,
+            n,
+            words,
+            stride,
+            huge,
+        };
+        for i in 0..n {
+            // SAFETY: row `i` lies within the mapping (`i < n`), and nothing else refers to it.
+            let row = unsafe { std::slice::from_raw_parts_mut(me.ptr.add(i * stride), words) };
+            row[..dim].copy_from_slice(&init[i * dim..(i + 1) * dim]);
+            row[dim..].fill(fill);
+        }
+        Ok(me)
+    }
+
+    /// Whether the kernel accepted `MADV_HUGEPAGE` for the rows.
+    pub fn huge_pages(&self) -> bool {
+        self.huge
+    }
+
+    fn check(&self, pos: &[u64], dim: usize, values: usize, name: &str) -> Result<()> {
+        if dim == 0 || dim > self.words || values != pos.len() * dim {
+            return Err(shape(format!(
+                "{name} holds {values} values for {} positions of dim {dim}",
+                pos.len()
+            )));
+        }
+        if let Some(&p) = pos.iter().find(|&&p| p as usize >= self.n) {
+            return Err(invalid(format!("position {p} is past the {} rows", self.n)));
+        }
+        Ok(())
+    }
+
+    fn lines(&self, p: u64, words: usize) {
+        // SAFETY: only an address is formed (within the mapping: `p < n` was checked).
+        let base = unsafe { self.ptr.add(p as usize * self.stride) };
+        for l in 0..words.div_ceil(16) {
+            // SAFETY: as above; line `l` of the row is within its stride.
+            prefetch(unsafe { base.add(l * 16) });
+        }
+    }
+
+    /// `out[i] = rows[pos[i]][..dim]`, over `threads` threads.
+    pub fn gather(
+        &self,
+        pos: &[u64],
+        dim: usize,
+        out: &mut [f32],
+        threads: usize,
+        prefetch: bool,
+    ) -> Result<()> {
+        self.check(pos, dim, out.len(), "out")?;
+        let per = pos.len().div_ceil(threads.max(1)).max(1);
+        std::thread::scope(|s| {
+            for (p, o) in pos.chunks(per).zip(out.chunks_mut(per * dim)) {
+                s.spawn(move || {
+                    for (i, &at) in p.iter().enumerate() {
+                        if prefetch {
+                            if let Some(&ahead) = p.get(i + AHEAD) {
+                                self.lines(ahead, dim);
+                            }
+                        }
+                        // SAFETY: `at < n` (checked); the row's first `dim <= words` words are
+                        // in the mapping and only read here.
+                        let row = unsafe {
+                            std::slice::from_raw_parts(self.ptr.add(at as usize * self.stride), dim)
+                        };
+                        o[i * dim..(i + 1) * dim].copy_from_slice(row);
+                    }
+                });
+            }
+        });
+        Ok(())
+    }
+
+    /// One Adagrad step per position (`acc += g * g; w -= lr * g / (sqrt(acc) + eps)`), the
+    /// weights in words `0..dim` of a row and the accumulators in `dim..2 * dim`. Thread `t`
+    /// applies the positions `p` with `p % threads == t`, so no row has two writers and
+    /// repeated positions apply in batch order.
+    pub fn adagrad(
+        &mut self,
+        pos: &[u64],
+        dim: usize,
+        grads: &[f32],
+        lr: f32,
+        threads: usize,
+        prefetch: bool,
+    ) -> Result<()> {
+        self.check(pos, dim, grads.len(), "grads")?;
+        if 2 * dim > self.words {
+            return Err(shape(format!(
+                "Adagrad needs {} words per row; the rows have {}",
+                2 * dim,
+                self.words
+            )));
+        }
+        let threads = threads.max(1) as u64;
+        let base = self.ptr as usize;
+        let stride = self.stride;
+        let this = &*self;
+        std::thread::scope(|s| {
+            for t in 0..threads {
+                s.spawn(move || {
+                    let mine: Vec<usize> =
+                        (0..pos.len()).filter(|&i| pos[i] % threads == t).collect();
+                    for (k, &i) in mine.iter().enumerate() {
+                        if prefetch {
+                            if let Some(&ahead) = mine.get(k + AHEAD) {
+                                this.lines(pos[ahead], 2 * dim);
+                            }
+                        }
+                        // SAFETY: `pos[i] < n` (checked) and rows with `p % threads == t` are
+                        // written by this thread alone, so this is the only reference to the
+                        // row while it lives; `2 * dim <= words`.
+                        let row = unsafe {
+                            std::slice::from_raw_parts_mut(
+                                (base as *mut f32).add(pos[i] as usize * stride),
+                                2 * dim,
+                            )
+                        };
+                        let (w, acc) = row.split_at_mut(dim);
+                        let g = &grads[i * dim..(i + 1) * dim];
+                        for j in 0..dim {
+                            acc[j] += g[j] * g[j];
+                            w[j] -= lr * g[j] / (acc[j].sqrt() + 1e-10);
+                        }
+                    }
+                });
+            }
+        });
+        Ok(())
+    }
+
+    /// Row `p`'s first `words` values (for checks).
+    pub fn row(&self, p: usize) -> Result<Vec<f32>> {
+        if p >= self.n {
+            return Err(invalid(format!("position {p} is past the {} rows", self.n)));
+        }
+        // SAFETY: `p < n`; the row's `words` values are in the mapping.
+        Ok(
+            unsafe { std::slice::from_raw_parts(self.ptr.add(p * self.stride), self.words) }
+                .to_vec(),
+        )
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn gather_copies_the_rows_at_the_positions_whatever_the_threads() {
+        let init: Vec<f32> = (0..100 * 3).map(|x| x as f32).collect();
+        let rows = DenseRows::new(100, 3, 3, &init, 0.0).unwrap();
+        let pos: Vec<u64> = (0..1000).map(|i| (i * 37 % 100) as u64).collect();
+        for threads in [1, 2, 3] {
+            for pf in [false, true] {
+                let mut out = vec![0f32; pos.len() * 3];
+                rows.gather(&pos, 3, &mut out, threads, pf).unwrap();
+                for (i, &p) in pos.iter().enumerate() {
+                    assert_eq!(
+                        &out[i * 3..i * 3 + 3],
+                        &init[p as usize * 3..p as usize * 3 + 3]
+                    );
+                }
+            }
+        }
+        let mut out = vec![0f32; 3];
+        assert!(rows.gather(&[100], 3, &mut out, 1, false).is_err());
+        assert!(rows.gather(&[1], 3, &mut out[..2], 1, false).is_err());
+    }
+
+    #[test]
+    fn adagrad_matches_a_sequential_reference_with_repeated_positions() {
+        let init = vec![0.5f32; 10 * 2];
+        let pos: Vec<u64> = vec![3, 1, 3, 7, 3, 1];
+        let grads: Vec<f32> = (0..pos.len() * 2).map(|x| 0.1 * (x as f32 + 1.0)).collect();
+        let mut want = [[0.5f32, 0.5, 0.1, 0.1]; 10];
+        for (i, &p) in pos.iter().enumerate() {
+            let r = &mut want[p as usize];
+            for j in 0..2 {
+                let g = grads[i * 2 + j];
+                r[2 + j] += g * g;
+                r[j] -= 0.01 * g / (r[2 + j].sqrt() + 1e-10);
+            }
+        }
+        for threads in [1, 2, 4] {
+            let mut rows = DenseRows::new(10, 4, 2, &init, 0.1).unwrap();
+            rows.adagrad(&pos, 2, &grads, 0.01, threads, true).unwrap();
+            for (p, w) in want.iter().enumerate() {
+                assert_eq!(
+                    rows.row(p).unwrap(),
+                    w.to_vec(),
+                    "row {p}, {threads} threads"
+                );
+            }
+        }
+    }
+}
