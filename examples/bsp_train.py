@@ -49,14 +49,18 @@ def expected_loss(rank: int, world: int, step: int) -> float:
     return (rank + 1) * (SHARED * shared + OWN * own)
 
 
-def main(argv: list[str] | None = None) -> int:
+def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--cluster", required=True, help="the servers' cluster file")
     parser.add_argument("--steps", type=int, default=5)
     parser.add_argument(
         "--table", default=None, help="the table to train (default: one named after the job)"
     )
-    args = parser.parse_args(argv)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
 
     store = pstore.connect(args.cluster, mode="bsp", barrier_timeout=120.0)
     rank, world = store.worker, store.num_workers

@@ -11,6 +11,7 @@ No cluster and no image are needed.
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import re
 import signal
@@ -231,6 +232,18 @@ def test_the_worker_job_is_indexed_and_finds_the_servers() -> None:
     assert script.startswith("/opt/pstore/examples/")
     assert (REPO / "examples" / Path(script).name).is_file()
     assert "COPY examples /opt/pstore/examples" in (DEPLOY / "Dockerfile").read_text()
+
+
+def test_the_worker_job_passes_arguments_the_example_takes() -> None:
+    pytest.importorskip("torch")
+    (c,) = one("Job")["spec"]["template"]["spec"]["containers"]
+    path = REPO / "examples" / Path(c["command"][1]).name
+    spec = importlib.util.spec_from_file_location("bsp_train_example", path)
+    assert spec is not None and spec.loader is not None
+    example = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(example)
+    args = example.build_parser().parse_args(c["args"])  # a wrong argument exits here
+    assert args.cluster == "/etc/pstore/cluster/cluster.json"
 
 
 def test_the_dockerfile_copies_files_that_exist() -> None:
