@@ -35,9 +35,21 @@ from pstore.cli import build_parser
 REPO = Path(__file__).resolve().parents[1]
 DEPLOY = REPO / "deploy"
 K8S = DEPLOY / "kubernetes"
-# The oldest Kubernetes the manifests are written for (gRPC probes are GA from 1.27) and the
-# newest whose schemas kubernetes-validate ships.
-VERSIONS = ["1.27", kubernetes_validate.latest_version()]
+
+
+def _schema_versions() -> list[str]:
+    """The oldest Kubernetes the manifests are written for (gRPC probes are GA from 1.27; or the
+    oldest whose schemas this kubernetes-validate still ships) and the newest it ships."""
+    shipped = kubernetes_validate.utils.all_versions()  # ascending, "1.27.0", ...
+
+    def key(v: str) -> tuple[int, ...]:
+        return tuple(int(x) for x in v.split(".")[:2])
+
+    oldest = next((v for v in shipped if key(v) >= (1, 27)), shipped[-1])
+    return [oldest, shipped[-1]]
+
+
+VERSIONS = _schema_versions()
 SERVING = 1  # grpc.health.v1.HealthCheckResponse.ServingStatus.SERVING
 
 
