@@ -245,3 +245,17 @@ def test_async_mode_leaves_the_launcher_environment_alone(
     assert (store.mode, store.worker, store.num_workers, store.job) == ("async", None, None, None)
     store.close()
     assert os.environ["RANK"] == "not a rank"
+
+
+def test_the_job_argument_wins_over_pstore_job(
+    cluster: Path, clean_env: pytest.MonkeyPatch
+) -> None:
+    clean_env.setenv("RANK", "0")
+    clean_env.setenv("WORLD_SIZE", "1")
+    clean_env.setenv("PSTORE_JOB", "from-env")
+    store = pstore.connect(str(cluster), mode="bsp", retries=0)
+    assert (store.worker, store.num_workers, store.job) == (0, 1, "from-env")
+    store.close()
+    store = pstore.connect(str(cluster), mode="ssp", job="given", retries=0)
+    assert (store.worker, store.num_workers, store.job) == (0, 1, "given")
+    store.close()
