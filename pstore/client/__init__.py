@@ -88,6 +88,16 @@ class RemoteStore(BaseStore):
         return self._job
 
     @property
+    def worker(self) -> int | None:
+        """This worker's rank (given to :func:`connect` or taken from the environment)."""
+        return self._worker
+
+    @property
+    def num_workers(self) -> int | None:
+        """The number of workers (given to :func:`connect` or taken from the environment)."""
+        return self._num_workers
+
+    @property
     def servers(self) -> list[str]:
         """The server addresses."""
         return self._inner.servers
@@ -213,6 +223,54 @@ def load_cluster(path: str | os.PathLike[str]) -> dict[str, Any]:
     return dict(c)
 
 
+def _env_int(name: str) -> int | None:
+    """The environment variable ``name`` as a non-negative integer; None when it is not set."""
+    raw = os.environ.get(name)
+    if raw is None:
+        return None
+    s = raw.strip()
+    if not s.isascii() or not s.isdigit() or int(s) >= 2**32:
+        raise InvalidArgumentError(
+            f"{name}={raw!r} in the environment is not an integer in 0..2**32 (a worker's rank "
+            "or count, as torchrun or a Kubernetes indexed Job sets it)"
+        )
+    return int(s)
+
+
+def _launcher_env(
+    worker: int | None, num_workers: int | None, job: str | None
+) -> tuple[int | None, int | None, str | None]:
+    """The rank, worker count and job id a launcher gives a BSP/SSP worker in its environment,
+    for those not given as arguments: RANK (torchrun) or JOB_COMPLETION_INDEX (a Kubernetes
+    indexed Job), WORLD_SIZE, and PSTORE_JOB (docs/API_SPEC.md)."""
+    rank_var = "RANK" if "RANK" in os.environ else "JOB_COMPLETION_INDEX"
+    w_from = n_from = ""
+    if worker is None:
+        worker = _env_int(rank_var)
+        w_from = "" if worker is None else f"{rank_var}={worker} in the environment"
+    if num_workers is None:
+        num_workers = _env_int("WORLD_SIZE")
+        n_from = "" if num_workers is None else f"WORLD_SIZE={num_workers} in the environment"
+    if w_from and num_workers is None:
+        raise InvalidArgumentError(
+            f"{rank_var} is set in the environment but WORLD_SIZE is not: give num_workers, "
+            "or set WORLD_SIZE to the number of workers"
+        )
+    if n_from and num_workers == 0:
+        raise InvalidArgumentError(f"{n_from}: a job needs at least one worker")
+    if (w_from or n_from) and isinstance(worker, int) and isinstance(num_workers, int):
+        if worker >= num_workers:
+            raise InvalidArgumentError(
+                f"{w_from or f'worker={worker}'} is not below "
+                f"{n_from or f'num_workers={num_workers}'}"
+            )
+    if job is None:
+        # Not torchrun's TORCHELASTIC_RUN_ID: its restarts keep it, and a restarted group that
+        # rejoins its job finds the others' leases expired (docs/decisions/0097).
+        job = os.environ.get("PSTORE_JOB") or None
+    return worker, num_workers, job
+
+
 def connect(
     servers: str | os.PathLike[str] | Sequence[str],
     token: str | None = None,
@@ -256,14 +314,20 @@ def connect(
     mode : "async", "bsp" or "ssp"
         Training mode across workers, enforced at :meth:`RemoteStore.end_step`; "bsp" and "ssp"
         need ``worker`` (0..num_workers-1) and ``num_workers``; "ssp" takes ``staleness``.
+    worker, num_workers : int, optional
+        "bsp" and "ssp": this worker's rank and the number of workers. Default: from the
+        environment a launcher sets: ``RANK`` (torchrun) or else ``JOB_COMPLETION_INDEX`` (a
+        Kubernetes indexed Job), and ``WORLD_SIZE``; a value there that is not an integer, or a
+        rank not below the count, raises InvalidArgumentError naming the variable.
     barrier_timeout : float
         Seconds ``end_step`` waits for slow workers before raising ServerTimeoutError.
     job : str, optional
         "bsp" and "ssp": the job's id, the same on every worker. Clocks, leases and pending
-        steps belong to a job, and a new job resets them on every server. Default: worker 0
-        makes a new id when it connects and the other workers take it from the coordinator (the
-        first server in sorted order); a restarted worker rejoins a running job only with its
-        id (``store.job``), at the step the job is at.
+        steps belong to a job, and a new job resets them on every server. Default: the
+        ``PSTORE_JOB`` environment variable, else worker 0 makes a new id when it connects and
+        the other workers take it from the coordinator (the first server in sorted order), so
+        every launch (and every torchrun restart of the group) is a new job. A restarted worker
+        rejoins a running job only with its id (``store.job``), at the step the job is at.
     aggregate : "sum" or "mean"
         "bsp": the servers apply, once per row and step, the sum of the step's gradients of all
         workers, or their mean (the sum divided by the number of live workers).
@@ -293,8 +357,13 @@ def connect(
         addrs = list(servers)
     if mode not in ("async", "bsp", "ssp"):
         raise InvalidArgumentError(f'mode must be "async", "bsp" or "ssp", got {mode!r}')
+    if mode != "async":
+        worker, num_workers, job = _launcher_env(worker, num_workers, job)
     if mode != "async" and (worker is None or num_workers is None):
-        raise InvalidArgumentError(f"mode {mode!r} needs worker and num_workers")
+        raise InvalidArgumentError(
+            f"mode {mode!r} needs worker and num_workers (or RANK, or JOB_COMPLETION_INDEX, "
+            "and WORLD_SIZE in the environment)"
+        )
     if num_workers is not None:
         num_workers = _check_int(num_workers, "num_workers", 2**32)
         if num_workers < 1:
