@@ -10,9 +10,12 @@ so every loss and every trained row is checked exactly against a closed form com
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
+import shlex
+import shutil
 import subprocess
 import sys
 from collections.abc import Iterator
@@ -64,8 +67,8 @@ def loss(rank: int, world: int, step: int) -> float:
     return (rank + 1) * -LR * w2 * (len(SHARED) * shared + 8 * mine)
 
 
-@pytest.fixture
-def cluster(tmp_path: Path) -> Iterator[Path]:
+@contextlib.contextmanager
+def two_servers(tmp_path: Path) -> Iterator[Path]:
     """Two servers with a token, and a cluster file naming them and the token file."""
     procs = [ServerProcess(env={"PSTORE_TOKEN": TOKEN}) for _ in range(2)]
     try:
@@ -77,6 +80,12 @@ def cluster(tmp_path: Path) -> Iterator[Path]:
         yield path
     finally:
         stop_all(procs)
+
+
+@pytest.fixture
+def cluster(tmp_path: Path) -> Iterator[Path]:
+    with two_servers(tmp_path) as path:
+        yield path
 
 
 def env(**launcher: str) -> dict[str, str]:
@@ -129,25 +138,53 @@ def check_run(cluster: Path, out: list[dict[str, Any]], world: int, steps: int) 
     return ends[0]
 
 
-def test_torchrun_workers_train_in_bsp_without_rank_arguments(cluster: Path) -> None:
-    argv = [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        "--nproc-per-node",
-        "2",
-        "--standalone",
-        str(EXAMPLE),
-        "--cluster",
-        str(cluster),
-        "--steps",
-        "4",
-    ]
-    done = subprocess.run(argv, capture_output=True, text=True, env=env(), timeout=300)
-    assert done.returncode == 0, done.stderr
-    end = check_run(cluster, records(done.stdout), world=2, steps=4)
-    # Worker 0 made the job; the others found it on the coordinator.
-    assert re.fullmatch(r"[0-9a-f]{16}", end["job"]), end["job"]
+def run_torchrun_here(tmp: str) -> None:
+    """The torchrun launch, its checks and the servers, in this process's network namespace
+    (see the test below); prints "torchrun ok" when every check passed."""
+    with two_servers(Path(tmp)) as cluster:
+        argv = [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--nproc-per-node",
+            "2",
+            "--standalone",
+            str(EXAMPLE),
+            "--cluster",
+            str(cluster),
+            "--steps",
+            "4",
+        ]
+        done = subprocess.run(argv, capture_output=True, text=True, env=env(), timeout=300)
+        assert done.returncode == 0, done.stderr
+        end = check_run(cluster, records(done.stdout), world=2, steps=4)
+        # Worker 0 made the job; the others found it on the coordinator.
+        assert re.fullmatch(r"[0-9a-f]{16}", end["job"]), end["job"]
+    print("torchrun ok")
+
+
+@pytest.mark.skipif(
+    os.geteuid() != 0 or shutil.which("unshare") is None or shutil.which("ip") is None,
+    reason="a network namespace of its own (unshare --net) needs root, unshare and ip",
+)
+def test_torchrun_workers_train_in_bsp_without_rank_arguments(tmp_path: Path) -> None:
+    """torchrun itself, in a network namespace that has only loopback: torch's rendezvous asks
+    the system resolver for names of 127.0.0.1, and no such query may leave this machine. There
+    it fails at once (no route), the servers and the workers talk over that namespace's own
+    loopback, and the namespace goes away with the processes."""
+    code = (
+        f"import sys; sys.path.insert(0, {str(Path(__file__).resolve().parent)!r}); "
+        f"import test_torchrun as t; t.run_torchrun_here({str(tmp_path)!r})"
+    )
+    script = f"ip link set lo up && exec {shlex.quote(sys.executable)} -c {shlex.quote(code)}"
+    done = subprocess.run(
+        ["unshare", "--net", "sh", "-c", script],
+        capture_output=True,
+        text=True,
+        env=child_env(),
+        timeout=400,
+    )
+    assert done.returncode == 0 and "torchrun ok" in done.stdout, done.stdout + done.stderr
 
 
 def test_a_restarted_group_is_a_new_job(cluster: Path) -> None:
