@@ -99,11 +99,9 @@ class _ServerActor:
 
         host = spec.get("host") or ray.util.get_node_ip_address()
         path = spec["path"]
+        durable = {} if path is None else {"path": path, "durability": spec["durability"]}
         self._store = pstore.Store(
-            path=path,
-            durability=spec["durability"] if path is not None else None,
-            num_shards=spec.get("num_shards"),
-            threads=spec.get("threads"),
+            num_shards=spec.get("num_shards"), threads=spec.get("threads"), **durable
         )
         try:
             self._server = Server(self._store, host=host, port=spec["port"], token=spec["token"])
