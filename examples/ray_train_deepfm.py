@@ -55,8 +55,9 @@ def worker_batches(
 
 
 def pushed_ids(config: dict[str, Any], world: int) -> dict[int, int]:
-    """How many pushes of all workers hold each global id (each push holds a batch's ids once):
-    what the rows' push counts must be after training."""
+    """How many BSP steps pushed each global id: what the rows' push counts must be after
+    training. The servers apply a step's gradients of all workers as one update per row, so a
+    row's count grows by one per step in which any worker pushed it."""
     from pstore.apps import ctr, datasets
 
     c = {**DEFAULTS, **config}
@@ -64,10 +65,13 @@ def pushed_ids(config: dict[str, Any], world: int) -> dict[int, int]:
     ids = ctr.global_ids(data)
     counts: dict[int, int] = {}
     for epoch in range(c["epochs"]):
-        for rank in range(world):
-            for idx in worker_batches(len(data), rank, world, c["batch_size"], epoch, c["seed"]):
-                for i in np.unique(ids[idx]).tolist():
-                    counts[i] = counts.get(i, 0) + 1
+        per_rank = [
+            worker_batches(len(data), rank, world, c["batch_size"], epoch, c["seed"])
+            for rank in range(world)
+        ]
+        for batches in zip(*per_rank, strict=True):  # one BSP step: a batch of every worker
+            for i in np.unique(ids[np.concatenate(batches)]).tolist():
+                counts[i] = counts.get(i, 0) + 1
     return counts
 
 
@@ -149,7 +153,18 @@ def train_loop(config: dict[str, Any]) -> None:
     store = pstore.ray.connect(
         config["cluster"], mode="bsp", worker=rank, num_workers=world, job=config["job"]
     )
-    fit(store, rank, world, config, ray.train.torch.prepare_model, ray.train.report)
+
+    def report(metrics: dict[str, Any]) -> None:
+        if "samples_per_s" not in metrics or rank != 0:
+            ray.train.report(metrics)
+            return
+        # Ray Train keeps the metrics that come with a checkpoint: rank 0's last report has one.
+        with tempfile.TemporaryDirectory() as d:
+            with open(os.path.join(d, "metrics.json"), "w", encoding="utf-8") as f:
+                json.dump(metrics, f)
+            ray.train.report(metrics, checkpoint=ray.train.Checkpoint.from_directory(d))
+
+    fit(store, rank, world, config, ray.train.torch.prepare_model, report)
 
 
 def train(
