@@ -145,9 +145,12 @@ class _Controller:
         self._stopping = threading.Event()
         self._health_failures: dict[int, int] = {}
         self._probes: dict[int, RemoteStore] = {}
+        self._membership: dict[str, Any] = {}
+        self._handles: list[Any] = []
+        self._pg: PlacementGroup | None = None
         raw = internal_kv._internal_kv_get(_kv_key(self._name), namespace=NAMESPACE)
         if raw is None:
-            self._membership = self._start()
+            self._start()
         else:
             self._membership = json.loads(raw)
             self._adopt()
@@ -156,7 +159,7 @@ class _Controller:
 
     # -- starting and adopting
 
-    def _start(self) -> dict[str, Any]:
+    def _start(self) -> None:
         """A new cluster: the placement group, every server, the membership record."""
         n = self._spec["num_servers"]
         nodes = sum(1 for x in ray.nodes() if x.get("Alive"))
@@ -194,7 +197,6 @@ class _Controller:
         self._membership = membership
         self._save()
         self._event("started", servers=[s["address"] for s in infos], strategy=strategy)
-        return membership
 
     def _adopt(self) -> None:
         """A restarted controller: find the placement group and the live servers by name;
@@ -309,7 +311,9 @@ class _Controller:
         try:
             probe = self._probes.get(i)
             if probe is None:
-                probe = pstore.connect([addr], token=self._membership["token"], timeout=5, retries=0)
+                probe = pstore.connect(
+                    [addr], token=self._membership["token"], timeout=5, retries=0
+                )
                 self._probes[i] = probe
             return probe.health() == ["SERVING"]
         except PstoreError:
@@ -320,6 +324,7 @@ class _Controller:
         old = self._membership["servers"][i]
         self._event("server_down", index=i, address=old["address"], reason=reason)
         incarnation = old["incarnation"] + 1
+        assert self._pg is not None, "set when the controller started"
         last: Exception | None = None
         for _ in range(20):
             try:
@@ -360,11 +365,12 @@ class _Controller:
 
     def membership(self) -> dict[str, Any]:
         with self._lock:
-            return json.loads(json.dumps(self._membership))
+            m: dict[str, Any] = json.loads(json.dumps(self._membership))
+        return m
 
     def status(self) -> dict[str, Any]:
         with self._lock:
-            m = json.loads(json.dumps(self._membership))
+            m: dict[str, Any] = json.loads(json.dumps(self._membership))
             handles = list(self._handles)
         for i, s in enumerate(m["servers"]):
             s["alive"] = handles[i] is not None and not s.get("lost", False)
@@ -389,7 +395,8 @@ class _Controller:
                     pass
                 ray.kill(h, no_restart=True)
             self._handles = [None] * len(self._handles)
-            remove_placement_group(self._pg)
+            if self._pg is not None:
+                remove_placement_group(self._pg)
             internal_kv._internal_kv_del(_kv_key(self._name), namespace=NAMESPACE)
 
 
@@ -477,7 +484,7 @@ class Cluster:
                 f"a pstore cluster named {name!r} runs already: connect to it "
                 f"(pstore.ray.Cluster.attach({name!r})) or shut it down first"
             )
-        controller = (
+        controller: Any = (
             ray.remote(_Controller)
             .options(
                 name=_controller_name(name),
