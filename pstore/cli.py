@@ -324,12 +324,18 @@ def _cmd_reshard(args: argparse.Namespace) -> int:
     return 0
 
 
+def _ray_address(args: argparse.Namespace, configured: str | None = None) -> str:
+    """The Ray cluster of a `pstore ray` command: --address, the config's, $RAY_ADDRESS, else
+    the running cluster of this node ("auto"): never a new local Ray that would end with the
+    command."""
+    return args.address or configured or os.environ.get("RAY_ADDRESS") or "auto"
+
+
 def _cmd_ray_up(args: argparse.Namespace) -> int:
     import pstore.ray
 
     config = pstore.ray.load_config(args.config)
-    if args.address is not None:
-        config["address"] = args.address
+    config["address"] = _ray_address(args, config.get("address"))
     cluster = pstore.ray.Cluster(**config)
     print(f"cluster {cluster.name!r} is up: {len(cluster.servers)} servers")
     for i, addr in enumerate(cluster.servers):
@@ -341,7 +347,7 @@ def _cmd_ray_up(args: argparse.Namespace) -> int:
 def _cmd_ray_status(args: argparse.Namespace) -> int:
     import pstore.ray
 
-    st = pstore.ray.Cluster.attach(args.name, address=args.address).status()
+    st = pstore.ray.Cluster.attach(args.name, address=_ray_address(args)).status()
     if args.json:
         print(json.dumps(st, indent=2, sort_keys=True))
     else:
@@ -367,7 +373,7 @@ def _cmd_ray_status(args: argparse.Namespace) -> int:
 def _cmd_ray_down(args: argparse.Namespace) -> int:
     import pstore.ray
 
-    pstore.ray.Cluster.attach(args.name, address=args.address).shutdown(grace=args.grace)
+    pstore.ray.Cluster.attach(args.name, address=_ray_address(args)).shutdown(grace=args.grace)
     print(f"cluster {args.name!r} is down (its stores stay on the nodes' disks)")
     return 0
 

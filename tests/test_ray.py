@@ -122,14 +122,11 @@ def test_start_connect_from_a_task_and_shutdown(raycluster, tmp_path):
     assert rows == 100
 
 
-def test_killed_server_comes_back_on_its_port_with_every_acknowledged_push(raycluster, tmp_path):
+def _kill_servers_while_pushing(path: Path, name: str, kills: list[int]) -> None:
+    """Push all along while SIGKILLing the servers ``kills`` names, one after the other; each
+    comes back on its node and port, and with sync durability holds every acknowledged push."""
     cluster = pstore.ray.Cluster(
-        2,
-        path=tmp_path / "s",
-        durability="sync",
-        name="kill",
-        server_cpus=0.5,
-        check_interval=0.5,
+        2, path=path, durability="sync", name=name, server_cpus=0.5, check_interval=0.5
     )
     try:
         before = cluster.status()
@@ -151,26 +148,44 @@ def test_killed_server_comes_back_on_its_port_with_every_acknowledged_push(raycl
 
         th = threading.Thread(target=pusher)
         th.start()
-        _wait(lambda: acked >= 20, 60, "pushes before the kill")
-        victim = before["servers"][0]
-        os.kill(victim["pid"], signal.SIGKILL)
-        after = _wait(lambda: (s := cluster.status())["generation"] == 1 and s, 90, "the restart")
-        at_restart = acked
-        _wait(lambda: acked >= at_restart + 20, 60, "pushes after the restart")
-        stop.set()
-        th.join()
-        s0 = after["servers"][0]
-        assert s0["address"] == victim["address"], "same port: ids keep their server"
-        assert s0["pid"] != victim["pid"] and s0["incarnation"] == 1
-        assert s0["node_id"] == victim["node_id"]
-        assert after["servers"][1]["pid"] == before["servers"][1]["pid"]
-        assert any(e["event"] == "server_restarted" for e in after["events"])
+        try:
+            _wait(lambda: acked >= 20, 60, "pushes before the first kill")
+            now = before
+            for k, index in enumerate(kills, start=1):
+                victim = now["servers"][index]
+                os.kill(victim["pid"], signal.SIGKILL)
+                now = _wait(
+                    lambda k=k: (s := cluster.status())["generation"] == k and s, 90, "a restart"
+                )
+                at_restart = acked
+                _wait(lambda a=at_restart: acked >= a + 20, 60, "pushes after the restart")
+                back = now["servers"][index]
+                assert back["address"] == victim["address"], "same port: ids keep their server"
+                assert back["node_id"] == victim["node_id"], "same bundle, same node"
+                assert back["pid"] != victim["pid"]
+                assert back["incarnation"] == victim["incarnation"] + 1
+                other = now["servers"][1 - index]
+                assert other["incarnation"] == kills[:k].count(1 - index), "the other kept on"
+        finally:
+            stop.set()
+            th.join()
+        assert [e["event"] for e in now["events"]].count("server_restarted") == len(kills)
+        assert cluster.servers == [s["address"] for s in before["servers"]]
         # sync durability: every acknowledged push is on disk; a push that raised may or may
         # not have been applied (the server may have died after applying it).
         got = t.pull(ids)[:, 0]
         assert (got >= acked).all() and (got <= acked + failed).all(), (acked, failed, got)
     finally:
         cluster.shutdown()
+
+
+def test_killed_server_comes_back_on_its_port_with_every_acknowledged_push(raycluster, tmp_path):
+    _kill_servers_while_pushing(tmp_path / "s", "kill", [0])
+
+
+@pytest.mark.soak
+def test_soak_servers_killed_again_and_again(raycluster, tmp_path):
+    _kill_servers_while_pushing(tmp_path / "s", "soak", [0, 1, 0, 0, 1, 1, 0, 1])
 
 
 @ray.remote(num_cpus=0)
@@ -182,6 +197,7 @@ class _Worker:
         self.ok = 0
         self.errors: list[str] = []
         self.stop = threading.Event()
+        self.stopped = threading.Event()
 
     def run(self) -> None:
         ids = np.arange(32, dtype=np.int64)
@@ -191,12 +207,14 @@ class _Worker:
                 self.ok += 1
             except pstore.PstoreError as e:
                 self.errors.append(str(e))
+        self.stopped.set()
 
     def count(self) -> int:
         return self.ok
 
     def finish(self) -> tuple[int, list[str], float]:
         self.stop.set()
+        self.stopped.wait()  # the push in flight counted before the rows are read
         return self.ok, self.errors, float(self.t.pull(np.zeros(1, np.int64))[0, 0])
 
 

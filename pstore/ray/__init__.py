@@ -81,10 +81,12 @@ def _kv_key(name: str) -> str:
     return _KV_PREFIX + name
 
 
-def _ensure_ray(address: str | None = None) -> None:
-    """Connect this process to Ray (``address``, else ``RAY_ADDRESS``, else a local cluster)."""
+def _ensure_ray(address: str | None = None, *, start: bool = False) -> None:
+    """Connect this process to Ray if it is not: to ``address``, else ``RAY_ADDRESS``, else the
+    cluster running on this node, else (with ``start``) a new local one."""
     if not ray.is_initialized():
-        ray.init(address=address, namespace=NAMESPACE, log_to_driver=False)
+        address = address or os.environ.get("RAY_ADDRESS") or (None if start else "auto")
+        ray.init(address=address, log_to_driver=False)
 
 
 # --------------------------------------------------------------------------------------------
@@ -442,7 +444,10 @@ class Cluster:
     start_timeout : float
         Seconds to wait for the placement group and each server to start.
     address : str, optional
-        The Ray cluster to join when this process is not connected yet (``ray.init``'s).
+        The Ray cluster to join when this process is not connected to Ray yet (``ray.init``'s
+        address; default ``RAY_ADDRESS``, else a new local Ray cluster, which ends with this
+        process). :meth:`attach` and :func:`connect` never start one: they join
+        ``RAY_ADDRESS`` or the cluster running on this node.
     """
 
     def __init__(
@@ -474,7 +479,7 @@ class Cluster:
             check_interval=check_interval,
             start_timeout=start_timeout,
         )
-        _ensure_ray(address)
+        _ensure_ray(address, start=True)
         try:
             ray.get_actor(_controller_name(name), namespace=NAMESPACE)
         except ValueError:
