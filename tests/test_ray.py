@@ -188,6 +188,29 @@ def test_soak_servers_killed_again_and_again(raycluster, tmp_path):
     _kill_servers_while_pushing(tmp_path / "s", "soak", [0, 1, 0, 0, 1, 1, 0, 1])
 
 
+@pytest.mark.soak
+def test_soak_a_hung_server_fails_its_health_checks_and_is_replaced(raycluster, tmp_path):
+    cluster = pstore.ray.Cluster(
+        2, path=tmp_path / "s", durability="sync", name="hung", server_cpus=0.5
+    )
+    try:
+        t = _counter_table(cluster.connect())
+        ids = np.arange(64, dtype=np.int64)
+        for _ in range(5):
+            t.push(ids, -np.ones((64, 2), np.float32))
+        before = cluster.status()
+        os.kill(before["servers"][1]["pid"], signal.SIGSTOP)  # alive to Ray, silent on gRPC
+        after = _wait(lambda: (s := cluster.status())["generation"] == 1 and s, 180, "a restart")
+        down = [e for e in after["events"] if e["event"] == "server_down"]
+        assert [(e["index"], e["reason"]) for e in down] == [
+            (1, "the gRPC health service failed 3 checks in a row")
+        ]
+        assert after["servers"][1]["address"] == before["servers"][1]["address"]
+        assert (t.pull(ids) == 5.0).all()
+    finally:
+        cluster.shutdown()
+
+
 @ray.remote(num_cpus=0)
 class _Worker:
     """Pushes in a loop until told to stop; counts what succeeded and what raised."""

@@ -297,7 +297,7 @@ class _Controller:
                 self._restart(i, "the actor died")
                 return
             except ray.exceptions.GetTimeoutError:
-                return  # busy: the health check below decides
+                pass  # a busy actor, or a hung one: the health check below decides
         if self._healthy(i):
             self._health_failures[i] = 0
             return
