@@ -402,3 +402,32 @@ def test_deepfm_on_ray_train_bsp(raycluster, tmp_path):
             assert _row_freqs(tmp_path / "snap", table) == want, table
     finally:
         cluster.shutdown()
+
+
+@pytest.mark.soak
+def test_soak_a_lost_node_marks_its_durable_server_lost(raycluster, tmp_path):
+    """Last in the file: it removes a node of the module's Ray cluster."""
+    spare = raycluster.add_node(num_cpus=2)
+    raycluster.wait_for_nodes()
+    cluster = pstore.ray.Cluster(
+        2, path=tmp_path / "s", durability="sync", name="nodeloss", server_cpus=0.5
+    )
+    try:
+        st = cluster.status()
+        head = raycluster.head_node.node_id
+        index, victim = next((i, s) for i, s in enumerate(st["servers"]) if s["node_id"] != head)
+        node = next(n for n in raycluster.worker_nodes if n.node_id == victim["node_id"])
+        raycluster.remove_node(node)
+        after = _wait(
+            lambda: (s := cluster.status())["servers"][index].get("lost") and s, 240, "the loss"
+        )
+        assert after["generation"] == 1
+        lost = [e for e in after["events"] if e["event"] == "server_lost"]
+        assert [(e["index"], e["node_id"]) for e in lost] == [(index, victim["node_id"])]
+        assert after["servers"][1 - index]["health"] == "SERVING"
+        with pytest.raises(pstore.ray.ClusterError, match=rf"lost server\(s\) \[{index}\]"):
+            pstore.ray.connect(cluster)
+    finally:
+        cluster.shutdown()
+        if spare in raycluster.worker_nodes:
+            raycluster.remove_node(spare)

@@ -340,16 +340,26 @@ class _Controller:
         else:
             self._event("restart_failed", index=i, error=str(last))
             return
-        if info["address"] != old["address"]:
+        moved = info["node_id"] != old["node_id"] and old["path"] is not None
+        if moved or info["address"] != old["address"]:
             # The bundle moved to another node (its node is gone): the store directory is not
-            # there and the new address would route ids elsewhere. Without replicas there is
+            # there, and a new address would route ids elsewhere. Without replicas there is
             # nothing to promote: mark the position lost rather than serve an empty store.
-            ray.get(h.stop.remote(1.0))
-            ray.kill(h, no_restart=True)
+            try:
+                ray.get(h.stop.remote(1.0), timeout=30)
+            finally:
+                ray.kill(h, no_restart=True)
             self._handles[i] = None
             self._membership["servers"][i] = dict(old, lost=True)
+            self._membership["generation"] += 1
             self._save()
-            self._event("server_lost", index=i, address=old["address"], moved_to=info["address"])
+            self._event(
+                "server_lost",
+                index=i,
+                address=old["address"],
+                node_id=old["node_id"],
+                moved_to=info["node_id"],
+            )
             return
         self._handles[i] = h
         self._membership["servers"][i] = info
