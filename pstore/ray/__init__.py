@@ -86,7 +86,13 @@ def _ensure_ray(address: str | None = None, *, start: bool = False) -> None:
     cluster running on this node, else (with ``start``) a new local one."""
     if not ray.is_initialized():
         address = address or os.environ.get("RAY_ADDRESS") or (None if start else "auto")
-        ray.init(address=address, log_to_driver=False)
+        try:
+            ray.init(address=address, log_to_driver=False)
+        except ConnectionError as e:
+            raise ClusterError(
+                f"no Ray cluster to join at {address!r} ({e}); start one (`ray start --head`) "
+                "or give its address (address=, --address or RAY_ADDRESS)"
+            ) from None
 
 
 # --------------------------------------------------------------------------------------------
