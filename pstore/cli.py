@@ -324,6 +324,60 @@ def _cmd_reshard(args: argparse.Namespace) -> int:
     return 0
 
 
+def _ray_address(args: argparse.Namespace, configured: str | None = None) -> str:
+    """The Ray cluster of a `pstore ray` command: --address, the config's, $RAY_ADDRESS, else
+    the running cluster of this node ("auto"): never a new local Ray that would end with the
+    command."""
+    return args.address or configured or os.environ.get("RAY_ADDRESS") or "auto"
+
+
+def _cmd_ray_up(args: argparse.Namespace) -> int:
+    import pstore.ray
+
+    config = pstore.ray.load_config(args.config)
+    config["address"] = _ray_address(args, config.get("address"))
+    cluster = pstore.ray.Cluster(**config)
+    print(f"cluster {cluster.name!r} is up: {len(cluster.servers)} servers")
+    for i, addr in enumerate(cluster.servers):
+        print(f"  server {i}: {addr}")
+    print(f"connect with pstore.ray.connect({cluster.name!r}); stop with `pstore ray down`")
+    return 0
+
+
+def _cmd_ray_status(args: argparse.Namespace) -> int:
+    import pstore.ray
+
+    st = pstore.ray.Cluster.attach(args.name, address=_ray_address(args)).status()
+    if args.json:
+        print(json.dumps(st, indent=2, sort_keys=True))
+    else:
+        print(
+            f"cluster {st['name']!r}: {st['num_servers']} servers ({st['strategy']}), "
+            f"generation {st['generation']}, {st['durability']}"
+            f"{'  ' + st['path'] if st['path'] else ''}"
+        )
+        for s in st["servers"]:
+            print(
+                f"  server {s['index']}: {s['address']}  {s['health']}  node {s['node_id'][:12]}  "
+                f"pid {s['pid']}  restarts {s['incarnation']}"
+                f"{'  LOST' if s.get('lost') else ''}"
+            )
+        for e in st["events"][-args.events :] if args.events else []:
+            when = time.strftime("%H:%M:%S", time.localtime(e["time"]))
+            rest = "  ".join(f"{k}={v}" for k, v in e.items() if k not in ("time", "event"))
+            print(f"  {when} {e['event']}  {rest}")
+    healthy = all(s["health"] == "SERVING" for s in st["servers"])
+    return 0 if healthy else 1
+
+
+def _cmd_ray_down(args: argparse.Namespace) -> int:
+    import pstore.ray
+
+    pstore.ray.Cluster.attach(args.name, address=_ray_address(args)).shutdown(grace=args.grace)
+    print(f"cluster {args.name!r} is down (its stores stay on the nodes' disks)")
+    return 0
+
+
 def _cmd_export(args: argparse.Namespace) -> int:
     from pstore import serving
 
@@ -632,6 +686,34 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--tables", default=None, help="comma-separated tables (default: all)")
     p.add_argument("--default", choices=["zeros"], default="zeros", help="the row of unknown ids")
     p.set_defaults(func=_cmd_export_onnx)
+
+    p = sub.add_parser(
+        "ray",
+        help="run a cluster of store servers on Ray (needs pstore[ray])",
+        description="Start, inspect and stop a pstore cluster on the Ray cluster of "
+        "--address (default: $RAY_ADDRESS, else the one this node belongs to): docs/RAY.md.",
+    )
+    ray_sub = p.add_subparsers(dest="ray_command", metavar="COMMAND", required=True)
+    r = ray_sub.add_parser(
+        "up",
+        help="start the servers and the controller of a config file",
+        description="Start the cluster CONFIG describes: a JSON object of the arguments of "
+        "pstore.ray.Cluster (num_servers, path, durability, name, server_cpus, ...; "
+        "token_file instead of token; paths relative to the file).",
+    )
+    r.add_argument("config", metavar="CONFIG", help="a JSON config file")
+    r.set_defaults(func=_cmd_ray_up)
+    r = ray_sub.add_parser("status", help="the controller's view of a cluster")
+    r.add_argument("--json", action="store_true", help="print the status as JSON")
+    r.add_argument("--events", type=int, default=10, help="recent events shown (default 10)")
+    r.set_defaults(func=_cmd_ray_status)
+    r = ray_sub.add_parser("down", help="stop a cluster's servers and controller")
+    r.add_argument("--grace", type=float, default=10.0, help="seconds to finish calls on stop")
+    r.set_defaults(func=_cmd_ray_down)
+    for r in ray_sub.choices.values():
+        r.add_argument("--address", default=None, help="the Ray cluster (ray.init's address)")
+        if r.get_default("func") is not _cmd_ray_up:
+            r.add_argument("--name", default="default", help="the cluster's name")
 
     p = sub.add_parser("version", help="print the versions of pstore and numpy")
     p.set_defaults(func=_cmd_version)

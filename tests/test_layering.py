@@ -162,3 +162,35 @@ def test_a_broken_command_entry_point_leaves_the_others(monkeypatch, capsys) -> 
     assert cli.main(["version"]) == 0
     err = capsys.readouterr().err
     assert "command 'broken'" in err and "failed to load" in err
+
+
+def _is_ray(name: str) -> bool:
+    return name == "ray" or name.startswith("ray.")
+
+
+def test_only_pstore_ray_names_ray() -> None:
+    """Ray is an extra (``pstore[ray]``): only the package ``pstore.ray`` imports it; the CLI's
+    ``pstore ray`` commands reach it through ``pstore.ray``, inside the commands."""
+    offending = []
+    for path in sorted(SOURCE.rglob("*.py")):
+        importer = _module_name(path)
+        if importer == "pstore.ray" or importer.startswith("pstore.ray."):
+            continue
+        tree = ast.parse(path.read_text(encoding="utf-8"), filename=str(path))
+        for line, name in _imports(tree, importer, path.name == "__init__.py"):
+            if _is_ray(name):
+                offending.append(f"{path.relative_to(SOURCE.parent)}:{line} imports {name}")
+    assert not offending, "only pstore.ray may import ray:\n" + "\n".join(offending)
+    # The checker sees it.
+    found = _imports(ast.parse("from ray.util import x\nimport ray\n"), "pstore.cli", False)
+    assert sorted({line for line, name in found if _is_ray(name)}) == [1, 2]
+
+
+def test_importing_pstore_or_its_cli_loads_no_ray() -> None:
+    code = (
+        "import sys, pstore, pstore.cli\n"
+        "pstore.cli.build_parser()\n"
+        "print(sorted(m for m in sys.modules if m.split('.')[0] == 'ray' or m == 'pstore.ray'))\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "[]"

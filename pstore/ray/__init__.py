@@ -1,0 +1,732 @@
+"""pstore on Ray: store servers as Ray actors, a controller that keeps them running, and a
+``connect`` for tasks, actors and Ray Train workers.
+
+>>> import pstore.ray  # doctest: +SKIP
+>>> cluster = pstore.ray.Cluster(2, path="/data/ps", durability="sync")  # doctest: +SKIP
+>>> store = pstore.ray.connect(cluster)  # in any task or actor: a RemoteStore  # doctest: +SKIP
+
+**Servers.** Each server is a detached Ray actor (``pstore-server:<name>:<i>``, namespace
+``pstore``) that runs a :class:`pstore.server.Server` over a :class:`pstore.Store` in its own
+process, so the actor's death is the server's death and Ray reports it; there is no child
+process to leak or to supervise. The store of server ``i`` is ``<path>/server-<i>`` on the node
+that runs it. The servers sit in one placement group, one bundle each: ``STRICT_SPREAD`` (one
+server per node) when the cluster has at least as many nodes as servers, else ``SPREAD`` (as
+spread as the nodes allow).
+
+**Controller.** One detached, named actor (``pstore-cluster:<name>``) that Ray restarts when it
+dies. It holds the membership (the server list in its order, the token, the placement group)
+and watches the servers: Ray reports a dead actor; the gRPC health service reports a server
+whose transport stopped. A dead server is started again in its bundle (its node), with the
+same store directory and the **same port**: ids are routed by rendezvous hashing over the
+address strings and every server pins the hash of the list, so a new port would send ids to
+other servers. Each restart adds one to the membership's ``generation``. The membership is kept
+in Ray's key-value store (the GCS), so a restarted controller takes it up again and adopts the
+live server actors by name: nothing is lost and no server is restarted.
+
+Data never passes through Ray's object store: workers talk gRPC to the servers. Importing
+:mod:`pstore` does not import this module or Ray.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import secrets
+import threading
+import time
+from collections import deque
+from collections.abc import Mapping
+from typing import Any, Literal
+
+import ray
+from ray.experimental import internal_kv
+from ray.util.placement_group import (
+    PlacementGroup,
+    get_placement_group,
+    placement_group,
+    remove_placement_group,
+)
+from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+import pstore
+from pstore.client import RemoteStore
+from pstore.exceptions import InvalidArgumentError, PstoreError
+
+__all__ = ["NAMESPACE", "Cluster", "ClusterError", "connect", "list_clusters"]
+
+NAMESPACE = "pstore"
+"""The Ray namespace of every actor, placement group and key this module makes."""
+
+_KV_PREFIX = "pstore-membership:"
+_DURABILITIES = ("none", "async", "sync")
+
+
+class ClusterError(PstoreError, RuntimeError):
+    """A pstore cluster on Ray could not be started, found or kept running."""
+
+
+def _controller_name(name: str) -> str:
+    return f"pstore-cluster:{name}"
+
+
+def _server_name(name: str, index: int) -> str:
+    return f"pstore-server:{name}:{index}"
+
+
+def _pg_name(name: str) -> str:
+    return f"pstore-servers:{name}"
+
+
+def _kv_key(name: str) -> str:
+    return _KV_PREFIX + name
+
+
+def _ensure_ray(address: str | None = None, *, start: bool = False) -> None:
+    """Connect this process to Ray if it is not: to ``address``, else ``RAY_ADDRESS``, else the
+    cluster running on this node, else (with ``start``) a new local one."""
+    if not ray.is_initialized():
+        address = address or os.environ.get("RAY_ADDRESS") or (None if start else "auto")
+        try:
+            ray.init(address=address, log_to_driver=False)
+        except ConnectionError as e:
+            raise ClusterError(
+                f"no Ray cluster to join at {address!r} ({e}); start one (`ray start --head`) "
+                "or give its address (address=, --address or RAY_ADDRESS)"
+            ) from None
+
+
+# --------------------------------------------------------------------------------------------
+# The server actor
+
+
+class _ServerActor:
+    """One store server in this actor's process."""
+
+    def __init__(self, spec: dict[str, Any]) -> None:
+        from pstore.server import Server
+
+        host = spec.get("host") or ray.util.get_node_ip_address()
+        path = spec["path"]
+        durable = {} if path is None else {"path": path, "durability": spec["durability"]}
+        self._store = pstore.Store(
+            num_shards=spec.get("num_shards"), threads=spec.get("threads"), **durable
+        )
+        try:
+            self._server = Server(self._store, host=host, port=spec["port"], token=spec["token"])
+        except BaseException:
+            self._store.close()
+            raise
+        self._info = {
+            "index": spec["index"],
+            "address": self._server.address,
+            "host": host,
+            "port": self._server.port,
+            "path": path,
+            "node_id": ray.get_runtime_context().get_node_id(),
+            "pid": os.getpid(),
+            "incarnation": spec["incarnation"],
+            "started_at": time.time(),
+        }
+
+    def info(self) -> dict[str, Any]:
+        return dict(self._info, running=self._server.running)
+
+    def stop(self, grace: float) -> None:
+        try:
+            self._server.stop(grace)
+        finally:
+            self._store.close()
+
+
+# --------------------------------------------------------------------------------------------
+# The controller actor
+
+
+class _Controller:
+    """Holds the membership of one cluster and keeps its servers running (see the module)."""
+
+    def __init__(self, spec: dict[str, Any]) -> None:
+        self._spec = spec
+        self._name: str = spec["name"]
+        self._lock = threading.RLock()
+        self._events: deque[dict[str, Any]] = deque(maxlen=200)
+        self._stopping = threading.Event()
+        self._health_failures: dict[int, int] = {}
+        self._probes: dict[int, RemoteStore] = {}
+        self._membership: dict[str, Any] = {}
+        self._handles: list[Any] = []
+        self._pg: PlacementGroup | None = None
+        raw = internal_kv._internal_kv_get(_kv_key(self._name), namespace=NAMESPACE)
+        if raw is None:
+            self._start()
+        else:
+            self._membership = json.loads(raw)
+            self._adopt()
+        self._watcher = threading.Thread(target=self._watch, name="pstore-watch", daemon=True)
+        self._watcher.start()
+
+    # -- starting and adopting
+
+    def _start(self) -> None:
+        """A new cluster: the placement group, every server, the membership record."""
+        n = self._spec["num_servers"]
+        nodes = sum(1 for x in ray.nodes() if x.get("Alive"))
+        strategy = "STRICT_SPREAD" if nodes >= n else "SPREAD"
+        bundles = [{"CPU": float(self._spec["server_cpus"])} for _ in range(n)]
+        pg = placement_group(
+            bundles, strategy=strategy, name=_pg_name(self._name), lifetime="detached"
+        )
+        if not _wait(pg.ready(), self._spec["start_timeout"]):
+            remove_placement_group(pg)
+            raise ClusterError(
+                f"cluster {self._name!r}: Ray could not place {n} servers of "
+                f"{self._spec['server_cpus']} CPU each ({strategy} over {nodes} live nodes) "
+                f"within {self._spec['start_timeout']} s; add nodes or CPUs, or lower "
+                "server_cpus"
+            )
+        membership: dict[str, Any] = {
+            "name": self._name,
+            "generation": 0,
+            "token": self._spec["token"],
+            "strategy": strategy,
+            "servers": [],
+        }
+        handles = [self._make_server(pg, i, 0, 0) for i in range(n)]
+        try:
+            infos = [self._server_info(h, i) for i, h in enumerate(handles)]
+        except BaseException:
+            for h in handles:
+                ray.kill(h, no_restart=True)
+            remove_placement_group(pg)
+            raise
+        membership["servers"] = infos
+        self._handles = handles
+        self._pg = pg
+        self._membership = membership
+        self._save()
+        self._event("started", servers=[s["address"] for s in infos], strategy=strategy)
+
+    def _adopt(self) -> None:
+        """A restarted controller: find the placement group and the live servers by name;
+        start the ones that died meanwhile."""
+        self._pg = get_placement_group(_pg_name(self._name))
+        self._handles = []
+        for i in range(len(self._membership["servers"])):
+            try:
+                h = ray.get_actor(_server_name(self._name, i), namespace=NAMESPACE)
+                self._server_info(h, i)
+            except (ValueError, ClusterError):
+                h = None
+            self._handles.append(h)
+        self._event("adopted", live=sum(h is not None for h in self._handles))
+        for i, h in enumerate(self._handles):
+            if h is None:
+                self._restart(i, "found dead when the controller started")
+
+    def _make_server(self, pg: PlacementGroup, index: int, port: int, incarnation: int) -> Any:
+        spec = {
+            "index": index,
+            "path": None
+            if self._spec["path"] is None
+            else os.path.join(self._spec["path"], f"server-{index}"),
+            "durability": self._spec["durability"],
+            "token": self._spec["token"],
+            "port": port,
+            "host": self._spec.get("host"),
+            "num_shards": self._spec.get("num_shards"),
+            "threads": self._spec.get("threads"),
+            "incarnation": incarnation,
+        }
+        actor = ray.remote(_ServerActor).options(
+            name=_server_name(self._name, index),
+            namespace=NAMESPACE,
+            lifetime="detached",
+            max_restarts=0,
+            max_concurrency=4,
+            num_cpus=float(self._spec["server_cpus"]),
+            scheduling_strategy=PlacementGroupSchedulingStrategy(
+                placement_group=pg, placement_group_bundle_index=index
+            ),
+        )
+        return actor.remote(spec)
+
+    def _server_info(self, handle: Any, index: int) -> dict[str, Any]:
+        try:
+            info: dict[str, Any] = ray.get(
+                handle.info.remote(), timeout=self._spec["start_timeout"]
+            )
+        except ray.exceptions.GetTimeoutError:
+            raise ClusterError(
+                f"cluster {self._name!r}: server {index} did not answer within "
+                f"{self._spec['start_timeout']} s"
+            ) from None
+        except ray.exceptions.RayActorError as e:
+            raise ClusterError(
+                f"cluster {self._name!r}: server {index} failed to start: {e}"
+            ) from None
+        return info
+
+    def _save(self) -> None:
+        internal_kv._internal_kv_put(
+            _kv_key(self._name), json.dumps(self._membership), overwrite=True, namespace=NAMESPACE
+        )
+
+    def _event(self, what: str, **fields: Any) -> None:
+        self._events.append({"time": time.time(), "event": what, **fields})
+
+    # -- watching
+
+    def _watch(self) -> None:
+        interval = float(self._spec["check_interval"])
+        while not self._stopping.wait(interval):
+            for i in range(len(self._membership["servers"])):
+                if self._stopping.is_set():
+                    return
+                try:
+                    self._check(i)
+                except Exception as e:  # keep watching the others
+                    self._event("check_failed", index=i, error=f"{type(e).__name__}: {e}")
+
+    def _check(self, i: int) -> None:
+        with self._lock:
+            if self._stopping.is_set():
+                return
+            h = self._handles[i]
+            if self._membership["servers"][i].get("lost"):
+                return
+            if h is None:
+                self._restart(i, "not running")
+                return
+            try:
+                ray.get(h.info.remote(), timeout=10.0)
+            except ray.exceptions.RayActorError:
+                self._restart(i, "the actor died")
+                return
+            except ray.exceptions.GetTimeoutError:
+                pass  # a busy actor, or a hung one: the health check below decides
+        if self._healthy(i):
+            self._health_failures[i] = 0
+            return
+        n = self._health_failures.get(i, 0) + 1
+        self._health_failures[i] = n
+        if n >= 3:
+            with self._lock:
+                ray.kill(self._handles[i], no_restart=True)
+                self._restart(i, "the gRPC health service failed 3 checks in a row")
+
+    def _healthy(self, i: int) -> bool:
+        addr = self._membership["servers"][i]["address"]
+        try:
+            probe = self._probes.get(i)
+            if probe is None:
+                probe = pstore.connect(
+                    [addr], token=self._membership["token"], timeout=5, retries=0
+                )
+                self._probes[i] = probe
+            return probe.health() == ["SERVING"]
+        except PstoreError:
+            return False
+
+    def _restart(self, i: int, reason: str) -> None:
+        """Start server ``i`` again in its bundle, on its port, with its store."""
+        old = self._membership["servers"][i]
+        self._event("server_down", index=i, address=old["address"], reason=reason)
+        incarnation = old["incarnation"] + 1
+        assert self._pg is not None, "set when the controller started"
+        last: Exception | None = None
+        for _ in range(20):
+            try:
+                h = self._make_server(self._pg, i, old["port"], incarnation)
+                info = self._server_info(h, i)
+                break
+            except (ValueError, ClusterError) as e:  # the dead actor's name not yet released
+                last = e
+                self._handles[i] = None
+                time.sleep(0.5)
+        else:
+            self._event("restart_failed", index=i, error=str(last))
+            return
+        moved = info["node_id"] != old["node_id"] and old["path"] is not None
+        if moved or info["address"] != old["address"]:
+            # The bundle moved to another node (its node is gone): the store directory is not
+            # there, and a new address would route ids elsewhere. Without replicas there is
+            # nothing to promote: mark the position lost rather than serve an empty store.
+            try:
+                ray.get(h.stop.remote(1.0), timeout=30)
+            finally:
+                ray.kill(h, no_restart=True)
+            self._handles[i] = None
+            self._membership["servers"][i] = dict(old, lost=True)
+            self._membership["generation"] += 1
+            self._save()
+            self._event(
+                "server_lost",
+                index=i,
+                address=old["address"],
+                node_id=old["node_id"],
+                moved_to=info["node_id"],
+            )
+            return
+        self._handles[i] = h
+        self._membership["servers"][i] = info
+        self._membership["generation"] += 1
+        self._save()
+        self._event(
+            "server_restarted",
+            index=i,
+            address=info["address"],
+            incarnation=incarnation,
+            generation=self._membership["generation"],
+        )
+
+    # -- what clients and Cluster call
+
+    def membership(self) -> dict[str, Any]:
+        with self._lock:
+            m: dict[str, Any] = json.loads(json.dumps(self._membership))
+        return m
+
+    def status(self) -> dict[str, Any]:
+        with self._lock:
+            m: dict[str, Any] = json.loads(json.dumps(self._membership))
+            handles = list(self._handles)
+        for i, s in enumerate(m["servers"]):
+            s["alive"] = handles[i] is not None and not s.get("lost", False)
+            s["health"] = "SERVING" if s["alive"] and self._healthy(i) else "NOT_SERVING"
+        m.pop("token")
+        m["num_servers"] = len(m["servers"])
+        m["path"] = self._spec["path"]
+        m["durability"] = self._spec["durability"]
+        m["controller_pid"] = os.getpid()
+        m["events"] = list(self._events)
+        return m
+
+    def shutdown(self, grace: float) -> None:
+        """Stop every server (flushing its store), remove the placement group and the record."""
+        self._stopping.set()
+        with self._lock:
+            waits = [(h, h.stop.remote(grace)) for h in self._handles if h is not None]
+            for h, ref in waits:
+                try:
+                    ray.get(ref, timeout=grace + 30)
+                except (ray.exceptions.RayActorError, ray.exceptions.GetTimeoutError):
+                    pass
+                ray.kill(h, no_restart=True)
+            self._handles = [None] * len(self._handles)
+            if self._pg is not None:
+                remove_placement_group(self._pg)
+            internal_kv._internal_kv_del(_kv_key(self._name), namespace=NAMESPACE)
+
+
+def _wait(ref: Any, timeout: float) -> bool:
+    try:
+        ray.get(ref, timeout=timeout)
+        return True
+    except ray.exceptions.GetTimeoutError:
+        return False
+
+
+# --------------------------------------------------------------------------------------------
+# The public API
+
+
+class Cluster:
+    """A pstore cluster on Ray: ``num_servers`` store servers and their controller.
+
+    Parameters
+    ----------
+    num_servers : int
+        Store servers, one per bundle of a placement group (see the module).
+    path : str, optional
+        Base directory of the servers' stores on their nodes: server ``i`` keeps
+        ``<path>/server-<i>``. Without it the servers keep their rows in memory and a restarted
+        server comes back empty.
+    durability : "none", "async" or "sync"
+        Of each server's store (see :class:`pstore.Store`); ``"sync"`` acknowledges a push only
+        once it is on disk, so a restarted server has every acknowledged push.
+    token : str, optional
+        The servers' token. Default: a new random one, which :func:`connect` takes from the
+        controller.
+    replicas : int
+        Copies of each server's rows. Only 1 exists in this version; more raises.
+    name : str
+        The cluster's name in Ray (``"default"``); one name, one cluster.
+    server_cpus : float
+        CPUs each server's bundle reserves.
+    num_shards, threads : int, optional
+        Of each server's store.
+    check_interval : float
+        Seconds between the controller's checks of the servers.
+    start_timeout : float
+        Seconds to wait for the placement group and each server to start.
+    address : str, optional
+        The Ray cluster to join when this process is not connected to Ray yet (``ray.init``'s
+        address; default ``RAY_ADDRESS``, else a new local Ray cluster, which ends with this
+        process). :meth:`attach` and :func:`connect` never start one: they join
+        ``RAY_ADDRESS`` or the cluster running on this node.
+    """
+
+    def __init__(
+        self,
+        num_servers: int = 2,
+        *,
+        path: str | os.PathLike[str] | None = None,
+        durability: Literal["none", "async", "sync"] = "async",
+        token: str | None = None,
+        replicas: int = 1,
+        name: str = "default",
+        server_cpus: float = 1.0,
+        num_shards: int | None = None,
+        threads: int | None = None,
+        check_interval: float = 1.0,
+        start_timeout: float = 120.0,
+        address: str | None = None,
+    ) -> None:
+        spec = _spec(
+            num_servers=num_servers,
+            path=path,
+            durability=durability,
+            token=token,
+            replicas=replicas,
+            name=name,
+            server_cpus=server_cpus,
+            num_shards=num_shards,
+            threads=threads,
+            check_interval=check_interval,
+            start_timeout=start_timeout,
+        )
+        _ensure_ray(address, start=True)
+        try:
+            ray.get_actor(_controller_name(name), namespace=NAMESPACE)
+        except ValueError:
+            pass
+        else:
+            raise ClusterError(
+                f"a pstore cluster named {name!r} runs already: connect to it "
+                f"(pstore.ray.Cluster.attach({name!r})) or shut it down first"
+            )
+        controller: Any = (
+            ray.remote(_Controller)
+            .options(
+                name=_controller_name(name),
+                namespace=NAMESPACE,
+                lifetime="detached",
+                max_restarts=-1,
+                max_task_retries=-1,
+                max_concurrency=8,
+                num_cpus=0,
+            )
+            .remote(spec)
+        )
+        self.name = name
+        try:
+            ray.get(controller.membership.remote())
+        except ray.exceptions.RayActorError as e:
+            ray.kill(controller, no_restart=True)
+            cause = getattr(e, "cause", None)
+            raise ClusterError(f"cluster {name!r} failed to start: {cause or e}") from None
+
+    @classmethod
+    def attach(cls, name: str = "default", *, address: str | None = None) -> Cluster:
+        """The running cluster ``name`` (from another driver, or ``pstore ray up``)."""
+        _ensure_ray(address)
+        _controller(name)
+        c = cls.__new__(cls)
+        c.name = name
+        return c
+
+    @classmethod
+    def restore(
+        cls,
+        snapshot: str | os.PathLike[str],
+        num_servers: int = 2,
+        **cluster_args: Any,
+    ) -> Cluster:
+        """A new cluster of ``num_servers`` servers holding the rows of the cluster snapshot
+        ``snapshot`` (:meth:`snapshot`, or :meth:`pstore.RemoteStore.snapshot`), of any number
+        of servers. Every server reads the parts it needs itself, so ``snapshot`` must be a path
+        every node reaches (a shared file system) or an ``s3://`` prefix. ``cluster_args`` are
+        those of :class:`Cluster`. If the restore fails, the new cluster is shut down again.
+        """
+        cluster = cls(num_servers, **cluster_args)
+        try:
+            connect(cluster).restore_cluster(snapshot)
+        except BaseException:
+            cluster.shutdown()
+            raise
+        return cluster
+
+    @property
+    def servers(self) -> list[str]:
+        """The server addresses, in their order."""
+        return [s["address"] for s in self._membership()["servers"]]
+
+    @property
+    def generation(self) -> int:
+        """How many times a server was restarted (the membership's version)."""
+        return int(self._membership()["generation"])
+
+    def _membership(self) -> dict[str, Any]:
+        m: dict[str, Any] = ray.get(_controller(self.name).membership.remote())
+        return m
+
+    def connect(self, **connect_args: Any) -> RemoteStore:
+        """:func:`connect` to this cluster."""
+        return connect(self, **connect_args)
+
+    def status(self) -> dict[str, Any]:
+        """The controller's view: ``name``, ``generation``, ``strategy``, ``path``,
+        ``durability``, ``servers`` (each with ``index``, ``address``, ``node_id``, ``pid``,
+        ``incarnation``, ``alive``, ``health``) and the recent ``events`` (starts, deaths,
+        restarts)."""
+        s: dict[str, Any] = ray.get(_controller(self.name).status.remote())
+        return s
+
+    def snapshot(
+        self, dest: str | os.PathLike[str], *, incremental: bool = False
+    ) -> dict[str, Any]:
+        """Write a cluster snapshot into ``dest`` (see :meth:`pstore.RemoteStore.snapshot`): every
+        server writes its own part, so ``dest`` must be a path every node reaches or an
+        ``s3://`` prefix. Returns the cluster manifest."""
+        return connect(self).snapshot(dest, incremental=incremental)
+
+    def shutdown(self, grace: float = 10.0) -> None:
+        """Stop every server (calls in flight get ``grace`` seconds, then each store is flushed
+        and closed), the controller, and remove the placement group. The stores stay on disk."""
+        shutdown(self.name, grace=grace)
+
+    def __reduce__(self) -> tuple[Any, tuple[str]]:
+        return (Cluster.attach, (self.name,))
+
+    def __repr__(self) -> str:
+        return f"<pstore.ray.Cluster {self.name!r}>"
+
+
+def _spec(**a: Any) -> dict[str, Any]:
+    """The controller's settings, checked."""
+    n = a["num_servers"]
+    if isinstance(n, bool) or not isinstance(n, int) or n < 1:
+        raise InvalidArgumentError(f"num_servers must be an int >= 1, got {n!r}")
+    r = a["replicas"]
+    if isinstance(r, bool) or not isinstance(r, int) or r < 1:
+        raise InvalidArgumentError(f"replicas must be an int >= 1, got {r!r}")
+    if r > 1:
+        raise InvalidArgumentError(
+            f"replicas={r} needs replica groups (followers, promotion), which come with the "
+            "replication release of pstore; this version runs one copy of each server "
+            "(replicas=1) and restarts a dead server on its node from its durable store"
+        )
+    if a["durability"] not in _DURABILITIES:
+        raise InvalidArgumentError(
+            f'durability must be "none", "async" or "sync", got {a["durability"]!r}'
+        )
+    if a["path"] is None and a["durability"] != "none":
+        if a["durability"] == "sync":
+            raise InvalidArgumentError('durability="sync" needs a path for the servers\' stores')
+        a["durability"] = "none"
+    if a["path"] is not None:
+        a["path"] = os.path.abspath(os.fspath(a["path"]))
+    name = a["name"]
+    if not isinstance(name, str) or not name or any(c in name for c in ":/ \n"):
+        raise InvalidArgumentError(
+            f"name must be a non-empty string without ':', '/' or spaces, got {name!r}"
+        )
+    for k in ("server_cpus", "check_interval", "start_timeout"):
+        v = a[k]
+        if isinstance(v, bool) or not isinstance(v, (int, float)) or not v > 0:
+            raise InvalidArgumentError(f"{k} must be a number > 0, got {v!r}")
+    if a["token"] is None:
+        a["token"] = secrets.token_urlsafe(24)
+    elif not isinstance(a["token"], str) or not a["token"]:
+        raise InvalidArgumentError("token must be a non-empty string")
+    return a
+
+
+def _controller(name: str) -> Any:
+    try:
+        return ray.get_actor(_controller_name(name), namespace=NAMESPACE)
+    except ValueError:
+        raise ClusterError(
+            f"no pstore cluster named {name!r} runs in this Ray cluster "
+            f"(namespace {NAMESPACE!r}); start one with pstore.ray.Cluster or `pstore ray up`"
+        ) from None
+
+
+def connect(cluster: Cluster | str = "default", **connect_args: Any) -> RemoteStore:
+    """The :class:`pstore.RemoteStore` of the cluster ``cluster`` (a :class:`Cluster` or its
+    name), from any process of the Ray cluster: a driver, a task, an actor, a Ray Train worker.
+
+    The server list and the token come from the controller; ``connect_args`` are those of
+    :func:`pstore.connect` (``mode``, ``worker``, ``num_workers``, ``job``, ...). Calls go
+    straight to the servers over gRPC. ``retries`` defaults to 10 (about 11 s of backoff), so a
+    call rides over a server's restart, which keeps its address.
+    """
+    name = cluster.name if isinstance(cluster, Cluster) else cluster
+    if not isinstance(name, str):
+        raise InvalidArgumentError(f"cluster must be a pstore.ray.Cluster or a name, got {name!r}")
+    _ensure_ray()
+    m: dict[str, Any] = ray.get(_controller(name).membership.remote())
+    lost = [s["index"] for s in m["servers"] if s.get("lost")]
+    if lost:
+        raise ClusterError(f"cluster {name!r} lost server(s) {lost} with their nodes")
+    args: dict[str, Any] = {"retries": 10, **connect_args}
+    if "token" not in args and "token_file" not in args:
+        args["token"] = m["token"]
+    return pstore.connect([s["address"] for s in m["servers"]], **args)
+
+
+def shutdown(name: str = "default", *, grace: float = 10.0) -> None:
+    """Stop the cluster ``name`` (see :meth:`Cluster.shutdown`)."""
+    _ensure_ray()
+    c = _controller(name)
+    ray.get(c.shutdown.remote(float(grace)))
+    ray.kill(c, no_restart=True)
+
+
+def list_clusters() -> list[str]:
+    """The names of the pstore clusters running in this Ray cluster."""
+    _ensure_ray()
+    keys = internal_kv._internal_kv_list(_KV_PREFIX, namespace=NAMESPACE)
+    return sorted(k.decode()[len(_KV_PREFIX) :] for k in keys)
+
+
+def load_config(path: str | os.PathLike[str]) -> dict[str, Any]:
+    """The arguments of :class:`Cluster` in a JSON file (``pstore ray up CONFIG``): an object
+    whose keys are :class:`Cluster`'s parameters (``num_servers``, ``path``, ...), plus
+    ``token_file`` (relative to the file) instead of ``token``."""
+    p = os.fspath(path)
+    try:
+        with open(p, encoding="utf-8") as f:
+            c = json.load(f)
+    except json.JSONDecodeError as e:
+        raise InvalidArgumentError(f"config {p!r}: {e}") from None
+    if not isinstance(c, Mapping):
+        raise InvalidArgumentError(f"config {p!r} must be a JSON object")
+    allowed = {
+        "num_servers",
+        "path",
+        "durability",
+        "token_file",
+        "replicas",
+        "name",
+        "server_cpus",
+        "num_shards",
+        "threads",
+        "check_interval",
+        "start_timeout",
+        "address",
+    }
+    unknown = set(c) - allowed
+    if unknown:
+        raise InvalidArgumentError(f"config {p!r}: unknown keys {sorted(unknown)}")
+    out = dict(c)
+    base = os.path.dirname(os.path.abspath(p))
+    if "token_file" in out:
+        tf = os.path.join(base, out.pop("token_file"))
+        with open(tf, encoding="utf-8") as f:
+            out["token"] = f.read().strip()
+        if not out["token"]:
+            raise InvalidArgumentError(f"token file {tf!r} is empty")
+    if "path" in out and out["path"] is not None:
+        out["path"] = os.path.join(base, out["path"])
+    return out
