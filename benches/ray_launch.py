@@ -2,7 +2,11 @@
 DeepFM samples/s on Ray Train against the same training loop and servers as plain processes
 (issue 34's goal: Ray >= 0.9x plain, since Ray adds nothing to the data path).
 
-    python benches/ray_launch.py [--repeats 3] [--samples 24000] [--epochs 2] [--servers 2]
+    unshare --net sh -c 'ip link set lo up && python benches/ray_launch.py [--repeats 3] ...'
+
+It runs only in a network namespace that has nothing but loopback (as above, as root): Ray's
+dashboard asks cloud metadata addresses and reports usage whatever its settings, and this
+benchmark's traffic stays on the machine (it refuses to start otherwise).
 
 Ray runs as a local two-node cluster (``ray.cluster_utils.Cluster``, 2 CPUs each, on
 127.0.0.1), started once and not timed. *Launch*: ``Cluster(num_servers, server_cpus=0.5)``,
@@ -142,7 +146,14 @@ def main() -> None:
         _plain_worker(json.loads(a.plain_worker))
         return
 
+    others = sorted({name for _, name in socket.if_nameindex()} - {"lo"})
+    if others:
+        sys.exit(
+            f"ray_launch.py: network interfaces {others} are up; run it in a namespace with only "
+            "loopback: unshare --net sh -c 'ip link set lo up && python benches/ray_launch.py'"
+        )
     os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
+    os.environ["RAY_USAGE_STATS_ENABLED"] = "0"
     import numpy as np
     import ray
     from ray.cluster_utils import Cluster as RayCluster

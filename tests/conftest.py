@@ -4,6 +4,7 @@ The tests drive pstore only through its public Python API (docs/API_SPEC.md).
 """
 
 import contextlib
+import os
 import warnings
 import zlib
 
@@ -19,6 +20,11 @@ from pstore import init, optim
 with warnings.catch_warnings(), contextlib.suppress(ImportError):
     warnings.filterwarnings("ignore", "mypy_extensions.TypedDict", DeprecationWarning)
     import hypothesis.extra._patching  # noqa: F401
+
+
+# The suite's traffic stays on this machine: Ray (tests/ray_cases.py) would otherwise report usage
+# statistics to its makers' server, and every Ray process inherits this.
+os.environ["RAY_USAGE_STATS_ENABLED"] = "0"
 
 
 @pytest.fixture
