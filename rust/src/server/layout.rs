@@ -1,9 +1,10 @@
 //! Which cluster a server belongs to: the hash of the server list its tables were made under.
 //!
-//! The client sends the hash of its server list (`crate::client::cluster::layout_hash`) as the
-//! metadata `x-pstore-layout` of every call. A server that holds tables answers only calls whose
-//! hash is the one it recorded, so a worker started with another list (which would route ids
-//! elsewhere and train some of them twice) fails at its first call with an error naming both
+//! The client sends the hash of its server list and slot table
+//! (`crate::client::cluster::layout_hash`) as the metadata `x-pstore-layout` of every call. A
+//! server that holds tables answers only calls whose hash is the one it recorded, so a worker
+//! started with another list or another order (which would route ids elsewhere and train some
+//! of them twice) fails at its first call with an error naming both
 //! hashes. A server with no table takes the hash of the next call that carries one (a new
 //! cluster, or a restore onto a new list); calls without the metadata (clients generated from
 //! the .proto) are not checked. A durable server keeps the hash in its replica (the meta key
