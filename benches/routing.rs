@@ -4,13 +4,15 @@
 //! server; the slot table hashes it once and reads one entry of a 16,384-entry table. For 3, 100
 //! and 1,000 servers (simulated: only the addresses and the table exist) this times
 //! `server_of` over a batch of ids and the client's `split` of a 4,096-id batch into per-server
-//! positions, and reports nanoseconds per id (median of `REPS` runs). Run with
-//! `cargo bench --bench routing`.
+//! positions, and reports nanoseconds per id (median of `REPS` runs); then how many of a
+//! table's 64 shards hold one server's ids under the uniform (striped) table and under
+//! contiguous runs in slot order. Run with `cargo bench --bench routing`.
 
 use std::hint::black_box;
 use std::time::Instant;
 
-use pstore::net::routing::{Rendezvous, SlotTable};
+use pstore::hash::shard_of;
+use pstore::net::routing::{Rendezvous, SlotTable, SLOTS};
 
 const SERVERS: [usize; 3] = [3, 100, 1000];
 const REPS: usize = 9;
@@ -64,5 +66,24 @@ fn main() {
         });
         let st_split = per_id(batch, |ids| st.split(ids).iter().map(Vec::len).sum());
         println!("{n:>8} | {rv_one:>16.2} {st_one:>16.2} | {rv_split:>16.2} {st_split:>16.2}");
+    }
+    // Where a server's ids land inside it: a table's 64 shards are ranges of mix64(id), as the
+    // slots are, so the uniform table's shape decides how many shards a server's ids use.
+    println!("\nshards (of 64) holding server 0's ids: uniform (striped) table, contiguous runs");
+    for n in SERVERS {
+        let striped = SlotTable::uniform(n).expect("a table of n servers");
+        let contiguous =
+            SlotTable::from_owners(0, n, (0..SLOTS).map(|s| (s * n / SLOTS) as u32).collect())
+                .expect("a table of n servers");
+        let used = |t: &SlotTable| {
+            let mut shards = std::collections::HashSet::new();
+            for &id in &ids {
+                if t.server_of(id) == 0 {
+                    shards.insert(shard_of(id, 64));
+                }
+            }
+            shards.len()
+        };
+        println!("{n:>8} | {:>4} {:>4}", used(&striped), used(&contiguous));
     }
 }

@@ -39,11 +39,17 @@ def rows_per_server(store: pstore.RemoteStore, name: str) -> list[int]:
 def test_the_default_table_splits_slots_evenly_by_position(cluster):
     addrs = cluster(3)
     store = pstore.connect(addrs)
-    assert store.slots == {
-        "epoch": 0,
-        "servers": 3,
-        "ranges": [[0, 5462, 0], [5462, 10923, 1], [10923, SLOTS, 2]],
-    }
+    table = store.slots
+    assert (table["epoch"], table["servers"]) == (0, 3)
+    # One run per server in each of 64 stripes of 256 slots, covering every slot once.
+    ranges = table["ranges"]
+    assert len(ranges) == 3 * 64
+    assert [r[0] for r in ranges] == [0] + [r[1] for r in ranges[:-1]] and ranges[-1][1] == SLOTS
+    owned = [sum(e - s for s, e, o in ranges if o == i) for i in range(3)]
+    assert max(owned) - min(owned) <= 1, owned
+    for stripe in range(64):
+        lo, hi = stripe * 256, (stripe + 1) * 256
+        assert {o for s, e, o in ranges if s < hi and e > lo} == {0, 1, 2}, stripe
     t = store.create_sparse_table("t", 4)
     t.pull(IDS)
     rows = rows_per_server(store, "t")

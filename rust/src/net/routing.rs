@@ -8,9 +8,8 @@
 //! table lookup, whatever the number of servers. A dense table lives on the owner of the slot of
 //! its name's [`key`].
 //!
-//! A table without explicit ranges is the *uniform* one of `n` servers: contiguous ranges,
-//! slot `s` owned by `s * n / SLOTS`, so every client with the same number of servers routes
-//! alike. [`Rendezvous`] is the routing of cluster snapshots of format version 2 and older
+//! A table without explicit ranges is the *uniform* one of `n` servers ([`SlotTable::uniform`]),
+//! a function of `n` alone, so every client with the same number of servers routes alike. [`Rendezvous`] is the routing of cluster snapshots of format version 2 and older
 //! (highest random weight over the address strings), kept to read them.
 
 use serde::{Deserialize, Serialize};
@@ -26,6 +25,9 @@ const SLOT_BITS: u32 = 14;
 
 /// The most servers a slot table addresses.
 pub const MAX_SERVERS: usize = SLOTS;
+
+/// Stripes of the uniform table: the default shard count of a sparse table.
+const STRIPES: usize = 64;
 
 /// The slot of `id`: the top 14 bits of `mix64(id)`.
 #[inline]
@@ -99,12 +101,21 @@ impl std::fmt::Debug for SlotTable {
 }
 
 impl SlotTable {
-    /// The uniform table of `servers` servers at epoch 0: contiguous ranges of (nearly) equal
-    /// size, slot `s` owned by `s * servers / 16384`.
+    /// The uniform table of `servers` servers at epoch 0: every server owns 16384 / servers
+    /// slots (give or take one), contiguous ranges in *striped* order. The slots are 64 stripes
+    /// of 256 (stripe `s / 256`, offset `s % 256`); slot `s` has rank `offset * 64 + stripe`
+    /// and is owned by `rank * servers / 16384`. So up to 256 servers, each owns one run of
+    /// slots in every stripe: a server's ids spread over all 64 shards of its tables and over
+    /// all its LMDB environments (both are ranges of `mix64(id)`, as the stripes are), where
+    /// contiguous runs in slot order would put them all into 64 / servers of its shards.
     pub fn uniform(servers: usize) -> Result<Self> {
         check_count(servers)?;
+        let per_stripe = SLOTS / STRIPES;
         let owners = (0..SLOTS)
-            .map(|s| (s * servers / SLOTS) as u32)
+            .map(|s| {
+                let rank = (s % per_stripe) * STRIPES + s / per_stripe;
+                (rank * servers / SLOTS) as u32
+            })
             .collect::<Vec<_>>()
             .into_boxed_slice();
         Ok(Self {
@@ -418,11 +429,23 @@ mod tests {
     }
 
     #[test]
-    fn uniform_tables_are_even_and_contiguous() {
-        for n in [1usize, 2, 3, 7, 100, 1000] {
+    fn uniform_tables_are_even_and_striped() {
+        for n in [1usize, 2, 3, 7, 100, 256, 1000] {
             let t = SlotTable::uniform(n).unwrap();
-            let r = t.ranges();
-            assert_eq!(r.len(), n);
+            if n <= 256 {
+                // One run per server per stripe.
+                assert_eq!(
+                    t.ranges().len(),
+                    n * STRIPES - (STRIPES - 1) * (n == 1) as usize
+                );
+                for server in 0..n {
+                    let stripes: std::collections::HashSet<usize> = (0..SLOTS)
+                        .filter(|&s| t.owner_of_slot(s) == server)
+                        .map(|s| s / (SLOTS / STRIPES))
+                        .collect();
+                    assert_eq!(stripes.len(), STRIPES, "{n} servers: server {server}");
+                }
+            }
             let per = t.slots_per_server();
             let (lo, hi) = (per.iter().min().unwrap(), per.iter().max().unwrap());
             assert!(hi - lo <= 1, "{n}: {lo} to {hi}");
