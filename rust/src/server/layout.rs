@@ -61,9 +61,10 @@ impl Layout {
         match pinned.as_deref() {
             Some(p) if p == given => Ok(()),
             Some(p) if !store.tables().is_empty() => Err(status_of(&invalid(format!(
-                "this server holds tables of the cluster whose server list hashes to {p}; \
-                 this client's list hashes to {given}: every worker must connect with the same \
-                 list of servers (a new list needs a cluster snapshot and `pstore reshard`)"
+                "this server holds tables of the cluster whose layout (server list and slot \
+                 table) hashes to {p}; this client's layout hashes to {given}: every worker must \
+                 connect with the same list of servers, in the same order, with the same slot \
+                 table (a new list needs a cluster snapshot and `pstore reshard`)"
             )))),
             _ => {
                 if let Some(f) = store.flusher() {
