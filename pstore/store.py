@@ -140,8 +140,8 @@ class SparseTable(_Table):
     create it directly: use :meth:`Store.create_sparse_table` or :meth:`Store.table`.
 
     The same class holds a table of this process's store or of store servers
-    (:func:`pstore.connect`), where the rows are spread over the servers by id (rendezvous
-    hashing). On servers, ``num_shards`` is the number of servers; ``len``, ``seq`` and
+    (:func:`pstore.connect`), where the rows are spread over the servers by id (a table of
+    hash slots). On servers, ``num_shards`` is the number of servers; ``len``, ``seq`` and
     ``stats()`` add up the servers' numbers (``stats()`` also lists each server's under
     ``"servers"`` and the staleness of pushes under ``"staleness"``); and
     ``evict(not_updated_for_steps=n)`` counts each server's own pushes.

@@ -167,7 +167,7 @@ def test_incremental_cluster_snapshots_chain_with_tombstones(cluster, tmp_path, 
     assert not (tmp_path / "s3" / "cluster.json").exists()
 
 
-def test_a_worker_with_another_server_list_is_refused(cluster):
+def test_a_worker_with_another_server_list_is_refused(cluster, tmp_path):
     addrs = cluster(3)
     a = pstore.connect(addrs)
     t = a.create_sparse_table("t", DIM)
@@ -180,9 +180,17 @@ def test_a_worker_with_another_server_list_is_refused(cluster):
         b.create_sparse_table("t2", DIM)
     assert a.tables() == ["t"]
     np.testing.assert_array_equal(t.pull(IDS), before)
-    # The same servers in another order are the same cluster (routing ignores the order).
+    # The same servers in another order route otherwise (slots are owned by positions): refused.
     c = pstore.connect(list(reversed(addrs)))
-    np.testing.assert_array_equal(c.table("t").pull(IDS), before)
+    with pytest.raises(pstore.InvalidArgumentError, match="same list of servers"):
+        c.table("t").pull(IDS)
+    # The same list with its (uniform) slot table spelled out in a cluster file is the same
+    # cluster.
+    f = tmp_path / "cluster.json"
+    f.write_text(json.dumps({"servers": addrs, "slots": a.slots}))
+    e = pstore.connect(f)
+    assert e.slots == a.slots
+    np.testing.assert_array_equal(e.table("t").pull(IDS), before)
     # Servers with no table left take the next list: a new cluster.
     a.drop_table("t")
     d = pstore.connect(addrs[:2])

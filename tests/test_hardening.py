@@ -362,7 +362,7 @@ def test_every_edit_of_cluster_json_is_refused_naming_the_file(tmp_path):
         cj = tmp_path / "snap" / "cluster.json"
         original = cj.read_bytes()
         doc = json.loads(original)
-        assert doc["version"] == 2 and doc["checksum"].startswith("crc32:")
+        assert doc["version"] == 3 and doc["checksum"].startswith("crc32:")
         for at, v in leaves(doc):
             if at == ("checksum",):
                 continue

@@ -103,6 +103,14 @@ class RemoteStore(BaseStore):
         return self._inner.servers
 
     @property
+    def slots(self) -> dict[str, Any]:
+        """The slot table ids are routed by: ``{"epoch", "servers", "ranges"}``, each range
+        ``[start, end, owner]`` giving hash slots ``start`` to ``end - 1`` (of 16,384) to the
+        server at position ``owner`` of :attr:`servers`."""
+        table: dict[str, Any] = json.loads(self._inner.slots)
+        return table
+
+    @property
     def mode(self) -> Mode:
         """The training mode: ``"async"``, ``"bsp"`` or ``"ssp"``."""
         return self._mode
@@ -189,7 +197,9 @@ class RemoteStore(BaseStore):
 
 def load_cluster(path: str | os.PathLike[str]) -> dict[str, Any]:
     """Read a cluster file: JSON with ``servers`` (a list of "host:port"), optionally
-    ``token_file`` (relative to the file), ``tls_ca`` and ``tls_domain``.
+    ``token_file`` (relative to the file), ``tls_ca``, ``tls_domain`` and ``slots``, the slot
+    table (``{"epoch": E, "servers": N, "ranges": [[START, END, OWNER], ...]}``; without it, the
+    16,384 hash slots are split into equal contiguous ranges over the servers in order).
 
     One file describes the cluster for every machine: ``pstore serve --cluster FILE --index I``
     runs server I, and ``pstore.connect(FILE)`` or ``pstore status --cluster FILE`` reach them
@@ -211,10 +221,15 @@ def load_cluster(path: str | os.PathLike[str]) -> dict[str, Any]:
         )
     if len(set(servers)) != len(servers):
         raise InvalidArgumentError(f"cluster file {os.fspath(path)!r} lists a server twice")
-    unknown = set(c) - {"servers", "token_file", "tls_ca", "tls_domain"}
+    unknown = set(c) - {"servers", "token_file", "tls_ca", "tls_domain", "slots"}
     if unknown:
         raise InvalidArgumentError(
             f"cluster file {os.fspath(path)!r}: unknown keys {sorted(unknown)}"
+        )
+    if "slots" in c and not isinstance(c["slots"], dict):
+        raise InvalidArgumentError(
+            f'cluster file {os.fspath(path)!r}: "slots" must be an object '
+            '{"epoch": E, "servers": N, "ranges": [[START, END, OWNER], ...]}'
         )
     base = os.path.dirname(os.path.abspath(path))
     for k in ("token_file", "tls_ca"):
@@ -298,9 +313,10 @@ def connect(
     Parameters
     ----------
     servers : list of "host:port", or the path of a cluster file
-        Every server of the cluster. Every worker must give the same addresses (in any order):
-        ids are routed by rendezvous hashing of these strings. A cluster file
-        (:func:`load_cluster`) also gives the token file and TLS settings.
+        Every server of the cluster. Every worker must give the same addresses in the same
+        order: ids are routed through 16,384 hash slots, each owned by a position in this list
+        (the uniform table: equal contiguous ranges). A cluster file (:func:`load_cluster`)
+        also gives the token file, the TLS settings and the slot table.
     token, token_file :
         The token (or a file holding it); default: the ``PSTORE_TOKEN`` environment variable.
     timeout : float
@@ -342,6 +358,7 @@ def connect(
         PEM file of the CA that signed the servers' certificates: connect over TLS.
     """
     addrs: list[str]
+    slots: str | None = None
     if isinstance(servers, os.PathLike) or (
         isinstance(servers, str) and servers.endswith(".json") and os.path.isfile(servers)
     ):
@@ -351,6 +368,8 @@ def connect(
             token_file = cluster.get("token_file")
         tls_ca = tls_ca if tls_ca is not None else cluster.get("tls_ca")
         tls_domain = tls_domain if tls_domain is not None else cluster.get("tls_domain")
+        if "slots" in cluster:
+            slots = json.dumps(cluster["slots"])
     elif isinstance(servers, str):
         addrs = [servers]
     else:
@@ -398,6 +417,7 @@ def connect(
         tls_domain,
         max_message,
         max_inflight_bytes,
+        slots,
     )
     store = RemoteStore(inner, mode, stale, worker, num_workers, float(barrier_timeout))
     if mode != "async":

@@ -3,11 +3,11 @@
 //!
 //! A cluster snapshot is a directory holding one ordinary snapshot per server (`server-<i>`,
 //! written by the server itself through its `Snapshot` call, so rows never pass through the
-//! client) and `cluster.json`, written last by the client: the layout (server list, routing,
+//! client) and `cluster.json`, written last by the client: the layout (server list, slot table,
 //! layout hash), the tables' configs and stale policies, and per part its manifest's id and
 //! CRC-32. A directory without `cluster.json` is not a cluster snapshot.
 //!
-//! A restore routes every row by the client's own server list, so a snapshot of 4 servers loads
+//! A restore routes every row by the client's own slot table, so a snapshot of 4 servers loads
 //! onto 8 or 2: it checks everything first (every part present, every manifest's checksum, every
 //! file of every part's chain, every existing target table's dim and optimizer) and creates the
 //! tables that are missing. Then, [`Via::Servers`] (the default): every server at once reads the
@@ -26,7 +26,7 @@ use super::{Client, CHUNK_BYTES};
 use crate::error::{corrupt, invalid, storage, Error, Result};
 use crate::hash::mix64;
 use crate::net::proto::*;
-use crate::net::routing::key;
+use crate::net::routing::{key, Rendezvous, Routing, SlotTable, SlotTableSpec};
 use crate::snapshot::location::{self, Location};
 use crate::snapshot::{self, Manifest};
 use crate::store::{Store, StoreConfig, Table};
@@ -35,24 +35,53 @@ use crate::store::{Store, StoreConfig, Table};
 pub const CLUSTER_MANIFEST: &str = location::CLUSTER_MANIFEST;
 /// The format's name, in every cluster manifest.
 pub const CLUSTER_FORMAT: &str = "pstore-cluster-snapshot";
-/// The cluster manifest version this build writes (it reads 1 too: no `checksum` then).
-pub const CLUSTER_VERSION: u32 = 2;
-/// How ids were routed: rendezvous hashing of the address strings ([`crate::net::routing`]).
-pub const ROUTING: &str = "rendezvous-fnv1a-mix64";
+/// The cluster manifest version this build writes (it reads 1 and 2 too: no `checksum` in 1,
+/// rendezvous routing in both).
+pub const CLUSTER_VERSION: u32 = 3;
+/// How ids are routed from version 3: 16,384 hash slots, each owned by a server position
+/// ([`crate::net::routing`]).
+pub const ROUTING: &str = "slots-16384-mix64";
+/// How ids were routed up to version 2: rendezvous hashing of the address strings.
+pub const ROUTING_V2: &str = "rendezvous-fnv1a-mix64";
 
 /// The servers a snapshot was taken from and how ids were routed among them.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct Layout {
     /// The addresses, in the client's order (`server-<i>` is the i-th).
     pub servers: Vec<String>,
-    /// Always [`ROUTING`] in this version.
+    /// [`ROUTING`] (version 3) or [`ROUTING_V2`] (versions 1 and 2).
     pub routing: String,
-    /// [`layout_hash`] of the servers.
+    /// [`layout_hash`] of the servers and the slot table (versions 1 and 2: the order-free
+    /// hash of the servers alone).
     pub hash: String,
+    /// The slot table (version 3).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub slots: Option<SlotTableSpec>,
 }
 
-/// A hash of a server list that does not depend on its order (routing does not either).
-pub fn layout_hash<S: AsRef<str>>(servers: &[S]) -> String {
+impl Layout {
+    /// How the snapshot's rows were spread over its servers.
+    pub fn routing(&self) -> Result<Routing> {
+        match &self.slots {
+            Some(spec) => Ok(Routing::Slots(SlotTable::from_spec(spec)?)),
+            None => Ok(Routing::Rendezvous(Rendezvous::new(&self.servers))),
+        }
+    }
+}
+
+/// The hash of a cluster's layout: its server list, in order, and the owners of its slot table
+/// (not the epoch). Two clients route alike exactly when their hashes are equal.
+pub fn layout_hash<S: AsRef<str>>(servers: &[S], table: &SlotTable) -> String {
+    let mut h = mix64(servers.len() as u64 ^ 0x51_0715);
+    for s in servers {
+        h = mix64(h ^ key(s.as_ref()));
+    }
+    h = mix64(h ^ table.digest());
+    format!("{h:016x}")
+}
+
+/// The layout hash of cluster manifests of versions 1 and 2: the server list in any order.
+pub fn layout_hash_v2<S: AsRef<str>>(servers: &[S]) -> String {
     let mut keys: Vec<u64> = servers.iter().map(|s| key(s.as_ref())).collect();
     keys.sort_unstable();
     let mut h = mix64(keys.len() as u64);
@@ -176,12 +205,40 @@ impl ClusterManifest {
                 m.layout.servers.len()
             )));
         }
-        if m.layout.hash != layout_hash(&m.layout.servers) {
+        let want = if m.version >= 3 {
+            let spec = m
+                .layout
+                .slots
+                .as_ref()
+                .filter(|_| m.layout.routing == ROUTING);
+            let Some(spec) = spec else {
+                return Err(corrupt(format!(
+                    "{path}: version {} needs routing {ROUTING:?} and a slot table",
+                    m.version
+                )));
+            };
+            let table = SlotTable::from_spec(spec).map_err(|e| corrupt(format!("{path}: {e}")))?;
+            if table.servers() != m.layout.servers.len() {
+                return Err(corrupt(format!(
+                    "{path}: the slot table addresses {} servers, the layout lists {}",
+                    table.servers(),
+                    m.layout.servers.len()
+                )));
+            }
+            layout_hash(&m.layout.servers, &table)
+        } else {
+            if m.layout.slots.is_some() {
+                return Err(corrupt(format!(
+                    "{path}: version {} has no slot table",
+                    m.version
+                )));
+            }
+            layout_hash_v2(&m.layout.servers)
+        };
+        if m.layout.hash != want {
             return Err(corrupt(format!(
-                "{}: layout hash {} does not match its server list (hash {})",
-                path,
-                m.layout.hash,
-                layout_hash(&m.layout.servers)
+                "{}: layout hash {} does not match its server list (hash {want})",
+                path, m.layout.hash
             )));
         }
         Ok(m)
@@ -297,9 +354,10 @@ impl Client {
             parent,
             created_at: snapshot::unix_time(),
             layout: Layout {
-                hash: layout_hash(&servers),
+                hash: layout_hash(&servers, &self.router),
                 servers,
                 routing: ROUTING.into(),
+                slots: Some(self.router.spec()),
             },
             tables,
             parts,
@@ -344,7 +402,7 @@ impl Client {
     }
 
     /// Loads the cluster snapshot in `snapshot` (a directory or an object-store prefix) into
-    /// this client's servers, routing every row by this client's server list (any number of
+    /// this client's servers, routing every row by this client's slot table (any number of
     /// servers), the rows moved as `via` says. Tables that exist already must have the
     /// snapshot's dim and optimizer; their rows of the same ids are replaced. A remote snapshot
     /// is downloaded into a staging directory to be checked; with [`Via::Servers`] every server
@@ -490,6 +548,11 @@ impl Client {
             servers,
             index: 0,
             tables: m.tables.iter().map(|t| t.name.clone()).collect(),
+            snapshot_slots: match m.layout.routing()? {
+                Routing::Slots(t) => Some(t.to_proto()),
+                Routing::Rendezvous(_) => None,
+            },
+            slots: Some(self.router.to_proto()),
         };
         // A load takes as long as the rows need: no deadline but the client's own for a call
         // that does not answer at all is too short, so an hour per call.
@@ -573,7 +636,7 @@ impl Client {
         };
         // A dense table lives on the server its name routes to; the other parts hold unused
         // copies of its initial value.
-        let old = crate::net::routing::Router::new(&m.layout.servers);
+        let old = m.layout.routing()?;
         for (i, pdir) in part_dirs.iter().enumerate() {
             let store = Store::restore_counted(pdir, config.clone(), None, &AtomicU64::new(0))?;
             for name in store.tables() {
@@ -587,7 +650,7 @@ impl Client {
                         *seq = (*seq).max(st.seq());
                         rows += self.send_sparse(&name, &config_json, &st)?;
                     }
-                    Table::Dense(_) if old.server_of(key(&name)) != i => {}
+                    Table::Dense(_) if old.dense_home(&name) != i => {}
                     Table::Dense(d) => {
                         let home = self.dense_home(&name);
                         let req = BulkLoadRequest {
@@ -723,4 +786,138 @@ const IN_FLIGHT: usize = 64 << 20;
 
 fn words_bytes(w: &[u32]) -> Vec<u8> {
     w.iter().flat_map(|x| x.to_le_bytes()).collect()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn manifest(version: u32, layout: Layout) -> Vec<u8> {
+        let m = ClusterManifest {
+            format: CLUSTER_FORMAT.into(),
+            version,
+            id: "x".into(),
+            kind: "full".into(),
+            parent: None,
+            created_at: 0.0,
+            parts: layout
+                .servers
+                .iter()
+                .enumerate()
+                .map(|(i, s)| ClusterPart {
+                    server: s.clone(),
+                    dir: format!("server-{i}"),
+                    manifest_id: "m".into(),
+                    manifest_crc32: 0,
+                    rows: 0,
+                })
+                .collect(),
+            layout,
+            tables: Vec::new(),
+            checksum: Some(snapshot::SEAL_PLACEHOLDER.into()),
+        };
+        snapshot::seal_json(&m).unwrap().0
+    }
+
+    fn servers(n: usize) -> Vec<String> {
+        (0..n).map(|i| format!("10.0.0.{i}:7070")).collect()
+    }
+
+    #[test]
+    fn version_3_carries_and_checks_the_slot_table() {
+        let s = servers(3);
+        let t = SlotTable::from_ranges(
+            5,
+            3,
+            &[
+                crate::net::routing::SlotRange {
+                    start: 0,
+                    end: 100,
+                    owner: 2,
+                },
+                crate::net::routing::SlotRange {
+                    start: 100,
+                    end: 16384,
+                    owner: 0,
+                },
+            ],
+        )
+        .unwrap();
+        let good = Layout {
+            hash: layout_hash(&s, &t),
+            servers: s.clone(),
+            routing: ROUTING.into(),
+            slots: Some(t.spec()),
+        };
+        let m = ClusterManifest::from_bytes(&manifest(3, good.clone()), "c").unwrap();
+        match m.layout.routing().unwrap() {
+            Routing::Slots(r) => assert_eq!(r, t),
+            Routing::Rendezvous(_) => panic!("slots expected"),
+        }
+        // Another order of the same servers, or the uniform table: another hash.
+        let mut rev = s.clone();
+        rev.reverse();
+        assert_ne!(layout_hash(&rev, &t), good.hash);
+        assert_ne!(layout_hash(&s, &SlotTable::uniform(3).unwrap()), good.hash);
+        assert_eq!(layout_hash(&s, &t.clone().with_epoch(9)), good.hash);
+        let refused = |layout: Layout, what: &str| {
+            let e = ClusterManifest::from_bytes(&manifest(3, layout), "c")
+                .unwrap_err()
+                .to_string();
+            assert!(e.contains(what), "{e}");
+        };
+        refused(
+            Layout {
+                slots: None,
+                ..good.clone()
+            },
+            "needs routing",
+        );
+        refused(
+            Layout {
+                hash: layout_hash(&s, &SlotTable::uniform(3).unwrap()),
+                ..good.clone()
+            },
+            "does not match",
+        );
+        let mut short = t.spec();
+        short.ranges.pop();
+        refused(
+            Layout {
+                slots: Some(short),
+                ..good.clone()
+            },
+            "reach 16384",
+        );
+        refused(
+            Layout {
+                servers: servers(4),
+                ..good.clone()
+            },
+            "addresses 3 servers",
+        );
+    }
+
+    #[test]
+    fn version_2_routes_by_rendezvous() {
+        let s = servers(2);
+        let v2 = Layout {
+            hash: layout_hash_v2(&s),
+            servers: s.clone(),
+            routing: ROUTING_V2.into(),
+            slots: None,
+        };
+        let m = ClusterManifest::from_bytes(&manifest(2, v2.clone()), "c").unwrap();
+        let r = m.layout.routing().unwrap();
+        let rv = Rendezvous::new(&s);
+        for id in 0..1000u64 {
+            assert_eq!(r.server_of(id), rv.server_of(id));
+        }
+        let with_slots = Layout {
+            slots: Some(SlotTable::uniform(2).unwrap().spec()),
+            ..v2
+        };
+        let e = ClusterManifest::from_bytes(&manifest(2, with_slots), "c").unwrap_err();
+        assert!(e.to_string().contains("has no slot table"), "{e}");
+    }
 }

@@ -1,7 +1,7 @@
 //! The distributed client: one object that talks to every store server of a cluster.
 //!
-//! Sparse ids are routed to servers by rendezvous hashing ([`crate::net::routing`]); a dense table
-//! lives whole on the server its name routes to. A call that spans several servers sends its
+//! Sparse ids are routed to servers through a table of hash slots ([`crate::net::routing`]); a
+//! dense table lives whole on the owner of its name's slot. A call that spans several servers sends its
 //! requests to all of them at once and returns when all have answered. Every request has a
 //! deadline; calls that fail with UNAVAILABLE or DEADLINE_EXCEEDED are retried with exponential
 //! backoff, writes with the same request id so the server applies them once.
@@ -20,7 +20,7 @@ use crate::error::{invalid, shape, Error, Result};
 use crate::executor::{Applier, PushHandle};
 use crate::net::proto::p_store_client::PStoreClient;
 use crate::net::proto::*;
-use crate::net::routing::Router;
+use crate::net::routing::SlotTable;
 use crate::net::{error_of, wire, DEFAULT_MAX_MESSAGE};
 
 mod bsp;
@@ -42,8 +42,11 @@ const CHUNK_BYTES: usize = 4 << 20;
 /// How a client connects.
 #[derive(Debug, Clone)]
 pub struct ClientConfig {
-    /// `host:port` of every server, the same list (in any order) on every worker.
+    /// `host:port` of every server, the same list in the same order on every worker (the slot
+    /// table names servers by their position in it).
     pub servers: Vec<String>,
+    /// Which server owns each hash slot (None: the uniform table of `servers.len()` servers).
+    pub slots: Option<SlotTable>,
     /// The token sent with every call.
     pub token: Option<String>,
     /// Deadline of each request.
@@ -67,6 +70,7 @@ impl ClientConfig {
     pub fn new(servers: Vec<String>) -> Self {
         Self {
             servers,
+            slots: None,
             token: None,
             timeout: Duration::from_secs(30),
             retries: 3,
@@ -113,7 +117,7 @@ struct Server {
 pub struct Client {
     rt: tokio::runtime::Runtime,
     servers: Vec<Server>,
-    router: Router,
+    router: SlotTable,
     config: ClientConfig,
     /// Random per client: with `seq`, the ids of write requests.
     id: u64,
@@ -167,6 +171,17 @@ impl Client {
         if config.timeout.is_zero() {
             return Err(invalid("timeout must be > 0"));
         }
+        let router = match &config.slots {
+            Some(t) if t.servers() != config.servers.len() => {
+                return Err(invalid(format!(
+                    "the slot table addresses {} servers, the list has {}",
+                    t.servers(),
+                    config.servers.len()
+                )))
+            }
+            Some(t) => t.clone(),
+            None => SlotTable::uniform(config.servers.len())?,
+        };
         // A current-thread runtime: the calling thread itself sends, receives and decodes inside
         // `block_on`, with no hand-off to runtime threads and back (on 2 cores those hand-offs
         // cost more than a small pull). Threads calling at once take turns driving the
@@ -217,12 +232,12 @@ impl Client {
             });
         }
         let applier = Applier::new(config.max_inflight_bytes, "pstore-client-push")?;
-        let layout = cluster::layout_hash(&config.servers)
+        let layout = cluster::layout_hash(&config.servers, &router)
             .parse()
             .map_err(|_| Error::Internal("a layout hash is ASCII".into()))?;
         let c = Arc::new(Self {
             rt,
-            router: Router::new(&config.servers),
+            router,
             servers,
             config,
             id: random_id(),
@@ -354,9 +369,14 @@ impl Client {
         (0..self.servers.len()).map(|i| (i, msg.clone())).collect()
     }
 
-    /// The server of a dense table: the one its name's key routes to.
+    /// The server of a dense table: the owner of its name's slot.
     pub fn dense_home(&self, name: &str) -> usize {
-        self.router.server_of(crate::net::routing::key(name))
+        self.router.dense_home(name)
+    }
+
+    /// The slot table this client routes by.
+    pub fn slot_table(&self) -> &SlotTable {
+        &self.router
     }
 
     /// Status of every server, in the order of the list.

@@ -196,7 +196,7 @@ impl PyClient {
     #[new]
     #[pyo3(signature = (
         servers, token=None, timeout=30.0, retries=3, wire_dtype="float32", tls_ca=None,
-        tls_domain=None, max_message=None, max_inflight_bytes=None
+        tls_domain=None, max_message=None, max_inflight_bytes=None, slots=None
     ))]
     #[allow(clippy::too_many_arguments)]
     fn new(
@@ -210,6 +210,7 @@ impl PyClient {
         tls_domain: Option<String>,
         max_message: Option<usize>,
         max_inflight_bytes: Option<usize>,
+        slots: Option<&str>,
     ) -> PyResult<PyClassInitializer<Self>> {
         if !(timeout.is_finite() && timeout > 0.0) {
             return Err(bad(format!("timeout must be > 0 seconds, got {timeout}")));
@@ -233,6 +234,9 @@ impl PyClient {
             }
             c.max_inflight_bytes = b;
         }
+        if let Some(j) = slots {
+            c.slots = Some(crate::net::routing::SlotTable::from_json(j).map_err(err)?);
+        }
         let inner = run(py, move || Client::connect(c))?;
         let api = ClusterStore(Arc::clone(&inner));
         Ok(
@@ -244,6 +248,12 @@ impl PyClient {
     #[getter]
     fn servers(&self) -> Vec<String> {
         self.inner.servers()
+    }
+
+    /// The slot table this client routes by, as JSON.
+    #[getter]
+    fn slots(&self) -> String {
+        self.inner.slot_table().to_json()
     }
 
     #[getter]

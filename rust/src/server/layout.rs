@@ -1,9 +1,10 @@
 //! Which cluster a server belongs to: the hash of the server list its tables were made under.
 //!
-//! The client sends the hash of its server list (`crate::client::cluster::layout_hash`) as the
-//! metadata `x-pstore-layout` of every call. A server that holds tables answers only calls whose
-//! hash is the one it recorded, so a worker started with another list (which would route ids
-//! elsewhere and train some of them twice) fails at its first call with an error naming both
+//! The client sends the hash of its server list and slot table
+//! (`crate::client::cluster::layout_hash`) as the metadata `x-pstore-layout` of every call. A
+//! server that holds tables answers only calls whose hash is the one it recorded, so a worker
+//! started with another list or another order (which would route ids elsewhere and train some
+//! of them twice) fails at its first call with an error naming both
 //! hashes. A server with no table takes the hash of the next call that carries one (a new
 //! cluster, or a restore onto a new list); calls without the metadata (clients generated from
 //! the .proto) are not checked. A durable server keeps the hash in its replica (the meta key
@@ -60,9 +61,10 @@ impl Layout {
         match pinned.as_deref() {
             Some(p) if p == given => Ok(()),
             Some(p) if !store.tables().is_empty() => Err(status_of(&invalid(format!(
-                "this server holds tables of the cluster whose server list hashes to {p}; \
-                 this client's list hashes to {given}: every worker must connect with the same \
-                 list of servers (a new list needs a cluster snapshot and `pstore reshard`)"
+                "this server holds tables of the cluster whose layout (server list and slot \
+                 table) hashes to {p}; this client's layout hashes to {given}: every worker must \
+                 connect with the same list of servers, in the same order, with the same slot \
+                 table (a new list needs a cluster snapshot and `pstore reshard`)"
             )))),
             _ => {
                 if let Some(f) = store.flusher() {

@@ -1,7 +1,7 @@
 //! `LoadSnapshot`: a server-side restore. The server reads every part of a cluster snapshot
 //! from a location it reaches and writes the rows a new server list routes to it, as they are
 //! (weights, optimizer state, step, version, frequency), with the embedded restore's chain code
-//! ([`crate::snapshot`]) and the client's routing ([`crate::net::routing`]).
+//! ([`crate::snapshot`]) and the client's slot table ([`crate::net::routing`]).
 //!
 //! Everything is read and checked before the first row is written: the location, every part's
 //! chain (its last manifest must be the one the client checked, by id and checksum) and every
@@ -13,7 +13,7 @@ use std::sync::atomic::AtomicU64;
 use crate::durable::TableRecord;
 use crate::error::{invalid, Result};
 use crate::net::proto::{LoadSnapshotRequest, LoadSnapshotResponse};
-use crate::net::routing::{key, Router};
+use crate::net::routing::{Rendezvous, Routing, SlotTable};
 use crate::snapshot::location::{self, Uri};
 use crate::snapshot::{load_chain, Manifest, TableEntry, MANIFEST};
 use crate::store::{Store, Table};
@@ -92,6 +92,33 @@ fn load_from(store: &Store, root: PathBuf, r: LoadSnapshotRequest) -> Result<Loa
             r.snapshot_servers.len()
         )));
     }
+    let router = match &r.slots {
+        Some(p) => SlotTable::from_proto(p).map_err(|e| invalid(format!("load snapshot: {e}")))?,
+        None => SlotTable::uniform(r.servers.len())?,
+    };
+    if router.servers() != r.servers.len() {
+        return Err(invalid(format!(
+            "load snapshot: the slot table addresses {} servers, the list has {}",
+            router.servers(),
+            r.servers.len()
+        )));
+    }
+    let old = match &r.snapshot_slots {
+        Some(p) => Routing::Slots(
+            SlotTable::from_proto(p)
+                .map_err(|e| invalid(format!("load snapshot: the snapshot's {e}")))?,
+        ),
+        None => Routing::Rendezvous(Rendezvous::new(&r.snapshot_servers)),
+    };
+    if let Routing::Slots(t) = &old {
+        if t.servers() != r.snapshot_servers.len() {
+            return Err(invalid(format!(
+                "load snapshot: the snapshot's slot table addresses {} servers, its list has {}",
+                t.servers(),
+                r.snapshot_servers.len()
+            )));
+        }
+    }
     match std::fs::metadata(&root) {
         Ok(m) if m.is_dir() => {}
         Ok(_) => return Err(unreadable(&root, "not a directory")),
@@ -145,8 +172,6 @@ fn load_from(store: &Store, root: PathBuf, r: LoadSnapshotRequest) -> Result<Loa
     }
     // An in-memory table's rows are written on its own pool; a durable one's beside it.
     let own_pool = store.path().is_none();
-    let router = Router::new(&r.servers);
-    let old = Router::new(&r.snapshot_servers);
     let done = AtomicU64::new(0);
     let mut rows = 0u64;
     for (name, table, entries) in tables {
@@ -176,9 +201,8 @@ fn load_from(store: &Store, root: PathBuf, r: LoadSnapshotRequest) -> Result<Loa
             }
             Table::Dense(_) => {
                 // The value is in the part of the server the name routed to when it was taken.
-                let k = key(name);
-                let home = old.server_of(k);
-                if router.server_of(k) == me {
+                let home = old.dense_home(name);
+                if router.dense_home(name) == me {
                     if let Some(e) = entries[home] {
                         rows += load_chain(&chains[home], e, &table, |_| true, own_pool, &done)?;
                     }
@@ -258,8 +282,9 @@ mod tests {
     /// Two "old servers", each an embedded store with its own ids, snapshotted as the parts of
     /// one cluster snapshot in `root`; returns the request for new server `index` of `servers`.
     fn parts(root: &Path, servers: &[&str], index: u32) -> LoadSnapshotRequest {
+        // A snapshot of version 2: rendezvous routing over the old addresses.
         let old = ["a:1", "b:2"];
-        let router = Router::new(&old);
+        let router = Rendezvous::new(&old);
         let mut out = Vec::new();
         for (i, _) in old.iter().enumerate() {
             let dir = root.join(format!("server-{i}"));
@@ -286,6 +311,8 @@ mod tests {
             servers: servers.iter().map(|s| s.to_string()).collect(),
             index,
             tables: vec!["t".into()],
+            snapshot_slots: None,
+            slots: None,
         }
     }
 
@@ -295,7 +322,7 @@ mod tests {
         let _ = std::fs::remove_dir_all(&root);
         std::fs::create_dir_all(&root).unwrap();
         let new = ["x:1", "y:2", "z:3"];
-        let router = Router::new(&new);
+        let router = SlotTable::uniform(3).unwrap();
         let mut total = 0;
         for i in 0..3u32 {
             let s = Store::new(StoreConfig::default()).unwrap();
@@ -353,6 +380,22 @@ mod tests {
                 ..good.clone()
             },
             "outside the server list",
+        );
+        fails(
+            LoadSnapshotRequest {
+                slots: Some(SlotTable::uniform(2).unwrap().to_proto()),
+                ..good.clone()
+            },
+            "addresses 2 servers, the list has 3",
+        );
+        let mut bad = SlotTable::uniform(3).unwrap().to_proto();
+        bad.starts[1] = 0;
+        fails(
+            LoadSnapshotRequest {
+                slots: Some(bad),
+                ..good.clone()
+            },
+            "does not continue",
         );
         // Rows of another dim: refused, naming both.
         let s2 = Store::new(StoreConfig::default()).unwrap();
