@@ -17,9 +17,8 @@ spread as the nodes allow).
 dies. It holds the membership (the server list in its order, the token, the placement group)
 and watches the servers: Ray reports a dead actor; the gRPC health service reports a server
 whose transport stopped. A dead server is started again in its bundle (its node), with the
-same store directory and the **same port**: ids are routed by rendezvous hashing over the
-address strings and every server pins the hash of the list, so a new port would send ids to
-other servers. Each restart adds one to the membership's ``generation``. The membership is kept
+same store directory and the **same port**: every server pins the hash of the list of
+addresses its tables were made under, so a new port would be refused. Each restart adds one to the membership's ``generation``. The membership is kept
 in Ray's key-value store (the GCS), so a restarted controller takes it up again and adopts the
 live server actors by name: nothing is lost and no server is restarted.
 
