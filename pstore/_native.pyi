@@ -16,6 +16,7 @@ __all__ = [
     "PushHandle",
     "Server",
     "SparseTable",
+    "StepSnapshot",
     "Store",
     "StoreApi",
     "__version__",
