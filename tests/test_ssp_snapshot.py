@@ -8,6 +8,8 @@ are exact in float32 (so the content at step c does not depend on the order push
   second thread with `snapshot()`; with staleness 0, 1, 2 and 3, and training goes on during
   and after it. (Without the servers' hold the fastest workers' pushes of later steps land in
   the parts, and these comparisons fail.)
+* A BSP job's monitor gets the same boundary, and an increment at a later boundary builds on
+  the full one.
 * A worker killed while the snapshot waits for it fails the snapshot with WorkerLostError
   naming it (on_worker_loss="fail"), or is left out ("continue").
 * A step already passed is refused at once and holds nothing back; so is a snapshot where no
@@ -184,6 +186,54 @@ def test_a_snapshot_at_a_step_boundary_holds_exactly_the_steps_up_to_it(
     emb, dense = monitor.table(table), monitor.table(table + "_d")
     assert isinstance(emb, pstore.SparseTable) and isinstance(dense, pstore.DenseTable)
     assert_same((emb.pull(IDS), dense.pull()), upto(table, range(n), steps))
+
+
+def test_an_incremental_snapshot_at_a_step_boundary_and_one_of_a_bsp_job(
+    servers: list[str], restore_servers: list[str], tmp_path: Path
+) -> None:
+    """A BSP job's monitor gets the same boundary (the servers apply the step's sum once, which
+    SGD with exact sums makes the same rows), and a worker's increment builds on its full one."""
+    n, steps = 3, 8
+    table, job = "bsp_" + uuid.uuid4().hex[:6], uuid.uuid4().hex
+    at_2, asked = threading.Event(), threading.Event()
+    handles: dict[str, pstore.SnapshotHandle] = {}
+
+    def worker(w: int) -> int:
+        store = pstore.connect(
+            servers, mode="bsp", worker=w, num_workers=n, job=job, barrier_timeout=WAIT
+        )
+        emb, dense = declare(store, table)
+        while store.clock < steps:
+            if w == 0 and store.clock == 2:
+                at_2.set()
+                assert asked.wait(WAIT)
+            if w == 1 and store.clock == 5:
+                # After the monitor's full snapshot (its boundary is at most 3: no worker ended
+                # step 3 before it was asked for), every server's previous snapshot is its part.
+                handles["full"].wait(WAIT)
+                handles["inc"] = store.snapshot_at_step(tmp_path / "inc", incremental=True)
+            train_step(store, emb, dense, w)
+            time.sleep(0.02 * w)
+            store.end_step()
+        return store.clock
+
+    def ask() -> None:
+        try:
+            assert at_2.wait(WAIT)
+            handles["full"] = pstore.connect(servers).snapshot_at_step(tmp_path / "full")
+        finally:
+            asked.set()
+
+    asker = threading.Thread(target=ask)
+    asker.start()
+    assert run_threads(n, worker) == [steps] * n
+    asker.join(WAIT)
+    full, inc = handles["full"].result(WAIT), handles["inc"].result(WAIT)
+    assert handles["full"].step <= 3 < handles["inc"].step
+    assert inc["kind"] == "incremental" and inc["parent"]["id"] == full["id"]
+    for h, snap in ((handles["full"], "full"), (handles["inc"], "inc")):
+        got = restored(restore_servers, tmp_path / snap, table)
+        assert_same(got, upto(table, range(n), h.step))
 
 
 class Worker:
