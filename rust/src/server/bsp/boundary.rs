@@ -285,12 +285,17 @@ impl Service {
             return Err(bad("snapshot needs a directory".into()));
         }
         // Dropped when the call is given up while it waits, else after the part is written.
+        let t0 = Instant::now();
         let unhold = Unhold(Arc::clone(&inner.steps), r.hold.clone());
         let job = inner
             .steps
             .wait_boundary(&inner.store, &r.job, &r.hold, step)
             .await
             .map_err(|e| status_of(&e))?;
+        eprintln!(
+            "event=snapshot_boundary job={job:?} step={step} waited_s={:.3}",
+            t0.elapsed().as_secs_f64()
+        );
         let s = Arc::clone(inner);
         let mut out = on_blocking(move || {
             let _unhold = unhold;
