@@ -31,7 +31,7 @@ from typing import Any
 
 import numpy as np
 import pytest
-from _netutil import child_env, start_servers, stop_all
+from _netutil import ServerProcess, child_env, start_servers, stop_all
 from _ssp_worker import DIM, IDS, SHAPE, batch, declare, train_step
 
 import pstore
@@ -234,6 +234,49 @@ def test_an_incremental_snapshot_at_a_step_boundary_and_one_of_a_bsp_job(
     for h, snap in ((handles["full"], "full"), (handles["inc"], "inc")):
         got = restored(restore_servers, tmp_path / snap, table)
         assert_same(got, upto(table, range(n), h.step))
+
+
+def test_durable_servers_write_their_parts_at_the_boundary(
+    restore_servers: list[str], tmp_path: Path
+) -> None:
+    procs = [ServerProcess("--path", str(tmp_path / f"data{i}")) for i in range(2)]
+    try:
+        for p in procs:
+            p.wait_ready()
+        servers = [p.address for p in procs]
+        n, steps, table, job = 3, 6, "durable", uuid.uuid4().hex
+        at_2 = threading.Event()
+
+        def worker(w: int) -> int:
+            store = pstore.connect(
+                servers, mode="ssp", staleness=2, worker=w, num_workers=n, job=job
+            )
+            emb, dense = declare(store, table)
+            while store.clock < steps:
+                train_step(store, emb, dense, w)
+                time.sleep(0.03 * w)
+                store.end_step()
+                if w == 0 and store.clock == 2:
+                    at_2.set()
+            return store.clock
+
+        handles: list[pstore.SnapshotHandle] = []
+
+        def ask() -> None:
+            assert at_2.wait(WAIT)
+            handles.append(pstore.connect(servers).snapshot_at_step(tmp_path / "snap"))
+
+        asker = threading.Thread(target=ask)
+        asker.start()
+        assert run_threads(n, worker) == [steps] * n
+        asker.join(WAIT)
+        h = handles[0]
+        assert h.result(WAIT)["boundary"]["step"] == h.step
+        assert_same(
+            restored(restore_servers, tmp_path / "snap", table), upto(table, range(n), h.step)
+        )
+    finally:
+        stop_all(procs)
 
 
 class Worker:
