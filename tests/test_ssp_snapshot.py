@@ -8,8 +8,8 @@ are exact in float32 (so the content at step c does not depend on the order push
   second thread with `snapshot()`; with staleness 0, 1, 2 and 3, and training goes on during
   and after it. (Without the servers' hold the fastest workers' pushes of later steps land in
   the parts, and these comparisons fail.)
-* A BSP job's monitor gets the same boundary, and an increment at a later boundary builds on
-  the full one.
+* A BSP job's monitor gets the same boundary, an increment at a later boundary builds on the
+  full one, and durable servers (`--path`) write their parts at the boundary too.
 * A worker killed while the snapshot waits for it fails the snapshot with WorkerLostError
   naming it (on_worker_loss="fail"), or is left out ("continue").
 * A step already passed is refused at once and holds nothing back; so is a snapshot where no
