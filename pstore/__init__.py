@@ -14,7 +14,7 @@ from __future__ import annotations
 from pstore import init, inspection, optim, server
 from pstore._native import MAX_DIM
 from pstore._native import __version__ as __version__
-from pstore.client import RemoteStore, connect, restore_cluster
+from pstore.client import RemoteStore, SnapshotHandle, connect, restore_cluster
 from pstore.exceptions import (
     AuthenticationError,
     CorruptError,
@@ -51,6 +51,7 @@ __all__ = [
     "ServerError",
     "ServerTimeoutError",
     "ShapeError",
+    "SnapshotHandle",
     "SparseTable",
     "StorageError",
     "Store",

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 import os
+import threading
 from collections.abc import Sequence
 from typing import Any, Literal
 
@@ -20,7 +21,7 @@ from pstore import _native
 from pstore.exceptions import InvalidArgumentError
 from pstore.store import BaseStore, _check_int
 
-__all__ = ["RemoteStore", "connect", "load_cluster", "restore_cluster"]
+__all__ = ["RemoteStore", "SnapshotHandle", "connect", "load_cluster", "restore_cluster"]
 
 Mode = Literal["async", "bsp", "ssp"]
 
@@ -37,6 +38,69 @@ def _read_secret(value: str | None, file: str | os.PathLike[str] | None, env: st
     if value is None:
         value = os.environ.get(env) or None
     return value
+
+
+class SnapshotHandle:
+    """A cluster snapshot at a step boundary being taken, returned by
+    :meth:`RemoteStore.snapshot_at_step`.
+
+    ``step`` is the boundary: the snapshot holds every push of the job's steps ``<= step`` and
+    none of a later step. It is written once every live worker has ended that step.
+    """
+
+    __slots__ = ("_inner",)
+
+    def __init__(self, inner: _native.StepSnapshot) -> None:
+        self._inner = inner
+
+    @property
+    def job(self) -> str:
+        """The id of the job the boundary belongs to."""
+        return self._inner.job
+
+    @property
+    def step(self) -> int:
+        """The boundary: the last step whose pushes the snapshot holds."""
+        return self._inner.step
+
+    def done(self) -> bool:
+        """True once the snapshot is written (or has failed)."""
+        return self._inner.done()
+
+    def wait(self, timeout: float | None = None) -> None:
+        """Wait until the snapshot is written.
+
+        Parameters
+        ----------
+        timeout : float, optional
+            Seconds to wait at most; ``None`` waits as long as it takes (the snapshot itself
+            gives up after the ``timeout`` it was started with).
+
+        Raises
+        ------
+        TimeoutError
+            If the snapshot is still being taken after ``timeout`` seconds.
+        WorkerLostError
+            A worker was lost before it ended the step, in a job started with
+            ``on_worker_loss="fail"``.
+        ServerTimeoutError
+            The slowest worker did not end the step within the snapshot's own timeout.
+        PstoreError
+            Any other error of the snapshot (no cluster snapshot is left in its directory then).
+        """
+        if not self._inner.wait(timeout):
+            raise TimeoutError(f"snapshot at step {self.step} still being taken after {timeout} s")
+
+    def result(self, timeout: float | None = None) -> dict[str, Any]:
+        """Wait for the snapshot (as :meth:`wait`) and return its cluster manifest, as
+        :meth:`RemoteStore.snapshot` returns it."""
+        self.wait(timeout)
+        manifest: dict[str, Any] = json.loads(self._inner.result())
+        return manifest
+
+    def __repr__(self) -> str:
+        state = "done" if self.done() else "pending"
+        return f"<SnapshotHandle job={self.job!r} step={self.step} {state}>"
 
 
 class RemoteStore(BaseStore):
@@ -67,6 +131,8 @@ class RemoteStore(BaseStore):
         self._barrier_timeout = barrier_timeout
         self._clock = 0
         self._job: str | None = None
+        # The thread that trains: the one that joined the job or last called end_step.
+        self._loop_thread: int | None = None
 
     def _join(self, job: str | None, lease: float, on_worker_loss: str, aggregate: str) -> None:
         """Joins the job on every server (BSP and SSP modes)."""
@@ -81,6 +147,7 @@ class RemoteStore(BaseStore):
             aggregate == "mean",
             self._barrier_timeout,
         )
+        self._loop_thread = threading.get_ident()
 
     @property
     def job(self) -> str | None:
@@ -130,6 +197,13 @@ class RemoteStore(BaseStore):
     ) -> dict[str, Any]:
         """Write one snapshot of the whole cluster into ``dest``; return its cluster manifest.
 
+        A worker of an ``"ssp"`` job takes it at a step boundary (:meth:`snapshot_at_step`) and
+        waits for it (at most ``barrier_timeout`` seconds), which only a thread other than the
+        training thread may do: the boundary is a step every worker, this one too, has yet to
+        end. On the training thread it raises :class:`~pstore.InvalidArgumentError`; call
+        :meth:`snapshot_at_step` there and go on training. In a ``"bsp"`` job, a worker's
+        snapshot between two ``end_step`` calls holds exactly the steps ended so far.
+
         ``dest`` is a directory (or ``file://DIR``) that the client and every server reach (on one
         machine, or a shared file system), created with its parents, or an object-store prefix
         ``s3://BUCKET/PREFIX`` that every server writes to itself (each server and the client need
@@ -141,9 +215,60 @@ class RemoteStore(BaseStore):
         cluster snapshot plus tombstones, and the manifest names it as parent.
         :func:`restore_cluster` loads it onto any server list.
         """
+        if self._mode == "ssp" and self._job is not None:
+            if threading.get_ident() == self._loop_thread:
+                raise InvalidArgumentError(
+                    "snapshot() on the training thread of an SSP worker would wait for a step "
+                    "boundary this worker has to reach itself: call snapshot_at_step(dest) and "
+                    "go on training (the handle's result() gives the manifest), or call "
+                    "snapshot() from another thread"
+                )
+            return self.snapshot_at_step(dest, incremental=incremental).result()
         out = self._inner.cluster_snapshot(os.fspath(dest), incremental)
         manifest: dict[str, Any] = json.loads(out)
         return manifest
+
+    def snapshot_at_step(
+        self,
+        dest: str | os.PathLike[str],
+        step: int | None = None,
+        *,
+        incremental: bool = False,
+        timeout: float | None = None,
+    ) -> SnapshotHandle:
+        """Start one snapshot of the whole cluster at a step boundary of the running job;
+        return a :class:`SnapshotHandle` at once.
+
+        The snapshot holds every push of the job's steps ``<= step`` and none of a later step,
+        on every server, for sparse and dense tables, in BSP and SSP jobs. Any process may ask
+        for it: a worker of the job (which goes on training), or a monitor connected in
+        ``"async"`` mode (the servers' current job). ``dest`` and ``incremental`` are those of
+        :meth:`snapshot`.
+
+        Parameters
+        ----------
+        step : int, optional
+            The boundary. ``None``: the earliest step no worker has gone past (at most the
+            fastest worker's clock + 1). A step a worker has gone on from already raises
+            :class:`~pstore.InvalidArgumentError` at once.
+        timeout : float, optional
+            Seconds the snapshot waits for the slowest live worker to end the step (default:
+            ``barrier_timeout``); after that it fails with :class:`~pstore.ServerTimeoutError`.
+
+        Until every live worker has ended ``step``, each server answers no worker's
+        ``end_step`` for that step or a later one: the fastest workers wait at most as long as
+        the slowest takes to reach the step, plus the time to write the parts. Workers behind
+        the step go on as SSP allows. A worker lost meanwhile fails the snapshot with
+        :class:`~pstore.WorkerLostError` (``on_worker_loss="fail"``) or is left out
+        (``"continue"``). See docs/CLUSTER.md, "Snapshots at a step boundary".
+        """
+        if step is not None:
+            step = _check_int(step, "step")
+        wait = self._barrier_timeout if timeout is None else timeout
+        if isinstance(wait, bool) or not isinstance(wait, (int, float)) or not wait > 0:
+            raise InvalidArgumentError(f"timeout must be > 0 seconds, got {timeout!r}")
+        inner = self._inner.snapshot_at_step(os.fspath(dest), step, incremental, float(wait))
+        return SnapshotHandle(inner)
 
     def restore_cluster(
         self, snapshot: str | os.PathLike[str], via: Literal["servers", "client"] = "servers"
@@ -181,6 +306,7 @@ class RemoteStore(BaseStore):
         waits for the same step.
         """
         if self._job is not None:
+            self._loop_thread = threading.get_ident()
             self._clock = self._inner.end_job_step(self._staleness, self._barrier_timeout)
             return self._clock
         self._clock += 1

@@ -177,6 +177,12 @@ impl Client {
         Ok((id, clock))
     }
 
+    /// The id of the job this client takes part in.
+    pub(super) fn job_id(&self) -> Option<String> {
+        let g = self.job.lock().unwrap_or_else(|e| e.into_inner());
+        g.as_ref().map(|j| j.id.clone())
+    }
+
     /// The job's step tag of a push now: (job, worker, step) in a BSP job.
     pub(super) fn step_tag(&self) -> Option<(String, u32, u64)> {
         let g = self.job.lock().unwrap_or_else(|e| e.into_inner());

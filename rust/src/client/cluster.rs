@@ -132,6 +132,15 @@ pub struct ClusterParent {
     pub path: String,
 }
 
+/// The step boundary of a job a cluster snapshot was taken at.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct Boundary {
+    /// The job's id.
+    pub job: String,
+    /// The snapshot holds every push of steps <= this and none of a later step.
+    pub step: u64,
+}
+
 /// `cluster.json`.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct ClusterManifest {
@@ -153,6 +162,9 @@ pub struct ClusterManifest {
     pub tables: Vec<ClusterTable>,
     /// The parts, one per server, in the layout's order.
     pub parts: Vec<ClusterPart>,
+    /// A snapshot at a step boundary of a job: the job and the step (absent otherwise).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub boundary: Option<Boundary>,
     /// The file's own checksum, as a snapshot manifest's (absent in version 1).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub checksum: Option<String>,
@@ -296,6 +308,13 @@ impl Client {
     /// `incremental`, each server writes the rows changed since its previous snapshot, which
     /// must be a part of one earlier cluster snapshot: the new manifest names it as parent.
     pub fn cluster_snapshot(&self, dest: &str, incremental: bool) -> Result<ClusterManifest> {
+        let (dir, tables) = self.cluster_begin(dest)?;
+        let answers = self.snapshot(&dir.to_string(), incremental)?;
+        self.cluster_finish(&dir, tables, &answers, incremental, None)
+    }
+
+    /// The first half of a cluster snapshot: `dest` checked and made, the tables described.
+    pub(super) fn cluster_begin(&self, dest: &str) -> Result<(Location, Vec<ClusterTable>)> {
         let dir = Location::open(dest)?;
         if dir.read(CLUSTER_MANIFEST)?.is_some() {
             return Err(invalid(format!(
@@ -318,7 +337,19 @@ impl Client {
                 lr: info.lr,
             });
         }
-        let answers = self.snapshot(&dir.to_string(), incremental)?;
+        Ok((dir, tables))
+    }
+
+    /// The second half: `cluster.json` over the servers' answers (their parts, in the list's
+    /// order), written last.
+    pub(super) fn cluster_finish(
+        &self,
+        dir: &Location,
+        tables: Vec<ClusterTable>,
+        answers: &[SnapshotResponse],
+        incremental: bool,
+        boundary: Option<Boundary>,
+    ) -> Result<ClusterManifest> {
         let mut parts = Vec::new();
         let mut parents = Vec::new();
         for (i, a) in answers.iter().enumerate() {
@@ -341,7 +372,7 @@ impl Client {
             });
         }
         let parent = if incremental {
-            Some(self.cluster_parent(&dir, &parents)?)
+            Some(self.cluster_parent(dir, &parents)?)
         } else {
             None
         };
@@ -361,6 +392,7 @@ impl Client {
             },
             tables,
             parts,
+            boundary,
             checksum: Some(snapshot::SEAL_PLACEHOLDER.into()),
         };
         let (bytes, sum) = snapshot::seal_json(&manifest)?;

@@ -23,10 +23,12 @@ use crate::net::proto::*;
 use crate::net::routing::SlotTable;
 use crate::net::{error_of, wire, DEFAULT_MAX_MESSAGE};
 
+mod boundary;
 mod bsp;
 pub mod cluster;
 mod once;
 mod tables;
+pub use boundary::StepSnapshot;
 pub use bsp::JobConfig;
 pub use cluster::{ClusterManifest, RestoreReport};
 pub use once::{REMEMBERED_BATCHES, REMEMBERED_FAILURES};
@@ -475,6 +477,7 @@ impl Client {
                     SnapshotRequest {
                         dir: format!("{}/server-{i}", dir.trim_end_matches('/')),
                         incremental,
+                        ..Default::default()
                     },
                 )
             })

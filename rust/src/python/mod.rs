@@ -452,7 +452,7 @@ pub(crate) fn run<T: Send>(
 
 /// Waits for `poll` to give a result, at most `timeout` seconds (forever with None), polling in
 /// steps of [`run`] so Ctrl-C is seen; True once done, False on timeout, the error if it failed.
-fn wait_polling(
+pub(crate) fn wait_polling(
     py: Python<'_>,
     timeout: Option<f64>,
     poll: impl Fn(Duration) -> Option<Result<(), Error>> + Sync,

@@ -13,7 +13,7 @@ use pyo3::types::{PyDict, PyList};
 use super::convert::{err, ForkGuard};
 use super::tables::{server_table_dict, PyStoreApi};
 use super::{run, PyStore};
-use crate::client::{Client, ClientConfig, ClusterStore};
+use crate::client::{Client, ClientConfig, ClusterStore, StepSnapshot};
 use crate::error::Error;
 use crate::server::{ServerConfig, ServerHandle, Tokens};
 
@@ -315,6 +315,27 @@ impl PyClient {
         serde_json::to_string(&m).map_err(|e| bad(e.to_string()))
     }
 
+    /// Starts a cluster snapshot into `dest` at a step boundary of the servers' job (`step`, or
+    /// None: the earliest one no worker went past); returns its handle once the boundary is
+    /// fixed. `timeout` bounds the wait for the slowest worker.
+    #[pyo3(signature = (dest, step=None, incremental=false, timeout=300.0))]
+    fn snapshot_at_step(
+        &self,
+        py: Python<'_>,
+        dest: &str,
+        step: Option<u64>,
+        incremental: bool,
+        timeout: f64,
+    ) -> PyResult<PyStepSnapshot> {
+        if !(timeout.is_finite() && timeout > 0.0) {
+            return Err(bad(format!("timeout must be > 0 seconds, got {timeout}")));
+        }
+        let c = &self.inner;
+        let t = Duration::from_secs_f64(timeout);
+        let inner = run(py, || c.cluster_snapshot_at(dest, incremental, step, t))?;
+        Ok(PyStepSnapshot { inner })
+    }
+
     /// Loads a cluster snapshot, routing its rows by this client's servers, `via` "servers"
     /// (each reads the parts) or "client" (rows sent with BulkLoad); returns
     /// (rows, tables, parts).
@@ -410,8 +431,50 @@ impl PyClient {
     }
 }
 
+/// A cluster snapshot at a step boundary being taken.
+#[pyclass(frozen, module = "pstore._native", name = "StepSnapshot")]
+struct PyStepSnapshot {
+    inner: StepSnapshot,
+}
+
+#[pymethods]
+impl PyStepSnapshot {
+    #[getter]
+    fn job(&self) -> &str {
+        self.inner.job()
+    }
+
+    #[getter]
+    fn step(&self) -> u64 {
+        self.inner.step()
+    }
+
+    fn done(&self) -> bool {
+        self.inner.is_done()
+    }
+
+    /// Waits for the snapshot, at most `timeout` seconds; True once it is written, False on
+    /// timeout. Raises the snapshot's error if it failed.
+    #[pyo3(signature = (timeout=None))]
+    fn wait(&self, py: Python<'_>, timeout: Option<f64>) -> PyResult<bool> {
+        super::wait_polling(py, timeout, |step| {
+            self.inner.wait_timeout(step).map(|r| r.map(|_| ()))
+        })
+    }
+
+    /// `cluster.json` of the written snapshot, as JSON; raises its error if it failed, and
+    /// InvalidArgumentError while it is still being taken.
+    fn result(&self) -> PyResult<String> {
+        match self.inner.wait_timeout(Duration::ZERO) {
+            None => Err(bad("the snapshot is still being taken (wait for it first)")),
+            Some(r) => serde_json::to_string(&r.map_err(err)?).map_err(|e| bad(e.to_string())),
+        }
+    }
+}
+
 pub(super) fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<PyServer>()?;
+    m.add_class::<PyStepSnapshot>()?;
     m.add_class::<PyClient>()?;
     Ok(())
 }

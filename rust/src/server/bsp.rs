@@ -30,6 +30,8 @@ use crate::net::proto::{ClockRequest, ClockResponse};
 use crate::net::status_of;
 use crate::store::{Store, Table};
 
+mod boundary;
+
 /// The lease when a job does not give one.
 pub const DEFAULT_LEASE: Duration = Duration::from_secs(10);
 
@@ -94,6 +96,8 @@ struct Job {
     /// A worker lost under the `fail` option: the error every waiter gets.
     failed: Option<String>,
     pending: BTreeMap<u64, BTreeMap<String, Agg>>,
+    /// Cluster snapshots at a step boundary: their holds on clock answers (`boundary.rs`).
+    holds: boundary::Holds,
 }
 
 impl Job {
@@ -357,6 +361,7 @@ impl Steps {
     fn restore(p: &Persist, store: &Store, saved: Saved) -> Result<Job> {
         let n = saved.clocks.len();
         let now = Instant::now();
+        let holds = boundary::Holds::after_restart(&saved.clocks);
         let mut j = Job {
             id: saved.id,
             opts: JobOptions {
@@ -373,6 +378,7 @@ impl Steps {
             pending: BTreeMap::new(),
             rids: BTreeMap::new(),
             marker: None,
+            holds,
         };
         if j.lost.len() != n {
             j.lost = vec![false; n];
@@ -491,6 +497,7 @@ impl Steps {
                 pending: BTreeMap::new(),
                 rids: BTreeMap::new(),
                 marker: None,
+                holds: boundary::Holds::default(),
             });
             if let Some(p) = &self.persist {
                 p.prune(0, true)?;
@@ -668,8 +675,15 @@ impl Steps {
 
     /// What a waiter sees now: Ok(true) when done, Ok(false) to wait on, an error when the job
     /// failed, ended, or a worker is lost under `fail`. Marks workers lost under `continue`
-    /// (returns `needs_apply` then).
-    fn check(&self, job: &str, target: u64, synced: bool) -> Result<(bool, bool)> {
+    /// (returns `needs_apply` then). `clock`: the clock a worker's call advanced to, which a
+    /// snapshot's hold may keep waiting (and which is recorded as let go when it is done).
+    fn check(
+        &self,
+        job: &str,
+        target: u64,
+        synced: bool,
+        clock: Option<u64>,
+    ) -> Result<(bool, bool)> {
         let mut g = self.lock();
         let Some(j) = g.as_mut() else {
             return Err(invalid(format!(
@@ -714,11 +728,13 @@ impl Steps {
         }
         let min = j.min_live().unwrap_or(u64::MAX);
         let done = min >= target && (!synced || j.applied >= target);
+        let done = done && clock.is_none_or(|k| j.holds.pass(k));
         Ok((done, newly_lost))
     }
 
     /// Waits until every live worker's clock is at least `target` and, with `synced`, step
-    /// `target` is applied. Renews `w`'s lease while it waits.
+    /// `target` is applied, and no snapshot's hold keeps `clock` (the clock `w` advanced to)
+    /// waiting. Renews `w`'s lease while it waits.
     pub async fn wait(
         self: &Arc<Self>,
         store: &Arc<Store>,
@@ -726,10 +742,11 @@ impl Steps {
         w: u32,
         target: u64,
         synced: bool,
+        clock: Option<u64>,
     ) -> Result<()> {
         let mut rx = self.tick.subscribe();
         loop {
-            let (done, newly_lost) = self.check(job, target, synced)?;
+            let (done, newly_lost) = self.check(job, target, synced, clock)?;
             if done {
                 return Ok(());
             }
@@ -892,13 +909,24 @@ impl super::Service {
         if !r.advance {
             inner.steps.renew(&r.job, r.worker);
         }
+        let clock = r.advance.then_some(r.clock);
         if r.wait {
             let target = r.clock.saturating_sub(r.staleness);
             inner
                 .steps
-                .wait(&inner.store, &r.job, r.worker, target, r.staleness == 0)
+                .wait(
+                    &inner.store,
+                    &r.job,
+                    r.worker,
+                    target,
+                    r.staleness == 0,
+                    clock,
+                )
                 .await
                 .map_err(|e| status_of(&e))?;
+        } else if r.advance {
+            // Answered at once, unless a snapshot holds this clock.
+            inner.steps.pass_hold(&r.job, r.worker, r.clock).await;
         }
         Ok(job_clocks(inner.steps.view()))
     }

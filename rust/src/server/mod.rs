@@ -445,6 +445,27 @@ fn dense(store: &Store, name: &str) -> Result<Arc<crate::DenseTable>> {
     }
 }
 
+/// Writes this server's snapshot (a cluster snapshot's part) into `r.dir` now.
+fn write_part(s: &Inner, r: SnapshotRequest) -> Result<SnapshotResponse> {
+    if r.dir.is_empty() {
+        return Err(invalid("snapshot needs a directory"));
+    }
+    // At a step boundary: no step is half applied, and pending steps are not in the rows.
+    let info = s.steps.at_boundary(|| {
+        // A directory on this server, or an object-store prefix it writes to itself.
+        s.store
+            .snapshot_to(&r.dir, r.incremental, &std::sync::atomic::AtomicU64::new(0))
+    })?;
+    let manifest_json =
+        serde_json::to_string_pretty(&info.manifest).map_err(|e| Error::Internal(e.to_string()))?;
+    Ok(SnapshotResponse {
+        dir: r.dir,
+        rows: info.manifest.tables.iter().map(|t| t.rows).sum(),
+        manifest_json,
+        ..Default::default()
+    })
+}
+
 /// The answer to a push added to a pending step's aggregate.
 fn bsp_accepted(seq: u64, version: u64) -> PushResponse {
     PushResponse {
@@ -970,23 +991,13 @@ impl PStore for Service {
         &self,
         req: Request<SnapshotRequest>,
     ) -> std::result::Result<Response<SnapshotResponse>, Status> {
+        let r = req.get_ref();
+        if r.step.is_some() || r.reserve || r.release {
+            // A cluster snapshot at a step boundary of a job (bsp/boundary.rs).
+            return self.snapshot_at_step(req).await;
+        }
         self.run("Snapshot", Access::Write, On::Blocking, req, |s, r| {
-            if r.dir.is_empty() {
-                return Err(invalid("snapshot needs a directory"));
-            }
-            // At a step boundary: no step is half applied, and pending steps are not in the rows.
-            let info = s.steps.at_boundary(|| {
-                // A directory on this server, or an object-store prefix it writes to itself.
-                s.store
-                    .snapshot_to(&r.dir, r.incremental, &std::sync::atomic::AtomicU64::new(0))
-            })?;
-            let manifest_json = serde_json::to_string_pretty(&info.manifest)
-                .map_err(|e| Error::Internal(e.to_string()))?;
-            Ok(SnapshotResponse {
-                dir: r.dir,
-                rows: info.manifest.tables.iter().map(|t| t.rows).sum(),
-                manifest_json,
-            })
+            write_part(s, r)
         })
         .await
     }
