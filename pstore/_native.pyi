@@ -243,6 +243,7 @@ class Client(StoreApi):
         tls_domain: str | None = None,
         max_message: int | None = None,
         max_inflight_bytes: int | None = None,
+        ack: str = "primary",
     ) -> Client: ...
     @property
     def servers(self) -> list[str]: ...

@@ -234,6 +234,11 @@ def _cmd_serve(args: argparse.Namespace) -> int:
         store,
         host=args.host or "127.0.0.1",
         port=args.port,
+        follow=args.follow,
+        replica_name=args.replica_name,
+        replication_log_bytes=args.replication_log_bytes,
+        replication_log_age=args.replication_log_age,
+        ack_timeout=args.ack_timeout,
         **_server_settings(args, token_file),
     )
 
@@ -553,6 +558,37 @@ def build_parser() -> argparse.ArgumentParser:
         type=int,
         default=None,
         help="LMDB environments of a new --path store, a writer thread each (default 1)",
+    )
+    p.add_argument(
+        "--follow",
+        default=None,
+        metavar="HOST:PORT",
+        help="be a follower of the primary at HOST:PORT: apply its commit log to --path, "
+        "refuse writes (docs/CLUSTER.md, Replication)",
+    )
+    p.add_argument(
+        "--replica-name",
+        default=None,
+        help="with --follow: the name this follower gives its primary (default: its address)",
+    )
+    p.add_argument(
+        "--replication-log-bytes",
+        type=int,
+        default=None,
+        help="a primary's commit log kept for followers, in bytes (default 256 MiB)",
+    )
+    p.add_argument(
+        "--replication-log-age",
+        type=float,
+        default=None,
+        help="seconds a primary keeps a commit log entry for followers (default 600)",
+    )
+    p.add_argument(
+        "--ack-timeout",
+        type=float,
+        default=None,
+        help='seconds a push with ack="all" waits for a follower before it leaves the live '
+        "set (default 5)",
     )
     _server_options(p, token="the read-write token", logs="stats")
     p.set_defaults(func=_cmd_serve)
