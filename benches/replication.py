@@ -65,7 +65,7 @@ class _Server:
     def __init__(self, *args: str) -> None:
         self.port = _free_port()
         self.address = f"127.0.0.1:{self.port}"
-        cmd = [sys.executable, "-m", "pstore", "serve", "--host", "127.0.0.1"]
+        cmd = [sys.executable, "-P", "-m", "pstore", "serve", "--host", "127.0.0.1"]
         cmd += ["--port", str(self.port), "--log-interval", "0", *args]
         self.proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
 
