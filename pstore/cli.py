@@ -278,6 +278,22 @@ def _cmd_status(args: argparse.Namespace) -> int:
             for t in s["tables"]:
                 print(f"  {t['name']:<20} {t['kind']:<6} rows {t['rows']:>12,}")
             continue
+        rep = s.get("replication")
+        if rep and rep["role"] == "follower":
+            lag = rep["lag_seconds"]
+            print(
+                f"  follower of {rep['primary']}: LSN {rep['lsn']} of {rep['primary_lsn']}, "
+                f"{rep['lag_entries']} entries behind"
+                + (f", caught up {lag:.2f} s ago" if lag is not None else ", never caught up")
+                + ("" if rep["connected"] else f", not connected ({rep['last_error']})")
+            )
+        elif rep and rep["followers"]:
+            for f in rep["followers"]:
+                state = "live" if f["live"] else f"not live ({f['dropped'] or 'catching up'})"
+                print(
+                    f"  follower {f['name']}: acked LSN {f['acked_lsn']} of {rep['lsn']}, "
+                    f"{state}{'' if f['connected'] else ', not connected'}"
+                )
         if s["clocks"]:
             c = s["clocks"]
             print(f"  worker clocks: {c} (min {min(c)}, max {max(c)})")

@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import json
 import signal
+import subprocess
+import sys
 import threading
 import time
 from pathlib import Path
@@ -154,6 +156,15 @@ def test_follower_ends_with_every_row_of_its_primary(tmp_path: Path) -> None:
         _wait_caught_up(p, f)
         assert _status(p)["resyncs"] == resyncs
         assert sorted(f.tables()) == ["emb", "late"]
+        # `pstore status` says who follows whom, and how far behind.
+        out = subprocess.run(
+            [sys.executable, "-P", "-m", "pstore", "status", primary.address, follower.address],
+            capture_output=True,
+            text=True,
+            check=True,
+        ).stdout
+        assert f"follower of {primary.address}: LSN" in out and "0 entries behind" in out, out
+        assert "acked LSN" in out and ", live" in out, out
     finally:
         follower.stop()
         primary.stop()
