@@ -652,6 +652,9 @@ struct FollowState {
     resyncing: bool,
     resyncs: u64,
     last_error: Option<String>,
+    /// What the replica's `replication/follow` says, and when it was written.
+    recorded: (u64, u64),
+    recorded_at: Option<Instant>,
 }
 
 /// A follower: the thread that pulls its primary's log and applies it.
@@ -698,6 +701,7 @@ impl Follower {
             state: Mutex::new(FollowState {
                 primary_id,
                 lsn,
+                recorded: (primary_id, lsn),
                 ..FollowState::default()
             }),
             stop: AtomicBool::new(false),
@@ -739,6 +743,16 @@ impl Follower {
         self.wake.notify_one();
         if let Some(h) = self.thread.lock().unwrap_or_else(|e| e.into_inner()).take() {
             let _ = h.join();
+            // What it applied is committed (each batch is flushed before its ack).
+            let (id, lsn) = {
+                let s = self.lock();
+                (s.primary_id, s.lsn)
+            };
+            if id != 0 {
+                if let Err(e) = self.record_if_due(id, lsn, true) {
+                    eprintln!("pstore: recording the follower's position: {e}");
+                }
+            }
         }
     }
 
@@ -955,10 +969,18 @@ impl Follower {
             if s.lsn >= s.primary_lsn {
                 s.caught_up = Some(Instant::now());
             }
-            return Ok(beat.then_some((s.primary_id, s.lsn)));
+            let (id, lsn) = (s.primary_id, s.lsn);
+            drop(s);
+            if beat {
+                self.record_if_due(id, lsn, true)?;
+            }
+            return Ok(beat.then_some((id, lsn)));
         };
         self.store.flush()?;
-        self.record(id, lsn)?;
+        // The rows are committed: the ack may go. The LSN is recorded at most once a second
+        // (and at once after a resync, and when idle or stopping): a restart from an older
+        // record applies some entries again, which changes nothing.
+        self.record_if_due(id, lsn, false)?;
         let mut s = self.lock();
         s.primary_id = id;
         s.lsn = lsn;
@@ -966,6 +988,23 @@ impl Follower {
             s.caught_up = Some(Instant::now());
         }
         Ok(Some((id, lsn)))
+    }
+
+    /// Records `(primary_id, lsn)` unless it is recorded, or was recorded within a second
+    /// for the same primary (`now`: whenever it differs).
+    fn record_if_due(&self, primary_id: u64, lsn: u64, now: bool) -> Result<()> {
+        let due = {
+            let s = self.lock();
+            s.recorded != (primary_id, lsn)
+                && (now
+                    || s.recorded.0 != primary_id
+                    || s.recorded_at
+                        .is_none_or(|t| t.elapsed() >= Duration::from_secs(1)))
+        };
+        if due {
+            self.record(primary_id, lsn)?;
+        }
+        Ok(())
     }
 
     /// Records in the replica what the copy follows.
@@ -976,7 +1015,11 @@ impl Follower {
             .ok_or_else(|| storage("the follower's store is closed"))?;
         let v = serde_json::to_vec(&Followed { primary_id, lsn })
             .map_err(|e| Error::Internal(e.to_string()))?;
-        f.storage().write(|w| w.put_meta(FOLLOW_KEY, &v))
+        f.storage().write(|w| w.put_meta(FOLLOW_KEY, &v))?;
+        let mut s = self.lock();
+        s.recorded = (primary_id, lsn);
+        s.recorded_at = Some(Instant::now());
+        Ok(())
     }
 }
 
