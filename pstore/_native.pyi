@@ -245,6 +245,7 @@ class Client(StoreApi):
         max_message: int | None = None,
         max_inflight_bytes: int | None = None,
         slots: str | None = None,
+        ack: str = "primary",
     ) -> Client: ...
     @property
     def servers(self) -> list[str]: ...

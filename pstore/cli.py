@@ -234,6 +234,11 @@ def _cmd_serve(args: argparse.Namespace) -> int:
         store,
         host=args.host or "127.0.0.1",
         port=args.port,
+        follow=args.follow,
+        replica_name=args.replica_name,
+        replication_log_bytes=args.replication_log_bytes,
+        replication_log_age=args.replication_log_age,
+        ack_timeout=args.ack_timeout,
         **_server_settings(args, token_file),
     )
 
@@ -273,6 +278,22 @@ def _cmd_status(args: argparse.Namespace) -> int:
             for t in s["tables"]:
                 print(f"  {t['name']:<20} {t['kind']:<6} rows {t['rows']:>12,}")
             continue
+        rep = s.get("replication")
+        if rep and rep["role"] == "follower":
+            lag = rep["lag_seconds"]
+            print(
+                f"  follower of {rep['primary']}: LSN {rep['lsn']} of {rep['primary_lsn']}, "
+                f"{rep['lag_entries']} entries behind"
+                + (f", caught up {lag:.2f} s ago" if lag is not None else ", never caught up")
+                + ("" if rep["connected"] else f", not connected ({rep['last_error']})")
+            )
+        elif rep and rep["followers"]:
+            for f in rep["followers"]:
+                state = "live" if f["live"] else f"not live ({f['dropped'] or 'catching up'})"
+                print(
+                    f"  follower {f['name']}: acked LSN {f['acked_lsn']} of {rep['lsn']}, "
+                    f"{state}{'' if f['connected'] else ', not connected'}"
+                )
         if s["clocks"]:
             c = s["clocks"]
             print(f"  worker clocks: {c} (min {min(c)}, max {max(c)})")
@@ -607,6 +628,37 @@ def build_parser() -> argparse.ArgumentParser:
         type=int,
         default=None,
         help="LMDB environments of a new --path store, a writer thread each (default 1)",
+    )
+    p.add_argument(
+        "--follow",
+        default=None,
+        metavar="HOST:PORT",
+        help="be a follower of the primary at HOST:PORT: apply its commit log to --path, "
+        "refuse writes (docs/CLUSTER.md, Replication)",
+    )
+    p.add_argument(
+        "--replica-name",
+        default=None,
+        help="with --follow: the name this follower gives its primary (default: its address)",
+    )
+    p.add_argument(
+        "--replication-log-bytes",
+        type=int,
+        default=None,
+        help="a primary's commit log kept for followers, in bytes (default 256 MiB)",
+    )
+    p.add_argument(
+        "--replication-log-age",
+        type=float,
+        default=None,
+        help="seconds a primary keeps a commit log entry for followers (default 600)",
+    )
+    p.add_argument(
+        "--ack-timeout",
+        type=float,
+        default=None,
+        help='seconds a push with ack="all" waits for a follower before it leaves the live '
+        "set (default 5)",
     )
     _server_options(p, token="the read-write token", logs="stats")
     p.set_defaults(func=_cmd_serve)

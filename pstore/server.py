@@ -70,6 +70,18 @@ class Server:
         (default 10).
     max_message : int, optional
         The largest request accepted, in bytes (default 64 MiB); clients split bigger batches.
+    follow : str, optional
+        ``"host:port"`` of a primary: this server is its follower. It applies the primary's
+        commit log to ``store`` (which must be durable), refuses writes, and answers pulls
+        without creating rows (docs/CLUSTER.md, Replication).
+    replica_name : str, optional
+        With ``follow``: the name this follower gives its primary (default: its address).
+    replication_log_bytes, replication_log_age : optional
+        A primary's commit log kept for followers: at most this many bytes (default 256 MiB)
+        and seconds (default 600). A follower further behind resyncs from a full copy.
+    ack_timeout : float, optional
+        Seconds a push with ``ack="all"`` waits for a follower before the follower leaves the
+        live set (default 5).
     """
 
     def __init__(
@@ -89,9 +101,25 @@ class Server:
         metrics_tls: bool = False,
         max_connections: int | None = None,
         handshake_timeout: float | None = None,
+        follow: str | None = None,
+        replica_name: str | None = None,
+        replication_log_bytes: int | None = None,
+        replication_log_age: float | None = None,
+        ack_timeout: float | None = None,
     ) -> None:
         self.store: Store | None = store
-        net = _net(metrics_host, metrics_token, metrics_tls, max_connections, handshake_timeout)
+        net = _net(
+            metrics_host,
+            metrics_token,
+            metrics_tls,
+            max_connections,
+            handshake_timeout,
+            follow=follow,
+            replica_name=replica_name,
+            replication_log_bytes=replication_log_bytes,
+            replication_log_age=replication_log_age,
+            ack_timeout=ack_timeout,
+        )
         self._start(
             lambda cert, key: _native.Server(
                 store._inner,
@@ -177,6 +205,7 @@ def _net(
     metrics_tls: bool,
     max_connections: int | None,
     handshake_timeout: float | None,
+    **replication: Any,
 ) -> str:
     """The native server's ``net`` settings (JSON of the ones given)."""
     given = {
@@ -185,6 +214,7 @@ def _net(
         "metrics_tls": metrics_tls,
         "max_connections": max_connections,
         "handshake_timeout": handshake_timeout,
+        **replication,
     }
     return json.dumps({k: v for k, v in given.items() if v is not None})
 

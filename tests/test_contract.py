@@ -949,6 +949,7 @@ FUZZ_SETTINGS = settings(
 RAW_METHODS = (
     "CreateTable", "GetTable", "ListTables", "DropTable", "Pull", "Push", "Contains", "Remove",
     "Evict", "DensePull", "DensePush", "SetLr", "Flush", "Clock", "Status", "BulkLoad",
+    "ReplicaAck",
 )  # fmt: skip
 FUZZ_POOL = (0, 1, 2, 2**63, U64_MAX)
 FUZZ_DIM = 2
@@ -998,7 +999,9 @@ def raw_fuzz(api) -> Iterator[SimpleNamespace]:
     f = fuzz_server(api)
     m = api.m
     methods = {x.name for x in m.DESCRIPTOR.services_by_name["PStore"].methods}
-    assert methods == {*RAW_METHODS, "Snapshot", "LoadSnapshot"}, (
+    # Replicate is server-streaming (a raw unary call cannot reach it): its bad requests are
+    # in test_replicate_refuses_what_it_cannot_serve.
+    assert methods == {*RAW_METHODS, "Snapshot", "LoadSnapshot", "Replicate"}, (
         "a new method: fuzz it or say why not"
     )
     rid = m.RequestId(client=5, seq=5)
@@ -1022,6 +1025,7 @@ def raw_fuzz(api) -> Iterator[SimpleNamespace]:
             "Flush": m.FlushRequest(),
             "Clock": m.ClockRequest(worker=0, num_workers=1, clock=2),
             "Status": m.StatusRequest(),
+            "ReplicaAck": m.ReplicaAckRequest(follower="f", replication_id=7, lsn=3),
             # Into "scratch", which rows() does not read: a fuzzed load that succeeds writes rows.
             "BulkLoad": m.BulkLoadRequest(
                 table="scratch",
@@ -1364,3 +1368,33 @@ def test_a_huge_num_workers_does_not_crash_the_server(api, tmp_path):
             said = [x for x in sp.log.read_text().splitlines() if "fail" in x or "panic" in x]
             pytest.fail(f"no answer ({e.code()}); the server's exit code {sp.proc.poll()}: {said}")
         assert sp.proc.poll() is None
+
+
+def test_replicate_refuses_what_it_cannot_serve(api, tmp_path) -> None:
+    """An in-memory server keeps no log; a durable one refuses a follower with no name, and a
+    follower refuses to be followed; each with a clear status, and the server goes on."""
+    m = api.m
+    mem = start_server()
+    try:
+        stub = api.PStoreStub(grpc.insecure_channel(mem.address))
+        with pytest.raises(grpc.RpcError) as e:
+            next(iter(stub.Replicate(m.ReplicateRequest(follower="f"), metadata=WRITE)))
+        assert e.value.code() == Code.FAILED_PRECONDITION, e.value.details()
+        assert "durable" in (e.value.details() or "")
+    finally:
+        mem.stop(grace=1.0)
+    store = pstore.Store(path=str(tmp_path / "d"), durability="sync")
+    srv = pstore.server.Server(store, token=TOKEN)
+    try:
+        stub = api.PStoreStub(grpc.insecure_channel(srv.address))
+        with pytest.raises(grpc.RpcError) as e:
+            next(iter(stub.Replicate(m.ReplicateRequest(from_lsn=5), metadata=WRITE)))
+        assert e.value.code() == Code.INVALID_ARGUMENT, e.value.details()
+        assert "name itself" in (e.value.details() or "")
+        with pytest.raises(grpc.RpcError) as e:
+            stub.ReplicaAck(m.ReplicaAckRequest(follower="f", lsn=1), metadata=WRITE)
+        assert e.value.code() == Code.INVALID_ARGUMENT, e.value.details()
+        assert ok(stub.Status, m.StatusRequest()).replication_json
+    finally:
+        srv.stop(grace=1.0)
+        store.close()

@@ -288,6 +288,8 @@ class RemoteStore(BaseStore):
         for s in out:
             raw = s.pop("model_json", None)
             s["model"] = None if raw is None else json.loads(raw)
+            rep = s.pop("replication_json", None)
+            s["replication"] = json.loads(rep) if rep else None
         return out
 
     def health(self) -> list[str]:
@@ -433,6 +435,7 @@ def connect(
     tls_domain: str | None = None,
     max_message: int | None = None,
     max_inflight_bytes: int | None = None,
+    ack: Literal["primary", "all"] = "primary",
 ) -> RemoteStore:
     """Connect to store servers; returns a store with the API of :class:`pstore.Store`.
 
@@ -482,7 +485,13 @@ def connect(
         counts; when it comes back with the same rank and job it rejoins at the current step).
     tls_ca : path, optional
         PEM file of the CA that signed the servers' certificates: connect over TLS.
+    ack : "primary" or "all"
+        When a push returns: "primary" once each server has it under its durability mode;
+        "all" once each server has committed it and every live follower of that server
+        (``pstore serve --follow``) holds it durably too (docs/CLUSTER.md, Replication).
     """
+    if ack not in ("primary", "all"):
+        raise InvalidArgumentError(f'ack must be "primary" or "all", got {ack!r}')
     addrs: list[str]
     slots: str | None = None
     if isinstance(servers, os.PathLike) or (
@@ -544,6 +553,7 @@ def connect(
         max_message,
         max_inflight_bytes,
         slots,
+        ack,
     )
     store = RemoteStore(inner, mode, stale, worker, num_workers, float(barrier_timeout))
     if mode != "async":

@@ -832,6 +832,7 @@ mod tests {
             kind: "full".into(),
             parent: None,
             created_at: 0.0,
+            boundary: None,
             parts: layout
                 .servers
                 .iter()

@@ -65,6 +65,9 @@ pub struct ClientConfig {
     pub max_message: usize,
     /// Bytes of queued asynchronous pushes before `push_async` blocks.
     pub max_inflight_bytes: usize,
+    /// Pushes return when every live follower of the servers holds them too (`ack="all"`), not
+    /// only when the servers have them under their durability mode (`ack="primary"`).
+    pub ack_all: bool,
 }
 
 impl ClientConfig {
@@ -81,6 +84,7 @@ impl ClientConfig {
             tls_domain: None,
             max_message: DEFAULT_MAX_MESSAGE,
             max_inflight_bytes: 256 << 20,
+            ack_all: false,
         }
     }
 
@@ -783,6 +787,7 @@ impl Client {
             .step_tag()
             .map_or((String::new(), 0, None), |(j, w, s)| (j, w, Some(s)));
         let m = DensePushRequest {
+            ack_all: self.config.ack_all,
             table: table.to_string(),
             grad: wire::encode_values(grad, self.config.wire),
             dtype: self.config.wire as i32,

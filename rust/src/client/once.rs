@@ -169,6 +169,7 @@ impl Client {
                 targets.push((
                     i,
                     PushRequest {
+                        ack_all: self.config.ack_all,
                         table: table.to_string(),
                         ids: wire::encode_ids_at(ids, c),
                         grads: wire::encode_rows_at(grads, dim, c, d),

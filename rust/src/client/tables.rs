@@ -88,6 +88,9 @@ pub struct ServerStatus {
     pub role: String,
     /// A model server's artifact state, as JSON.
     pub model_json: Option<String>,
+    /// Replication: the server's role in its replica group and its log or lag, as JSON
+    /// (`None` for a server that keeps no replication log).
+    pub replication_json: Option<String>,
     /// Its tables.
     pub tables: Vec<ServerTable>,
     /// The training clocks of the workers it coordinates.
@@ -317,6 +320,7 @@ impl Client {
                     s.role
                 },
                 model_json: (!s.model_json.is_empty()).then_some(s.model_json),
+                replication_json: (!s.replication_json.is_empty()).then_some(s.replication_json),
                 clocks: s.clocks.unwrap_or_default().clocks,
             })
             .collect())

@@ -15,8 +15,11 @@ use std::sync::{Arc, Condvar, Mutex, MutexGuard, RwLock};
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
+mod log;
 mod record;
 mod replica;
+
+pub use log::{CommitEntry, CommitSink, TableCommit};
 
 pub use crate::table::{applied_key, AppliedIds};
 
@@ -93,6 +96,10 @@ pub struct Flusher {
     /// back and the cycle ends, since the cycle `flush()` waits for takes them anyway (so they
     /// are written once, not twice, while somebody waits).
     supersede: AtomicBool,
+    /// Set when the cycle in progress committed a transaction.
+    committed: AtomicBool,
+    /// The commit log handed to a listener (a replicating server).
+    ship: log::Shipping,
     thread: Mutex<Option<JoinHandle<()>>>,
 }
 
@@ -130,6 +137,8 @@ impl Flusher {
             spare: Spare::default(),
             idle: IdleWrites::start(mode == Durability::Async, idle_allowance(interval)),
             supersede: AtomicBool::new(false),
+            committed: AtomicBool::new(false),
+            ship: log::Shipping::default(),
             thread: Mutex::new(None),
         });
         let idle = Arc::clone(&f.idle);
@@ -141,6 +150,35 @@ impl Flusher {
             .map_err(|e| crate::error::storage(format!("starting the flusher thread: {e}")))?;
         *f.thread.lock().unwrap_or_else(|e| e.into_inner()) = Some(h);
         Ok(f)
+    }
+
+    /// Hands the changes of every cycle that commits from now on to `sink` (or to nobody).
+    pub fn set_commit_sink(&self, sink: Option<Arc<dyn CommitSink>>) {
+        let _held = self.hold_cycles();
+        self.ship.set(sink);
+    }
+
+    /// A table was created (its record, and a dense table's value, committed): the next entry
+    /// of the commit log says so.
+    pub(crate) fn table_created(&self, name: &str, record: Vec<u8>, dense: Option<Vec<u32>>) {
+        self.ship.created(name, record, dense);
+        self.cycle_soon();
+    }
+
+    /// A table was dropped: the next entry of the commit log says so.
+    pub(crate) fn table_dropped(&self, name: &str) {
+        self.ship.dropped(name);
+        self.cycle_soon();
+    }
+
+    /// When the commit log has creations or drops to hand on: asks for a cycle without
+    /// waiting for it (the caller may hold cycles off), so they do not wait for the next write.
+    fn cycle_soon(&self) {
+        if self.ship.has_pending() {
+            let mut st = self.lock();
+            st.wanted = st.wanted.max(st.next);
+            self.cv.notify_all();
+        }
     }
 
     /// The durability mode.
@@ -242,7 +280,14 @@ impl Flusher {
             let started = Instant::now();
             let r = {
                 let _held = self.cycle_lock.lock().unwrap_or_else(|e| e.into_inner());
+                self.committed.store(false, Ordering::Relaxed);
+                self.ship.begin();
                 let r = self.cycle(number);
+                if self.committed.load(Ordering::Relaxed) {
+                    // Even a cycle that failed after some of its transactions committed hands
+                    // those on (a `sync` store then goes back to exactly what they hold).
+                    self.ship.publish(number);
+                }
                 match r {
                     // In `sync` mode whoever changed something waits for this cycle or the next:
                     // a failed one undoes every change since the last commit, so that those
@@ -262,6 +307,10 @@ impl Flusher {
             }
             st.done = ticket;
             st.background = false;
+            if self.committed.load(Ordering::Relaxed) {
+                // A number that committed anything is never used again.
+                st.cycle = number;
+            }
             match r {
                 Ok(done) => {
                     if done.wrote {
@@ -470,6 +519,13 @@ impl Flusher {
             };
             done.wrote |= wrote;
         }
+        if !done.wrote && !done.superseded && self.ship.collecting() && self.ship.has_pending() {
+            // Tables created or dropped since the last cycle: an entry of their own.
+            self.storage
+                .write(|w| w.put_meta(CYCLE_KEY, &cycle.to_le_bytes()))?;
+            self.committed.store(true, Ordering::Relaxed);
+            done.wrote = true;
+        }
         Ok(done)
     }
 
@@ -677,9 +733,18 @@ impl Flusher {
         let r = st.write_each(&which, parallel, &|| self.idle.writing(), &write);
         match r {
             Ok(()) => {
+                self.committed.store(true, Ordering::Relaxed);
+                let ship = self.ship.collecting();
                 for taken in chunk.drain(..) {
+                    if ship {
+                        self.ship.rows(name, &taken.ids, &taken.words, &taken.gone);
+                    }
                     t.forget(&taken);
                     self.spare.give_back(taken);
+                }
+                if ship {
+                    let applied = applied.as_ref().and_then(|a| a.first()).cloned();
+                    self.ship.meta(name, record, None, applied);
                 }
                 Ok(true)
             }
@@ -721,6 +786,11 @@ impl Flusher {
         drop(writing);
         match r {
             Ok(()) => {
+                self.committed.store(true, Ordering::Relaxed);
+                if self.ship.collecting() {
+                    let a = applied.as_ref().and_then(|a| a.first()).cloned();
+                    self.ship.meta(name, rec.clone(), value, a);
+                }
                 if let Some(rec) = rec {
                     self.record_written(name, rec);
                 }

@@ -59,6 +59,13 @@ struct Net {
     metrics_tls: bool,
     max_connections: Option<u64>,
     handshake_timeout: Option<f64>,
+    /// Replication: the primary to follow (`host:port`).
+    follow: Option<String>,
+    /// The name a follower gives its primary (default: its own address).
+    replica_name: Option<String>,
+    replication_log_bytes: Option<u64>,
+    replication_log_age: Option<f64>,
+    ack_timeout: Option<f64>,
 }
 
 /// The configuration of a server from the arguments both kinds of server take.
@@ -92,6 +99,26 @@ pub(super) fn server_config(
         cfg.limits.handshake_timeout = t;
     }
     cfg.limits.validate().map_err(err)?;
+    cfg.replication.follow = net.follow;
+    if let Some(n) = net.replica_name {
+        cfg.replication.name = n;
+    }
+    if let Some(b) = net.replication_log_bytes {
+        cfg.replication.log_bytes = usize::try_from(b).unwrap_or(usize::MAX);
+    }
+    let secs = |x: f64, what: &str| {
+        if x.is_finite() && x > 0.0 && x < 1e9 {
+            Ok(Duration::from_secs_f64(x))
+        } else {
+            Err(bad(format!("{what} must be > 0 seconds, got {x}")))
+        }
+    };
+    if let Some(a) = net.replication_log_age {
+        cfg.replication.log_age = secs(a, "replication_log_age")?;
+    }
+    if let Some(a) = net.ack_timeout {
+        cfg.replication.ack_timeout = secs(a, "ack_timeout")?;
+    }
     if token.as_deref() == Some("") || read_token.as_deref() == Some("") {
         return Err(bad("a token must not be empty"));
     }
@@ -196,7 +223,7 @@ impl PyClient {
     #[new]
     #[pyo3(signature = (
         servers, token=None, timeout=30.0, retries=3, wire_dtype="float32", tls_ca=None,
-        tls_domain=None, max_message=None, max_inflight_bytes=None, slots=None
+        tls_domain=None, max_message=None, max_inflight_bytes=None, slots=None, ack="primary"
     ))]
     #[allow(clippy::too_many_arguments)]
     fn new(
@@ -211,11 +238,21 @@ impl PyClient {
         max_message: Option<usize>,
         max_inflight_bytes: Option<usize>,
         slots: Option<&str>,
+        ack: &str,
     ) -> PyResult<PyClassInitializer<Self>> {
         if !(timeout.is_finite() && timeout > 0.0) {
             return Err(bad(format!("timeout must be > 0 seconds, got {timeout}")));
         }
         let mut c = ClientConfig::new(servers);
+        c.ack_all = match ack {
+            "primary" => false,
+            "all" => true,
+            _ => {
+                return Err(bad(format!(
+                    "ack must be \"primary\" or \"all\", got {ack:?}"
+                )))
+            }
+        };
         c.token = token;
         c.timeout = Duration::from_secs_f64(timeout);
         c.retries = retries;
@@ -283,6 +320,7 @@ impl PyClient {
             d.set_item("flush_lag_seconds", s.flush_lag_seconds)?;
             d.set_item("role", &s.role)?;
             d.set_item("model_json", &s.model_json)?;
+            d.set_item("replication_json", &s.replication_json)?;
             let tables = PyList::empty(py);
             for t in &s.tables {
                 tables.append(server_table_dict(py, t)?)?;

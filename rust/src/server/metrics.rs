@@ -84,6 +84,24 @@ pub struct Sample {
     pub uptime: Duration,
     /// The training clock each worker reported, by worker.
     pub clocks: Vec<u64>,
+    /// Replication (a durable server only).
+    pub replication: Option<ReplicationSample>,
+}
+
+/// A server's part in replication.
+pub struct ReplicationSample {
+    /// True on a follower.
+    pub follower: bool,
+    /// The newest log sequence number: committed (a primary), applied (a follower).
+    pub lsn: u64,
+    /// Entries behind: a follower's own lag, or a primary's most lagging connected follower.
+    pub lag_entries: u64,
+    /// A follower: seconds since it was last caught up (0 on a primary).
+    pub lag_seconds: f64,
+    /// A primary: followers connected, and those in the live set.
+    pub followers: usize,
+    /// As `followers`, those in the live set.
+    pub live: usize,
 }
 
 fn escape(s: &str) -> String {
@@ -291,6 +309,44 @@ impl Metrics {
                 "counter",
                 "Background writes that gave way to a flush() (their rows went to its cycle).",
                 r.superseded_writes as f64,
+            );
+        }
+        if let Some(r) = &s.replication {
+            let mut one = |name: &str, help: &str, value: f64| {
+                let _ = writeln!(
+                    o,
+                    "# HELP {name} {help}\n# TYPE {name} gauge\n{name} {value}"
+                );
+            };
+            one(
+                "pstore_replication_follower",
+                "1 on a follower (pstore serve --follow), 0 on a primary.",
+                f64::from(u8::from(r.follower)),
+            );
+            one(
+                "pstore_replication_lsn",
+                "Newest log sequence number: committed on a primary, applied on a follower.",
+                r.lsn as f64,
+            );
+            one(
+                "pstore_replication_lag_entries",
+                "Log entries behind: a follower's own, or a primary's most lagging follower.",
+                r.lag_entries as f64,
+            );
+            one(
+                "pstore_replication_lag_seconds",
+                "A follower: seconds since it last held everything its primary had committed.",
+                r.lag_seconds,
+            );
+            one(
+                "pstore_replication_followers",
+                "A primary: followers connected.",
+                r.followers as f64,
+            );
+            one(
+                "pstore_replication_followers_live",
+                "A primary: followers in the live set (those ack=\"all\" waits for).",
+                r.live as f64,
             );
         }
         o.push_str("# HELP pstore_worker_clock Training clock reported by each worker.\n");

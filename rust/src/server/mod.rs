@@ -14,6 +14,7 @@ pub mod layout;
 mod load;
 pub mod metrics;
 pub mod model;
+pub mod repl;
 pub mod state;
 pub mod versions;
 
@@ -61,6 +62,8 @@ pub struct ServerConfig {
     pub max_message: usize,
     /// Connection cap and handshake timeout of each port.
     pub limits: conn::Limits,
+    /// Replication: a primary's log bounds, or the primary a follower follows.
+    pub replication: repl::ReplConfig,
 }
 
 impl ServerConfig {
@@ -75,6 +78,7 @@ impl ServerConfig {
             tls: None,
             max_message: DEFAULT_MAX_MESSAGE,
             limits: conn::Limits::default(),
+            replication: repl::ReplConfig::default(),
         }
     }
 }
@@ -115,9 +119,60 @@ struct Inner {
     inflight: Arc<std::sync::atomic::AtomicUsize>,
     /// The server list this server's tables belong to.
     layout: layout::Layout,
+    /// A durable server's commit log and followers.
+    primary: Option<Arc<repl::Primary>>,
+    /// A follower's link to its primary.
+    follower: Option<Arc<repl::Follower>>,
 }
 
 impl Inner {
+    /// A write with `ack_all`: waits until every live follower holds it.
+    fn ack_all(&self) -> Result<()> {
+        match &self.primary {
+            Some(p) => p.wait_all(),
+            None => Err(invalid(
+                "ack_all needs a durable store server (one with a path and one environment)",
+            )),
+        }
+    }
+
+    fn replication_sample(&self) -> Option<metrics::ReplicationSample> {
+        match (&self.primary, &self.follower) {
+            (_, Some(f)) => {
+                let (entries, seconds) = f.lag();
+                Some(metrics::ReplicationSample {
+                    follower: true,
+                    lsn: f.lsn(),
+                    lag_entries: entries,
+                    lag_seconds: if seconds.is_finite() { seconds } else { -1.0 },
+                    followers: 0,
+                    live: 0,
+                })
+            }
+            (Some(p), None) => {
+                let (lag, live, connected, lsn) = p.sample();
+                Some(metrics::ReplicationSample {
+                    follower: false,
+                    lsn,
+                    lag_entries: lag,
+                    lag_seconds: 0.0,
+                    followers: connected,
+                    live,
+                })
+            }
+            (None, None) => None,
+        }
+    }
+
+    fn replication_json(&self) -> String {
+        let v = match (&self.primary, &self.follower) {
+            (_, Some(f)) => f.status_json(),
+            (Some(p), None) => p.status_json(),
+            (None, None) => return String::new(),
+        };
+        v.to_string()
+    }
+
     fn sample(&self) -> Sample {
         let mut tables = Vec::new();
         for name in self.store.tables() {
@@ -155,6 +210,7 @@ impl Inner {
             }),
             uptime: self.started.elapsed(),
             clocks: self.clocks().clocks,
+            replication: self.replication_sample(),
         }
     }
 
@@ -331,6 +387,37 @@ fn authenticate<T>(t: &Tokens, req: &Request<T>) -> std::result::Result<Option<A
 }
 
 impl Service {
+    /// A follower refuses what would change its tables: they change only by its primary's log.
+    fn primary_only(&self, method: &str) -> std::result::Result<(), Status> {
+        const WRITES: &[&str] = &[
+            "CreateTable",
+            "DropTable",
+            "Push",
+            "Remove",
+            "Evict",
+            "DensePush",
+            "SetLr",
+            "BulkLoad",
+            "LoadSnapshot",
+        ];
+        match &self.0.follower {
+            Some(f) if WRITES.contains(&method) => {
+                let mut st = Status::failed_precondition(format!(
+                    "this server is a follower of {}: {method} goes to the primary",
+                    f.primary
+                ));
+                if let Ok(v) = f.primary.parse() {
+                    st.metadata_mut().insert("pstore-primary", v);
+                }
+                if let Ok(v) = "not_primary".parse() {
+                    st.metadata_mut().insert("pstore-error", v);
+                }
+                Err(st)
+            }
+            _ => Ok(()),
+        }
+    }
+
     fn check<T>(&self, req: &Request<T>, access: Access) -> std::result::Result<(), Status> {
         match (authenticate(&self.0.tokens, req)?, access) {
             (None | Some(Access::Write), _) | (Some(Access::Read), Access::Read) => Ok(()),
@@ -355,10 +442,13 @@ impl Service {
     {
         let t0 = Instant::now();
         let _busy = Busy::new(&self.0.inflight);
-        let checked = self.check(&req, access).and_then(|()| match method {
-            "Status" => Ok(()),
-            _ => self.0.layout.check(&self.0.store, &req),
-        });
+        let checked = self
+            .check(&req, access)
+            .and_then(|()| match method {
+                "Status" => Ok(()),
+                _ => self.0.layout.check(&self.0.store, &req),
+            })
+            .and_then(|()| self.primary_only(method));
         let out = match checked {
             Err(s) => Err(s),
             Ok(()) => {
@@ -685,7 +775,9 @@ impl PStore for Service {
         req: Request<PullRequest>,
     ) -> std::result::Result<Response<PullResponse>, Status> {
         // A read-only principal never creates a row: unknown ids read as their initial value.
-        let create = !matches!(authenticate(&self.0.tokens, &req), Ok(Some(Access::Read)));
+        // Nor does a follower: its rows are its primary's.
+        let create = !matches!(authenticate(&self.0.tokens, &req), Ok(Some(Access::Read)))
+            && self.0.follower.is_none();
         self.run("Pull", Access::Read, On::Pool, req, move |s, r| {
             let t = sparse(&s.store, &r.table)?;
             let d = wire::dtype(r.dtype)?;
@@ -727,7 +819,8 @@ impl PStore for Service {
             let grads = wire::values(&r.grads, d, ids.len() * t.dim(), "grads")?;
             t.validate_push(&ids, &grads)?;
             let rid = request_id(&r.request_id);
-            s.pushes.once(rid, || {
+            let ack_all = r.ack_all;
+            let out = s.pushes.once(rid, || {
                 let mut part = None;
                 if let Some((client, seq)) = rid {
                     // Applied before a restart: the replica kept its id with its rows.
@@ -786,7 +879,11 @@ impl PStore for Service {
                     seq: t.seq(),
                     version,
                 })
-            })
+            })?;
+            if ack_all {
+                s.ack_all()?;
+            }
+            Ok(out)
         })
         .await
     }
@@ -916,7 +1013,8 @@ impl PStore for Service {
             let grad = wire::values(&r.grad, d, t.config().numel(), "grad")?;
             t.validate_push(&grad)?;
             let rid = request_id(&r.request_id);
-            s.pushes.once(rid, || {
+            let ack_all = r.ack_all;
+            let out = s.pushes.once(rid, || {
                 if let Some((client, seq)) = rid {
                     // Applied before a restart: the replica kept its id with the value.
                     if t.was_applied(client, seq)?.iter().all(|&d| d) {
@@ -957,7 +1055,11 @@ impl PStore for Service {
                     seq: t.step() as u64,
                     version,
                 })
-            })
+            })?;
+            if ack_all {
+                s.ack_all()?;
+            }
+            Ok(out)
         })
         .await
     }
@@ -1061,6 +1163,47 @@ impl PStore for Service {
         out.map(Response::new)
     }
 
+    type ReplicateStream =
+        tokio_stream::wrappers::ReceiverStream<std::result::Result<ReplicateMessage, Status>>;
+
+    async fn replicate(
+        &self,
+        req: Request<ReplicateRequest>,
+    ) -> std::result::Result<Response<Self::ReplicateStream>, Status> {
+        self.check(&req, Access::Write)?;
+        let t0 = Instant::now();
+        let out = match (&self.0.primary, &self.0.follower) {
+            (_, Some(f)) => Err(Status::failed_precondition(format!(
+                "this server is a follower of {}: followers replicate from the primary",
+                f.primary
+            ))),
+            (None, None) => Err(Status::failed_precondition(
+                "this server keeps no replication log: only a durable store server is a primary",
+            )),
+            (Some(p), None) => p
+                .serve(req.into_inner())
+                .map(|rx| Response::new(tokio_stream::wrappers::ReceiverStream::new(rx)))
+                .map_err(|e| status_of(&e)),
+        };
+        let code = out.as_ref().err().map(|s| code_name(s.code()));
+        self.0.metrics.observe("Replicate", t0.elapsed(), code);
+        out
+    }
+
+    async fn replica_ack(
+        &self,
+        req: Request<ReplicaAckRequest>,
+    ) -> std::result::Result<Response<ReplicaAckResponse>, Status> {
+        self.run("ReplicaAck", Access::Write, On::Pool, req, |s, r| {
+            match &s.primary {
+                Some(p) => p.ack(&r.follower, r.replication_id, r.lsn)?,
+                None => return Err(invalid("this server is not a replication primary")),
+            }
+            Ok(ReplicaAckResponse {})
+        })
+        .await
+    }
+
     async fn status(
         &self,
         req: Request<StatusRequest>,
@@ -1087,6 +1230,7 @@ impl PStore for Service {
                 flush_lag_seconds: f.map(|f| f.lag().as_secs_f64()).unwrap_or(0.0),
                 role: "store".to_string(),
                 model_json: String::new(),
+                replication_json: s.replication_json(),
             })
         })
         .await
@@ -1104,10 +1248,39 @@ pub struct ServerHandle {
     inflight: Arc<std::sync::atomic::AtomicUsize>,
     /// The store served, flushed by `stop` (model servers have none).
     store: Option<Arc<Store>>,
+    /// A follower's thread, stopped by `stop`.
+    follower: Option<Arc<repl::Follower>>,
 }
 
 /// Starts serving `store`; returns once the ports are bound.
 pub fn start(store: Arc<Store>, config: ServerConfig) -> Result<ServerHandle> {
+    config.replication.validate()?;
+    let mut repl = config.replication.clone();
+    if repl.token.is_none() {
+        repl.token = config
+            .tokens
+            .write
+            .as_ref()
+            .map(|t| String::from_utf8_lossy(t).into_owned());
+    }
+    let (primary, follower) = match &repl.follow {
+        Some(_) => {
+            if config.tls.is_some() {
+                return Err(invalid(
+                    "a follower reaches its primary over plain TCP: replication with TLS is not \
+                     supported (run followers and primaries on a private network)",
+                ));
+            }
+            if store.path().is_none() {
+                return Err(invalid("a follower needs a durable store: give it a path"));
+            }
+            (None, Some(repl::Follower::new(Arc::clone(&store), repl)?))
+        }
+        None if store.path().is_some() => {
+            (Some(repl::Primary::start(Arc::clone(&store), repl)?), None)
+        }
+        None => (None, None),
+    };
     let policies = Policies::load(store.path().map(|p| p.join("stale_policies.json")))?;
     let in_memory = store.path().is_none();
     let inner = Arc::new(Inner {
@@ -1124,15 +1297,22 @@ pub fn start(store: Arc<Store>, config: ServerConfig) -> Result<ServerHandle> {
         in_memory,
         inflight: Arc::new(std::sync::atomic::AtomicUsize::new(0)),
         layout: layout::Layout::load(&store)?,
+        primary,
+        follower: follower.clone(),
     });
     let m = Arc::clone(&inner);
-    launch(
+    let mut h = launch(
         Service(Arc::clone(&inner)),
         &config,
         Arc::new(move || m.metrics.render(&m.sample())),
         Arc::clone(&inner.inflight),
         Some(store),
-    )
+    );
+    if let (Ok(h), Some(f)) = (&mut h, follower) {
+        f.spawn(&h.addr().to_string())?;
+        h.follower = Some(f);
+    }
+    h
 }
 
 /// A TLS acceptor for the metrics port from the gRPC port's PEM certificate chain and key.
@@ -1290,6 +1470,7 @@ pub(crate) fn launch<S: PStore>(
         metrics_addr,
         inflight,
         store,
+        follower: None,
     })
 }
 
@@ -1317,6 +1498,9 @@ impl ServerHandle {
     /// Stops accepting calls, lets the calls in flight finish (waiting at most `grace`), then
     /// flushes the store. Returns the flush's error, if any.
     pub fn stop(&mut self, grace: Duration) -> Result<()> {
+        if let Some(f) = self.follower.take() {
+            f.stop();
+        }
         if let Some(tx) = self.stop.take() {
             let _ = tx.send(());
         }

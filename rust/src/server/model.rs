@@ -117,6 +117,7 @@ impl Inner {
                 replica: None,
                 uptime: self.started.elapsed(),
                 clocks: Vec::new(),
+                replication: None,
             },
             extra,
         )
@@ -359,6 +360,17 @@ impl PStore for ModelService {
         self.refuse("Clock", &req)
     }
 
+    type ReplicateStream =
+        tokio_stream::wrappers::ReceiverStream<std::result::Result<ReplicateMessage, Status>>;
+
+    async fn replicate(&self, req: Request<ReplicateRequest>) -> Answer<Self::ReplicateStream> {
+        self.refuse("Replicate", &req)
+    }
+
+    async fn replica_ack(&self, req: Request<ReplicaAckRequest>) -> Answer<ReplicaAckResponse> {
+        self.refuse("ReplicaAck", &req)
+    }
+
     async fn status(&self, req: Request<StatusRequest>) -> Answer<StatusResponse> {
         self.run(
             "Status",
@@ -379,6 +391,7 @@ impl PStore for ModelService {
                     role: "model".to_string(),
                     model_json: serde_json::to_string(&state)
                         .map_err(|e| Error::Internal(e.to_string()))?,
+                    replication_json: String::new(),
                 })
             },
         )

@@ -330,6 +330,11 @@ impl Store {
                     }
                     Ok(())
                 })?;
+                let dense = match &t {
+                    Table::Dense(d) => Some(d.words()),
+                    Table::Sparse(_) => None,
+                };
+                f.table_created(name, rec.clone(), dense);
                 f.record_loaded(name, rec);
             }
             tables.insert(name.to_string(), t.clone());
@@ -434,6 +439,7 @@ impl Store {
                     w.delete_meta(&dense_key(name))
                 })?;
                 f.record_dropped(name);
+                f.table_dropped(name);
                 let st = f.storage();
                 st.write(|w| {
                     for db in [Db::Rows, Db::Changed, Db::Removed] {

@@ -1,0 +1,203 @@
+"""Replication cost: push throughput of 4 worker processes x 2 durable store servers on loopback,
+batch 4096, dim 64, with one follower per server and `ack="all"` (R=2) against no followers
+(R=1, `ack="primary"`); and the followers' lag while they train (issue 33's goal: R=2 keeps
+>= 0.6x of R=1's push ids/s).
+
+    python benches/replication.py [--workers 4] [--servers 2] [--seconds 20] [--batch 4096]
+                                  [--dim 64] [--durability sync]
+
+Each worker process pushes gradients of its own batches (ids drawn from a Zipf-like
+distribution over 1M ids, so workers share hot rows) for `--seconds` after 3 warm-up pushes;
+reported: ids pushed per second over all workers, per setup, and the ratio. While R=2 runs, the
+script reads every follower's status each 50 ms: the p50/p99/max of its `lag_entries` (log
+entries it has not applied yet) and of `lag_seconds` (seconds since it last held everything);
+and it runs R=2 with `ack="primary"` too, where followers may lag. Servers are `pstore serve`
+processes (primaries with `--path`, followers with `--follow`) on free ports, stopped by their
+pids; stores go in a temporary directory.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from typing import Any
+
+import numpy as np
+
+WARMUP = 3
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def _worker(a: dict[str, Any]) -> None:
+    import pstore
+
+    store = pstore.connect(a["servers"], ack=a["ack"], timeout=120.0)
+    dim, batch = a["dim"], a["batch"]
+    t = store.create_sparse_table("emb", dim, optimizer=pstore.optim.Adagrad(lr=0.05))
+    rng = np.random.default_rng(a["worker"])
+    batches = [(rng.zipf(1.2, batch) % 1_000_000).astype(np.int64) for _ in range(16)]
+    grads = rng.standard_normal((batch, dim)).astype(np.float32) * 0.01
+    for i in range(WARMUP):
+        t.push(batches[i], grads)
+    n = 0
+    t0 = time.perf_counter()
+    while time.perf_counter() - t0 < a["seconds"]:
+        t.push(batches[n % len(batches)], grads)
+        n += 1
+    took = time.perf_counter() - t0
+    print(json.dumps({"ids_per_s": n * batch / took}), flush=True)
+
+
+class _Server:
+    def __init__(self, *args: str) -> None:
+        self.port = _free_port()
+        self.address = f"127.0.0.1:{self.port}"
+        cmd = [sys.executable, "-P", "-m", "pstore", "serve", "--host", "127.0.0.1"]
+        cmd += ["--port", str(self.port), "--log-interval", "0", *args]
+        self.proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+
+    def ready(self) -> None:
+        import pstore
+
+        deadline = time.monotonic() + 60
+        while True:
+            try:
+                pstore.connect([self.address], timeout=2.0, retries=0).status()
+                return
+            except pstore.PstoreError:
+                if time.monotonic() > deadline or self.proc.poll() is not None:
+                    raise
+                time.sleep(0.1)
+
+    def stop(self) -> None:
+        os.kill(self.proc.pid, signal.SIGTERM)
+        try:
+            self.proc.wait(60)
+        except subprocess.TimeoutExpired:
+            os.kill(self.proc.pid, signal.SIGKILL)
+            self.proc.wait()
+
+
+def _run(replicas: int, ack: str, args: argparse.Namespace) -> dict[str, Any]:
+    import pstore
+
+    with tempfile.TemporaryDirectory() as tmp:
+        primaries = [
+            _Server("--path", os.path.join(tmp, f"p{i}"), "--durability", args.durability)
+            for i in range(args.servers)
+        ]
+        for s in primaries:
+            s.ready()
+        followers = [
+            _Server(
+                "--path",
+                os.path.join(tmp, f"f{i}-{k}"),
+                "--durability",
+                args.durability,
+                "--follow",
+                p.address,
+            )
+            for i, p in enumerate(primaries)
+            for k in range(replicas - 1)
+        ]
+        for s in followers:
+            s.ready()
+        lags: list[tuple[int, float]] = []
+        done = threading.Event()
+
+        def sample() -> None:
+            clients = [pstore.connect([f.address], timeout=5.0, retries=0) for f in followers]
+            while not done.is_set():
+                for c in clients:
+                    r = c.status()[0]["replication"]
+                    lags.append((r["lag_entries"], r["lag_seconds"] or 0.0))
+                time.sleep(0.05)
+
+        sampler = threading.Thread(target=sample)
+        base = {
+            "servers": [p.address for p in primaries],
+            "ack": ack,
+            "dim": args.dim,
+            "batch": args.batch,
+            "seconds": args.seconds,
+        }
+        try:
+            pstore.connect(base["servers"]).create_sparse_table(
+                "emb", args.dim, optimizer=pstore.optim.Adagrad(lr=0.05)
+            )
+            if followers:
+                sampler.start()
+            procs = [
+                subprocess.Popen(
+                    [sys.executable, __file__, "--worker-json", json.dumps({**base, "worker": w})],
+                    stdout=subprocess.PIPE,
+                    text=True,
+                )
+                for w in range(args.workers)
+            ]
+            rates = []
+            for p in procs:
+                out, _ = p.communicate(timeout=args.seconds * 10 + 300)
+                if p.returncode != 0:
+                    raise RuntimeError(f"a worker failed ({p.returncode})")
+                rates.append(json.loads(out.strip().splitlines()[-1])["ids_per_s"])
+        finally:
+            done.set()
+            if sampler.is_alive():
+                sampler.join()
+            for s in followers + primaries:
+                s.stop()
+    out: dict[str, Any] = {"ids_per_s": float(sum(rates))}
+    if lags:
+        e = np.array([x[0] for x in lags], dtype=np.float64)
+        sec = np.array([x[1] for x in lags], dtype=np.float64)
+        out["lag_entries"] = [float(np.percentile(e, q)) for q in (50, 99)] + [float(e.max())]
+        out["lag_seconds"] = [float(np.percentile(sec, q)) for q in (50, 99)] + [float(sec.max())]
+    return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--workers", type=int, default=4)
+    ap.add_argument("--servers", type=int, default=2)
+    ap.add_argument("--seconds", type=float, default=20.0)
+    ap.add_argument("--batch", type=int, default=4096)
+    ap.add_argument("--dim", type=int, default=64)
+    ap.add_argument("--durability", default="sync", choices=["sync", "async"])
+    ap.add_argument("--worker-json", default=None, help=argparse.SUPPRESS)
+    args = ap.parse_args()
+    if args.worker_json is not None:
+        _worker(json.loads(args.worker_json))
+        return
+    r1 = _run(1, "primary", args)
+    r2 = _run(2, "all", args)
+    r2p = _run(2, "primary", args)
+    print(
+        f"{args.workers} workers x {args.servers} servers, batch {args.batch}, dim {args.dim}, "
+        f"durability {args.durability}, {args.seconds:g} s each"
+    )
+    print(f"R=1 ack=primary   {r1['ids_per_s']:12.0f} ids/s")
+    for name, r in (("R=2 ack=all      ", r2), ("R=2 ack=primary  ", r2p)):
+        e, s = r["lag_entries"], r["lag_seconds"]
+        print(
+            f"{name} {r['ids_per_s']:12.0f} ids/s ({r['ids_per_s'] / r1['ids_per_s']:.2f}x R=1); "
+            f"follower lag entries p50/p99/max {e[0]:.0f}/{e[1]:.0f}/{e[2]:.0f}, "
+            f"seconds p50/p99/max {s[0]:.3f}/{s[1]:.3f}/{s[2]:.3f}"
+        )
+
+
+if __name__ == "__main__":
+    main()

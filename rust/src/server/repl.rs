@@ -1,0 +1,1220 @@
+//! Replication of a durable store server to followers (docs/CLUSTER.md, Replication).
+//!
+//! **Primary.** Every durable server with one LMDB environment keeps a bounded in-memory log of
+//! its commits ([`crate::durable::CommitSink`]): each entry is one flush cycle's committed
+//! changes under the cycle's number, its log sequence number (LSN). The log is kept while a
+//! follower is connected (and for `log_age` after the last one left), bounded by `log_bytes` and
+//! `log_age`. A follower pulls it with the server-streaming `Replicate(from_lsn)`: the entries
+//! after `from_lsn` when the log holds them all, otherwise a full resync (every table read from
+//! one LMDB read transaction at a known LSN, then the entries after it); never a gap. Followers
+//! report the LSN they hold durably with `ReplicaAck`; a push with `ack_all` returns when the
+//! primary has committed it and every *live* follower has acked a later LSN.
+//!
+//! **Live followers.** A follower is live while its stream is open and its acks keep up: one
+//! that leaves, or that does not ack a commit a push waits for within `ack_timeout`, is dropped
+//! from the live set (a push then stops waiting for it, and the status says so); it is live again
+//! once it has acked everything the primary had committed when it last acked.
+//!
+//! **Follower.** A server started with `follow` applies the entries, rows as they are, to its
+//! own store, commits them, records `(primary's replication id, LSN)` in its replica, and acks.
+//! Applying an entry twice changes nothing (entries carry whole states), so a crash between a
+//! commit and the record of its LSN is harmless. A follower refuses writes
+//! (FAILED_PRECONDITION, naming its primary) and answers pulls without creating rows.
+
+use std::collections::{HashMap, VecDeque};
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Condvar, Mutex, MutexGuard};
+use std::time::{Duration, Instant};
+
+use bytes::Bytes;
+use tokio::sync::{mpsc, watch};
+use tonic::Status;
+
+use crate::durable::{CommitEntry, CommitSink, TableRecord};
+use crate::error::{invalid, storage, Error, Result};
+use crate::net::proto::p_store_client::PStoreClient;
+use crate::net::proto::{ReplicaAckRequest, ReplicateMessage, ReplicateRequest, ReplicatedTable};
+use crate::net::wire;
+use crate::storage::Db;
+use crate::store::{Store, Table};
+use crate::table::TableHandle;
+
+/// The meta key of a server's own replication id (as a primary).
+pub const ID_KEY: &str = "replication/id";
+/// The meta key of what a follower's copy follows: `{"primary_id": .., "lsn": ..}`.
+pub const FOLLOW_KEY: &str = "replication/follow";
+
+/// Replication settings of a server.
+#[derive(Debug, Clone)]
+pub struct ReplConfig {
+    /// Follow the primary at this `host:port` (a follower); `None`: a primary.
+    pub follow: Option<String>,
+    /// The name this server gives its primary (its address as others reach it).
+    pub name: String,
+    /// The most bytes of entries the primary's log keeps.
+    pub log_bytes: usize,
+    /// The oldest entry the primary's log keeps.
+    pub log_age: Duration,
+    /// How long a push with `ack_all` waits for a follower's ack before the follower is dropped
+    /// from the live set.
+    pub ack_timeout: Duration,
+    /// The token a follower sends its primary.
+    pub token: Option<String>,
+}
+
+impl Default for ReplConfig {
+    fn default() -> Self {
+        Self {
+            follow: None,
+            name: String::new(),
+            log_bytes: 256 << 20,
+            log_age: Duration::from_secs(600),
+            ack_timeout: Duration::from_secs(5),
+            token: None,
+        }
+    }
+}
+
+impl ReplConfig {
+    /// Checks the settings.
+    pub fn validate(&self) -> Result<()> {
+        if self.ack_timeout.is_zero() {
+            return Err(invalid("the replication ack timeout must be > 0"));
+        }
+        if self.log_age.is_zero() {
+            return Err(invalid("the replication log age must be > 0"));
+        }
+        Ok(())
+    }
+}
+
+/// A follower as its primary sees it.
+#[derive(Debug, Clone)]
+struct FollowerState {
+    /// The LSN it holds durably.
+    acked: u64,
+    /// Open streams.
+    streams: usize,
+    /// In the live set (`ack_all` waits for it).
+    live: bool,
+    /// When its ack last advanced, or it connected.
+    progress: Instant,
+    /// Why it left the live set.
+    dropped: Option<String>,
+}
+
+struct LogState {
+    entries: VecDeque<(u64, Arc<ReplicateMessage>, usize, Instant)>,
+    bytes: usize,
+    /// Every entry after this LSN is in `entries`.
+    covered_from: u64,
+    /// The newest LSN committed.
+    last: u64,
+    followers: HashMap<String, FollowerState>,
+    /// Entries are kept until then although no follower is connected.
+    keep_until: Option<Instant>,
+    /// Resyncs served.
+    resyncs: u64,
+}
+
+/// A primary's log and followers.
+pub struct Primary {
+    /// This server's replication id.
+    pub id: u64,
+    store: Arc<Store>,
+    config: ReplConfig,
+    state: Mutex<LogState>,
+    acked: Condvar,
+    newest: watch::Sender<u64>,
+}
+
+fn random_id() -> u64 {
+    use std::hash::{BuildHasher, Hasher};
+    let mut h = std::collections::hash_map::RandomState::new().build_hasher();
+    h.write_u128(
+        std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .unwrap_or_default()
+            .as_nanos(),
+    );
+    h.write_u32(std::process::id());
+    h.finish().max(1)
+}
+
+fn u64_of(v: &[u8]) -> Option<u64> {
+    v.get(..8)
+        .map(|b| u64::from_le_bytes(b.try_into().expect("8 bytes")))
+}
+
+/// The message of a commit entry.
+fn message_of(id: u64, e: CommitEntry) -> ReplicateMessage {
+    ReplicateMessage {
+        replication_id: id,
+        lsn: e.lsn,
+        resync_start: false,
+        resync_done: false,
+        dropped: e.dropped,
+        tables: e
+            .tables
+            .into_iter()
+            .map(|t| ReplicatedTable {
+                name: t.name,
+                record_json: t.record.map(Bytes::from).unwrap_or_default(),
+                ids: wire::encode_ids(&t.ids),
+                words: words_bytes(&t.words),
+                gone: wire::encode_ids(&t.gone),
+                dense: t.dense.as_deref().map(words_bytes).unwrap_or_default(),
+                applied: t.applied.map(Bytes::from).unwrap_or_default(),
+            })
+            .collect(),
+        primary_lsn: e.lsn,
+    }
+}
+
+fn words_bytes(w: &[u32]) -> Bytes {
+    Bytes::copy_from_slice(crate::storage::bytes_of(w))
+}
+
+impl Primary {
+    /// Keeps the log of `store` (durable, one environment) from now on.
+    pub fn start(store: Arc<Store>, config: ReplConfig) -> Result<Arc<Self>> {
+        let f = store
+            .flusher()
+            .ok_or_else(|| invalid("replication needs a durable store"))?;
+        let st = f.storage();
+        if st.read(|r| r.meta(FOLLOW_KEY))?.is_some() {
+            // A former follower, a primary now: its rows may change from here on, so what it
+            // followed no longer says what it holds (a later --follow resyncs).
+            st.write(|w| w.delete_meta(FOLLOW_KEY))?;
+        }
+        let id = match st.read(|r| r.meta(ID_KEY))?.as_deref().and_then(u64_of) {
+            Some(id) => id,
+            None => {
+                let id = random_id();
+                st.write(|w| w.put_meta(ID_KEY, &id.to_le_bytes()))?;
+                id
+            }
+        };
+        let p = Arc::new(Self {
+            id,
+            store,
+            config,
+            state: Mutex::new(LogState {
+                entries: VecDeque::new(),
+                bytes: 0,
+                covered_from: 0,
+                last: 0,
+                followers: HashMap::new(),
+                keep_until: None,
+                resyncs: 0,
+            }),
+            acked: Condvar::new(),
+            newest: watch::channel(0).0,
+        });
+        if st.environments() > 1 {
+            // Its cycles commit per environment: not one entry each. Replicate refuses.
+            return Ok(p);
+        }
+        f.set_commit_sink(Some(Arc::clone(&p) as Arc<dyn CommitSink>));
+        // Cycles committed before the sink was set are not in the log.
+        let done = f.done_cycle();
+        let mut s = p.lock();
+        s.covered_from = s.covered_from.max(done);
+        s.last = s.last.max(done);
+        drop(s);
+        Ok(p)
+    }
+
+    fn lock(&self) -> MutexGuard<'_, LogState> {
+        self.state.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    /// Drops entries past the log's bounds.
+    fn trim(&self, s: &mut LogState) {
+        let now = Instant::now();
+        while let Some((lsn, _, bytes, at)) = s.entries.front() {
+            if s.bytes <= self.config.log_bytes && now.duration_since(*at) <= self.config.log_age {
+                break;
+            }
+            s.covered_from = *lsn;
+            s.bytes -= bytes;
+            s.entries.pop_front();
+        }
+    }
+
+    /// The status of replication as JSON.
+    pub fn status_json(&self) -> serde_json::Value {
+        let s = self.lock();
+        let followers: Vec<serde_json::Value> = s
+            .followers
+            .iter()
+            .map(|(name, f)| {
+                serde_json::json!({
+                    "name": name,
+                    "acked_lsn": f.acked,
+                    "lag_entries": s.last.saturating_sub(f.acked),
+                    "connected": f.streams > 0,
+                    "live": f.live,
+                    "dropped": f.dropped,
+                })
+            })
+            .collect();
+        serde_json::json!({
+            "role": "primary",
+            "replication_id": format!("{:016x}", self.id),
+            "lsn": s.last,
+            "log_first_lsn": s.covered_from + 1,
+            "log_entries": s.entries.len(),
+            "log_bytes": s.bytes,
+            "resyncs": s.resyncs,
+            "followers": followers,
+        })
+    }
+
+    /// The largest lag in entries of a connected follower, the followers live and connected,
+    /// and the newest LSN.
+    pub fn sample(&self) -> (u64, usize, usize, u64) {
+        let s = self.lock();
+        let lag = s
+            .followers
+            .values()
+            .filter(|f| f.streams > 0)
+            .map(|f| s.last.saturating_sub(f.acked))
+            .max()
+            .unwrap_or(0);
+        let live = s.followers.values().filter(|f| f.live).count();
+        let connected = s.followers.values().filter(|f| f.streams > 0).count();
+        (lag, live, connected, s.last)
+    }
+
+    /// A follower acked `lsn`.
+    pub fn ack(&self, follower: &str, id: u64, lsn: u64) -> Result<()> {
+        if id != self.id {
+            return Err(invalid(format!(
+                "ack for replication id {id:016x}; this primary's is {:016x}",
+                self.id
+            )));
+        }
+        let mut s = self.lock();
+        let last = s.last;
+        let f = s
+            .followers
+            .get_mut(follower)
+            .ok_or_else(|| invalid(format!("no follower {follower:?} is connected")))?;
+        if lsn > f.acked {
+            f.acked = lsn;
+            f.progress = Instant::now();
+        }
+        if !f.live && f.streams > 0 && f.acked >= last {
+            f.live = true;
+            f.dropped = None;
+        }
+        drop(s);
+        self.acked.notify_all();
+        Ok(())
+    }
+
+    /// Waits until every live follower holds what this primary has committed so far (the
+    /// caller's write is committed: a `sync` store's push, or after a flush).
+    pub fn wait_all(&self) -> Result<()> {
+        let f = self
+            .store
+            .flusher()
+            .ok_or_else(|| invalid("ack_all needs a durable store server"))?;
+        if f.mode() != crate::durable::Durability::Sync {
+            f.flush()?;
+        }
+        let want = f.done_cycle();
+        let started = Instant::now();
+        let mut s = self.lock();
+        loop {
+            let now = Instant::now();
+            let timeout = self.config.ack_timeout;
+            let mut waiting = false;
+            for (name, fl) in s.followers.iter_mut() {
+                if !fl.live || fl.acked >= want {
+                    continue;
+                }
+                // A follower has the whole timeout from this wait's start, and again from each
+                // ack that advanced.
+                if now.duration_since(fl.progress.max(started)) > timeout {
+                    fl.live = false;
+                    let why = format!(
+                        "no ack for {:.1} s (acked LSN {}, LSN {want} waited for)",
+                        timeout.as_secs_f64(),
+                        fl.acked
+                    );
+                    eprintln!("pstore: follower {name} left the live set: {why}");
+                    fl.dropped = Some(why);
+                    continue;
+                }
+                waiting = true;
+            }
+            if !waiting {
+                return Ok(());
+            }
+            s = self
+                .acked
+                .wait_timeout(s, Duration::from_millis(50))
+                .unwrap_or_else(|e| e.into_inner())
+                .0;
+        }
+    }
+
+    fn connect(&self, follower: &str) {
+        let mut s = self.lock();
+        let f = s
+            .followers
+            .entry(follower.to_string())
+            .or_insert(FollowerState {
+                acked: 0,
+                streams: 0,
+                live: false,
+                progress: Instant::now(),
+                dropped: None,
+            });
+        f.streams += 1;
+        f.progress = Instant::now();
+        s.keep_until = None;
+    }
+
+    fn disconnect(&self, follower: &str) {
+        let mut s = self.lock();
+        if let Some(f) = s.followers.get_mut(follower) {
+            f.streams = f.streams.saturating_sub(1);
+            if f.streams == 0 && f.live {
+                f.live = false;
+                f.dropped = Some("its stream closed".into());
+                eprintln!("pstore: follower {follower} left the live set: its stream closed");
+            }
+        }
+        if s.followers.values().all(|f| f.streams == 0) {
+            s.keep_until = Some(Instant::now() + self.config.log_age);
+        }
+        drop(s);
+        self.acked.notify_all();
+    }
+
+    /// Serves a follower's stream: the entries after `from`, or a resync and then the entries.
+    pub fn serve(
+        self: &Arc<Self>,
+        r: ReplicateRequest,
+    ) -> Result<mpsc::Receiver<std::result::Result<ReplicateMessage, Status>>> {
+        let f = self
+            .store
+            .flusher()
+            .ok_or_else(|| invalid("replication needs a durable store server"))?;
+        if f.storage().environments() > 1 {
+            return Err(storage(
+                "this server's store has several LMDB environments, which commit apart: it \
+                 cannot be a replication primary (use one environment)",
+            ));
+        }
+        if r.follower.is_empty() {
+            return Err(invalid("Replicate: the follower must name itself"));
+        }
+        let (tx, rx) = mpsc::channel(4);
+        // Registered first: cycles from now on are collected in the log.
+        self.connect(&r.follower);
+        let me = Arc::clone(self);
+        tokio::spawn(async move {
+            let name = r.follower.clone();
+            let out = me.stream(r, &tx).await;
+            if let Err(e) = out {
+                let _ = tx.send(Err(crate::net::status_of(&e))).await;
+            }
+            me.disconnect(&name);
+        });
+        Ok(rx)
+    }
+
+    async fn stream(
+        self: &Arc<Self>,
+        r: ReplicateRequest,
+        tx: &mpsc::Sender<std::result::Result<ReplicateMessage, Status>>,
+    ) -> Result<()> {
+        let gone = |_| storage("the follower went away");
+        let mut newest = self.newest.subscribe();
+        let resume = {
+            let s = self.lock();
+            r.replication_id == self.id && r.from_lsn >= s.covered_from && r.from_lsn <= s.last
+        };
+        let mut sent = if resume {
+            r.from_lsn
+        } else {
+            let me = Arc::clone(self);
+            let txb = tx.clone();
+            let lsn = tokio::task::spawn_blocking(move || me.resync(&txb))
+                .await
+                .map_err(|e| Error::Internal(format!("the resync task failed: {e}")))??;
+            self.lock().resyncs += 1;
+            lsn
+        };
+        loop {
+            let batch: Vec<Arc<ReplicateMessage>> = {
+                let s = self.lock();
+                if sent < s.covered_from {
+                    return Err(storage(format!(
+                        "the follower fell behind the log (at LSN {sent}, the log starts after \
+                         {}): it resyncs",
+                        s.covered_from
+                    )));
+                }
+                s.entries
+                    .iter()
+                    .filter(|(lsn, ..)| *lsn > sent)
+                    .map(|(_, m, ..)| Arc::clone(m))
+                    .collect()
+            };
+            for m in batch {
+                sent = m.lsn;
+                tx.send(Ok((*m).clone())).await.map_err(gone)?;
+            }
+            // A heartbeat each second keeps the follower's view of the primary's LSN fresh.
+            let _ = tokio::time::timeout(Duration::from_secs(1), newest.changed()).await;
+            if tx.is_closed() {
+                return Ok(());
+            }
+            let last = self.lock().last;
+            if last == sent {
+                let beat = ReplicateMessage {
+                    replication_id: self.id,
+                    primary_lsn: last,
+                    ..ReplicateMessage::default()
+                };
+                tx.send(Ok(beat)).await.map_err(gone)?;
+            }
+        }
+    }
+
+    /// A full resync into `tx`: every table as one read transaction holds it, at the LSN of the
+    /// last cycle before it (cycles are held off until the transaction is open).
+    fn resync(
+        &self,
+        tx: &mpsc::Sender<std::result::Result<ReplicateMessage, Status>>,
+    ) -> Result<u64> {
+        let f = self
+            .store
+            .flusher()
+            .ok_or_else(|| invalid("replication needs a durable store server"))?;
+        let st = Arc::clone(f.storage());
+        let send = |m: ReplicateMessage| {
+            tx.blocking_send(Ok(m))
+                .map_err(|_| storage("the follower went away"))
+        };
+        let held = f.hold_cycles();
+        let lsn = f.done_cycle();
+        let id = self.id;
+        send(ReplicateMessage {
+            replication_id: id,
+            resync_start: true,
+            primary_lsn: lsn,
+            ..ReplicateMessage::default()
+        })?;
+        const CHUNK: usize = 4 << 20;
+        st.read(move |r| {
+            // The transaction is open: commits may go on; it keeps seeing the state at `lsn`.
+            drop(held);
+            for (key, rec) in r.meta_prefix("table/")? {
+                let name = key["table/".len()..].to_string();
+                let parsed: TableRecord = serde_json::from_slice(&rec)
+                    .map_err(|e| Error::Corrupt(format!("the record of table {name:?}: {e}")))?;
+                let applied = r
+                    .meta(&crate::durable::applied_key(&name))?
+                    .map(Bytes::from)
+                    .unwrap_or_default();
+                let mut first = ReplicatedTable {
+                    name: name.clone(),
+                    record_json: Bytes::from(rec),
+                    ..ReplicatedTable::default()
+                };
+                match parsed {
+                    TableRecord::Dense { .. } => {
+                        first.dense = r
+                            .meta(&crate::durable::dense_key(&name))?
+                            .map(Bytes::from)
+                            .unwrap_or_default();
+                        first.applied = applied;
+                        send(ReplicateMessage {
+                            replication_id: id,
+                            tables: vec![first],
+                            primary_lsn: lsn,
+                            ..ReplicateMessage::default()
+                        })?;
+                    }
+                    TableRecord::Sparse { .. } => {
+                        send(ReplicateMessage {
+                            replication_id: id,
+                            tables: vec![first],
+                            primary_lsn: lsn,
+                            ..ReplicateMessage::default()
+                        })?;
+                        let (mut ids, mut words) = (Vec::<u64>::new(), Vec::<u8>::new());
+                        let flush = |ids: &mut Vec<u64>, words: &mut Vec<u8>| {
+                            if ids.is_empty() {
+                                return Ok(());
+                            }
+                            let m = ReplicateMessage {
+                                replication_id: id,
+                                tables: vec![ReplicatedTable {
+                                    name: name.clone(),
+                                    ids: wire::encode_ids(ids),
+                                    words: Bytes::from(std::mem::take(words)),
+                                    ..ReplicatedTable::default()
+                                }],
+                                primary_lsn: lsn,
+                                ..ReplicateMessage::default()
+                            };
+                            ids.clear();
+                            send(m)
+                        };
+                        r.scan(Db::Rows, &name, |rid, payload| {
+                            ids.push(rid);
+                            words.extend_from_slice(payload);
+                            if words.len() >= CHUNK {
+                                flush(&mut ids, &mut words)?;
+                            }
+                            Ok(())
+                        })?;
+                        flush(&mut ids, &mut words)?;
+                        // The applied ids last: with the rows they belong to.
+                        send(ReplicateMessage {
+                            replication_id: id,
+                            tables: vec![ReplicatedTable {
+                                name: name.clone(),
+                                applied,
+                                ..ReplicatedTable::default()
+                            }],
+                            primary_lsn: lsn,
+                            ..ReplicateMessage::default()
+                        })?;
+                    }
+                }
+            }
+            Ok(())
+        })?;
+        send(ReplicateMessage {
+            replication_id: id,
+            lsn,
+            resync_done: true,
+            primary_lsn: lsn,
+            ..ReplicateMessage::default()
+        })?;
+        Ok(lsn)
+    }
+}
+
+impl CommitSink for Primary {
+    fn wanted(&self) -> bool {
+        let s = self.lock();
+        s.followers.values().any(|f| f.streams > 0)
+            || s.keep_until.is_some_and(|t| Instant::now() < t)
+    }
+
+    fn committed(&self, entry: CommitEntry) {
+        let bytes = entry.bytes();
+        let lsn = entry.lsn;
+        let m = Arc::new(message_of(self.id, entry));
+        let mut s = self.lock();
+        s.entries.push_back((lsn, m, bytes, Instant::now()));
+        s.bytes += bytes;
+        s.last = lsn;
+        self.trim(&mut s);
+        drop(s);
+        self.newest.send_replace(lsn);
+    }
+
+    fn skipped(&self, lsn: u64) {
+        let mut s = self.lock();
+        s.entries.clear();
+        s.bytes = 0;
+        s.covered_from = lsn;
+        s.last = lsn;
+        drop(s);
+        self.newest.send_replace(lsn);
+    }
+}
+
+/// What a follower knows of its primary.
+#[derive(Debug, Clone, Default)]
+struct FollowState {
+    /// The primary's replication id its copy follows (0: none yet).
+    primary_id: u64,
+    /// The last entry applied and committed.
+    lsn: u64,
+    /// The primary's newest LSN, as last heard.
+    primary_lsn: u64,
+    /// When the primary was last heard from.
+    heard: Option<Instant>,
+    /// When this follower was last as far as the primary said it was.
+    caught_up: Option<Instant>,
+    connected: bool,
+    resyncing: bool,
+    resyncs: u64,
+    last_error: Option<String>,
+    /// What the replica's `replication/follow` says, and when it was written.
+    recorded: (u64, u64),
+    recorded_at: Option<Instant>,
+}
+
+/// A follower: the thread that pulls its primary's log and applies it.
+pub struct Follower {
+    /// The primary's address.
+    pub primary: String,
+    store: Arc<Store>,
+    config: ReplConfig,
+    state: Mutex<FollowState>,
+    stop: AtomicBool,
+    thread: Mutex<Option<std::thread::JoinHandle<()>>>,
+    /// The name it gives its primary.
+    name: Mutex<String>,
+    /// Wakes the thread out of its wait for the primary's next message.
+    wake: tokio::sync::Notify,
+}
+
+#[derive(serde::Serialize, serde::Deserialize)]
+struct Followed {
+    primary_id: u64,
+    lsn: u64,
+}
+
+impl Follower {
+    /// A follower of `config.follow` into `store` (durable); it starts pulling at
+    /// [`Follower::spawn`].
+    pub fn new(store: Arc<Store>, config: ReplConfig) -> Result<Arc<Self>> {
+        let primary = config
+            .follow
+            .clone()
+            .ok_or_else(|| invalid("no primary to follow"))?;
+        let f = store
+            .flusher()
+            .ok_or_else(|| invalid("a follower needs a durable store (give it a path)"))?;
+        let followed: Option<Followed> = f
+            .storage()
+            .read(|r| r.meta(FOLLOW_KEY))?
+            .and_then(|v| serde_json::from_slice(&v).ok());
+        let (primary_id, lsn) = followed.map_or((0, 0), |x| (x.primary_id, x.lsn));
+        let me = Arc::new(Self {
+            primary,
+            store,
+            config,
+            state: Mutex::new(FollowState {
+                primary_id,
+                lsn,
+                recorded: (primary_id, lsn),
+                ..FollowState::default()
+            }),
+            stop: AtomicBool::new(false),
+            thread: Mutex::new(None),
+            name: Mutex::new(String::new()),
+            wake: tokio::sync::Notify::new(),
+        });
+        Ok(me)
+    }
+
+    /// Starts pulling; `addr` names this follower to its primary unless the config names it.
+    pub fn spawn(self: &Arc<Self>, addr: &str) -> Result<()> {
+        let name = if self.config.name.is_empty() {
+            addr.to_string()
+        } else {
+            self.config.name.clone()
+        };
+        *self.name.lock().unwrap_or_else(|e| e.into_inner()) = name;
+        let run = Arc::clone(self);
+        let h = std::thread::Builder::new()
+            .name("pstore-follower".into())
+            .spawn(move || run.run())
+            .map_err(|e| Error::Internal(format!("starting the follower thread: {e}")))?;
+        *self.thread.lock().unwrap_or_else(|e| e.into_inner()) = Some(h);
+        Ok(())
+    }
+
+    fn name(&self) -> String {
+        self.name.lock().unwrap_or_else(|e| e.into_inner()).clone()
+    }
+
+    fn lock(&self) -> MutexGuard<'_, FollowState> {
+        self.state.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    /// Stops the thread.
+    pub fn stop(&self) {
+        self.stop.store(true, Ordering::Release);
+        self.wake.notify_one();
+        if let Some(h) = self.thread.lock().unwrap_or_else(|e| e.into_inner()).take() {
+            let _ = h.join();
+            // What it applied is committed (each batch is flushed before its ack).
+            let (id, lsn) = {
+                let s = self.lock();
+                (s.primary_id, s.lsn)
+            };
+            if id != 0 {
+                if let Err(e) = self.record_if_due(id, lsn, true) {
+                    eprintln!("pstore: recording the follower's position: {e}");
+                }
+            }
+        }
+    }
+
+    /// The last entry applied and committed.
+    pub fn lsn(&self) -> u64 {
+        self.lock().lsn
+    }
+
+    /// How far behind the primary it is: entries, and seconds since it was last caught up
+    /// (infinite before it ever was).
+    pub fn lag(&self) -> (u64, f64) {
+        let s = self.lock();
+        let entries = s.primary_lsn.saturating_sub(s.lsn);
+        let seconds = if entries == 0 && s.connected {
+            0.0
+        } else {
+            s.caught_up
+                .map_or(f64::INFINITY, |t| t.elapsed().as_secs_f64())
+        };
+        (entries, seconds)
+    }
+
+    /// The status of replication as JSON.
+    pub fn status_json(&self) -> serde_json::Value {
+        let (entries, seconds) = self.lag();
+        let s = self.lock();
+        serde_json::json!({
+            "role": "follower",
+            "primary": self.primary,
+            "primary_id": format!("{:016x}", s.primary_id),
+            "lsn": s.lsn,
+            "primary_lsn": s.primary_lsn,
+            "lag_entries": entries,
+            "lag_seconds": if seconds.is_finite() { serde_json::json!(seconds) } else { serde_json::Value::Null },
+            "connected": s.connected,
+            "resyncing": s.resyncing,
+            "resyncs": s.resyncs,
+            "last_error": s.last_error,
+        })
+    }
+
+    fn run(self: Arc<Self>) {
+        let rt = match tokio::runtime::Builder::new_current_thread()
+            .enable_all()
+            .build()
+        {
+            Ok(rt) => rt,
+            Err(e) => {
+                eprintln!("pstore: the follower cannot start its runtime: {e}");
+                return;
+            }
+        };
+        let mut backoff = Duration::from_millis(50);
+        while !self.stop.load(Ordering::Acquire) {
+            match self.session(&rt) {
+                Ok(()) => backoff = Duration::from_millis(50),
+                Err(e) => {
+                    let msg = e.to_string();
+                    let mut s = self.lock();
+                    if s.last_error.as_deref() != Some(msg.as_str()) {
+                        eprintln!("pstore: following {}: {msg}", self.primary);
+                    }
+                    s.last_error = Some(msg);
+                    s.connected = false;
+                }
+            }
+            let until = Instant::now() + backoff;
+            while Instant::now() < until && !self.stop.load(Ordering::Acquire) {
+                std::thread::sleep(Duration::from_millis(10));
+            }
+            backoff = (backoff * 2).min(Duration::from_secs(1));
+        }
+    }
+
+    fn request<T>(&self, m: T) -> tonic::Request<T> {
+        let mut r = tonic::Request::new(m);
+        if let Some(t) = &self.config.token {
+            if let Ok(v) = format!("Bearer {t}").parse() {
+                r.metadata_mut().insert("authorization", v);
+            }
+        }
+        r
+    }
+
+    /// One stream from the primary, until it ends or fails.
+    fn session(&self, rt: &tokio::runtime::Runtime) -> Result<()> {
+        let remote = |e: Status| Error::Remote {
+            server: self.primary.clone(),
+            code: e.code() as i32,
+            message: format!("the primary {}: {}", self.primary, e.message()),
+        };
+        let ep = tonic::transport::Endpoint::from_shared(format!("http://{}", self.primary))
+            .map_err(|e| invalid(format!("primary address {:?}: {e}", self.primary)))?
+            .connect_timeout(Duration::from_secs(2))
+            .tcp_nodelay(true)
+            .initial_stream_window_size(super::WINDOW)
+            .initial_connection_window_size(super::WINDOW * 4);
+        let channel = rt
+            .block_on(ep.connect())
+            .map_err(|e| storage(format!("connecting to the primary {}: {e}", self.primary)))?;
+        let mut stub = PStoreClient::new(channel)
+            .max_decoding_message_size(usize::MAX)
+            .max_encoding_message_size(usize::MAX);
+        let (primary_id, from) = {
+            let s = self.lock();
+            (s.primary_id, s.lsn)
+        };
+        let req = self.request(ReplicateRequest {
+            follower: self.name(),
+            replication_id: primary_id,
+            from_lsn: from,
+        });
+        let mut stream = rt
+            .block_on(stub.replicate(req))
+            .map_err(remote)?
+            .into_inner();
+        {
+            let mut s = self.lock();
+            s.connected = true;
+            s.last_error = None;
+        }
+        let mut to_ack: Option<(u64, u64)> = None;
+        loop {
+            if self.stop.load(Ordering::Acquire) {
+                return Ok(());
+            }
+            if let Some((id, lsn)) = to_ack.take() {
+                let ack = self.request(ReplicaAckRequest {
+                    follower: self.name(),
+                    replication_id: id,
+                    lsn,
+                });
+                rt.block_on(stub.replica_ack(ack)).map_err(remote)?;
+            }
+            let next = rt.block_on(async {
+                tokio::select! {
+                    m = tokio::time::timeout(Duration::from_secs(5), stream.message()) => Some(m),
+                    () = self.wake.notified() => None,
+                }
+            });
+            let Some(next) = next else {
+                return Ok(());
+            };
+            let m = match next {
+                Err(_) => {
+                    return Err(storage(format!(
+                        "the primary {} sent nothing for 5 s",
+                        self.primary
+                    )))
+                }
+                Ok(Err(e)) => return Err(remote(e)),
+                Ok(Ok(None)) => return Err(storage("the primary closed the stream")),
+                Ok(Ok(Some(m))) => m,
+            };
+            let mut batch = vec![m];
+            // What else has arrived goes into the same commit.
+            while batch.len() < 64 {
+                use futures::FutureExt;
+                match stream.message().now_or_never() {
+                    Some(Ok(Some(m))) => batch.push(m),
+                    Some(Err(e)) => return Err(remote(e)),
+                    _ => break,
+                }
+            }
+            to_ack = self.apply(batch)?;
+        }
+    }
+
+    /// Applies messages in order; commits what they changed and records the LSN reached.
+    /// What to ack (the primary's id and the LSN held): after entries, and after a heartbeat
+    /// (so that a follower that is caught up while nothing commits is known to be).
+    fn apply(&self, batch: Vec<ReplicateMessage>) -> Result<Option<(u64, u64)>> {
+        let mut reached = None;
+        let mut beat = false;
+        for m in batch {
+            {
+                let mut s = self.lock();
+                s.heard = Some(Instant::now());
+                s.primary_lsn = s.primary_lsn.max(m.primary_lsn);
+            }
+            if m.resync_start {
+                self.record(0, 0)?;
+                {
+                    let mut s = self.lock();
+                    s.resyncing = true;
+                    s.primary_id = 0;
+                    s.lsn = 0;
+                    s.resyncs += 1;
+                }
+                for name in self.store.tables() {
+                    drop_quietly(&self.store, &name)?;
+                }
+            }
+            for name in &m.dropped {
+                drop_quietly(&self.store, name)?;
+            }
+            for t in &m.tables {
+                apply_table(&self.store, t)?;
+            }
+            if m.resync_done || m.lsn > 0 {
+                reached = Some((m.replication_id, m.lsn));
+                if m.resync_done {
+                    self.lock().resyncing = false;
+                }
+            } else if !m.resync_start && m.tables.is_empty() && m.dropped.is_empty() {
+                beat = true;
+            }
+        }
+        let Some((id, lsn)) = reached else {
+            let mut s = self.lock();
+            if s.resyncing || s.primary_id == 0 {
+                return Ok(None);
+            }
+            if s.lsn >= s.primary_lsn {
+                s.caught_up = Some(Instant::now());
+            }
+            let (id, lsn) = (s.primary_id, s.lsn);
+            drop(s);
+            if beat {
+                self.record_if_due(id, lsn, true)?;
+            }
+            return Ok(beat.then_some((id, lsn)));
+        };
+        self.store.flush()?;
+        // The rows are committed: the ack may go. The LSN is recorded at most once a second
+        // (and at once after a resync, and when idle or stopping): a restart from an older
+        // record applies some entries again, which changes nothing.
+        self.record_if_due(id, lsn, false)?;
+        let mut s = self.lock();
+        s.primary_id = id;
+        s.lsn = lsn;
+        if s.lsn >= s.primary_lsn {
+            s.caught_up = Some(Instant::now());
+        }
+        Ok(Some((id, lsn)))
+    }
+
+    /// Records `(primary_id, lsn)` unless it is recorded, or was recorded within a second
+    /// for the same primary (`now`: whenever it differs).
+    fn record_if_due(&self, primary_id: u64, lsn: u64, now: bool) -> Result<()> {
+        let due = {
+            let s = self.lock();
+            s.recorded != (primary_id, lsn)
+                && (now
+                    || s.recorded.0 != primary_id
+                    || s.recorded_at
+                        .is_none_or(|t| t.elapsed() >= Duration::from_secs(1)))
+        };
+        if due {
+            self.record(primary_id, lsn)?;
+        }
+        Ok(())
+    }
+
+    /// Records in the replica what the copy follows.
+    fn record(&self, primary_id: u64, lsn: u64) -> Result<()> {
+        let f = self
+            .store
+            .flusher()
+            .ok_or_else(|| storage("the follower's store is closed"))?;
+        let v = serde_json::to_vec(&Followed { primary_id, lsn })
+            .map_err(|e| Error::Internal(e.to_string()))?;
+        f.storage().write(|w| w.put_meta(FOLLOW_KEY, &v))?;
+        let mut s = self.lock();
+        s.recorded = (primary_id, lsn);
+        s.recorded_at = Some(Instant::now());
+        Ok(())
+    }
+}
+
+fn drop_quietly(store: &Store, name: &str) -> Result<()> {
+    match store.drop_table(name) {
+        Ok(()) | Err(Error::UnknownTable(_)) => Ok(()),
+        Err(e) => Err(e),
+    }
+}
+
+/// Applies one table's part of an entry to `store`: rows as they are.
+fn apply_table(store: &Store, t: &ReplicatedTable) -> Result<()> {
+    if !t.record_json.is_empty() {
+        let rec: TableRecord = serde_json::from_slice(&t.record_json)
+            .map_err(|e| invalid(format!("the primary's record of table {:?}: {e}", t.name)))?;
+        let same = match (store.table(&t.name), &rec) {
+            (Ok(Table::Sparse(s)), TableRecord::Sparse { config, uid, .. }) => {
+                s.config() == config && s.common().uid() == *uid
+            }
+            (Ok(Table::Dense(d)), TableRecord::Dense { config, uid, .. }) => {
+                d.config() == config && d.common().uid() == *uid
+            }
+            (Err(Error::UnknownTable(_)), _) => {
+                create(store, &t.name, &rec)?;
+                true
+            }
+            (Err(e), _) => return Err(e),
+            _ => false,
+        };
+        if !same {
+            drop_quietly(store, &t.name)?;
+            create(store, &t.name, &rec)?;
+        }
+        let table = store.table(&t.name)?;
+        let h = table.handle();
+        let (lr, seq) = match &rec {
+            TableRecord::Sparse { lr, seq, .. } | TableRecord::Dense { lr, seq, .. } => (*lr, *seq),
+        };
+        h.common().lr.set(lr)?;
+        h.common().set_uid(rec.uid());
+        crate::durable::restore_counters(h, rec.counters());
+        if let Table::Sparse(s) = &table {
+            s.set_seq(s.seq().max(seq));
+        }
+    }
+    let table = store.table(&t.name)?;
+    match &table {
+        Table::Sparse(s) => {
+            if !t.ids.is_empty() {
+                let ids = wire::ids(&t.ids)?;
+                let words = wire::words(&t.words)?;
+                s.put_rows(&ids, &words)?;
+            }
+            if !t.gone.is_empty() {
+                let gone = wire::ids(&t.gone)?;
+                s.remove(&gone)?;
+            }
+        }
+        Table::Dense(d) => {
+            if !t.dense.is_empty() {
+                let words = wire::words(&t.dense)?;
+                d.set_words(&words)?;
+            }
+        }
+    }
+    if !t.applied.is_empty() {
+        let a = &table.handle().common().applied;
+        let n = store.flusher().map_or(1, |f| f.storage().environments());
+        a.load(
+            &vec![Some(t.applied.to_vec()); n],
+            "the primary's applied request ids",
+        )?;
+        a.untake();
+    }
+    Ok(())
+}
+
+fn create(store: &Store, name: &str, rec: &TableRecord) -> Result<()> {
+    match rec {
+        TableRecord::Sparse { config, .. } => {
+            store.create_sparse_table(name, config.clone()).map(|_| ())
+        }
+        TableRecord::Dense { config, .. } => {
+            store.create_dense_table(name, config.clone()).map(|_| ())
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::durable::Durability;
+    use crate::store::{DurableConfig, StoreConfig};
+    use crate::table::SparseTableConfig;
+
+    /// A sink that keeps every entry.
+    #[derive(Default)]
+    struct Keep(Mutex<Vec<CommitEntry>>, Mutex<Vec<u64>>);
+
+    impl CommitSink for Keep {
+        fn wanted(&self) -> bool {
+            true
+        }
+        fn committed(&self, entry: CommitEntry) {
+            self.0.lock().unwrap().push(entry);
+        }
+        fn skipped(&self, lsn: u64) {
+            self.1.lock().unwrap().push(lsn);
+        }
+    }
+
+    fn durable(dir: &std::path::Path) -> Arc<Store> {
+        let mut d = DurableConfig::new(dir);
+        d.durability = Durability::Sync;
+        Arc::new(Store::open(StoreConfig::default(), d).unwrap())
+    }
+
+    fn config() -> SparseTableConfig {
+        SparseTableConfig {
+            dim: 4,
+            optimizer: crate::OptimizerConfig {
+                lr: 0.1,
+                kind: crate::OptimizerKind::Adagrad {
+                    initial_accumulator_value: 0.1,
+                    eps: 1e-10,
+                    weight_decay: 0.0,
+                },
+                ..Default::default()
+            },
+            initializer: crate::init::Initializer::Zeros,
+            seed: 1,
+            lifecycle: Default::default(),
+            refuse_nonfinite: false,
+        }
+    }
+
+    #[test]
+    fn entries_applied_in_order_give_the_same_rows_and_applying_twice_changes_nothing() {
+        let root = std::env::temp_dir().join(format!("pstore-repl-{}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&root);
+        let a = durable(&root.join("a"));
+        let keep = Arc::new(Keep::default());
+        a.flusher()
+            .unwrap()
+            .set_commit_sink(Some(Arc::clone(&keep) as Arc<dyn CommitSink>));
+        let t = a.create_sparse_table("t", config()).unwrap();
+        let ids: Vec<u64> = (0..300).collect();
+        for step in 0..5u64 {
+            let grads: Vec<f32> = (0..ids.len() * 4)
+                .map(|i| ((i as u64 * 7 + step) % 13) as f32 - 6.0)
+                .collect();
+            t.push_validated_as(
+                &ids[..100 + 40 * step as usize],
+                &grads[..(100 + 40 * step as usize) * 4],
+                1.0,
+                Some((9, step + 1)),
+            )
+            .unwrap();
+        }
+        t.remove(&[3, 4, 5]).unwrap();
+        a.flush().unwrap();
+        let entries = keep.0.lock().unwrap().clone();
+        assert!(keep.1.lock().unwrap().is_empty());
+        // In cycle order, each number once, the first one carrying the table's creation.
+        assert!(entries.windows(2).all(|w| w[0].lsn < w[1].lsn));
+        assert!(entries[0].tables[0].record.is_some());
+        let b = durable(&root.join("b"));
+        for round in 0..2 {
+            for e in &entries {
+                let m = message_of(1, e.clone());
+                for name in &m.dropped {
+                    drop_quietly(&b, name).unwrap();
+                }
+                for tc in &m.tables {
+                    apply_table(&b, tc).unwrap();
+                }
+            }
+            b.flush().unwrap();
+            let u = b.sparse("t").unwrap();
+            assert_eq!(u.len(), t.len(), "round {round}");
+            assert_eq!(u.seq(), t.seq());
+            let all: Vec<u64> = (0..300).collect();
+            let (x, y) = (
+                t.pull_existing(&all).unwrap(),
+                u.pull_existing(&all).unwrap(),
+            );
+            assert_eq!(
+                x.iter().map(|v| v.to_bits()).collect::<Vec<_>>(),
+                y.iter().map(|v| v.to_bits()).collect::<Vec<_>>()
+            );
+            assert!(!u.contains(&[3, 4, 5]).unwrap().iter().any(|&c| c));
+            // The applied request ids came with the rows: a retry would be answered.
+            assert!(u.was_applied(9, 5).unwrap().iter().all(|&d| d));
+        }
+        drop((a, b));
+        let _ = std::fs::remove_dir_all(&root);
+    }
+}
