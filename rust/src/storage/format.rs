@@ -111,14 +111,16 @@ pub const fn row_value_len(payload: usize) -> usize {
 }
 
 /// The id and payload of a row value of format version 3 stored under `key` (the id's
-/// [`key`]), its checksum verified. A value that fails names the table, the id (the key's, when
-/// the id stored in the value is itself damaged) and `file`; its bytes are never returned.
-pub fn check_row<'v>(file: &Path, table: &str, key: &[u8], v: &'v [u8]) -> Result<(u64, &'v [u8])> {
+/// [`key`]) in the environment at `dir`, its checksum verified. A value that fails names the
+/// table, the id (the key's, when the id stored in the value is itself damaged) and the
+/// environment's data file; its bytes are never returned.
+pub fn check_row<'v>(dir: &Path, table: &str, key: &[u8], v: &'v [u8]) -> Result<(u64, &'v [u8])> {
+    let file = || dir.join("data.mdb");
     if v.len() < 8 + ROW_SUM_BYTES {
         return Err(corrupt(format!(
             "{}: table {table:?}: a row value of {} bytes (id {}), too short for its id and \
              checksum",
-            file.display(),
+            file().display(),
             v.len(),
             id_of_key(key)
         )));
@@ -137,7 +139,7 @@ pub fn check_row<'v>(file: &Path, table: &str, key: &[u8], v: &'v [u8]) -> Resul
         return Err(corrupt(format!(
             "{}: table {table:?}: row {named} is damaged (checksum {stored:08x} stored, \
              {found:08x} computed); it is not served: restore the table from a snapshot",
-            file.display()
+            file().display()
         )));
     }
     Ok((id, payload))
@@ -175,12 +177,12 @@ pub(super) fn value_len(db: Db, payload: usize) -> usize {
     }
 }
 
-/// The id and payload of a value stored under `key` in environment file `file`; a row's
+/// The id and payload of a value stored under `key` in the environment at `dir`; a row's
 /// checksum is verified where `sums` (format version 3, or an environment already upgraded).
 pub(super) fn decode<'v>(
     db: Db,
     table: &str,
-    file: &Path,
+    dir: &Path,
     sums: bool,
     key: &[u8],
     v: &'v [u8],
@@ -188,7 +190,7 @@ pub(super) fn decode<'v>(
     let bad = || {
         corrupt(format!(
             "{}: table {table:?}: a value of {} bytes in {}{table} (id {})",
-            file.display(),
+            dir.join("data.mdb").display(),
             v.len(),
             db.prefix(),
             id_of_key(key)
@@ -196,7 +198,7 @@ pub(super) fn decode<'v>(
     };
     let id = |b: &[u8]| u64::from_le_bytes(b.try_into().expect("8 bytes"));
     match db {
-        Db::Rows if sums => check_row(file, table, key, v),
+        Db::Rows if sums => check_row(dir, table, key, v),
         Db::Rows if v.len() >= 8 => Ok((id(&v[..8]), &v[8..])),
         Db::Changed | Db::Removed if v.len() == 16 => Ok((id(&v[8..]), &v[..8])),
         _ => Err(bad()),

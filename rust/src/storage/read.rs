@@ -75,7 +75,7 @@ impl Reader<'_> {
             None => Ok(None),
             Some(v) => {
                 let part = &self.storage.parts[p];
-                let (stored, payload) = decode(h.db, table, &part.file(), part.sums, &k, v)?;
+                let (stored, payload) = decode(h.db, table, &part.dir, part.sums, &k, v)?;
                 if stored != id {
                     return Err(corrupt(format!(
                         "{}: table {table:?}: the key of id {id} holds id {stored}",
@@ -112,14 +112,13 @@ impl Reader<'_> {
                 continue;
             };
             let part = &self.storage.parts[k];
-            let file = part.file();
             for item in d.iter(txn).map_err(|e| self.fail(k, e))? {
                 let (key, v) = item.map_err(|e| self.fail(k, e))?;
-                let (id, payload) = decode(db, table, &file, part.sums, key, v)?;
+                let (id, payload) = decode(db, table, &part.dir, part.sums, key, v)?;
                 if db == Db::Rows && key != self::key(id) {
                     return Err(corrupt(format!(
                         "{}: table {table:?}: the key of id {} holds id {id}",
-                        file.display(),
+                        part.file().display(),
                         crate::hash::unmix64(u64::from_be_bytes(key.try_into().unwrap_or([0; 8])))
                     )));
                 }

@@ -298,7 +298,7 @@ impl<'s> Writer<'s> {
     pub fn prune(&mut self, db: Db, table: &str, upto: u64) -> Result<()> {
         for p in self.reach() {
             let d = self.db(p, db, table)?;
-            let (file, sums) = (self.storage.parts[p].file(), self.storage.parts[p].sums);
+            let (dir, sums) = (&self.storage.parts[p].dir, self.storage.parts[p].sums);
             let txn = self.txn(p)?;
             // Deleted where the cursor stands, in one pass: no second descent of the tree per
             // entry.
@@ -307,7 +307,7 @@ impl<'s> Writer<'s> {
                 while let Some(item) = iter.next() {
                     let (k, v) = item.map_err(PruneError::Lmdb)?;
                     let (_, cycle) =
-                        decode(db, table, &file, sums, k, v).map_err(PruneError::Decode)?;
+                        decode(db, table, dir, sums, k, v).map_err(PruneError::Decode)?;
                     let old = cycle_of(cycle) <= upto;
                     if old {
                         // SAFETY: nothing read from the database (this entry's key and value,
