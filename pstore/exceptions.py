@@ -76,7 +76,9 @@ class StorageError(PstoreError, OSError):
 class CorruptError(PstoreError, ValueError):
     """A file is not what pstore wrote: truncated, altered, or of an unknown format version.
 
-    The message names the file. Nothing was loaded from it.
+    The message names the file. Nothing was loaded from it. A stored row whose checksum fails
+    (in a store's replica or a serving artifact) is named by table and id; it is not served, and
+    the table's other rows are.
     """
 
 

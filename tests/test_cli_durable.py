@@ -45,7 +45,7 @@ def test_snapshot_inspect_restore_round_trip(tmp_path, capsys):
 
     assert cli.main(["inspect", str(store)]) == 0
     out = capsys.readouterr().out
-    assert "format pstore-lmdb version 2, 1 LMDB environment," in out
+    assert "format pstore-lmdb version 3, 1 LMDB environment," in out
     assert "emb" in out and "4990 rows" in out and "adagrad" in out
 
     assert cli.main(["inspect", str(tmp_path / "inc"), "--json"]) == 0
@@ -69,7 +69,7 @@ def test_snapshot_inspect_restore_round_trip(tmp_path, capsys):
     assert (split / "env-1" / "data.mdb").is_file()
     assert cli.main(["inspect", str(split)]) == 0
     out = capsys.readouterr().out
-    assert "format pstore-lmdb version 2, 2 LMDB environments," in out
+    assert "format pstore-lmdb version 3, 2 LMDB environments," in out
     assert "4990 rows" in out
     with pstore.Store(split) as r:
         assert r.storage_info()["environments"] == 2
@@ -128,7 +128,7 @@ def test_the_inspection_functions_behind_the_command(tmp_path):
     with pstore.Store(store, durability="none") as s:
         m = s.snapshot(tmp_path / "full")
     info = pstore.inspection.inspect_store(store)
-    assert info["format"] == "pstore-lmdb" and info["version"] == 2
+    assert info["format"] == "pstore-lmdb" and info["version"] == 3
     assert info["environments"] == 1
     assert info["snapshot"]["id"] == m["id"]
     (emb,) = [t for t in info["tables"] if t["name"] == "emb"]

@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import struct
 import time
+import zlib
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -77,8 +78,11 @@ def read_tables(env: lmdb.Environment, txn: lmdb.Transaction, rep: Replica, k: i
             entries = into.setdefault(name, {})
             for key, value in txn.cursor(db=db):
                 if prefix == b"rows/":
+                    # The id, the row's words, then the checksum: CRC-32 of all before it.
                     (row_id,) = struct.unpack_from("<Q", value)
-                    entries[row_id] = bytes(value)
+                    (crc,) = struct.unpack_from("<I", value, len(value) - 4)
+                    assert crc == zlib.crc32(value[:-4]), f"row {row_id}: checksum"
+                    entries[row_id] = bytes(value[:-4])
                 else:
                     assert len(value) == 16
                     cycle, row_id = struct.unpack("<QQ", value)
@@ -328,7 +332,7 @@ def test_a_closed_store_decodes_with_lmdb_and_the_document(tmp_path, rng, enviro
     t1 = int(time.time()) + 1
 
     rep = read_replica(path)
-    assert rep.format == {"format": "pstore-lmdb", "version": 2, "environments": environments}
+    assert rep.format == {"format": "pstore-lmdb", "version": 3, "environments": environments}
     names = ["ada", "adam", "dense", "plain sgd"]
     assert sorted(rep.records) == names
     tables = {f"{p}/{n}".encode() for n in names for p in ("rows", "changed", "removed")}
@@ -551,7 +555,11 @@ def test_the_examples_of_the_document_are_real(tmp_path):
         for w in line.split("  ")[0].split()
     ]
     row = np.frombuffer(rep.rows["user_emb"][7], dtype="<u4")
-    assert len(words) == row.size == 16
+    # The last group is the checksum of the example's bytes (updated_at included, so the real
+    # row's differs).
+    assert len(words) == row.size + 1 == 17
+    example = b"".join(w.to_bytes(4, "little") for w in words[:16])
+    assert words.pop() == zlib.crc32(example)
     assert [w for k, w in enumerate(words) if k != 6] == [
         int(w) for k, w in enumerate(row) if k != 6
     ]
@@ -578,8 +586,8 @@ def test_another_format_version_is_refused(tmp_path):
     write_format(path, b'{"format":"other","version":1}')
     with pytest.raises(CorruptError, match=r"other"):
         pstore.Store(path)
-    # Refusing wrote nothing and released the directory: version 1 opens again.
-    write_format(path, b'{"format":"pstore-lmdb","version":1}')
+    # Refusing wrote nothing and released the directory: its own version opens again.
+    write_format(path, b'{"format":"pstore-lmdb","version":3,"environments":1}')
     with pstore.Store(path) as store:
         assert len(store.sparse_table("emb")) == 1
 

@@ -13,6 +13,28 @@ pub fn mix64(mut x: u64) -> u64 {
     x ^ (x >> 31)
 }
 
+/// The inverse of an odd multiplier modulo 2^64 (Newton's iteration; each step doubles the
+/// correct low bits, from 3 for any odd number).
+const fn inverse(c: u64) -> u64 {
+    let mut x = c;
+    let mut k = 0;
+    while k < 5 {
+        x = x.wrapping_mul(2u64.wrapping_sub(c.wrapping_mul(x)));
+        k += 1;
+    }
+    x
+}
+
+/// The inverse of [`mix64`]: `unmix64(mix64(x)) == x`. It names the id of a replica key
+/// (`mix64(id)`) whose value is damaged.
+pub fn unmix64(mut x: u64) -> u64 {
+    x ^= (x >> 31) ^ (x >> 62);
+    x = x.wrapping_mul(const { inverse(0x94d0_49bb_1331_11eb) });
+    x ^= (x >> 27) ^ (x >> 54);
+    x = x.wrapping_mul(const { inverse(0xbf58_476d_1ce4_e5b9) });
+    x ^ (x >> 30) ^ (x >> 60)
+}
+
 /// The shard of `id` among `num_shards`: the high bits of the mixed id, scaled (no modulo bias).
 #[inline]
 pub fn shard_of(id: u64, num_shards: usize) -> usize {
@@ -201,6 +223,16 @@ fn tails_many(p: &[f64], z: &mut [f64]) {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn unmix64_inverts_mix64() {
+        for k in 0..10_000u64 {
+            let x = mix64(k ^ 0x5555) ^ k.rotate_left(17);
+            assert_eq!(unmix64(mix64(x)), x);
+            assert_eq!(mix64(unmix64(x)), x);
+        }
+        assert_eq!(unmix64(mix64(u64::MAX)), u64::MAX);
+    }
 
     #[test]
     fn shards_cover_all_and_are_balanced() {

@@ -895,7 +895,9 @@ impl Artifact {
         let Some((_, f)) = self.pinned_file(table)? else {
             return self.contains_lmdb(table, ids);
         };
-        ids.iter().map(|&id| f.contains(id)).collect()
+        ids.iter()
+            .map(|&id| f.contains(id).map_err(in_table(table)))
+            .collect()
     }
 
     /// Every row of sparse `table` as stored, in id order: ids, the stored bytes (row after row,
@@ -905,12 +907,12 @@ impl Artifact {
             return self.scan_lmdb(table);
         };
         let meta = &p.tables[table].meta;
-        let mut entries = f.entries()?;
+        let mut entries = f.entries().map_err(in_table(table))?;
         entries.sort_unstable_by_key(|&(id, _)| id);
         let want = meta.dtype.row_bytes(meta.dim);
         let mut bytes = Vec::with_capacity(entries.len() * want);
-        for &(_, r) in &entries {
-            bytes.extend_from_slice(f.stored(r));
+        for &(id, r) in &entries {
+            bytes.extend_from_slice(f.stored(id, r).map_err(in_table(table))?);
         }
         Ok((
             entries.into_iter().map(|(id, _)| id).collect(),
@@ -1254,7 +1256,7 @@ fn gather(
 ) -> Result<()> {
     let dim = meta.dim;
     let part = |ids: &[u64], out: &mut [f32], found: &mut [bool]| -> Result<()> {
-        f.gather(ids, out, found)?;
+        f.gather(ids, out, found).map_err(in_table(&meta.name))?;
         let mut init = None;
         for (i, &id) in ids.iter().enumerate() {
             if !found[i] {
@@ -1282,6 +1284,14 @@ fn gather(
         .zip(out.par_chunks_mut(chunk * dim))
         .zip(found.par_chunks_mut(chunk))
         .try_for_each(|((ids, out), found)| part(ids, out, found))
+}
+
+/// Names `table` in a row file's error (the file knows its path only).
+fn in_table(table: &str) -> impl Fn(Error) -> Error + '_ {
+    move |e| match e {
+        Error::Corrupt(m) => corrupt(format!("table {table:?}: {m}")),
+        e => e,
+    }
 }
 
 /// Writes what a lookup returns for `id`, which the artifact lacks, into `row`. `init` caches
@@ -1389,7 +1399,7 @@ fn write_rows(
     let mut deleted = 0u64;
     for &t in &tombs {
         let held = match &old_file {
-            Some(f) => f.contains(t)?,
+            Some(f) => f.contains(t).map_err(in_table(&e.name))?,
             None => false,
         };
         if held || in_new(t) {
@@ -1397,7 +1407,7 @@ fn write_rows(
         }
     }
     if let Some(f) = &old_file {
-        kept = f.entries()?;
+        kept = f.entries().map_err(in_table(&e.name))?;
         kept.retain(|&(id, _)| !in_new(id) && !tombs.contains(&id));
     }
     let fresh = rows.ids.iter().filter(|id| !tombs.contains(id)).count() as u64;
@@ -1422,8 +1432,9 @@ fn write_rows(
     };
     let mut w = rowfile::Writer::create(&a.path.join(&rel), want)?;
     if let Some(f) = &old_file {
+        // Verified as copied: a damaged row is not given a new checksum.
         for &(id, r) in &kept {
-            w.put(id, f.stored(r))?;
+            w.put(id, f.stored(id, r).map_err(in_table(&e.name))?)?;
         }
     }
     let width = dtype.row_bytes(e.dim);

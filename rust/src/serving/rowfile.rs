@@ -13,8 +13,16 @@ use crate::hash::mix64;
 
 /// The first bytes of every row file.
 pub const MAGIC: [u8; 8] = *b"PSTROWS\0";
-/// The row file layout this build writes and reads.
-pub const FILE_VERSION: u32 = 1;
+/// The row file layout this build writes (it reads layout 1 too: no checksums).
+/// Layout 2: each row is followed by its checksum ([`row_sum`]), and each slot carries a check
+/// of itself ([`slot_check`]) above its row index.
+pub const FILE_VERSION: u32 = 2;
+/// Bits of a layout 2 slot's second word that hold the row index plus one; the check of the
+/// slot is in the bits above.
+const INDEX_BITS: u32 = 40;
+const INDEX_MASK: u64 = (1 << INDEX_BITS) - 1;
+/// Bytes of a row's checksum, right after its stored bytes (layout 2).
+pub const ROW_SUM_BYTES: usize = 4;
 /// The header: one page, so the slots and rows start page-aligned.
 const HEADER: usize = 4096;
 /// Header bytes covered by its CRC-32 (stored right after them).
@@ -49,6 +57,33 @@ fn gcd(mut a: usize, mut b: usize) -> usize {
         (a, b) = (b, a % b);
     }
     a
+}
+
+/// The checksum of row `id` with `bytes` (as stored): CRC-32 of the id (u64 LE) then the bytes.
+/// It follows the row in a layout 2 file.
+#[inline]
+pub fn row_sum(id: u64, bytes: &[u8]) -> u32 {
+    let mut h = crc32fast::Hasher::new();
+    h.update(&id.to_le_bytes());
+    h.update(bytes);
+    h.finalize()
+}
+
+/// The check of a slot holding `id` and row index plus one `r1` (24 bits, the high bits of a
+/// layout 2 slot's second word): a probe checks every slot it passes, so an id damaged in its
+/// slot is not taken for an absent one.
+#[inline(always)]
+pub fn slot_check(id: u64, r1: u64) -> u64 {
+    mix64(id ^ mix64(r1 ^ 0x7073_7472_6f77_7332)) >> INDEX_BITS
+}
+
+/// Bytes a row takes in a file of `version` (its stored bytes, then its checksum in layout 2).
+fn entry_bytes(version: u32, row_bytes: usize) -> usize {
+    if version >= 2 {
+        row_bytes + ROW_SUM_BYTES
+    } else {
+        row_bytes
+    }
 }
 
 /// Slots for `rows` rows: a power of two with the table at most two thirds full.
@@ -164,6 +199,8 @@ pub struct RowFile {
     rows: u64,
     mask: usize,
     rows_at: usize,
+    /// Layout 2: slots and rows carry checks, verified on every read.
+    checked: bool,
 }
 
 impl std::fmt::Debug for RowFile {
@@ -212,9 +249,9 @@ impl RowFile {
             return Err(bad("has a damaged header (CRC-32 mismatch)".into()));
         }
         let version = u32_at(h, 8);
-        if version != FILE_VERSION {
+        if !(1..=FILE_VERSION).contains(&version) {
             return Err(bad(format!(
-                "has layout version {version}; this pstore reads version {FILE_VERSION}"
+                "has layout version {version}; this pstore reads versions 1 to {FILE_VERSION}"
             )));
         }
         let (dtype, dim, stride_f, rows) =
@@ -244,7 +281,7 @@ impl RowFile {
             )));
         }
         let row_bytes = want.dtype.row_bytes(want.dim);
-        let st = stride(row_bytes);
+        let st = stride(entry_bytes(version, row_bytes));
         let (want_slots, rows_at, want_len) = layout(rows, st);
         if stride_f as usize != st || slots != want_slots || file_len as usize != want_len {
             return Err(bad("has a header that does not fit its rows".into()));
@@ -266,6 +303,7 @@ impl RowFile {
             rows,
             mask: slots as usize - 1,
             rows_at,
+            checked: version >= 2,
         })
     }
 
@@ -298,10 +336,60 @@ impl RowFile {
         unsafe { self.map.ptr.add(self.rows_at + r * self.stride) }
     }
 
-    /// The stored bytes of row `r` (< rows).
-    fn row(&self, r: usize) -> &[u8] {
+    /// The stored bytes of row `r` (< rows) of `id`, its checksum verified (layout 2).
+    #[inline(always)]
+    fn row(&self, id: u64, r: usize) -> Result<&[u8]> {
         let at = self.rows_at + r * self.stride;
-        &self.map.bytes()[at..at + self.row_bytes]
+        let b = self.map.bytes();
+        let row = &b[at..at + self.row_bytes];
+        if self.checked {
+            let stored = u32_at(b, at + self.row_bytes);
+            let found = row_sum(id, row);
+            if stored != found {
+                return Err(corrupt(format!(
+                    "the row file {}: the row of id {id} is damaged (checksum {stored:08x} \
+                     stored, {found:08x} computed); it is not served: export the artifact again",
+                    self.path.display()
+                )));
+            }
+        }
+        Ok(row)
+    }
+
+    /// The row index plus one of slot `i` holding `k` and `w` (its second word), its check
+    /// verified (layout 2); 0 for an empty slot. `looking`: the id whose probe reads it.
+    #[inline(always)]
+    fn slot_row(&self, i: usize, k: u64, w: u64, looking: u64) -> Result<u64> {
+        if !self.checked || w == 0 {
+            return Ok(w);
+        }
+        let r1 = w & INDEX_MASK;
+        if r1 == 0 || w >> INDEX_BITS != slot_check(k, r1) {
+            return Err(self.damaged_slot(i, k, w, looking));
+        }
+        Ok(r1)
+    }
+
+    /// The error of slot `i` (holding `k`, `w`) whose check fails. A single flipped bit is
+    /// undone to name the id the slot was written for, where one explains it.
+    #[cold]
+    fn damaged_slot(&self, i: usize, k: u64, w: u64, looking: u64) -> crate::error::Error {
+        let fits = |k: u64, w: u64| {
+            w & INDEX_MASK != 0 && w >> INDEX_BITS == slot_check(k, w & INDEX_MASK)
+        };
+        let was = (0..64)
+            .map(|b| k ^ (1 << b))
+            .find(|&k| fits(k, w))
+            .or_else(|| (0..64).any(|b| fits(k, w ^ (1 << b))).then_some(k));
+        let whose = match was {
+            Some(id) => format!("the slot of id {id}"),
+            None => format!("holding id {k}"),
+        };
+        corrupt(format!(
+            "the row file {}: index slot {i} ({whose}) is damaged, found looking up id \
+             {looking}; no row is served through it: export the artifact again",
+            self.path.display()
+        ))
     }
 
     /// The row index of `id`, starting the probe at slot `h & mask`.
@@ -309,7 +397,8 @@ impl RowFile {
     fn find_from(&self, id: u64, h: u64) -> Result<Option<usize>> {
         let mut i = h as usize & self.mask;
         for _ in 0..=self.mask {
-            let (k, r) = self.slot(i);
+            let (k, w) = self.slot(i);
+            let r = self.slot_row(i, k, w, id)?;
             if r == 0 {
                 return Ok(None);
             }
@@ -334,12 +423,13 @@ impl RowFile {
     }
 
     /// Decodes the rows of `ids` into `out` (`ids.len() * dim` floats) and marks `found`; ids
-    /// the file lacks are left to the caller (their rows untouched). Stages of 32 ids: the slots
+    /// the file lacks are left to the caller (their rows untouched). A row or slot whose check
+    /// fails stops the batch with `CorruptError` naming the id. Stages of 32 ids: the slots
     /// of the next stage are prefetched while this stage's rows are decoded, and this stage's
     /// rows are prefetched as its slots are probed, so the misses of a stage overlap.
     pub fn gather(&self, ids: &[u64], out: &mut [f32], found: &mut [bool]) -> Result<()> {
         let dim = self.dim;
-        let lines = self.row_bytes.div_ceil(64);
+        let lines = entry_bytes(if self.checked { 2 } else { 1 }, self.row_bytes).div_ceil(64);
         let mut hashes = [0u64; BLOCK];
         let mut next = [0u64; BLOCK];
         let mut at = [usize::MAX; BLOCK];
@@ -376,19 +466,21 @@ impl RowFile {
                 let i = base + k;
                 found[i] = r != usize::MAX;
                 if found[i] {
+                    let row = self.row(chunk[k], r)?;
                     self.dtype
-                        .decode_fast(self.row(r), &mut out[i * dim..(i + 1) * dim]);
+                        .decode_fast(row, &mut out[i * dim..(i + 1) * dim]);
                 }
             }
         }
         Ok(())
     }
 
-    /// Every (id, row index) the index holds, in slot order.
+    /// Every (id, row index) the index holds, in slot order (each slot's check verified).
     pub fn entries(&self) -> Result<Vec<(u64, usize)>> {
         let mut out = Vec::with_capacity(self.rows as usize);
         for i in 0..=self.mask {
-            let (k, r) = self.slot(i);
+            let (k, w) = self.slot(i);
+            let r = self.slot_row(i, k, w, k)?;
             if r != 0 {
                 if r > self.rows {
                     return Err(corrupt(format!(
@@ -412,9 +504,10 @@ impl RowFile {
         Ok(out)
     }
 
-    /// The stored bytes of row index `r` (from [`RowFile::entries`]).
-    pub fn stored(&self, r: usize) -> &[u8] {
-        self.row(r)
+    /// The stored bytes of row index `r` of `id` (from [`RowFile::entries`]), its checksum
+    /// verified.
+    pub fn stored(&self, id: u64, r: usize) -> Result<&[u8]> {
+        self.row(id, r)
     }
 }
 
@@ -435,8 +528,15 @@ impl Writer {
     /// Creates the file at `path` (replacing any) sized for `want.rows` rows.
     pub fn create(path: &Path, want: Expect) -> Result<Writer> {
         let io = |e: std::io::Error| storage(format!("writing {}: {e}", path.display()));
+        if want.rows >= INDEX_MASK {
+            return Err(crate::error::invalid(format!(
+                "a table of {} rows does not fit a row file (at most {})",
+                want.rows,
+                INDEX_MASK - 1
+            )));
+        }
         let row_bytes = want.dtype.row_bytes(want.dim);
-        let st = stride(row_bytes);
+        let st = stride(entry_bytes(FILE_VERSION, row_bytes));
         let (slots, rows_at, len) = layout(want.rows, st);
         let file = File::options()
             .read(true)
@@ -483,11 +583,14 @@ impl Writer {
                 (p.cast::<u64>().read(), p.add(8).cast::<u64>().read())
             };
             if v == 0 {
+                let r1 = r as u64 + 1;
                 // SAFETY: as above.
                 unsafe {
                     let p = self.map.ptr.add(at);
                     p.cast::<u64>().write(id);
-                    p.add(8).cast::<u64>().write(r as u64 + 1);
+                    p.add(8)
+                        .cast::<u64>()
+                        .write(r1 | slot_check(id, r1) << INDEX_BITS);
                 }
                 break;
             }
@@ -500,9 +603,13 @@ impl Writer {
             i = (i + 1) & self.mask;
         }
         let at = self.rows_at + r * self.stride;
-        // SAFETY: row r's bytes lie inside the mapping (r < rows); nothing else borrows them.
+        let sum = row_sum(id, bytes).to_le_bytes();
+        // SAFETY: row r's bytes and checksum lie inside the mapping (r < rows, the stride holds
+        // both); nothing else borrows them.
         unsafe {
-            std::ptr::copy_nonoverlapping(bytes.as_ptr(), self.map.ptr.add(at), self.row_bytes)
+            let p = self.map.ptr.add(at);
+            std::ptr::copy_nonoverlapping(bytes.as_ptr(), p, self.row_bytes);
+            std::ptr::copy_nonoverlapping(sum.as_ptr(), p.add(self.row_bytes), ROW_SUM_BYTES);
         };
         self.next += 1;
         Ok(())
@@ -626,6 +733,129 @@ mod tests {
             let e = RowFile::open(&path, other).unwrap_err().to_string();
             assert!(e.contains("another artifact"), "{e}");
         }
+        std::fs::remove_dir_all(&dir).unwrap();
+    }
+
+    /// A small float32 file of ids `id * 7919` for 0 <= id < n, at `path`.
+    fn write_small(path: &Path, n: u64) -> Vec<f32> {
+        let mut w = Writer::create(path, want(n, Dtype::Float32)).unwrap();
+        let mut all = Vec::new();
+        for id in 0..n {
+            let row: Vec<f32> = (0..5).map(|j| (id * 10 + j) as f32 + 0.25).collect();
+            let mut b = Vec::new();
+            Dtype::Float32.encode(&row, &mut b).unwrap();
+            w.put(id * 7919, &b).unwrap();
+            all.extend(row);
+        }
+        w.finish().unwrap();
+        all
+    }
+
+    fn flip(path: &Path, at: usize, bit: usize) {
+        let mut b = std::fs::read(path).unwrap();
+        b[at] ^= 1 << bit;
+        std::fs::write(path, b).unwrap();
+    }
+
+    #[test]
+    fn every_bit_flip_in_a_row_or_its_slot_is_refused_naming_the_id() {
+        let dir = std::env::temp_dir().join(format!("pstore-rowfile-flip-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let path = dir.join("t.rows");
+        let n = 12u64;
+        let rows = write_small(&path, n);
+        let pristine = std::fs::read(&path).unwrap();
+        let ids: Vec<u64> = (0..n).map(|i| i * 7919).collect();
+        let f = RowFile::open(&path, want(n, Dtype::Float32)).unwrap();
+        let mut places = Vec::new();
+        for (id, r) in f.entries().unwrap() {
+            let slot = (0..=f.mask).find(|&i| f.slot(i).0 == id).unwrap();
+            places.push((id, HEADER + slot * SLOT, f.rows_at + r * f.stride));
+        }
+        drop(f);
+        let lookup = || {
+            let f = RowFile::open(&path, want(n, Dtype::Float32)).unwrap();
+            let mut out = vec![0.0; ids.len() * 5];
+            let mut found = vec![false; ids.len()];
+            f.gather(&ids, &mut out, &mut found).map(|()| (out, found))
+        };
+        for &(id, slot_at, row_at) in &places {
+            let bytes = (slot_at..slot_at + SLOT).chain(row_at..row_at + 20 + ROW_SUM_BYTES);
+            for at in bytes {
+                for bit in 0..8 {
+                    std::fs::write(&path, &pristine).unwrap();
+                    flip(&path, at, bit);
+                    let e = lookup().unwrap_err().to_string();
+                    assert!(e.contains(&format!("id {id}")), "byte {at} bit {bit}: {e}");
+                }
+            }
+        }
+        // A flip in an empty slot's id word changes nothing.
+        std::fs::write(&path, &pristine).unwrap();
+        let f = RowFile::open(&path, want(n, Dtype::Float32)).unwrap();
+        let empty = (0..=f.mask).find(|&i| f.slot(i).1 == 0).unwrap();
+        drop(f);
+        flip(&path, HEADER + empty * SLOT + 3, 5);
+        let (out, found) = lookup().unwrap();
+        assert!(found.iter().all(|&f| f));
+        assert_eq!(out, rows);
+        std::fs::remove_dir_all(&dir).unwrap();
+    }
+
+    #[test]
+    fn a_layout_1_file_still_reads() {
+        let dir = std::env::temp_dir().join(format!("pstore-rowfile-v1-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let path = dir.join("t.rows");
+        // Written as layout 1 did: slots of (id, row + 1), rows at stride(row bytes), no sums.
+        let (n, dim) = (40u64, 5usize);
+        let st = stride(4 * dim);
+        let (slots, rows_at, len) = layout(n, st);
+        let mut b = vec![0u8; len];
+        for r in 0..n {
+            let id = r * 31 + 5;
+            let mut i = mix64(id) as usize & (slots as usize - 1);
+            while u64_at(&b, HEADER + i * SLOT + 8) != 0 {
+                i = (i + 1) & (slots as usize - 1);
+            }
+            b[HEADER + i * SLOT..][..8].copy_from_slice(&id.to_le_bytes());
+            b[HEADER + i * SLOT + 8..][..8].copy_from_slice(&(r + 1).to_le_bytes());
+            for j in 0..dim {
+                let v = (id * 10 + j as u64) as f32;
+                b[rows_at + r as usize * st + 4 * j..][..4].copy_from_slice(&v.to_le_bytes());
+            }
+        }
+        let h = &mut b[..HEADER_CRC_AT + 4];
+        h[..8].copy_from_slice(&MAGIC);
+        for (at, v) in [(8, 1u32), (12, 0), (16, dim as u32), (20, st as u32)] {
+            h[at..at + 4].copy_from_slice(&v.to_le_bytes());
+        }
+        for (at, v) in [(24, n), (32, slots), (40, 3), (48, len as u64), (56, 7)] {
+            h[at..at + 8].copy_from_slice(&v.to_le_bytes());
+        }
+        let crc = crc32fast::hash(&h[..HEADER_CRC_AT]);
+        h[HEADER_CRC_AT..].copy_from_slice(&crc.to_le_bytes());
+        std::fs::write(&path, &b).unwrap();
+        let f = RowFile::open(&path, want(n, Dtype::Float32)).unwrap();
+        let ids: Vec<u64> = (0..n).map(|r| r * 31 + 5).chain([4, 6]).collect();
+        let mut out = vec![-1.0; ids.len() * dim];
+        let mut found = vec![false; ids.len()];
+        f.gather(&ids, &mut out, &mut found).unwrap();
+        for (i, &id) in ids.iter().enumerate() {
+            let have = i < n as usize;
+            assert_eq!(found[i], have);
+            let row: Vec<f32> = (0..dim)
+                .map(|j| {
+                    if have {
+                        (id * 10 + j as u64) as f32
+                    } else {
+                        -1.0
+                    }
+                })
+                .collect();
+            assert_eq!(&out[i * dim..(i + 1) * dim], &row[..]);
+        }
+        assert_eq!(f.entries().unwrap().len(), n as usize);
         std::fs::remove_dir_all(&dir).unwrap();
     }
 }

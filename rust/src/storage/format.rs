@@ -14,10 +14,19 @@ compile_error!("the LMDB replica stores little-endian words; big-endian hosts ar
 /// The format's name, in the `format` key of the meta database.
 pub const FORMAT_NAME: &str = "pstore-lmdb";
 
-/// The version of the on-disk format this build reads and writes.
-/// (Version 1 is the same layout with one environment and no `environments` field; it is read
-/// as such.)
-pub const FORMAT_VERSION: u32 = 2;
+/// The version of the on-disk format this build writes (it opens versions 1 and 2 too, adding the
+/// rows' checksums at open: see [`Storage::open`](super::Storage::open)).
+/// Version 3: every row value ends with its checksum ([`row_sum`]). Version 2: the same without
+/// checksums. Version 1: version 2 with one environment and no `environments` field.
+pub const FORMAT_VERSION: u32 = 3;
+
+/// The first format version whose rows carry a checksum.
+pub(super) const ROW_SUMS_SINCE: u32 = 3;
+
+/// The key, in the `meta` of an environment k >= 1, that marks its rows as carrying checksums
+/// while the store's format record still says an older version (an upgrade stopped between
+/// environments).
+pub(super) const ROW_SUMS_KEY: &str = "row-sums";
 
 /// The most LMDB environments a store may be split into.
 pub const MAX_ENVIRONMENTS: usize = 16;
@@ -73,7 +82,78 @@ pub fn key(id: u64) -> [u8; 8] {
     crate::hash::mix64(id).to_be_bytes()
 }
 
-/// Writes the stored value of `id` with `payload` (the inverse of [`decode`]).
+/// The checksum of row `id` with `payload` (its words after the id: header words, weights and
+/// optimizer state): CRC-32 of the id (u64 LE) then the payload. The last 4 bytes (LE) of a
+/// row's value in format version 3.
+#[inline]
+pub fn row_sum(id: u64, payload: &[u8]) -> u32 {
+    let mut h = crc32fast::Hasher::new();
+    h.update(&id.to_le_bytes());
+    h.update(payload);
+    h.finalize()
+}
+
+/// Bytes of a row's checksum at the end of its value.
+pub const ROW_SUM_BYTES: usize = 4;
+
+/// Writes the value of row `id` with `payload` as the replica stores it (format version 3):
+/// the id (u64 LE), the payload, its [`row_sum`] (u32 LE). The one encoding of a stored row,
+/// for whatever ships rows elsewhere; [`check_row`] is its inverse.
+pub fn encode_row(id: u64, payload: &[u8], out: &mut impl std::io::Write) -> std::io::Result<()> {
+    out.write_all(&id.to_le_bytes())?;
+    out.write_all(payload)?;
+    out.write_all(&row_sum(id, payload).to_le_bytes())
+}
+
+/// Bytes of the value [`encode_row`] writes for a payload of `payload` bytes.
+pub const fn row_value_len(payload: usize) -> usize {
+    8 + payload + ROW_SUM_BYTES
+}
+
+/// The id and payload of a row value of format version 3 stored under `key` (the id's
+/// [`key`]) in the environment at `dir`, its checksum verified. A value that fails names the
+/// table, the id (the key's, when the id stored in the value is itself damaged) and the
+/// environment's data file; its bytes are never returned.
+pub fn check_row<'v>(dir: &Path, table: &str, key: &[u8], v: &'v [u8]) -> Result<(u64, &'v [u8])> {
+    let file = || dir.join("data.mdb");
+    if v.len() < 8 + ROW_SUM_BYTES {
+        return Err(corrupt(format!(
+            "{}: table {table:?}: a row value of {} bytes (id {}), too short for its id and \
+             checksum",
+            file().display(),
+            v.len(),
+            id_of_key(key)
+        )));
+    }
+    let (body, sum) = v.split_at(v.len() - ROW_SUM_BYTES);
+    let id = u64::from_le_bytes(body[..8].try_into().expect("8 bytes"));
+    let stored = u32::from_le_bytes(sum.try_into().expect("4 bytes"));
+    let payload = &body[8..];
+    let found = row_sum(id, payload);
+    if found != stored {
+        let named = if key.len() == 8 && key == self::key(id) {
+            id
+        } else {
+            id_of_key(key)
+        };
+        return Err(corrupt(format!(
+            "{}: table {table:?}: row {named} is damaged (checksum {stored:08x} stored, \
+             {found:08x} computed); it is not served: restore the table from a snapshot",
+            file().display()
+        )));
+    }
+    Ok((id, payload))
+}
+
+/// The id whose key is `key` (`mix64` is a bijection), or 0 for a key of the wrong length.
+fn id_of_key(key: &[u8]) -> u64 {
+    key.try_into()
+        .map(|k| crate::hash::unmix64(u64::from_be_bytes(k)))
+        .unwrap_or(0)
+}
+
+/// Writes the stored value of `id` with `payload` (the inverse of [`decode`]); rows as
+/// [`encode_row`].
 pub(super) fn encode(
     db: Db,
     id: u64,
@@ -81,10 +161,7 @@ pub(super) fn encode(
     out: &mut impl std::io::Write,
 ) -> std::io::Result<()> {
     match db {
-        Db::Rows => {
-            out.write_all(&id.to_le_bytes())?;
-            out.write_all(payload)
-        }
+        Db::Rows => encode_row(id, payload, out),
         Db::Changed | Db::Removed => {
             out.write_all(payload)?;
             out.write_all(&id.to_le_bytes())
@@ -92,17 +169,36 @@ pub(super) fn encode(
     }
 }
 
-/// The id and payload of a stored value.
-pub(super) fn decode<'v>(db: Db, table: &str, v: &'v [u8]) -> Result<(u64, &'v [u8])> {
+/// Bytes of the value [`encode`] writes.
+pub(super) fn value_len(db: Db, payload: usize) -> usize {
+    match db {
+        Db::Rows => row_value_len(payload),
+        Db::Changed | Db::Removed => payload + 8,
+    }
+}
+
+/// The id and payload of a value stored under `key` in the environment at `dir`; a row's
+/// checksum is verified where `sums` (format version 3, or an environment already upgraded).
+pub(super) fn decode<'v>(
+    db: Db,
+    table: &str,
+    dir: &Path,
+    sums: bool,
+    key: &[u8],
+    v: &'v [u8],
+) -> Result<(u64, &'v [u8])> {
     let bad = || {
         corrupt(format!(
-            "table {table:?}: a value of {} bytes in {}{table}",
+            "{}: table {table:?}: a value of {} bytes in {}{table} (id {})",
+            dir.join("data.mdb").display(),
             v.len(),
-            db.prefix()
+            db.prefix(),
+            id_of_key(key)
         ))
     };
     let id = |b: &[u8]| u64::from_le_bytes(b.try_into().expect("8 bytes"));
     match db {
+        Db::Rows if sums => check_row(dir, table, key, v),
         Db::Rows if v.len() >= 8 => Ok((id(&v[..8]), &v[8..])),
         Db::Changed | Db::Removed if v.len() == 16 => Ok((id(&v[8..]), &v[..8])),
         _ => Err(bad()),

@@ -24,17 +24,20 @@ mod write;
 
 pub use check::check_data_file;
 pub use format::{
-    bytes_of, cycle_of, key, words_into, Db, FormatRecord, DEFAULT_MAP_SIZE, FORMAT_NAME,
-    FORMAT_VERSION, MAX_ENVIRONMENTS,
+    bytes_of, check_row, cycle_of, encode_row, key, row_sum, row_value_len, words_into, Db,
+    FormatRecord, DEFAULT_MAP_SIZE, FORMAT_NAME, FORMAT_VERSION, MAX_ENVIRONMENTS, ROW_SUM_BYTES,
 };
 pub use inspect::{inspect, StoreSummary};
 pub use read::{DbHandle, Reader};
 pub use write::Writer;
 
-use format::{check_format, part_dir, part_of_key, PartRecord, MAX_DBS};
+use format::{
+    check_format, decode, part_dir, part_of_key, PartRecord, MAX_DBS, ROW_SUMS_KEY, ROW_SUMS_SINCE,
+};
 
 use std::collections::HashMap;
 use std::fs::File;
+use std::ops::Bound;
 use std::os::fd::AsRawFd;
 use std::path::{Path, PathBuf};
 use std::sync::{Mutex, OnceLock, RwLock, TryLockError};
@@ -82,6 +85,15 @@ struct Part {
     /// Serialises writers (LMDB has one writer per environment; this keeps the resize retry
     /// simple).
     writer: Mutex<()>,
+    /// Whether its rows carry checksums (format version 3, or upgraded and marked).
+    sums: bool,
+}
+
+impl Part {
+    /// Its data file, as errors name it.
+    fn file(&self) -> PathBuf {
+        self.dir.join("data.mdb")
+    }
 }
 
 /// Opens (creating when `create`) the LMDB environment in `dir`, its map at least `map_size`
@@ -226,15 +238,18 @@ impl Storage {
             .get(&wtxn, b"format")
             .map_err(|e| lmdb_err(path, "reading", e))?
             .map(<[u8]>::to_vec);
-        let (created, environments) = match record {
-            None if fresh || empty => (true, environments),
+        let (created, environments, version) = match record {
+            None if fresh || empty => (true, environments, FORMAT_VERSION),
             None => {
                 return Err(corrupt(format!(
                     "{} holds an LMDB environment that is not a pstore store (no format record)",
                     path.display()
                 )))
             }
-            Some(bytes) => (false, check_format(path, &bytes)?.environments as usize),
+            Some(bytes) => {
+                let rec = check_format(path, &bytes)?;
+                (false, rec.environments as usize, rec.version)
+            }
         };
         wtxn.commit().map_err(|e| lmdb_err(path, "opening", e))?;
         let mut parts = vec![Part {
@@ -243,11 +258,19 @@ impl Storage {
             meta,
             gate: RwLock::new(size),
             writer: Mutex::new(()),
+            sums: version >= ROW_SUMS_SINCE,
         }];
         for k in 1..environments {
-            parts.push(open_part(path, k, environments, created, map_size)?);
+            parts.push(open_part(
+                path,
+                k,
+                environments,
+                created,
+                map_size,
+                version,
+            )?);
         }
-        let s = Self {
+        let mut s = Self {
             path: path.to_path_buf(),
             _lock: lock,
             parts,
@@ -256,6 +279,9 @@ impl Storage {
             on_wait: OnceLock::new(),
         };
         s.drop_orphans()?;
+        if !created && version < ROW_SUMS_SINCE {
+            s.add_row_sums(environments)?;
+        }
         if created {
             // Written last: a store whose creation stopped before this is created again.
             let rec = FormatRecord {
@@ -332,6 +358,100 @@ impl Storage {
                 .map_err(|e| lmdb_err(&part.dir, "committing to", e))?;
         }
         Ok(())
+    }
+
+    /// Upgrades a store of format version 1 or 2 to version 3: every row value of each
+    /// environment gets its checksum, in one write transaction per environment, environment 0
+    /// (whose transaction also writes the format record) last. An environment upgraded before
+    /// an interruption is marked (`row-sums` in its `meta`) and skipped when opened again.
+    fn add_row_sums(&mut self, environments: usize) -> Result<()> {
+        let n = self.parts.len();
+        for k in (1..n).chain([0]) {
+            if self.parts[k].sums {
+                continue;
+            }
+            while !self.add_row_sums_in(k, environments)? {
+                self.grow(k)?;
+            }
+            self.parts[k].sums = true;
+        }
+        Ok(())
+    }
+
+    /// [`Storage::add_row_sums`] of environment `k`: false if its map filled (nothing kept).
+    fn add_row_sums_in(&self, k: usize, environments: usize) -> Result<bool> {
+        /// Rows rewritten per batch (read, then put: a cursor cannot put while it reads).
+        const BATCH_BYTES: usize = 16 << 20;
+        let part = &self.parts[k];
+        let r = (|| -> std::result::Result<(), AddSumsError> {
+            let mut w = part.env.write_txn()?;
+            let mut names = Vec::new();
+            let main: Option<Database<Bytes, Bytes>> = part.env.open_database(&w, None)?;
+            if let Some(m) = main {
+                for item in m.iter(&w)? {
+                    let (name, _) = item?;
+                    if name.starts_with(Db::Rows.prefix().as_bytes()) {
+                        names.push(String::from_utf8_lossy(name).into_owned());
+                    }
+                }
+            }
+            for name in &names {
+                let Some(d): Option<Database<Bytes, Bytes>> =
+                    part.env.open_database(&w, Some(name))?
+                else {
+                    continue;
+                };
+                let table = &name[Db::Rows.prefix().len()..];
+                let mut after: Option<Vec<u8>> = None;
+                loop {
+                    let mut batch: Vec<(Vec<u8>, Vec<u8>)> = Vec::new();
+                    let mut bytes = 0;
+                    let range = match &after {
+                        Some(a) => (Bound::Excluded(&a[..]), Bound::Unbounded),
+                        None => (Bound::Unbounded, Bound::Unbounded),
+                    };
+                    for item in d.range(&w, &range)? {
+                        let (key, v) = item?;
+                        let (id, payload) = decode(Db::Rows, table, &part.dir, false, key, v)
+                            .map_err(AddSumsError::Decode)?;
+                        let mut value = Vec::with_capacity(row_value_len(payload.len()));
+                        encode_row(id, payload, &mut value).map_err(heed::Error::Io)?;
+                        bytes += value.len();
+                        batch.push((key.to_vec(), value));
+                        if bytes >= BATCH_BYTES {
+                            break;
+                        }
+                    }
+                    let Some((last, _)) = batch.last() else {
+                        break;
+                    };
+                    after = Some(last.clone());
+                    for (key, value) in &batch {
+                        d.put(&mut w, key, value)?;
+                    }
+                }
+            }
+            if k == 0 {
+                let rec = FormatRecord {
+                    format: FORMAT_NAME.into(),
+                    version: FORMAT_VERSION,
+                    environments: environments as u32,
+                };
+                let bytes = serde_json::to_vec(&rec)
+                    .map_err(|e| AddSumsError::Decode(Error::Internal(e.to_string())))?;
+                part.meta.put(&mut w, b"format", &bytes)?;
+            } else {
+                part.meta.put(&mut w, ROW_SUMS_KEY.as_bytes(), b"crc32")?;
+            }
+            w.commit()?;
+            Ok(())
+        })();
+        match r {
+            Ok(()) => Ok(true),
+            Err(AddSumsError::Lmdb(e)) if is_map_full(&e) => Ok(false),
+            Err(AddSumsError::Lmdb(e)) => Err(lmdb_err(&part.dir, "adding row checksums to", e)),
+            Err(AddSumsError::Decode(e)) => Err(e),
+        }
     }
 
     /// The store directory.
@@ -582,9 +702,28 @@ impl Storage {
     }
 }
 
+/// Why [`Storage::add_row_sums_in`] stopped.
+enum AddSumsError {
+    Lmdb(heed::Error),
+    Decode(Error),
+}
+
+impl From<heed::Error> for AddSumsError {
+    fn from(e: heed::Error) -> Self {
+        AddSumsError::Lmdb(e)
+    }
+}
+
 /// Opens environment `k` >= 1 of `n` of the store at `path` (creating it when `create`), and
-/// checks (or writes) its `part` record.
-fn open_part(path: &Path, k: usize, n: usize, create: bool, map_size: usize) -> Result<Part> {
+/// checks (or writes) its `part` record. `version`: the store's format version.
+fn open_part(
+    path: &Path,
+    k: usize,
+    n: usize,
+    create: bool,
+    map_size: usize,
+    version: u32,
+) -> Result<Part> {
     let dir = part_dir(path, k);
     if !create && !dir.join("data.mdb").is_file() {
         return Err(corrupt(format!(
@@ -619,6 +758,11 @@ fn open_part(path: &Path, k: usize, n: usize, create: bool, map_size: usize) -> 
             path.display()
         )));
     }
+    let sums = version >= ROW_SUMS_SINCE
+        || meta
+            .get(&w, ROW_SUMS_KEY.as_bytes())
+            .map_err(|e| err("reading", e))?
+            .is_some();
     w.commit().map_err(|e| err("opening", e))?;
     Ok(Part {
         dir,
@@ -626,6 +770,7 @@ fn open_part(path: &Path, k: usize, n: usize, create: bool, map_size: usize) -> 
         meta,
         gate: RwLock::new(size),
         writer: Mutex::new(()),
+        sums,
     })
 }
 
@@ -939,6 +1084,222 @@ mod tests {
         }
         let (s, _) = Storage::open(&d, false, 1 << 20, 4).unwrap();
         assert_eq!(s.environments(), 1);
+        drop(s);
+        std::fs::remove_dir_all(&d).unwrap();
+    }
+
+    /// Every single-bit flip of a row value (id, header words, weights, state, checksum) is
+    /// refused by name; an untouched value decodes to what was encoded.
+    #[test]
+    fn row_values_round_trip_and_every_bit_flip_is_detected() {
+        let file = Path::new("store");
+        for (n, id) in [
+            (0usize, 0u64),
+            (1, 7),
+            (14, u64::MAX),
+            (70, 0x0123_4567_89ab_cdef),
+        ] {
+            let payload: Vec<u8> = (0..n * 4)
+                .map(|b| crate::hash::mix64(id ^ b as u64) as u8)
+                .collect();
+            let mut v = Vec::new();
+            encode_row(id, &payload, &mut v).unwrap();
+            assert_eq!(v.len(), row_value_len(payload.len()));
+            let k = key(id);
+            let (got, p) = check_row(file, "t", &k, &v).unwrap();
+            assert_eq!((got, p), (id, &payload[..]));
+            for bit in 0..v.len() * 8 {
+                let mut bad = v.clone();
+                bad[bit / 8] ^= 1 << (bit % 8);
+                let e = check_row(file, "t", &k, &bad).unwrap_err();
+                let m = e.to_string();
+                assert!(matches!(e, Error::Corrupt(_)), "{m}");
+                // The id is named even when the flip is in the stored id: from the key.
+                assert!(
+                    m.contains(&format!("row {id} is damaged")) && m.contains("store/data.mdb"),
+                    "bit {bit}: {m}"
+                );
+                assert!(m.contains("table \"t\""), "{m}");
+            }
+            // Cut short, or a value of another format: refused.
+            assert!(check_row(file, "t", &k, &v[..v.len() - 1]).is_err());
+            assert!(check_row(file, "t", &k, &v[..8]).is_err());
+        }
+    }
+
+    /// Writes `rows` into environment `k` of `s` as format version 2 stored them (no checksum).
+    fn put_version_2(s: &Storage, k: usize, table: &str, rows: &[(u64, Vec<u32>)]) {
+        let part = &s.parts[k];
+        let mut w = part.env.write_txn().unwrap();
+        let d: Database<Bytes, Bytes> = part
+            .env
+            .create_database(&mut w, Some(&format!("rows/{table}")))
+            .unwrap();
+        for (id, row) in rows {
+            let mut v = id.to_le_bytes().to_vec();
+            v.extend_from_slice(bytes_of(row));
+            d.put(&mut w, &key(*id), &v).unwrap();
+        }
+        w.commit().unwrap();
+    }
+
+    #[test]
+    fn a_version_2_store_gets_row_checksums_at_open() {
+        let d = dir("version-2");
+        let rows = rows_of(2000, 40, 3);
+        let n = 2;
+        {
+            let (s, _) = Storage::open(&d, true, 1 << 20, n).unwrap();
+            s.write(|w| {
+                w.put_meta("table/t", b"{}")?;
+                w.put_meta(
+                    "format",
+                    br#"{"format":"pstore-lmdb","version":2,"environments":2}"#,
+                )
+            })
+            .unwrap();
+            for k in 0..n {
+                let mine: Vec<_> = rows
+                    .iter()
+                    .filter(|(id, _)| s.environment_of(*id) == k)
+                    .cloned()
+                    .collect();
+                put_version_2(&s, k, "t", &mine);
+            }
+        }
+        // Opened as it is, read-only: the format record still says version 2.
+        assert_eq!(inspect(&d).unwrap().format.version, 2);
+        // Opened (with a 1 MiB map, which the upgrade grows): every row has its checksum.
+        let (s, _) = Storage::open(&d, false, 1 << 20, n).unwrap();
+        s.ensure_table("t").unwrap();
+        let check = |s: &Storage| {
+            s.read(|r| {
+                assert_eq!(r.len(Db::Rows, "t")?, 2000);
+                let mut seen = 0;
+                r.scan(Db::Rows, "t", |id, v| {
+                    let mut w = Vec::new();
+                    words_into(v, &mut w);
+                    assert_eq!(w, vec![id as u32 + 3; 40], "row {id}");
+                    seen += 1;
+                    Ok(())
+                })?;
+                assert_eq!(seen, 2000);
+                for k in 0..n {
+                    let txn = &r.txns[k];
+                    let d = s.handle(k, Db::Rows, "t").unwrap();
+                    for item in d.iter(txn).unwrap() {
+                        let (key, v) = item.unwrap();
+                        check_row(Path::new("x"), "t", key, v).unwrap();
+                    }
+                }
+                Ok(())
+            })
+            .unwrap()
+        };
+        check(&s);
+        drop(s);
+        assert_eq!(inspect(&d).unwrap().format.version, FORMAT_VERSION);
+        // Opened again: nothing is added twice.
+        let (s, _) = Storage::open(&d, false, 1 << 20, n).unwrap();
+        s.ensure_table("t").unwrap();
+        check(&s);
+        drop(s);
+        std::fs::remove_dir_all(&d).unwrap();
+    }
+
+    #[test]
+    fn an_upgrade_interrupted_between_environments_goes_on() {
+        let d = dir("upgrade-interrupted");
+        let rows = rows_of(500, 8, 1);
+        let n = 3;
+        {
+            let (s, _) = Storage::open(&d, true, 1 << 20, n).unwrap();
+            s.write(|w| {
+                w.put_meta("table/t", b"{}")?;
+                let h = w.open(Db::Rows, "t")?;
+                // Environments 1 and 2 upgraded (rows with checksums, marked) ...
+                let upgraded: Vec<(u64, &[u8])> = rows
+                    .iter()
+                    .filter(|(id, _)| s.environment_of(*id) != 0)
+                    .map(|(id, r)| (*id, bytes_of(r)))
+                    .collect();
+                w.put_rows_in_order(&h, &upgraded)?;
+                w.put_part_meta(1, ROW_SUMS_KEY, b"crc32")?;
+                w.put_part_meta(2, ROW_SUMS_KEY, b"crc32")?;
+                w.put_meta(
+                    "format",
+                    br#"{"format":"pstore-lmdb","version":2,"environments":3}"#,
+                )
+            })
+            .unwrap();
+            // ... environment 0 not yet.
+            let zero: Vec<_> = rows
+                .iter()
+                .filter(|(id, _)| s.environment_of(*id) == 0)
+                .cloned()
+                .collect();
+            assert!(!zero.is_empty());
+            put_version_2(&s, 0, "t", &zero);
+        }
+        let (s, _) = Storage::open(&d, false, 1 << 20, n).unwrap();
+        s.ensure_table("t").unwrap();
+        s.read(|r| {
+            let mut seen = 0;
+            r.scan(Db::Rows, "t", |id, v| {
+                let mut w = Vec::new();
+                words_into(v, &mut w);
+                assert_eq!(w, vec![id as u32 + 1; 8], "row {id}");
+                seen += 1;
+                Ok(())
+            })?;
+            assert_eq!(seen, 500);
+            Ok(())
+        })
+        .unwrap();
+        drop(s);
+        assert_eq!(inspect(&d).unwrap().format.version, FORMAT_VERSION);
+        std::fs::remove_dir_all(&d).unwrap();
+    }
+
+    #[test]
+    fn a_damaged_row_is_refused_by_get_and_scan_naming_table_id_and_file() {
+        let d = dir("damaged");
+        let (s, _) = Storage::open(&d, true, 1 << 20, 1).unwrap();
+        let rows = rows_of(50, 6, 0);
+        s.write(|w| {
+            w.put_meta("table/t", b"{}")?;
+            for (id, r) in &rows {
+                w.put(Db::Rows, "t", *id, bytes_of(r))?;
+            }
+            Ok(())
+        })
+        .unwrap();
+        // One bit of row 17's weights flipped behind pstore's back.
+        {
+            let part = &s.parts[0];
+            let mut w = part.env.write_txn().unwrap();
+            let db = s.handle(0, Db::Rows, "t").unwrap();
+            let mut v = db.get(&w, &key(17)).unwrap().unwrap().to_vec();
+            v[20] ^= 4;
+            db.put(&mut w, &key(17), &v).unwrap();
+            w.commit().unwrap();
+        }
+        let want = |e: Error| {
+            let m = e.to_string();
+            assert!(matches!(e, Error::Corrupt(_)), "{m}");
+            assert!(
+                m.contains("row 17 is damaged") && m.contains("table \"t\""),
+                "{m}"
+            );
+            assert!(m.contains(&d.join("data.mdb").display().to_string()), "{m}");
+        };
+        s.read(|r| {
+            assert!(r.get(Db::Rows, "t", 16)?.is_some());
+            want(r.get(Db::Rows, "t", 17).unwrap_err());
+            want(r.scan(Db::Rows, "t", |_, _| Ok(())).unwrap_err());
+            Ok(())
+        })
+        .unwrap();
         drop(s);
         std::fs::remove_dir_all(&d).unwrap();
     }

@@ -74,11 +74,12 @@ impl Reader<'_> {
         match v {
             None => Ok(None),
             Some(v) => {
-                let (stored, payload) = decode(h.db, table, v)?;
+                let part = &self.storage.parts[p];
+                let (stored, payload) = decode(h.db, table, &part.dir, part.sums, &k, v)?;
                 if stored != id {
                     return Err(corrupt(format!(
                         "{}: table {table:?}: the key of id {id} holds id {stored}",
-                        self.storage.parts[p].dir.display()
+                        part.dir.display()
                     )));
                 }
                 Ok(Some(payload))
@@ -98,7 +99,8 @@ impl Reader<'_> {
     }
 
     /// Calls `f(id, payload)` for every entry of a table's database, in key order (shard by
-    /// shard; the environments hold consecutive key ranges).
+    /// shard; the environments hold consecutive key ranges). A row whose checksum or key does
+    /// not match its id stops the scan with an error naming it.
     pub fn scan(
         &self,
         db: Db,
@@ -109,9 +111,17 @@ impl Reader<'_> {
             let Some(d) = self.storage.handle(k, db, table) else {
                 continue;
             };
+            let part = &self.storage.parts[k];
             for item in d.iter(txn).map_err(|e| self.fail(k, e))? {
-                let (_, v) = item.map_err(|e| self.fail(k, e))?;
-                let (id, payload) = decode(db, table, v)?;
+                let (key, v) = item.map_err(|e| self.fail(k, e))?;
+                let (id, payload) = decode(db, table, &part.dir, part.sums, key, v)?;
+                if db == Db::Rows && key != self::key(id) {
+                    return Err(corrupt(format!(
+                        "{}: table {table:?}: the key of id {} holds id {id}",
+                        part.file().display(),
+                        crate::hash::unmix64(u64::from_be_bytes(key.try_into().unwrap_or([0; 8])))
+                    )));
+                }
                 f(id, payload)?;
             }
         }

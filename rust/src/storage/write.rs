@@ -3,7 +3,7 @@
 use heed::types::Bytes;
 use heed::{Database, RwTxn};
 
-use super::format::{cycle_of, decode, encode, key, part_of_key, Db};
+use super::format::{cycle_of, decode, encode, key, part_of_key, value_len, Db};
 use super::read::DbHandle;
 use super::{is_map_full, lmdb_err, DbKey, Storage};
 use crate::error::{Error, Result};
@@ -187,7 +187,7 @@ impl<'s> Writer<'s> {
         let k = key(id);
         let p = part_of_key(k, self.txns.len());
         let (db, d) = (h.db, Self::reached(h, p)?);
-        let r = d.put_reserved(self.txn(p)?, &k, payload.len() + 8, |space| {
+        let r = d.put_reserved(self.txn(p)?, &k, value_len(db, payload.len()), |space| {
             encode(db, id, payload, space)
         });
         self.check(p, "writing", r)
@@ -240,7 +240,7 @@ impl<'s> Writer<'s> {
             return Ok(());
         }
         let mut absent = Vec::new();
-        let mut value = Vec::with_capacity(first.1.len() + 8);
+        let mut value = Vec::with_capacity(value_len(h.db, first.1.len()));
         let db = h.db;
         let txn = self.txn(p)?;
         let r = (|| -> heed::Result<()> {
@@ -298,14 +298,17 @@ impl<'s> Writer<'s> {
     pub fn prune(&mut self, db: Db, table: &str, upto: u64) -> Result<()> {
         for p in self.reach() {
             let d = self.db(p, db, table)?;
+            let (dir, sums) = (&self.storage.parts[p].dir, self.storage.parts[p].sums);
             let txn = self.txn(p)?;
             // Deleted where the cursor stands, in one pass: no second descent of the tree per
             // entry.
             let r = (|| -> std::result::Result<(), PruneError> {
                 let mut iter = d.iter_mut(txn).map_err(PruneError::Lmdb)?;
                 while let Some(item) = iter.next() {
-                    let (_, v) = item.map_err(PruneError::Lmdb)?;
-                    let old = cycle_of(decode(db, table, v).map_err(PruneError::Decode)?.1) <= upto;
+                    let (k, v) = item.map_err(PruneError::Lmdb)?;
+                    let (_, cycle) =
+                        decode(db, table, dir, sums, k, v).map_err(PruneError::Decode)?;
+                    let old = cycle_of(cycle) <= upto;
                     if old {
                         // SAFETY: nothing read from the database (this entry's key and value,
                         // last used just above) is used after the deletion.

@@ -1,0 +1,260 @@
+"""Row checksums (issue 32): single-bit flips in the rows of a store's data.mdb and of a serving
+artifact's row file give the right row or a CorruptError naming the table and the row, never a
+wrong row. Real stores and artifacts on disk; the bytes of each row are found in the files as
+docs/FORMAT.md lays them out."""
+
+from __future__ import annotations
+
+import json
+import re
+import shutil
+import struct
+from pathlib import Path
+
+import lmdb
+import numpy as np
+import pytest
+
+import pstore
+import pstore.serving
+from pstore import optim
+from pstore.exceptions import CorruptError
+from pstore.inspection import inspect_store
+
+F32 = np.float32
+DIM = 8
+# Adam keeps 2 * dim state floats; a row value is the id, 6 header words, weights, state and
+# the checksum.
+VALUE_BYTES = 8 + 4 * (6 + DIM + 2 * DIM) + 4
+FLIPS = 128
+MAX_DBS = 3072
+
+
+def build_store(path: Path, ids: np.ndarray) -> None:
+    """A store whose rows were written by one commit (durability "none", closed)."""
+    with pstore.Store(path, durability="none", num_shards=4, threads=2) as store:
+        t = store.create_sparse_table("emb", DIM, optimizer=optim.Adam(lr=0.01), seed=3)
+        g = np.random.default_rng(1)
+        for _ in range(3):
+            t.push(ids, g.standard_normal((len(ids), DIM)).astype(F32))
+
+
+def expected(path: Path, ids: np.ndarray, grads: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """The rows of `ids`, and the rows after one more push of `grads` (which reads the rows'
+    step and Adam state), from a copy of the store at `path`."""
+    work = path.parent / "expected"
+    shutil.copytree(path, work)
+    try:
+        with pstore.Store(work, durability="none") as store:
+            t = store.sparse_table("emb")
+            before = t.pull(ids)
+            t.push(ids, grads)
+            return before, t.pull(ids)
+    finally:
+        shutil.rmtree(work)
+
+
+def row_offsets(data: bytes, ids: np.ndarray) -> dict[int, list[int]]:
+    """Where each id's row value starts in `data`: a value begins with its id (u64 LE), then
+    `step` (3 pushes) and a reserved 0 (a `changed/` value holds the id too, after a cycle).
+    Besides the live value, LMDB may leave stale copies in a page's free space (a page split
+    within the transaction moves nodes without zeroing what they leave); flips there change
+    nothing."""
+    out = {}
+    for i in ids.tolist():
+        head = struct.pack("<QII", i, 3, 0)
+        out[i] = [m.start() for m in re.finditer(re.escape(head), data)]
+        assert out[i], f"row {i} is not in data.mdb"
+    return out
+
+
+def check_outcome(
+    work: Path, ids: np.ndarray, grads: np.ndarray, want: tuple[np.ndarray, np.ndarray], hit: int
+) -> bool:
+    """Opens the damaged copy: either every row is right (before and after a push), or a
+    CorruptError names table "emb" and row `hit`. True when it raised."""
+    try:
+        with pstore.Store(work, durability="none") as store:
+            t = store.sparse_table("emb")
+            before = t.pull(ids)
+            t.push(ids, grads)
+            after = t.pull(ids)
+    except CorruptError as e:
+        msg = str(e)
+        assert f"row {hit} " in msg and '"emb"' in msg and "data.mdb" in msg, msg
+        return True
+    np.testing.assert_array_equal(before, want[0])
+    np.testing.assert_array_equal(after, want[1])
+    return False
+
+
+def test_bit_flips_in_rows_of_the_replica_never_give_a_wrong_row(tmp_path):
+    rng = np.random.default_rng(20260332)
+    ids = np.unique(rng.integers(1 << 40, 1 << 62, 48, dtype=np.uint64))
+    path = tmp_path / "store"
+    build_store(path, ids)
+    grads = rng.standard_normal((len(ids), DIM)).astype(F32)
+    want = expected(path, ids, grads)
+    pristine = (path / "data.mdb").read_bytes()
+    offsets = row_offsets(pristine, ids)
+    raised = 0
+    work = tmp_path / "work"
+    for k in range(FLIPS):
+        hit = int(ids[k % len(ids)])
+        bit = int(rng.integers(0, VALUE_BYTES * 8))
+        copies = offsets[hit]
+        at = copies[int(rng.integers(0, len(copies)))] + bit // 8
+        shutil.rmtree(work, ignore_errors=True)
+        shutil.copytree(path, work)
+        damaged = bytearray(pristine)
+        damaged[at] ^= 1 << (bit % 8)
+        (work / "data.mdb").write_bytes(bytes(damaged))
+        raised += check_outcome(work, ids, grads, want, hit)
+    # Most rows are in the file once: most flips hit a live row and were caught.
+    copies = sum(len(c) for c in offsets.values())
+    assert raised >= FLIPS * len(ids) / copies / 2, (raised, copies)
+
+
+def test_a_damaged_row_is_refused_where_it_is_read_and_others_are_served(tmp_path):
+    rng = np.random.default_rng(7)
+    ids = np.unique(rng.integers(1 << 40, 1 << 62, 16, dtype=np.uint64))
+    path = tmp_path / "store"
+    build_store(path, ids)
+    data = bytearray((path / "data.mdb").read_bytes())
+    bad = int(ids[5])
+    for at in row_offsets(bytes(data), ids)[bad]:
+        data[at + 40] ^= 0x10  # a weight, in every copy
+    (path / "data.mdb").write_bytes(bytes(data))
+    others = np.delete(ids, 5)
+    with pstore.Store(path, durability="none") as store:
+        t = store.sparse_table("emb")
+        assert t.pull(others).shape == (len(others), DIM)
+        for touch in (
+            lambda: t.pull(ids[5:6]),
+            lambda: t.push(ids[5:6], np.ones((1, DIM), F32)),
+            lambda: t.contains(ids[5:6]),
+            lambda: store.snapshot(tmp_path / "snap"),
+        ):
+            with pytest.raises(CorruptError, match=rf'"emb": row {bad} is damaged'):
+                touch()
+        # Refused, not loaded: asking again is refused again, and the rest is still served.
+        with pytest.raises(CorruptError, match=rf"row {bad} "):
+            t.pull(ids[5:6])
+        assert t.pull(others).shape == (len(others), DIM)
+    assert not (tmp_path / "snap").exists()
+
+
+def strip_checksums(path: Path, version: int) -> None:
+    """Rewrites the store at `path` as format `version` (1 or 2) wrote it: row values without
+    their checksum (docs/FORMAT.md), the format record of that version."""
+    env = lmdb.open(str(path), max_dbs=MAX_DBS, subdir=True)
+    try:
+        with env.begin(write=True) as txn:
+            meta = env.open_db(b"meta", txn=txn, create=False)
+            rec = json.loads(txn.get(b"format", db=meta))
+            assert rec["version"] == 3
+            old = {"format": "pstore-lmdb", "version": version}
+            if version == 2:
+                old["environments"] = 1
+            txn.put(b"format", json.dumps(old).encode(), db=meta)
+            names = [k for k, _ in txn.cursor() if k.startswith(b"rows/")]
+            for name in names:
+                db = env.open_db(name, txn=txn, create=False)
+                rows = [(bytes(k), bytes(v)) for k, v in txn.cursor(db=db)]
+                for k, v in rows:
+                    assert len(v) == VALUE_BYTES
+                    txn.put(k, v[:-4], db=db)
+    finally:
+        env.close()
+
+
+@pytest.mark.parametrize("version", [1, 2])
+def test_a_store_of_an_older_format_opens_and_gets_checksums(tmp_path, version):
+    rng = np.random.default_rng(version)
+    ids = np.unique(rng.integers(1 << 40, 1 << 62, 32, dtype=np.uint64))
+    path = tmp_path / "store"
+    build_store(path, ids)
+    grads = rng.standard_normal((len(ids), DIM)).astype(F32)
+    want = expected(path, ids, grads)
+    strip_checksums(path, version)
+    assert inspect_store(path)["version"] == version
+    # Opened: the rows are the same (weights, step and state), and now carry checksums.
+    work = tmp_path / "work"
+    shutil.copytree(path, work)
+    assert not check_outcome(work, ids, grads, want, -1)
+    with pstore.Store(path, durability="none") as store:
+        np.testing.assert_array_equal(store.sparse_table("emb").pull(ids), want[0])
+    assert inspect_store(path)["version"] == 3
+    data = bytearray((path / "data.mdb").read_bytes())
+    for at in row_offsets(bytes(data), ids)[int(ids[0])]:
+        data[at + 16] ^= 1  # the version word of the row header, in every copy
+    (path / "data.mdb").write_bytes(bytes(data))
+    with (
+        pstore.Store(path, durability="none") as store,
+        pytest.raises(CorruptError, match=rf"row {int(ids[0])} is damaged"),
+    ):
+        store.sparse_table("emb").pull(ids[:1])
+
+
+# --- serving artifacts --------------------------------------------------------------------------
+
+ROW_SUM = 4
+INDEX = (1 << 40) - 1
+
+
+def artifact_rows(out: Path) -> tuple[Path, dict[int, tuple[int, int]], int]:
+    """The row file of table "emb" and, per id, (its slot's offset, its row's offset); the
+    row's bytes (docs/FORMAT.md, "Row files")."""
+    (rows_file,) = (out / "tables").glob("*.rows")
+    raw = rows_file.read_bytes()
+    version, dtype, dim, stride, rows, slots = struct.unpack_from("<IIIIQQ", raw, 8)
+    assert (version, dtype, dim) == (2, 0, DIM)
+    rows_at = -(-(4096 + 16 * slots) // 4096) * 4096
+    where = {}
+    for i in range(slots):
+        k, word = struct.unpack_from("<QQ", raw, 4096 + 16 * i)
+        if word:
+            where[k] = (4096 + 16 * i, rows_at + ((word & INDEX) - 1) * stride)
+    assert len(where) == rows
+    return rows_file, where, 4 * DIM
+
+
+def test_bit_flips_in_an_artifacts_rows_never_give_a_wrong_row(tmp_path):
+    rng = np.random.default_rng(32)
+    ids = np.unique(rng.integers(1 << 40, 1 << 62, 40, dtype=np.uint64))
+    path = tmp_path / "store"
+    build_store(path, ids)
+    with pstore.Store(path, durability="none") as store:
+        want = store.sparse_table("emb").pull(ids)
+        store.snapshot(tmp_path / "snap")
+    out = tmp_path / "model"
+    pstore.serving.export(tmp_path / "snap", out)
+    rows_file, where, row_bytes = artifact_rows(out)
+    pristine = rows_file.read_bytes()
+    raised = {"row": 0, "slot": 0}
+    for k in range(FLIPS):
+        hit = int(ids[k % len(ids)])
+        slot_at, row_at = where[hit]
+        # Three flips in four in the row and its checksum, one in its index slot.
+        region = "slot" if k % 4 == 3 else "row"
+        at, n = (slot_at, 16) if region == "slot" else (row_at, row_bytes + ROW_SUM)
+        bit = int(rng.integers(0, n * 8))
+        work = tmp_path / f"model-{k}"
+        shutil.copytree(out, work)
+        damaged = bytearray(pristine)
+        damaged[at + bit // 8] ^= 1 << (bit % 8)
+        (work / rows_file.relative_to(out)).write_bytes(bytes(damaged))
+        with pstore.serving.ServingStore(work) as s:
+            try:
+                got = s.lookup("emb", ids)
+            except CorruptError as e:
+                msg = str(e)
+                assert f"id {hit}" in msg and '"emb"' in msg and ".rows" in msg, msg
+                raised[region] += 1
+            else:
+                np.testing.assert_array_equal(got, want)
+        shutil.rmtree(work)
+    # Every bit of a row and its checksum is live: each flip there was caught. A flip in a
+    # slot is caught or harmless (none is harmless in a slot in use).
+    assert raised["row"] == FLIPS * 3 // 4
+    assert raised["slot"] == FLIPS // 4
