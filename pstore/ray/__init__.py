@@ -18,9 +18,10 @@ dies. It holds the membership (the server list in its order, the token, the plac
 and watches the servers: Ray reports a dead actor; the gRPC health service reports a server
 whose transport stopped. A dead server is started again in its bundle (its node), with the
 same store directory and the **same port**: every server pins the hash of the list of
-addresses its tables were made under, so a new port would be refused. Each restart adds one to the membership's ``generation``. The membership is kept
-in Ray's key-value store (the GCS), so a restarted controller takes it up again and adopts the
-live server actors by name: nothing is lost and no server is restarted.
+addresses its tables were made under, so a new port would be refused. Each restart adds one to
+the membership's ``generation``. The membership is kept in Ray's key-value store (the GCS), so
+a restarted controller takes it up again and adopts the live server actors by name: nothing is
+lost and no server is restarted.
 
 Data never passes through Ray's object store: workers talk gRPC to the servers. Importing
 :mod:`pstore` does not import this module or Ray.
