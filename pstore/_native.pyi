@@ -14,6 +14,7 @@ __all__ = [
     "Counter",
     "DenseTable",
     "PushHandle",
+    "ReferenceRows",
     "Server",
     "SparseTable",
     "StepSnapshot",
