@@ -2,7 +2,7 @@
 ``connect`` for tasks, actors and Ray Train workers.
 
 >>> import pstore.ray  # doctest: +SKIP
->>> cluster = pstore.ray.Cluster(2, path="/data/ps", durability="sync")  # doctest: +SKIP
+>>> cluster = pstore.ray.Cluster(2, path="pstore-data", durability="sync")  # doctest: +SKIP
 >>> store = pstore.ray.connect(cluster)  # in any task or actor: a RemoteStore  # doctest: +SKIP
 
 **Servers.** Each server is a detached Ray actor (``pstore-server:<name>:<i>``, namespace
