@@ -35,6 +35,14 @@ SHARED = 8
 OWN = 8
 
 
+def say(record: dict[str, object]) -> None:
+    """One JSON line in a single write: the workers of a launcher share one stdout pipe, and a
+    write of under 4 KiB to a pipe is never interleaved with another (print would write the
+    line and its newline apart)."""
+    sys.stdout.write(json.dumps(record) + "\n")
+    sys.stdout.flush()
+
+
 def ids_of(rank: int) -> np.ndarray:
     """The ids worker ``rank`` trains on: the shared ones, then its own."""
     own = 1000 * (rank + 1) + np.arange(OWN)
@@ -81,36 +89,30 @@ def main(argv: list[str] | None = None) -> int:
         loss.backward()
         want = expected_loss(rank, world, step)
         ok = loss.item() == want
-        print(
-            json.dumps(
-                {
-                    "rank": rank,
-                    "world": world,
-                    "job": store.job,
-                    "step": step,
-                    "loss": loss.item(),
-                    "expected": want,
-                    "ok": ok,
-                }
-            ),
-            flush=True,
+        say(
+            {
+                "rank": rank,
+                "world": world,
+                "job": store.job,
+                "step": step,
+                "loss": loss.item(),
+                "expected": want,
+                "ok": ok,
+            }
         )
         if not ok:
             status = 1
             break
         store.end_step()
-    print(
-        json.dumps(
-            {
-                "rank": rank,
-                "world": world,
-                "job": store.job,
-                "table": table.name,
-                "clock": store.clock,
-                "distributed": torch.distributed.is_initialized(),
-            }
-        ),
-        flush=True,
+    say(
+        {
+            "rank": rank,
+            "world": world,
+            "job": store.job,
+            "table": table.name,
+            "clock": store.clock,
+            "distributed": torch.distributed.is_initialized(),
+        }
     )
     return status
 
