@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import os
+import shlex
+import shutil
 import signal
 import socket
 import subprocess
@@ -21,6 +23,34 @@ def child_env(**extra: str) -> dict[str, str]:
     env["PYTHONPATH"] = os.pathsep.join(p for p in (root, env.get("PYTHONPATH")) if p)
     env.update(extra)
     return env
+
+
+CAN_UNSHARE_NET = os.geteuid() == 0 and all(shutil.which(c) for c in ("unshare", "ip"))
+"""Whether this process may run a command in a network namespace of its own."""
+UNSHARE_REASON = "a network namespace of its own (unshare --net) needs root, unshare and ip"
+
+
+def run_in_loopback_namespace(
+    argv: Sequence[str],
+    *,
+    timeout: float,
+    cwd: Path | None = None,
+    env: dict[str, str] | None = None,
+) -> subprocess.CompletedProcess[str]:
+    """Runs `argv` in a new network namespace whose only interface is its own loopback, up.
+
+    For what may try other addresses (Ray's dashboard asks cloud metadata addresses, torch's
+    rendezvous the system resolver): there every address but 127.0.0.1 fails at once with no
+    route, and the namespace goes away with its processes."""
+    script = "ip link set lo up && exec " + " ".join(shlex.quote(a) for a in argv)
+    return subprocess.run(
+        ["unshare", "--net", "sh", "-c", script],
+        cwd=cwd,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
 
 
 def free_port() -> int:

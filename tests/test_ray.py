@@ -15,15 +15,12 @@ Run the cases by hand the same way, soak variants included:
 
 from __future__ import annotations
 
-import os
 import re
-import shlex
-import shutil
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+from _netutil import CAN_UNSHARE_NET, UNSHARE_REASON, run_in_loopback_namespace
 
 pytest.importorskip("ray")
 
@@ -31,21 +28,10 @@ HERE = Path(__file__).resolve().parent
 
 
 @pytest.mark.timeout(1500)
-@pytest.mark.skipif(
-    os.geteuid() != 0 or shutil.which("unshare") is None or shutil.which("ip") is None,
-    reason="a network namespace of its own (unshare --net) needs root, unshare and ip",
-)
+@pytest.mark.skipif(not CAN_UNSHARE_NET, reason=UNSHARE_REASON)
 def test_ray_cases_in_a_network_namespace_with_only_loopback() -> None:
     pytest_cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-W", "error"]
-    pytest_cmd += ["ray_cases.py"]
-    script = "ip link set lo up && exec " + " ".join(shlex.quote(a) for a in pytest_cmd)
-    done = subprocess.run(
-        ["unshare", "--net", "sh", "-c", script],
-        cwd=HERE,
-        capture_output=True,
-        text=True,
-        timeout=1400,
-    )
+    done = run_in_loopback_namespace([*pytest_cmd, "ray_cases.py"], cwd=HERE, timeout=1400)
     out = done.stdout + done.stderr
     assert done.returncode == 0, out[-20000:]
     summary = re.search(r"(\d+) passed", out)

@@ -14,8 +14,6 @@ import contextlib
 import json
 import os
 import re
-import shlex
-import shutil
 import subprocess
 import sys
 from collections.abc import Iterator
@@ -24,7 +22,14 @@ from typing import Any
 
 import numpy as np
 import pytest
-from _netutil import ServerProcess, child_env, stop_all
+from _netutil import (
+    CAN_UNSHARE_NET,
+    UNSHARE_REASON,
+    ServerProcess,
+    child_env,
+    run_in_loopback_namespace,
+    stop_all,
+)
 
 import pstore
 
@@ -163,10 +168,7 @@ def run_torchrun_here(tmp: str) -> None:
     print("torchrun ok")
 
 
-@pytest.mark.skipif(
-    os.geteuid() != 0 or shutil.which("unshare") is None or shutil.which("ip") is None,
-    reason="a network namespace of its own (unshare --net) needs root, unshare and ip",
-)
+@pytest.mark.skipif(not CAN_UNSHARE_NET, reason=UNSHARE_REASON)
 def test_torchrun_workers_train_in_bsp_without_rank_arguments(tmp_path: Path) -> None:
     """torchrun itself, in a network namespace that has only loopback: torch's rendezvous asks
     the system resolver for names of 127.0.0.1, and no such query may leave this machine. There
@@ -176,14 +178,7 @@ def test_torchrun_workers_train_in_bsp_without_rank_arguments(tmp_path: Path) ->
         f"import sys; sys.path.insert(0, {str(Path(__file__).resolve().parent)!r}); "
         f"import test_torchrun as t; t.run_torchrun_here({str(tmp_path)!r})"
     )
-    script = f"ip link set lo up && exec {shlex.quote(sys.executable)} -c {shlex.quote(code)}"
-    done = subprocess.run(
-        ["unshare", "--net", "sh", "-c", script],
-        capture_output=True,
-        text=True,
-        env=child_env(),
-        timeout=400,
-    )
+    done = run_in_loopback_namespace([sys.executable, "-c", code], env=child_env(), timeout=400)
     assert done.returncode == 0 and "torchrun ok" in done.stdout, done.stdout + done.stderr
 
 
