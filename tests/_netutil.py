@@ -9,9 +9,11 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
+from typing import Any
 
 import pstore
 
@@ -138,3 +140,27 @@ def stop_all(procs: Sequence[ServerProcess]) -> list[int]:
     for p in procs:
         p.send(signal.SIGTERM)
     return [p.stop() for p in procs]
+
+
+def run_threads(n: int, body: Callable[[int], Any], wait: float = 120.0) -> list[Any]:
+    """`body(w)` for w in 0..n, each on a thread of its own (workers of one job in one process);
+    their results in order. A worker's exception is raised here; a worker still running after
+    `wait` seconds fails the test."""
+    out: list[Any] = [None] * n
+    errors: list[BaseException] = []
+
+    def run(w: int) -> None:
+        try:
+            out[w] = body(w)
+        except BaseException as e:  # re-raised in the test's thread
+            errors.append(e)
+
+    threads = [threading.Thread(target=run, args=(w,)) for w in range(n)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(wait)
+    assert not any(t.is_alive() for t in threads), "a worker did not finish in time"
+    if errors:
+        raise errors[0]
+    return out

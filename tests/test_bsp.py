@@ -25,7 +25,7 @@ from typing import Any
 
 import numpy as np
 import pytest
-from _netutil import child_env, start_servers, stop_all
+from _netutil import child_env, run_threads, start_servers, stop_all
 
 import pstore
 
@@ -94,26 +94,6 @@ class _Ref:
         self.w[rows] = (wf - step_size * mf / (np.sqrt(vf) / bc2 + eps)).astype(np.float32)
 
 
-def _run_workers(n: int, body: Callable[[int], Any]) -> list[Any]:
-    out: list[Any] = [None] * n
-    errors: list[BaseException] = []
-
-    def run(w: int) -> None:
-        try:
-            out[w] = body(w)
-        except BaseException as e:  # re-raised in the test's thread
-            errors.append(e)
-
-    threads = [threading.Thread(target=run, args=(w,)) for w in range(n)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(120)
-    if errors:
-        raise errors[0]
-    return out
-
-
 @pytest.mark.parametrize(
     "workers,opt,aggregate",
     [(2, "adagrad", "sum"), (3, "adam", "sum"), (4, "adagrad", "mean"), (4, "adam", "mean")],
@@ -147,7 +127,7 @@ def test_bsp_applies_one_aggregated_step_per_row(
         dense_seen.append(dense.pull())
         return sparse_seen, dense_seen
 
-    seen = _run_workers(workers, worker)
+    seen = run_threads(workers, worker)
     ref = _Ref(opt, seen[0][0][0])
     dref = _Ref(opt, seen[0][1][0].reshape(1, -1))
     pos = {int(x): i for i, x in enumerate(IDS)}
@@ -183,7 +163,7 @@ def test_a_new_job_resets_the_clocks(servers: list[str]) -> None:
             s.end_step()
         return s
 
-    old = _run_workers(2, first_job)
+    old = run_threads(2, first_job)
     job = old[0].job
     assert job and old[1].job == job
     # The next job's worker 0 alone: its first barrier waits for worker 1 (it passed alone when
@@ -195,7 +175,7 @@ def test_a_new_job_resets_the_clocks(servers: list[str]) -> None:
     # Worker 1 finds the new job and the two go on together.
     s1 = pstore.connect(servers, mode="bsp", worker=1, num_workers=2, barrier_timeout=30.0)
     assert s1.job == s0.job and s1.clock == 0
-    assert _run_workers(2, lambda w: [s0, s1][w].end_step()) == [1, 1]
+    assert run_threads(2, lambda w: [s0, s1][w].end_step()) == [1, 1]
     assert all(st["clocks"] == [1, 1] for st in s1.status())
     # A late call of the ended job cannot take the servers back.
     with pytest.raises(pstore.InvalidArgumentError, match="not running on this server"):
@@ -310,7 +290,7 @@ def test_a_snapshot_after_step_c_holds_exactly_the_steps_to_c(
             s.end_step()
         return snaps
 
-    snaps = _run_workers(2, worker)[0]
+    snaps = run_threads(2, worker)[0]
     for c, d in enumerate(snaps, start=1):
         rows = {}
         parts = sorted(d.glob("server-*"))
@@ -370,7 +350,7 @@ def test_a_durable_server_restarted_during_bsp_training_loses_no_step(tmp_path: 
     k = threading.Thread(target=killer)
     k.start()
     try:
-        first, last = _run_workers(2, worker)
+        first, last = run_threads(2, worker)
         k.join(120)
         ref = _Ref("adagrad", first)
         pos = {int(x): i for i, x in enumerate(IDS)}
@@ -430,4 +410,4 @@ def test_a_worker_computing_longer_than_its_lease_is_not_lost(servers: list[str]
             s.end_step()
         return s.clock
 
-    assert _run_workers(2, worker) == [2, 2]
+    assert run_threads(2, worker) == [2, 2]

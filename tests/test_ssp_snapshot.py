@@ -25,13 +25,13 @@ import sys
 import threading
 import time
 import uuid
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Iterable, Iterator
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import pytest
-from _netutil import ServerProcess, child_env, start_servers, stop_all
+from _netutil import ServerProcess, child_env, run_threads, start_servers, stop_all
 from _ssp_worker import DIM, IDS, SHAPE, batch, declare, train_step
 
 import pstore
@@ -91,27 +91,6 @@ def assert_same(got: tuple[np.ndarray, np.ndarray], want: tuple[np.ndarray, np.n
     np.testing.assert_array_equal(got[1], want[1])
 
 
-def run_threads(n: int, body: Callable[[int], Any]) -> list[Any]:
-    out: list[Any] = [None] * n
-    errors: list[BaseException] = []
-
-    def run(w: int) -> None:
-        try:
-            out[w] = body(w)
-        except BaseException as e:  # re-raised in the test's thread
-            errors.append(e)
-
-    threads = [threading.Thread(target=run, args=(w,)) for w in range(n)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(WAIT)
-    assert not any(t.is_alive() for t in threads), "a worker did not finish in time"
-    if errors:
-        raise errors[0]
-    return out
-
-
 @pytest.mark.parametrize("staleness", [0, 1, 2, 3])
 def test_a_snapshot_at_a_step_boundary_holds_exactly_the_steps_up_to_it(
     servers: list[str], restore_servers: list[str], tmp_path: Path, staleness: int
@@ -166,7 +145,7 @@ def test_a_snapshot_at_a_step_boundary_holds_exactly_the_steps_up_to_it(
 
     asker = threading.Thread(target=ask)
     asker.start()
-    assert run_threads(n, worker) == [steps] * n
+    assert run_threads(n, worker, WAIT) == [steps] * n
     asker.join(WAIT)
     for name, h in handles.items():
         assert h.job == job
@@ -226,7 +205,7 @@ def test_an_incremental_snapshot_at_a_step_boundary_and_one_of_a_bsp_job(
 
     asker = threading.Thread(target=ask)
     asker.start()
-    assert run_threads(n, worker) == [steps] * n
+    assert run_threads(n, worker, WAIT) == [steps] * n
     asker.join(WAIT)
     full, inc = handles["full"].result(WAIT), handles["inc"].result(WAIT)
     assert handles["full"].step <= 3 < handles["inc"].step
@@ -268,7 +247,7 @@ def test_durable_servers_write_their_parts_at_the_boundary(
 
         asker = threading.Thread(target=ask)
         asker.start()
-        assert run_threads(n, worker) == [steps] * n
+        assert run_threads(n, worker, WAIT) == [steps] * n
         asker.join(WAIT)
         h = handles[0]
         assert h.result(WAIT)["boundary"]["step"] == h.step
