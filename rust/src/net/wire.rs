@@ -192,38 +192,90 @@ pub fn scatter_rows(
     dim: usize,
     out: &mut [MaybeUninit<f32>],
 ) -> Result<()> {
+    scatter_chunks(std::slice::from_ref(b), d, pos, dim, out)
+}
+
+/// [`scatter_rows`] for a field received in pieces (the frames that carried it, see
+/// `splice.rs`): each row is read once, straight from the pieces into `out`.
+pub fn scatter_chunks(
+    chunks: &[Bytes],
+    d: Dtype,
+    pos: &[u32],
+    dim: usize,
+    out: &mut [MaybeUninit<f32>],
+) -> Result<()> {
     let w = width(d);
-    if b.len() != pos.len() * dim * w {
+    let total: usize = chunks.iter().map(Bytes::len).sum();
+    if total != pos.len() * dim * w {
         return Err(shape(format!(
             "rows must hold {} values ({} bytes), got {} bytes",
             pos.len() * dim,
             pos.len() * dim * w,
-            b.len()
+            total
         )));
     }
     let row_bytes = dim * w;
-    for (k, &p) in pos.iter().enumerate() {
-        let src = &b[k * row_bytes..(k + 1) * row_bytes];
+    let mut pieces = chunks.iter().filter(|c| !c.is_empty());
+    let mut cur: &[u8] = &[];
+    let mut straddling = Vec::new();
+    for &p in pos {
         let dst = &mut out[p as usize * dim..(p as usize + 1) * dim];
-        match d {
-            Dtype::Float32 => {
-                for (o, c) in dst.iter_mut().zip(src.chunks_exact(4)) {
-                    o.write(f32::from_le_bytes([c[0], c[1], c[2], c[3]]));
+        if cur.is_empty() {
+            cur = pieces.next().map_or(&[][..], |c| &c[..]);
+        }
+        let src = if cur.len() >= row_bytes {
+            let (row, rest) = cur.split_at(row_bytes);
+            cur = rest;
+            row
+        } else {
+            // A row split between two pieces is put together first.
+            straddling.clear();
+            while straddling.len() < row_bytes {
+                if cur.is_empty() {
+                    cur = pieces.next().map_or(&[][..], |c| &c[..]);
                 }
+                let k = (row_bytes - straddling.len()).min(cur.len());
+                straddling.extend_from_slice(&cur[..k]);
+                cur = &cur[k..];
             }
-            Dtype::Float16 => {
-                for (o, c) in dst.iter_mut().zip(src.chunks_exact(2)) {
-                    o.write(half::f16::from_le_bytes([c[0], c[1]]).to_f32());
-                }
+            &straddling[..]
+        };
+        write_row(src, d, dst);
+    }
+    Ok(())
+}
+
+/// Converts one row of wire values into `dst`.
+fn write_row(src: &[u8], d: Dtype, dst: &mut [MaybeUninit<f32>]) {
+    match d {
+        Dtype::Float32 if cfg!(target_endian = "little") => {
+            // SAFETY: `src` holds `dst.len()` little-endian f32 values (4 bytes each, checked by
+            // the caller), the native layout on this machine; the two do not overlap (`dst` is
+            // the caller's output, `src` a received buffer) and any bytes are a valid f32.
+            unsafe {
+                std::ptr::copy_nonoverlapping(
+                    src.as_ptr(),
+                    dst.as_mut_ptr().cast::<u8>(),
+                    dst.len() * 4,
+                );
             }
-            Dtype::Bfloat16 => {
-                for (o, c) in dst.iter_mut().zip(src.chunks_exact(2)) {
-                    o.write(half::bf16::from_le_bytes([c[0], c[1]]).to_f32());
-                }
+        }
+        Dtype::Float32 => {
+            for (o, c) in dst.iter_mut().zip(src.chunks_exact(4)) {
+                o.write(f32::from_le_bytes([c[0], c[1], c[2], c[3]]));
+            }
+        }
+        Dtype::Float16 => {
+            for (o, c) in dst.iter_mut().zip(src.chunks_exact(2)) {
+                o.write(half::f16::from_le_bytes([c[0], c[1]]).to_f32());
+            }
+        }
+        Dtype::Bfloat16 => {
+            for (o, c) in dst.iter_mut().zip(src.chunks_exact(2)) {
+                o.write(half::bf16::from_le_bytes([c[0], c[1]]).to_f32());
             }
         }
     }
-    Ok(())
 }
 
 /// Packs ids.
@@ -341,6 +393,25 @@ mod tests {
             // SAFETY: scatter_rows wrote every row.
             let out = out.map(|x| unsafe { x.assume_init() });
             assert_eq!(out, [4.0, 5.0, 6.0, 1.0, 2.0, 3.0]);
+            // The same field in pieces of every size, rows split between pieces.
+            for piece in 1..rows.len() {
+                let chunks: Vec<Bytes> = (0..rows.len())
+                    .step_by(piece)
+                    .map(|a| rows.slice(a..(a + piece).min(rows.len())))
+                    .chain([Bytes::new()])
+                    .collect();
+                let mut out = [MaybeUninit::<f32>::uninit(); 6];
+                scatter_chunks(&chunks, d, &[1, 0], 3, &mut out).unwrap();
+                // SAFETY: scatter_chunks wrote every row.
+                let out = out.map(|x| unsafe { x.assume_init() });
+                assert_eq!(
+                    out,
+                    [4.0, 5.0, 6.0, 1.0, 2.0, 3.0],
+                    "{d:?} in pieces of {piece}"
+                );
+                let short = &chunks[..chunks.len() - 2];
+                scatter_chunks(short, d, &[1, 0], 3, &mut [MaybeUninit::uninit(); 6]).unwrap_err();
+            }
         }
     }
 

@@ -28,7 +28,7 @@ use tonic::{Request, Response, Status};
 use crate::error::{invalid, Error, Result};
 use crate::net::proto::p_store_server::{PStore, PStoreServer};
 use crate::net::proto::*;
-use crate::net::{status_of, token_eq, wire, DEFAULT_MAX_MESSAGE, PROTOCOL};
+use crate::net::{splice, status_of, token_eq, wire, DEFAULT_MAX_MESSAGE, PROTOCOL};
 use crate::store::{Store, Table};
 use crate::table::{DenseTableConfig, SparseTableConfig, TableStats};
 use metrics::{Metrics, ReplicaSample, Sample, TableSample};
@@ -344,6 +344,14 @@ fn fits(max_message: usize, bytes: usize, what: &str) -> Result<()> {
         )));
     }
     Ok(())
+}
+
+/// Moves a pull answer's rows out of the message, to be sent from their own buffer rather
+/// than copied into tonic's (`net/splice.rs`).
+fn splice_rows(mut resp: Response<PullResponse>) -> Response<PullResponse> {
+    let rows = std::mem::take(&mut resp.get_mut().rows);
+    resp.extensions_mut().insert(splice::SplicedRows(rows));
+    resp
 }
 
 /// Runs a call's work on tokio's blocking pool.
@@ -806,6 +814,7 @@ impl PStore for Service {
             })
         })
         .await
+        .map(splice_rows)
     }
 
     async fn push(
@@ -1448,7 +1457,13 @@ pub(crate) fn launch<S: PStore>(
                 req
             },
         );
-        let router = builder.layer(served).add_service(health).add_service(svc);
+        // A pull answer's rows go on the wire from their own buffer (`net/splice.rs`).
+        let splice = tower::util::MapResponseLayer::new(splice::splice_response);
+        let router = builder
+            .layer(served)
+            .layer(splice)
+            .add_service(health)
+            .add_service(svc);
         // Our own accept loop: the connection cap, the pause after a failed accept, the
         // handshake timeout, TCP_NODELAY (`conn.rs`).
         let incoming = conn::Incoming::new(listener, config.limits, grpc_conns);
