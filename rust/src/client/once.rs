@@ -20,6 +20,7 @@ use super::Client;
 use crate::error::{Error, Result};
 use crate::hash::mix64;
 use crate::net::proto::*;
+use crate::net::splice::SplicedGrads;
 use crate::net::wire;
 
 /// Pulls whose versions are remembered for their pushes.
@@ -198,9 +199,14 @@ impl Client {
         let servers: Vec<usize> = targets.iter().map(|(i, _)| *i).collect();
         let t = self.config.timeout;
         let results = self.rt.block_on(async {
-            let calls = targets
-                .into_iter()
-                .map(|(i, m)| self.call(i, m, t, true, |mut c, r| async move { c.push(r).await }));
+            let calls = targets.into_iter().map(|(i, m)| {
+                self.call(i, m, t, true, |mut c, mut r| async move {
+                    // The gradients go on the wire from their own buffer (`net/splice.rs`).
+                    let g = std::mem::take(&mut r.get_mut().grads);
+                    r.extensions_mut().insert(SplicedGrads(g));
+                    c.push(r).await
+                })
+            });
             super::futures_join_all(calls).await
         });
         let mut ok = vec![true; n];

@@ -14,6 +14,11 @@
 //!   tonic decodes the small rest. The client scatters the rows from those frames straight
 //!   into the caller's output.
 //!
+//! Pushes work the other way round: the client's [`Strip`] sends a push's [`SplicedGrads`] as
+//! its `grads` field from their own buffer (in front of the other fields), and the server's
+//! [`strip_push`] hands the field's received frames to the handler, which joins them once into
+//! an aligned buffer ([`super::wire::join`]) instead of tonic copying the whole request.
+//!
 //! Protobuf lets a message's fields come in any order, so a server that encodes the rows
 //! anywhere in the message, or several times (the last counts), is read the same way.
 
@@ -35,8 +40,14 @@ pub const PULL_PATH: &str = "/pstore.v1.PStore/Pull";
 /// gRPC's message prefix: a compressed flag and a big-endian u32 length.
 const PREFIX: usize = 5;
 
+/// The path of the `Push` method.
+pub const PUSH_PATH: &str = "/pstore.v1.PStore/Push";
+
 /// The key of `PullResponse.rows`: field 1, length-delimited.
 const ROWS_KEY: u64 = (1 << 3) | 2;
+
+/// The key of `PushRequest.grads`: field 3, length-delimited.
+const GRADS_KEY: u64 = (3 << 3) | 2;
 
 /// The rows of a pull's answer, left out of the encoded message: the server sends them as the
 /// message's `rows` field (see [`splice_response`]).
@@ -47,16 +58,24 @@ pub struct SplicedRows(pub Bytes);
 /// them; any other response passes unchanged.
 pub fn splice_response(mut resp: http::Response<Body>) -> http::Response<Body> {
     match resp.extensions_mut().remove::<SplicedRows>() {
-        Some(SplicedRows(rows)) if !rows.is_empty() => resp.map(|inner| {
-            Body::new(Splice {
-                inner,
-                rows: Some(rows),
-                head: BytesMut::new(),
-                out: VecDeque::new(),
-            })
-        }),
+        Some(SplicedRows(rows)) if !rows.is_empty() => resp.map(|b| splice(b, ROWS_KEY, rows)),
         _ => resp,
     }
+}
+
+/// The gradients of a push, left out of the encoded request: the client sends them as the
+/// message's `grads` field from their own buffer (see [`Strip`]).
+#[derive(Clone)]
+pub struct SplicedGrads(pub Bytes);
+
+fn splice(inner: Body, key: u64, rows: Bytes) -> Body {
+    Body::new(Splice {
+        inner,
+        key,
+        rows: Some(rows),
+        head: BytesMut::new(),
+        out: VecDeque::new(),
+    })
 }
 
 fn put_varint(out: &mut BytesMut, mut v: u64) {
@@ -70,6 +89,8 @@ fn put_varint(out: &mut BytesMut, mut v: u64) {
 /// An answer body whose one message gets the rows field in front of its encoded fields.
 struct Splice {
     inner: Body,
+    /// The key of the field the rows go in.
+    key: u64,
     /// The rows, until the message they belong to has been seen.
     rows: Option<Bytes>,
     /// The message's bytes as far as received.
@@ -99,7 +120,7 @@ impl Splice {
             return Ok(());
         };
         let mut field = BytesMut::with_capacity(16);
-        put_varint(&mut field, ROWS_KEY);
+        put_varint(&mut field, self.key);
         put_varint(&mut field, rows.len() as u64);
         let total = len + field.len() + rows.len();
         let total = u32::try_from(total).map_err(|_| {
@@ -173,14 +194,14 @@ impl http_body::Body for Splice {
     }
 }
 
-/// Where a pull answer's rows go on the client: the bytes of its `rows` field, as the frames
-/// that carried them hold them. `None` until the field is seen (a compressed answer keeps its
-/// rows in the decoded message).
+/// Where a pull answer's rows (client) or a push's gradients (server) go: the bytes of the
+/// field, as the frames that carried them hold them. `None` until the field is seen (a
+/// compressed message keeps it in the decoded message).
 #[derive(Clone, Default)]
 pub struct RowChunks(Arc<Mutex<Option<Vec<Bytes>>>>);
 
 impl RowChunks {
-    /// The rows field's bytes, if the answer had one outside the decoded message.
+    /// The field's bytes, if the message had it outside the decoded message.
     pub fn take(&self) -> Option<Vec<Bytes>> {
         self.0.lock().unwrap_or_else(|e| e.into_inner()).take()
     }
@@ -197,7 +218,8 @@ impl RowChunks {
 }
 
 /// A channel whose pull answers have their rows taken out of the message before tonic decodes
-/// it (see the module's note); every other call passes unchanged.
+/// it, and whose pushes send their [`SplicedGrads`] from their own buffer (see the module's
+/// note); every other call passes unchanged.
 #[derive(Clone)]
 pub struct Strip<S>(pub S);
 
@@ -214,8 +236,13 @@ where
         self.0.poll_ready(cx)
     }
 
-    fn call(&mut self, req: http::Request<Body>) -> Self::Future {
+    fn call(&mut self, mut req: http::Request<Body>) -> Self::Future {
         let pull = req.uri().path() == PULL_PATH;
+        if let Some(SplicedGrads(g)) = req.extensions_mut().remove::<SplicedGrads>() {
+            if !g.is_empty() {
+                req = req.map(|b| splice(b, GRADS_KEY, g));
+            }
+        }
         let fut = self.0.call(req);
         Box::pin(async move {
             let resp = fut.await?;
@@ -228,18 +255,34 @@ where
 pub fn strip_response(mut resp: http::Response<Body>) -> http::Response<Body> {
     let sink = RowChunks::default();
     resp.extensions_mut().insert(sink.clone());
-    resp.map(|inner| {
-        Body::new(StripBody {
-            inner,
-            sink,
-            st: St::Prefix,
-            prefix: BytesMut::new(),
-            remaining: 0,
-            kept: BytesMut::new(),
-            key: Varint::default(),
-            out: VecDeque::new(),
-            failed: false,
-        })
+    resp.map(|inner| strip(inner, ROWS_KEY, sink, usize::MAX))
+}
+
+/// On a server: wraps a push request's body so that its gradients go to a [`RowChunks`] in its
+/// extensions (the handler reads them from there), refusing a message over `limit` bytes as
+/// tonic would; any other request passes unchanged.
+pub fn strip_push(mut req: http::Request<Body>, limit: usize) -> http::Request<Body> {
+    if req.uri().path() != PUSH_PATH {
+        return req;
+    }
+    let sink = RowChunks::default();
+    req.extensions_mut().insert(sink.clone());
+    req.map(|inner| strip(inner, GRADS_KEY, sink, limit))
+}
+
+fn strip(inner: Body, field: u64, sink: RowChunks, limit: usize) -> Body {
+    Body::new(StripBody {
+        inner,
+        field,
+        limit,
+        sink,
+        st: St::Prefix,
+        prefix: BytesMut::new(),
+        remaining: 0,
+        kept: BytesMut::new(),
+        key: Varint::default(),
+        out: VecDeque::new(),
+        failed: false,
     })
 }
 
@@ -293,6 +336,10 @@ enum St {
 /// An answer body whose rows field is taken out of its messages (see [`strip_response`]).
 struct StripBody {
     inner: Body,
+    /// The key of the field taken out.
+    field: u64,
+    /// The largest message accepted.
+    limit: usize,
     sink: RowChunks,
     st: St,
     prefix: BytesMut,
@@ -325,6 +372,13 @@ impl StripBody {
                         }
                         let p = &self.prefix;
                         self.remaining = u32::from_be_bytes([p[1], p[2], p[3], p[4]]) as usize;
+                        if self.remaining > self.limit {
+                            return Err(Status::out_of_range(format!(
+                                "Error, decoded message length too large: found {} bytes, the \
+                                 limit is: {} bytes",
+                                self.remaining, self.limit
+                            )));
+                        }
                         self.prefix.clear();
                         self.kept.clear();
                         self.st = St::Key;
@@ -335,7 +389,7 @@ impl StripBody {
                     let b = d.get_u8();
                     self.remaining -= 1;
                     if let Some(key) = self.key.push(b)? {
-                        if key == ROWS_KEY {
+                        if key == self.field {
                             self.st = St::Len { rows: true };
                         } else {
                             self.kept.extend_from_slice(&self.key.bytes);
@@ -473,7 +527,7 @@ impl http_body::Body for StripBody {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::net::proto::PullResponse;
+    use crate::net::proto::{PullResponse, PushRequest};
     use http_body::Body as _;
     use prost::Message;
 
@@ -501,8 +555,11 @@ mod tests {
         Body::new(Frames(f))
     }
 
+    /// A body's data and whether it ended with trailers, or its error.
+    type Drained = Result<(Vec<u8>, bool), Status>;
+
     /// All data of a body, and whether it ended with trailers, or its error.
-    fn drain(mut b: Body) -> Result<(Vec<u8>, bool), Status> {
+    fn drain(mut b: Body) -> Drained {
         let waker = std::task::Waker::noop();
         let mut cx = Context::from_waker(waker);
         let mut data = Vec::new();
@@ -520,7 +577,7 @@ mod tests {
         }
     }
 
-    fn framed(m: &PullResponse) -> Vec<u8> {
+    fn framed(m: &impl Message) -> Vec<u8> {
         let mut out = vec![0u8];
         let enc = m.encode_to_vec();
         out.extend_from_slice(&(enc.len() as u32).to_be_bytes());
@@ -589,7 +646,7 @@ mod tests {
         assert!(drain(splice_response(resp).into_body()).is_err());
     }
 
-    fn strip(chunks: Vec<Bytes>) -> (Result<(Vec<u8>, bool), Status>, Option<Vec<u8>>) {
+    fn strip(chunks: Vec<Bytes>) -> (Drained, Option<Vec<u8>>) {
         let resp = strip_response(http::Response::new(body(chunks, true)));
         let sink = resp.extensions().get::<RowChunks>().unwrap().clone();
         let out = drain(resp.into_body());
@@ -629,6 +686,58 @@ mod tests {
         let (out, got) = strip(cut(&c, &[3]));
         assert_eq!(out.unwrap().0, c);
         assert_eq!(got, None);
+    }
+
+    fn push_request(n: usize) -> PushRequest {
+        PushRequest {
+            table: "emb".into(),
+            ids: Bytes::from(vec![7u8; 8 * n]),
+            grads: Bytes::from((0..n * 16).map(|i| i as u8).collect::<Vec<u8>>()),
+            dtype: 0,
+            request_id: Some(crate::net::proto::RequestId { client: 3, seq: 9 }),
+            pulled_version: Some(4),
+            continued: true,
+            ..Default::default()
+        }
+    }
+
+    #[test]
+    fn pushes_carry_their_gradients_past_the_message() {
+        let full = push_request(1000);
+        let mut rest = full.clone();
+        rest.grads = Bytes::new();
+        for sizes in [&[usize::MAX][..], &[1], &[7, 300]] {
+            // Client: the gradients go in front of the other fields; the message is the same.
+            let (data, _) = drain(splice(
+                body(cut(&framed(&rest), sizes), false),
+                GRADS_KEY,
+                full.grads.clone(),
+            ))
+            .unwrap();
+            assert_eq!(PushRequest::decode(&data[PREFIX..]).unwrap(), full);
+            assert_eq!(data.len(), framed(&full).len());
+            // Server: they are taken out again, whatever the order of the fields.
+            for wire in [data, framed(&full)] {
+                let mut req = http::Request::new(body(cut(&wire, sizes), false));
+                *req.uri_mut() = http::Uri::from_static(PUSH_PATH);
+                let req = strip_push(req, 1 << 20);
+                let sink = req.extensions().get::<RowChunks>().unwrap().clone();
+                let (small, _) = drain(req.into_body()).unwrap();
+                assert_eq!(PushRequest::decode(&small[PREFIX..]).unwrap(), rest);
+                assert_eq!(sink.take().unwrap().concat(), full.grads.to_vec());
+            }
+        }
+        // A message over the server's limit is refused as tonic refuses it.
+        let mut req = http::Request::new(body(vec![Bytes::from(framed(&full))], false));
+        *req.uri_mut() = http::Uri::from_static(PUSH_PATH);
+        let err = drain(strip_push(req, 1000).into_body()).unwrap_err();
+        assert_eq!(err.code(), tonic::Code::OutOfRange);
+        // Other methods pass unchanged.
+        let mut req = http::Request::new(body(vec![Bytes::from(framed(&full))], false));
+        *req.uri_mut() = http::Uri::from_static(PULL_PATH);
+        let req = strip_push(req, 10);
+        assert!(req.extensions().get::<RowChunks>().is_none());
+        assert_eq!(drain(req.into_body()).unwrap().0, framed(&full));
     }
 
     #[test]

@@ -183,6 +183,29 @@ impl Drop for U32Bytes {
     }
 }
 
+/// A field received in pieces (the frames that carried it, see `splice.rs`) as one buffer:
+/// a single piece as it is, several copied once into a 4-byte aligned buffer (from the pool),
+/// so that [`values`] then reads float32 values in place.
+pub fn join(chunks: Vec<Bytes>) -> Bytes {
+    let mut chunks = chunks;
+    chunks.retain(|c| !c.is_empty());
+    if chunks.len() <= 1 {
+        return chunks.pop().unwrap_or_default();
+    }
+    let total: usize = chunks.iter().map(Bytes::len).sum();
+    let mut words = pooled(total.div_ceil(4));
+    words.resize(total.div_ceil(4), 0);
+    // SAFETY: the words' memory is initialised, any bytes are valid u32 bits, and `total`
+    // bytes lie within its `total.div_ceil(4)` words.
+    let bytes = unsafe { std::slice::from_raw_parts_mut(words.as_mut_ptr().cast::<u8>(), total) };
+    let mut at = 0;
+    for c in &chunks {
+        bytes[at..at + c.len()].copy_from_slice(c);
+        at += c.len();
+    }
+    Bytes::from_owner(U32Bytes(words)).slice(..total)
+}
+
 /// Writes the rows of a values field into `out`: row `k` of the field goes to row `pos[k]` of
 /// `out` (each `dim` wide). The field must hold `pos.len() * dim` values of type `d`.
 pub fn scatter_rows(
@@ -413,6 +436,35 @@ mod tests {
                 scatter_chunks(short, d, &[1, 0], 3, &mut [MaybeUninit::uninit(); 6]).unwrap_err();
             }
         }
+    }
+
+    #[test]
+    fn joined_pieces_are_one_aligned_buffer() {
+        let v: Vec<f32> = (0..1001).map(|i| i as f32 * 0.25).collect();
+        let b = encode_values(&v, Dtype::Float32);
+        for piece in [1usize, 3, 4, 1000, 4004] {
+            let chunks: Vec<Bytes> = (0..b.len())
+                .step_by(piece)
+                .map(|a| b.slice(a..(a + piece).min(b.len())))
+                .collect();
+            let j = join(chunks);
+            assert_eq!(j, b);
+            if piece < b.len() {
+                assert_eq!(j.as_ptr() as usize % 4, 0);
+                assert!(matches!(
+                    values(&j, Dtype::Float32, v.len(), "g").unwrap(),
+                    Cow::Borrowed(_)
+                ));
+            }
+        }
+        assert_eq!(
+            join(vec![Bytes::new(), Bytes::from_static(b"abc")]),
+            &b"abc"[..]
+        );
+        assert!(join(Vec::new()).is_empty());
+        // Odd byte counts (16-bit values) keep their length.
+        let odd = join(vec![Bytes::from_static(b"ab"), Bytes::from_static(b"cde")]);
+        assert_eq!(odd, &b"abcde"[..]);
     }
 
     #[test]

@@ -819,8 +819,16 @@ impl PStore for Service {
 
     async fn push(
         &self,
-        req: Request<PushRequest>,
+        mut req: Request<PushRequest>,
     ) -> std::result::Result<Response<PushResponse>, Status> {
+        // The gradients as the frames carried them, past tonic's buffer (`net/splice.rs`).
+        if let Some(g) = req
+            .extensions()
+            .get::<splice::RowChunks>()
+            .and_then(|c| c.take())
+        {
+            req.get_mut().grads = wire::join(g);
+        }
         self.run("Push", Access::Write, On::Pool, req, |s, r| {
             let t = sparse(&s.store, &r.table)?;
             let d = wire::dtype(r.dtype)?;
@@ -1457,11 +1465,19 @@ pub(crate) fn launch<S: PStore>(
                 req
             },
         );
-        // A pull answer's rows go on the wire from their own buffer (`net/splice.rs`).
+        // A pull answer's rows go on the wire from their own buffer, a push's gradients are
+        // read from the frames that carried them (`net/splice.rs`).
         let splice = tower::util::MapResponseLayer::new(splice::splice_response);
+        let max_message = config.max_message;
+        let strip = tower::util::MapRequestLayer::new(
+            move |req: tonic::codegen::http::Request<tonic::body::Body>| {
+                splice::strip_push(req, max_message)
+            },
+        );
         let router = builder
             .layer(served)
             .layer(splice)
+            .layer(strip)
             .add_service(health)
             .add_service(svc);
         // Our own accept loop: the connection cap, the pause after a failed accept, the
