@@ -142,10 +142,17 @@ impl Client {
         if ids.is_empty() {
             return Ok(());
         }
-        let key = (table.to_string(), push_digest(ids, grads));
+        // The digest reads every gradient (a chain of multiplies: at 65536 x 64 it cost more
+        // than sending them), so it is taken only when a failed push is remembered or this one
+        // fails.
+        let key = || (table.to_string(), push_digest(ids, grads));
         let retry = {
             let mut f = self.memo.failed.lock().unwrap_or_else(|e| e.into_inner());
-            f.take(&key)
+            if f.map.is_empty() {
+                None
+            } else {
+                f.take(&key())
+            }
         };
         let version = match (version, &retry) {
             (Some(v), _) => Some(v),
@@ -222,7 +229,7 @@ impl Client {
         };
         {
             let mut f = self.memo.failed.lock().unwrap_or_else(|e| e.into_inner());
-            f.put(key, (rids, version));
+            f.put(key(), (rids, version));
         }
         // An error that is the caller's (a bad gradient, an unknown table) applied nowhere.
         if !ok.iter().any(|&x| x) || !matches!(err, Error::Remote { .. } | Error::Storage(_)) {

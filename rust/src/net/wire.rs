@@ -193,16 +193,21 @@ pub fn join(chunks: Vec<Bytes>) -> Bytes {
         return chunks.pop().unwrap_or_default();
     }
     let total: usize = chunks.iter().map(Bytes::len).sum();
-    let mut words = pooled(total.div_ceil(4));
-    words.resize(total.div_ceil(4), 0);
-    // SAFETY: the words' memory is initialised, any bytes are valid u32 bits, and `total`
-    // bytes lie within its `total.div_ceil(4)` words.
-    let bytes = unsafe { std::slice::from_raw_parts_mut(words.as_mut_ptr().cast::<u8>(), total) };
+    let n = total.div_ceil(4);
+    let mut words = pooled(n);
+    let dst = words.spare_capacity_mut()[..n].as_mut_ptr().cast::<u8>();
     let mut at = 0;
     for c in &chunks {
-        bytes[at..at + c.len()].copy_from_slice(c);
+        // SAFETY: `at + c.len() <= total <= 4 * n` bytes of the spare capacity are written, a
+        // fresh buffer that does not overlap the received pieces.
+        unsafe { std::ptr::copy_nonoverlapping(c.as_ptr(), dst.add(at), c.len()) };
         at += c.len();
     }
+    // The last word's padding bytes, so that every word is initialised.
+    // SAFETY: bytes `total .. 4 * n` lie within the same spare capacity.
+    unsafe { std::ptr::write_bytes(dst.add(total), 0, 4 * n - total) };
+    // SAFETY: all n words were written above.
+    unsafe { words.set_len(n) };
     Bytes::from_owner(U32Bytes(words)).slice(..total)
 }
 
