@@ -310,8 +310,9 @@ impl Varint {
     }
 }
 
+/// tonic's code and words for a message that does not decode (INTERNAL, as gRPC specifies).
 fn malformed(what: &str) -> Status {
-    Status::internal(format!("malformed pull answer from the server: {what}"))
+    Status::internal(format!("failed to decode Protobuf message: {what}"))
 }
 
 /// Where the parser of a message stands.
@@ -423,11 +424,13 @@ impl StripBody {
                         if n > self.remaining {
                             return Err(malformed("a field longer than its message"));
                         }
-                        self.st = if rows {
+                        if rows {
                             self.sink.start();
-                            St::Rows(n)
-                        } else {
-                            St::Keep(n)
+                        }
+                        self.st = match (n, rows) {
+                            (0, _) => St::Key,
+                            (_, true) => St::Rows(n),
+                            (_, false) => St::Keep(n),
                         };
                     }
                 }
@@ -680,6 +683,16 @@ mod tests {
         let (out, got) = strip(cut(&wire, &[4]));
         assert_eq!(got, Some(vec![1, 2, 3]));
         assert_eq!(out.unwrap().0, framed(&answer(0)));
+        // Empty length-delimited fields, last in the message (an empty sub-message), and an
+        // empty rows field.
+        let m = [0x0a, 0, 0x18, 5, 0x2a, 0];
+        let mut wire = vec![0u8, 0, 0, 0, m.len() as u8];
+        wire.extend_from_slice(&m);
+        for sizes in [&[usize::MAX][..], &[1]] {
+            let (out, got) = strip(cut(&wire, sizes));
+            assert_eq!(out.unwrap().0, [0, 0, 0, 0, 4, 0x18, 5, 0x2a, 0]);
+            assert_eq!(got, Some(vec![]));
+        }
         // A compressed message passes whole, with no rows taken.
         let mut c = framed(&answer(10));
         c[0] = 1;
