@@ -6,6 +6,9 @@ connection. The client (:class:`TcpFloor`) times a request and the receipt of th
 into a buffer it made once. A pull over TCP cannot beat this: it moves the same bytes through the
 same kernel, and does the table work, the framing and the decoding on top. It tells how far the
 W6 targets are from what this machine's loopback carries.
+
+A push's floor is the same the other way: a request whose count has the top bit set is followed
+by that many bytes, which the server receives into a buffer made once and answers with one byte.
 """
 
 from __future__ import annotations
@@ -17,21 +20,35 @@ import sys
 import threading
 
 MAX_BYTES = 64 << 20
+UPLOAD = 1 << 63
+
+
+def _recv_exactly(conn: socket.socket, buf: memoryview) -> bool:
+    """Fills `buf` from `conn`; False if the peer closed first."""
+    got = 0
+    while got < len(buf):
+        n = conn.recv_into(buf[got:], len(buf) - got)
+        if n == 0:
+            return False
+        got += n
+    return True
 
 
 def _serve(conn: socket.socket, payload: memoryview) -> None:
     with conn:
         conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         head = bytearray(8)
+        inbox = memoryview(bytearray(MAX_BYTES))
         while True:
-            got = 0
-            while got < 8:
-                n = conn.recv_into(memoryview(head)[got:], 8 - got)
-                if n == 0:
-                    return
-                got += n
+            if not _recv_exactly(conn, memoryview(head)):
+                return
             (size,) = struct.unpack("<Q", head)
-            conn.sendall(payload[: min(size, MAX_BYTES)])
+            if size & UPLOAD:
+                if not _recv_exactly(conn, inbox[: min(size & ~UPLOAD, MAX_BYTES)]):
+                    return
+                conn.sendall(b"\x01")
+            else:
+                conn.sendall(payload[: min(size, MAX_BYTES)])
 
 
 def main(port: int) -> None:
@@ -79,6 +96,16 @@ class TcpFloor:
                 raise ConnectionError("the TCP floor server closed the connection")
             got += n
         return got
+
+    def push(self, nbytes: int) -> int:
+        """Sends `nbytes` (from a buffer made once) and waits for the one-byte answer."""
+        s, buf = self._conn()
+        nbytes = min(nbytes, MAX_BYTES)
+        s.sendall(struct.pack("<Q", nbytes | UPLOAD))
+        s.sendall(buf[:nbytes])
+        if s.recv_into(buf[:1], 1) != 1:
+            raise ConnectionError("the TCP floor server closed the connection")
+        return nbytes
 
     def close(self) -> None:
         with self.lock:

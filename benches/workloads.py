@@ -1274,9 +1274,10 @@ def _w6_floor_note(case: str, batch: int, rates: dict[str, list[float]]) -> str:
     target's peer that any pull over TCP could reach here."""
     med = {name: statistics.median(r) for name, r in rates.items()}
     floor = med[W6_FLOOR]
-    head = f"{case}, batch {batch}: a bare TCP transfer of the answers runs at {floor:,.0f} ids/s"
+    what = "answers" if case.startswith("pull") else "requests"
+    head = f"{case}, batch {batch}: a bare TCP transfer of the {what} runs at {floor:,.0f} ids/s"
     parts = [head]
-    for peer in ("redis MGET", W6_LOCAL):
+    for peer in ("redis MGET", "redis MSET", W6_LOCAL):
         if peer in med:
             parts.append(f"{floor / med[peer]:.2f}x {peer}")
     parts.append(f"the pstore server reaches {med[W6_REF] / floor:.2f} of it")
@@ -1407,6 +1408,10 @@ def w6_network(ctx: Context) -> Section:
                         # One thread only: Python threads sharing the GIL would measure the GIL.
                         nbytes = batch * W6_DIM * 4
                         calls[W6_FLOOR] = lambda i, nbytes=nbytes: floor.pull(nbytes)
+                    elif threads == 1:
+                        # A push sends its ids and gradients.
+                        nbytes = batch * (8 + W6_DIM * 4)
+                        calls[W6_FLOOR] = lambda i, nbytes=nbytes: floor.push(nbytes)
                     _w6_case(
                         sec, op, threads, batch, calls, sizes, reps, sz.w6_cap_s, skipped, server
                     )

@@ -21,6 +21,7 @@ use crate::executor::{Applier, PushHandle};
 use crate::net::proto::p_store_client::PStoreClient;
 use crate::net::proto::*;
 use crate::net::routing::SlotTable;
+use crate::net::splice::{RowChunks, Strip};
 use crate::net::{error_of, wire, DEFAULT_MAX_MESSAGE};
 
 mod boundary;
@@ -113,9 +114,13 @@ impl ClientConfig {
     }
 }
 
+/// A server's stub: its channel, with pull answers' rows read past tonic's decode buffer
+/// (`net/splice.rs`).
+type Stub = PStoreClient<Strip<Channel>>;
+
 struct Server {
     name: String,
-    stub: PStoreClient<Channel>,
+    stub: Stub,
     channel: Channel,
 }
 
@@ -228,7 +233,7 @@ impl Client {
                 let _g = rt.enter();
                 ep.connect_lazy()
             };
-            let stub = PStoreClient::new(channel.clone())
+            let stub = PStoreClient::new(Strip(channel.clone()))
                 .max_decoding_message_size(usize::MAX)
                 .max_encoding_message_size(config.max_message.saturating_mul(2));
             servers.push(Server {
@@ -309,7 +314,7 @@ impl Client {
     ) -> Result<R>
     where
         M: Clone,
-        F: Fn(PStoreClient<Channel>, Request<M>) -> Fut,
+        F: Fn(Stub, Request<M>) -> Fut,
         Fut: std::future::Future<Output = std::result::Result<tonic::Response<R>, Status>>,
     {
         let server = &self.servers[i];
@@ -355,7 +360,7 @@ impl Client {
     fn fan_out<M, R, F, Fut>(&self, targets: Vec<(usize, M)>, f: F) -> Result<Vec<R>>
     where
         M: Clone,
-        F: Fn(PStoreClient<Channel>, Request<M>) -> Fut + Clone,
+        F: Fn(Stub, Request<M>) -> Fut + Clone,
         Fut: std::future::Future<Output = std::result::Result<tonic::Response<R>, Status>>,
     {
         let t = self.config.timeout;
@@ -551,9 +556,14 @@ impl Client {
                 parts.push((i, c));
             }
         }
-        let answers = self.fan_out(targets, |mut c, r| async move { c.pull(r).await })?;
+        // Each answer with the frames that carried its rows (`net/splice.rs`).
+        let answers = self.fan_out(targets, |mut c, r| async move {
+            let a = c.pull(r).await?;
+            let rows = a.extensions().get::<RowChunks>().and_then(RowChunks::take);
+            Ok(a.map(|m| (m, rows)))
+        })?;
         let mut versions = vec![u64::MAX; self.servers.len()];
-        for ((i, pos), a) in parts.iter().zip(&answers) {
+        for ((i, pos), (a, rows)) in parts.iter().zip(&answers) {
             let dt = wire::dtype(a.dtype)?;
             if a.dim as usize != dim {
                 return Err(shape(format!(
@@ -561,7 +571,10 @@ impl Client {
                     a.dim, self.servers[*i].name
                 )));
             }
-            wire::scatter_rows(&a.rows, dt, pos, dim, out)?;
+            match rows {
+                Some(chunks) => wire::scatter_chunks(chunks, dt, pos, dim, out)?,
+                None => wire::scatter_rows(&a.rows, dt, pos, dim, out)?,
+            }
             versions[*i] = versions[*i].min(a.version);
         }
         self.remember_versions(table, ids, versions.clone());

@@ -20,6 +20,7 @@ use super::Client;
 use crate::error::{Error, Result};
 use crate::hash::mix64;
 use crate::net::proto::*;
+use crate::net::splice::SplicedGrads;
 use crate::net::wire;
 
 /// Pulls whose versions are remembered for their pushes.
@@ -141,10 +142,17 @@ impl Client {
         if ids.is_empty() {
             return Ok(());
         }
-        let key = (table.to_string(), push_digest(ids, grads));
+        // The digest reads every gradient (a chain of multiplies: at 65536 x 64 it cost more
+        // than sending them), so it is taken only when a failed push is remembered or this one
+        // fails.
+        let key = || (table.to_string(), push_digest(ids, grads));
         let retry = {
             let mut f = self.memo.failed.lock().unwrap_or_else(|e| e.into_inner());
-            f.take(&key)
+            if f.map.is_empty() {
+                None
+            } else {
+                f.take(&key())
+            }
         };
         let version = match (version, &retry) {
             (Some(v), _) => Some(v),
@@ -198,9 +206,14 @@ impl Client {
         let servers: Vec<usize> = targets.iter().map(|(i, _)| *i).collect();
         let t = self.config.timeout;
         let results = self.rt.block_on(async {
-            let calls = targets
-                .into_iter()
-                .map(|(i, m)| self.call(i, m, t, true, |mut c, r| async move { c.push(r).await }));
+            let calls = targets.into_iter().map(|(i, m)| {
+                self.call(i, m, t, true, |mut c, mut r| async move {
+                    // The gradients go on the wire from their own buffer (`net/splice.rs`).
+                    let g = std::mem::take(&mut r.get_mut().grads);
+                    r.extensions_mut().insert(SplicedGrads(g));
+                    c.push(r).await
+                })
+            });
             super::futures_join_all(calls).await
         });
         let mut ok = vec![true; n];
@@ -216,7 +229,7 @@ impl Client {
         };
         {
             let mut f = self.memo.failed.lock().unwrap_or_else(|e| e.into_inner());
-            f.put(key, (rids, version));
+            f.put(key(), (rids, version));
         }
         // An error that is the caller's (a bad gradient, an unknown table) applied nowhere.
         if !ok.iter().any(|&x| x) || !matches!(err, Error::Remote { .. } | Error::Storage(_)) {

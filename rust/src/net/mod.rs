@@ -3,6 +3,7 @@
 //! token check.
 
 pub mod routing;
+pub mod splice;
 pub mod wire;
 
 /// The generated messages and service stubs of `pstore.v1`.

@@ -183,6 +183,34 @@ impl Drop for U32Bytes {
     }
 }
 
+/// A field received in pieces (the frames that carried it, see `splice.rs`) as one buffer:
+/// a single piece as it is, several copied once into a 4-byte aligned buffer (from the pool),
+/// so that [`values`] then reads float32 values in place.
+pub fn join(chunks: Vec<Bytes>) -> Bytes {
+    let mut chunks = chunks;
+    chunks.retain(|c| !c.is_empty());
+    if chunks.len() <= 1 {
+        return chunks.pop().unwrap_or_default();
+    }
+    let total: usize = chunks.iter().map(Bytes::len).sum();
+    let n = total.div_ceil(4);
+    let mut words = pooled(n);
+    let dst = words.spare_capacity_mut()[..n].as_mut_ptr().cast::<u8>();
+    let mut at = 0;
+    for c in &chunks {
+        // SAFETY: `at + c.len() <= total <= 4 * n` bytes of the spare capacity are written, a
+        // fresh buffer that does not overlap the received pieces.
+        unsafe { std::ptr::copy_nonoverlapping(c.as_ptr(), dst.add(at), c.len()) };
+        at += c.len();
+    }
+    // The last word's padding bytes, so that every word is initialised.
+    // SAFETY: bytes `total .. 4 * n` lie within the same spare capacity.
+    unsafe { std::ptr::write_bytes(dst.add(total), 0, 4 * n - total) };
+    // SAFETY: all n words were written above.
+    unsafe { words.set_len(n) };
+    Bytes::from_owner(U32Bytes(words)).slice(..total)
+}
+
 /// Writes the rows of a values field into `out`: row `k` of the field goes to row `pos[k]` of
 /// `out` (each `dim` wide). The field must hold `pos.len() * dim` values of type `d`.
 pub fn scatter_rows(
@@ -192,38 +220,90 @@ pub fn scatter_rows(
     dim: usize,
     out: &mut [MaybeUninit<f32>],
 ) -> Result<()> {
+    scatter_chunks(std::slice::from_ref(b), d, pos, dim, out)
+}
+
+/// [`scatter_rows`] for a field received in pieces (the frames that carried it, see
+/// `splice.rs`): each row is read once, straight from the pieces into `out`.
+pub fn scatter_chunks(
+    chunks: &[Bytes],
+    d: Dtype,
+    pos: &[u32],
+    dim: usize,
+    out: &mut [MaybeUninit<f32>],
+) -> Result<()> {
     let w = width(d);
-    if b.len() != pos.len() * dim * w {
+    let total: usize = chunks.iter().map(Bytes::len).sum();
+    if total != pos.len() * dim * w {
         return Err(shape(format!(
             "rows must hold {} values ({} bytes), got {} bytes",
             pos.len() * dim,
             pos.len() * dim * w,
-            b.len()
+            total
         )));
     }
     let row_bytes = dim * w;
-    for (k, &p) in pos.iter().enumerate() {
-        let src = &b[k * row_bytes..(k + 1) * row_bytes];
+    let mut pieces = chunks.iter().filter(|c| !c.is_empty());
+    let mut cur: &[u8] = &[];
+    let mut straddling = Vec::new();
+    for &p in pos {
         let dst = &mut out[p as usize * dim..(p as usize + 1) * dim];
-        match d {
-            Dtype::Float32 => {
-                for (o, c) in dst.iter_mut().zip(src.chunks_exact(4)) {
-                    o.write(f32::from_le_bytes([c[0], c[1], c[2], c[3]]));
+        if cur.is_empty() {
+            cur = pieces.next().map_or(&[][..], |c| &c[..]);
+        }
+        let src = if cur.len() >= row_bytes {
+            let (row, rest) = cur.split_at(row_bytes);
+            cur = rest;
+            row
+        } else {
+            // A row split between two pieces is put together first.
+            straddling.clear();
+            while straddling.len() < row_bytes {
+                if cur.is_empty() {
+                    cur = pieces.next().map_or(&[][..], |c| &c[..]);
                 }
+                let k = (row_bytes - straddling.len()).min(cur.len());
+                straddling.extend_from_slice(&cur[..k]);
+                cur = &cur[k..];
             }
-            Dtype::Float16 => {
-                for (o, c) in dst.iter_mut().zip(src.chunks_exact(2)) {
-                    o.write(half::f16::from_le_bytes([c[0], c[1]]).to_f32());
-                }
+            &straddling[..]
+        };
+        write_row(src, d, dst);
+    }
+    Ok(())
+}
+
+/// Converts one row of wire values into `dst`.
+fn write_row(src: &[u8], d: Dtype, dst: &mut [MaybeUninit<f32>]) {
+    match d {
+        Dtype::Float32 if cfg!(target_endian = "little") => {
+            // SAFETY: `src` holds `dst.len()` little-endian f32 values (4 bytes each, checked by
+            // the caller), the native layout on this machine; the two do not overlap (`dst` is
+            // the caller's output, `src` a received buffer) and any bytes are a valid f32.
+            unsafe {
+                std::ptr::copy_nonoverlapping(
+                    src.as_ptr(),
+                    dst.as_mut_ptr().cast::<u8>(),
+                    dst.len() * 4,
+                );
             }
-            Dtype::Bfloat16 => {
-                for (o, c) in dst.iter_mut().zip(src.chunks_exact(2)) {
-                    o.write(half::bf16::from_le_bytes([c[0], c[1]]).to_f32());
-                }
+        }
+        Dtype::Float32 => {
+            for (o, c) in dst.iter_mut().zip(src.chunks_exact(4)) {
+                o.write(f32::from_le_bytes([c[0], c[1], c[2], c[3]]));
+            }
+        }
+        Dtype::Float16 => {
+            for (o, c) in dst.iter_mut().zip(src.chunks_exact(2)) {
+                o.write(half::f16::from_le_bytes([c[0], c[1]]).to_f32());
+            }
+        }
+        Dtype::Bfloat16 => {
+            for (o, c) in dst.iter_mut().zip(src.chunks_exact(2)) {
+                o.write(half::bf16::from_le_bytes([c[0], c[1]]).to_f32());
             }
         }
     }
-    Ok(())
 }
 
 /// Packs ids.
@@ -341,7 +421,55 @@ mod tests {
             // SAFETY: scatter_rows wrote every row.
             let out = out.map(|x| unsafe { x.assume_init() });
             assert_eq!(out, [4.0, 5.0, 6.0, 1.0, 2.0, 3.0]);
+            // The same field in pieces of every size, rows split between pieces.
+            for piece in 1..rows.len() {
+                let chunks: Vec<Bytes> = (0..rows.len())
+                    .step_by(piece)
+                    .map(|a| rows.slice(a..(a + piece).min(rows.len())))
+                    .chain([Bytes::new()])
+                    .collect();
+                let mut out = [MaybeUninit::<f32>::uninit(); 6];
+                scatter_chunks(&chunks, d, &[1, 0], 3, &mut out).unwrap();
+                // SAFETY: scatter_chunks wrote every row.
+                let out = out.map(|x| unsafe { x.assume_init() });
+                assert_eq!(
+                    out,
+                    [4.0, 5.0, 6.0, 1.0, 2.0, 3.0],
+                    "{d:?} in pieces of {piece}"
+                );
+                let short = &chunks[..chunks.len() - 2];
+                scatter_chunks(short, d, &[1, 0], 3, &mut [MaybeUninit::uninit(); 6]).unwrap_err();
+            }
         }
+    }
+
+    #[test]
+    fn joined_pieces_are_one_aligned_buffer() {
+        let v: Vec<f32> = (0..1001).map(|i| i as f32 * 0.25).collect();
+        let b = encode_values(&v, Dtype::Float32);
+        for piece in [1usize, 3, 4, 1000, 4004] {
+            let chunks: Vec<Bytes> = (0..b.len())
+                .step_by(piece)
+                .map(|a| b.slice(a..(a + piece).min(b.len())))
+                .collect();
+            let j = join(chunks);
+            assert_eq!(j, b);
+            if piece < b.len() {
+                assert_eq!(j.as_ptr() as usize % 4, 0);
+                assert!(matches!(
+                    values(&j, Dtype::Float32, v.len(), "g").unwrap(),
+                    Cow::Borrowed(_)
+                ));
+            }
+        }
+        assert_eq!(
+            join(vec![Bytes::new(), Bytes::from_static(b"abc")]),
+            &b"abc"[..]
+        );
+        assert!(join(Vec::new()).is_empty());
+        // Odd byte counts (16-bit values) keep their length.
+        let odd = join(vec![Bytes::from_static(b"ab"), Bytes::from_static(b"cde")]);
+        assert_eq!(odd, &b"abcde"[..]);
     }
 
     #[test]

@@ -28,7 +28,7 @@ use tonic::{Request, Response, Status};
 use crate::error::{invalid, Error, Result};
 use crate::net::proto::p_store_server::{PStore, PStoreServer};
 use crate::net::proto::*;
-use crate::net::{status_of, token_eq, wire, DEFAULT_MAX_MESSAGE, PROTOCOL};
+use crate::net::{splice, status_of, token_eq, wire, DEFAULT_MAX_MESSAGE, PROTOCOL};
 use crate::store::{Store, Table};
 use crate::table::{DenseTableConfig, SparseTableConfig, TableStats};
 use metrics::{Metrics, ReplicaSample, Sample, TableSample};
@@ -344,6 +344,14 @@ fn fits(max_message: usize, bytes: usize, what: &str) -> Result<()> {
         )));
     }
     Ok(())
+}
+
+/// Moves a pull answer's rows out of the message, to be sent from their own buffer rather
+/// than copied into tonic's (`net/splice.rs`).
+fn splice_rows(mut resp: Response<PullResponse>) -> Response<PullResponse> {
+    let rows = std::mem::take(&mut resp.get_mut().rows);
+    resp.extensions_mut().insert(splice::SplicedRows(rows));
+    resp
 }
 
 /// Runs a call's work on tokio's blocking pool.
@@ -806,12 +814,21 @@ impl PStore for Service {
             })
         })
         .await
+        .map(splice_rows)
     }
 
     async fn push(
         &self,
-        req: Request<PushRequest>,
+        mut req: Request<PushRequest>,
     ) -> std::result::Result<Response<PushResponse>, Status> {
+        // The gradients as the frames carried them, past tonic's buffer (`net/splice.rs`).
+        if let Some(g) = req
+            .extensions()
+            .get::<splice::RowChunks>()
+            .and_then(|c| c.take())
+        {
+            req.get_mut().grads = wire::join(g);
+        }
         self.run("Push", Access::Write, On::Pool, req, |s, r| {
             let t = sparse(&s.store, &r.table)?;
             let d = wire::dtype(r.dtype)?;
@@ -1448,7 +1465,21 @@ pub(crate) fn launch<S: PStore>(
                 req
             },
         );
-        let router = builder.layer(served).add_service(health).add_service(svc);
+        // A pull answer's rows go on the wire from their own buffer, a push's gradients are
+        // read from the frames that carried them (`net/splice.rs`).
+        let splice = tower::util::MapResponseLayer::new(splice::splice_response);
+        let max_message = config.max_message;
+        let strip = tower::util::MapRequestLayer::new(
+            move |req: tonic::codegen::http::Request<tonic::body::Body>| {
+                splice::strip_push(req, max_message)
+            },
+        );
+        let router = builder
+            .layer(served)
+            .layer(splice)
+            .layer(strip)
+            .add_service(health)
+            .add_service(svc);
         // Our own accept loop: the connection cap, the pause after a failed accept, the
         // handshake timeout, TCP_NODELAY (`conn.rs`).
         let incoming = conn::Incoming::new(listener, config.limits, grpc_conns);
