@@ -243,7 +243,14 @@ def w1_pull(ctx: Context) -> Section:
     log(f"W1: populating pstore ({n:,} pulls of new ids)")
     sec.config["pstore_populate_ids_per_s"] = _populate(pt, n)
     sec.config["pstore_threads"] = store.threads
-    sec.config["pstore_bytes_used_per_row"] = pt.stats()["bytes_used"] / max(len(pt), 1)
+    stats = pt.stats()
+    sec.config["pstore_bytes_used_per_row"] = stats["bytes_used"] / max(len(pt), 1)
+    sec.config["pstore_huge_page_frac"] = stats["huge_page_bytes"] / max(stats["bytes_used"], 1)
+    # The same table in a store of one thread, for the goal against the one-thread reference.
+    store_1t = ctx.pstore.Store(threads=1)
+    pt_1t = store_1t.create_sparse_table("w1", dim)
+    log(f"W1: populating a one-thread store ({n:,} pulls of new ids)")
+    _populate(pt_1t, n)
     log("W1: building the dict peer")
     t0 = time.perf_counter()
     dict_peer = DictTake(ids_of(np.arange(n, dtype=np.int64)), table)
@@ -269,6 +276,7 @@ def w1_pull(ctx: Context) -> Section:
             sec.config[f"unique_frac_{dist}_{batch}"] = _unique_frac(pos)
             fns = {
                 "pstore": _loop(pt.pull, ids),
+                "pstore_1t": _loop(pt_1t.pull, ids),
                 "numpy_take": _loop(np_peer.pull, pos),
                 "dict_take": _loop(dict_peer.pull, ids),
             }
@@ -285,6 +293,7 @@ def w1_pull(ctx: Context) -> Section:
     if len(pt) != n:
         sec.notes.append(f"pstore len(table) changed during pulls of existing ids: {len(pt)}")
     store.drop_table("w1")
+    store_1t.drop_table("w1")
     return sec
 
 

@@ -317,10 +317,12 @@ class SparseTable(_Table):
         """Counters and sizes.
 
         Keys: ``rows`` (including ``rows_unloaded``), ``dim``, ``bytes_used`` (arena, state and
-        index), ``pushes``, ``pulls``, ``ids_pushed``, ``ids_pulled`` (duplicates included),
-        ``rows_updated`` (optimizer applications), ``rows_created``, ``rows_evicted``,
-        ``rows_unloaded`` (rows of a durable store's replica not loaded into memory yet),
-        ``seq``, ``num_shards``, ``lr``, ``optimizer``.
+        index), ``huge_page_bytes`` (the part of ``bytes_used`` the kernel accepted
+        ``MADV_HUGEPAGE`` for: full row chunks and large indexes; 0 where the OS has no
+        transparent huge pages), ``pushes``, ``pulls``, ``ids_pushed``, ``ids_pulled``
+        (duplicates included), ``rows_updated`` (optimizer applications), ``rows_created``,
+        ``rows_evicted``, ``rows_unloaded`` (rows of a durable store's replica not loaded into
+        memory yet), ``seq``, ``num_shards``, ``lr``, ``optimizer``.
         """
         s = self._inner.stats()
         s.update(dim=self.dim, num_shards=self.num_shards, optimizer=self._inner.optimizer_name)

@@ -1,5 +1,7 @@
 """Sparse tables: pull/push/contains/remove, ids, initialisers, determinism, stats, the catalog."""
 
+import os
+
 import numpy as np
 import pytest
 from _data import F32, U64_MAX, random_ids, u64
@@ -356,6 +358,7 @@ STATS_KEYS = {
     "rows",
     "dim",
     "bytes_used",
+    "huge_page_bytes",
     "pushes",
     "pulls",
     "ids_pushed",
@@ -394,6 +397,9 @@ def test_stats(store):
     assert (s["pushes"], s["ids_pushed"], s["rows_updated"]) == (2, 5, 4)
     assert s["pulls"] == 1
 
+    # 1001 rows of 8 floats fill no 2 MiB row chunk and no large index: all on small pages.
+    assert s["huge_page_bytes"] == 0
+
     t.lr = 0.5
     assert t.stats()["lr"] == pytest.approx(0.5, rel=1e-6)
     t.remove(np.arange(10, dtype=np.uint64))
@@ -401,6 +407,24 @@ def test_stats(store):
 
     a = store.create_sparse_table("adam", 2, optimizer=optim.Adam(lr=0.1))
     assert "adam" in str(a.stats()["optimizer"]).lower()
+
+
+def test_stats_count_the_rows_on_huge_pages(store):
+    """Full row chunks are whole 2 MiB pages advised MADV_HUGEPAGE; stats() counts them."""
+    t = store.create_sparse_table("big", 64)
+    t.pull(np.arange(60_000, dtype=np.uint64))
+    s = t.stats()
+    thp = os.path.exists("/sys/kernel/mm/transparent_hugepage/enabled")
+    if not thp:
+        assert s["huge_page_bytes"] == 0
+        return
+    # 15,000 rows of 288 bytes a shard: at least one full chunk (7281 rows) each.
+    assert s["huge_page_bytes"] >= 4 * (2 << 20)
+    assert s["huge_page_bytes"] <= s["bytes_used"]
+    assert s["huge_page_bytes"] % (2 << 20) == 0
+    t.remove(np.arange(60_000, dtype=np.uint64))
+    # Chunks stay (rows are freed into the free list), so their pages are still counted.
+    assert t.stats()["huge_page_bytes"] == s["huge_page_bytes"]
 
 
 def test_catalog(store):

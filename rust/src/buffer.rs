@@ -33,6 +33,8 @@ pub struct Buffer<T: Zeroable> {
     len: usize,
     /// The memory is a mapping of its own (see [`map_huge`]), not the allocator's.
     mapped: bool,
+    /// The kernel accepted `MADV_HUGEPAGE` for the whole buffer.
+    huge: bool,
     _owns: PhantomData<T>,
 }
 
@@ -61,11 +63,12 @@ impl<T: Zeroable> Buffer<T> {
         let layout = Self::layout(len);
         let huge = layout.align() == HUGE;
         if huge {
-            if let Some(raw) = map_huge(layout.size()) {
+            if let Some((raw, advised)) = map_huge(layout.size()) {
                 return Self {
                     ptr: raw.cast(),
                     len,
                     mapped: true,
+                    huge: advised,
                     _owns: PhantomData,
                 };
             }
@@ -91,8 +94,8 @@ impl<T: Zeroable> Buffer<T> {
         let Some(ptr) = NonNull::new(raw.cast::<T>()) else {
             handle_alloc_error(layout)
         };
+        let advised = huge && advise_huge(raw, layout.size());
         if huge {
-            advise_huge(raw, layout.size());
             // SAFETY: `raw` is valid for `layout.size()` bytes of writes.
             unsafe { std::ptr::write_bytes(raw, 0, layout.size()) };
         }
@@ -100,6 +103,7 @@ impl<T: Zeroable> Buffer<T> {
             ptr,
             len,
             mapped: false,
+            huge: advised,
             _owns: PhantomData,
         }
     }
@@ -112,6 +116,17 @@ impl<T: Zeroable> Buffer<T> {
     /// Bytes allocated.
     pub fn bytes(&self) -> usize {
         Self::layout(self.len).size()
+    }
+
+    /// Bytes in a range the kernel accepted `MADV_HUGEPAGE` for: all of [`Buffer::bytes`] or
+    /// none (small buffers are never advised). The kernel backs such a range with huge pages
+    /// where it has them; whether it did is its own accounting (`AnonHugePages` in smaps).
+    pub fn huge_page_bytes(&self) -> usize {
+        if self.huge {
+            self.bytes()
+        } else {
+            0
+        }
     }
 }
 
@@ -143,7 +158,8 @@ impl<T: Zeroable> Drop for Buffer<T> {
 }
 
 /// A mapping of its own for `size` zeroed bytes, aligned to 2 MiB and advised to be backed by
-/// huge pages; `None` where none can be made (then the allocator serves the buffer).
+/// huge pages, and whether the kernel took that advice; `None` where none can be made (then the
+/// allocator serves the buffer).
 ///
 /// Such a buffer goes back to the kernel when dropped. Through the allocator, a freed huge buffer
 /// (an index that grew, the last chunk of a shard that grew) stayed in its free lists, and the
@@ -152,7 +168,7 @@ impl<T: Zeroable> Drop for Buffer<T> {
 /// writes fault them in. A process may hold only so many mappings (`vm.max_map_count`, 65530 by
 /// default: about 128 GiB of 2 MiB row chunks); past that the allocator serves huge buffers too.
 #[cfg(target_os = "linux")]
-fn map_huge(size: usize) -> Option<NonNull<u8>> {
+fn map_huge(size: usize) -> Option<(NonNull<u8>, bool)> {
     let span = size.next_multiple_of(page_size());
     let total = span.checked_add(HUGE)?;
     // SAFETY: an anonymous private mapping of a fresh range; no existing memory is touched.
@@ -182,12 +198,12 @@ fn map_huge(size: usize) -> Option<NonNull<u8>> {
             libc::munmap(end as *mut libc::c_void, start + total - end);
         }
     }
-    advise_huge(aligned as *mut u8, span);
-    NonNull::new(aligned as *mut u8)
+    let advised = advise_huge(aligned as *mut u8, span);
+    NonNull::new(aligned as *mut u8).map(|p| (p, advised))
 }
 
 #[cfg(not(target_os = "linux"))]
-fn map_huge(_size: usize) -> Option<NonNull<u8>> {
+fn map_huge(_size: usize) -> Option<(NonNull<u8>, bool)> {
     None
 }
 
@@ -203,16 +219,20 @@ fn unmap_huge(ptr: NonNull<u8>, size: usize) {
     let _ = (ptr, size);
 }
 
-/// Asks the kernel to back `ptr .. ptr + size` with huge pages (Linux).
-fn advise_huge(ptr: *mut u8, size: usize) {
+/// Asks the kernel to back `ptr .. ptr + size` with huge pages (Linux); whether it accepted
+/// (a kernel without transparent huge pages, or with them `never`, refuses: harmless).
+fn advise_huge(ptr: *mut u8, size: usize) -> bool {
     #[cfg(target_os = "linux")]
     // SAFETY: the range is memory of ours; the advice only changes how the kernel backs it,
-    // never its contents. A refusal is harmless, so the result is ignored.
+    // never its contents.
     unsafe {
-        libc::madvise(ptr.cast(), size, libc::MADV_HUGEPAGE);
+        libc::madvise(ptr.cast(), size, libc::MADV_HUGEPAGE) == 0
     }
     #[cfg(not(target_os = "linux"))]
-    let _ = (ptr, size);
+    {
+        let _ = (ptr, size);
+        false
+    }
 }
 
 /// The size of a small page, the granularity of a mapping.
@@ -258,5 +278,20 @@ mod tests {
         let b = Buffer::<u32>::zeroed(58_254 * 9);
         assert_eq!(b.bytes(), HUGE);
         assert_eq!(b.ptr.as_ptr() as usize % HUGE, 0);
+    }
+
+    #[test]
+    fn huge_page_bytes_count_only_advised_buffers() {
+        // A kernel with transparent huge pages accepts the advice (whatever its policy).
+        let thp = std::path::Path::new("/sys/kernel/mm/transparent_hugepage/enabled").exists();
+        for b in [
+            Buffer::<u32>::zeroed(4 << 20),
+            Buffer::<u32>::from_allocator(4 << 20),
+        ] {
+            assert_eq!(b.huge_page_bytes(), if thp { b.bytes() } else { 0 });
+        }
+        // Small buffers are never advised.
+        assert_eq!(Buffer::<u32>::zeroed(1000).huge_page_bytes(), 0);
+        assert_eq!(Buffer::<u64>::zeroed(16).huge_page_bytes(), 0);
     }
 }

@@ -6,14 +6,24 @@
 //! (`MADV_HUGEPAGE`). [`DenseRows::gather`] copies the first `dim` words of the rows at the given
 //! positions into an output, the *dense-gather limit* every pull figure is set against;
 //! [`DenseRows::adagrad`] is the read-modify-write limit of a push: each position's row holds
-//! `dim` weights then `dim` accumulators and gets one Adagrad step. Both split the batch over
-//! `threads` scoped threads and, with `prefetch`, ask for the row lines a fixed distance ahead.
+//! `dim` weights then `dim` accumulators and gets one Adagrad step. Both run on a persistent
+//! [`Executor`] of `threads` threads, kept per thread count: the caller and `threads - 1`
+//! helper threads that watch for the next batch, exactly as a table's pull and push run, so the
+//! ratio of a table to these kernels measures the table's own work and not a difference in
+//! thread hand-offs. With `prefetch` they ask for the row lines a fixed distance ahead.
 //! `benches/workloads.py` (W1, W2) runs them in the same process as the peers.
 
+use std::sync::{Arc, Mutex};
+
 use crate::error::{invalid, shape, Result};
+use crate::executor::Executor;
 
 /// Positions ahead of the copy whose row lines are prefetched.
 const AHEAD: usize = 8;
+/// Tasks a gather is cut into per thread, so a helper that joins late still finds work.
+const TASKS_PER_THREAD: usize = 4;
+/// The fewest positions a gather task copies.
+const MIN_TASK: usize = 512;
 
 /// Rows at fixed positions, cache-line aligned, for the reference kernels.
 pub struct DenseRows {
@@ -23,6 +33,8 @@ pub struct DenseRows {
     words: usize,
     stride: usize,
     huge: bool,
+    /// The executors the kernels have run on, one per thread count, started on first use.
+    pools: Mutex<Vec<Arc<Executor>>>,
 }
 
 // SAFETY: the mapping is owned by this value alone; `&self` methods only read it and `&mut self`
@@ -87,6 +99,7 @@ impl DenseRows {
             words,
             stride,
             huge,
+            pools: Mutex::new(Vec::new()),
         };
         for i in 0..n {
             // SAFETY: row `i` lies within the mapping (`i < n`), and nothing else refers to it.
@@ -100,6 +113,18 @@ impl DenseRows {
     /// Whether the kernel accepted `MADV_HUGEPAGE` for the rows.
     pub fn huge_pages(&self) -> bool {
         self.huge
+    }
+
+    /// The executor of `threads` threads (at least one), started on first use and kept.
+    fn pool(&self, threads: usize) -> Result<Arc<Executor>> {
+        let threads = threads.max(1);
+        let mut pools = self.pools.lock().unwrap_or_else(|e| e.into_inner());
+        if let Some(p) = pools.iter().find(|p| p.threads() == threads) {
+            return Ok(Arc::clone(p));
+        }
+        let p = Executor::new(threads, 1 << 20)?;
+        pools.push(Arc::clone(&p));
+        Ok(p)
     }
 
     fn check(&self, pos: &[u64], dim: usize, values: usize, name: &str) -> Result<()> {
@@ -134,24 +159,35 @@ impl DenseRows {
         prefetch: bool,
     ) -> Result<()> {
         self.check(pos, dim, out.len(), "out")?;
-        let per = pos.len().div_ceil(threads.max(1)).max(1);
-        std::thread::scope(|s| {
-            for (p, o) in pos.chunks(per).zip(out.chunks_mut(per * dim)) {
-                s.spawn(move || {
-                    for (i, &at) in p.iter().enumerate() {
-                        if prefetch {
-                            if let Some(&ahead) = p.get(i + AHEAD) {
-                                self.lines(ahead, dim);
-                            }
-                        }
-                        // SAFETY: `at < n` (checked); the row's first `dim <= words` words are
-                        // in the mapping and only read here.
-                        let row = unsafe {
-                            std::slice::from_raw_parts(self.ptr.add(at as usize * self.stride), dim)
-                        };
-                        o[i * dim..(i + 1) * dim].copy_from_slice(row);
+        let pool = self.pool(threads)?;
+        let per = pos
+            .len()
+            .div_ceil(pool.threads() * TASKS_PER_THREAD)
+            .max(MIN_TASK);
+        let tasks = pos.len().div_ceil(per);
+        let out_at = out.as_mut_ptr() as usize;
+        pool.run_shared(tasks, &|t| {
+            let p = &pos[t * per..((t + 1) * per).min(pos.len())];
+            // SAFETY: task `t` alone writes the output rows of positions `t * per ..`, which lie
+            // in `out` (its length is `pos.len() * dim`, checked), and `out` outlives the call.
+            let o = unsafe {
+                std::slice::from_raw_parts_mut(
+                    (out_at as *mut f32).add(t * per * dim),
+                    p.len() * dim,
+                )
+            };
+            for (i, &at) in p.iter().enumerate() {
+                if prefetch {
+                    if let Some(&ahead) = p.get(i + AHEAD) {
+                        self.lines(ahead, dim);
                     }
-                });
+                }
+                // SAFETY: `at < n` (checked); the row's first `dim <= words` words are in the
+                // mapping and only read here.
+                let row = unsafe {
+                    std::slice::from_raw_parts(self.ptr.add(at as usize * self.stride), dim)
+                };
+                o[i * dim..(i + 1) * dim].copy_from_slice(row);
             }
         });
         Ok(())
@@ -178,38 +214,35 @@ impl DenseRows {
                 self.words
             )));
         }
-        let threads = threads.max(1) as u64;
+        let pool = self.pool(threads)?;
+        let threads = pool.threads() as u64;
         let base = self.ptr as usize;
         let stride = self.stride;
         let this = &*self;
-        std::thread::scope(|s| {
-            for t in 0..threads {
-                s.spawn(move || {
-                    let mine: Vec<usize> =
-                        (0..pos.len()).filter(|&i| pos[i] % threads == t).collect();
-                    for (k, &i) in mine.iter().enumerate() {
-                        if prefetch {
-                            if let Some(&ahead) = mine.get(k + AHEAD) {
-                                this.lines(pos[ahead], 2 * dim);
-                            }
-                        }
-                        // SAFETY: `pos[i] < n` (checked) and rows with `p % threads == t` are
-                        // written by this thread alone, so this is the only reference to the
-                        // row while it lives; `2 * dim <= words`.
-                        let row = unsafe {
-                            std::slice::from_raw_parts_mut(
-                                (base as *mut f32).add(pos[i] as usize * stride),
-                                2 * dim,
-                            )
-                        };
-                        let (w, acc) = row.split_at_mut(dim);
-                        let g = &grads[i * dim..(i + 1) * dim];
-                        for j in 0..dim {
-                            acc[j] += g[j] * g[j];
-                            w[j] -= lr * g[j] / (acc[j].sqrt() + 1e-10);
-                        }
+        pool.run_shared(threads as usize, &|t| {
+            let t = t as u64;
+            let mine: Vec<usize> = (0..pos.len()).filter(|&i| pos[i] % threads == t).collect();
+            for (k, &i) in mine.iter().enumerate() {
+                if prefetch {
+                    if let Some(&ahead) = mine.get(k + AHEAD) {
+                        this.lines(pos[ahead], 2 * dim);
                     }
-                });
+                }
+                // SAFETY: `pos[i] < n` (checked) and rows with `p % threads == t` are written
+                // by task `t` alone, so this is the only reference to the row while it lives;
+                // `2 * dim <= words`, and `&mut self` keeps every other user of the rows out.
+                let row = unsafe {
+                    std::slice::from_raw_parts_mut(
+                        (base as *mut f32).add(pos[i] as usize * stride),
+                        2 * dim,
+                    )
+                };
+                let (w, acc) = row.split_at_mut(dim);
+                let g = &grads[i * dim..(i + 1) * dim];
+                for j in 0..dim {
+                    acc[j] += g[j] * g[j];
+                    w[j] -= lr * g[j] / (acc[j].sqrt() + 1e-10);
+                }
             }
         });
         Ok(())
@@ -249,6 +282,15 @@ mod tests {
                 }
             }
         }
+        // One executor per thread count, kept across calls (no threads started per call).
+        let pools: Vec<usize> = rows
+            .pools
+            .lock()
+            .unwrap()
+            .iter()
+            .map(|p| p.threads())
+            .collect();
+        assert_eq!(pools, [1, 2, 3]);
         let mut out = vec![0f32; 3];
         assert!(rows.gather(&[100], 3, &mut out, 1, false).is_err());
         assert!(rows.gather(&[1], 3, &mut out[..2], 1, false).is_err());

@@ -288,6 +288,14 @@ impl Shard {
         arena + self.index.bytes() + self.free.capacity() * 4 + self.chunks.capacity() * 24
     }
 
+    /// Bytes of the arena and the index in ranges the kernel accepted `MADV_HUGEPAGE` for (a
+    /// part of [`Shard::bytes`]): a shard's small beginnings and the tail of a growing last
+    /// chunk stay on small pages.
+    pub fn huge_page_bytes(&self) -> usize {
+        let arena: usize = self.chunks.iter().map(|c| c.huge_page_bytes()).sum();
+        arena + self.index.table.huge_page_bytes()
+    }
+
     #[inline]
     fn locate(&self, slot: u32) -> (usize, usize) {
         let c = ((self.chunk_magic as u128 * slot as u128) >> 64) as usize;

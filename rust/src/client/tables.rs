@@ -139,6 +139,7 @@ fn merge(infos: &[TableInfo], servers: &[String]) -> Result<Stats> {
     let mut t = TableStats {
         rows: 0,
         bytes_used: 0,
+        huge_page_bytes: 0,
         pushes: 0,
         pulls: 0,
         ids_pushed: 0,
@@ -158,6 +159,7 @@ fn merge(infos: &[TableInfo], servers: &[String]) -> Result<Stats> {
         let g = |v: &serde_json::Value, k: &str| v.get(k).and_then(|x| x.as_u64()).unwrap_or(0);
         t.rows += g(&v, "rows");
         t.bytes_used += g(&v, "bytes_used");
+        t.huge_page_bytes += g(&v, "huge_page_bytes");
         // One per push over all servers (servers of this version count each push once, on
         // the request without `uncounted`); each server's own applies are under "servers".
         t.pushes += match v.get("pushes_counted") {

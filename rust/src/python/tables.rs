@@ -490,6 +490,7 @@ fn stats_dict<'py>(py: Python<'py>, s: &Stats) -> PyResult<Bound<'py, PyDict>> {
     let (d, t) = (PyDict::new(py), &s.table);
     d.set_item("rows", t.rows)?;
     d.set_item("bytes_used", t.bytes_used)?;
+    d.set_item("huge_page_bytes", t.huge_page_bytes)?;
     d.set_item("pushes", t.pushes)?;
     d.set_item("pulls", t.pulls)?;
     d.set_item("ids_pushed", t.ids_pushed)?;

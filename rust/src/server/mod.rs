@@ -219,7 +219,8 @@ impl Inner {
         let p = self.policies.get(name);
         let st = self.policies.stats(name);
         let stats = serde_json::json!({
-            "rows": s.rows, "bytes_used": s.bytes_used, "pushes": s.pushes, "pulls": s.pulls,
+            "rows": s.rows, "bytes_used": s.bytes_used, "huge_page_bytes": s.huge_page_bytes,
+            "pushes": s.pushes, "pulls": s.pulls,
             "ids_pushed": s.ids_pushed, "ids_pulled": s.ids_pulled,
             "rows_updated": s.rows_updated, "rows_created": s.rows_created,
             "rows_evicted": s.rows_evicted, "rows_unloaded": s.rows_unloaded, "seq": s.seq,

@@ -316,6 +316,7 @@ impl DenseTable {
         TableStats {
             rows: 1,
             bytes_used: ((d.weights.capacity() + d.state.capacity()) * 4) as u64,
+            huge_page_bytes: 0,
             pushes: Counters::get(&c.pushes),
             pulls: Counters::get(&c.pulls),
             ids_pushed: 0,

@@ -26,6 +26,9 @@ pub struct TableStats {
     pub rows: u64,
     /// Bytes held by rows, state and index.
     pub bytes_used: u64,
+    /// The part of `bytes_used` in ranges the kernel accepted `MADV_HUGEPAGE` for (Linux with
+    /// transparent huge pages): a sparse table's full row chunks and large indexes.
+    pub huge_page_bytes: u64,
     /// Push calls applied.
     pub pushes: u64,
     /// Pull calls answered.

@@ -643,17 +643,19 @@ impl SparseTable {
 
     /// The table's counters and sizes.
     pub fn stats(&self) -> TableStats {
-        let (mut rows, mut bytes) = (0u64, 0u64);
+        let (mut rows, mut bytes, mut huge) = (0u64, 0u64, 0u64);
         for s in 0..self.shards.len() {
             let shard = self.read(s);
             rows += shard.len() as u64;
             bytes += shard.bytes() as u64;
+            huge += shard.huge_page_bytes() as u64;
         }
         let c = &self.common.counters;
         rows += self.unloaded();
         TableStats {
             rows,
             bytes_used: bytes,
+            huge_page_bytes: huge,
             pushes: Counters::get(&c.pushes),
             pulls: Counters::get(&c.pulls),
             ids_pushed: Counters::get(&c.ids_pushed),
