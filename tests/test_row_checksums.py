@@ -198,7 +198,7 @@ def test_a_store_of_an_older_format_opens_and_gets_checksums(tmp_path, version):
 
 # --- serving artifacts --------------------------------------------------------------------------
 
-SLOT = 32  # layout 3: id, row index and slot check, the row's check, 8 zero bytes
+ROW_SUM = 4
 INDEX = (1 << 40) - 1
 
 
@@ -208,13 +208,13 @@ def artifact_rows(out: Path) -> tuple[Path, dict[int, tuple[int, int]], int]:
     (rows_file,) = (out / "tables").glob("*.rows")
     raw = rows_file.read_bytes()
     version, dtype, dim, stride, rows, slots = struct.unpack_from("<IIIIQQ", raw, 8)
-    assert (version, dtype, dim) == (3, 0, DIM)
-    rows_at = -(-(4096 + SLOT * slots) // 4096) * 4096
+    assert (version, dtype, dim) == (2, 0, DIM)
+    rows_at = -(-(4096 + 16 * slots) // 4096) * 4096
     where = {}
     for i in range(slots):
-        k, word = struct.unpack_from("<QQ", raw, 4096 + SLOT * i)
+        k, word = struct.unpack_from("<QQ", raw, 4096 + 16 * i)
         if word:
-            where[k] = (4096 + SLOT * i, rows_at + ((word & INDEX) - 1) * stride)
+            where[k] = (4096 + 16 * i, rows_at + ((word & INDEX) - 1) * stride)
     assert len(where) == rows
     return rows_file, where, 4 * DIM
 
@@ -235,10 +235,9 @@ def test_bit_flips_in_an_artifacts_rows_never_give_a_wrong_row(tmp_path):
     for k in range(FLIPS):
         hit = int(ids[k % len(ids)])
         slot_at, row_at = where[hit]
-        # Three flips in four in the row, one in its index slot (the id, the row index and the
-        # slot's check, the row's check).
+        # Three flips in four in the row and its checksum, one in its index slot.
         region = "slot" if k % 4 == 3 else "row"
-        at, n = (slot_at, 24) if region == "slot" else (row_at, row_bytes)
+        at, n = (slot_at, 16) if region == "slot" else (row_at, row_bytes + ROW_SUM)
         bit = int(rng.integers(0, n * 8))
         work = tmp_path / f"model-{k}"
         shutil.copytree(out, work)
@@ -255,7 +254,7 @@ def test_bit_flips_in_an_artifacts_rows_never_give_a_wrong_row(tmp_path):
             else:
                 np.testing.assert_array_equal(got, want)
         shutil.rmtree(work)
-    # Every bit of a row is live: each flip there was caught. A flip in a
+    # Every bit of a row and its checksum is live: each flip there was caught. A flip in a
     # slot is caught or harmless (none is harmless in a slot in use).
     assert raised["row"] == FLIPS * 3 // 4
     assert raised["slot"] == FLIPS // 4

@@ -196,34 +196,25 @@ def read_row_file(path: Path, row_id: int) -> tuple[dict, bytes | None]:
     raw = path.read_bytes()
     fields = struct.unpack_from("<8sIIIIQQQQQI", raw)
     magic, version, dtype, dim, stride, rows, slots, gen, length, artifact, crc = fields
-    assert magic == b"PSTROWS\0" and version == 3 and zlib.crc32(raw[:64]) == crc
+    assert magic == b"PSTROWS\0" and version == 2 and zlib.crc32(raw[:64]) == crc
     assert length == len(raw)
     header = {"dtype": dtype, "dim": dim, "stride": stride, "rows": rows, "slots": slots}
     header |= {"generation": gen, "artifact": artifact}
-    rows_at = -(-(4096 + 32 * slots) // 4096) * 4096
+    rows_at = -(-(4096 + 16 * slots) // 4096) * 4096
     row_bytes = {0: 4 * dim, 1: 2 * dim, 2: 4 + dim}[dtype]
     i = mix64(row_id) & (slots - 1)
     while True:
-        k, w, check, zero = struct.unpack_from("<QQQQ", raw, 4096 + 32 * i)
+        k, w = struct.unpack_from("<QQ", raw, 4096 + 16 * i)
         if w == 0:
             return header, None
         r = w & ((1 << 40) - 1)
         assert w >> 40 == mix64(k ^ mix64(r ^ 0x707374726F777332)) >> 40, "the slot's check"
         if k == row_id:
             at = rows_at + (r - 1) * stride
-            assert check == row_check(k, raw[at : at + row_bytes]), "the row's check"
-            assert zero == 0
+            (row_sum,) = struct.unpack_from("<I", raw, at + row_bytes)
+            assert row_sum == zlib.crc32(struct.pack("<Q", k) + raw[at : at + row_bytes])
             return header, raw[at : at + row_bytes]
         i = (i + 1) & (slots - 1)
-
-
-def row_check(row_id: int, stored: bytes) -> int:
-    """A layout 3 row's check as docs/FORMAT.md defines it: the u32 words of the id and the
-    zero-padded row, each times its key ``0x85EBCA6B * (2i + 1) mod 2**32``, summed mod 2**64."""
-    data = struct.pack("<Q", row_id) + stored + b"\0" * (-len(stored) % 4)
-    words = np.frombuffer(data, "<u4").astype(np.uint64)
-    keys = (0x85EBCA6B * (2 * np.arange(len(words), dtype=np.uint64) + 1)) % 2**32
-    return int(np.sum(words * keys, dtype=np.uint64))
 
 
 def flip_byte(path: Path) -> None:
@@ -445,11 +436,11 @@ def test_bytes_per_row_by_dtype(tmp_path, rng):
         assert info["file_bytes"] == sizes[dtype]
         per_row[dtype] = sizes[dtype] / n
         assert info["bytes_per_row"] == pytest.approx(per_row[dtype])
-        # The row file: the rows at their stride, 32-byte slots (each holding its row's check)
-        # at most two thirds full.
-        stride = {"float32": 256, "float16": 128, "int8": 68}[dtype]
-        assert per_row[dtype] >= stride + 32 * 1.5
-        assert per_row[dtype] <= stride + 32 * 3 + 8192 / n + 50_000 / n
+        # The row file: the rows and their checksums at their stride, 16-byte slots at most two
+        # thirds full.
+        stride = {"float32": 260, "float16": 132, "int8": 72}[dtype]
+        assert per_row[dtype] >= stride
+        assert per_row[dtype] <= stride + 16 * 3 + 8192 / n + 50_000 / n
     print(
         "bytes per row, dim 64: "
         + ", ".join(f"{d} {per_row[d]:.1f} ({per_row[d] / per_row['float32']:.2f}x)" for d in sizes)

@@ -13,30 +13,21 @@ use crate::hash::mix64;
 
 /// The first bytes of every row file.
 pub const MAGIC: [u8; 8] = *b"PSTROWS\0";
-/// The row file layout this build writes (it reads layouts 1 and 2 too).
-/// Layout 1: no checks. Layout 2: each row is followed by its CRC-32 ([`row_sum`]), and each
-/// slot carries a check of itself ([`slot_check`]) above its row index. Layout 3: slots of 32
-/// bytes holding, beside what a layout 2 slot holds, the row's check, a weighted word sum
-/// ([`row_check`]) several times cheaper than the CRC; rows carry nothing after their bytes,
-/// so a row touches no more cache lines than in layout 1 (the slot's line is read anyway).
-pub const FILE_VERSION: u32 = 3;
+/// The row file layout this build writes (it reads layout 1 too: no checksums).
+/// Layout 2: each row is followed by its checksum ([`row_sum`]), and each slot carries a check
+/// of itself ([`slot_check`]) above its row index.
+pub const FILE_VERSION: u32 = 2;
 /// Bits of a layout 2 slot's second word that hold the row index plus one; the check of the
 /// slot is in the bits above.
 const INDEX_BITS: u32 = 40;
 const INDEX_MASK: u64 = (1 << INDEX_BITS) - 1;
-/// Bytes of a row's CRC-32, right after its stored bytes (layout 2).
+/// Bytes of a row's checksum, right after its stored bytes (layout 2).
 pub const ROW_SUM_BYTES: usize = 4;
-/// Where a layout 3 slot holds its row's check (u64 LE); the slot's last 8 bytes are zeros.
-const SLOT_ROW_CHECK_AT: usize = 16;
-/// The odd multiplier of the word-sum keys: word `i` (the id's two words first) is weighted by
-/// `KEY * (2i + 1) mod 2^32`, distinct odd keys for every position a row can have.
-const KEY: u32 = 0x85EB_CA6B;
 /// The header: one page, so the slots and rows start page-aligned.
 const HEADER: usize = 4096;
 /// Header bytes covered by its CRC-32 (stored right after them).
 const HEADER_CRC_AT: usize = 64;
-/// A slot of layouts 1 and 2: the id (u64 LE), then its row's index plus one (u64 LE; 0 marks
-/// an empty slot). Layout 3 slots are twice that (the row's check, then 8 zero bytes).
+/// A slot: the id (u64 LE), then its row's index plus one (u64 LE; 0 marks an empty slot).
 const SLOT: usize = 16;
 /// Slots per batch stage: the misses of one stage overlap.
 const BLOCK: usize = 32;
@@ -78,96 +69,6 @@ pub fn row_sum(id: u64, bytes: &[u8]) -> u32 {
     h.finalize()
 }
 
-/// The check of row `id` with `bytes` (as stored) in a layout 3 file: the sum, modulo 2^64, of
-/// the little-endian u32 words of the id (low word, then high word) and then of the bytes (the
-/// last word zero-padded), each multiplied (exactly, as u64) by its position's key
-/// `KEY * (2i + 1) mod 2^32`. It follows the row.
-///
-/// Every damage of one or two bits in the id, the row or the stored check changes it: one bit
-/// `b` of word `i` moves the sum by `±key_i × 2^b`, nonzero and under 2^63 in size; two bits
-/// cancel only if `key_i × 2^b = key_j × 2^c`, which odd distinct keys rule out, and a flip in
-/// the row against one in the stored check only if a key were 1 (none is, for rows of under
-/// 2^30 words). Unlike a CRC the words are independent, so the sum vectorises: a few ns per
-/// 256-byte row where `crc32fast` took about 37.
-#[inline]
-pub fn row_check(id: u64, bytes: &[u8]) -> u64 {
-    #[cfg(target_arch = "x86_64")]
-    if std::arch::is_x86_feature_detected!("avx2") {
-        // SAFETY: the CPU has the feature the function is compiled for.
-        return unsafe { row_check_avx2(id, bytes) };
-    }
-    word_sum(id, bytes)
-}
-
-/// [`word_sum`] with AVX2: eight words a step, the even and odd ones multiplied by their keys
-/// in two 4 x u64 products.
-#[cfg(target_arch = "x86_64")]
-#[target_feature(enable = "avx2")]
-fn row_check_avx2(id: u64, bytes: &[u8]) -> u64 {
-    use std::arch::x86_64::{
-        __m256i, _mm256_add_epi32, _mm256_add_epi64, _mm256_loadu_si256, _mm256_mul_epu32,
-        _mm256_set1_epi32, _mm256_setr_epi32, _mm256_setzero_si256, _mm256_srli_epi64,
-        _mm256_storeu_si256,
-    };
-    let key = |i: u32| KEY.wrapping_mul(2 * i + 1) as i32;
-    let blocks = bytes.len() / 32;
-    let mut acc = _mm256_setzero_si256();
-    let mut keys = _mm256_setr_epi32(
-        key(2),
-        key(3),
-        key(4),
-        key(5),
-        key(6),
-        key(7),
-        key(8),
-        key(9),
-    );
-    let step = _mm256_set1_epi32(KEY.wrapping_mul(16) as i32);
-    for b in 0..blocks {
-        // SAFETY: 32 bytes at b * 32 < len - 31; an unaligned load.
-        let v = unsafe { _mm256_loadu_si256(bytes.as_ptr().add(32 * b).cast::<__m256i>()) };
-        let even = _mm256_mul_epu32(v, keys);
-        let odd = _mm256_mul_epu32(_mm256_srli_epi64::<32>(v), _mm256_srli_epi64::<32>(keys));
-        acc = _mm256_add_epi64(acc, _mm256_add_epi64(even, odd));
-        keys = _mm256_add_epi32(keys, step);
-    }
-    let mut lanes = [0u64; 4];
-    // SAFETY: 32 bytes stored into a 32-byte array.
-    unsafe { _mm256_storeu_si256(lanes.as_mut_ptr().cast::<__m256i>(), acc) };
-    let head = lanes.iter().fold(0u64, |h, &l| h.wrapping_add(l));
-    word_sum_from(id, bytes, 32 * blocks, head)
-}
-
-/// The portable [`row_check`].
-#[inline(always)]
-fn word_sum(id: u64, bytes: &[u8]) -> u64 {
-    word_sum_from(id, bytes, 0, 0)
-}
-
-/// `sum` (the terms of the words of `bytes[..from]`, `from` a multiple of 4) plus the terms of
-/// the id and of the words from `from` on.
-#[inline(always)]
-fn word_sum_from(id: u64, bytes: &[u8], from: usize, sum: u64) -> u64 {
-    let term = |w: u32, k: u32| u64::from(w) * u64::from(k);
-    let mut h = sum
-        .wrapping_add(term(id as u32, KEY))
-        .wrapping_add(term((id >> 32) as u32, KEY.wrapping_mul(3)));
-    let mut k = KEY.wrapping_mul(2 * (2 + from as u32 / 4) + 1);
-    let step = KEY.wrapping_mul(2);
-    let words = bytes[from..].chunks_exact(4);
-    let tail = words.remainder();
-    for w in words {
-        h = h.wrapping_add(term(u32::from_le_bytes(w.try_into().expect("4 bytes")), k));
-        k = k.wrapping_add(step);
-    }
-    if !tail.is_empty() {
-        let mut w = [0u8; 4];
-        w[..tail.len()].copy_from_slice(tail);
-        h = h.wrapping_add(term(u32::from_le_bytes(w), k));
-    }
-    h
-}
-
 /// The check of a slot holding `id` and row index plus one `r1` (24 bits, the high bits of a
 /// layout 2 slot's second word): a probe checks every slot it passes, so an id damaged in its
 /// slot is not taken for an absent one.
@@ -176,46 +77,13 @@ pub fn slot_check(id: u64, r1: u64) -> u64 {
     mix64(id ^ mix64(r1 ^ 0x7073_7472_6f77_7332)) >> INDEX_BITS
 }
 
-/// How a layout checks its rows.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-enum Check {
-    /// Layout 1: not at all.
-    None,
-    /// Layout 2: a CRC-32 ([`row_sum`]).
-    Crc32,
-    /// Layout 3: a word sum ([`row_check`]).
-    Words,
-}
-
-impl Check {
-    fn of(version: u32) -> Check {
-        match version {
-            1 => Check::None,
-            2 => Check::Crc32,
-            _ => Check::Words,
-        }
-    }
-
-    /// Bytes of the check after each row.
-    fn bytes(self) -> usize {
-        match self {
-            Check::Crc32 => ROW_SUM_BYTES,
-            Check::None | Check::Words => 0,
-        }
-    }
-
-    /// Bytes of a slot.
-    fn slot_bytes(self) -> usize {
-        match self {
-            Check::Words => 2 * SLOT,
-            Check::None | Check::Crc32 => SLOT,
-        }
-    }
-}
-
-/// Bytes a row takes in a file of `version`: its stored bytes, then its check.
+/// Bytes a row takes in a file of `version` (its stored bytes, then its checksum in layout 2).
 fn entry_bytes(version: u32, row_bytes: usize) -> usize {
-    row_bytes + Check::of(version).bytes()
+    if version >= 2 {
+        row_bytes + ROW_SUM_BYTES
+    } else {
+        row_bytes
+    }
 }
 
 /// Slots for `rows` rows: a power of two with the table at most two thirds full.
@@ -331,12 +199,8 @@ pub struct RowFile {
     rows: u64,
     mask: usize,
     rows_at: usize,
-    /// Bytes of a slot.
-    slot_bytes: usize,
-    /// How rows are checked (layouts 2 and 3 also check every slot a probe passes).
-    check: Check,
-    /// The CPU runs the AVX2 build of [`row_check`].
-    avx2: bool,
+    /// Layout 2: slots and rows carry checks, verified on every read.
+    checked: bool,
 }
 
 impl std::fmt::Debug for RowFile {
@@ -349,9 +213,9 @@ impl std::fmt::Debug for RowFile {
 }
 
 /// The layout of a file of `rows` rows: (slots, where the rows start, file length).
-fn file_layout(rows: u64, stride: usize, slot_bytes: usize) -> (u64, usize, usize) {
+fn layout(rows: u64, stride: usize) -> (u64, usize, usize) {
     let slots = slots_for(rows);
-    let rows_at = (HEADER + slots as usize * slot_bytes).div_ceil(4096) * 4096;
+    let rows_at = (HEADER + slots as usize * SLOT).div_ceil(4096) * 4096;
     (slots, rows_at, rows_at + rows as usize * stride)
 }
 
@@ -418,8 +282,7 @@ impl RowFile {
         }
         let row_bytes = want.dtype.row_bytes(want.dim);
         let st = stride(entry_bytes(version, row_bytes));
-        let check = Check::of(version);
-        let (want_slots, rows_at, want_len) = file_layout(rows, st, check.slot_bytes());
+        let (want_slots, rows_at, want_len) = layout(rows, st);
         if stride_f as usize != st || slots != want_slots || file_len as usize != want_len {
             return Err(bad("has a header that does not fit its rows".into()));
         }
@@ -440,12 +303,7 @@ impl RowFile {
             rows,
             mask: slots as usize - 1,
             rows_at,
-            slot_bytes: check.slot_bytes(),
-            check,
-            #[cfg(target_arch = "x86_64")]
-            avx2: std::arch::is_x86_feature_detected!("avx2"),
-            #[cfg(not(target_arch = "x86_64"))]
-            avx2: false,
+            checked: version >= 2,
         })
     }
 
@@ -462,7 +320,7 @@ impl RowFile {
     #[inline(always)]
     fn slot_ptr(&self, i: usize) -> *const u8 {
         // SAFETY: i <= mask < slots: inside the slot array of the mapping.
-        unsafe { self.map.ptr.add(HEADER + i * self.slot_bytes) }
+        unsafe { self.map.ptr.add(HEADER + i * SLOT) }
     }
 
     #[inline(always)]
@@ -472,67 +330,37 @@ impl RowFile {
         unsafe { (p.cast::<u64>().read(), p.add(8).cast::<u64>().read()) }
     }
 
-    /// The row check a layout 3 slot holds.
-    #[inline(always)]
-    fn slot_row_check(&self, i: usize) -> u64 {
-        // SAFETY: a layout 3 slot is 32 bytes; its third word is inside it, 8-aligned.
-        unsafe { self.slot_ptr(i).add(SLOT_ROW_CHECK_AT).cast::<u64>().read() }
-    }
-
     #[inline(always)]
     fn row_ptr(&self, r: usize) -> *const u8 {
         // SAFETY: r < rows (checked by `find`): inside the row array.
         unsafe { self.map.ptr.add(self.rows_at + r * self.stride) }
     }
 
-    /// The stored bytes of row `r` (< rows) of `id`, found through slot `slot`, its check
-    /// verified (layouts 2 and 3).
+    /// The stored bytes of row `r` (< rows) of `id`, its checksum verified (layout 2).
     #[inline(always)]
-    fn row(&self, id: u64, r: usize, slot: usize) -> Result<&[u8]> {
+    fn row(&self, id: u64, r: usize) -> Result<&[u8]> {
         let at = self.rows_at + r * self.stride;
         let b = self.map.bytes();
         let row = &b[at..at + self.row_bytes];
-        let (stored, found) = match self.check {
-            Check::None => return Ok(row),
-            Check::Crc32 => (
-                u64::from(u32_at(b, at + self.row_bytes)),
-                u64::from(row_sum(id, row)),
-            ),
-            Check::Words => (
-                u64::from_le(self.slot_row_check(slot)),
-                self.word_check(id, row),
-            ),
-        };
-        if stored != found {
-            return Err(self.damaged_row(id, stored, found));
+        if self.checked {
+            let stored = u32_at(b, at + self.row_bytes);
+            let found = row_sum(id, row);
+            if stored != found {
+                return Err(corrupt(format!(
+                    "the row file {}: the row of id {id} is damaged (checksum {stored:08x} \
+                     stored, {found:08x} computed); it is not served: export the artifact again",
+                    self.path.display()
+                )));
+            }
         }
         Ok(row)
-    }
-
-    #[inline(always)]
-    fn word_check(&self, id: u64, row: &[u8]) -> u64 {
-        #[cfg(target_arch = "x86_64")]
-        if self.avx2 {
-            // SAFETY: `avx2` is set only when the CPU has the feature.
-            return unsafe { row_check_avx2(id, row) };
-        }
-        word_sum(id, row)
-    }
-
-    #[cold]
-    fn damaged_row(&self, id: u64, stored: u64, found: u64) -> crate::error::Error {
-        corrupt(format!(
-            "the row file {}: the row of id {id} is damaged (check {stored:x} stored, {found:x} \
-             computed); it is not served: export the artifact again",
-            self.path.display()
-        ))
     }
 
     /// The row index plus one of slot `i` holding `k` and `w` (its second word), its check
     /// verified (layout 2); 0 for an empty slot. `looking`: the id whose probe reads it.
     #[inline(always)]
     fn slot_row(&self, i: usize, k: u64, w: u64, looking: u64) -> Result<u64> {
-        if self.check == Check::None || w == 0 {
+        if !self.checked || w == 0 {
             return Ok(w);
         }
         let r1 = w & INDEX_MASK;
@@ -564,9 +392,9 @@ impl RowFile {
         ))
     }
 
-    /// The row index of `id` and the slot naming it, starting the probe at slot `h & mask`.
+    /// The row index of `id`, starting the probe at slot `h & mask`.
     #[inline(always)]
-    fn find_from(&self, id: u64, h: u64) -> Result<Option<(usize, usize)>> {
+    fn find_from(&self, id: u64, h: u64) -> Result<Option<usize>> {
         let mut i = h as usize & self.mask;
         for _ in 0..=self.mask {
             let (k, w) = self.slot(i);
@@ -578,7 +406,7 @@ impl RowFile {
                 if r > self.rows {
                     break;
                 }
-                return Ok(Some((r as usize - 1, i)));
+                return Ok(Some(r as usize - 1));
             }
             i = (i + 1) & self.mask;
         }
@@ -601,10 +429,10 @@ impl RowFile {
     /// rows are prefetched as its slots are probed, so the misses of a stage overlap.
     pub fn gather(&self, ids: &[u64], out: &mut [f32], found: &mut [bool]) -> Result<()> {
         let dim = self.dim;
-        let lines = (self.row_bytes + self.check.bytes()).div_ceil(64);
+        let lines = entry_bytes(if self.checked { 2 } else { 1 }, self.row_bytes).div_ceil(64);
         let mut hashes = [0u64; BLOCK];
         let mut next = [0u64; BLOCK];
-        let mut at = [(usize::MAX, 0); BLOCK];
+        let mut at = [usize::MAX; BLOCK];
         let stage = |ids: &[u64], h: &mut [u64; BLOCK]| {
             for (k, &id) in ids.iter().enumerate() {
                 h[k] = mix64(id);
@@ -619,26 +447,26 @@ impl RowFile {
             hashes.copy_from_slice(&next);
             for (k, &id) in chunk.iter().enumerate() {
                 at[k] = match self.find_from(id, hashes[k])? {
-                    Some((r, slot)) => {
+                    Some(r) => {
                         let p = self.row_ptr(r);
                         for l in 0..lines {
                             // SAFETY: inside the row (l * 64 < row_bytes).
                             prefetch(unsafe { p.add(l * 64) });
                         }
-                        (r, slot)
+                        r
                     }
-                    None => (usize::MAX, 0),
+                    None => usize::MAX,
                 };
             }
             if let Some(&(_, following)) = chunks.peek() {
                 stage(following, &mut next);
             }
             let base = c * BLOCK;
-            for (k, &(r, slot)) in at[..chunk.len()].iter().enumerate() {
+            for (k, &r) in at[..chunk.len()].iter().enumerate() {
                 let i = base + k;
                 found[i] = r != usize::MAX;
                 if found[i] {
-                    let row = self.row(chunk[k], r, slot)?;
+                    let row = self.row(chunk[k], r)?;
                     self.dtype
                         .decode_fast(row, &mut out[i * dim..(i + 1) * dim]);
                 }
@@ -676,19 +504,10 @@ impl RowFile {
         Ok(out)
     }
 
-    /// The stored bytes of row index `r` of `id` (from [`RowFile::entries`]), its check
+    /// The stored bytes of row index `r` of `id` (from [`RowFile::entries`]), its checksum
     /// verified.
     pub fn stored(&self, id: u64, r: usize) -> Result<&[u8]> {
-        let slot = match self.find_from(id, mix64(id))? {
-            Some((at, slot)) if at == r => slot,
-            _ => {
-                return Err(corrupt(format!(
-                    "the row file {}: id {id} does not name row {r}",
-                    self.path.display()
-                )))
-            }
-        };
-        self.row(id, r, slot)
+        self.row(id, r)
     }
 }
 
@@ -702,28 +521,13 @@ pub struct Writer {
     stride: usize,
     mask: usize,
     rows_at: usize,
-    slot_bytes: usize,
     next: u64,
-    layout: u32,
 }
 
 impl Writer {
-    /// Creates the file at `path` (replacing any) sized for `want.rows` rows, in the layout this
-    /// build writes ([`FILE_VERSION`]).
+    /// Creates the file at `path` (replacing any) sized for `want.rows` rows.
     pub fn create(path: &Path, want: Expect) -> Result<Writer> {
-        Writer::create_layout(path, want, FILE_VERSION)
-    }
-
-    /// As [`Writer::create`], in row file `layout` (1 to [`FILE_VERSION`]). Artifacts are
-    /// written in the newest; the older ones exist for tests of reading them and to measure
-    /// what each layout's check costs (`benches/row_checks.rs`).
-    pub fn create_layout(path: &Path, want: Expect, layout: u32) -> Result<Writer> {
         let io = |e: std::io::Error| storage(format!("writing {}: {e}", path.display()));
-        if !(1..=FILE_VERSION).contains(&layout) {
-            return Err(crate::error::invalid(format!(
-                "row file layout {layout}: this pstore writes layouts 1 to {FILE_VERSION}"
-            )));
-        }
         if want.rows >= INDEX_MASK {
             return Err(crate::error::invalid(format!(
                 "a table of {} rows does not fit a row file (at most {})",
@@ -732,9 +536,8 @@ impl Writer {
             )));
         }
         let row_bytes = want.dtype.row_bytes(want.dim);
-        let st = stride(entry_bytes(layout, row_bytes));
-        let slot_bytes = Check::of(layout).slot_bytes();
-        let (slots, rows_at, len) = file_layout(want.rows, st, slot_bytes);
+        let st = stride(entry_bytes(FILE_VERSION, row_bytes));
+        let (slots, rows_at, len) = layout(want.rows, st);
         let file = File::options()
             .read(true)
             .write(true)
@@ -754,9 +557,7 @@ impl Writer {
             stride: st,
             mask: slots as usize - 1,
             rows_at,
-            slot_bytes,
             next: 0,
-            layout,
         })
     }
 
@@ -775,7 +576,7 @@ impl Writer {
         let r = self.next as usize;
         let mut i = mix64(id) as usize & self.mask;
         loop {
-            let at = HEADER + i * self.slot_bytes;
+            let at = HEADER + i * SLOT;
             // SAFETY: a slot of our own writable mapping, 8-aligned.
             let (k, v) = unsafe {
                 let p = self.map.ptr.add(at);
@@ -783,20 +584,13 @@ impl Writer {
             };
             if v == 0 {
                 let r1 = r as u64 + 1;
-                let check = Check::of(self.layout);
-                let w = match check {
-                    Check::None => r1,
-                    _ => r1 | slot_check(id, r1) << INDEX_BITS,
-                };
-                // SAFETY: as above (a layout 3 slot is 32 bytes).
+                // SAFETY: as above.
                 unsafe {
                     let p = self.map.ptr.add(at);
-                    p.cast::<u64>().write(id.to_le());
-                    p.add(8).cast::<u64>().write(w.to_le());
-                    if check == Check::Words {
-                        let c = row_check(id, bytes).to_le();
-                        p.add(SLOT_ROW_CHECK_AT).cast::<u64>().write(c);
-                    }
+                    p.cast::<u64>().write(id);
+                    p.add(8)
+                        .cast::<u64>()
+                        .write(r1 | slot_check(id, r1) << INDEX_BITS);
                 }
                 break;
             }
@@ -809,20 +603,13 @@ impl Writer {
             i = (i + 1) & self.mask;
         }
         let at = self.rows_at + r * self.stride;
-        let mut sum = [0u8; 4];
-        let check = Check::of(self.layout);
-        match check {
-            Check::None => {}
-            Check::Crc32 => sum[..4].copy_from_slice(&row_sum(id, bytes).to_le_bytes()),
-            Check::Words => {}
-        }
-        let sum = &sum[..check.bytes()];
-        // SAFETY: row r's bytes and check lie inside the mapping (r < rows, the stride holds
+        let sum = row_sum(id, bytes).to_le_bytes();
+        // SAFETY: row r's bytes and checksum lie inside the mapping (r < rows, the stride holds
         // both); nothing else borrows them.
         unsafe {
             let p = self.map.ptr.add(at);
             std::ptr::copy_nonoverlapping(bytes.as_ptr(), p, self.row_bytes);
-            std::ptr::copy_nonoverlapping(sum.as_ptr(), p.add(self.row_bytes), sum.len());
+            std::ptr::copy_nonoverlapping(sum.as_ptr(), p.add(self.row_bytes), ROW_SUM_BYTES);
         };
         self.next += 1;
         Ok(())
@@ -840,7 +627,7 @@ impl Writer {
         }
         let mut h = [0u8; HEADER_CRC_AT + 4];
         h[..8].copy_from_slice(&MAGIC);
-        h[8..12].copy_from_slice(&self.layout.to_le_bytes());
+        h[8..12].copy_from_slice(&FILE_VERSION.to_le_bytes());
         h[12..16].copy_from_slice(&dtype_code(self.want.dtype).to_le_bytes());
         h[16..20].copy_from_slice(&(self.want.dim as u32).to_le_bytes());
         h[20..24].copy_from_slice(&(self.stride as u32).to_le_bytes());
@@ -905,13 +692,10 @@ mod tests {
     fn rows_written_are_found_and_others_are_not() {
         let dir = std::env::temp_dir().join(format!("pstore-rowfile-{}", std::process::id()));
         std::fs::create_dir_all(&dir).unwrap();
-        let kinds = [Dtype::Float32, Dtype::Float16, Dtype::Int8]
-            .into_iter()
-            .flat_map(|d| (1..=FILE_VERSION).map(move |l| (d, l)));
-        for (dtype, layout) in kinds {
-            let path = dir.join(format!("{}-{layout}.rows", dtype.as_str()));
+        for dtype in [Dtype::Float32, Dtype::Float16, Dtype::Int8] {
+            let path = dir.join(format!("{}.rows", dtype.as_str()));
             let n = 1000u64;
-            let mut w = Writer::create_layout(&path, want(n, dtype), layout).unwrap();
+            let mut w = Writer::create(&path, want(n, dtype)).unwrap();
             for id in 0..n {
                 let row: Vec<f32> = (0..5).map(|j| (id * 10 + j) as f32).collect();
                 let mut b = Vec::new();
@@ -952,9 +736,9 @@ mod tests {
         std::fs::remove_dir_all(&dir).unwrap();
     }
 
-    /// A small float32 file of ids `id * 7919` for 0 <= id < n, at `path`, in `layout`.
-    fn write_small(path: &Path, n: u64, layout: u32) -> Vec<f32> {
-        let mut w = Writer::create_layout(path, want(n, Dtype::Float32), layout).unwrap();
+    /// A small float32 file of ids `id * 7919` for 0 <= id < n, at `path`.
+    fn write_small(path: &Path, n: u64) -> Vec<f32> {
+        let mut w = Writer::create(path, want(n, Dtype::Float32)).unwrap();
         let mut all = Vec::new();
         for id in 0..n {
             let row: Vec<f32> = (0..5).map(|j| (id * 10 + j) as f32 + 0.25).collect();
@@ -975,27 +759,18 @@ mod tests {
 
     #[test]
     fn every_bit_flip_in_a_row_or_its_slot_is_refused_naming_the_id() {
-        for layout in [2, 3] {
-            every_bit_flip_is_refused(layout);
-        }
-    }
-
-    fn every_bit_flip_is_refused(layout: u32) {
-        let dir = std::env::temp_dir().join(format!(
-            "pstore-rowfile-flip-{}-{layout}",
-            std::process::id()
-        ));
+        let dir = std::env::temp_dir().join(format!("pstore-rowfile-flip-{}", std::process::id()));
         std::fs::create_dir_all(&dir).unwrap();
         let path = dir.join("t.rows");
         let n = 12u64;
-        let rows = write_small(&path, n, layout);
+        let rows = write_small(&path, n);
         let pristine = std::fs::read(&path).unwrap();
         let ids: Vec<u64> = (0..n).map(|i| i * 7919).collect();
         let f = RowFile::open(&path, want(n, Dtype::Float32)).unwrap();
         let mut places = Vec::new();
         for (id, r) in f.entries().unwrap() {
             let slot = (0..=f.mask).find(|&i| f.slot(i).0 == id).unwrap();
-            places.push((id, HEADER + slot * f.slot_bytes, f.rows_at + r * f.stride));
+            places.push((id, HEADER + slot * SLOT, f.rows_at + r * f.stride));
         }
         drop(f);
         let lookup = || {
@@ -1005,11 +780,7 @@ mod tests {
             f.gather(&ids, &mut out, &mut found).map(|()| (out, found))
         };
         for &(id, slot_at, row_at) in &places {
-            // The slot's id, row index and check, and in layout 3 the row's check it holds
-            // (its last 8 bytes are unused); the row's bytes and any check after them.
-            let check = Check::of(layout);
-            let slot_end = slot_at + SLOT + 8 * usize::from(check == Check::Words);
-            let bytes = (slot_at..slot_end).chain(row_at..row_at + 20 + check.bytes());
+            let bytes = (slot_at..slot_at + SLOT).chain(row_at..row_at + 20 + ROW_SUM_BYTES);
             for at in bytes {
                 for bit in 0..8 {
                     std::fs::write(&path, &pristine).unwrap();
@@ -1023,98 +794,12 @@ mod tests {
         std::fs::write(&path, &pristine).unwrap();
         let f = RowFile::open(&path, want(n, Dtype::Float32)).unwrap();
         let empty = (0..=f.mask).find(|&i| f.slot(i).1 == 0).unwrap();
-        let empty_at = HEADER + empty * f.slot_bytes;
         drop(f);
-        flip(&path, empty_at + 3, 5);
+        flip(&path, HEADER + empty * SLOT + 3, 5);
         let (out, found) = lookup().unwrap();
         assert!(found.iter().all(|&f| f));
         assert_eq!(out, rows);
         std::fs::remove_dir_all(&dir).unwrap();
-    }
-
-    /// A row of `n` bytes from a seed.
-    fn bytes_of(n: usize, seed: u64) -> Vec<u8> {
-        (0..n as u64).map(|i| mix64(seed ^ i) as u8).collect()
-    }
-
-    #[test]
-    fn the_word_check_catches_every_flip_of_one_or_two_bits() {
-        // The id (8 bytes), a row of 13 bytes (a zero-padded last word) and the stored check
-        // (8 bytes), as one string of bits; every single and double flip is caught.
-        let (id, row) = (0x0123_4567_89ab_cdefu64, bytes_of(13, 5));
-        let mut all = id.to_le_bytes().to_vec();
-        all.extend(&row);
-        all.extend(row_check(id, &row).to_le_bytes());
-        let caught = |b: &[u8]| {
-            let id = u64::from_le_bytes(b[..8].try_into().unwrap());
-            let stored = u64::from_le_bytes(b[21..].try_into().unwrap());
-            row_check(id, &b[8..21]) != stored
-        };
-        assert!(!caught(&all));
-        let bits = all.len() * 8;
-        for x in 0..bits {
-            let mut one = all.clone();
-            one[x / 8] ^= 1 << (x % 8);
-            assert!(caught(&one), "bit {x}");
-            for y in x + 1..bits {
-                let mut two = one.clone();
-                two[y / 8] ^= 1 << (y % 8);
-                assert!(caught(&two), "bits {x} and {y}");
-            }
-        }
-        // Sign bits of two floats in a float32 row of dim 64 (a CRC-like sum modulo 2^32 would
-        // miss these pairs): every pair caught.
-        let row = bytes_of(256, 9);
-        let want = row_check(7, &row);
-        for i in 0..64 {
-            for j in i + 1..64 {
-                let mut two = row.clone();
-                two[4 * i + 3] ^= 0x80;
-                two[4 * j + 3] ^= 0x80;
-                assert_ne!(row_check(7, &two), want, "words {i} and {j}");
-            }
-        }
-        // No position's key is 1 (which would let a flip in the row cancel one in the check)
-        // for rows of under 2^30 words.
-        let inverse = (0..5).fold(KEY, |x, _| {
-            x.wrapping_mul(2u32.wrapping_sub(KEY.wrapping_mul(x)))
-        });
-        assert_eq!(KEY.wrapping_mul(inverse), 1);
-        assert!((inverse - 1) / 2 >= 1 << 30);
-    }
-
-    #[test]
-    fn the_word_check_is_the_same_on_every_code_path() {
-        // The dispatching function (AVX2 where the CPU has it) against the portable loop, and
-        // against the definition written out with the keys computed one by one.
-        for n in [0, 1, 3, 4, 20, 67, 68, 128, 256, 1000] {
-            let row = bytes_of(n, n as u64);
-            let id = mix64(n as u64);
-            let mut padded = row.clone();
-            padded.resize(n.div_ceil(4) * 4, 0);
-            let words = [id as u32, (id >> 32) as u32].into_iter().chain(
-                padded
-                    .chunks(4)
-                    .map(|w| u32::from_le_bytes(w.try_into().unwrap())),
-            );
-            let by_hand = words.enumerate().fold(0u64, |h, (i, w)| {
-                let key = KEY.wrapping_mul(2 * i as u32 + 1);
-                h.wrapping_add(u64::from(w) * u64::from(key))
-            });
-            assert_eq!(row_check(id, &row), by_hand, "{n} bytes");
-            assert_eq!(word_sum(id, &row), by_hand, "{n} bytes");
-        }
-    }
-
-    #[test]
-    fn an_unknown_layout_is_not_written() {
-        let path = std::env::temp_dir().join(format!("pstore-rowfile-l9-{}", std::process::id()));
-        let e = match Writer::create_layout(&path, want(3, Dtype::Float32), FILE_VERSION + 1) {
-            Ok(_) => panic!("layout {} written", FILE_VERSION + 1),
-            Err(e) => e.to_string(),
-        };
-        assert!(e.contains("layouts 1 to"), "{e}");
-        assert!(!path.exists());
     }
 
     #[test]
@@ -1125,7 +810,7 @@ mod tests {
         // Written as layout 1 did: slots of (id, row + 1), rows at stride(row bytes), no sums.
         let (n, dim) = (40u64, 5usize);
         let st = stride(4 * dim);
-        let (slots, rows_at, len) = file_layout(n, st, SLOT);
+        let (slots, rows_at, len) = layout(n, st);
         let mut b = vec![0u8; len];
         for r in 0..n {
             let id = r * 31 + 5;
