@@ -68,6 +68,20 @@ def test_remote_tables_match_the_embedded_store_bit_for_bit(cluster, rng):
     assert all(p > 0 for p in per) and sum(per) == len(remote.table("sgd"))
 
 
+def test_remote_stats_sum_the_servers_huge_page_bytes(cluster):
+    """Each server reports the bytes of its rows on huge pages; the client sums them."""
+    remote, _ = cluster
+    t = remote.create_sparse_table("big", 64)
+    # About 10,000 rows of 288 bytes in each of the 12 shards: a full 2 MiB chunk each.
+    t.pull(np.arange(120_000, dtype=np.int64))
+    s = t.stats()
+    per = [x["stats"]["huge_page_bytes"] for x in s["servers"]]
+    assert len(per) == 3 and s["huge_page_bytes"] == sum(per)
+    if os.path.exists("/sys/kernel/mm/transparent_hugepage/enabled"):
+        assert all(p >= 4 * (2 << 20) for p in per), per
+        assert s["huge_page_bytes"] <= s["bytes_used"]
+
+
 def test_local_and_remote_tables_are_one_class(cluster):
     remote, _ = cluster
     local = pstore.Store()
