@@ -1340,6 +1340,48 @@ mod tests {
     }
 
     #[test]
+    fn writes_need_the_lease_of_every_live_follower_and_wait_for_suspects() {
+        let root = std::env::temp_dir().join(format!("pstore-lease-{}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&root);
+        let store = durable(&root);
+        let config = ReplConfig {
+            lease: Duration::from_millis(100),
+            ack_timeout: Duration::from_millis(300),
+            ..ReplConfig::default()
+        };
+        let p = Primary::start(Arc::clone(&store), config, 1).unwrap();
+        // No follower: a group of one writes freely.
+        assert_eq!(p.admit(), Ok(true));
+        p.connect("f");
+        // Connected, not live yet (it has not acked the newest entry): not in the lease.
+        assert_eq!(p.admit(), Ok(true));
+        p.ack("f", p.id, 0).unwrap();
+        assert_eq!(p.live_names(), vec!["f".to_string()]);
+        assert_eq!(p.admit(), Ok(true));
+        // Silent past the lease: writes wait; an ack renews it.
+        std::thread::sleep(Duration::from_millis(150));
+        assert_eq!(p.admit(), Ok(false));
+        p.ack("f", p.id, 0).unwrap();
+        assert_eq!(p.admit(), Ok(true));
+        // Silent past the ack timeout: it leaves the live set as a suspect; writes wait until
+        // the group asked it.
+        std::thread::sleep(Duration::from_millis(350));
+        assert_eq!(p.admit(), Ok(false));
+        assert_eq!(p.suspects(), vec!["f".to_string()]);
+        assert!(p.live_names().is_empty());
+        p.clear_suspect("f");
+        assert_eq!(p.admit(), Ok(true));
+        // Members recorded before a restart are suspects too; a newer epoch fences for good.
+        p.suspect(&["g".to_string()]);
+        assert_eq!(p.admit(), Ok(false));
+        p.fence("epoch 2 has another primary".into());
+        assert_eq!(p.admit(), Err("epoch 2 has another primary".into()));
+        assert!(p.wait_admit().is_err());
+        drop((p, store));
+        let _ = std::fs::remove_dir_all(&root);
+    }
+
+    #[test]
     fn entries_applied_in_order_give_the_same_rows_and_applying_twice_changes_nothing() {
         let root = std::env::temp_dir().join(format!("pstore-repl-{}", std::process::id()));
         let _ = std::fs::remove_dir_all(&root);
