@@ -14,6 +14,16 @@ entries it has not applied yet) and of `lag_seconds` (seconds since it last held
 and it runs R=2 with `ack="primary"` too, where followers may lag. Servers are `pstore serve`
 processes (primaries with `--path`, followers with `--follow`) on free ports, stopped by their
 pids; stores go in a temporary directory.
+
+    python benches/replication.py --failover 7 [--batch 4096] [--dim 64]
+
+measures failover instead (issue 33's goal: under 5 s from kill -9 to the first accepted write,
+default settings): a replica group [primary, follower], one client pushing batches with
+`ack="all"` through the group; the primary is killed with SIGKILL 0.5-1.5 s in; the script plays
+the control plane: it polls the primary's Status every 100 ms (0.5 s deadline) and on the first
+failure calls `pstore.promote(follower)`. Reported per trial and as medians: detection (kill to
+the failed poll), promotion (the Promote call), and kill to the first push acknowledged after
+the kill (the client fails over by itself and resends its request).
 """
 
 from __future__ import annotations
@@ -169,6 +179,64 @@ def _run(replicas: int, ack: str, args: argparse.Namespace) -> dict[str, Any]:
     return out
 
 
+def _failover_trial(args: argparse.Namespace, rng: np.random.Generator) -> dict[str, float]:
+    import pstore
+
+    with tempfile.TemporaryDirectory() as tmp:
+        p = _Server("--path", os.path.join(tmp, "a"), "--durability", args.durability)
+        p.ready()
+        f = _Server(
+            "--path",
+            os.path.join(tmp, "b"),
+            "--durability",
+            args.durability,
+            "--follow",
+            p.address,
+        )
+        f.ready()
+        try:
+            c = pstore.connect([[p.address, f.address]], ack="all")  # type: ignore[list-item]
+            t = c.create_sparse_table("emb", args.dim, optimizer=pstore.optim.Adagrad(lr=0.05))
+            grads = rng.standard_normal((args.batch, args.dim)).astype(np.float32)
+            stop = threading.Event()
+            acked: list[float] = []
+
+            def push() -> None:
+                while not stop.is_set():
+                    ids = rng.integers(0, 1 << 20, size=args.batch, dtype=np.int64)
+                    t.push(ids, grads)
+                    acked.append(time.monotonic())
+
+            pusher = threading.Thread(target=push)
+            pusher.start()
+            watch = pstore.connect([p.address], timeout=0.5, retries=0)
+            time.sleep(float(rng.uniform(0.5, 1.5)))
+            killed = time.monotonic()
+            os.kill(p.proc.pid, signal.SIGKILL)
+            while True:
+                try:
+                    watch.status()
+                except pstore.PstoreError:
+                    break
+                time.sleep(0.1)
+            detected = time.monotonic()
+            pstore.promote(f.address)
+            promoted = time.monotonic()
+            while not any(a > killed for a in acked):
+                time.sleep(0.005)
+            first = min(a for a in acked if a > killed)
+            stop.set()
+            pusher.join()
+        finally:
+            for s in (f, p):
+                s.stop()
+    return {
+        "detection_s": detected - killed,
+        "promote_s": promoted - detected,
+        "first_write_s": first - killed,
+    }
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--workers", type=int, default=4)
@@ -177,10 +245,27 @@ def main() -> None:
     ap.add_argument("--batch", type=int, default=4096)
     ap.add_argument("--dim", type=int, default=64)
     ap.add_argument("--durability", default="sync", choices=["sync", "async"])
+    ap.add_argument("--failover", type=int, default=0, help="failover trials instead")
     ap.add_argument("--worker-json", default=None, help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.worker_json is not None:
         _worker(json.loads(args.worker_json))
+        return
+    if args.failover:
+        rng = np.random.default_rng(33)
+        trials = [_failover_trial(args, rng) for _ in range(args.failover)]
+        for k, r in enumerate(trials):
+            print(
+                f"trial {k}: detection {r['detection_s']:.3f} s, promote {r['promote_s']:.3f} s, "
+                f"kill to first accepted write {r['first_write_s']:.3f} s"
+            )
+        med = {k: float(np.median([r[k] for r in trials])) for k in trials[0]}
+        print(
+            f"median of {len(trials)}: detection {med['detection_s']:.3f} s, promote "
+            f"{med['promote_s']:.3f} s, kill to first accepted write {med['first_write_s']:.3f} s "
+            f"(batch {args.batch}, dim {args.dim}, durability {args.durability}; load "
+            f"{os.getloadavg()[0]:.2f})"
+        )
         return
     r1 = _run(1, "primary", args)
     r2 = _run(2, "all", args)

@@ -14,7 +14,7 @@ from __future__ import annotations
 from pstore import init, inspection, optim, server
 from pstore._native import MAX_DIM
 from pstore._native import __version__ as __version__
-from pstore.client import RemoteStore, SnapshotHandle, connect, restore_cluster
+from pstore.client import RemoteStore, SnapshotHandle, connect, promote, restore_cluster
 from pstore.exceptions import (
     AuthenticationError,
     CorruptError,
@@ -63,6 +63,7 @@ __all__ = [
     "init",
     "inspection",
     "optim",
+    "promote",
     "restore_cluster",
     "server",
 ]

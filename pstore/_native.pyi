@@ -29,6 +29,7 @@ __all__ = [
     "openmp_bound",
     "openmp_join",
     "openmp_joined",
+    "promote",
     "snapshot_chain",
     "sum_rows",
     "unique_inverse",
@@ -247,6 +248,9 @@ class Client(StoreApi):
         max_inflight_bytes: int | None = None,
         slots: str | None = None,
         ack: str = "primary",
+        replicas: list[list[str]] | None = None,
+        read_from: str = "primary",
+        failover_timeout: float = 30.0,
     ) -> Client: ...
     @property
     def servers(self) -> list[str]: ...
@@ -255,6 +259,7 @@ class Client(StoreApi):
     @property
     def wire_dtype(self) -> str: ...
     def health(self) -> list[str]: ...
+    def groups(self) -> str: ...
     def status(self) -> list[dict[str, Any]]: ...
     def snapshot(self, dir: str, incremental: bool = False) -> list[tuple[str, int]]: ...
     def cluster_snapshot(self, dest: str, incremental: bool = False) -> str: ...
@@ -367,3 +372,11 @@ class ReferenceRows:
         threads: int = 1,
         prefetch: bool = True,
     ) -> None: ...
+
+def promote(
+    address: str,
+    token: str | None = None,
+    expected_primary: str | None = None,
+    force: bool = False,
+    timeout: float = 30.0,
+) -> dict[str, Any]: ...

@@ -214,7 +214,9 @@ def _cmd_serve(args: argparse.Namespace) -> int:
             raise pstore.InvalidArgumentError(
                 f"--cluster needs --index in 0..{len(cluster['servers']) - 1}"
             )
-        host, _, port = cluster["servers"][args.index].rpartition(":")
+        entry = cluster["servers"][args.index]
+        # A replica group: its first member (its other members run with --port and --follow).
+        host, _, port = (entry if isinstance(entry, str) else entry[0]).rpartition(":")
         args.port = int(port)
         if args.host is None:
             args.host = host.strip("[]")
@@ -286,8 +288,24 @@ def _cmd_status(args: argparse.Namespace) -> int:
                 f"{rep['lag_entries']} entries behind"
                 + (f", caught up {lag:.2f} s ago" if lag is not None else ", never caught up")
                 + ("" if rep["connected"] else f", not connected ({rep['last_error']})")
+                + f", group epoch {rep.get('epoch', 1)}"
             )
-        elif rep and rep["followers"]:
+        if rep and rep.get("dropped_commits") is not None:
+            print(
+                f"  rejoined as a follower: dropped {rep['dropped_commits']} commit(s) the new "
+                "primary did not have"
+            )
+        if rep and rep["role"] == "primary":
+            print(
+                f"  primary of group epoch {rep.get('epoch', 1)}"
+                + (
+                    f" (promoted from {rep['promoted_from']['primary']} at its LSN "
+                    f"{rep['promoted_from']['lsn']})"
+                    if rep.get("promoted_from")
+                    else ""
+                )
+            )
+        if rep and rep["role"] == "primary" and rep["followers"]:
             for f in rep["followers"]:
                 state = "live" if f["live"] else f"not live ({f['dropped'] or 'catching up'})"
                 print(
@@ -389,6 +407,27 @@ def _cmd_ray_status(args: argparse.Namespace) -> int:
             print(f"  {when} {e['event']}  {rest}")
     healthy = all(s["health"] == "SERVING" for s in st["servers"])
     return 0 if healthy else 1
+
+
+def _cmd_cluster_promote(args: argparse.Namespace) -> int:
+    from pstore.client import promote
+
+    r = promote(
+        args.address,
+        cluster=args.cluster,
+        force=args.force,
+        token_file=args.token_file,
+        timeout=args.timeout,
+    )
+    if args.json:
+        print(json.dumps(r, indent=2, sort_keys=True))
+    else:
+        print(
+            f"{r['server']} is the primary of its group under epoch {r['epoch']} (it holds the "
+            f"old primary's log up to LSN {r['from_lsn']}); it accepts writes in "
+            f"{r['writes_in_seconds']:.2f} s"
+        )
+    return 0
 
 
 def _cmd_ray_down(args: argparse.Namespace) -> int:
@@ -766,6 +805,33 @@ def build_parser() -> argparse.ArgumentParser:
         r.add_argument("--address", default=None, help="the Ray cluster (ray.init's address)")
         if r.get_default("func") is not _cmd_ray_up:
             r.add_argument("--name", default="default", help="the cluster's name")
+
+    p = sub.add_parser("cluster", help="replica groups: promote a follower")
+    cluster_sub = p.add_subparsers(dest="cluster_command", metavar="COMMAND", required=True)
+    c = cluster_sub.add_parser(
+        "promote",
+        help="make a follower the primary of its replica group",
+        description="Make the follower at HOST:PORT the primary of its replica group under the "
+        "next group epoch (docs/CLUSTER.md, Failover). The old primary, if it comes back, "
+        "refuses writes and rejoins as a follower; clients find the new primary themselves.",
+    )
+    c.add_argument("address", metavar="HOST:PORT", help="the follower to promote")
+    c.add_argument(
+        "--cluster",
+        default=None,
+        metavar="FILE",
+        help="check that HOST:PORT is a member of a replica group of this cluster file and "
+        "follows that group's primary (and take its token file)",
+    )
+    c.add_argument(
+        "--force",
+        action="store_true",
+        help="promote a follower that was never caught up (it lacks what it had not received)",
+    )
+    c.add_argument("--token-file", default=None, help="file holding the token")
+    c.add_argument("--timeout", type=float, default=30.0, help="seconds (default 30)")
+    c.add_argument("--json", action="store_true", help="print the answer as JSON")
+    c.set_defaults(func=_cmd_cluster_promote)
 
     p = sub.add_parser("version", help="print the versions of pstore and numpy")
     p.set_defaults(func=_cmd_version)

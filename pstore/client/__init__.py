@@ -18,10 +18,17 @@ from collections.abc import Sequence
 from typing import Any, Literal
 
 from pstore import _native
-from pstore.exceptions import InvalidArgumentError
+from pstore.exceptions import InvalidArgumentError, ServerError
 from pstore.store import BaseStore, _check_int
 
-__all__ = ["RemoteStore", "SnapshotHandle", "connect", "load_cluster", "restore_cluster"]
+__all__ = [
+    "RemoteStore",
+    "SnapshotHandle",
+    "connect",
+    "load_cluster",
+    "promote",
+    "restore_cluster",
+]
 
 Mode = Literal["async", "bsp", "ssp"]
 
@@ -296,6 +303,15 @@ class RemoteStore(BaseStore):
         """Each server's gRPC health status (``"SERVING"`` when up)."""
         return self._inner.health()
 
+    def replica_groups(self) -> list[dict[str, Any]]:
+        """Each position's replica group, as its members answer now (this refreshes the
+        routing): ``primary`` (where writes go), ``epoch``, ``reads_from`` (where pulls go:
+        a follower with ``read_from="follower"``), and ``members``, each with ``name``,
+        ``role``, ``epoch`` and a follower's ``lag_entries`` and ``lag_seconds`` (or ``error``
+        for one that did not answer)."""
+        groups: list[dict[str, Any]] = json.loads(self._inner.groups())
+        return groups
+
     def end_step(self) -> int:
         """Mark the end of this worker's training step; returns the new clock.
 
@@ -323,8 +339,27 @@ class RemoteStore(BaseStore):
         return f"<RemoteStore servers={self.servers} mode={self._mode}>"
 
 
+def _groups(servers: Sequence[str | Sequence[str]], where: str) -> list[list[str]]:
+    """The replica groups of a server list whose entries are "host:port" or lists of them."""
+    groups: list[list[str]] = []
+    for x in servers:
+        g = [x] if isinstance(x, str) else list(x) if isinstance(x, (list, tuple)) else None
+        if not g or not all(isinstance(a, str) and a.rpartition(":")[2].isdigit() for a in g):
+            raise InvalidArgumentError(
+                f'{where} needs "servers": a list whose entries are "host:port" strings or '
+                f"non-empty lists of them (a replica group, primary first), got {x!r}"
+            )
+        groups.append(g)
+    flat = [a for g in groups for a in g]
+    if len(set(flat)) != len(flat):
+        raise InvalidArgumentError(f"{where} lists a server twice")
+    return groups
+
+
 def load_cluster(path: str | os.PathLike[str]) -> dict[str, Any]:
-    """Read a cluster file: JSON with ``servers`` (a list of "host:port"), optionally
+    """Read a cluster file: JSON with ``servers`` (a list whose entries are "host:port", or a
+    list of them: a replica group, the first its initial primary and the others its followers,
+    docs/CLUSTER.md "Failover"), optionally
     ``token_file`` (relative to the file), ``tls_ca``, ``tls_domain`` and ``slots``, the slot
     table (``{"epoch": E, "servers": N, "ranges": [[START, END, OWNER], ...]}``; without it, the
     16,384 hash slots are split into equal contiguous ranges over the servers in order).
@@ -339,16 +374,12 @@ def load_cluster(path: str | os.PathLike[str]) -> dict[str, Any]:
         except json.JSONDecodeError as e:
             raise InvalidArgumentError(f"cluster file {os.fspath(path)!r}: {e}") from None
     servers = c.get("servers") if isinstance(c, dict) else None
-    if (
-        not isinstance(servers, list)
-        or not servers
-        or not all(isinstance(x, str) and x.rpartition(":")[2].isdigit() for x in servers)
-    ):
+    if not isinstance(servers, list) or not servers:
         raise InvalidArgumentError(
-            f'cluster file {os.fspath(path)!r} needs "servers": a list of "host:port" strings'
+            f'cluster file {os.fspath(path)!r} needs "servers": a list of "host:port" strings '
+            "(or lists of them: replica groups)"
         )
-    if len(set(servers)) != len(servers):
-        raise InvalidArgumentError(f"cluster file {os.fspath(path)!r} lists a server twice")
+    _groups(servers, f"cluster file {os.fspath(path)!r}")
     unknown = set(c) - {"servers", "token_file", "tls_ca", "tls_domain", "slots"}
     if unknown:
         raise InvalidArgumentError(
@@ -436,15 +467,20 @@ def connect(
     max_message: int | None = None,
     max_inflight_bytes: int | None = None,
     ack: Literal["primary", "all"] = "primary",
+    read_from: Literal["primary", "follower"] = "primary",
+    failover_timeout: float = 30.0,
 ) -> RemoteStore:
     """Connect to store servers; returns a store with the API of :class:`pstore.Store`.
 
     Parameters
     ----------
     servers : list of "host:port", or the path of a cluster file
-        Every server of the cluster. Every worker must give the same addresses in the same
-        order: ids are routed through 16,384 hash slots, each owned by a position in this list
-        (the uniform table: equal contiguous ranges). A cluster file (:func:`load_cluster`)
+        Every server of the cluster. An entry may be a list of "host:port": a replica group
+        (its first member the initial primary, the others followers); calls go to the
+        group's primary, found again after a promotion (docs/CLUSTER.md, Failover). Every
+        worker must give the same addresses in the same order: ids are routed through 16,384
+        hash slots, each owned by a position in this list (the uniform table: equal contiguous
+        ranges). A cluster file (:func:`load_cluster`)
         also gives the token file, the TLS settings and the slot table.
     token, token_file :
         The token (or a file holding it); default: the ``PSTORE_TOKEN`` environment variable.
@@ -489,6 +525,15 @@ def connect(
         When a push returns: "primary" once each server has it under its durability mode;
         "all" once each server has committed it and every live follower of that server
         (``pstore serve --follow``) holds it durably too (docs/CLUSTER.md, Replication).
+    read_from : "primary" or "follower"
+        Where pulls go in a replica group: the primary, or the follower of least lag (falling
+        back to the primary when it does not answer): for evaluation and serving, which may
+        read rows a little behind the primary (the lag is in :meth:`RemoteStore.replica_groups`;
+        a follower reads absent ids as their initial value without creating them).
+    failover_timeout : float
+        Seconds a call of a replica group looks for the group's primary (after a failure that
+        says "not the primary", or no answer) before it fails; the same request is sent again
+        to the primary found, and applies once.
     """
     if ack not in ("primary", "all"):
         raise InvalidArgumentError(f'ack must be "primary" or "all", got {ack!r}')
@@ -498,7 +543,7 @@ def connect(
         isinstance(servers, str) and servers.endswith(".json") and os.path.isfile(servers)
     ):
         cluster = load_cluster(servers)
-        addrs = list(cluster["servers"])
+        groups = _groups(cluster["servers"], "the cluster file")
         if token is None and token_file is None:
             token_file = cluster.get("token_file")
         tls_ca = tls_ca if tls_ca is not None else cluster.get("tls_ca")
@@ -506,9 +551,13 @@ def connect(
         if "slots" in cluster:
             slots = json.dumps(cluster["slots"])
     elif isinstance(servers, str):
-        addrs = [servers]
+        groups = [[servers]]
     else:
-        addrs = list(servers)
+        groups = _groups(list(servers), "connect")
+    addrs = [g[0] for g in groups]
+    replicas = [g[1:] for g in groups]
+    if read_from not in ("primary", "follower"):
+        raise InvalidArgumentError(f'read_from must be "primary" or "follower", got {read_from!r}')
     if mode not in ("async", "bsp", "ssp"):
         raise InvalidArgumentError(f'mode must be "async", "bsp" or "ssp", got {mode!r}')
     if mode != "async":
@@ -554,11 +603,83 @@ def connect(
         max_inflight_bytes,
         slots,
         ack,
+        replicas,
+        read_from,
+        _check_seconds(failover_timeout, "failover_timeout"),
     )
     store = RemoteStore(inner, mode, stale, worker, num_workers, float(barrier_timeout))
     if mode != "async":
         store._join(job, float(lease), on_worker_loss, aggregate)
     return store
+
+
+def _check_seconds(v: object, name: str) -> float:
+    if isinstance(v, bool) or not isinstance(v, (int, float)) or not v > 0:
+        raise InvalidArgumentError(f"{name} must be > 0 seconds, got {v!r}")
+    return float(v)
+
+
+def promote(
+    address: str,
+    *,
+    cluster: str | os.PathLike[str] | None = None,
+    force: bool = False,
+    token: str | None = None,
+    token_file: str | os.PathLike[str] | None = None,
+    timeout: float = 30.0,
+) -> dict[str, Any]:
+    """Make the follower at ``address`` the primary of its replica group, under the next group
+    epoch (docs/CLUSTER.md, Failover). The old primary, if it comes back, refuses writes and
+    rejoins as a follower. The new primary accepts its first write once the old primary's write
+    lease has run out (``writes_in_seconds``, at most about 2 s); clients find it by themselves.
+
+    With ``cluster`` (a cluster file), ``address`` must be a member of one of its replica
+    groups and follow that group's primary; the token comes from the file too. ``force``
+    promotes a follower that was never caught up (it lacks what it had not received).
+    Returns ``{"server", "epoch", "from_replication_id", "from_lsn", "writes_in_seconds"}``.
+    Raises InvalidArgumentError for an address that is no member of the cluster's groups, and
+    ServerError when the server refuses (it is a primary, it follows another group's primary,
+    it holds no whole copy yet) or cannot be reached.
+    """
+    if not isinstance(force, bool):
+        raise InvalidArgumentError(f"force must be a bool, got {force!r}")
+    wait = _check_seconds(timeout, "timeout")
+    expected: str | None = None
+    if cluster is not None:
+        c = load_cluster(cluster)
+        if token is None and token_file is None:
+            token_file = c.get("token_file")
+        mine = [g for g in _groups(c["servers"], "the cluster file") if address in g]
+        if not mine:
+            raise InvalidArgumentError(
+                f"{address} is no member of a replica group of the cluster file "
+                f"{os.fspath(cluster)!r}"
+            )
+        if len(mine[0]) < 2:
+            raise InvalidArgumentError(
+                f"{address} is a group of one in the cluster file {os.fspath(cluster)!r}: "
+                "there is no primary to take over from"
+            )
+        secret = _read_secret(token, token_file, "PSTORE_TOKEN")
+        expected = _group_primary([a for a in mine[0] if a != address], secret, wait)
+    else:
+        secret = _read_secret(token, token_file, "PSTORE_TOKEN")
+    return _native.promote(address, secret, expected, force, wait)
+
+
+def _group_primary(members: list[str], token: str | None, timeout: float) -> str | None:
+    """The member that answers as primary of the highest epoch (None when none answers)."""
+    best: tuple[int, str] | None = None
+    for a in members:
+        try:
+            status = _native.Client([a], token, min(timeout, 2.0), 0).status()[0]
+        except ServerError:
+            continue
+        raw = status.get("replication_json")
+        r = json.loads(raw) if raw else {}
+        if r.get("role") == "primary" and (best is None or int(r.get("epoch", 0)) > best[0]):
+            best = (int(r.get("epoch", 0)), a)
+    return None if best is None else best[1]
 
 
 def restore_cluster(

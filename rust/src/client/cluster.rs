@@ -80,6 +80,28 @@ pub fn layout_hash<S: AsRef<str>>(servers: &[S], table: &SlotTable) -> String {
     format!("{h:016x}")
 }
 
+/// The layout hash of a list of replica groups: a group of one is its address (as
+/// [`layout_hash`]); a group of several members counts as its position only, so a promotion
+/// inside it, or a member's machine replaced, changes no worker's layout (docs/decisions/0100).
+pub fn layout_hash_groups<S: AsRef<str>>(
+    servers: &[S],
+    replicas: &[Vec<String>],
+    table: &SlotTable,
+) -> String {
+    let names: Vec<&str> = servers
+        .iter()
+        .enumerate()
+        .map(|(i, s)| {
+            if replicas.get(i).is_some_and(|r| !r.is_empty()) {
+                "\u{0}replica-group"
+            } else {
+                s.as_ref()
+            }
+        })
+        .collect();
+    layout_hash(&names, table)
+}
+
 /// The layout hash of cluster manifests of versions 1 and 2: the server list in any order.
 pub fn layout_hash_v2<S: AsRef<str>>(servers: &[S]) -> String {
     let mut keys: Vec<u64> = servers.iter().map(|s| key(s.as_ref())).collect();

@@ -11,7 +11,7 @@
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use tonic::transport::{Channel, Endpoint};
 use tonic::{Code, Request, Status};
@@ -27,6 +27,8 @@ use crate::net::{error_of, wire, DEFAULT_MAX_MESSAGE};
 mod boundary;
 mod bsp;
 pub mod cluster;
+mod group;
+pub use group::{promote, Promoted};
 mod once;
 mod tables;
 pub use boundary::StepSnapshot;
@@ -69,6 +71,14 @@ pub struct ClientConfig {
     /// Pushes return when every live follower of the servers holds them too (`ack="all"`), not
     /// only when the servers have them under their durability mode (`ack="primary"`).
     pub ack_all: bool,
+    /// The other members of each position's replica group (the followers, then any member
+    /// that may be promoted), by position; empty or shorter than `servers`: groups of one.
+    pub replicas: Vec<Vec<String>>,
+    /// Pulls go to a follower of each group (the one of least lag), falling back to the
+    /// primary (`read_from="follower"`).
+    pub read_from_follower: bool,
+    /// How long a call looks for its group's primary after a failure before it fails.
+    pub failover_timeout: Duration,
 }
 
 impl ClientConfig {
@@ -86,6 +96,9 @@ impl ClientConfig {
             max_message: DEFAULT_MAX_MESSAGE,
             max_inflight_bytes: 256 << 20,
             ack_all: false,
+            replicas: Vec::new(),
+            read_from_follower: false,
+            failover_timeout: Duration::from_secs(30),
         }
     }
 
@@ -120,8 +133,7 @@ type Stub = PStoreClient<Strip<Channel>>;
 
 struct Server {
     name: String,
-    stub: Stub,
-    channel: Channel,
+    group: group::Group,
 }
 
 /// A connection to a cluster of store servers.
@@ -174,10 +186,21 @@ impl Client {
             return Err(invalid("connect needs at least one server address"));
         }
         let mut seen = std::collections::HashSet::new();
-        for s in &config.servers {
+        for s in config
+            .servers
+            .iter()
+            .chain(config.replicas.iter().flatten())
+        {
             if !seen.insert(s) {
                 return Err(invalid(format!("server {s} is listed twice")));
             }
+        }
+        if config.replicas.len() > config.servers.len() {
+            return Err(invalid(format!(
+                "{} replica lists for {} servers",
+                config.replicas.len(),
+                config.servers.len()
+            )));
         }
         if config.timeout.is_zero() {
             return Err(invalid("timeout must be > 0"));
@@ -203,7 +226,12 @@ impl Client {
             .build()
             .map_err(|e| Error::Internal(format!("starting the client runtime: {e}")))?;
         let mut servers = Vec::new();
-        for name in &config.servers {
+        let mut members = Vec::new();
+        for name in config
+            .servers
+            .iter()
+            .chain(config.replicas.iter().flatten())
+        {
             let scheme = if config.tls_ca.is_some() {
                 "https"
             } else {
@@ -236,14 +264,24 @@ impl Client {
             let stub = PStoreClient::new(Strip(channel.clone()))
                 .max_decoding_message_size(usize::MAX)
                 .max_encoding_message_size(config.max_message.saturating_mul(2));
-            servers.push(Server {
+            members.push(group::Member {
                 name: name.clone(),
                 stub,
                 channel,
             });
         }
+        let mut rest = members.split_off(config.servers.len()).into_iter();
+        for (i, first) in members.into_iter().enumerate() {
+            let n = config.replicas.get(i).map_or(0, Vec::len);
+            let mut g = vec![first];
+            g.extend(rest.by_ref().take(n));
+            servers.push(Server {
+                name: g[0].name.clone(),
+                group: group::Group::new(g),
+            });
+        }
         let applier = Applier::new(config.max_inflight_bytes, "pstore-client-push")?;
-        let layout = cluster::layout_hash(&config.servers, &router)
+        let layout = cluster::layout_hash_groups(&config.servers, &config.replicas, &router)
             .parse()
             .map_err(|_| Error::Internal("a layout hash is ASCII".into()))?;
         let c = Arc::new(Self {
@@ -259,6 +297,17 @@ impl Client {
             memo: once::Memo::default(),
             layout,
         });
+        let token = c.config.token.clone();
+        let follow = c.config.read_from_follower;
+        c.rt.block_on(futures_join_all(
+            c.servers
+                .iter()
+                .filter(|s| s.group.members.len() > 1)
+                .map(|s| {
+                    s.group
+                        .refresh(token.as_deref(), Duration::from_secs(2), follow)
+                }),
+        ));
         let status = c.status()?;
         for (s, st) in c.servers.iter().zip(&status) {
             if st.protocol != crate::net::PROTOCOL {
@@ -317,12 +366,37 @@ impl Client {
         F: Fn(Stub, Request<M>) -> Fut,
         Fut: std::future::Future<Output = std::result::Result<tonic::Response<R>, Status>>,
     {
+        self.call_on(i, msg, timeout, retry_late, false, f).await
+    }
+
+    /// [`call`](Self::call); `read`: a read that may go to a follower (`read_from_follower`).
+    /// In a replica group, a failure that means "not the primary" (or no answer) makes it look
+    /// for the primary and send the same request there, for at most `failover_timeout`.
+    async fn call_on<M, R, F, Fut>(
+        &self,
+        i: usize,
+        msg: M,
+        timeout: Duration,
+        retry_late: bool,
+        read: bool,
+        f: F,
+    ) -> Result<R>
+    where
+        M: Clone,
+        F: Fn(Stub, Request<M>) -> Fut,
+        Fut: std::future::Future<Output = std::result::Result<tonic::Response<R>, Status>>,
+    {
         let server = &self.servers[i];
+        let g = &server.group;
+        let read = read && self.config.read_from_follower;
         let mut delay = Duration::from_millis(50);
         let mut attempt = 0;
+        let mut failover: Option<Instant> = None;
         loop {
-            let req = self.request(msg.clone(), timeout);
-            let fut = f(server.stub.clone(), req);
+            let k = g.pick(read);
+            let mut req = self.request(msg.clone(), timeout);
+            g.stamp(&mut req);
+            let fut = f(g.members[k].stub.clone(), req);
             let started = std::time::Instant::now();
             let late = || {
                 Status::deadline_exceeded(format!(
@@ -340,6 +414,30 @@ impl Client {
             };
             match out {
                 Ok(r) => return Ok(r.into_inner()),
+                Err(_) if read && k != g.pick(false) => {
+                    // A follower did not answer the read: the primary answers it.
+                    g.reader_failed(k);
+                }
+                Err(s)
+                    if g.fails_over(&s)
+                        && (retry_late || s.code() != Code::DeadlineExceeded)
+                        && failover.is_none_or(|t| Instant::now() < t) =>
+                {
+                    let until = *failover
+                        .get_or_insert_with(|| Instant::now() + self.config.failover_timeout);
+                    g.find_primary(self.config.token.as_deref(), until, read)
+                        .await
+                        .map_err(|m| Error::Remote {
+                            server: server.name.clone(),
+                            code: s.code() as i32,
+                            message: format!("{m} (the last call said: {})", s.message()),
+                        })?;
+                    if g.pick(false) == k && s.code() != Code::FailedPrecondition {
+                        // The same primary: back off as for any retry.
+                        tokio::time::sleep(delay).await;
+                        delay = (delay * 2).min(Duration::from_secs(1));
+                    }
+                }
                 Err(s)
                     if is_retryable(&s)
                         && (retry_late || s.code() != Code::DeadlineExceeded)
@@ -363,11 +461,21 @@ impl Client {
         F: Fn(Stub, Request<M>) -> Fut + Clone,
         Fut: std::future::Future<Output = std::result::Result<tonic::Response<R>, Status>>,
     {
+        self.fan_out_on(targets, false, f)
+    }
+
+    /// [`fan_out`](Self::fan_out); `read`: reads that may go to followers.
+    fn fan_out_on<M, R, F, Fut>(&self, targets: Vec<(usize, M)>, read: bool, f: F) -> Result<Vec<R>>
+    where
+        M: Clone,
+        F: Fn(Stub, Request<M>) -> Fut + Clone,
+        Fut: std::future::Future<Output = std::result::Result<tonic::Response<R>, Status>>,
+    {
         let t = self.config.timeout;
         self.rt.block_on(async {
             let calls = targets
                 .into_iter()
-                .map(|(i, m)| self.call(i, m, t, true, f.clone()));
+                .map(|(i, m)| self.call_on(i, m, t, true, read, f.clone()));
             let mut out = Vec::new();
             for r in futures_join_all(calls).await {
                 out.push(r?);
@@ -397,6 +505,51 @@ impl Client {
         })
     }
 
+    /// Each position's replica group as JSON: its members with their role, group epoch and
+    /// lag (or the error of one that did not answer), the primary calls go to, and with
+    /// `read_from_follower` the member pulls go to. Asking refreshes the routing.
+    pub fn groups_json(&self) -> String {
+        let token = self.config.token.clone();
+        let follow = self.config.read_from_follower;
+        let groups = self.rt.block_on(async {
+            let asks = self.servers.iter().map(|s| {
+                let token = token.clone();
+                async move {
+                    let seen = s
+                        .group
+                        .refresh(token.as_deref(), Duration::from_secs(2), follow)
+                        .await;
+                    let members: Vec<serde_json::Value> = s
+                        .group
+                        .members
+                        .iter()
+                        .zip(seen)
+                        .map(|(m, r)| match r {
+                            Ok(x) => serde_json::json!({
+                                "name": m.name, "role": x.role, "epoch": x.epoch,
+                                "lag_entries": x.lag_entries, "lag_seconds": x.lag_seconds,
+                            }),
+                            Err(e) => serde_json::json!({"name": m.name, "error": e}),
+                        })
+                        .collect();
+                    let reads = if follow {
+                        s.group.members[s.group.pick(true)].name.clone()
+                    } else {
+                        s.group.primary().name.clone()
+                    };
+                    serde_json::json!({
+                        "primary": s.group.primary().name,
+                        "epoch": s.group.epoch(),
+                        "reads_from": reads,
+                        "members": members,
+                    })
+                }
+            });
+            futures_join_all(asks).await
+        });
+        serde_json::Value::Array(groups).to_string()
+    }
+
     /// The standard gRPC health status of the `pstore.v1.PStore` service on every server
     /// (`"SERVING"`, `"NOT_SERVING"`, ...; the error text for a server that does not answer).
     pub fn health(&self) -> Vec<String> {
@@ -404,7 +557,7 @@ impl Client {
         use tonic_health::pb::HealthCheckRequest;
         self.rt.block_on(async {
             let checks = self.servers.iter().map(|s| async move {
-                let mut c = HealthClient::new(s.channel.clone());
+                let mut c = HealthClient::new(s.group.primary().channel.clone());
                 let req = self.request(
                     HealthCheckRequest {
                         service: "pstore.v1.PStore".to_string(),
@@ -556,8 +709,9 @@ impl Client {
                 parts.push((i, c));
             }
         }
-        // Each answer with the frames that carried its rows (`net/splice.rs`).
-        let answers = self.fan_out(targets, |mut c, r| async move {
+        // Each answer with the frames that carried its rows (`net/splice.rs`); pulls may go to
+        // followers.
+        let answers = self.fan_out_on(targets, true, |mut c, r| async move {
             let a = c.pull(r).await?;
             let rows = a.extensions().get::<RowChunks>().and_then(RowChunks::take);
             Ok(a.map(|m| (m, rows)))

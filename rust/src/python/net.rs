@@ -223,7 +223,8 @@ impl PyClient {
     #[new]
     #[pyo3(signature = (
         servers, token=None, timeout=30.0, retries=3, wire_dtype="float32", tls_ca=None,
-        tls_domain=None, max_message=None, max_inflight_bytes=None, slots=None, ack="primary"
+        tls_domain=None, max_message=None, max_inflight_bytes=None, slots=None, ack="primary",
+        replicas=None, read_from="primary", failover_timeout=30.0
     ))]
     #[allow(clippy::too_many_arguments)]
     fn new(
@@ -239,6 +240,9 @@ impl PyClient {
         max_inflight_bytes: Option<usize>,
         slots: Option<&str>,
         ack: &str,
+        replicas: Option<Vec<Vec<String>>>,
+        read_from: &str,
+        failover_timeout: f64,
     ) -> PyResult<PyClassInitializer<Self>> {
         if !(timeout.is_finite() && timeout > 0.0) {
             return Err(bad(format!("timeout must be > 0 seconds, got {timeout}")));
@@ -253,6 +257,22 @@ impl PyClient {
                 )))
             }
         };
+        c.read_from_follower = match read_from {
+            "primary" => false,
+            "follower" => true,
+            _ => {
+                return Err(bad(format!(
+                    "read_from must be \"primary\" or \"follower\", got {read_from:?}"
+                )))
+            }
+        };
+        if !(failover_timeout.is_finite() && failover_timeout > 0.0) {
+            return Err(bad(format!(
+                "failover_timeout must be > 0 seconds, got {failover_timeout}"
+            )));
+        }
+        c.failover_timeout = Duration::from_secs_f64(failover_timeout);
+        c.replicas = replicas.unwrap_or_default();
         c.token = token;
         c.timeout = Duration::from_secs_f64(timeout);
         c.retries = retries;
@@ -296,6 +316,12 @@ impl PyClient {
     #[getter]
     fn wire_dtype(&self) -> &'static str {
         self.inner.config().wire_dtype()
+    }
+
+    /// Each position's replica group, as JSON.
+    fn groups(&self, py: Python<'_>) -> PyResult<String> {
+        let c = &self.inner;
+        run(py, || Ok(c.groups_json()))
     }
 
     /// The gRPC health status of every server.
@@ -510,8 +536,45 @@ impl PyStepSnapshot {
     }
 }
 
+/// Makes the follower at `address` the primary of its replica group; returns the new epoch,
+/// what it was promoted from, and the seconds until its first write.
+#[pyfunction]
+#[pyo3(signature = (address, token=None, expected_primary=None, force=false, timeout=30.0))]
+fn promote<'py>(
+    py: Python<'py>,
+    address: String,
+    token: Option<String>,
+    expected_primary: Option<String>,
+    force: bool,
+    timeout: f64,
+) -> PyResult<Bound<'py, PyDict>> {
+    if !(timeout.is_finite() && timeout > 0.0) {
+        return Err(bad(format!("timeout must be > 0 seconds, got {timeout}")));
+    }
+    let p = run(py, || {
+        crate::client::promote(
+            &address,
+            token.as_deref(),
+            expected_primary.as_deref().unwrap_or(""),
+            force,
+            Duration::from_secs_f64(timeout),
+        )
+    })?;
+    let d = PyDict::new(py);
+    d.set_item("server", &address)?;
+    d.set_item("epoch", p.epoch)?;
+    d.set_item(
+        "from_replication_id",
+        format!("{:016x}", p.from_replication_id),
+    )?;
+    d.set_item("from_lsn", p.from_lsn)?;
+    d.set_item("writes_in_seconds", p.writes_in_seconds)?;
+    Ok(d)
+}
+
 pub(super) fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<PyServer>()?;
+    m.add_function(wrap_pyfunction!(promote, m)?)?;
     m.add_class::<PyStepSnapshot>()?;
     m.add_class::<PyClient>()?;
     Ok(())

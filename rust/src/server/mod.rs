@@ -10,6 +10,7 @@
 pub mod bsp;
 mod bulk;
 pub mod conn;
+pub mod fence;
 pub mod layout;
 mod load;
 pub mod metrics;
@@ -119,16 +120,23 @@ struct Inner {
     inflight: Arc<std::sync::atomic::AtomicUsize>,
     /// The server list this server's tables belong to.
     layout: layout::Layout,
-    /// A durable server's commit log and followers.
-    primary: Option<Arc<repl::Primary>>,
-    /// A follower's link to its primary.
-    follower: Option<Arc<repl::Follower>>,
+    /// A durable server's role in its replica group: its log and followers, or its link to
+    /// its primary.
+    group: Option<Arc<fence::Group>>,
 }
 
 impl Inner {
+    fn primary(&self) -> Option<Arc<repl::Primary>> {
+        self.group.as_ref().and_then(|g| g.primary())
+    }
+
+    fn follower(&self) -> Option<Arc<repl::Follower>> {
+        self.group.as_ref().and_then(|g| g.follower())
+    }
+
     /// A write with `ack_all`: waits until every live follower holds it.
     fn ack_all(&self) -> Result<()> {
-        match &self.primary {
+        match &self.primary() {
             Some(p) => p.wait_all(),
             None => Err(invalid(
                 "ack_all needs a durable store server (one with a path and one environment)",
@@ -137,7 +145,7 @@ impl Inner {
     }
 
     fn replication_sample(&self) -> Option<metrics::ReplicationSample> {
-        match (&self.primary, &self.follower) {
+        match (&self.primary(), &self.follower()) {
             (_, Some(f)) => {
                 let (entries, seconds) = f.lag();
                 Some(metrics::ReplicationSample {
@@ -165,12 +173,15 @@ impl Inner {
     }
 
     fn replication_json(&self) -> String {
-        let v = match (&self.primary, &self.follower) {
+        let v = match (&self.primary(), &self.follower()) {
             (_, Some(f)) => f.status_json(),
             (Some(p), None) => p.status_json(),
             (None, None) => return String::new(),
         };
-        v.to_string()
+        match &self.group {
+            Some(g) => g.status_json(v).to_string(),
+            None => v.to_string(),
+        }
     }
 
     fn sample(&self) -> Sample {
@@ -396,8 +407,13 @@ fn authenticate<T>(t: &Tokens, req: &Request<T>) -> std::result::Result<Option<A
 }
 
 impl Service {
-    /// A follower refuses what would change its tables: they change only by its primary's log.
-    fn primary_only(&self, method: &str) -> std::result::Result<(), Status> {
+    /// A follower refuses what would change its tables: they change only by its primary's log;
+    /// a primary admits a write under its group epoch and write lease (`fence.rs`).
+    async fn primary_only<T>(
+        &self,
+        method: &str,
+        req: &Request<T>,
+    ) -> std::result::Result<(), Status> {
         const WRITES: &[&str] = &[
             "CreateTable",
             "DropTable",
@@ -409,21 +425,27 @@ impl Service {
             "BulkLoad",
             "LoadSnapshot",
         ];
-        match &self.0.follower {
-            Some(f) if WRITES.contains(&method) => {
-                let mut st = Status::failed_precondition(format!(
-                    "this server is a follower of {}: {method} goes to the primary",
-                    f.primary
-                ));
-                if let Ok(v) = f.primary.parse() {
-                    st.metadata_mut().insert("pstore-primary", v);
-                }
-                if let Ok(v) = "not_primary".parse() {
-                    st.metadata_mut().insert("pstore-error", v);
-                }
-                Err(st)
+        let Some(g) = &self.0.group else {
+            return Ok(());
+        };
+        if !WRITES.contains(&method) {
+            return Ok(());
+        }
+        let known = req
+            .metadata()
+            .get(fence::EPOCH_KEY)
+            .and_then(|v| v.to_str().ok())
+            .and_then(|v| v.parse::<u64>().ok())
+            .unwrap_or(0);
+        match g.check_write(method, known)? {
+            fence::Admit::Now => Ok(()),
+            fence::Admit::Wait => {
+                let g = Arc::clone(g);
+                let method = method.to_string();
+                tokio::task::spawn_blocking(move || g.wait_write(&method, known))
+                    .await
+                    .map_err(|_| Status::internal("the write admission task failed"))?
             }
-            _ => Ok(()),
         }
     }
 
@@ -451,13 +473,13 @@ impl Service {
     {
         let t0 = Instant::now();
         let _busy = Busy::new(&self.0.inflight);
-        let checked = self
-            .check(&req, access)
-            .and_then(|()| match method {
-                "Status" => Ok(()),
-                _ => self.0.layout.check(&self.0.store, &req),
-            })
-            .and_then(|()| self.primary_only(method));
+        let mut checked = self.check(&req, access).and_then(|()| match method {
+            "Status" => Ok(()),
+            _ => self.0.layout.check(&self.0.store, &req),
+        });
+        if checked.is_ok() {
+            checked = self.primary_only(method, &req).await;
+        }
         let out = match checked {
             Err(s) => Err(s),
             Ok(()) => {
@@ -786,7 +808,7 @@ impl PStore for Service {
         // A read-only principal never creates a row: unknown ids read as their initial value.
         // Nor does a follower: its rows are its primary's.
         let create = !matches!(authenticate(&self.0.tokens, &req), Ok(Some(Access::Read)))
-            && self.0.follower.is_none();
+            && self.0.follower().is_none();
         self.run("Pull", Access::Read, On::Pool, req, move |s, r| {
             let t = sparse(&s.store, &r.table)?;
             let d = wire::dtype(r.dtype)?;
@@ -1190,7 +1212,7 @@ impl PStore for Service {
     ) -> std::result::Result<Response<Self::ReplicateStream>, Status> {
         self.check(&req, Access::Write)?;
         let t0 = Instant::now();
-        let out = match (&self.0.primary, &self.0.follower) {
+        let out = match (&self.0.primary(), &self.0.follower()) {
             (_, Some(f)) => Err(Status::failed_precondition(format!(
                 "this server is a follower of {}: followers replicate from the primary",
                 f.primary
@@ -1213,13 +1235,38 @@ impl PStore for Service {
         req: Request<ReplicaAckRequest>,
     ) -> std::result::Result<Response<ReplicaAckResponse>, Status> {
         self.run("ReplicaAck", Access::Write, On::Pool, req, |s, r| {
-            match &s.primary {
+            match &s.primary() {
                 Some(p) => p.ack(&r.follower, r.replication_id, r.lsn)?,
                 None => return Err(invalid("this server is not a replication primary")),
             }
             Ok(ReplicaAckResponse {})
         })
         .await
+    }
+
+    async fn promote(
+        &self,
+        req: Request<PromoteRequest>,
+    ) -> std::result::Result<Response<PromoteResponse>, Status> {
+        self.check(&req, Access::Write)?;
+        let t0 = Instant::now();
+        let out = match &self.0.group {
+            None => Err(Status::failed_precondition(
+                "this server is in no replica group: only a durable store server (with a path) \
+                 is",
+            )),
+            Some(g) => {
+                let g = Arc::clone(g);
+                let r = req.into_inner();
+                tokio::task::spawn_blocking(move || g.promote(&r))
+                    .await
+                    .unwrap_or_else(|_| Err(Status::internal("the promotion task failed")))
+                    .map(Response::new)
+            }
+        };
+        let code = out.as_ref().err().map(|s| code_name(s.code()));
+        self.0.metrics.observe("Promote", t0.elapsed(), code);
+        out
     }
 
     async fn status(
@@ -1266,14 +1313,15 @@ pub struct ServerHandle {
     inflight: Arc<std::sync::atomic::AtomicUsize>,
     /// The store served, flushed by `stop` (model servers have none).
     store: Option<Arc<Store>>,
-    /// A follower's thread, stopped by `stop`.
-    follower: Option<Arc<repl::Follower>>,
+    /// A durable server's group (a follower's thread), stopped by `stop`.
+    group: Option<Arc<fence::Group>>,
 }
 
 /// Starts serving `store`; returns once the ports are bound.
 pub fn start(store: Arc<Store>, config: ServerConfig) -> Result<ServerHandle> {
     config.replication.validate()?;
     let mut repl = config.replication.clone();
+    repl.lease = repl.lease.min(repl.ack_timeout / 2);
     if repl.token.is_none() {
         repl.token = config
             .tokens
@@ -1281,7 +1329,7 @@ pub fn start(store: Arc<Store>, config: ServerConfig) -> Result<ServerHandle> {
             .as_ref()
             .map(|t| String::from_utf8_lossy(t).into_owned());
     }
-    let (primary, follower) = match &repl.follow {
+    let group = match &repl.follow {
         Some(_) => {
             if config.tls.is_some() {
                 return Err(invalid(
@@ -1292,12 +1340,10 @@ pub fn start(store: Arc<Store>, config: ServerConfig) -> Result<ServerHandle> {
             if store.path().is_none() {
                 return Err(invalid("a follower needs a durable store: give it a path"));
             }
-            (None, Some(repl::Follower::new(Arc::clone(&store), repl)?))
+            Some(fence::Group::open(Arc::clone(&store), repl)?)
         }
-        None if store.path().is_some() => {
-            (Some(repl::Primary::start(Arc::clone(&store), repl)?), None)
-        }
-        None => (None, None),
+        None if store.path().is_some() => Some(fence::Group::open(Arc::clone(&store), repl)?),
+        None => None,
     };
     let policies = Policies::load(store.path().map(|p| p.join("stale_policies.json")))?;
     let in_memory = store.path().is_none();
@@ -1315,8 +1361,7 @@ pub fn start(store: Arc<Store>, config: ServerConfig) -> Result<ServerHandle> {
         in_memory,
         inflight: Arc::new(std::sync::atomic::AtomicUsize::new(0)),
         layout: layout::Layout::load(&store)?,
-        primary,
-        follower: follower.clone(),
+        group: group.clone(),
     });
     let m = Arc::clone(&inner);
     let mut h = launch(
@@ -1326,9 +1371,9 @@ pub fn start(store: Arc<Store>, config: ServerConfig) -> Result<ServerHandle> {
         Arc::clone(&inner.inflight),
         Some(store),
     );
-    if let (Ok(h), Some(f)) = (&mut h, follower) {
-        f.spawn(&h.addr().to_string())?;
-        h.follower = Some(f);
+    if let (Ok(h), Some(g)) = (&mut h, group) {
+        g.spawn(&h.addr().to_string())?;
+        h.group = Some(g);
     }
     h
 }
@@ -1502,7 +1547,7 @@ pub(crate) fn launch<S: PStore>(
         metrics_addr,
         inflight,
         store,
-        follower: None,
+        group: None,
     })
 }
 
@@ -1530,8 +1575,8 @@ impl ServerHandle {
     /// Stops accepting calls, lets the calls in flight finish (waiting at most `grace`), then
     /// flushes the store. Returns the flush's error, if any.
     pub fn stop(&mut self, grace: Duration) -> Result<()> {
-        if let Some(f) = self.follower.take() {
-            f.stop();
+        if let Some(g) = self.group.take() {
+            g.stop();
         }
         if let Some(tx) = self.stop.take() {
             let _ = tx.send(());

@@ -371,6 +371,10 @@ impl PStore for ModelService {
         self.refuse("ReplicaAck", &req)
     }
 
+    async fn promote(&self, req: Request<PromoteRequest>) -> Answer<PromoteResponse> {
+        self.refuse("Promote", &req)
+    }
+
     async fn status(&self, req: Request<StatusRequest>) -> Answer<StatusResponse> {
         self.run(
             "Status",

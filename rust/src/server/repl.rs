@@ -60,6 +60,10 @@ pub struct ReplConfig {
     pub ack_timeout: Duration,
     /// The token a follower sends its primary.
     pub token: Option<String>,
+    /// A primary's write lease: it accepts a write only while every live follower acked within
+    /// this time (docs/decisions/0100); a promoted follower waits it out before its first write.
+    /// At most half the ack timeout is used.
+    pub lease: Duration,
 }
 
 impl Default for ReplConfig {
@@ -71,6 +75,7 @@ impl Default for ReplConfig {
             log_age: Duration::from_secs(600),
             ack_timeout: Duration::from_secs(5),
             token: None,
+            lease: Duration::from_secs(2),
         }
     }
 }
@@ -80,6 +85,9 @@ impl ReplConfig {
     pub fn validate(&self) -> Result<()> {
         if self.ack_timeout.is_zero() {
             return Err(invalid("the replication ack timeout must be > 0"));
+        }
+        if self.lease.is_zero() {
+            return Err(invalid("the replication lease must be > 0"));
         }
         if self.log_age.is_zero() {
             return Err(invalid("the replication log age must be > 0"));
@@ -101,6 +109,8 @@ struct FollowerState {
     progress: Instant,
     /// Why it left the live set.
     dropped: Option<String>,
+    /// When it last acked (renews the primary's write lease).
+    heard: Instant,
 }
 
 struct LogState {
@@ -115,12 +125,19 @@ struct LogState {
     keep_until: Option<Instant>,
     /// Resyncs served.
     resyncs: u64,
+    /// Followers that left the live set (or were members before a restart) and may have been
+    /// promoted since: writes wait until the group asked them (`fence.rs`).
+    suspects: Vec<String>,
+    /// Set when a newer epoch has another primary: every write is refused with this message.
+    fenced: Option<String>,
 }
 
 /// A primary's log and followers.
 pub struct Primary {
     /// This server's replication id.
     pub id: u64,
+    /// The group epoch this server is primary of.
+    pub epoch: u64,
     store: Arc<Store>,
     config: ReplConfig,
     state: Mutex<LogState>,
@@ -147,8 +164,9 @@ fn u64_of(v: &[u8]) -> Option<u64> {
 }
 
 /// The message of a commit entry.
-fn message_of(id: u64, e: CommitEntry) -> ReplicateMessage {
+fn message_of(id: u64, epoch: u64, e: CommitEntry) -> ReplicateMessage {
     ReplicateMessage {
+        epoch,
         replication_id: id,
         lsn: e.lsn,
         resync_start: false,
@@ -177,7 +195,7 @@ fn words_bytes(w: &[u32]) -> Bytes {
 
 impl Primary {
     /// Keeps the log of `store` (durable, one environment) from now on.
-    pub fn start(store: Arc<Store>, config: ReplConfig) -> Result<Arc<Self>> {
+    pub fn start(store: Arc<Store>, config: ReplConfig, epoch: u64) -> Result<Arc<Self>> {
         let f = store
             .flusher()
             .ok_or_else(|| invalid("replication needs a durable store"))?;
@@ -197,6 +215,7 @@ impl Primary {
         };
         let p = Arc::new(Self {
             id,
+            epoch,
             store,
             config,
             state: Mutex::new(LogState {
@@ -207,6 +226,8 @@ impl Primary {
                 followers: HashMap::new(),
                 keep_until: None,
                 resyncs: 0,
+                suspects: Vec::new(),
+                fenced: None,
             }),
             acked: Condvar::new(),
             newest: watch::channel(0).0,
@@ -287,6 +308,113 @@ impl Primary {
         (lag, live, connected, s.last)
     }
 
+    /// Whether a write may go now: `Ok(true)` yes, `Ok(false)` not yet (a live follower's lease
+    /// ran out, or a follower that left may have been promoted: wait for it), `Err` never (a
+    /// newer epoch has another primary). A live follower silent for the ack timeout leaves the
+    /// live set here too, and becomes a suspect.
+    pub fn admit(&self) -> std::result::Result<bool, String> {
+        let mut s = self.lock();
+        if let Some(m) = &s.fenced {
+            return Err(m.clone());
+        }
+        let mut ok = s.suspects.is_empty();
+        let mut gone = Vec::new();
+        for (name, f) in s.followers.iter_mut() {
+            if !f.live {
+                continue;
+            }
+            let quiet = f.heard.elapsed();
+            if quiet >= self.config.ack_timeout {
+                f.live = false;
+                let why = format!("no ack for {:.1} s", quiet.as_secs_f64());
+                eprintln!("pstore: follower {name} left the live set: {why}");
+                f.dropped = Some(why);
+                gone.push(name.clone());
+                ok = false;
+            } else if quiet >= self.config.lease {
+                ok = false;
+            }
+        }
+        for n in gone {
+            if !s.suspects.contains(&n) {
+                s.suspects.push(n);
+            }
+        }
+        Ok(ok)
+    }
+
+    /// Waits (at most the ack timeout and the lease again) until a write may go.
+    pub fn wait_admit(&self) -> std::result::Result<(), String> {
+        let until = Instant::now() + self.config.ack_timeout + self.config.lease * 2;
+        loop {
+            if self.admit()? {
+                return Ok(());
+            }
+            if Instant::now() >= until {
+                let s = self.lock();
+                return Err(format!(
+                    "no write lease: followers {:?} are being asked whether a newer primary \
+                     exists, or a live follower has not acked within {:.1} s",
+                    s.suspects,
+                    self.config.lease.as_secs_f64()
+                ));
+            }
+            let s = self.lock();
+            drop(
+                self.acked
+                    .wait_timeout(s, Duration::from_millis(20))
+                    .unwrap_or_else(|e| e.into_inner()),
+            );
+        }
+    }
+
+    /// Followers to ask whether they were promoted.
+    pub fn suspects(&self) -> Vec<String> {
+        self.lock().suspects.clone()
+    }
+
+    /// Adds followers to ask (the members recorded before a restart).
+    pub fn suspect(&self, names: &[String]) {
+        let mut s = self.lock();
+        for n in names {
+            if !s.suspects.contains(n) {
+                s.suspects.push(n.clone());
+            }
+        }
+    }
+
+    /// A suspect answered as no primary of a newer epoch (or cannot be reached: it is down).
+    pub fn clear_suspect(&self, name: &str) {
+        let mut s = self.lock();
+        s.suspects.retain(|n| n != name);
+        drop(s);
+        self.acked.notify_all();
+    }
+
+    /// Refuses every write from now on with `why`; stops the log.
+    pub fn fence(&self, why: String) {
+        self.lock().fenced = Some(why);
+        if let Some(f) = self.store.flusher() {
+            f.set_commit_sink(None);
+        }
+        self.acked.notify_all();
+    }
+
+    /// Followers that have been live (the group's members as this primary knows them).
+    pub fn live_names(&self) -> Vec<String> {
+        let s = self.lock();
+        s.followers
+            .iter()
+            .filter(|(_, f)| f.live)
+            .map(|(n, _)| n.clone())
+            .collect()
+    }
+
+    /// The newest LSN committed.
+    pub fn last_lsn(&self) -> u64 {
+        self.lock().last
+    }
+
     /// A follower acked `lsn`.
     pub fn ack(&self, follower: &str, id: u64, lsn: u64) -> Result<()> {
         if id != self.id {
@@ -301,6 +429,7 @@ impl Primary {
             .followers
             .get_mut(follower)
             .ok_or_else(|| invalid(format!("no follower {follower:?} is connected")))?;
+        f.heard = Instant::now();
         if lsn > f.acked {
             f.acked = lsn;
             f.progress = Instant::now();
@@ -331,6 +460,7 @@ impl Primary {
             let now = Instant::now();
             let timeout = self.config.ack_timeout;
             let mut waiting = false;
+            let mut suspects = Vec::new();
             for (name, fl) in s.followers.iter_mut() {
                 if !fl.live || fl.acked >= want {
                     continue;
@@ -346,9 +476,15 @@ impl Primary {
                     );
                     eprintln!("pstore: follower {name} left the live set: {why}");
                     fl.dropped = Some(why);
+                    suspects.push(name.clone());
                     continue;
                 }
                 waiting = true;
+            }
+            for n in suspects {
+                if !s.suspects.contains(&n) {
+                    s.suspects.push(n);
+                }
             }
             if !waiting {
                 return Ok(());
@@ -372,6 +508,7 @@ impl Primary {
                 live: false,
                 progress: Instant::now(),
                 dropped: None,
+                heard: Instant::now(),
             });
         f.streams += 1;
         f.progress = Instant::now();
@@ -386,6 +523,9 @@ impl Primary {
                 f.live = false;
                 f.dropped = Some("its stream closed".into());
                 eprintln!("pstore: follower {follower} left the live set: its stream closed");
+                if !s.suspects.iter().any(|n| n == follower) {
+                    s.suspects.push(follower.to_string());
+                }
             }
         }
         if s.followers.values().all(|f| f.streams == 0) {
@@ -478,6 +618,7 @@ impl Primary {
             let last = self.lock().last;
             if last == sent {
                 let beat = ReplicateMessage {
+                    epoch: self.epoch,
                     replication_id: self.id,
                     primary_lsn: last,
                     ..ReplicateMessage::default()
@@ -614,7 +755,7 @@ impl CommitSink for Primary {
     fn committed(&self, entry: CommitEntry) {
         let bytes = entry.bytes();
         let lsn = entry.lsn;
-        let m = Arc::new(message_of(self.id, entry));
+        let m = Arc::new(message_of(self.id, self.epoch, entry));
         let mut s = self.lock();
         s.entries.push_back((lsn, m, bytes, Instant::now()));
         s.bytes += bytes;
@@ -655,6 +796,11 @@ struct FollowState {
     /// What the replica's `replication/follow` says, and when it was written.
     recorded: (u64, u64),
     recorded_at: Option<Instant>,
+    /// The primary's group epoch, as last heard.
+    primary_epoch: u64,
+    /// When the last ack to the primary ended (answered or failed): the primary's write lease
+    /// from this follower ends at most `lease` after it.
+    last_ack_end: Option<Instant>,
 }
 
 /// A follower: the thread that pulls its primary's log and applies it.
@@ -670,6 +816,7 @@ pub struct Follower {
     name: Mutex<String>,
     /// Wakes the thread out of its wait for the primary's next message.
     wake: tokio::sync::Notify,
+    started: Instant,
 }
 
 #[derive(serde::Serialize, serde::Deserialize)]
@@ -708,6 +855,7 @@ impl Follower {
             thread: Mutex::new(None),
             name: Mutex::new(String::new()),
             wake: tokio::sync::Notify::new(),
+            started: Instant::now(),
         });
         Ok(me)
     }
@@ -756,6 +904,37 @@ impl Follower {
         }
     }
 
+    /// What a promotion of this follower starts from: the primary's replication id and the
+    /// LSN of its log held here, the primary's epoch as last heard, and when the primary's
+    /// write lease from this follower ends at the latest. Refused while it resyncs or before it
+    /// ever held a whole copy; `force` also promotes one that is not caught up.
+    pub fn promotable(&self, force: bool) -> std::result::Result<(u64, u64, u64, Instant), String> {
+        let s = self.lock();
+        if s.resyncing || s.primary_id == 0 {
+            return Err(format!(
+                "this follower holds no whole copy of its primary {} yet (it is resyncing or \
+                 never synced): promoting it would lose rows",
+                self.primary
+            ));
+        }
+        if !force && s.caught_up.is_none() {
+            return Err(format!(
+                "this follower was never caught up with its primary {} (LSN {} of {}): \
+                 promote with force to accept losing what it lacks",
+                self.primary, s.lsn, s.primary_lsn
+            ));
+        }
+        // The primary's lease is at most the default (or its own setting, never above it).
+        let lease = self.config.lease.max(ReplConfig::default().lease);
+        let end = s.last_ack_end.unwrap_or(self.started).max(self.started) + lease;
+        Ok((s.primary_id, s.lsn, s.primary_epoch, end))
+    }
+
+    /// The primary's group epoch, as last heard.
+    pub fn primary_epoch(&self) -> u64 {
+        self.lock().primary_epoch
+    }
+
     /// The last entry applied and committed.
     pub fn lsn(&self) -> u64 {
         self.lock().lsn
@@ -791,6 +970,7 @@ impl Follower {
             "resyncing": s.resyncing,
             "resyncs": s.resyncs,
             "last_error": s.last_error,
+            "primary_epoch": s.primary_epoch,
         })
     }
 
@@ -885,7 +1065,9 @@ impl Follower {
                     replication_id: id,
                     lsn,
                 });
-                rt.block_on(stub.replica_ack(ack)).map_err(remote)?;
+                let out = rt.block_on(stub.replica_ack(ack));
+                self.lock().last_ack_end = Some(Instant::now());
+                out.map_err(remote)?;
             }
             let next = rt.block_on(async {
                 tokio::select! {
@@ -932,6 +1114,7 @@ impl Follower {
                 let mut s = self.lock();
                 s.heard = Some(Instant::now());
                 s.primary_lsn = s.primary_lsn.max(m.primary_lsn);
+                s.primary_epoch = s.primary_epoch.max(m.epoch);
             }
             if m.resync_start {
                 self.record(0, 0)?;
@@ -1157,6 +1340,48 @@ mod tests {
     }
 
     #[test]
+    fn writes_need_the_lease_of_every_live_follower_and_wait_for_suspects() {
+        let root = std::env::temp_dir().join(format!("pstore-lease-{}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&root);
+        let store = durable(&root);
+        let config = ReplConfig {
+            lease: Duration::from_millis(100),
+            ack_timeout: Duration::from_millis(300),
+            ..ReplConfig::default()
+        };
+        let p = Primary::start(Arc::clone(&store), config, 1).unwrap();
+        // No follower: a group of one writes freely.
+        assert_eq!(p.admit(), Ok(true));
+        p.connect("f");
+        // Connected, not live yet (it has not acked the newest entry): not in the lease.
+        assert_eq!(p.admit(), Ok(true));
+        p.ack("f", p.id, 0).unwrap();
+        assert_eq!(p.live_names(), vec!["f".to_string()]);
+        assert_eq!(p.admit(), Ok(true));
+        // Silent past the lease: writes wait; an ack renews it.
+        std::thread::sleep(Duration::from_millis(150));
+        assert_eq!(p.admit(), Ok(false));
+        p.ack("f", p.id, 0).unwrap();
+        assert_eq!(p.admit(), Ok(true));
+        // Silent past the ack timeout: it leaves the live set as a suspect; writes wait until
+        // the group asked it.
+        std::thread::sleep(Duration::from_millis(350));
+        assert_eq!(p.admit(), Ok(false));
+        assert_eq!(p.suspects(), vec!["f".to_string()]);
+        assert!(p.live_names().is_empty());
+        p.clear_suspect("f");
+        assert_eq!(p.admit(), Ok(true));
+        // Members recorded before a restart are suspects too; a newer epoch fences for good.
+        p.suspect(&["g".to_string()]);
+        assert_eq!(p.admit(), Ok(false));
+        p.fence("epoch 2 has another primary".into());
+        assert_eq!(p.admit(), Err("epoch 2 has another primary".into()));
+        assert!(p.wait_admit().is_err());
+        drop((p, store));
+        let _ = std::fs::remove_dir_all(&root);
+    }
+
+    #[test]
     fn entries_applied_in_order_give_the_same_rows_and_applying_twice_changes_nothing() {
         let root = std::env::temp_dir().join(format!("pstore-repl-{}", std::process::id()));
         let _ = std::fs::remove_dir_all(&root);
@@ -1189,7 +1414,7 @@ mod tests {
         let b = durable(&root.join("b"));
         for round in 0..2 {
             for e in &entries {
-                let m = message_of(1, e.clone());
+                let m = message_of(1, 1, e.clone());
                 for name in &m.dropped {
                     drop_quietly(&b, name).unwrap();
                 }
