@@ -949,7 +949,7 @@ FUZZ_SETTINGS = settings(
 RAW_METHODS = (
     "CreateTable", "GetTable", "ListTables", "DropTable", "Pull", "Push", "Contains", "Remove",
     "Evict", "DensePull", "DensePush", "SetLr", "Flush", "Clock", "Status", "BulkLoad",
-    "ReplicaAck",
+    "ReplicaAck", "GetRouting", "SetRouting",
 )  # fmt: skip
 FUZZ_POOL = (0, 1, 2, 2**63, U64_MAX)
 FUZZ_DIM = 2
@@ -1026,6 +1026,16 @@ def raw_fuzz(api) -> Iterator[SimpleNamespace]:
             "Clock": m.ClockRequest(worker=0, num_workers=1, clock=2),
             "Status": m.StatusRequest(),
             "ReplicaAck": m.ReplicaAckRequest(follower="f", replication_id=7, lsn=3),
+            "GetRouting": m.GetRoutingRequest(),
+            # Refused as it is (epoch 0); a mutation that installs a routing gives every slot
+            # to this server alone (one position), so no later call is answered "moved".
+            "SetRouting": m.SetRoutingRequest(
+                routing=m.Routing(
+                    slots=m.SlotOwners(epoch=0, servers=1, starts=[0], owners=[0]),
+                    servers=[f.server.address],
+                    index=0,
+                )
+            ),
             # Into "scratch", which rows() does not read: a fuzzed load that succeeds writes rows.
             "BulkLoad": m.BulkLoadRequest(
                 table="scratch",

@@ -177,6 +177,20 @@ class RemoteStore(BaseStore):
         table: dict[str, Any] = json.loads(self._inner.slots)
         return table
 
+    def publish_routing(self, slots: dict[str, Any]) -> None:
+        """Publish ``slots`` (the form of :attr:`slots`) as the cluster's routing on every server.
+
+        Its ``epoch`` must be above the current one (publishing the same table again is
+        accepted). From then on each server answers a call for rows it does not own with
+        "moved", and every client of this version fetches the new table and sends the call
+        there: workers follow without restarting. No rows move: publish a table that changes
+        owners only once the rows are on their new owners (docs/CLUSTER.md, "Routing epochs").
+        """
+        if not isinstance(slots, dict):
+            kind = type(slots).__name__
+            raise TypeError(f"slots must be a dict like RemoteStore.slots, got {kind}")
+        self._inner.publish_routing(json.dumps(slots))
+
     @property
     def mode(self) -> Mode:
         """The training mode: ``"async"``, ``"bsp"`` or ``"ssp"``."""

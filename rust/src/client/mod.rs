@@ -10,7 +10,7 @@
 
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::{Arc, Mutex};
+use std::sync::{Arc, Mutex, RwLock};
 use std::time::Duration;
 
 use tonic::transport::{Channel, Endpoint};
@@ -27,6 +27,7 @@ mod boundary;
 mod bsp;
 pub mod cluster;
 mod once;
+mod reshard;
 mod tables;
 pub use boundary::StepSnapshot;
 pub use bsp::JobConfig;
@@ -123,7 +124,9 @@ struct Server {
 pub struct Client {
     rt: tokio::runtime::Runtime,
     servers: Vec<Server>,
-    router: SlotTable,
+    /// The slot table this client routes by, with its layout hash (replaced when a server
+    /// answers "moved", `reshard.rs`).
+    route: RwLock<Arc<reshard::Route>>,
     config: ClientConfig,
     /// Random per client: with `seq`, the ids of write requests.
     id: u64,
@@ -138,8 +141,6 @@ pub struct Client {
     job: Mutex<Option<Arc<bsp::Job>>>,
     /// Versions of recent pulls and request ids of failed pushes (`once.rs`).
     memo: once::Memo,
-    /// The hash of the server list, sent with every call (`crate::server::layout`).
-    layout: tonic::metadata::MetadataValue<tonic::metadata::Ascii>,
 }
 
 fn is_retryable(s: &Status) -> bool {
@@ -238,12 +239,10 @@ impl Client {
             });
         }
         let applier = Applier::new(config.max_inflight_bytes, "pstore-client-push")?;
-        let layout = cluster::layout_hash(&config.servers, &router)
-            .parse()
-            .map_err(|_| Error::Internal("a layout hash is ASCII".into()))?;
+        let route = RwLock::new(Arc::new(reshard::Route::new(&config.servers, router)?));
         let c = Arc::new(Self {
             rt,
-            router,
+            route,
             servers,
             config,
             id: random_id(),
@@ -252,7 +251,6 @@ impl Client {
             applier,
             job: Mutex::new(None),
             memo: once::Memo::default(),
-            layout,
         });
         let status = c.status()?;
         for (s, st) in c.servers.iter().zip(&status) {
@@ -263,6 +261,14 @@ impl Client {
                     st.protocol,
                     crate::net::PROTOCOL
                 )));
+            }
+        }
+        // The servers' routing over this list, when they hold one, is the cluster's table: it
+        // replaces the one given (decision 0102). A routing over another list is not taken: the
+        // first call on rows is answered "moved" and fails naming both lists.
+        if let Some((servers, table)) = c.held_routing()? {
+            if servers == c.config.servers {
+                c.adopt(table)?;
             }
         }
         Ok(c)
@@ -288,8 +294,11 @@ impl Client {
     fn request<T>(&self, msg: T, timeout: Duration) -> Request<T> {
         let mut r = Request::new(msg);
         r.set_timeout(timeout);
+        let route = self.route();
         r.metadata_mut()
-            .insert(crate::server::layout::LAYOUT_KEY, self.layout.clone());
+            .insert(crate::server::layout::LAYOUT_KEY, route.layout.clone());
+        r.metadata_mut()
+            .insert(crate::server::routing::EPOCH_KEY, route.epoch.clone());
         if let Some(t) = &self.config.token {
             if let Ok(v) = format!("Bearer {t}").parse() {
                 r.metadata_mut().insert("authorization", v);
@@ -307,6 +316,33 @@ impl Client {
         retry_late: bool,
         f: F,
     ) -> Result<R>
+    where
+        M: Clone,
+        F: Fn(PStoreClient<Channel>, Request<M>) -> Fut,
+        Fut: std::future::Future<Output = std::result::Result<tonic::Response<R>, Status>>,
+    {
+        match self.call_status(i, msg, timeout, retry_late, f).await {
+            Ok(r) => Ok(r),
+            Err(s) => {
+                // A server that no longer owns what it was sent: take the routing it holds, so
+                // that the caller's retry (`reshard.rs`) splits by it.
+                if reshard::is_moved(&s) {
+                    self.refresh_routing(i).await?;
+                }
+                Err(error_of(&s, &self.servers[i].name))
+            }
+        }
+    }
+
+    /// [`call`](Self::call), failing with the last status.
+    async fn call_status<M, R, F, Fut>(
+        &self,
+        i: usize,
+        msg: M,
+        timeout: Duration,
+        retry_late: bool,
+        f: F,
+    ) -> std::result::Result<R, Status>
     where
         M: Clone,
         F: Fn(PStoreClient<Channel>, Request<M>) -> Fut,
@@ -346,7 +382,7 @@ impl Client {
                     tokio::time::sleep(delay.mul_f64(j)).await;
                     delay = (delay * 2).min(Duration::from_secs(2));
                 }
-                Err(s) => return Err(error_of(&s, &server.name)),
+                Err(s) => return Err(s),
             }
         }
     }
@@ -377,12 +413,12 @@ impl Client {
 
     /// The server of a dense table: the owner of its name's slot.
     pub fn dense_home(&self, name: &str) -> usize {
-        self.router.dense_home(name)
+        self.route().table.dense_home(name)
     }
 
-    /// The slot table this client routes by.
-    pub fn slot_table(&self) -> &SlotTable {
-        &self.router
+    /// The slot table this client routes by now (a server's newer routing replaces it).
+    pub fn slot_table(&self) -> SlotTable {
+        self.route().table.clone()
     }
 
     /// Status of every server, in the order of the list.
@@ -531,10 +567,21 @@ impl Client {
         if out.len() != ids.len() * dim {
             return Err(shape("pull_into: out must hold len(ids) x dim floats"));
         }
+        self.rerouted(|| self.pull_routed(table, dim, ids, out))
+    }
+
+    /// One attempt of [`pull_versioned`](Self::pull_versioned) by the current table.
+    fn pull_routed(
+        &self,
+        table: &str,
+        dim: usize,
+        ids: &[u64],
+        out: &mut [std::mem::MaybeUninit<f32>],
+    ) -> Result<Vec<u64>> {
         let d = self.config.wire;
         let mut targets = Vec::new();
         let mut parts = Vec::new();
-        for (i, pos) in self.router.split(ids).into_iter().enumerate() {
+        for (i, pos) in self.route().table.split(ids).into_iter().enumerate() {
             let mut chunks = self.chunks(&pos, 8 + dim * wire::width(d));
             if chunks.is_empty() {
                 // Every server answers its version, so the push of this batch carries one for
@@ -670,9 +717,13 @@ impl Client {
 
     /// Which ids have a row.
     pub fn contains(&self, table: &str, ids: &[u64]) -> Result<Vec<bool>> {
+        self.rerouted(|| self.contains_routed(table, ids))
+    }
+
+    fn contains_routed(&self, table: &str, ids: &[u64]) -> Result<Vec<bool>> {
         let mut targets = Vec::new();
         let mut parts = Vec::new();
-        for (i, pos) in self.router.split(ids).into_iter().enumerate() {
+        for (i, pos) in self.route().table.split(ids).into_iter().enumerate() {
             for c in self.chunks(&pos, 9) {
                 targets.push((
                     i,
@@ -700,8 +751,12 @@ impl Client {
     /// Removes rows; returns how many existed.
     pub fn remove(&self, table: &str, ids: &[u64]) -> Result<u64> {
         self.drain();
+        self.rerouted(|| self.remove_routed(table, ids))
+    }
+
+    fn remove_routed(&self, table: &str, ids: &[u64]) -> Result<u64> {
         let mut targets = Vec::new();
-        for (i, pos) in self.router.split(ids).into_iter().enumerate() {
+        for (i, pos) in self.route().table.split(ids).into_iter().enumerate() {
             for c in self.chunks(&pos, 8) {
                 targets.push((
                     i,
@@ -745,15 +800,16 @@ impl Client {
     /// The value of a dense table and the table version it was read at (a push computed from
     /// it carries that version, [`dense_push_versioned`](Self::dense_push_versioned)).
     pub fn dense_pull_versioned(&self, table: &str, numel: usize) -> Result<(Vec<f32>, u64)> {
-        let i = self.dense_home(table);
         let m = DensePullRequest {
             table: table.to_string(),
             dtype: self.config.wire as i32,
         };
-        let mut a = self.fan_out(
-            vec![(i, m)],
-            |mut c, r| async move { c.dense_pull(r).await },
-        )?;
+        let mut a = self.rerouted(|| {
+            self.fan_out(
+                vec![(self.dense_home(table), m.clone())],
+                |mut c, r| async move { c.dense_pull(r).await },
+            )
+        })?;
         let a = a.pop().ok_or_else(|| Error::Internal("no answer".into()))?;
         let v = wire::values(&a.values, wire::dtype(a.dtype)?, numel, "values")?.into_owned();
         self.set_pulled(table, a.seq, a.version);
@@ -782,7 +838,6 @@ impl Client {
 
     fn dense_push_now(&self, table: &str, grad: &[f32], version: Option<u64>) -> Result<()> {
         self.check_grads(table, grad, grad.len().max(1))?;
-        let i = self.dense_home(table);
         let (job, worker, step) = self
             .step_tag()
             .map_or((String::new(), 0, None), |(j, w, s)| (j, w, Some(s)));
@@ -801,10 +856,13 @@ impl Client {
             job,
             worker,
         };
-        self.fan_out(
-            vec![(i, m)],
-            |mut c, r| async move { c.dense_push(r).await },
-        )?;
+        // Sent again with the same request id wherever the table's home moved.
+        self.rerouted(|| {
+            self.fan_out(
+                vec![(self.dense_home(table), m.clone())],
+                |mut c, r| async move { c.dense_push(r).await },
+            )
+        })?;
         Ok(())
     }
 

@@ -160,7 +160,7 @@ impl Client {
             .step_tag()
             .map_or((String::new(), 0, None), |(j, w, s)| (j, w, Some(s)));
         let mut targets = Vec::new();
-        for (i, pos) in self.router.split(ids).into_iter().enumerate() {
+        for (i, pos) in self.route().table.split(ids).into_iter().enumerate() {
             let mut chunks = self.chunks(&pos, 8 + dim * wire::width(d));
             if chunks.is_empty() {
                 chunks.push(Vec::new());
@@ -195,19 +195,13 @@ impl Client {
         for ((_, m), r) in targets.iter_mut().zip(&rids) {
             m.request_id = Some(*r);
         }
-        let servers: Vec<usize> = targets.iter().map(|(i, _)| *i).collect();
-        let t = self.config.timeout;
-        let results = self.rt.block_on(async {
-            let calls = targets
-                .into_iter()
-                .map(|(i, m)| self.call(i, m, t, true, |mut c, r| async move { c.push(r).await }));
-            super::futures_join_all(calls).await
-        });
+        // Parts refused as moved go again, split by the new table (`reshard.rs`).
+        let results = self.rt.block_on(self.send_push_parts(targets, dim));
         let mut ok = vec![true; n];
         let mut first_err = None;
-        for (i, r) in servers.iter().zip(results) {
+        for (i, r) in results {
             if let Err(e) = r {
-                ok[*i] = false;
+                ok[i] = false;
                 first_err.get_or_insert(e);
             }
         }

@@ -298,6 +298,13 @@ impl PyClient {
         self.inner.config().wire_dtype()
     }
 
+    /// Publishes a slot table (JSON) as the cluster's routing on every server.
+    fn publish_routing(&self, py: Python<'_>, slots: &str) -> PyResult<()> {
+        let table = crate::net::routing::SlotTable::from_json(slots).map_err(super::err)?;
+        let c = &self.inner;
+        run(py, || c.publish_routing(table))
+    }
+
     /// The gRPC health status of every server.
     fn health(&self, py: Python<'_>) -> PyResult<Vec<String>> {
         let c = &self.inner;

@@ -15,6 +15,7 @@ mod load;
 pub mod metrics;
 pub mod model;
 pub mod repl;
+pub mod routing;
 pub mod state;
 pub mod versions;
 
@@ -119,6 +120,8 @@ struct Inner {
     inflight: Arc<std::sync::atomic::AtomicUsize>,
     /// The server list this server's tables belong to.
     layout: layout::Layout,
+    /// The cluster's routing as this server holds it (`routing.rs`).
+    routing: routing::Routes,
     /// A durable server's commit log and followers.
     primary: Option<Arc<repl::Primary>>,
     /// A follower's link to its primary.
@@ -437,7 +440,7 @@ impl Service {
         f: impl FnOnce(&Inner, T) -> Result<R> + Send + 'static,
     ) -> std::result::Result<Response<R>, Status>
     where
-        T: Send + 'static,
+        T: routing::Routed + Send + 'static,
         R: Send + 'static,
     {
         let t0 = Instant::now();
@@ -445,10 +448,12 @@ impl Service {
         let checked = self
             .check(&req, access)
             .and_then(|()| match method {
-                "Status" => Ok(()),
+                "Status" | "GetRouting" | "SetRouting" => Ok(()),
+                _ if self.0.routing.replaces_layout(&req) => Ok(()),
                 _ => self.0.layout.check(&self.0.store, &req),
             })
-            .and_then(|()| self.primary_only(method));
+            .and_then(|()| self.primary_only(method))
+            .and_then(|()| self.0.routing.check(&req));
         let out = match checked {
             Err(s) => Err(s),
             Ok(()) => {
@@ -1204,6 +1209,27 @@ impl PStore for Service {
         .await
     }
 
+    async fn get_routing(
+        &self,
+        req: Request<GetRoutingRequest>,
+    ) -> std::result::Result<Response<Routing>, Status> {
+        self.run("GetRouting", Access::Read, On::Pool, req, |s, _| {
+            Ok(s.routing.get())
+        })
+        .await
+    }
+
+    async fn set_routing(
+        &self,
+        req: Request<SetRoutingRequest>,
+    ) -> std::result::Result<Response<Routing>, Status> {
+        self.run("SetRouting", Access::Write, On::Blocking, req, |s, r| {
+            s.routing
+                .set(&s.store, r, |hash| s.layout.pin(&s.store, hash))
+        })
+        .await
+    }
+
     async fn status(
         &self,
         req: Request<StatusRequest>,
@@ -1297,6 +1323,7 @@ pub fn start(store: Arc<Store>, config: ServerConfig) -> Result<ServerHandle> {
         in_memory,
         inflight: Arc::new(std::sync::atomic::AtomicUsize::new(0)),
         layout: layout::Layout::load(&store)?,
+        routing: routing::Routes::load(&store)?,
         primary,
         follower: follower.clone(),
     });

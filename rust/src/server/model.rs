@@ -371,6 +371,16 @@ impl PStore for ModelService {
         self.refuse("ReplicaAck", &req)
     }
 
+    async fn get_routing(&self, req: Request<GetRoutingRequest>) -> Answer<Routing> {
+        // A model server holds no routing: every client's own table applies.
+        self.run("GetRouting", req, |_| true, |_, _| Ok(Routing::default()))
+            .await
+    }
+
+    async fn set_routing(&self, req: Request<SetRoutingRequest>) -> Answer<Routing> {
+        self.refuse("SetRouting", &req)
+    }
+
     async fn status(&self, req: Request<StatusRequest>) -> Answer<StatusResponse> {
         self.run(
             "Status",
