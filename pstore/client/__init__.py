@@ -191,6 +191,25 @@ class RemoteStore(BaseStore):
             raise TypeError(f"slots must be a dict like RemoteStore.slots, got {kind}")
         self._inner.publish_routing(json.dumps(slots))
 
+    def move_slots(self, slots: dict[str, Any]) -> dict[str, Any]:
+        """Move every hash slot whose owner differs in ``slots`` (the form of :attr:`slots`,
+        over the same servers; its ``epoch`` is not used) to its new owner while workers train.
+
+        A batch of slots at a time: its writes wait on the old owner (workers retry, briefly),
+        its rows (every table's, with optimizer state and metadata), a dense table whose home
+        moves and the request ids of recent pushes are copied to the new owner, the routing
+        that gives it to the new owner is published under the next epoch, and the old owner
+        drops its copy. Workers follow without restarting; nothing is lost or applied twice.
+        Give a server no slot to empty it before it leaves, or its share when it joins
+        (docs/CLUSTER.md, "Moving slots"). Returns ``{"slots", "rows", "batches", "epoch",
+        "seconds", "max_frozen_seconds"}``.
+        """
+        if not isinstance(slots, dict):
+            kind = type(slots).__name__
+            raise TypeError(f"slots must be a dict like RemoteStore.slots, got {kind}")
+        report: dict[str, Any] = self._inner.move_slots(json.dumps(slots))
+        return report
+
     @property
     def mode(self) -> Mode:
         """The training mode: ``"async"``, ``"bsp"`` or ``"ssp"``."""

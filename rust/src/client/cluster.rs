@@ -682,6 +682,7 @@ impl Client {
                             ids: Default::default(),
                             words: words_bytes(&d.words()).into(),
                             seq: None,
+                            applied_request_ids: Default::default(),
                         };
                         self.fan_out(
                             vec![(home, req)],
@@ -700,6 +701,7 @@ impl Client {
                     ids: Default::default(),
                     words: Default::default(),
                     seq: Some(seq),
+                    applied_request_ids: Default::default(),
                 };
                 self.fan_out(
                     self.all(req),
@@ -746,6 +748,7 @@ impl Client {
                     ids: crate::net::wire::encode_ids(&std::mem::take(&mut ids[i])),
                     words: std::mem::take(&mut words[i]).into(),
                     seq: None,
+                    applied_request_ids: Default::default(),
                 },
             ));
             bytes

@@ -26,12 +26,14 @@ use crate::net::{error_of, wire, DEFAULT_MAX_MESSAGE};
 mod boundary;
 mod bsp;
 pub mod cluster;
+mod moves;
 mod once;
 mod reshard;
 mod tables;
 pub use boundary::StepSnapshot;
 pub use bsp::JobConfig;
 pub use cluster::{ClusterManifest, RestoreReport};
+pub use moves::MoveReport;
 pub use once::{REMEMBERED_BATCHES, REMEMBERED_FAILURES};
 pub use tables::{
     ClusterStats, ClusterStore, RemoteDense, RemoteSparse, ServerStatus, ServerTable, Staleness,
@@ -351,6 +353,7 @@ impl Client {
         let server = &self.servers[i];
         let mut delay = Duration::from_millis(50);
         let mut attempt = 0;
+        let first = std::time::Instant::now();
         loop {
             let req = self.request(msg.clone(), timeout);
             let fut = f(server.stub.clone(), req);
@@ -371,6 +374,11 @@ impl Client {
             };
             match out {
                 Ok(r) => return Ok(r.into_inner()),
+                // A slot being moved: frozen for a moment, not a failure; retried for as long
+                // as one call may take, without using up the retries.
+                Err(s) if reshard::is_moving(&s) && first.elapsed() < timeout => {
+                    tokio::time::sleep(Duration::from_millis(5)).await;
+                }
                 Err(s)
                     if is_retryable(&s)
                         && (retry_late || s.code() != Code::DeadlineExceeded)
@@ -581,11 +589,12 @@ impl Client {
         let d = self.config.wire;
         let mut targets = Vec::new();
         let mut parts = Vec::new();
-        for (i, pos) in self.route().table.split(ids).into_iter().enumerate() {
+        let route = self.route();
+        for (i, pos) in route.table.split(ids).into_iter().enumerate() {
             let mut chunks = self.chunks(&pos, 8 + dim * wire::width(d));
-            if chunks.is_empty() {
+            if chunks.is_empty() && route.owns_slots[i] {
                 // Every server answers its version, so the push of this batch carries one for
-                // each server it goes to (every server: see `push_parts`).
+                // each server it goes to (every server that owns slots: see `push_parts`).
                 chunks.push(Vec::new());
             }
             for c in chunks {

@@ -160,9 +160,11 @@ impl Client {
             .step_tag()
             .map_or((String::new(), 0, None), |(j, w, s)| (j, w, Some(s)));
         let mut targets = Vec::new();
-        for (i, pos) in self.route().table.split(ids).into_iter().enumerate() {
+        let route = self.route();
+        for (i, pos) in route.table.split(ids).into_iter().enumerate() {
             let mut chunks = self.chunks(&pos, 8 + dim * wire::width(d));
-            if chunks.is_empty() {
+            // A server that owns no slot (one being emptied to leave) holds no row to count for.
+            if chunks.is_empty() && route.owns_slots[i] {
                 chunks.push(Vec::new());
             }
             for (k, c) in chunks.iter().enumerate() {
@@ -183,6 +185,7 @@ impl Client {
                         step,
                         job: job.clone(),
                         worker,
+                        split_from: Vec::new(),
                     },
                 ));
             }
@@ -196,7 +199,9 @@ impl Client {
             m.request_id = Some(*r);
         }
         // Parts refused as moved go again, split by the new table (`reshard.rs`).
-        let results = self.rt.block_on(self.send_push_parts(targets, dim));
+        let results = self
+            .rt
+            .block_on(self.send_push_parts(targets, route.table.epoch(), dim));
         let mut ok = vec![true; n];
         let mut first_err = None;
         for (i, r) in results {

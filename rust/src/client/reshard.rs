@@ -5,11 +5,10 @@
 //! routing refuses a call naming rows it does not own with FAILED_PRECONDITION `moved` (nothing
 //! read or applied); the client then fetches that server's routing (`GetRouting`), and the
 //! operation sends the refused part again, split by the new table: reads and dense calls are
-//! simply sent again, a sparse push resends only its refused parts, each sub-part with the
-//! request id of the part it came from, so a server that already applied it answers from its
-//! memory instead of applying it twice.
+//! simply sent again, a sparse push resends only its refused parts, each sub-part with a
+//! new request id and the ids of the parts it came from (`split_from`), so a server that
+//! remembers one of those as applied answers from its memory instead of applying it twice.
 
-use std::collections::HashSet;
 use std::sync::Arc;
 
 use tonic::metadata::{Ascii, MetadataValue};
@@ -22,12 +21,15 @@ use crate::net::routing::{layout_hash, SlotTable};
 use crate::net::{error_of, wire, ERROR_KIND};
 use crate::server::routing::MOVED;
 
-/// How many times one operation follows a routing change before it reports the refusal.
-const MAX_REROUTES: u32 = 8;
+/// How many times one operation follows a routing change before it reports the refusal (a
+/// move publishes an epoch per batch of slots, so a call may meet several in a row).
+const MAX_REROUTES: u32 = 64;
 
 /// The table a client routes by, and the metadata it sends with every call.
 pub(super) struct Route {
     pub(super) table: SlotTable,
+    /// Whether each position owns at least one slot.
+    pub(super) owns_slots: Vec<bool>,
     pub(super) layout: MetadataValue<Ascii>,
     pub(super) epoch: MetadataValue<Ascii>,
 }
@@ -41,6 +43,7 @@ impl Route {
         Ok(Self {
             layout: ascii(layout_hash(servers, &table))?,
             epoch: ascii(table.epoch().to_string())?,
+            owns_slots: table.slots_per_server().iter().map(|&n| n > 0).collect(),
             table,
         })
     }
@@ -52,6 +55,11 @@ pub(super) fn is_moved(s: &Status) -> bool {
         && s.metadata()
             .get(ERROR_KIND)
             .is_some_and(|v| v.as_bytes() == MOVED.as_bytes())
+}
+
+/// Whether a status is a server's "moving" answer (a frozen slot: retry).
+pub(super) fn is_moving(s: &Status) -> bool {
+    s.code() == tonic::Code::Unavailable && s.message().starts_with("moving: ")
 }
 
 impl Client {
@@ -190,18 +198,16 @@ impl Client {
     pub(super) async fn send_push_parts(
         &self,
         targets: Vec<(usize, PushRequest)>,
+        epoch: u64,
         dim: usize,
     ) -> Vec<(usize, Result<PushResponse>)> {
         let t = self.config.timeout;
-        // (server, request id) pairs a server took (or may have: any answer but "moved"): such
-        // a request id never goes to that server again with other rows (the server would
-        // answer the first part's answer and apply nothing).
-        let mut taken: HashSet<(usize, u64)> = HashSet::new();
-        let mut pending = targets;
+        // Each part with the epoch of the table it was split by.
+        let mut pending: Vec<(usize, PushRequest, u64)> =
+            targets.into_iter().map(|(i, m)| (i, m, epoch)).collect();
         let mut done = Vec::new();
         for round in 0..=MAX_REROUTES {
-            let before = self.route().table.epoch();
-            let results = super::futures_join_all(pending.iter().map(|(i, m)| {
+            let results = super::futures_join_all(pending.iter().map(|(i, m, _)| {
                 self.call(
                     *i,
                     m.clone(),
@@ -212,19 +218,16 @@ impl Client {
             }))
             .await;
             let mut again = Vec::new();
-            let rerouted = self.route().table.epoch() > before && round < MAX_REROUTES;
-            for ((i, m), r) in pending.into_iter().zip(results) {
+            for ((i, m, split_by), r) in pending.into_iter().zip(results) {
+                // Refused as moved, and this client now routes by a newer table than the part
+                // was split by: split it again.
+                let rerouted = round < MAX_REROUTES && self.route().table.epoch() > split_by;
                 match r {
-                    Err(Error::Remote { code: 9, .. }) if rerouted => {
-                        match self.resplit(&m, dim, &taken) {
-                            Some(parts) => again.extend(parts),
-                            None => done.push((i, r)),
-                        }
-                    }
-                    r => {
-                        taken.insert((i, m.request_id.map_or(0, |r| r.seq)));
-                        done.push((i, r));
-                    }
+                    Err(Error::Remote { code: 9, .. }) if rerouted => match self.resplit(&m, dim) {
+                        Some(parts) => again.extend(parts),
+                        None => done.push((i, r)),
+                    },
+                    r => done.push((i, r)),
                 }
             }
             if again.is_empty() {
@@ -235,30 +238,26 @@ impl Client {
         done
     }
 
-    /// The parts of a refused push part under the current table (None when one would reach a
-    /// server that already got its request id).
-    fn resplit(
-        &self,
-        m: &PushRequest,
-        dim: usize,
-        taken: &HashSet<(usize, u64)>,
-    ) -> Option<Vec<(usize, PushRequest)>> {
+    /// The parts of a refused push part under the current table: each with a request id of
+    /// its own and the ids of the parts it was split from (`split_from`), so that a server
+    /// that remembers one of those as applied (a retry whose first answer was lost, the rows
+    /// moved since) answers it without applying it again.
+    fn resplit(&self, m: &PushRequest, dim: usize) -> Option<Vec<(usize, PushRequest, u64)>> {
         let d = wire::dtype(m.dtype).ok()?;
         let row = dim * wire::width(d);
         let ids = wire::ids(&m.ids).ok()?;
         if m.grads.len() != ids.len() * row {
             return None;
         }
-        let rid = m.request_id.map_or(0, |r| r.seq);
+        let mut split_from = m.split_from.clone();
+        split_from.extend(m.request_id);
         let route = self.route();
         let mut out = Vec::new();
         for (j, pos) in route.table.split(&ids).into_iter().enumerate() {
             if pos.is_empty() {
                 continue;
             }
-            if taken.contains(&(j, rid)) {
-                return None;
-            }
+            let request_id = self.next_id();
             let mut grads = Vec::with_capacity(pos.len() * row);
             for &p in &pos {
                 let p = p as usize;
@@ -269,12 +268,15 @@ impl Client {
                 PushRequest {
                     ids: wire::encode_ids_at(&ids, &pos),
                     grads: grads.into(),
+                    request_id,
+                    split_from: split_from.clone(),
                     // The server it was meant for counted (or will not count) the push.
                     continued: true,
                     uncounted: true,
                     version_only: false,
                     ..m.clone()
                 },
+                route.table.epoch(),
             ));
         }
         Some(out)

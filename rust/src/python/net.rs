@@ -298,6 +298,22 @@ impl PyClient {
         self.inner.config().wire_dtype()
     }
 
+    /// Moves every slot whose owner differs in `slots` (JSON) to its new owner while workers
+    /// train; returns what moved.
+    fn move_slots<'py>(&self, py: Python<'py>, slots: &str) -> PyResult<Bound<'py, PyDict>> {
+        let table = crate::net::routing::SlotTable::from_json(slots).map_err(super::err)?;
+        let c = &self.inner;
+        let r = run(py, || c.move_slots(&table))?;
+        let d = PyDict::new(py);
+        d.set_item("slots", r.slots)?;
+        d.set_item("rows", r.rows)?;
+        d.set_item("batches", r.batches)?;
+        d.set_item("epoch", r.epoch)?;
+        d.set_item("seconds", r.seconds)?;
+        d.set_item("max_frozen_seconds", r.max_frozen_seconds)?;
+        Ok(d)
+    }
+
     /// Publishes a slot table (JSON) as the cluster's routing on every server.
     fn publish_routing(&self, py: Python<'_>, slots: &str) -> PyResult<()> {
         let table = crate::net::routing::SlotTable::from_json(slots).map_err(super::err)?;

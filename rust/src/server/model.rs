@@ -381,6 +381,18 @@ impl PStore for ModelService {
         self.refuse("SetRouting", &req)
     }
 
+    async fn freeze_slots(&self, req: Request<FreezeSlotsRequest>) -> Answer<FreezeSlotsResponse> {
+        self.refuse("FreezeSlots", &req)
+    }
+
+    async fn export_slots(&self, req: Request<ExportSlotsRequest>) -> Answer<ExportSlotsResponse> {
+        self.refuse("ExportSlots", &req)
+    }
+
+    async fn drop_slots(&self, req: Request<DropSlotsRequest>) -> Answer<DropSlotsResponse> {
+        self.refuse("DropSlots", &req)
+    }
+
     async fn status(&self, req: Request<StatusRequest>) -> Answer<StatusResponse> {
         self.run(
             "Status",

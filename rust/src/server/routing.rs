@@ -109,7 +109,10 @@ unrouted!(
     proto::SnapshotRequest,
     proto::StatusRequest,
     proto::GetRoutingRequest,
-    proto::SetRoutingRequest
+    proto::SetRoutingRequest,
+    proto::FreezeSlotsRequest,
+    proto::ExportSlotsRequest,
+    proto::DropSlotsRequest
 );
 
 macro_rules! by_ids {
@@ -232,6 +235,20 @@ impl Routes {
         let out = new.to_proto();
         *g = Some(Arc::new(new));
         Ok(out)
+    }
+
+    /// Whether this server owns slot `s` at its held routing (None: it holds none).
+    pub(super) fn owns_slot(&self, s: usize) -> Option<bool> {
+        self.held().map(|h| h.table.owner_of_slot(s) == h.index)
+    }
+
+    /// Whether this server owns a slot at the routing held now (every slot when none is).
+    pub(super) fn owned_now(&self) -> impl Fn(usize) -> bool {
+        let h = self.held();
+        move |k| {
+            h.as_ref()
+                .is_none_or(|h| h.table.owner_of_slot(k) == h.index)
+        }
     }
 
     /// Whether the layout check gives way to the routing check for `req`: this server holds a
