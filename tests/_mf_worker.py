@@ -39,6 +39,16 @@ def batches(train: datasets.Ratings, epochs: int, workers: int, worker: int):
             yield order[b * BATCH : (b + 1) * BATCH]
 
 
+ITEM_ID0 = 1 << 40
+
+
+def count_ids(train: datasets.Ratings, idx: np.ndarray) -> np.ndarray:
+    """The ids of table `count` one batch pushes to (one per rating, repeated ids summed)."""
+    return np.concatenate(
+        [train.users[idx].astype(np.uint64), train.items[idx].astype(np.uint64) + ITEM_ID0]
+    )
+
+
 def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--servers", required=True)
@@ -47,6 +57,12 @@ def main() -> None:
     p.add_argument("--mode", default="async")
     p.add_argument("--staleness", type=int, default=0)
     p.add_argument("--epochs", type=int, default=5)
+    p.add_argument(
+        "--count",
+        action="store_true",
+        help="also push -1 per rating into the table `count` (dim 1, SGD lr 1, zeros) at the "
+        "ids users and ITEM_ID0 + items, so that each row holds the pushes it got",
+    )
     a = p.parse_args()
     train, _ = data()
     store = pstore.connect(
@@ -61,6 +77,9 @@ def main() -> None:
     steps = 0
     for idx in batches(train, a.epochs, a.workers, a.worker):
         m.train_step(train.users[idx], train.items[idx], train.ratings[idx])
+        if a.count:
+            ids = count_ids(train, idx)
+            store.table("count").push(ids, np.full((len(ids), 1), -1.0, np.float32))
         store.end_step()
         steps += 1
     print(json.dumps({"worker": a.worker, "steps": steps}))

@@ -949,7 +949,7 @@ FUZZ_SETTINGS = settings(
 RAW_METHODS = (
     "CreateTable", "GetTable", "ListTables", "DropTable", "Pull", "Push", "Contains", "Remove",
     "Evict", "DensePull", "DensePush", "SetLr", "Flush", "Clock", "Status", "BulkLoad",
-    "ReplicaAck",
+    "ReplicaAck", "GetRouting", "SetRouting", "ExportSlots", "DropSlots",
 )  # fmt: skip
 FUZZ_POOL = (0, 1, 2, 2**63, U64_MAX)
 FUZZ_DIM = 2
@@ -1001,7 +1001,10 @@ def raw_fuzz(api) -> Iterator[SimpleNamespace]:
     methods = {x.name for x in m.DESCRIPTOR.services_by_name["PStore"].methods}
     # Replicate is server-streaming (a raw unary call cannot reach it): its bad requests are
     # in test_replicate_refuses_what_it_cannot_serve.
-    assert methods == {*RAW_METHODS, "Snapshot", "LoadSnapshot", "Replicate"}, (
+    # FreezeSlots makes later writes of the slots answer UNAVAILABLE "moving" (a fuzzed freeze
+    # that succeeds would turn every later fuzzed push into that): its refusals are in
+    # test_reshard_online.py.
+    assert methods == {*RAW_METHODS, "Snapshot", "LoadSnapshot", "Replicate", "FreezeSlots"}, (
         "a new method: fuzz it or say why not"
     )
     rid = m.RequestId(client=5, seq=5)
@@ -1026,6 +1029,21 @@ def raw_fuzz(api) -> Iterator[SimpleNamespace]:
             "Clock": m.ClockRequest(worker=0, num_workers=1, clock=2),
             "Status": m.StatusRequest(),
             "ReplicaAck": m.ReplicaAckRequest(follower="f", replication_id=7, lsn=3),
+            "GetRouting": m.GetRoutingRequest(),
+            "ExportSlots": m.ExportSlotsRequest(
+                table="fz", slots=m.SlotSet(starts=[0], ends=[16384])
+            ),
+            # Refused: the server holds no routing (or, after a fuzzed SetRouting, owns them).
+            "DropSlots": m.DropSlotsRequest(slots=m.SlotSet(starts=[0], ends=[16384])),
+            # Refused as it is (epoch 0); a mutation that installs a routing gives every slot
+            # to this server alone (one position), so no later call is answered "moved".
+            "SetRouting": m.SetRoutingRequest(
+                routing=m.Routing(
+                    slots=m.SlotOwners(epoch=0, servers=1, starts=[0], owners=[0]),
+                    servers=[f.server.address],
+                    index=0,
+                )
+            ),
             # Into "scratch", which rows() does not read: a fuzzed load that succeeds writes rows.
             "BulkLoad": m.BulkLoadRequest(
                 table="scratch",
@@ -1398,3 +1416,56 @@ def test_replicate_refuses_what_it_cannot_serve(api, tmp_path) -> None:
     finally:
         srv.stop(grace=1.0)
         store.close()
+
+
+def test_slot_moves_freeze_export_drop_and_refuse_bad_sets(api, fresh):
+    """The move RPCs from a client generated from the .proto: a frozen slot's writes answer
+    UNAVAILABLE moving until thawed, reads go on, exports give the rows as BulkLoad takes them,
+    bad slot sets and others' slots are refused, and a read token can do none of it."""
+    m, stub = api.m, fresh.stub
+    create(api, stub, "mv", sparse_config(2, lr=1.0, initializer={"constant": 0.0}))
+    ids = [3, 5, 7]
+    g = f32_bytes([1.0] * 6)
+    ok(stub.Push, m.PushRequest(table="mv", ids=ids_bytes(ids), grads=g))
+    every = m.SlotSet(starts=[0], ends=[16384])
+
+    def pulled() -> bytes:
+        rows: bytes = ok(stub.Pull, m.PullRequest(table="mv", ids=ids_bytes(ids))).rows
+        return rows
+
+    for bad, match in [
+        (m.SlotSet(starts=[5], ends=[5]), "non-empty run"),
+        (m.SlotSet(starts=[0], ends=[16385]), "non-empty run"),
+        (m.SlotSet(starts=[0, 1], ends=[2]), "2 starts and 1 ends"),
+    ]:
+        e = fails(stub.FreezeSlots, m.FreezeSlotsRequest(slots=bad))
+        assert e.code() == Code.INVALID_ARGUMENT and match in e.details(), e.details()
+    e = fails(stub.FreezeSlots, m.FreezeSlotsRequest())
+    assert e.code() == Code.INVALID_ARGUMENT and "needs its slots" in e.details()
+    e = fails(stub.FreezeSlots, m.FreezeSlotsRequest(slots=every), metadata=READ)
+    assert e.code() == Code.PERMISSION_DENIED
+    assert ok(stub.FreezeSlots, m.FreezeSlotsRequest(slots=every)).frozen == 16384
+    e = fails(stub.Push, m.PushRequest(table="mv", ids=ids_bytes(ids), grads=g))
+    assert e.code() == Code.UNAVAILABLE and e.details().startswith("moving: "), e.details()
+    assert pulled() == f32_bytes([-1.0] * 6)
+    x = ok(stub.ExportSlots, m.ExportSlotsRequest(table="mv", slots=every))
+    assert x.next_shard == x.shards and sorted(np.frombuffer(x.ids, "<u8").tolist()) == ids
+    assert json.loads(x.config_json)["dim"] == 2 and x.seq == 1
+    assert len(x.words) == len(ids) * 4 * (len(x.words) // (4 * len(ids)))
+    e = fails(stub.ExportSlots, m.ExportSlotsRequest(table="nope", slots=every))
+    assert e.code() == Code.NOT_FOUND
+    # A server without a routing owns every slot: nothing is dropped.
+    e = fails(stub.DropSlots, m.DropSlotsRequest(slots=every))
+    assert e.code() == Code.INVALID_ARGUMENT and "holds no routing" in e.details()
+    assert ok(stub.FreezeSlots, m.FreezeSlotsRequest(slots=every, thaw=True)).frozen == 0
+    ok(stub.Push, m.PushRequest(table="mv", ids=ids_bytes(ids), grads=g))
+    assert pulled() == f32_bytes([-2.0] * 6)
+    # Request ids loaded as applied are answered, not applied.
+    rid = m.RequestId(client=77, seq=1)
+    e = fails(stub.BulkLoad, m.BulkLoadRequest(applied_request_ids=b"\x01" * 15))
+    assert e.code() == Code.INVALID_ARGUMENT and "15 bytes" in e.details()
+    pair = (77).to_bytes(8, "little") + (1).to_bytes(8, "little")
+    ok(stub.BulkLoad, m.BulkLoadRequest(applied_request_ids=pair))
+    a = ok(stub.Push, m.PushRequest(table="mv", ids=ids_bytes(ids), grads=g, request_id=rid))
+    assert a.applied
+    assert pulled() == f32_bytes([-2.0] * 6)

@@ -184,6 +184,39 @@ class RemoteStore(BaseStore):
         table: dict[str, Any] = json.loads(self._inner.slots)
         return table
 
+    def publish_routing(self, slots: dict[str, Any]) -> None:
+        """Publish ``slots`` (the form of :attr:`slots`) as the cluster's routing on every server.
+
+        Its ``epoch`` must be above the current one (publishing the same table again is
+        accepted). From then on each server answers a call for rows it does not own with
+        "moved", and every client of this version fetches the new table and sends the call
+        there: workers follow without restarting. No rows move: publish a table that changes
+        owners only once the rows are on their new owners (docs/CLUSTER.md, "Routing epochs").
+        """
+        if not isinstance(slots, dict):
+            kind = type(slots).__name__
+            raise TypeError(f"slots must be a dict like RemoteStore.slots, got {kind}")
+        self._inner.publish_routing(json.dumps(slots))
+
+    def move_slots(self, slots: dict[str, Any]) -> dict[str, Any]:
+        """Move every hash slot whose owner differs in ``slots`` (the form of :attr:`slots`,
+        over the same servers; its ``epoch`` is not used) to its new owner while workers train.
+
+        A batch of slots at a time: its writes wait on the old owner (workers retry, briefly),
+        its rows (every table's, with optimizer state and metadata), a dense table whose home
+        moves and the request ids of recent pushes are copied to the new owner, the routing
+        that gives it to the new owner is published under the next epoch, and the old owner
+        drops its copy. Workers follow without restarting; nothing is lost or applied twice.
+        Give a server no slot to empty it before it leaves, or its share when it joins
+        (docs/CLUSTER.md, "Moving slots"). Returns ``{"slots", "rows", "batches", "epoch",
+        "seconds", "max_frozen_seconds"}``.
+        """
+        if not isinstance(slots, dict):
+            kind = type(slots).__name__
+            raise TypeError(f"slots must be a dict like RemoteStore.slots, got {kind}")
+        report: dict[str, Any] = self._inner.move_slots(json.dumps(slots))
+        return report
+
     @property
     def mode(self) -> Mode:
         """The training mode: ``"async"``, ``"bsp"`` or ``"ssp"``."""

@@ -69,16 +69,7 @@ impl Layout {
     }
 }
 
-/// The hash of a cluster's layout: its server list, in order, and the owners of its slot table
-/// (not the epoch). Two clients route alike exactly when their hashes are equal.
-pub fn layout_hash<S: AsRef<str>>(servers: &[S], table: &SlotTable) -> String {
-    let mut h = mix64(servers.len() as u64 ^ 0x51_0715);
-    for s in servers {
-        h = mix64(h ^ key(s.as_ref()));
-    }
-    h = mix64(h ^ table.digest());
-    format!("{h:016x}")
-}
+pub use crate::net::routing::layout_hash;
 
 /// The layout hash of a list of replica groups: a group of one is its address (as
 /// [`layout_hash`]); a group of several members counts as its position only, so a promotion
@@ -407,10 +398,10 @@ impl Client {
             parent,
             created_at: snapshot::unix_time(),
             layout: Layout {
-                hash: layout_hash(&servers, &self.router),
+                hash: layout_hash(&servers, &self.route().table),
                 servers,
                 routing: ROUTING.into(),
-                slots: Some(self.router.spec()),
+                slots: Some(self.route().table.spec()),
             },
             tables,
             parts,
@@ -606,7 +597,7 @@ impl Client {
                 Routing::Slots(t) => Some(t.to_proto()),
                 Routing::Rendezvous(_) => None,
             },
-            slots: Some(self.router.to_proto()),
+            slots: Some(self.route().table.to_proto()),
         };
         // A load takes as long as the rows need: no deadline but the client's own for a call
         // that does not answer at all is too short, so an hour per call.
@@ -713,6 +704,7 @@ impl Client {
                             ids: Default::default(),
                             words: words_bytes(&d.words()).into(),
                             seq: None,
+                            applied_request_ids: Default::default(),
                         };
                         self.fan_out(
                             vec![(home, req)],
@@ -731,6 +723,7 @@ impl Client {
                     ids: Default::default(),
                     words: Default::default(),
                     seq: Some(seq),
+                    applied_request_ids: Default::default(),
                 };
                 self.fan_out(
                     self.all(req),
@@ -777,6 +770,7 @@ impl Client {
                     ids: crate::net::wire::encode_ids(&std::mem::take(&mut ids[i])),
                     words: std::mem::take(&mut words[i]).into(),
                     seq: None,
+                    applied_request_ids: Default::default(),
                 },
             ));
             bytes
@@ -786,9 +780,10 @@ impl Client {
             let rows = self.fan_out(batch, |mut c, r| async move { c.bulk_load(r).await })?;
             Ok(rows.iter().map(|r| r.rows).sum())
         };
+        let route = self.route();
         for s in 0..t.num_shards() {
             t.copy_shard(s, false, |id, w| {
-                let i = self.router.server_of(id);
+                let i = route.table.server_of(id);
                 ids[i].push(id);
                 let out = &mut words[i];
                 out.reserve(4 * w.len());

@@ -10,7 +10,7 @@
 
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::{Arc, Mutex};
+use std::sync::{Arc, Mutex, RwLock};
 use std::time::{Duration, Instant};
 
 use tonic::transport::{Channel, Endpoint};
@@ -28,12 +28,15 @@ mod boundary;
 mod bsp;
 pub mod cluster;
 mod group;
+mod moves;
 pub use group::{promote, Promoted};
 mod once;
+mod reshard;
 mod tables;
 pub use boundary::StepSnapshot;
 pub use bsp::JobConfig;
 pub use cluster::{ClusterManifest, RestoreReport};
+pub use moves::MoveReport;
 pub use once::{REMEMBERED_BATCHES, REMEMBERED_FAILURES};
 pub use tables::{
     ClusterStats, ClusterStore, RemoteDense, RemoteSparse, ServerStatus, ServerTable, Staleness,
@@ -140,7 +143,9 @@ struct Server {
 pub struct Client {
     rt: tokio::runtime::Runtime,
     servers: Vec<Server>,
-    router: SlotTable,
+    /// The slot table this client routes by, with its layout hash (replaced when a server
+    /// answers "moved", `reshard.rs`).
+    route: RwLock<Arc<reshard::Route>>,
     config: ClientConfig,
     /// Random per client: with `seq`, the ids of write requests.
     id: u64,
@@ -155,8 +160,6 @@ pub struct Client {
     job: Mutex<Option<Arc<bsp::Job>>>,
     /// Versions of recent pulls and request ids of failed pushes (`once.rs`).
     memo: once::Memo,
-    /// The hash of the server list, sent with every call (`crate::server::layout`).
-    layout: tonic::metadata::MetadataValue<tonic::metadata::Ascii>,
 }
 
 fn is_retryable(s: &Status) -> bool {
@@ -281,12 +284,14 @@ impl Client {
             });
         }
         let applier = Applier::new(config.max_inflight_bytes, "pstore-client-push")?;
-        let layout = cluster::layout_hash_groups(&config.servers, &config.replicas, &router)
-            .parse()
-            .map_err(|_| Error::Internal("a layout hash is ASCII".into()))?;
+        let route = RwLock::new(Arc::new(reshard::Route::new(
+            &config.servers,
+            &config.replicas,
+            router,
+        )?));
         let c = Arc::new(Self {
             rt,
-            router,
+            route,
             servers,
             config,
             id: random_id(),
@@ -295,7 +300,6 @@ impl Client {
             applier,
             job: Mutex::new(None),
             memo: once::Memo::default(),
-            layout,
         });
         let token = c.config.token.clone();
         let follow = c.config.read_from_follower;
@@ -317,6 +321,14 @@ impl Client {
                     st.protocol,
                     crate::net::PROTOCOL
                 )));
+            }
+        }
+        // The servers' routing over this list, when they hold one, is the cluster's table: it
+        // replaces the one given (decision 0102). A routing over another list is not taken: the
+        // first call on rows is answered "moved" and fails naming both lists.
+        if let Some((servers, table)) = c.held_routing()? {
+            if servers == c.config.servers {
+                c.adopt(table)?;
             }
         }
         Ok(c)
@@ -342,8 +354,11 @@ impl Client {
     fn request<T>(&self, msg: T, timeout: Duration) -> Request<T> {
         let mut r = Request::new(msg);
         r.set_timeout(timeout);
+        let route = self.route();
         r.metadata_mut()
-            .insert(crate::server::layout::LAYOUT_KEY, self.layout.clone());
+            .insert(crate::server::layout::LAYOUT_KEY, route.layout.clone());
+        r.metadata_mut()
+            .insert(crate::server::routing::EPOCH_KEY, route.epoch.clone());
         if let Some(t) = &self.config.token {
             if let Ok(v) = format!("Bearer {t}").parse() {
                 r.metadata_mut().insert("authorization", v);
@@ -386,12 +401,41 @@ impl Client {
         F: Fn(Stub, Request<M>) -> Fut,
         Fut: std::future::Future<Output = std::result::Result<tonic::Response<R>, Status>>,
     {
+        match self.call_status(i, msg, timeout, retry_late, read, f).await {
+            Ok(r) => Ok(r),
+            Err(s) => {
+                // A server that no longer owns what it was sent: take the routing it holds, so
+                // that the caller's retry (`reshard.rs`) splits by it.
+                if reshard::is_moved(&s) {
+                    self.refresh_routing(i).await?;
+                }
+                Err(error_of(&s, &self.servers[i].name))
+            }
+        }
+    }
+
+    /// [`call_on`](Self::call_on), failing with the last status.
+    async fn call_status<M, R, F, Fut>(
+        &self,
+        i: usize,
+        msg: M,
+        timeout: Duration,
+        retry_late: bool,
+        read: bool,
+        f: F,
+    ) -> std::result::Result<R, Status>
+    where
+        M: Clone,
+        F: Fn(Stub, Request<M>) -> Fut,
+        Fut: std::future::Future<Output = std::result::Result<tonic::Response<R>, Status>>,
+    {
         let server = &self.servers[i];
         let g = &server.group;
         let read = read && self.config.read_from_follower;
         let mut delay = Duration::from_millis(50);
         let mut attempt = 0;
         let mut failover: Option<Instant> = None;
+        let first = Instant::now();
         loop {
             let k = g.pick(read);
             let mut req = self.request(msg.clone(), timeout);
@@ -418,6 +462,11 @@ impl Client {
                     // A follower did not answer the read: the primary answers it.
                     g.reader_failed(k);
                 }
+                // A slot being moved: frozen for a moment, not a failure; retried for as long
+                // as one call may take, without using up the retries.
+                Err(s) if reshard::is_moving(&s) && first.elapsed() < timeout => {
+                    tokio::time::sleep(Duration::from_millis(5)).await;
+                }
                 Err(s)
                     if g.fails_over(&s)
                         && (retry_late || s.code() != Code::DeadlineExceeded)
@@ -425,13 +474,15 @@ impl Client {
                 {
                     let until = *failover
                         .get_or_insert_with(|| Instant::now() + self.config.failover_timeout);
-                    g.find_primary(self.config.token.as_deref(), until, read)
+                    if let Err(m) = g
+                        .find_primary(self.config.token.as_deref(), until, read)
                         .await
-                        .map_err(|m| Error::Remote {
-                            server: server.name.clone(),
-                            code: s.code() as i32,
-                            message: format!("{m} (the last call said: {})", s.message()),
-                        })?;
+                    {
+                        return Err(Status::new(
+                            s.code(),
+                            format!("{m} (the last call said: {})", s.message()),
+                        ));
+                    }
                     if g.pick(false) == k && s.code() != Code::FailedPrecondition {
                         // The same primary: back off as for any retry.
                         tokio::time::sleep(delay).await;
@@ -449,7 +500,7 @@ impl Client {
                     tokio::time::sleep(delay.mul_f64(j)).await;
                     delay = (delay * 2).min(Duration::from_secs(2));
                 }
-                Err(s) => return Err(error_of(&s, &server.name)),
+                Err(s) => return Err(s),
             }
         }
     }
@@ -490,12 +541,12 @@ impl Client {
 
     /// The server of a dense table: the owner of its name's slot.
     pub fn dense_home(&self, name: &str) -> usize {
-        self.router.dense_home(name)
+        self.route().table.dense_home(name)
     }
 
-    /// The slot table this client routes by.
-    pub fn slot_table(&self) -> &SlotTable {
-        &self.router
+    /// The slot table this client routes by now (a server's newer routing replaces it).
+    pub fn slot_table(&self) -> SlotTable {
+        self.route().table.clone()
     }
 
     /// Status of every server, in the order of the list.
@@ -689,14 +740,26 @@ impl Client {
         if out.len() != ids.len() * dim {
             return Err(shape("pull_into: out must hold len(ids) x dim floats"));
         }
+        self.rerouted(|| self.pull_routed(table, dim, ids, out))
+    }
+
+    /// One attempt of [`pull_versioned`](Self::pull_versioned) by the current table.
+    fn pull_routed(
+        &self,
+        table: &str,
+        dim: usize,
+        ids: &[u64],
+        out: &mut [std::mem::MaybeUninit<f32>],
+    ) -> Result<Vec<u64>> {
         let d = self.config.wire;
         let mut targets = Vec::new();
         let mut parts = Vec::new();
-        for (i, pos) in self.router.split(ids).into_iter().enumerate() {
+        let route = self.route();
+        for (i, pos) in route.table.split(ids).into_iter().enumerate() {
             let mut chunks = self.chunks(&pos, 8 + dim * wire::width(d));
-            if chunks.is_empty() {
+            if chunks.is_empty() && route.owns_slots[i] {
                 // Every server answers its version, so the push of this batch carries one for
-                // each server it goes to (every server: see `push_parts`).
+                // each server it goes to (every server that owns slots: see `push_parts`).
                 chunks.push(Vec::new());
             }
             for c in chunks {
@@ -837,9 +900,13 @@ impl Client {
 
     /// Which ids have a row.
     pub fn contains(&self, table: &str, ids: &[u64]) -> Result<Vec<bool>> {
+        self.rerouted(|| self.contains_routed(table, ids))
+    }
+
+    fn contains_routed(&self, table: &str, ids: &[u64]) -> Result<Vec<bool>> {
         let mut targets = Vec::new();
         let mut parts = Vec::new();
-        for (i, pos) in self.router.split(ids).into_iter().enumerate() {
+        for (i, pos) in self.route().table.split(ids).into_iter().enumerate() {
             for c in self.chunks(&pos, 9) {
                 targets.push((
                     i,
@@ -867,8 +934,12 @@ impl Client {
     /// Removes rows; returns how many existed.
     pub fn remove(&self, table: &str, ids: &[u64]) -> Result<u64> {
         self.drain();
+        self.rerouted(|| self.remove_routed(table, ids))
+    }
+
+    fn remove_routed(&self, table: &str, ids: &[u64]) -> Result<u64> {
         let mut targets = Vec::new();
-        for (i, pos) in self.router.split(ids).into_iter().enumerate() {
+        for (i, pos) in self.route().table.split(ids).into_iter().enumerate() {
             for c in self.chunks(&pos, 8) {
                 targets.push((
                     i,
@@ -912,15 +983,16 @@ impl Client {
     /// The value of a dense table and the table version it was read at (a push computed from
     /// it carries that version, [`dense_push_versioned`](Self::dense_push_versioned)).
     pub fn dense_pull_versioned(&self, table: &str, numel: usize) -> Result<(Vec<f32>, u64)> {
-        let i = self.dense_home(table);
         let m = DensePullRequest {
             table: table.to_string(),
             dtype: self.config.wire as i32,
         };
-        let mut a = self.fan_out(
-            vec![(i, m)],
-            |mut c, r| async move { c.dense_pull(r).await },
-        )?;
+        let mut a = self.rerouted(|| {
+            self.fan_out(
+                vec![(self.dense_home(table), m.clone())],
+                |mut c, r| async move { c.dense_pull(r).await },
+            )
+        })?;
         let a = a.pop().ok_or_else(|| Error::Internal("no answer".into()))?;
         let v = wire::values(&a.values, wire::dtype(a.dtype)?, numel, "values")?.into_owned();
         self.set_pulled(table, a.seq, a.version);
@@ -949,7 +1021,6 @@ impl Client {
 
     fn dense_push_now(&self, table: &str, grad: &[f32], version: Option<u64>) -> Result<()> {
         self.check_grads(table, grad, grad.len().max(1))?;
-        let i = self.dense_home(table);
         let (job, worker, step) = self
             .step_tag()
             .map_or((String::new(), 0, None), |(j, w, s)| (j, w, Some(s)));
@@ -968,10 +1039,13 @@ impl Client {
             job,
             worker,
         };
-        self.fan_out(
-            vec![(i, m)],
-            |mut c, r| async move { c.dense_push(r).await },
-        )?;
+        // Sent again with the same request id wherever the table's home moved.
+        self.rerouted(|| {
+            self.fan_out(
+                vec![(self.dense_home(table), m.clone())],
+                |mut c, r| async move { c.dense_push(r).await },
+            )
+        })?;
         Ok(())
     }
 

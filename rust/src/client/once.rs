@@ -20,7 +20,6 @@ use super::Client;
 use crate::error::{Error, Result};
 use crate::hash::mix64;
 use crate::net::proto::*;
-use crate::net::splice::SplicedGrads;
 use crate::net::wire;
 
 /// Pulls whose versions are remembered for their pushes.
@@ -168,9 +167,11 @@ impl Client {
             .step_tag()
             .map_or((String::new(), 0, None), |(j, w, s)| (j, w, Some(s)));
         let mut targets = Vec::new();
-        for (i, pos) in self.router.split(ids).into_iter().enumerate() {
+        let route = self.route();
+        for (i, pos) in route.table.split(ids).into_iter().enumerate() {
             let mut chunks = self.chunks(&pos, 8 + dim * wire::width(d));
-            if chunks.is_empty() {
+            // A server that owns no slot (one being emptied to leave) holds no row to count for.
+            if chunks.is_empty() && route.owns_slots[i] {
                 chunks.push(Vec::new());
             }
             for (k, c) in chunks.iter().enumerate() {
@@ -191,6 +192,7 @@ impl Client {
                         step,
                         job: job.clone(),
                         worker,
+                        split_from: Vec::new(),
                     },
                 ));
             }
@@ -203,24 +205,15 @@ impl Client {
         for ((_, m), r) in targets.iter_mut().zip(&rids) {
             m.request_id = Some(*r);
         }
-        let servers: Vec<usize> = targets.iter().map(|(i, _)| *i).collect();
-        let t = self.config.timeout;
-        let results = self.rt.block_on(async {
-            let calls = targets.into_iter().map(|(i, m)| {
-                self.call(i, m, t, true, |mut c, mut r| async move {
-                    // The gradients go on the wire from their own buffer (`net/splice.rs`).
-                    let g = std::mem::take(&mut r.get_mut().grads);
-                    r.extensions_mut().insert(SplicedGrads(g));
-                    c.push(r).await
-                })
-            });
-            super::futures_join_all(calls).await
-        });
+        // Parts refused as moved go again, split by the new table (`reshard.rs`).
+        let results = self
+            .rt
+            .block_on(self.send_push_parts(targets, route.table.epoch(), dim));
         let mut ok = vec![true; n];
         let mut first_err = None;
-        for (i, r) in servers.iter().zip(results) {
+        for (i, r) in results {
             if let Err(e) = r {
-                ok[*i] = false;
+                ok[i] = false;
                 first_err.get_or_insert(e);
             }
         }

@@ -346,6 +346,17 @@ impl SlotTable {
     }
 }
 
+/// The hash of a cluster's layout: its server list, in order, and the owners of its slot table
+/// (not the epoch). Two clients route alike exactly when their hashes are equal.
+pub fn layout_hash<S: AsRef<str>>(servers: &[S], table: &SlotTable) -> String {
+    let mut h = mix64(servers.len() as u64 ^ 0x51_0715);
+    for s in servers {
+        h = mix64(h ^ key(s.as_ref()));
+    }
+    h = mix64(h ^ table.digest());
+    format!("{h:016x}")
+}
+
 fn check_count(servers: usize) -> Result<()> {
     if servers == 0 || servers > MAX_SERVERS {
         return Err(invalid(format!(

@@ -324,6 +324,29 @@ impl PyClient {
         run(py, || Ok(c.groups_json()))
     }
 
+    /// Moves every slot whose owner differs in `slots` (JSON) to its new owner while workers
+    /// train; returns what moved.
+    fn move_slots<'py>(&self, py: Python<'py>, slots: &str) -> PyResult<Bound<'py, PyDict>> {
+        let table = crate::net::routing::SlotTable::from_json(slots).map_err(super::err)?;
+        let c = &self.inner;
+        let r = run(py, || c.move_slots(&table))?;
+        let d = PyDict::new(py);
+        d.set_item("slots", r.slots)?;
+        d.set_item("rows", r.rows)?;
+        d.set_item("batches", r.batches)?;
+        d.set_item("epoch", r.epoch)?;
+        d.set_item("seconds", r.seconds)?;
+        d.set_item("max_frozen_seconds", r.max_frozen_seconds)?;
+        Ok(d)
+    }
+
+    /// Publishes a slot table (JSON) as the cluster's routing on every server.
+    fn publish_routing(&self, py: Python<'_>, slots: &str) -> PyResult<()> {
+        let table = crate::net::routing::SlotTable::from_json(slots).map_err(super::err)?;
+        let c = &self.inner;
+        run(py, || c.publish_routing(table))
+    }
+
     /// The gRPC health status of every server.
     fn health(&self, py: Python<'_>) -> PyResult<Vec<String>> {
         let c = &self.inner;

@@ -109,6 +109,7 @@ mod tests {
             ids: wire::encode_ids(ids),
             words: words.iter().flat_map(|w| w.to_le_bytes()).collect(),
             seq: Some(7),
+            ..Default::default()
         }
     }
 

@@ -48,6 +48,18 @@ impl Layout {
         Ok(Self(Mutex::new(hash)))
     }
 
+    /// Takes `hash` as this server's layout (a published routing's; kept first by a durable
+    /// store), whatever it held.
+    pub(super) fn pin(&self, store: &Store, hash: &str) -> Result<()> {
+        let mut pinned = self.0.lock().unwrap_or_else(|e| e.into_inner());
+        if let Some(f) = store.flusher() {
+            f.storage()
+                .write(|w| w.put_meta(LAYOUT_META, hash.as_bytes()))?;
+        }
+        *pinned = Some(hash.to_string());
+        Ok(())
+    }
+
     /// Refuses a request whose layout is not this server's while it holds tables.
     pub(super) fn check<T>(
         &self,

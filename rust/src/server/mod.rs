@@ -15,7 +15,9 @@ pub mod layout;
 mod load;
 pub mod metrics;
 pub mod model;
+mod moves;
 pub mod repl;
+pub mod routing;
 pub mod state;
 pub mod versions;
 
@@ -123,6 +125,10 @@ struct Inner {
     /// A durable server's role in its replica group: its log and followers, or its link to
     /// its primary.
     group: Option<Arc<fence::Group>>,
+    /// The cluster's routing as this server holds it (`routing.rs`).
+    routing: routing::Routes,
+    /// Slots being moved away: their writes wait (`moves.rs`).
+    frozen: moves::Frozen,
 }
 
 impl Inner {
@@ -449,6 +455,14 @@ impl Service {
         }
     }
 
+    /// The layout check, unless the per-id routing check replaces it (`routing.rs`).
+    fn layout_check<T>(&self, req: &Request<T>) -> std::result::Result<(), Status> {
+        if self.0.routing.replaces_layout(req) {
+            return Ok(());
+        }
+        self.0.layout.check(&self.0.store, req)
+    }
+
     fn check<T>(&self, req: &Request<T>, access: Access) -> std::result::Result<(), Status> {
         match (authenticate(&self.0.tokens, req)?, access) {
             (None | Some(Access::Write), _) | (Some(Access::Read), Access::Read) => Ok(()),
@@ -468,18 +482,19 @@ impl Service {
         f: impl FnOnce(&Inner, T) -> Result<R> + Send + 'static,
     ) -> std::result::Result<Response<R>, Status>
     where
-        T: Send + 'static,
+        T: routing::Routed + Send + 'static,
         R: Send + 'static,
     {
         let t0 = Instant::now();
         let _busy = Busy::new(&self.0.inflight);
         let mut checked = self.check(&req, access).and_then(|()| match method {
-            "Status" => Ok(()),
-            _ => self.0.layout.check(&self.0.store, &req),
+            "Status" | "GetRouting" | "SetRouting" => Ok(()),
+            _ => self.layout_check(&req),
         });
         if checked.is_ok() {
             checked = self.primary_only(method, &req).await;
         }
+        let checked = checked.and_then(|()| self.0.routing.check(&req));
         let out = match checked {
             Err(s) => Err(s),
             Ok(()) => {
@@ -860,6 +875,15 @@ impl PStore for Service {
             t.validate_push(&ids, &grads)?;
             let rid = request_id(&r.request_id);
             let ack_all = r.ack_all;
+            let _pass = s.frozen.pass_ids(&ids, &s.routing)?;
+            // Split from a part applied here, or on the server its rows moved from.
+            if let Some(a) = r
+                .split_from
+                .iter()
+                .find_map(|p| s.pushes.answered((p.client, p.seq)))
+            {
+                return Ok(a);
+            }
             let out = s.pushes.once(rid, || {
                 let mut part = None;
                 if let Some((client, seq)) = rid {
@@ -951,6 +975,7 @@ impl PStore for Service {
             let t = sparse(&s.store, &r.table)?;
             let ids = wire::ids(&r.ids)?;
             let rid = request_id(&r.request_id);
+            let _pass = s.frozen.pass_ids(&ids, &s.routing)?;
             s.removes.once(rid, || {
                 let mut part = None;
                 if let Some((client, seq)) = rid {
@@ -1054,6 +1079,7 @@ impl PStore for Service {
             t.validate_push(&grad)?;
             let rid = request_id(&r.request_id);
             let ack_all = r.ack_all;
+            let _pass = s.frozen.pass_name(&r.table, &s.routing)?;
             let out = s.pushes.once(rid, || {
                 if let Some((client, seq)) = rid {
                     // Applied before a restart: the replica kept its id with the value.
@@ -1149,7 +1175,89 @@ impl PStore for Service {
         req: Request<BulkLoadRequest>,
     ) -> std::result::Result<Response<BulkLoadResponse>, Status> {
         self.run("BulkLoad", Access::Write, On::Blocking, req, |s, r| {
+            // Request ids of pushes applied to rows moved here: answered, never applied again.
+            let known = moves::request_ids(&r.applied_request_ids)?;
+            if r.table.is_empty() && !known.is_empty() {
+                for id in known {
+                    s.pushes.remember(id, bsp_accepted(0, 0));
+                }
+                return Ok(BulkLoadResponse::default());
+            }
+            if !known.is_empty() {
+                return Err(invalid(
+                    "bulk load: applied_request_ids go in a request of their own (no table)",
+                ));
+            }
             bulk::bulk_load(&s.store, r)
+        })
+        .await
+    }
+
+    async fn freeze_slots(
+        &self,
+        req: Request<FreezeSlotsRequest>,
+    ) -> std::result::Result<Response<FreezeSlotsResponse>, Status> {
+        self.run("FreezeSlots", Access::Write, On::Blocking, req, |s, r| {
+            let set = moves::slots_of(r.slots.as_ref())?;
+            if !r.thaw {
+                if let Some(s) =
+                    (0..set.len()).find(|&k| set[k] && s.routing.owns_slot(k) == Some(false))
+                {
+                    return Err(invalid(format!(
+                        "freeze: slot {s} is not this server's at its routing; only an owner's \
+                         slots are moved"
+                    )));
+                }
+            }
+            Ok(FreezeSlotsResponse {
+                frozen: s.frozen.set(&set, !r.thaw) as u32,
+            })
+        })
+        .await
+    }
+
+    async fn export_slots(
+        &self,
+        req: Request<ExportSlotsRequest>,
+    ) -> std::result::Result<Response<ExportSlotsResponse>, Status> {
+        self.run("ExportSlots", Access::Write, On::Blocking, req, |s, r| {
+            if r.table.is_empty() {
+                moves::slots_of(r.slots.as_ref())?;
+                return Ok(ExportSlotsResponse {
+                    request_ids: moves::encode_request_ids(
+                        &s.pushes.recent(moves::EXPORTED_REQUEST_IDS),
+                    ),
+                    ..Default::default()
+                });
+            }
+            moves::export(&s.store, &r)
+        })
+        .await
+    }
+
+    async fn drop_slots(
+        &self,
+        req: Request<DropSlotsRequest>,
+    ) -> std::result::Result<Response<DropSlotsResponse>, Status> {
+        self.run("DropSlots", Access::Write, On::Blocking, req, |s, r| {
+            let set = moves::slots_of(r.slots.as_ref())?;
+            for (k, _) in set.iter().enumerate().filter(|(_, &x)| x) {
+                match s.routing.owns_slot(k) {
+                    None => {
+                        return Err(invalid(
+                            "drop slots: this server holds no routing, so every slot is its own",
+                        ))
+                    }
+                    Some(true) => {
+                        return Err(invalid(format!(
+                            "drop slots: slot {k} is this server's at its routing; only slots \
+                             moved away are dropped"
+                        )))
+                    }
+                    Some(false) => {}
+                }
+            }
+            moves::drop_slots(&s.store, &set)
         })
         .await
     }
@@ -1177,7 +1285,7 @@ impl PStore for Service {
         };
         let out = async {
             self.check(&req, access)?;
-            self.0.layout.check(&self.0.store, &req)?;
+            self.layout_check(&req)?;
             let r = req.into_inner();
             if !r.job.is_empty() {
                 return self.job_clock(r).await;
@@ -1267,6 +1375,33 @@ impl PStore for Service {
         let code = out.as_ref().err().map(|s| code_name(s.code()));
         self.0.metrics.observe("Promote", t0.elapsed(), code);
         out
+    }
+
+    async fn get_routing(
+        &self,
+        req: Request<GetRoutingRequest>,
+    ) -> std::result::Result<Response<Routing>, Status> {
+        self.run("GetRouting", Access::Read, On::Pool, req, |s, _| {
+            Ok(s.routing.get())
+        })
+        .await
+    }
+
+    async fn set_routing(
+        &self,
+        req: Request<SetRoutingRequest>,
+    ) -> std::result::Result<Response<Routing>, Status> {
+        self.run("SetRouting", Access::Write, On::Blocking, req, |s, r| {
+            // With writes held off; frozen slots given to another owner are "moved" from now on.
+            s.frozen.publish(
+                || {
+                    s.routing
+                        .set(&s.store, r, |hash| s.layout.pin(&s.store, hash))
+                },
+                |k| s.routing.owns_slot(k) == Some(false),
+            )
+        })
+        .await
     }
 
     async fn status(
@@ -1362,6 +1497,8 @@ pub fn start(store: Arc<Store>, config: ServerConfig) -> Result<ServerHandle> {
         inflight: Arc::new(std::sync::atomic::AtomicUsize::new(0)),
         layout: layout::Layout::load(&store)?,
         group: group.clone(),
+        routing: routing::Routes::load(&store)?,
+        frozen: moves::Frozen::default(),
     });
     let m = Arc::clone(&inner);
     let mut h = launch(

@@ -375,6 +375,28 @@ impl PStore for ModelService {
         self.refuse("Promote", &req)
     }
 
+    async fn get_routing(&self, req: Request<GetRoutingRequest>) -> Answer<Routing> {
+        // A model server holds no routing: every client's own table applies.
+        self.run("GetRouting", req, |_| true, |_, _| Ok(Routing::default()))
+            .await
+    }
+
+    async fn set_routing(&self, req: Request<SetRoutingRequest>) -> Answer<Routing> {
+        self.refuse("SetRouting", &req)
+    }
+
+    async fn freeze_slots(&self, req: Request<FreezeSlotsRequest>) -> Answer<FreezeSlotsResponse> {
+        self.refuse("FreezeSlots", &req)
+    }
+
+    async fn export_slots(&self, req: Request<ExportSlotsRequest>) -> Answer<ExportSlotsResponse> {
+        self.refuse("ExportSlots", &req)
+    }
+
+    async fn drop_slots(&self, req: Request<DropSlotsRequest>) -> Answer<DropSlotsResponse> {
+        self.refuse("DropSlots", &req)
+    }
+
     async fn status(&self, req: Request<StatusRequest>) -> Answer<StatusResponse> {
         self.run(
             "Status",

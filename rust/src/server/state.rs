@@ -43,6 +43,47 @@ impl<T: Clone> Dedup<T> {
         }
     }
 
+    /// Of the last `n` request ids remembered, those answered (oldest first).
+    pub fn recent(&self, n: usize) -> Vec<(u64, u64)> {
+        let g = self.inner.lock().unwrap_or_else(|e| e.into_inner());
+        let skip = g.order.len().saturating_sub(n);
+        g.order
+            .iter()
+            .skip(skip)
+            .filter(|k| {
+                g.map
+                    .get(k)
+                    .is_some_and(|s| s.lock().map(|a| a.is_some()).unwrap_or(false))
+            })
+            .copied()
+            .collect()
+    }
+
+    /// The remembered answer of `id`, if it was answered.
+    pub fn answered(&self, id: (u64, u64)) -> Option<T> {
+        let g = self.inner.lock().unwrap_or_else(|e| e.into_inner());
+        let slot = g.map.get(&id)?;
+        let a = slot.lock().unwrap_or_else(|e| e.into_inner());
+        a.clone()
+    }
+
+    /// Remembers `answer` for `id`, as if this server had applied it (the rows it applied came
+    /// from another server); an id already known keeps its own.
+    pub fn remember(&self, id: (u64, u64), answer: T) {
+        let mut g = self.inner.lock().unwrap_or_else(|e| e.into_inner());
+        let Answers { map, order } = &mut *g;
+        if map.contains_key(&id) {
+            return;
+        }
+        map.insert(id, Arc::new(Mutex::new(Some(answer))));
+        order.push_back(id);
+        while order.len() > self.capacity {
+            if let Some(old) = order.pop_front() {
+                map.remove(&old);
+            }
+        }
+    }
+
     /// Runs `apply` once per id: a retry that arrives while the first attempt runs waits for it
     /// and gets its answer; one that arrives later gets the remembered answer. A failed attempt
     /// is not remembered (it changed nothing), so a retry runs again. `None` (no id) always runs.
@@ -312,6 +353,23 @@ impl Policies {
 mod tests {
     use super::*;
     use std::sync::atomic::{AtomicU32, Ordering};
+
+    #[test]
+    fn remembered_ids_are_answered_and_recent_lists_answered_ones() {
+        let d: Dedup<u32> = Dedup::new(3);
+        d.once(Some((1, 1)), || Ok::<_, ()>(10)).unwrap();
+        d.remember((9, 9), 99);
+        // A remembered id is answered, its work never runs.
+        assert_eq!(d.once(Some((9, 9)), || Ok::<_, ()>(0)).unwrap(), 99);
+        // An id already known keeps its own answer.
+        d.remember((1, 1), 5);
+        assert_eq!(d.once(Some((1, 1)), || Ok::<_, ()>(0)).unwrap(), 10);
+        // A failed attempt is not listed.
+        let _ = d.once(Some((2, 2)), || Err::<u32, ()>(()));
+        assert_eq!(d.recent(10), vec![(1, 1), (9, 9)]);
+        // The last n ids remembered, those answered among them.
+        assert_eq!(d.recent(2), vec![(9, 9)]);
+    }
 
     #[test]
     fn a_request_id_applies_once_and_failures_are_retried() {

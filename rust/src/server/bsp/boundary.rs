@@ -238,7 +238,7 @@ impl Service {
         let _busy = Busy::new(&self.0.inflight);
         let out = async {
             self.check(&req, Access::Write)?;
-            self.0.layout.check(&self.0.store, &req)?;
+            self.layout_check(&req)?;
             self.at_step(req.into_inner()).await
         }
         .await;

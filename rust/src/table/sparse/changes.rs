@@ -195,6 +195,24 @@ impl SparseTable {
         Ok(())
     }
 
+    /// Gives `row(id, words)` for each row of shard `s` whose id `keep` accepts, under the
+    /// shard's read lock, changing nothing (words as [`copy_shard`](Self::copy_shard) gives
+    /// them). Rows still waiting in a replica are not seen: load them first.
+    pub fn copy_rows_where(
+        &self,
+        s: usize,
+        keep: impl Fn(u64) -> bool,
+        mut row: impl FnMut(u64, &[u32]),
+    ) {
+        let m = self.row_words();
+        let shard = self.read(s);
+        for (id, slot) in shard.iter_by_slot() {
+            if keep(id) {
+                row(id, &shard.row(slot)[2..2 + m]);
+            }
+        }
+    }
+
     /// Copies shard `s` for a snapshot of an in-memory store, under its lock: all rows, or with
     /// `incremental` the rows changed since the last copy and the ids removed since then. Either
     /// way the shard then records changes anew for the next increment.

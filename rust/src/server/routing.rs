@@ -1,0 +1,355 @@
+//! The routing a server holds: the cluster's server list, the slot table over it (whose epoch is
+//! the *routing epoch*) and this server's position in the list.
+//!
+//! A server holds no routing until one is published to it (`SetRouting`, decision 0102); then
+//! every call that names ids (Pull, Push, Contains, Remove) or a dense table (DensePull,
+//! DensePush) is checked against it: an id whose slot another position owns, or a dense table
+//! whose name's slot another position owns, makes the whole call fail before anything is read
+//! or applied, with FAILED_PRECONDITION, `pstore-error: moved` and the held epoch in
+//! `pstore-epoch`. The client then fetches the routing (`GetRouting`), splits the batch again
+//! and resends it with the same request ids. A request routed by a *newer* epoch than the held
+//! one (a publish still under way) gets UNAVAILABLE `epoch_ahead`, which clients retry.
+//!
+//! A call carrying the client's epoch (`x-pstore-epoch`) to a server that holds a routing is not
+//! held to the layout hash: the owners change under resharding by design, and the per-id check
+//! is the stronger one (it refuses exactly the ids that went astray). A call without it (a client
+//! generated from the .proto) is still checked against the layout hash, which a publish re-pins
+//! to the new routing's. A durable server keeps its routing in the meta key [`ROUTING_META`].
+
+use std::sync::{Arc, RwLock};
+
+use serde::{Deserialize, Serialize};
+use tonic::{Request, Status};
+
+use crate::error::{corrupt, invalid, Result};
+use crate::net::proto;
+use crate::net::routing::{key, layout_hash, slot_of, SlotTable, SlotTableSpec};
+use crate::net::ERROR_KIND;
+use crate::store::Store;
+
+/// The metadata key of the routing epoch a client routed a call by.
+pub const EPOCH_KEY: &str = "x-pstore-epoch";
+
+/// The metadata key of the held epoch in a "moved" status.
+pub const MOVED_EPOCH_KEY: &str = "pstore-epoch";
+
+/// The `pstore-error` kind of a call that reached a server that does not own its rows.
+pub const MOVED: &str = "moved";
+
+/// The `pstore-error` kind of a call routed by an epoch newer than the server's.
+pub const EPOCH_AHEAD: &str = "epoch_ahead";
+
+/// The meta key under which a durable server keeps its routing.
+pub const ROUTING_META: &str = "cluster/routing";
+
+/// The kept form of a routing.
+#[derive(Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+struct Kept {
+    servers: Vec<String>,
+    index: u32,
+    slots: SlotTableSpec,
+}
+
+/// A routing this server holds.
+pub(super) struct Held {
+    table: SlotTable,
+    servers: Vec<String>,
+    index: usize,
+}
+
+impl Held {
+    fn to_proto(&self) -> proto::Routing {
+        proto::Routing {
+            slots: Some(self.table.to_proto()),
+            servers: self.servers.clone(),
+            index: self.index as u32,
+        }
+    }
+
+    /// The layout hash of this routing (what clients without the epoch metadata must send).
+    pub(super) fn layout_hash(&self) -> String {
+        layout_hash(&self.servers, &self.table)
+    }
+}
+
+/// What a request is routed by.
+pub(super) enum Target<'a> {
+    /// Nothing: any server answers it.
+    None,
+    /// Ids, as the wire's little-endian u64 bytes.
+    Ids(&'a [u8]),
+    /// A dense table's name.
+    Name(&'a str),
+}
+
+/// A request message, and what it is routed by.
+pub(super) trait Routed {
+    fn target(&self) -> Target<'_> {
+        Target::None
+    }
+}
+
+macro_rules! unrouted {
+    ($($t:ty),*) => { $(impl Routed for $t {})* };
+}
+unrouted!(
+    proto::BulkLoadRequest,
+    proto::ClockRequest,
+    proto::CreateTableRequest,
+    proto::DropTableRequest,
+    proto::EvictRequest,
+    proto::FlushRequest,
+    proto::GetTableRequest,
+    proto::ListTablesRequest,
+    proto::LoadSnapshotRequest,
+    proto::ReplicaAckRequest,
+    proto::ReplicateRequest,
+    proto::SetLrRequest,
+    proto::SnapshotRequest,
+    proto::StatusRequest,
+    proto::GetRoutingRequest,
+    proto::SetRoutingRequest,
+    proto::FreezeSlotsRequest,
+    proto::ExportSlotsRequest,
+    proto::DropSlotsRequest
+);
+
+macro_rules! by_ids {
+    ($($t:ty),*) => { $(impl Routed for $t {
+        fn target(&self) -> Target<'_> {
+            Target::Ids(&self.ids)
+        }
+    })* };
+}
+by_ids!(
+    proto::PullRequest,
+    proto::PushRequest,
+    proto::ContainsRequest,
+    proto::RemoveRequest
+);
+
+impl Routed for proto::DensePullRequest {
+    fn target(&self) -> Target<'_> {
+        Target::Name(&self.table)
+    }
+}
+
+impl Routed for proto::DensePushRequest {
+    fn target(&self) -> Target<'_> {
+        Target::Name(&self.table)
+    }
+}
+
+/// The routing this server holds, if any.
+#[derive(Default)]
+pub(super) struct Routes(RwLock<Option<Arc<Held>>>);
+
+/// The epoch a call carries, if it carries one.
+fn epoch_of<T>(req: &Request<T>) -> Option<u64> {
+    req.metadata()
+        .get(EPOCH_KEY)
+        .and_then(|v| v.to_str().ok())
+        .and_then(|v| v.parse().ok())
+}
+
+impl Routes {
+    /// The routing a durable store kept, if any (none for an in-memory store).
+    pub(super) fn load(store: &Store) -> Result<Self> {
+        let Some(f) = store.flusher() else {
+            return Ok(Self::default());
+        };
+        let Some(bytes) = f.storage().read(|r| r.meta(ROUTING_META))? else {
+            return Ok(Self::default());
+        };
+        let bad = |why: String| {
+            corrupt(format!(
+                "{}: the meta key {ROUTING_META} is not a routing: {why}",
+                f.storage().path().display()
+            ))
+        };
+        let k: Kept = serde_json::from_slice(&bytes).map_err(|e| bad(e.to_string()))?;
+        let table = SlotTable::from_spec(&k.slots).map_err(|e| bad(e.to_string()))?;
+        let held = check(table, k.servers, k.index).map_err(|e| bad(e.to_string()))?;
+        Ok(Self(RwLock::new(Some(Arc::new(held)))))
+    }
+
+    fn held(&self) -> Option<Arc<Held>> {
+        self.0.read().unwrap_or_else(|e| e.into_inner()).clone()
+    }
+
+    /// The held routing (an empty message when none).
+    pub(super) fn get(&self) -> proto::Routing {
+        self.held().map(|h| h.to_proto()).unwrap_or_default()
+    }
+
+    /// Installs `r` (checked; kept first by a durable store); returns the routing now held.
+    /// `pin` re-pins the layout hash to the new routing's.
+    pub(super) fn set(
+        &self,
+        store: &Store,
+        r: proto::SetRoutingRequest,
+        pin: impl FnOnce(&str) -> Result<()>,
+    ) -> Result<proto::Routing> {
+        let r = r
+            .routing
+            .ok_or_else(|| invalid("SetRouting needs a routing"))?;
+        let slots = r
+            .slots
+            .as_ref()
+            .ok_or_else(|| invalid("SetRouting needs the routing's slot table (slots)"))?;
+        let table = SlotTable::from_proto(slots)?;
+        if table.epoch() == 0 {
+            return Err(invalid(
+                "routing epoch 0 is the one clients take without a held routing; a published \
+                 routing has epoch 1 or more",
+            ));
+        }
+        let new = check(table, r.servers, r.index)?;
+        let mut g = self.0.write().unwrap_or_else(|e| e.into_inner());
+        if let Some(h) = g.as_ref() {
+            let same = h.table == new.table && h.servers == new.servers && h.index == new.index;
+            if same {
+                return Ok(h.to_proto());
+            }
+            if new.table.epoch() <= h.table.epoch() {
+                return Err(invalid(format!(
+                    "routing epoch {} is not newer than the held epoch {} (a routing is replaced \
+                     only by a higher epoch; fetch the current one with GetRouting)",
+                    new.table.epoch(),
+                    h.table.epoch()
+                )));
+            }
+        }
+        if let Some(f) = store.flusher() {
+            let kept = Kept {
+                servers: new.servers.clone(),
+                index: new.index as u32,
+                slots: new.table.spec(),
+            };
+            let bytes = serde_json::to_vec(&kept)
+                .map_err(|e| crate::Error::Internal(format!("routing: {e}")))?;
+            f.storage().write(|w| w.put_meta(ROUTING_META, &bytes))?;
+        }
+        pin(&new.layout_hash())?;
+        let out = new.to_proto();
+        *g = Some(Arc::new(new));
+        Ok(out)
+    }
+
+    /// Whether this server owns slot `s` at its held routing (None: it holds none).
+    pub(super) fn owns_slot(&self, s: usize) -> Option<bool> {
+        self.held().map(|h| h.table.owner_of_slot(s) == h.index)
+    }
+
+    /// Whether this server owns a slot at the routing held now (every slot when none is).
+    pub(super) fn owned_now(&self) -> impl Fn(usize) -> bool {
+        let h = self.held();
+        move |k| {
+            h.as_ref()
+                .is_none_or(|h| h.table.owner_of_slot(k) == h.index)
+        }
+    }
+
+    /// Whether the layout check gives way to the routing check for `req`: this server holds a
+    /// routing and the call carries the epoch it was routed by.
+    pub(super) fn replaces_layout<T>(&self, req: &Request<T>) -> bool {
+        epoch_of(req).is_some() && self.0.read().is_ok_and(|g| g.is_some())
+    }
+
+    /// Refuses a call that names an id or a dense table another position owns ("moved"), or
+    /// that was routed by a newer epoch than the held one and names rows this server does not
+    /// own yet ("epoch_ahead"). Passes everything while no routing is held.
+    pub(super) fn check<T: Routed>(&self, req: &Request<T>) -> std::result::Result<(), Status> {
+        let target = req.get_ref().target();
+        if matches!(target, Target::None) {
+            return Ok(());
+        }
+        let Some(h) = self.held() else {
+            return Ok(());
+        };
+        let (owner, what) = match target {
+            Target::None => return Ok(()),
+            Target::Ids(bytes) => {
+                // Malformed ids are the handler's to report.
+                let Some((owner, id)) = bytes.chunks_exact(8).find_map(|b| {
+                    let id = u64::from_le_bytes(b.try_into().unwrap_or([0; 8]));
+                    let o = h.table.server_of(id);
+                    (o != h.index).then_some((o, id))
+                }) else {
+                    return Ok(());
+                };
+                (owner, format!("id {id} (slot {})", slot_of(id)))
+            }
+            Target::Name(name) => {
+                let owner = h.table.dense_home(name);
+                if owner == h.index {
+                    return Ok(());
+                }
+                (
+                    owner,
+                    format!("dense table {name:?} (slot {})", slot_of(key(name))),
+                )
+            }
+        };
+        let held = h.table.epoch();
+        let owner_name = h.servers.get(owner).map_or("?", String::as_str);
+        let (mut st, kind) = match epoch_of(req) {
+            Some(e) if e > held => (
+                Status::unavailable(format!(
+                    "{what} is not on this server at its routing epoch {held}; the call was \
+                     routed by epoch {e}, which is being published: retry"
+                )),
+                EPOCH_AHEAD,
+            ),
+            _ => (
+                Status::failed_precondition(format!(
+                    "moved: {what} belongs to position {owner} ({owner_name}) at routing epoch \
+                     {held}, not to this server (position {}); fetch the routing (GetRouting) \
+                     and send it there",
+                    h.index
+                )),
+                MOVED,
+            ),
+        };
+        if let Ok(v) = kind.parse() {
+            st.metadata_mut().insert(ERROR_KIND, v);
+        }
+        if let Ok(v) = held.to_string().parse() {
+            st.metadata_mut().insert(MOVED_EPOCH_KEY, v);
+        }
+        Err(st)
+    }
+}
+
+/// A routing from its parts, checked: a list of distinct, non-empty addresses, a table over
+/// exactly that many positions, and an index in the list.
+fn check(table: SlotTable, servers: Vec<String>, index: u32) -> Result<Held> {
+    if servers.len() != table.servers() {
+        return Err(invalid(format!(
+            "routing: the slot table addresses {} servers, the list has {}",
+            table.servers(),
+            servers.len()
+        )));
+    }
+    let mut seen = std::collections::HashSet::new();
+    for s in &servers {
+        if s.is_empty() {
+            return Err(invalid("routing: a server address is empty"));
+        }
+        if !seen.insert(s) {
+            return Err(invalid(format!("routing: server {s} is listed twice")));
+        }
+    }
+    if index as usize >= servers.len() {
+        return Err(invalid(format!(
+            "routing: index {index} is not a position of the {}-server list",
+            servers.len()
+        )));
+    }
+    Ok(Held {
+        table,
+        servers,
+        index: index as usize,
+    })
+}
