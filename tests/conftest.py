@@ -7,9 +7,11 @@ import contextlib
 import os
 import warnings
 import zlib
+from collections.abc import Callable, Iterator
 
 import numpy as np
 import pytest
+from _netutil import ServerProcess, start_servers, stop_all
 
 import pstore
 from pstore import init, optim
@@ -25,6 +27,21 @@ with warnings.catch_warnings(), contextlib.suppress(ImportError):
 # The suite's traffic stays on this machine: Ray (tests/ray_cases.py) would otherwise report usage
 # statistics to its makers' server, and every Ray process inherits this.
 os.environ["RAY_USAGE_STATS_ENABLED"] = "0"
+
+
+@pytest.fixture
+def cluster() -> Iterator[Callable[[int], list[str]]]:
+    """Starts n in-memory store servers per call (`python -m pstore serve` on loopback); all are
+    stopped at the end of the test. Their addresses in the order started."""
+    procs: list[ServerProcess] = []
+
+    def start(n: int) -> list[str]:
+        new = start_servers(n)
+        procs.extend(new)
+        return [p.address for p in new]
+
+    yield start
+    stop_all(procs)
 
 
 @pytest.fixture

@@ -10,7 +10,6 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import numpy as np
@@ -22,20 +21,6 @@ import pstore
 
 DIM = 8
 IDS = np.arange(1, 401, dtype=np.uint64) * 7919
-
-
-@pytest.fixture
-def cluster() -> Iterator[Callable[[int], list[str]]]:
-    """Starts n in-memory servers per call; all are stopped at the end of the test."""
-    procs: list[ServerProcess] = []
-
-    def start(n: int) -> list[str]:
-        new = start_servers(n)
-        procs.extend(new)
-        return [p.address for p in new]
-
-    yield start
-    stop_all(procs)
 
 
 def grads(step: int, n: int) -> np.ndarray:

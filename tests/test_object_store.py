@@ -17,7 +17,7 @@ from pathlib import Path
 import boto3
 import numpy as np
 import pytest
-from _netutil import ServerProcess, child_env, free_port, start_servers, stop_all
+from _netutil import child_env, free_port
 from test_cluster_snapshot import batch_ids, cluster_rows, declare, train
 from test_snapshot import file_rows, read_tombstones
 
@@ -225,17 +225,9 @@ def test_incremental_chain_with_tombstones_through_s3(s3, bucket, tmp_path, rng,
 
 
 @pytest.fixture
-def cluster(s3) -> Iterator[Callable[[int], list[str]]]:
-    """Starts n in-memory servers (with the S3 environment) per call; all stopped at the end."""
-    procs: list[ServerProcess] = []
-
-    def start(n: int) -> list[str]:
-        new = start_servers(n)
-        procs.extend(new)
-        return [p.address for p in new]
-
-    yield start
-    stop_all(procs)
+def cluster(s3, cluster: Callable[[int], list[str]]) -> Callable[[int], list[str]]:
+    """conftest's `cluster`, its servers started with the S3 environment."""
+    return cluster
 
 
 def test_cluster_snapshot_to_s3_restores_onto_3_servers_bit_exact(s3, bucket, cluster, tmp_path):

@@ -12,31 +12,17 @@ import json
 import subprocess
 import sys
 import time
-from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import numpy as np
 import pytest
 from _mf_worker import ITEM_ID0, batches, count_ids, data, model
-from _netutil import ServerProcess, start_servers, stop_all
+from _netutil import start_servers, stop_all
 from test_distributed import EPOCHS, TOLERANCE, WORKERS, _rmse, embedded_rmse  # noqa: F401
 
 import pstore
 
 SLOTS = 16384
-
-
-@pytest.fixture
-def cluster() -> Iterator[Callable[[int], list[str]]]:
-    procs: list[ServerProcess] = []
-
-    def start(n: int) -> list[str]:
-        new = start_servers(n)
-        procs.extend(new)
-        return [p.address for p in new]
-
-    yield start
-    stop_all(procs)
 
 
 def owned(table: dict, i: int) -> int:

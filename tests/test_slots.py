@@ -4,29 +4,14 @@ tables are refused with the reason, and snapshots carry the table."""
 from __future__ import annotations
 
 import json
-from collections.abc import Callable, Iterator
 
 import numpy as np
 import pytest
-from _netutil import ServerProcess, start_servers, stop_all
 
 import pstore
 
 SLOTS = 16384
 IDS = np.arange(1, 2001, dtype=np.uint64) * 104729
-
-
-@pytest.fixture
-def cluster() -> Iterator[Callable[[int], list[str]]]:
-    procs: list[ServerProcess] = []
-
-    def start(n: int) -> list[str]:
-        new = start_servers(n)
-        procs.extend(new)
-        return [p.address for p in new]
-
-    yield start
-    stop_all(procs)
 
 
 def rows_per_server(store: pstore.RemoteStore, name: str) -> list[int]:
