@@ -317,3 +317,29 @@ def test_reads_from_a_follower_after_a_failover_report_its_lag(tmp_path: Path) -
             a2.stop()
         b.stop()
         a.stop()
+
+
+def test_routing_changes_are_refused_in_a_cluster_with_replica_groups(tmp_path: Path) -> None:
+    """The routing a server holds does not reach its followers yet: a follower promoted after a
+    move would accept writes for slots its group gave away. So moving slots or publishing a
+    routing with a replica group in the list is refused, naming it, and changes nothing."""
+    a, b = _group(tmp_path)
+    single = ServerProcess()
+    single.wait_ready()
+    try:
+        c = pstore.connect([[a.address, b.address], single.address])  # type: ignore[list-item]
+        t = _sgd_table(c)
+        ids = np.arange(1, 501, dtype=np.int64)
+        t.push(ids, np.ones((len(ids), DIM), np.float32))
+        before = c.slots
+        moved = dict(before, epoch=before["epoch"] + 1, ranges=[[0, 16384, 1]])
+        with pytest.raises(pstore.InvalidArgumentError, match="replica group"):
+            c.move_slots(moved)
+        with pytest.raises(pstore.InvalidArgumentError, match="replica group"):
+            c.publish_routing(moved)
+        fresh = pstore.connect([[a.address, b.address], single.address])  # type: ignore[list-item]
+        assert fresh.slots == before
+        assert np.all(fresh["t"].pull(ids) == -1.0)
+    finally:
+        for p in (a, b, single):
+            p.stop()
