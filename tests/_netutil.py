@@ -164,3 +164,19 @@ def run_threads(n: int, body: Callable[[int], Any], wait: float = 120.0) -> list
     if errors:
         raise errors[0]
     return out
+
+
+def start_workers(script: str, servers: str, n: int, *args: str) -> list[subprocess.Popen[str]]:
+    """Worker processes 0..n-1 of one job: `python tests/SCRIPT --servers S --worker k
+    --workers n ARGS...`, their output captured as text."""
+    path = str(Path(__file__).with_name(script))
+    head = [sys.executable, path, "--servers", servers]
+    return [
+        subprocess.Popen(
+            [*head, "--worker", str(k), "--workers", str(n), *args],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        for k in range(n)
+    ]

@@ -9,14 +9,11 @@ the runs are not bit-identical; BSP differs by the order of updates within a ste
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
-from pathlib import Path
 
 import numpy as np
 import pytest
 from _mf_worker import batches, data, model
-from _netutil import start_servers, stop_all
+from _netutil import start_servers, start_workers, stop_all
 
 import pstore
 from pstore.apps import datasets
@@ -51,31 +48,10 @@ def test_workers_reach_the_embedded_rmse(mode, staleness, n_servers, embedded_rm
     servers = start_servers(n_servers)
     try:
         addrs = ",".join(s.address for s in servers)
-        worker = Path(__file__).with_name("_mf_worker.py")
-        procs = [
-            subprocess.Popen(
-                [
-                    sys.executable,
-                    str(worker),
-                    "--servers",
-                    addrs,
-                    "--worker",
-                    str(k),
-                    "--workers",
-                    str(WORKERS),
-                    "--mode",
-                    mode,
-                    "--staleness",
-                    str(staleness),
-                    "--epochs",
-                    str(EPOCHS),
-                ],
-                stdout=subprocess.PIPE,
-                stderr=subprocess.PIPE,
-                text=True,
-            )
-            for k in range(WORKERS)
-        ]
+        procs = start_workers(
+            "_mf_worker.py", addrs, WORKERS, "--mode", mode, "--staleness", str(staleness),
+            "--epochs", str(EPOCHS),
+        )  # fmt: skip
         outs = [p.communicate(timeout=240) for p in procs]
         for p, (_out, err) in zip(procs, outs, strict=True):
             assert p.returncode == 0, err

@@ -9,15 +9,12 @@ row."""
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 import time
-from pathlib import Path
 
 import numpy as np
 import pytest
 from _mf_worker import ITEM_ID0, batches, count_ids, data, model
-from _netutil import start_servers, stop_all
+from _netutil import start_servers, start_workers, stop_all
 from test_distributed import EPOCHS, TOLERANCE, WORKERS, _rmse, embedded_rmse  # noqa: F401
 
 import pstore
@@ -48,28 +45,9 @@ def test_workers_train_through_a_join_and_a_leave(cluster, embedded_rmse):  # no
     admin.create_sparse_table(
         "count", 1, optimizer=pstore.optim.SGD(lr=1.0), initializer=pstore.init.Zeros()
     )
-    worker = Path(__file__).with_name("_mf_worker.py")
-    procs = [
-        subprocess.Popen(
-            [
-                sys.executable,
-                str(worker),
-                "--servers",
-                ",".join(addrs),
-                "--worker",
-                str(k),
-                "--workers",
-                str(WORKERS),
-                "--epochs",
-                str(EPOCHS),
-                "--count",
-            ],
-            stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE,
-            text=True,
-        )
-        for k in range(WORKERS)
-    ]
+    procs = start_workers(
+        "_mf_worker.py", ",".join(addrs), WORKERS, "--epochs", str(EPOCHS), "--count"
+    )
     try:
         # Once training runs (rows on the servers), move while it goes on.
         deadline = time.monotonic() + 120
