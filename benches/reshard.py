@@ -2,7 +2,7 @@
 during the move (issue 33's goal: training keeps >= 0.5x of its speed).
 
     python benches/reshard.py [--rows 200000] [--workers 4] [--batch 4096] [--dim 64]
-                              [--warmup 5] [--after 3]
+                              [--warmup 5] [--after 3] [--membership]
 
 Three in-memory `pstore serve` processes on loopback; the routing gives server 2 no slot.
 `--rows` rows of a dim-`dim` Adagrad table are written first; then each worker process runs
@@ -11,8 +11,10 @@ the rows) until told to stop. After `--warmup` seconds, `move_slots` gives serve
 the slots ("join"); after `--after` more seconds, a second `move_slots` takes every slot from
 server 0 ("leave"). Reported per move: slots and rows moved, seconds, rows/s, the longest time
 one batch was frozen, and the workers' steps/s during the move over their steps/s in the
-`--warmup` seconds before it (all workers' steps, counted by their end times). Servers are
-stopped by their pids.
+`--warmup` seconds before it (all workers' steps, counted by their end times). With
+`--membership` the list itself changes: the workers and the table start on servers 0 and 1
+only, "join" is `add_server(server 2)` and "leave" is `remove_server(server 0)` (the workers
+follow the new lists). Servers are stopped by their pids.
 """
 
 from __future__ import annotations
@@ -73,6 +75,7 @@ def main() -> None:
     ap.add_argument("--dim", type=int, default=64)
     ap.add_argument("--warmup", type=float, default=5.0)
     ap.add_argument("--after", type=float, default=3.0)
+    ap.add_argument("--membership", action="store_true", help="add_server / remove_server")
     ap.add_argument("--worker-json", help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.worker_json:
@@ -102,15 +105,17 @@ def main() -> None:
                 if time.monotonic() > deadline:
                     raise
                 time.sleep(0.1)
-        admin = pstore.connect(servers)
-        admin.publish_routing({**_table([0, 1], 3), "epoch": 1})
+        first = servers[:2] if args.membership else servers
+        admin = pstore.connect(first)
+        if not args.membership:
+            admin.publish_routing({**_table([0, 1], 3), "epoch": 1})
         t = admin.create_sparse_table("emb", args.dim, optimizer=pstore.optim.Adagrad(lr=0.05))
         ids = np.arange(args.rows, dtype=np.int64)
         for k in range(0, args.rows, 50_000):
             part = ids[k : k + 50_000]
             t.push(part, np.full((len(part), args.dim), 0.01, np.float32))
         base = {
-            "servers": servers,
+            "servers": first,
             "rows": args.rows,
             "batch": args.batch,
             "dim": args.dim,
@@ -128,7 +133,12 @@ def main() -> None:
         time.sleep(args.warmup)
         for name, positions in (("join", [0, 1, 2]), ("leave", [1, 2])):
             t0 = time.time()
-            r = admin.move_slots(_table(positions, 3))
+            if not args.membership:
+                r = admin.move_slots(_table(positions, 3))
+            elif name == "join":
+                r = admin.add_server(servers[2])
+            else:
+                r = admin.remove_server(servers[0])
             t1 = time.time()
             moves.append((name, t0, t1, r))
             time.sleep(args.after)
@@ -151,6 +161,7 @@ def main() -> None:
                 json.dumps(
                     {
                         "move": name,
+                        "membership": args.membership,
                         "workers": args.workers,
                         "batch": args.batch,
                         "dim": args.dim,

@@ -430,6 +430,38 @@ def _cmd_cluster_promote(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_cluster_membership(args: argparse.Namespace) -> int:
+    if (args.cluster is None) == (not args.servers):
+        raise pstore.InvalidArgumentError(
+            "give the cluster's servers with --servers HOST:PORT ... or --cluster FILE"
+        )
+    remote = pstore.connect(
+        args.cluster or args.servers,
+        token_file=args.token_file,
+        timeout=args.timeout,
+        tls_ca=args.tls_ca,
+    )
+    try:
+        if args.cluster_command == "add-server":
+            r = remote.add_server(args.address)
+        else:
+            r = remote.remove_server(args.address)
+        servers = remote.servers
+    finally:
+        remote.close()
+    if args.json:
+        print(json.dumps({**r, "servers": servers}, indent=2, sort_keys=True))
+    else:
+        done = "joined" if args.cluster_command == "add-server" else "left"
+        print(
+            f"{args.address} {done} the cluster: {r['slots']:,} slots and {r['rows']:,} rows "
+            f"moved in {r['seconds']:.2f} s ({r['batches']} batches, the longest frozen "
+            f"{r['max_frozen_seconds']:.3f} s); routing epoch {r['epoch']}, servers: "
+            + ", ".join(servers)
+        )
+    return 0
+
+
 def _cmd_ray_down(args: argparse.Namespace) -> int:
     import pstore.ray
 
@@ -806,7 +838,7 @@ def build_parser() -> argparse.ArgumentParser:
         if r.get_default("func") is not _cmd_ray_up:
             r.add_argument("--name", default="default", help="the cluster's name")
 
-    p = sub.add_parser("cluster", help="replica groups: promote a follower")
+    p = sub.add_parser("cluster", help="replica groups: promote a follower; add and remove servers")
     cluster_sub = p.add_subparsers(dest="cluster_command", metavar="COMMAND", required=True)
     c = cluster_sub.add_parser(
         "promote",
@@ -832,6 +864,30 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--timeout", type=float, default=30.0, help="seconds (default 30)")
     c.add_argument("--json", action="store_true", help="print the answer as JSON")
     c.set_defaults(func=_cmd_cluster_promote)
+    for name, what in (
+        ("add-server", "add a store server to the list while workers train"),
+        ("remove-server", "remove a store server from the list while workers train"),
+    ):
+        c = cluster_sub.add_parser(
+            name,
+            help=what,
+            description=what[0].upper()
+            + what[1:]
+            + ": the call RemoteStore."
+            + name.replace("-", "_")
+            + ' makes (docs/CLUSTER.md, "When the list changes"). Running workers follow '
+            "the new list without restarting.",
+        )
+        c.add_argument("address", metavar="HOST:PORT", help="the server that joins or leaves")
+        c.add_argument(
+            "--servers", nargs="+", default=None, metavar="HOST:PORT", help="the cluster's servers"
+        )
+        c.add_argument("--cluster", default=None, metavar="FILE", help="a cluster file instead")
+        c.add_argument("--token-file", default=None, help="file holding the token")
+        c.add_argument("--tls-ca", default=None, help="CA certificate (PEM) of the servers")
+        c.add_argument("--timeout", type=float, default=30.0, help="seconds per call (default 30)")
+        c.add_argument("--json", action="store_true", help="print the report as JSON")
+        c.set_defaults(func=_cmd_cluster_membership)
 
     p = sub.add_parser("version", help="print the versions of pstore and numpy")
     p.set_defaults(func=_cmd_version)

@@ -49,6 +49,17 @@ def count_ids(train: datasets.Ratings, idx: np.ndarray) -> np.ndarray:
     )
 
 
+def expected_counts(train: datasets.Ratings, epochs: int, workers: int) -> dict[int, int]:
+    """The pushes table `count` gets per id from `workers` workers over `epochs` epochs."""
+    expected: dict[int, int] = {}
+    for k in range(workers):
+        for idx in batches(train, epochs, workers, k):
+            ids, n = np.unique(count_ids(train, idx), return_counts=True)
+            for i, c in zip(ids.tolist(), n.tolist(), strict=True):
+                expected[i] = expected.get(i, 0) + c
+    return expected
+
+
 def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--servers", required=True)

@@ -13,7 +13,7 @@ import time
 
 import numpy as np
 import pytest
-from _mf_worker import ITEM_ID0, batches, count_ids, data, model
+from _mf_worker import ITEM_ID0, data, expected_counts, model
 from _netutil import start_servers, start_workers, stop_all
 from test_distributed import EPOCHS, TOLERANCE, WORKERS, _rmse, embedded_rmse  # noqa: F401
 
@@ -79,12 +79,7 @@ def test_workers_train_through_a_join_and_a_leave(cluster, embedded_rmse):  # no
 
     # Every row got exactly the pushes sent for it: none lost, none applied twice.
     train, test = data()
-    expected: dict[int, int] = {}
-    for k in range(WORKERS):
-        for idx in batches(train, EPOCHS, WORKERS, k):
-            ids, n = np.unique(count_ids(train, idx), return_counts=True)
-            for i, c in zip(ids.tolist(), n.tolist(), strict=True):
-                expected[i] = expected.get(i, 0) + c
+    expected = expected_counts(train, EPOCHS, WORKERS)
     ids = np.array(sorted(expected), dtype=np.uint64)
     got = admin.table("count").pull(ids)[:, 0]
     want = np.array([expected[i] for i in ids.tolist()], dtype=np.float32)

@@ -217,6 +217,38 @@ class RemoteStore(BaseStore):
         report: dict[str, Any] = self._inner.move_slots(json.dumps(slots))
         return report
 
+    def add_server(self, address: str) -> dict[str, Any]:
+        """Add the store server at ``address`` ("host:port") to the cluster while workers train.
+
+        The new server gets every table's definition, joins the end of the server list (which
+        the servers hold, with the slot table, under the next routing epoch), then about 1/N of
+        the hash slots move to it from every other server as :meth:`move_slots` moves them.
+        Running workers follow the new list without restarting; nothing is lost or applied
+        twice; durable servers keep the list across restarts. Refused, with nothing changed,
+        for an address already in the list, a server that does not answer, and one that holds
+        rows or another cluster's routing (docs/CLUSTER.md, "When the list changes"). Returns
+        the report of the move (as :meth:`move_slots`).
+        """
+        if not isinstance(address, str):
+            raise TypeError(f"address must be a str 'host:port', got {type(address).__name__}")
+        report: dict[str, Any] = self._inner.add_server(address)
+        return report
+
+    def remove_server(self, address: str) -> dict[str, Any]:
+        """Remove the store server at ``address`` from the cluster while workers train.
+
+        Every hash slot it owns moves to the other servers (spread evenly) with its rows, then
+        the list without it is published under the next routing epoch: it holds no rows
+        afterwards and can be stopped. Refused, with nothing changed, for an address not in the
+        list and for the last server. A move that fails part way (a server died) leaves the
+        slots moved so far where they are; run it again once the servers answer. Returns the
+        report of the move (as :meth:`move_slots`).
+        """
+        if not isinstance(address, str):
+            raise TypeError(f"address must be a str 'host:port', got {type(address).__name__}")
+        report: dict[str, Any] = self._inner.remove_server(address)
+        return report
+
     @property
     def mode(self) -> Mode:
         """The training mode: ``"async"``, ``"bsp"`` or ``"ssp"``."""

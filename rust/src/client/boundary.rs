@@ -105,7 +105,7 @@ impl Client {
             ..Default::default()
         };
         let answers = self.rt.block_on(async {
-            let calls = (0..self.servers.len()).map(|i| {
+            let calls = (0..self.n()).map(|i| {
                 self.call(
                     i,
                     reserve.clone(),
@@ -158,7 +158,7 @@ impl Client {
     fn boundary_of(&self, answers: Vec<Result<SnapshotResponse>>) -> Result<(String, u64)> {
         let mut placed: Vec<(String, u64)> = Vec::new();
         for (i, a) in answers.into_iter().enumerate() {
-            let name = &self.servers[i].name;
+            let name = &self.name_of(i);
             match a {
                 Ok(a) => placed.push((a.job, a.step)),
                 // A server older than the reserve field takes it for a snapshot without a dir.
@@ -182,7 +182,9 @@ impl Client {
             return Err(invalid(format!(
                 "the servers run different jobs: {job:?} on {}, {:?} on {}; a snapshot at a \
                  step boundary needs one job on every server",
-                self.servers[0].name, placed[i].0, self.servers[i].name
+                self.name_of(0),
+                placed[i].0,
+                self.name_of(i)
             )));
         }
         Ok((job, placed.iter().map(|p| p.1).max().unwrap_or(0)))
@@ -199,7 +201,7 @@ impl Client {
         timeout: Duration,
     ) -> Result<Vec<SnapshotResponse>> {
         self.rt.block_on(async {
-            let calls = (0..self.servers.len()).map(|i| {
+            let calls = (0..self.n()).map(|i| {
                 let m = SnapshotRequest {
                     dir: format!("{}/server-{i}", dir.trim_end_matches('/')),
                     incremental,
@@ -226,7 +228,7 @@ impl Client {
             for (i, r) in futures_join_all(calls).await.into_iter().enumerate() {
                 out.push(r.map_err(|e| match e {
                     Error::InvalidArgument(m) => {
-                        invalid(format!("server {}: {m}", self.servers[i].name))
+                        invalid(format!("server {}: {m}", self.name_of(i)))
                     }
                     Error::Remote {
                         server, code: 4, ..
@@ -257,7 +259,7 @@ impl Client {
             hold: hold.to_string(),
             ..Default::default()
         };
-        let calls = (0..self.servers.len()).map(|i| {
+        let calls = (0..self.n()).map(|i| {
             self.call(
                 i,
                 m.clone(),

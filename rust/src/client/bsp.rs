@@ -70,7 +70,7 @@ impl Job {
 impl Client {
     /// The coordinator: the first server in sorted order of the addresses.
     pub(super) fn coordinator(&self) -> usize {
-        self.servers
+        self.list()
             .iter()
             .enumerate()
             .min_by(|a, b| a.1.name.cmp(&b.1.name))
@@ -81,7 +81,7 @@ impl Client {
     /// Sends one clock request to every server at once; `timeout` bounds each.
     fn clock_all(&self, m: ClockRequest, timeout: Duration) -> Result<Vec<ClockResponse>> {
         self.rt.block_on(async {
-            let calls = (0..self.servers.len()).map(|i| {
+            let calls = (0..self.n()).map(|i| {
                 self.call(i, m.clone(), timeout, false, |mut c, r| async move {
                     c.clock(r).await
                 })
@@ -115,7 +115,7 @@ impl Client {
             }
             if Instant::now() >= until {
                 return Err(Error::Remote {
-                    server: self.servers[coord].name.clone(),
+                    server: self.name_of(coord),
                     code: 4,
                     message: format!(
                         "worker {} found no new job started by worker 0 within {:.1} s; a \

@@ -369,7 +369,7 @@ impl Client {
             let m: Manifest = serde_json::from_str(&a.manifest_json).map_err(|e| {
                 corrupt(format!(
                     "server {}: its snapshot manifest does not read: {e}",
-                    self.servers[i].name
+                    self.name_of(i)
                 ))
             })?;
             if let Some(p) = &m.parent {
@@ -377,7 +377,7 @@ impl Client {
                 parents.push((server_prev, p.id.clone()));
             }
             parts.push(ClusterPart {
-                server: self.servers[i].name.clone(),
+                server: self.name_of(i),
                 dir: format!("server-{i}"),
                 manifest_id: m.id,
                 manifest_crc32: crc32fast::hash(a.manifest_json.as_bytes()),
@@ -507,7 +507,7 @@ impl Client {
             match self.get_table(&t.name) {
                 Ok(infos) => {
                     for (i, info) in infos.iter().enumerate() {
-                        self.check_target(t, info, &self.servers[i].name)?;
+                        self.check_target(t, info, &self.name_of(i))?;
                     }
                 }
                 Err(Error::UnknownTable(_)) => create.push(CreateTableRequest {
@@ -606,7 +606,7 @@ impl Client {
             .timeout
             .max(std::time::Duration::from_secs(3600));
         let answers = self.rt.block_on(async {
-            let calls = (0..self.servers.len()).map(|i| {
+            let calls = (0..self.n()).map(|i| {
                 let req = LoadSnapshotRequest {
                     index: i as u32,
                     ..base.clone()
@@ -618,7 +618,7 @@ impl Client {
                     .await
                     .map_err(|e| match e {
                         Error::InvalidArgument(msg) => {
-                            invalid(format!("server {}: {msg}", self.servers[i].name))
+                            invalid(format!("server {}: {msg}", self.name_of(i)))
                         }
                         e => e,
                     })
@@ -705,6 +705,7 @@ impl Client {
                             words: words_bytes(&d.words()).into(),
                             seq: None,
                             applied_request_ids: Default::default(),
+                            dense_offset: None,
                         };
                         self.fan_out(
                             vec![(home, req)],
@@ -724,6 +725,7 @@ impl Client {
                     words: Default::default(),
                     seq: Some(seq),
                     applied_request_ids: Default::default(),
+                    dense_offset: None,
                 };
                 self.fan_out(
                     self.all(req),
@@ -748,7 +750,7 @@ impl Client {
         config_json: &str,
         t: &crate::table::SparseTable,
     ) -> Result<u64> {
-        let n = self.servers.len();
+        let n = self.n();
         let m = t.row_words();
         let per_request = (CHUNK_BYTES / (8 + 4 * m)).max(1);
         let mut ids: Vec<Vec<u64>> = vec![Vec::new(); n];
@@ -771,6 +773,7 @@ impl Client {
                     words: std::mem::take(&mut words[i]).into(),
                     seq: None,
                     applied_request_ids: Default::default(),
+                    dense_offset: None,
                 },
             ));
             bytes

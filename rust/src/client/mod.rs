@@ -28,6 +28,7 @@ mod boundary;
 mod bsp;
 pub mod cluster;
 mod group;
+mod members;
 mod moves;
 pub use group::{promote, Promoted};
 mod once;
@@ -139,12 +140,57 @@ struct Server {
     group: group::Group,
 }
 
+/// A lazily connected member: its channel opens on the first call.
+fn member(
+    rt: &tokio::runtime::Runtime,
+    config: &ClientConfig,
+    name: &str,
+) -> Result<group::Member> {
+    let scheme = if config.tls_ca.is_some() {
+        "https"
+    } else {
+        "http"
+    };
+    let mut ep = Endpoint::from_shared(format!("{scheme}://{name}"))
+        .map_err(|e| invalid(format!("server address {name:?}: {e}")))?
+        .connect_timeout(config.timeout)
+        .tcp_nodelay(true)
+        .initial_stream_window_size(crate::server::WINDOW)
+        .initial_connection_window_size(crate::server::WINDOW * 4)
+        .http2_keep_alive_interval(Duration::from_secs(30));
+    if let Some(ca) = &config.tls_ca {
+        let host = name.rsplit_once(':').map_or(name, |(h, _)| h);
+        let domain = config
+            .tls_domain
+            .clone()
+            .unwrap_or_else(|| host.to_string());
+        let tls = tonic::transport::ClientTlsConfig::new()
+            .ca_certificate(tonic::transport::Certificate::from_pem(ca))
+            .domain_name(domain);
+        ep = ep
+            .tls_config(tls)
+            .map_err(|e| invalid(format!("TLS settings for {name}: {e}")))?;
+    }
+    let channel = {
+        let _g = rt.enter();
+        ep.connect_lazy()
+    };
+    let stub = PStoreClient::new(Strip(channel.clone()))
+        .max_decoding_message_size(usize::MAX)
+        .max_encoding_message_size(config.max_message.saturating_mul(2));
+    Ok(group::Member {
+        name: name.to_string(),
+        stub,
+        channel,
+    })
+}
+
 /// A connection to a cluster of store servers.
 pub struct Client {
     rt: tokio::runtime::Runtime,
-    servers: Vec<Server>,
-    /// The slot table this client routes by, with its layout hash (replaced when a server
-    /// answers "moved", `reshard.rs`).
+    /// The server list and the slot table this client routes by, with its layout hash
+    /// (replaced when a server answers "moved", `reshard.rs`; the list itself changes when
+    /// servers join or leave, `members.rs`).
     route: RwLock<Arc<reshard::Route>>,
     config: ClientConfig,
     /// Random per client: with `seq`, the ids of write requests.
@@ -160,6 +206,9 @@ pub struct Client {
     job: Mutex<Option<Arc<bsp::Job>>>,
     /// Versions of recent pulls and request ids of failed pushes (`once.rs`).
     memo: once::Memo,
+    /// How many times the server list changed under this client (a version vector of a pull
+    /// before a change does not fit the list after it).
+    list_changes: AtomicU64,
 }
 
 fn is_retryable(s: &Status) -> bool {
@@ -235,64 +284,27 @@ impl Client {
             .iter()
             .chain(config.replicas.iter().flatten())
         {
-            let scheme = if config.tls_ca.is_some() {
-                "https"
-            } else {
-                "http"
-            };
-            let mut ep = Endpoint::from_shared(format!("{scheme}://{name}"))
-                .map_err(|e| invalid(format!("server address {name:?}: {e}")))?
-                .connect_timeout(config.timeout)
-                .tcp_nodelay(true)
-                .initial_stream_window_size(crate::server::WINDOW)
-                .initial_connection_window_size(crate::server::WINDOW * 4)
-                .http2_keep_alive_interval(Duration::from_secs(30));
-            if let Some(ca) = &config.tls_ca {
-                let host = name.rsplit_once(':').map_or(name.as_str(), |(h, _)| h);
-                let domain = config
-                    .tls_domain
-                    .clone()
-                    .unwrap_or_else(|| host.to_string());
-                let tls = tonic::transport::ClientTlsConfig::new()
-                    .ca_certificate(tonic::transport::Certificate::from_pem(ca))
-                    .domain_name(domain);
-                ep = ep
-                    .tls_config(tls)
-                    .map_err(|e| invalid(format!("TLS settings for {name}: {e}")))?;
-            }
-            let channel = {
-                let _g = rt.enter();
-                ep.connect_lazy()
-            };
-            let stub = PStoreClient::new(Strip(channel.clone()))
-                .max_decoding_message_size(usize::MAX)
-                .max_encoding_message_size(config.max_message.saturating_mul(2));
-            members.push(group::Member {
-                name: name.clone(),
-                stub,
-                channel,
-            });
+            members.push(member(&rt, &config, name)?);
         }
         let mut rest = members.split_off(config.servers.len()).into_iter();
         for (i, first) in members.into_iter().enumerate() {
             let n = config.replicas.get(i).map_or(0, Vec::len);
             let mut g = vec![first];
             g.extend(rest.by_ref().take(n));
-            servers.push(Server {
+            servers.push(Arc::new(Server {
                 name: g[0].name.clone(),
                 group: group::Group::new(g),
-            });
+            }));
         }
         let applier = Applier::new(config.max_inflight_bytes, "pstore-client-push")?;
         let route = RwLock::new(Arc::new(reshard::Route::new(
-            &config.servers,
+            servers,
             &config.replicas,
             router,
         )?));
         let c = Arc::new(Self {
             rt,
             route,
-            servers,
             config,
             id: random_id(),
             seq: AtomicU64::new(0),
@@ -300,20 +312,19 @@ impl Client {
             applier,
             job: Mutex::new(None),
             memo: once::Memo::default(),
+            list_changes: AtomicU64::new(0),
         });
         let token = c.config.token.clone();
         let follow = c.config.read_from_follower;
+        let list = c.list();
         c.rt.block_on(futures_join_all(
-            c.servers
-                .iter()
-                .filter(|s| s.group.members.len() > 1)
-                .map(|s| {
-                    s.group
-                        .refresh(token.as_deref(), Duration::from_secs(2), follow)
-                }),
+            list.iter().filter(|s| s.group.members.len() > 1).map(|s| {
+                s.group
+                    .refresh(token.as_deref(), Duration::from_secs(2), follow)
+            }),
         ));
         let status = c.status()?;
-        for (s, st) in c.servers.iter().zip(&status) {
+        for (s, st) in list.iter().zip(&status) {
             if st.protocol != crate::net::PROTOCOL {
                 return Err(invalid(format!(
                     "server {} speaks protocol {}, this client {}",
@@ -327,16 +338,39 @@ impl Client {
         // replaces the one given (decision 0102). A routing over another list is not taken: the
         // first call on rows is answered "moved" and fails naming both lists.
         if let Some((servers, table)) = c.held_routing()? {
-            if servers == c.config.servers {
+            if servers == c.names() {
                 c.adopt(table)?;
             }
         }
         Ok(c)
     }
 
-    /// The server addresses, in the order given.
+    /// The server addresses, in the order of the list this client routes by (the one given,
+    /// until servers join or leave).
     pub fn servers(&self) -> Vec<String> {
-        self.servers.iter().map(|s| s.name.clone()).collect()
+        self.names()
+    }
+
+    fn names(&self) -> Vec<String> {
+        self.list().iter().map(|s| s.name.clone()).collect()
+    }
+
+    /// The servers of the list this client routes by now.
+    fn list(&self) -> Vec<Arc<Server>> {
+        self.route().servers.clone()
+    }
+
+    /// How many servers the list has.
+    fn n(&self) -> usize {
+        self.route().servers.len()
+    }
+
+    /// The address of position `i` (a position the list no longer has: named as such).
+    fn name_of(&self, i: usize) -> String {
+        self.route()
+            .servers
+            .get(i)
+            .map_or_else(|| format!("position {i}"), |s| s.name.clone())
     }
 
     /// The configuration.
@@ -409,7 +443,7 @@ impl Client {
                 if reshard::is_moved(&s) {
                     self.refresh_routing(i).await?;
                 }
-                Err(error_of(&s, &self.servers[i].name))
+                Err(error_of(&s, &self.name_of(i)))
             }
         }
     }
@@ -429,7 +463,33 @@ impl Client {
         F: Fn(Stub, Request<M>) -> Fut,
         Fut: std::future::Future<Output = std::result::Result<tonic::Response<R>, Status>>,
     {
-        let server = &self.servers[i];
+        // A position the list lost since the call was split (a server left): "moved", so the
+        // operation splits again by the list it routes by now.
+        let Some(server) = self.route().servers.get(i).cloned() else {
+            return Err(reshard::moved_status(format!(
+                "the server list changed under the call: it has no position {i} now"
+            )));
+        };
+        self.call_server(&server, msg, timeout, retry_late, read, f)
+            .await
+    }
+
+    /// [`call_status`](Self::call_status) to `server`, wherever it is in the list (or not in
+    /// it: a server joining or leaving).
+    async fn call_server<M, R, F, Fut>(
+        &self,
+        server: &Server,
+        msg: M,
+        timeout: Duration,
+        retry_late: bool,
+        read: bool,
+        f: F,
+    ) -> std::result::Result<R, Status>
+    where
+        M: Clone,
+        F: Fn(Stub, Request<M>) -> Fut,
+        Fut: std::future::Future<Output = std::result::Result<tonic::Response<R>, Status>>,
+    {
         let g = &server.group;
         let read = read && self.config.read_from_follower;
         let mut delay = Duration::from_millis(50);
@@ -536,7 +596,7 @@ impl Client {
     }
 
     fn all<M: Clone>(&self, msg: M) -> Vec<(usize, M)> {
-        (0..self.servers.len()).map(|i| (i, msg.clone())).collect()
+        (0..self.n()).map(|i| (i, msg.clone())).collect()
     }
 
     /// The server of a dense table: the owner of its name's slot.
@@ -563,7 +623,8 @@ impl Client {
         let token = self.config.token.clone();
         let follow = self.config.read_from_follower;
         let groups = self.rt.block_on(async {
-            let asks = self.servers.iter().map(|s| {
+            let list = self.list();
+            let asks = list.iter().map(|s| {
                 let token = token.clone();
                 async move {
                     let seen = s
@@ -606,8 +667,9 @@ impl Client {
     pub fn health(&self) -> Vec<String> {
         use tonic_health::pb::health_client::HealthClient;
         use tonic_health::pb::HealthCheckRequest;
+        let list = self.list();
         self.rt.block_on(async {
-            let checks = self.servers.iter().map(|s| async move {
+            let checks = list.iter().map(|s| async move {
                 let mut c = HealthClient::new(s.group.primary().channel.clone());
                 let req = self.request(
                     HealthCheckRequest {
@@ -683,7 +745,7 @@ impl Client {
     /// (`i` is the server's position in the list).
     pub fn snapshot(&self, dir: &str, incremental: bool) -> Result<Vec<SnapshotResponse>> {
         self.drain();
-        let targets = (0..self.servers.len())
+        let targets = (0..self.n())
             .map(|i| {
                 (
                     i,
@@ -779,13 +841,13 @@ impl Client {
             let rows = a.extensions().get::<RowChunks>().and_then(RowChunks::take);
             Ok(a.map(|m| (m, rows)))
         })?;
-        let mut versions = vec![u64::MAX; self.servers.len()];
+        let mut versions = vec![u64::MAX; route.servers.len()];
         for ((i, pos), (a, rows)) in parts.iter().zip(&answers) {
             let dt = wire::dtype(a.dtype)?;
             if a.dim as usize != dim {
                 return Err(shape(format!(
                     "table {table:?} has dim {} on server {}, the client expected {dim}",
-                    a.dim, self.servers[*i].name
+                    a.dim, route.servers[*i].name
                 )));
             }
             match rows {
@@ -958,7 +1020,7 @@ impl Client {
     /// Evicts rows not updated lately on every server (steps count each server's pushes).
     pub fn evict(&self, table: &str, steps: u64, seconds: f64) -> Result<u64> {
         self.drain();
-        let targets = (0..self.servers.len())
+        let targets = (0..self.n())
             .map(|i| {
                 (
                     i,

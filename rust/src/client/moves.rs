@@ -57,7 +57,7 @@ impl Client {
     pub fn move_slots(&self, target: &SlotTable) -> Result<MoveReport> {
         let t0 = Instant::now();
         self.refuse_replica_groups("move slots")?;
-        let n = self.servers.len();
+        let n = self.n();
         if target.servers() != n {
             return Err(invalid(format!(
                 "the slot table addresses {} servers, the cluster has {n}",
@@ -67,12 +67,13 @@ impl Client {
         self.drain();
         // Start from the newest routing the servers hold.
         if let Some((servers, table)) = self.held_routing()? {
-            if servers != self.config.servers {
+            let names = self.names();
+            if servers != names {
                 return Err(invalid(format!(
-                    "the servers route by a list of their own ([{}]); this client is connected \
-                     to [{}]",
+                    "the servers route by another list ([{}]) than the one the slot table was \
+                     made for ([{}]): make the table over their list",
                     servers.join(", "),
-                    self.config.servers.join(", ")
+                    names.join(", ")
                 )));
             }
             self.adopt(table)?;
@@ -113,6 +114,11 @@ impl Client {
                 report.max_frozen_seconds = report
                     .max_frozen_seconds
                     .max(frozen.elapsed().as_secs_f64());
+                // The new owner's copy is on its disk before the old owner's goes (a durable
+                // new owner that crashed in between would lose rows both had held).
+                self.fan_out(vec![(to, FlushRequest {})], |mut c, r| async move {
+                    c.flush(r).await
+                })?;
                 // The old owner's copy goes once every server routes by `next`.
                 let drop = DropSlotsRequest { slots: Some(set) };
                 self.fan_out(vec![(from, drop)], |mut c, r| async move {
@@ -159,7 +165,7 @@ impl Client {
                     })?
                     .pop()
                     .ok_or_else(|| Error::Internal("no answer".into()))?;
-                let dense = a.ids.is_empty() && a.shards == 1;
+                let dense = a.dense;
                 if !a.words.is_empty() {
                     let load = BulkLoadRequest {
                         table: name.clone(),
@@ -168,17 +174,15 @@ impl Client {
                         words: a.words.clone(),
                         seq: None,
                         applied_request_ids: Default::default(),
+                        // A dense value comes in chunks, each written where it falls.
+                        dense_offset: dense.then_some(a.dense_offset),
                     };
                     let r =
                         self.fan_out(
                             vec![(to, load)],
                             |mut c, r| async move { c.bulk_load(r).await },
                         )?;
-                    rows += if dense {
-                        1
-                    } else {
-                        r.iter().map(|x| x.rows).sum()
-                    };
+                    rows += r.iter().map(|x| x.rows).sum::<u64>();
                 }
                 if a.next_shard >= a.shards {
                     if !dense {

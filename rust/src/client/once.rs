@@ -128,7 +128,12 @@ impl Client {
         version: Option<Vec<u64>>,
     ) -> Result<()> {
         self.check_grads(table, grads, dim)?;
-        let n = self.servers.len();
+        let route = self.route();
+        let n = route.servers.len();
+        let changed = self.list_changes.load(std::sync::atomic::Ordering::Relaxed) > 0;
+        // A version vector of a pull before the list changed fits no position now: the push
+        // goes without one (its staleness is not counted).
+        let version = version.filter(|v| v.len() == n || !changed);
         if let Some(v) = &version {
             if v.len() != n {
                 return Err(crate::error::invalid(format!(
@@ -160,14 +165,14 @@ impl Client {
                 let mut m = self.memo.versions.lock().unwrap_or_else(|e| e.into_inner());
                 m.take(&(table.to_string(), ids_digest(ids)))
             }
-        };
+        }
+        .filter(|v| v.len() == n);
         let home = self.dense_home(table);
         let d = self.config.wire;
         let (job, worker, step) = self
             .step_tag()
             .map_or((String::new(), 0, None), |(j, w, s)| (j, w, Some(s)));
         let mut targets = Vec::new();
-        let route = self.route();
         for (i, pos) in route.table.split(ids).into_iter().enumerate() {
             let mut chunks = self.chunks(&pos, 8 + dim * wire::width(d));
             // A server that owns no slot (one being emptied to leave) holds no row to count for.
@@ -185,7 +190,7 @@ impl Client {
                         dtype: d as i32,
                         request_id: None,
                         pulled_seq: None,
-                        pulled_version: version.as_ref().map(|v| v[i]),
+                        pulled_version: version.as_ref().and_then(|v| v.get(i).copied()),
                         continued: k > 0,
                         uncounted: i != home || k > 0,
                         version_only: c.is_empty(),
@@ -206,15 +211,18 @@ impl Client {
             m.request_id = Some(*r);
         }
         // Parts refused as moved go again, split by the new table (`reshard.rs`).
-        let results = self
-            .rt
-            .block_on(self.send_push_parts(targets, route.table.epoch(), dim));
-        let mut ok = vec![true; n];
+        let results = self.rt.block_on(self.send_push_parts(targets, &route, dim));
+        // Each server's parts applied (true) or not (false), in the order first met.
+        let mut ok: Vec<(String, bool)> = Vec::new();
         let mut first_err = None;
-        for (i, r) in results {
+        for (name, r) in results {
+            let applied = r.is_ok();
             if let Err(e) = r {
-                ok[i] = false;
                 first_err.get_or_insert(e);
+            }
+            match ok.iter_mut().find(|(n, _)| *n == name) {
+                Some((_, a)) => *a &= applied,
+                None => ok.push((name, applied)),
             }
         }
         let Some(err) = first_err else {
@@ -225,13 +233,13 @@ impl Client {
             f.put(key(), (rids, version));
         }
         // An error that is the caller's (a bad gradient, an unknown table) applied nowhere.
-        if !ok.iter().any(|&x| x) || !matches!(err, Error::Remote { .. } | Error::Storage(_)) {
+        if !ok.iter().any(|x| x.1) || !matches!(err, Error::Remote { .. } | Error::Storage(_)) {
             return Err(err);
         }
         let name = |want: bool| -> Vec<String> {
-            (0..n)
-                .filter(|&i| ok[i] == want)
-                .map(|i| self.servers[i].name.clone())
+            ok.iter()
+                .filter(|x| x.1 == want)
+                .map(|x| x.0.clone())
                 .collect()
         };
         let (applied, failed) = (name(true), name(false));

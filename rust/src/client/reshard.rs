@@ -14,7 +14,7 @@ use std::sync::Arc;
 use tonic::metadata::{Ascii, MetadataValue};
 use tonic::Status;
 
-use super::Client;
+use super::{Client, Server};
 use crate::error::{invalid, Error, Result};
 use crate::net::proto::*;
 use crate::net::routing::SlotTable;
@@ -26,8 +26,11 @@ use crate::server::routing::MOVED;
 /// move publishes an epoch per batch of slots, so a call may meet several in a row).
 const MAX_REROUTES: u32 = 64;
 
-/// The table a client routes by, and the metadata it sends with every call.
+/// The server list and slot table a client routes by, and the metadata it sends with every
+/// call.
 pub(super) struct Route {
+    /// The servers, by position (the slot table's owners are positions of this list).
+    pub(super) servers: Vec<Arc<Server>>,
     pub(super) table: SlotTable,
     /// Whether each position owns at least one slot.
     pub(super) owns_slots: Vec<bool>,
@@ -39,7 +42,7 @@ impl Route {
     /// `replicas`: each position's members after its first (a replica group counts in the
     /// layout hash by its position only: `cluster::layout_hash_groups`).
     pub(super) fn new(
-        servers: &[String],
+        servers: Vec<Arc<Server>>,
         replicas: &[Vec<String>],
         table: SlotTable,
     ) -> Result<Self> {
@@ -47,10 +50,10 @@ impl Route {
             s.parse()
                 .map_err(|_| Error::Internal("routing metadata is ASCII".into()))
         };
+        let names: Vec<&str> = servers.iter().map(|s| s.name.as_str()).collect();
         Ok(Self {
-            layout: ascii(super::cluster::layout_hash_groups(
-                servers, replicas, &table,
-            ))?,
+            layout: ascii(super::cluster::layout_hash_groups(&names, replicas, &table))?,
+            servers,
             epoch: ascii(table.epoch().to_string())?,
             owns_slots: table.slots_per_server().iter().map(|&n| n > 0).collect(),
             table,
@@ -66,6 +69,15 @@ pub(super) fn is_moved(s: &Status) -> bool {
             .is_some_and(|v| v.as_bytes() == MOVED.as_bytes())
 }
 
+/// A "moved" status made by the client itself (a call split by a list that changed since).
+pub(super) fn moved_status(message: String) -> Status {
+    let mut st = Status::failed_precondition(format!("moved: {message}"));
+    if let Ok(v) = MOVED.parse() {
+        st.metadata_mut().insert(ERROR_KIND, v);
+    }
+    st
+}
+
 /// Whether a status is a server's "moving" answer (a frozen slot: retry).
 pub(super) fn is_moving(s: &Status) -> bool {
     s.code() == tonic::Code::Unavailable && s.message().starts_with("moving: ")
@@ -76,7 +88,7 @@ impl Client {
     /// does not reach its followers through replication, so a follower promoted after a change
     /// would accept writes for slots its group gave away (docs/CLUSTER.md, Limits).
     pub(super) fn refuse_replica_groups(&self, what: &str) -> Result<()> {
-        match self.servers.iter().find(|s| s.group.members.len() > 1) {
+        match self.list().iter().find(|s| s.group.members.len() > 1) {
             Some(s) => Err(invalid(format!(
                 "cannot {what}: position {:?} is a replica group, and the routing a server holds \
                  does not reach its followers yet (a follower promoted later would accept writes \
@@ -96,11 +108,7 @@ impl Client {
     pub(super) fn adopt(&self, table: SlotTable) -> Result<()> {
         let mut g = self.route.write().unwrap_or_else(|e| e.into_inner());
         if table.epoch() >= g.table.epoch() && table != g.table {
-            *g = Arc::new(Route::new(
-                &self.config.servers,
-                &self.config.replicas,
-                table,
-            )?);
+            *g = Arc::new(Route::new(g.servers.clone(), &self.config.replicas, table)?);
         }
         Ok(())
     }
@@ -110,7 +118,7 @@ impl Client {
     pub(super) fn held_routing(&self) -> Result<Option<(Vec<String>, SlotTable)>> {
         let t = self.config.timeout;
         let answers = self.rt.block_on(async {
-            let calls = (0..self.servers.len()).map(|i| {
+            let calls = (0..self.n()).map(|i| {
                 self.call_status(
                     i,
                     GetRoutingRequest {},
@@ -127,7 +135,7 @@ impl Client {
             let r = match a {
                 Ok(r) => r,
                 Err(s) if s.code() == tonic::Code::Unimplemented => continue,
-                Err(s) => return Err(error_of(&s, &self.servers[i].name)),
+                Err(s) => return Err(error_of(&s, &self.name_of(i))),
             };
             let Some(slots) = &r.slots else { continue };
             let table = SlotTable::from_proto(slots)?;
@@ -138,12 +146,17 @@ impl Client {
         Ok(best)
     }
 
-    /// Takes the routing server `i` holds, when it is newer than this client's. A routing over
-    /// another server list is an error: this client's connections are to its own list.
+    /// Takes the routing server `i` holds, when it is newer than this client's, with its
+    /// server list when that changed (servers joined or left). A client with replica groups
+    /// cannot follow another list (its groups' members are not in the routing).
     pub(super) async fn refresh_routing(&self, i: usize) -> Result<()> {
-        let name = &self.servers[i].name;
+        let Some(server) = self.route().servers.get(i).cloned() else {
+            // The list changed since the call was split: this client routes by a newer one.
+            return Ok(());
+        };
+        let name = &server.name;
         let req = self.request(GetRoutingRequest {}, self.config.timeout);
-        let r = self.servers[i]
+        let r = server
             .group
             .primary()
             .stub
@@ -159,16 +172,117 @@ impl Client {
         if table.epoch() <= self.route().table.epoch() {
             return Ok(());
         }
-        if r.servers != self.config.servers {
-            return Err(invalid(format!(
-                "server {name} routes by epoch {} over the servers [{}]; this client is \
-                 connected to [{}]: connect again to follow the new list",
-                table.epoch(),
-                r.servers.join(", "),
-                self.config.servers.join(", ")
-            )));
+        if r.servers != self.names() {
+            let epoch = table.epoch();
+            return self.adopt_list(&r.servers, table).map_err(|e| {
+                invalid(format!(
+                    "server {name} routes by epoch {} over the servers [{}]; this client \
+                     cannot follow it: {e}",
+                    epoch,
+                    r.servers.join(", "),
+                ))
+            });
         }
         self.adopt(table)
+    }
+
+    /// Routes by `table` over the server list `names` from now on, unless this client's table
+    /// is newer: connections to servers it already has are kept, new ones open on first use.
+    pub(super) fn adopt_list(&self, names: &[String], table: SlotTable) -> Result<()> {
+        if self.config.replicas.iter().any(|r| !r.is_empty()) {
+            return Err(invalid(
+                "this client was connected with replica groups, whose members a routing does \
+                 not name; connect again with the new list",
+            ));
+        }
+        if table.servers() != names.len() {
+            return Err(invalid(format!(
+                "the slot table addresses {} servers, the list has {}",
+                table.servers(),
+                names.len()
+            )));
+        }
+        let servers = self.servers_named(names)?;
+        let mut g = self.route.write().unwrap_or_else(|e| e.into_inner());
+        if table.epoch() > g.table.epoch() || (table.epoch() == g.table.epoch() && table != g.table)
+        {
+            *g = Arc::new(Route::new(servers, &[], table)?);
+            self.list_changes
+                .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        }
+        Ok(())
+    }
+
+    /// The servers of `names`: this client's own where it has them, new (lazily connected)
+    /// ones otherwise.
+    pub(super) fn servers_named(&self, names: &[String]) -> Result<Vec<Arc<Server>>> {
+        let have = self.list();
+        names
+            .iter()
+            .map(|n| match have.iter().find(|s| &s.name == n) {
+                Some(s) => Ok(Arc::clone(s)),
+                None => Ok(Arc::new(Server {
+                    name: n.clone(),
+                    group: super::group::Group::new(vec![super::member(
+                        &self.rt,
+                        &self.config,
+                        n,
+                    )?]),
+                })),
+            })
+            .collect()
+    }
+
+    /// Publishes `table` over the server list `names` (which may differ from this client's):
+    /// servers joining the list get it first, then the others, then the servers of `gone`
+    /// (leaving: they hold the new list at the position past its end, owning nothing; one that
+    /// does not answer is skipped, since it owns no slot under the routing it holds). This
+    /// client then routes by it.
+    pub(super) fn publish_over(
+        &self,
+        names: &[String],
+        table: SlotTable,
+        gone: &[Arc<Server>],
+    ) -> Result<()> {
+        self.refuse_replica_groups("change the server list")?;
+        let servers = self.servers_named(names)?;
+        let have = self.names();
+        let slots = table.to_proto();
+        let routing = |index: usize| SetRoutingRequest {
+            routing: Some(Routing {
+                slots: Some(slots.clone()),
+                servers: names.to_vec(),
+                index: index as u32,
+            }),
+        };
+        let t = self.config.timeout;
+        let set = |s: &Arc<Server>, index: usize| {
+            let s = Arc::clone(s);
+            let r = routing(index);
+            async move {
+                self.call_server(&s, r, t, true, false, |mut c, r| async move {
+                    c.set_routing(r).await
+                })
+                .await
+                .map_err(|e| error_of(&e, &s.name))
+            }
+        };
+        let (new, old): (Vec<_>, Vec<_>) = servers
+            .iter()
+            .enumerate()
+            .partition(|(_, s)| !have.contains(&s.name));
+        self.rt.block_on(async {
+            for part in [new, old] {
+                for r in super::futures_join_all(part.iter().map(|(i, s)| set(s, *i))).await {
+                    r?;
+                }
+            }
+            for s in gone {
+                let _ = set(s, names.len()).await;
+            }
+            Ok::<(), Error>(())
+        })?;
+        self.adopt_list(names, table)
     }
 
     /// Publishes `table` as the cluster's routing: every server of this client's list gets it
@@ -178,7 +292,8 @@ impl Client {
     /// last step of a move, after the rows are on their new owners.
     pub fn publish_routing(&self, table: SlotTable) -> Result<()> {
         self.refuse_replica_groups("publish a routing")?;
-        let n = self.servers.len();
+        let names = self.names();
+        let n = names.len();
         if table.servers() != n {
             return Err(invalid(format!(
                 "the slot table addresses {} servers, the cluster has {n}",
@@ -200,7 +315,7 @@ impl Client {
                     SetRoutingRequest {
                         routing: Some(Routing {
                             slots: Some(slots.clone()),
-                            servers: self.config.servers.clone(),
+                            servers: names.clone(),
                             index: i as u32,
                         }),
                     },
@@ -229,21 +344,24 @@ impl Client {
     }
 
     /// Sends the parts of one push; a part refused as moved is split by the refreshed table and
-    /// its sub-parts sent with its request id. Answers `(server, result)` for every part sent
-    /// last: the parts that applied and those that failed for good.
+    /// its sub-parts sent with its request id. Answers `(server address, result)` for every
+    /// part sent last: the parts that applied and those that failed for good.
     pub(super) async fn send_push_parts(
         &self,
         targets: Vec<(usize, PushRequest)>,
-        epoch: u64,
+        route: &Route,
         dim: usize,
-    ) -> Vec<(usize, Result<PushResponse>)> {
+    ) -> Vec<(String, Result<PushResponse>)> {
         let t = self.config.timeout;
-        // Each part with the epoch of the table it was split by.
-        let mut pending: Vec<(usize, PushRequest, u64)> =
-            targets.into_iter().map(|(i, m)| (i, m, epoch)).collect();
+        // Each part with the epoch of the table it was split by and its server's address.
+        let name = |r: &Route, i: usize| r.servers.get(i).map_or(String::new(), |s| s.name.clone());
+        let mut pending: Vec<(usize, PushRequest, u64, String)> = targets
+            .into_iter()
+            .map(|(i, m)| (i, m, route.table.epoch(), name(route, i)))
+            .collect();
         let mut done = Vec::new();
         for round in 0..=MAX_REROUTES {
-            let results = super::futures_join_all(pending.iter().map(|(i, m, _)| {
+            let results = super::futures_join_all(pending.iter().map(|(i, m, _, _)| {
                 self.call(*i, m.clone(), t, true, |mut c, mut r| async move {
                     // The gradients go on the wire from their own buffer (`net/splice.rs`).
                     let g = std::mem::take(&mut r.get_mut().grads);
@@ -253,16 +371,16 @@ impl Client {
             }))
             .await;
             let mut again = Vec::new();
-            for ((i, m, split_by), r) in pending.into_iter().zip(results) {
+            for ((_, m, split_by, at), r) in pending.into_iter().zip(results) {
                 // Refused as moved, and this client now routes by a newer table than the part
                 // was split by: split it again.
                 let rerouted = round < MAX_REROUTES && self.route().table.epoch() > split_by;
                 match r {
                     Err(Error::Remote { code: 9, .. }) if rerouted => match self.resplit(&m, dim) {
                         Some(parts) => again.extend(parts),
-                        None => done.push((i, r)),
+                        None => done.push((at, r)),
                     },
-                    r => done.push((i, r)),
+                    r => done.push((at, r)),
                 }
             }
             if again.is_empty() {
@@ -277,7 +395,11 @@ impl Client {
     /// its own and the ids of the parts it was split from (`split_from`), so that a server
     /// that remembers one of those as applied (a retry whose first answer was lost, the rows
     /// moved since) answers it without applying it again.
-    fn resplit(&self, m: &PushRequest, dim: usize) -> Option<Vec<(usize, PushRequest, u64)>> {
+    fn resplit(
+        &self,
+        m: &PushRequest,
+        dim: usize,
+    ) -> Option<Vec<(usize, PushRequest, u64, String)>> {
         let d = wire::dtype(m.dtype).ok()?;
         let row = dim * wire::width(d);
         let ids = wire::ids(&m.ids).ok()?;
@@ -287,6 +409,7 @@ impl Client {
         let mut split_from = m.split_from.clone();
         split_from.extend(m.request_id);
         let route = self.route();
+        let name = |r: &Route, i: usize| r.servers.get(i).map_or(String::new(), |s| s.name.clone());
         let mut out = Vec::new();
         for (j, pos) in route.table.split(&ids).into_iter().enumerate() {
             if pos.is_empty() {
@@ -312,6 +435,7 @@ impl Client {
                     ..m.clone()
                 },
                 route.table.epoch(),
+                name(&route, j),
             ));
         }
         Some(out)

@@ -351,7 +351,7 @@ impl SparseTableApi for RemoteSparse {
         &self.config
     }
     fn num_shards(&self) -> usize {
-        self.client.servers.len()
+        self.client.n()
     }
     fn in_process(&self) -> bool {
         false

@@ -330,14 +330,21 @@ impl PyClient {
         let table = crate::net::routing::SlotTable::from_json(slots).map_err(super::err)?;
         let c = &self.inner;
         let r = run(py, || c.move_slots(&table))?;
-        let d = PyDict::new(py);
-        d.set_item("slots", r.slots)?;
-        d.set_item("rows", r.rows)?;
-        d.set_item("batches", r.batches)?;
-        d.set_item("epoch", r.epoch)?;
-        d.set_item("seconds", r.seconds)?;
-        d.set_item("max_frozen_seconds", r.max_frozen_seconds)?;
-        Ok(d)
+        move_report(py, r)
+    }
+
+    /// Adds a server to the list while workers train; returns what moved to it.
+    fn add_server<'py>(&self, py: Python<'py>, addr: &str) -> PyResult<Bound<'py, PyDict>> {
+        let c = &self.inner;
+        let r = run(py, || c.add_server(addr))?;
+        move_report(py, r)
+    }
+
+    /// Removes a server from the list while workers train; returns what moved from it.
+    fn remove_server<'py>(&self, py: Python<'py>, addr: &str) -> PyResult<Bound<'py, PyDict>> {
+        let c = &self.inner;
+        let r = run(py, || c.remove_server(addr))?;
+        move_report(py, r)
     }
 
     /// Publishes a slot table (JSON) as the cluster's routing on every server.
@@ -601,4 +608,16 @@ pub(super) fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<PyStepSnapshot>()?;
     m.add_class::<PyClient>()?;
     Ok(())
+}
+
+/// A move's report as a dict.
+fn move_report(py: Python<'_>, r: crate::client::MoveReport) -> PyResult<Bound<'_, PyDict>> {
+    let d = PyDict::new(py);
+    d.set_item("slots", r.slots)?;
+    d.set_item("rows", r.rows)?;
+    d.set_item("batches", r.batches)?;
+    d.set_item("epoch", r.epoch)?;
+    d.set_item("seconds", r.seconds)?;
+    d.set_item("max_frozen_seconds", r.max_frozen_seconds)?;
+    Ok(d)
 }

@@ -65,7 +65,17 @@ pub(super) fn bulk_load(store: &Store, r: BulkLoadRequest) -> Result<BulkLoadRes
                 )));
             }
             let words = wire::words(&r.words)?;
-            let want = d.words().len();
+            if let Some(start) = r.dense_offset {
+                // One chunk of a value that moves in several (`ExportSlots`).
+                let epoch = d.common().revert_epoch();
+                d.set_words_at(start as usize, &words)?;
+                d.common().durable_wait_change(epoch, "bulk load")?;
+                return Ok(BulkLoadResponse {
+                    rows: u64::from(start == 0 && !words.is_empty()),
+                    table_rows: 1,
+                });
+            }
+            let want = d.words_len();
             if !words.is_empty() && words.len() != want {
                 return Err(invalid(format!(
                     "bulk load into dense table {:?}: {} words, the table's value has {want}",

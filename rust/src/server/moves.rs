@@ -194,14 +194,24 @@ pub(super) fn export(store: &Store, r: &ExportSlotsRequest) -> Result<ExportSlot
                 shards: shards as u32,
                 seq: t.seq(),
                 request_ids: Default::default(),
+                dense: false,
+                dense_offset: 0,
             })
         }
         Table::Dense(d) => {
             let config_json = serde_json::to_string(d.config())
                 .map_err(|e| Error::Internal(format!("export: {e}")))?;
             let home = set[slot_of(key(&r.table))];
-            let words: Vec<u8> = if home && r.shard == 0 {
-                d.words().iter().flat_map(|x| x.to_le_bytes()).collect()
+            // A chunk of the value per `shard`, so a value larger than a message moves too.
+            let chunk = EXPORT_BYTES / 4;
+            let total = d.words_len();
+            let chunks = if home { total.div_ceil(chunk) } else { 1 };
+            let start = r.shard as usize * chunk;
+            let words: Vec<u8> = if home && start < total {
+                d.words_at(start, chunk)
+                    .iter()
+                    .flat_map(|x| x.to_le_bytes())
+                    .collect()
             } else {
                 Vec::new()
             };
@@ -209,10 +219,12 @@ pub(super) fn export(store: &Store, r: &ExportSlotsRequest) -> Result<ExportSlot
                 config_json,
                 ids: Default::default(),
                 words: words.into(),
-                next_shard: 1,
-                shards: 1,
+                next_shard: r.shard.saturating_add(1),
+                shards: chunks as u32,
                 seq: d.step() as u64,
                 request_ids: Default::default(),
+                dense: true,
+                dense_offset: start as u64,
             })
         }
     }

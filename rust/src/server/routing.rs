@@ -323,7 +323,7 @@ impl Routes {
 }
 
 /// A routing from its parts, checked: a list of distinct, non-empty addresses, a table over
-/// exactly that many positions, and an index in the list.
+/// exactly that many positions, and an index in the list (or its length: not in it).
 fn check(table: SlotTable, servers: Vec<String>, index: u32) -> Result<Held> {
     if servers.len() != table.servers() {
         return Err(invalid(format!(
@@ -341,9 +341,11 @@ fn check(table: SlotTable, servers: Vec<String>, index: u32) -> Result<Held> {
             return Err(invalid(format!("routing: server {s} is listed twice")));
         }
     }
-    if index as usize >= servers.len() {
+    // The index past the end: a server that left the list (it owns no slot).
+    if index as usize > servers.len() {
         return Err(invalid(format!(
-            "routing: index {index} is not a position of the {}-server list",
+            "routing: index {index} is neither a position of the {}-server list nor its length \
+             (a server that left it)",
             servers.len()
         )));
     }

@@ -256,6 +256,56 @@ impl DenseTable {
         Self::words_of(&self.read())
     }
 
+    /// How many words [`words`](Self::words) has.
+    pub fn words_len(&self) -> usize {
+        let d = self.read();
+        2 + d.weights.len() + d.state.len()
+    }
+
+    /// Words `start..start + len` of [`words`](Self::words) (fewer at the end), read under
+    /// one lock without copying the rest.
+    pub fn words_at(&self, start: usize, len: usize) -> Vec<u32> {
+        let d = self.read();
+        let (n, m) = (d.weights.len(), d.state.len());
+        let end = start.saturating_add(len).min(2 + n + m);
+        (start..end)
+            .map(|k| match k {
+                0 => d.step,
+                1 => 0,
+                k if k < 2 + n => d.weights[k - 2].to_bits(),
+                k => d.state[k - 2 - n].to_bits(),
+            })
+            .collect()
+    }
+
+    /// Writes `words` over the value from word `start` on (a value loaded in chunks), refusing
+    /// words past its end before writing any.
+    pub fn set_words_at(&self, start: usize, words: &[u32]) -> Result<()> {
+        let mut d = self.data.write().unwrap_or_else(|e| e.into_inner());
+        let (n, m) = (d.weights.len(), d.state.len());
+        if start
+            .checked_add(words.len())
+            .is_none_or(|end| end > 2 + n + m)
+        {
+            return Err(crate::error::invalid(format!(
+                "dense table {:?}: {} words from word {start} on are past the value's {} words",
+                self.common.name,
+                words.len(),
+                2 + n + m
+            )));
+        }
+        for (k, &w) in (start..).zip(words) {
+            match k {
+                0 => d.step = w,
+                1 => {}
+                k if k < 2 + n => d.weights[k - 2] = f32::from_bits(w),
+                k => d.state[k - 2 - n] = f32::from_bits(w),
+            }
+        }
+        self.dirty.store(true, Ordering::Release);
+        Ok(())
+    }
+
     /// Marks the value as written (it was just loaded from the replica).
     pub(crate) fn mark_clean(&self) {
         self.dirty.store(false, Ordering::Release);

@@ -1,0 +1,315 @@
+//! Servers joining and leaving a running cluster (decision 0098): the driver.
+//!
+//! The server list is part of the routing the servers hold (decision 0102): a routing epoch
+//! carries the list and the slot table over it. [`Client::add_server`] gives the joining server
+//! every table's definition, publishes the list with it at the end (owning no slot yet, the
+//! joining server first), then moves about 1/N of the slots to it ([`Client::move_slots`]).
+//! [`Client::remove_server`] moves every slot of the leaving server to the others, then
+//! publishes the list without it (the others renumbered, the leaving server told it is past the
+//! end of the list, where it owns nothing). Workers meet "moved" and follow the newer list
+//! (`reshard.rs`); nothing is lost or applied twice, no worker restarts.
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use super::{Client, MoveReport, Server};
+use crate::error::{invalid, Error, Result};
+use crate::net::proto::*;
+use crate::net::routing::{SlotTable, SLOTS};
+use crate::net::{error_of, PROTOCOL};
+
+/// Owners after `k` more slots go to a new position `n` (the one past `owners`' positions): each
+/// time from the position that owns the most, each giving its highest-numbered slots, so what
+/// moves is a few runs per position.
+fn grow(owners: &[u32], n: usize, k: usize) -> Vec<u32> {
+    let mut count = vec![0usize; n];
+    for &o in owners {
+        count[o as usize] += 1;
+    }
+    let mut give = vec![0usize; n];
+    for _ in 0..k {
+        let Some(o) = (0..n).max_by_key(|&o| (count[o], std::cmp::Reverse(o))) else {
+            break;
+        };
+        if count[o] == 0 {
+            break;
+        }
+        count[o] -= 1;
+        give[o] += 1;
+    }
+    let mut out = owners.to_vec();
+    for s in (0..out.len()).rev() {
+        let o = out[s] as usize;
+        if give[o] > 0 {
+            give[o] -= 1;
+            out[s] = n as u32;
+        }
+    }
+    out
+}
+
+/// Owners after position `r` gives all its slots to the others, each time to the one that owns
+/// the fewest, in runs.
+fn shrink(owners: &[u32], n: usize, r: usize) -> Vec<u32> {
+    let mut count = vec![0usize; n];
+    for &o in owners {
+        count[o as usize] += 1;
+    }
+    let mut take = vec![0usize; n];
+    for _ in 0..count[r] {
+        let Some(o) = (0..n)
+            .filter(|&o| o != r)
+            .min_by_key(|&o| (count[o] + take[o], o))
+        else {
+            break;
+        };
+        take[o] += 1;
+    }
+    // Each taker's slots in one run: r's slots in order, the takers in position order.
+    let mut to = (0..n)
+        .filter(|&o| o != r)
+        .flat_map(|o| std::iter::repeat_n(o as u32, take[o]));
+    let mut out = owners.to_vec();
+    for x in out.iter_mut().filter(|x| **x as usize == r) {
+        if let Some(o) = to.next() {
+            *x = o;
+        }
+    }
+    out
+}
+
+/// Owners of a list without position `r` (which owns no slot): later positions move down one.
+fn renumber(owners: &[u32], r: usize) -> Vec<u32> {
+    owners
+        .iter()
+        .map(|&o| if o as usize > r { o - 1 } else { o })
+        .collect()
+}
+
+impl Client {
+    /// Takes the newest routing the servers hold, with its list when that changed.
+    fn follow_held(&self) -> Result<()> {
+        if let Some((servers, table)) = self.held_routing()? {
+            if table.epoch() > self.route().table.epoch() {
+                if servers == self.names() {
+                    self.adopt(table)?;
+                } else {
+                    self.adopt_list(&servers, table)?;
+                }
+            }
+        }
+        Ok(())
+    }
+
+    /// One call to a server that may not be in the list.
+    fn call_one<M, R, F, Fut>(&self, s: &Server, msg: M, timeout: Duration, f: F) -> Result<R>
+    where
+        M: Clone,
+        F: Fn(super::Stub, tonic::Request<M>) -> Fut,
+        Fut: std::future::Future<Output = std::result::Result<tonic::Response<R>, tonic::Status>>,
+    {
+        self.rt
+            .block_on(self.call_server(s, msg, timeout, true, false, f))
+            .map_err(|e| error_of(&e, &s.name))
+    }
+
+    /// Adds server `addr` to the list while workers train: it gets every table's definition,
+    /// joins the list (owning nothing), then about 1/N of the slots move to it with their rows,
+    /// optimizer state and metadata. Fails before changing anything for an address already in
+    /// the list, a server that does not answer or speaks another protocol, or one that holds
+    /// rows or another cluster's routing.
+    pub fn add_server(&self, addr: &str) -> Result<MoveReport> {
+        self.refuse_replica_groups("add a server")?;
+        self.drain();
+        self.follow_held()?;
+        let names = self.names();
+        if names.iter().any(|n| n == addr) {
+            let at = names.iter().position(|n| n == addr).unwrap_or(0);
+            let owned = self.route().table.slots_per_server()[at];
+            return Err(invalid(format!(
+                "server {addr} is already in the list [{}] (position {at}, owning {owned} \
+                 slots); nothing was changed (to give it slots, use move_slots)",
+                names.join(", ")
+            )));
+        }
+        let joining = Arc::new(Server {
+            name: addr.to_string(),
+            group: super::group::Group::new(vec![super::member(&self.rt, &self.config, addr)?]),
+        });
+        // Is it there, and empty? Checked before anything changes.
+        let t = self.config.timeout.min(Duration::from_secs(10));
+        let unreachable = |e: Error| {
+            invalid(format!(
+                "cannot add server {addr}: it did not answer ({e}); nothing was changed"
+            ))
+        };
+        let st = self
+            .call_one(&joining, StatusRequest {}, t, |mut c, r| async move {
+                c.status(r).await
+            })
+            .map_err(unreachable)?;
+        if st.protocol != PROTOCOL {
+            return Err(invalid(format!(
+                "cannot add server {addr}: it speaks protocol {}, this client {PROTOCOL}; \
+                 nothing was changed",
+                st.protocol
+            )));
+        }
+        let held = self.call_one(&joining, GetRoutingRequest {}, t, |mut c, r| async move {
+            c.get_routing(r).await
+        })?;
+        if held.slots.is_some() && held.servers.iter().any(|s| !names.contains(s)) {
+            return Err(invalid(format!(
+                "cannot add server {addr}: it holds the routing of another cluster ([{}]); \
+                 start it with an empty data directory; nothing was changed",
+                held.servers.join(", ")
+            )));
+        }
+        // A server holding another cluster's tables refuses this client's layout here.
+        let theirs = self
+            .call_one(&joining, ListTablesRequest {}, t, |mut c, r| async move {
+                c.list_tables(r).await
+            })
+            .map_err(|e| {
+                invalid(format!(
+                    "cannot add server {addr}: {e}; start it with an empty data directory; \
+                     nothing was changed"
+                ))
+            })?;
+        if let Some(x) = theirs
+            .tables
+            .iter()
+            .find(|x| x.kind == TableKind::Sparse as i32 && x.rows > 0)
+        {
+            return Err(invalid(format!(
+                "cannot add server {addr}: it holds {} rows of table {:?} (a joining server \
+                 must hold no rows); nothing was changed",
+                x.rows, x.name
+            )));
+        }
+        // Table definitions travel with the membership: every table, as the cluster has it.
+        let ours = self.fan_out(vec![(0, ListTablesRequest {})], |mut c, r| async move {
+            c.list_tables(r).await
+        })?;
+        for info in ours.into_iter().flat_map(|x| x.tables) {
+            let create = CreateTableRequest {
+                name: info.name.clone(),
+                kind: info.kind,
+                config_json: info.config_json.clone(),
+                stale_policy: info.stale_policy,
+                max_staleness: info.max_staleness,
+                policy_unset: false,
+            };
+            self.call_one(&joining, create, t, |mut c, r| async move {
+                c.create_table(r).await
+            })?;
+            let lr = SetLrRequest {
+                table: info.name.clone(),
+                lr: info.lr,
+            };
+            self.call_one(&joining, lr, t, |mut c, r| async move { c.set_lr(r).await })?;
+        }
+        // The list with the new server at its end, owning nothing: no row moves yet.
+        let current = self.route().table.clone();
+        let n = names.len();
+        let mut grown = names.clone();
+        grown.push(addr.to_string());
+        let joined = SlotTable::from_owners(current.epoch() + 1, n + 1, current.owners().to_vec())?;
+        self.publish_over(&grown, joined.clone(), &[])?;
+        // Its share of the slots, from every position.
+        let share = SLOTS / (n + 1);
+        let target = SlotTable::from_owners(0, n + 1, grow(joined.owners(), n, share))?;
+        self.move_slots(&target)
+    }
+
+    /// Removes server `addr` from the list while workers train: all its slots move to the
+    /// others with their rows, then the list without it is published (it holds nothing
+    /// afterwards, and answers every call on rows "moved"). Fails before changing anything for
+    /// an address not in the list or the last server; a move that fails half way (a server
+    /// that died) leaves the slots moved so far moved and can be run again.
+    pub fn remove_server(&self, addr: &str) -> Result<MoveReport> {
+        self.refuse_replica_groups("remove a server")?;
+        self.drain();
+        self.follow_held()?;
+        let names = self.names();
+        let Some(r) = names.iter().position(|n| n == addr) else {
+            return Err(invalid(format!(
+                "server {addr} is not in the list [{}]; nothing was changed",
+                names.join(", ")
+            )));
+        };
+        let n = names.len();
+        if n == 1 {
+            return Err(invalid(format!(
+                "cannot remove server {addr}: it is the last server of the cluster; nothing was \
+                 changed"
+            )));
+        }
+        let current = self.route().table.clone();
+        let target = SlotTable::from_owners(0, n, shrink(current.owners(), n, r))?;
+        let mut report = self.move_slots(&target)?;
+        // It owns nothing now: the list without it.
+        let table = self.route().table.clone();
+        if table.slots_per_server()[r] != 0 {
+            return Err(Error::Internal(format!(
+                "server {addr} still owns {} slots after the move",
+                table.slots_per_server()[r]
+            )));
+        }
+        // Whatever it still holds (rows of a batch whose move failed after its publish, before
+        // its drop) goes: it owns no slot, so it keeps nothing.
+        let all = SlotSet {
+            starts: vec![0],
+            ends: vec![SLOTS as u32],
+        };
+        self.fan_out(
+            vec![(r, DropSlotsRequest { slots: Some(all) })],
+            |mut c, r| async move { c.drop_slots(r).await },
+        )?;
+        let leaving = self.list().get(r).cloned();
+        let mut rest = names.clone();
+        rest.remove(r);
+        let left = SlotTable::from_owners(table.epoch() + 1, n - 1, renumber(table.owners(), r))?;
+        self.publish_over(&rest, left, leaving.as_slice())?;
+        report.epoch = self.route().table.epoch();
+        Ok(report)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn counts(owners: &[u32], n: usize) -> Vec<usize> {
+        let mut c = vec![0; n];
+        for &o in owners {
+            c[o as usize] += 1;
+        }
+        c
+    }
+
+    #[test]
+    fn a_new_server_gets_its_share_from_every_position() {
+        let t = SlotTable::uniform(3).unwrap();
+        let g = grow(t.owners(), 3, SLOTS / 4);
+        let c = counts(&g, 4);
+        assert_eq!(c[3], SLOTS / 4);
+        assert!(c[..3].iter().all(|&x| x.abs_diff(SLOTS / 4) <= 1), "{c:?}");
+        // Only slots given to the new position change owner.
+        assert!(t.owners().iter().zip(&g).all(|(&a, &b)| a == b || b == 3));
+    }
+
+    #[test]
+    fn a_leaving_server_gives_every_slot_away_evenly() {
+        let t = SlotTable::uniform(4).unwrap();
+        let s = shrink(t.owners(), 4, 1);
+        let c = counts(&s, 4);
+        assert_eq!(c[1], 0);
+        for o in [0, 2, 3] {
+            assert!(c[o].abs_diff(SLOTS / 3) <= 1, "{c:?}");
+        }
+        assert!(t.owners().iter().zip(&s).all(|(&a, &b)| a == b || a == 1));
+        let r = renumber(&s, 1);
+        assert_eq!(counts(&r, 3), vec![c[0], c[2], c[3]]);
+    }
+}
