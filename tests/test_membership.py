@@ -15,21 +15,17 @@ import subprocess
 import sys
 import threading
 import time
+from pathlib import Path
 
 import numpy as np
 import pytest
-from _mf_worker import ITEM_ID0, data, expected_counts, model
-from _netutil import ServerProcess, free_port, start_servers, start_workers, stop_all
-from test_distributed import EPOCHS, TOLERANCE, WORKERS, _rmse, embedded_rmse  # noqa: F401
-from test_reshard_online import rows_per_server
+from _netutil import ServerProcess, free_port, start_servers, stop_all
+from test_distributed import embedded_rmse  # noqa: F401
+from test_reshard_online import owned, rows_per_server, train_while
 
 import pstore
 
 SLOTS = 16384
-
-
-def owned(table: dict, i: int) -> int:
-    return sum(e - s for s, e, o in table["ranges"] if o == i)
 
 
 def rows_on(addr: str, name: str) -> int:
@@ -45,33 +41,13 @@ def test_workers_train_while_a_server_joins_and_another_leaves(cluster, embedded
     addrs = cluster(3)
     first = addrs[:2]
     admin = pstore.connect(first)
-    admin.create_sparse_table(
-        "count", 1, optimizer=pstore.optim.SGD(lr=1.0), initializer=pstore.init.Zeros()
-    )
-    procs = start_workers(
-        "_mf_worker.py", ",".join(first), WORKERS, "--epochs", str(EPOCHS), "--count"
-    )
-    try:
-        # Once training runs (rows on the servers), change the list while it goes on.
-        deadline = time.monotonic() + 120
-        while sum(rows_per_server(admin, "count")) < 500:
-            assert time.monotonic() < deadline, "the workers did not start training"
-            assert all(p.poll() is None for p in procs), [p.communicate() for p in procs]
-            time.sleep(0.05)
+
+    def change() -> tuple[dict, dict]:
         join = admin.add_server(addrs[2])
         assert admin.servers == addrs
-        leave = admin.remove_server(addrs[0])
-        # The changes ran while the workers trained (else this test would prove nothing).
-        running = sum(p.poll() is None for p in procs)
-        outs = [p.communicate(timeout=300) for p in procs]
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-                p.wait()
-    for p, (_out, err) in zip(procs, outs, strict=True):
-        assert p.returncode == 0, err
-    assert running > 0, (join, leave)
+        return join, admin.remove_server(addrs[0])
+
+    join, leave = train_while(first, admin, embedded_rmse, change)
     assert join["slots"] == SLOTS // 3 and join["rows"] > 0, join
     assert leave["rows"] > 0 and leave["epoch"] > join["epoch"], leave
     # The list is the two that stayed; the one that left holds no row and no slot.
@@ -81,26 +57,10 @@ def test_workers_train_while_a_server_joins_and_another_leaves(cluster, embedded
     for name in ("count", "user_emb", "item_emb"):
         assert rows_on(addrs[0], name) == 0, name
         assert all(r > 0 for r in rows_per_server(admin, name)), name
-
-    # Every row got exactly the pushes sent for it: none lost, none applied twice.
-    train, test = data()
-    expected = expected_counts(train, EPOCHS, WORKERS)
-    ids = np.array(sorted(expected), dtype=np.uint64)
-    got = admin.table("count").pull(ids)[:, 0]
-    want = np.array([expected[i] for i in ids.tolist()], dtype=np.float32)
-    wrong = np.flatnonzero(got != want)
-    assert wrong.size == 0, [(int(ids[i]), float(got[i]), float(want[i])) for i in wrong[:10]]
-    assert (ids >= ITEM_ID0).any() and (ids < ITEM_ID0).any()
-
-    # The model trained as well as without changes.
-    steps = [json.loads(out)["steps"] for out, _ in outs]
-    assert len(set(steps)) == 1 and steps[0] > 0
-    rmse = _rmse(model(admin, train), test)
-    assert abs(rmse - embedded_rmse) <= TOLERANCE, (rmse, embedded_rmse)
-
     # A worker started later with the first list follows the servers' list at its first call.
     late = pstore.connect(first)
-    np.testing.assert_array_equal(late.table("count").pull(ids)[:, 0], want)
+    ids = np.arange(1, 200, dtype=np.uint64)
+    np.testing.assert_array_equal(late.table("count").pull(ids), admin.table("count").pull(ids))
     assert late.servers == [addrs[1], addrs[2]]
 
 
@@ -147,18 +107,30 @@ def test_a_dense_table_larger_than_a_message_keeps_its_value_and_tables_travel()
         stop_all(procs)
 
 
+def durable(path: Path, port: int | None = None) -> ServerProcess:
+    """A durable server on `path`, ready."""
+    p = ServerProcess("--path", str(path), port=port)
+    p.wait_ready()
+    return p
+
+
+def sgd_rows(store: pstore.RemoteStore, n: int) -> tuple[pstore.SparseTable, np.ndarray]:
+    """Table `t` (SGD, lr 1, zeros) with rows 1..n pushed once with ones: each row is -1."""
+    t = store.create_sparse_table(
+        "t", 2, optimizer=pstore.optim.SGD(lr=1.0), initializer=pstore.init.Zeros()
+    )
+    ids = np.arange(1, n + 1, dtype=np.uint64)
+    t.push(ids, np.ones((len(ids), 2), np.float32))
+    return t, ids
+
+
 def test_durable_servers_keep_the_new_list_across_a_restart(tmp_path):
-    procs = [ServerProcess("--path", str(tmp_path / f"s{i}")) for i in range(3)]
+    procs: list[ServerProcess] = []
     try:
-        for p in procs:
-            p.wait_ready()
+        procs += [durable(tmp_path / f"s{i}") for i in range(3)]
         addrs = [p.address for p in procs]
         store = pstore.connect(addrs[:2])
-        t = store.create_sparse_table(
-            "t", 2, optimizer=pstore.optim.SGD(lr=1.0), initializer=pstore.init.Zeros()
-        )
-        ids = np.arange(1, 3001, dtype=np.uint64)
-        t.push(ids, np.ones((len(ids), 2), np.float32))
+        _, ids = sgd_rows(store, 3000)
         store.add_server(addrs[2])
         store.remove_server(addrs[0])
         store.close()
@@ -166,8 +138,7 @@ def test_durable_servers_keep_the_new_list_across_a_restart(tmp_path):
         for i in (1, 2):
             procs[i].send(signal.SIGTERM)
             procs[i].stop()
-            procs[i] = ServerProcess("--path", str(tmp_path / f"s{i}"), port=procs[i].port)
-            procs[i].wait_ready()
+            procs[i] = durable(tmp_path / f"s{i}", procs[i].port)
         again = pstore.connect(addrs[:2])
         np.testing.assert_array_equal(
             again.table("t").pull(ids), np.full((len(ids), 2), -1.0, np.float32)
@@ -241,7 +212,10 @@ def test_bad_list_changes_are_refused_and_change_nothing(cluster):
     # A server of another cluster (holding its tables) is refused.
     other = pstore.connect([addrs[2]])
     other.create_sparse_table("x", 2).pull(np.arange(1, 11, dtype=np.uint64))
-    with pytest.raises(pstore.InvalidArgumentError, match=f"cannot add server {addrs[2]}: .*another|cluster"):
+    with pytest.raises(
+        pstore.InvalidArgumentError,
+        match=f"cannot add server {addrs[2]}: .*holds tables of the cluster",
+    ):
         store.add_server(addrs[2])
     unchanged()
     # The last server cannot leave.
@@ -251,17 +225,12 @@ def test_bad_list_changes_are_refused_and_change_nothing(cluster):
 
 
 def test_a_server_that_dies_during_a_leave_stops_it_and_a_rerun_finishes(tmp_path):
-    procs = [ServerProcess("--path", str(tmp_path / f"s{i}")) for i in range(3)]
+    procs: list[ServerProcess] = []
     try:
-        for p in procs:
-            p.wait_ready()
+        procs += [durable(tmp_path / f"s{i}") for i in range(3)]
         addrs = [p.address for p in procs]
         store = pstore.connect(addrs, timeout=3.0, retries=0)
-        t = store.create_sparse_table(
-            "t", 2, optimizer=pstore.optim.SGD(lr=1.0), initializer=pstore.init.Zeros()
-        )
-        ids = np.arange(1, 6001, dtype=np.uint64)
-        t.push(ids, np.ones((len(ids), 2), np.float32))
+        t, ids = sgd_rows(store, 6000)
         store.flush()  # on disk: the kill below loses nothing of it
         # Server 2 (a receiver of the leaving server's slots, after server 1) dies once the
         # first rows reached server 1: the leave stops with an error naming it; the list is
@@ -279,8 +248,7 @@ def test_a_server_that_dies_during_a_leave_stops_it_and_a_rerun_finishes(tmp_pat
             store.remove_server(addrs[0])
         killer.join()
         assert store.servers == addrs
-        procs[2] = ServerProcess("--path", str(tmp_path / "s2"), port=procs[2].port)
-        procs[2].wait_ready()
+        procs[2] = durable(tmp_path / "s2", procs[2].port)
         store.remove_server(addrs[0])
         assert store.servers == addrs[1:]
         np.testing.assert_array_equal(t.pull(ids), np.full((len(ids), 2), -1.0, np.float32))

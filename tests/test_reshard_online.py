@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import json
 import time
+from collections.abc import Callable
+from typing import TypeVar
 
 import numpy as np
 import pytest
@@ -20,6 +22,7 @@ from test_distributed import EPOCHS, TOLERANCE, WORKERS, _rmse, embedded_rmse  #
 import pstore
 
 SLOTS = 16384
+T = TypeVar("T")
 
 
 def owned(table: dict, i: int) -> int:
@@ -37,27 +40,27 @@ def rows_per_server(store: pstore.RemoteStore, name: str) -> list[int]:
     return [sum(int(t["rows"]) for t in s["tables"] if t["name"] == name) for s in store.status()]
 
 
-def test_workers_train_through_a_join_and_a_leave(cluster, embedded_rmse):  # noqa: F811
-    addrs = cluster(3)
-    admin = pstore.connect(addrs)
-    # Server 2 starts with no slot (it "joins" below); server 0 gives all away later ("leaves").
-    admin.publish_routing(uniform_over([0, 1], 3, 1))
+def train_while(
+    servers: list[str], admin: pstore.RemoteStore, rmse0: float, change: Callable[[], T]
+) -> T:
+    """Runs the 4 matrix-factorisation workers of test_distributed.py on `servers` and, once
+    they train (rows on the servers), `change()` while they go on; checks that the change ended
+    while they still ran (else a test would prove nothing), that they all finished well, every
+    row of table `count` ends with exactly the pushes sent for it and the test RMSE is the one
+    of a run without changes (`rmse0`). Returns what `change` returned."""
     admin.create_sparse_table(
         "count", 1, optimizer=pstore.optim.SGD(lr=1.0), initializer=pstore.init.Zeros()
     )
     procs = start_workers(
-        "_mf_worker.py", ",".join(addrs), WORKERS, "--epochs", str(EPOCHS), "--count"
+        "_mf_worker.py", ",".join(servers), WORKERS, "--epochs", str(EPOCHS), "--count"
     )
     try:
-        # Once training runs (rows on the servers), move while it goes on.
         deadline = time.monotonic() + 120
         while sum(rows_per_server(admin, "count")) < 500:
             assert time.monotonic() < deadline, "the workers did not start training"
             assert all(p.poll() is None for p in procs), [p.communicate() for p in procs]
             time.sleep(0.05)
-        join = admin.move_slots(uniform_over([0, 1, 2], 3, 0))
-        leave = admin.move_slots(uniform_over([1, 2], 3, 0))
-        # The moves ran while the workers trained (else this test would prove nothing).
+        out = change()
         running = sum(p.poll() is None for p in procs)
         outs = [p.communicate(timeout=300) for p in procs]
     finally:
@@ -67,15 +70,7 @@ def test_workers_train_through_a_join_and_a_leave(cluster, embedded_rmse):  # no
                 p.wait()
     for p, (_out, err) in zip(procs, outs, strict=True):
         assert p.returncode == 0, err
-    assert running > 0, (join, leave)
-    assert join["slots"] >= owned(uniform_over([0, 1, 2], 3, 0), 2) and join["rows"] > 0, join
-    assert leave["rows"] > 0 and leave["epoch"] > join["epoch"], leave
-    final = admin.slots
-    assert owned(final, 0) == 0 and final["epoch"] == leave["epoch"]
-    # Server 0 gave everything away and holds no row of any sparse table.
-    for name in ("count", "user_emb", "item_emb"):
-        rows = rows_per_server(admin, name)
-        assert rows[0] == 0 and rows[2] > 0, (name, rows)
+    assert running > 0, out
 
     # Every row got exactly the pushes sent for it: none lost, none applied twice.
     train, test = data()
@@ -87,11 +82,36 @@ def test_workers_train_through_a_join_and_a_leave(cluster, embedded_rmse):  # no
     assert wrong.size == 0, [(int(ids[i]), float(got[i]), float(want[i])) for i in wrong[:10]]
     assert (ids >= ITEM_ID0).any() and (ids < ITEM_ID0).any()
 
-    # The model trained as well as without moves.
+    # The model trained as well as without changes.
     steps = [json.loads(out)["steps"] for out, _ in outs]
     assert len(set(steps)) == 1 and steps[0] > 0
     rmse = _rmse(model(admin, train), test)
-    assert abs(rmse - embedded_rmse) <= TOLERANCE, (rmse, embedded_rmse)
+    assert abs(rmse - rmse0) <= TOLERANCE, (rmse, rmse0)
+    return out
+
+
+def test_workers_train_through_a_join_and_a_leave(cluster, embedded_rmse):  # noqa: F811
+    addrs = cluster(3)
+    admin = pstore.connect(addrs)
+    # Server 2 starts with no slot (it "joins" below); server 0 gives all away later ("leaves").
+    admin.publish_routing(uniform_over([0, 1], 3, 1))
+    join, leave = train_while(
+        addrs,
+        admin,
+        embedded_rmse,
+        lambda: (
+            admin.move_slots(uniform_over([0, 1, 2], 3, 0)),
+            admin.move_slots(uniform_over([1, 2], 3, 0)),
+        ),
+    )
+    assert join["slots"] >= owned(uniform_over([0, 1, 2], 3, 0), 2) and join["rows"] > 0, join
+    assert leave["rows"] > 0 and leave["epoch"] > join["epoch"], leave
+    final = admin.slots
+    assert owned(final, 0) == 0 and final["epoch"] == leave["epoch"]
+    # Server 0 gave everything away and holds no row of any sparse table.
+    for name in ("count", "user_emb", "item_emb"):
+        rows = rows_per_server(admin, name)
+        assert rows[0] == 0 and rows[2] > 0, (name, rows)
 
 
 def test_a_moved_dense_table_keeps_its_value(cluster):
