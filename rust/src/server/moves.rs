@@ -319,6 +319,86 @@ mod tests {
     }
 
     #[test]
+    fn a_dense_value_larger_than_a_chunk_moves_in_chunks() {
+        use crate::net::proto::BulkLoadRequest;
+        use crate::store::StoreConfig;
+        use crate::table::DenseTableConfig;
+        let config = DenseTableConfig {
+            shape: vec![1_500_000],
+            optimizer: crate::optimizer::OptimizerConfig {
+                kind: crate::optimizer::OptimizerKind::Adagrad {
+                    initial_accumulator_value: 0.1,
+                    eps: 1e-10,
+                    weight_decay: 0.0,
+                },
+                ..Default::default()
+            },
+            initializer: crate::init::Initializer::Zeros,
+            seed: 0,
+        };
+        let (from, to) = (
+            Store::new(StoreConfig::default()).unwrap(),
+            Store::new(StoreConfig::default()).unwrap(),
+        );
+        let d = from.create_dense_table("d", config.clone()).unwrap();
+        let e = to.create_dense_table("d", config).unwrap();
+        let g: Vec<f32> = (0..1_500_000).map(|k| (k % 7) as f32 - 3.0).collect();
+        d.push(&g).unwrap();
+        let runs = SlotSet {
+            starts: vec![0],
+            ends: vec![SLOTS as u32],
+        };
+        let (mut shard, mut chunks) = (0, 0);
+        loop {
+            let req = ExportSlotsRequest {
+                table: "d".into(),
+                slots: Some(runs.clone()),
+                shard,
+            };
+            let a = export(&from, &req).unwrap();
+            assert!(
+                a.dense && a.words.len() <= EXPORT_BYTES,
+                "{}",
+                a.words.len()
+            );
+            let load = BulkLoadRequest {
+                table: "d".into(),
+                config_json: a.config_json,
+                words: a.words,
+                dense_offset: Some(a.dense_offset),
+                ..Default::default()
+            };
+            crate::server::bulk::bulk_load(&to, load).unwrap();
+            chunks += 1;
+            if a.next_shard >= a.shards {
+                break;
+            }
+            shard = a.next_shard;
+        }
+        // Weights and Adagrad state: 12 MB, three chunks of at most 4 MiB.
+        assert_eq!(chunks, 3);
+        assert_eq!(e.words(), d.words());
+        // A chunk past the value's end is refused and writes nothing.
+        let over = BulkLoadRequest {
+            table: "d".into(),
+            config_json: serde_json::to_string(e.config()).unwrap(),
+            words: vec![0u8; 8].into(),
+            dense_offset: Some(e.words_len() as u64 - 1),
+            ..Default::default()
+        };
+        assert!(crate::server::bulk::bulk_load(&to, over).is_err());
+        let huge = BulkLoadRequest {
+            table: "d".into(),
+            config_json: serde_json::to_string(e.config()).unwrap(),
+            words: vec![0u8; 8].into(),
+            dense_offset: Some(u64::MAX),
+            ..Default::default()
+        };
+        assert!(crate::server::bulk::bulk_load(&to, huge).is_err());
+        assert_eq!(e.words(), d.words());
+    }
+
+    #[test]
     fn request_ids_round_trip_and_odd_lengths_are_refused() {
         let ids = vec![(1u64, 2u64), (u64::MAX, 0)];
         assert_eq!(request_ids(&encode_request_ids(&ids)).unwrap(), ids);
