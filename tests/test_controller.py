@@ -432,3 +432,84 @@ def test_a_paused_primary_is_failed_over_after_dead_after_or_at_once_on_the_engi
         ctl.stop()
         b.stop()
         a.stop()
+
+
+def _statefulset_rounds(tmp_path: Path, rounds: int) -> None:
+    """Both members started by `--member` from one cluster file, restarted with the same
+    arguments after each SIGKILL (what a StatefulSet does), the controller failing the group
+    over each time while a worker pushes with ack="all": every push applies exactly once."""
+    ports = {f"127.0.0.1:{p}": p for p in (free_port(), free_port())}
+    names = list(ports)
+    cluster = tmp_path / "cluster.json"
+    cluster.write_text(json.dumps({"servers": [names]}))
+
+    def pod(name: str) -> ServerProcess:
+        p = ServerProcess(
+            "--cluster",
+            str(cluster),
+            "--member",
+            name,
+            "--path",
+            str(tmp_path / name.replace(":", "_")),
+            "--durability",
+            "sync",
+            port=ports[name],
+        )
+        p.wait_ready()
+        return p
+
+    pods = {n: pod(n) for n in names}
+    ctl = Controller.from_cluster_file(cluster, check_interval=0.2, dead_after=1.0)
+    pusher: _Pusher | None = None
+    try:
+        t = _sgd_table(pstore.connect(str(cluster), ack="all", timeout=10.0))
+        ctl.start()
+        for k in range(rounds):
+
+            def whole() -> str | None:
+                # The group's primary, once its follower is live and caught up with it.
+                g = ctl.status()["groups"][0]
+                r = _rep(g["primary"]) if g["state"] == "ok" else None
+                if r is None or r.get("role") != "primary":
+                    return None
+                f = r.get("followers") or []
+                ok = f and all(x["live"] and x["acked_lsn"] == r["lsn"] for x in f)
+                return g["primary"] if ok else None
+
+            primary = _wait(f"round {k}: the group whole", whole)
+            if pusher is None:
+                pusher = _Pusher(t)
+            pusher.wait_pushes(10)
+            pods[primary].send(signal.SIGKILL)
+            pods[primary].proc.wait(30)
+            promoted = k + 1
+            _wait(
+                f"round {k}: the promotion",
+                lambda n=promoted: sum(e["event"] == "promoted" for e in ctl.events) == n,
+            )
+            pusher.wait_pushes(10)
+            pods[primary] = pod(primary)  # the same arguments, the same disk
+        _wait("the last pod rejoined", whole)
+        assert pusher is not None
+        pusher.wait_pushes(5)
+        pusher.stop()
+        pusher.check()
+        epochs = [e["epoch"] for e in ctl.events if e["event"] == "promoted"]
+        assert epochs == list(range(2, rounds + 2))
+        assert not [e for e in ctl.events if e["event"] in ("conflict", "no_candidate")]
+    finally:
+        if pusher is not None:
+            pusher._stop.set()
+            pusher._thread.join(120)
+        ctl.stop()
+        for p in pods.values():
+            p.stop()
+
+
+def test_pods_restarted_with_their_arguments_rejoin_and_fail_over_again(tmp_path: Path) -> None:
+    _statefulset_rounds(tmp_path, 2)
+
+
+@pytest.mark.soak
+def test_statefulset_failover_soak(tmp_path: Path) -> None:
+    _statefulset_rounds(tmp_path, 12)
