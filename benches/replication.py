@@ -186,6 +186,26 @@ def _run(replicas: int, ack: str, args: argparse.Namespace) -> dict[str, Any]:
     return out
 
 
+def _pushing(
+    t: Any, args: argparse.Namespace, rng: np.random.Generator, clock: Any
+) -> tuple[threading.Event, list[float], threading.Thread]:
+    """A thread pushing batches into ``t`` until the event is set; the ``clock`` time of each
+    acknowledgement goes into the list."""
+    grads = rng.standard_normal((args.batch, args.dim)).astype(np.float32)
+    stop = threading.Event()
+    acked: list[float] = []
+
+    def push() -> None:
+        while not stop.is_set():
+            ids = rng.integers(0, 1 << 20, size=args.batch, dtype=np.int64)
+            t.push(ids, grads)
+            acked.append(clock())
+
+    pusher = threading.Thread(target=push)
+    pusher.start()
+    return stop, acked, pusher
+
+
 def _failover_trial(args: argparse.Namespace, rng: np.random.Generator) -> dict[str, float]:
     import pstore
 
@@ -204,18 +224,7 @@ def _failover_trial(args: argparse.Namespace, rng: np.random.Generator) -> dict[
         try:
             c = pstore.connect([[p.address, f.address]], ack="all")  # type: ignore[list-item]
             t = c.create_sparse_table("emb", args.dim, optimizer=pstore.optim.Adagrad(lr=0.05))
-            grads = rng.standard_normal((args.batch, args.dim)).astype(np.float32)
-            stop = threading.Event()
-            acked: list[float] = []
-
-            def push() -> None:
-                while not stop.is_set():
-                    ids = rng.integers(0, 1 << 20, size=args.batch, dtype=np.int64)
-                    t.push(ids, grads)
-                    acked.append(time.monotonic())
-
-            pusher = threading.Thread(target=push)
-            pusher.start()
+            stop, acked, pusher = _pushing(t, args, rng, time.monotonic)
             watch = pstore.connect([p.address], timeout=0.5, retries=0)
             time.sleep(float(rng.uniform(0.5, 1.5)))
             killed = time.monotonic()
@@ -280,18 +289,7 @@ def _controller_trial(args: argparse.Namespace, rng: np.random.Generator) -> dic
                 time.sleep(0.1)
             c = pstore.connect(cluster, ack="all")
             t = c.create_sparse_table("emb", args.dim, optimizer=pstore.optim.Adagrad(lr=0.05))
-            grads = rng.standard_normal((args.batch, args.dim)).astype(np.float32)
-            stop = threading.Event()
-            acked: list[float] = []
-
-            def push() -> None:
-                while not stop.is_set():
-                    ids = rng.integers(0, 1 << 20, size=args.batch, dtype=np.int64)
-                    t.push(ids, grads)
-                    acked.append(time.time())
-
-            pusher = threading.Thread(target=push)
-            pusher.start()
+            stop, acked, pusher = _pushing(t, args, rng, time.time)
             time.sleep(float(rng.uniform(0.5, 1.5)))
             killed = time.time()
             os.kill(p.proc.pid, signal.SIGKILL)

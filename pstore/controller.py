@@ -421,9 +421,10 @@ class Controller:
     def status(self) -> dict[str, Any]:
         """``groups`` (each with ``index``, ``primary``, ``epoch``, ``state`` — ``ok``,
         ``degraded`` (a member down), ``primary_unreachable``, ``no_candidate``, ``conflict`` —
-        and ``members``, each with its ``role``, ``epoch``, ``lsn``, a follower's lag, or the
-        ``error`` of a member that did not answer), ``generation``, ``rounds`` and the recent
-        ``events``."""
+        ``live_followers`` (the primary's live set as last seen: the followers that may be
+        promoted; None before the primary was seen) and ``members``, each with its ``role``,
+        ``epoch``, ``lsn``, a follower's lag, or the ``error`` of a member that did not
+        answer), ``generation``, ``rounds`` and the recent ``events``."""
         now = time.monotonic()
         with self._lock:
             return {
@@ -433,6 +434,7 @@ class Controller:
                         "primary": g.primary,
                         "epoch": g.epoch,
                         "state": g.state,
+                        "live_followers": None if g.live is None else sorted(g.live),
                         "members": [m.describe(now) for m in g.members],
                     }
                     for g in self._groups

@@ -310,6 +310,22 @@ def test_a_replacement_follower_is_started_and_a_split_group_is_left_alone(
             p.stop()
 
 
+def _member(cluster: Path, name: str, port: int) -> ServerProcess:
+    """`pstore serve --cluster FILE --member NAME`, its store beside the cluster file: one
+    command line for every member, as a StatefulSet's pods have."""
+    return ServerProcess(
+        "--cluster",
+        str(cluster),
+        "--member",
+        name,
+        "--path",
+        str(cluster.parent / name.replace(":", "_")),
+        "--durability",
+        "sync",
+        port=port,
+    )
+
+
 def test_a_promoted_member_restarted_with_its_first_arguments_stays_primary(
     tmp_path: Path,
 ) -> None:
@@ -322,17 +338,7 @@ def test_a_promoted_member_restarted_with_its_first_arguments_stays_primary(
     cluster.write_text(json.dumps({"servers": [[A, B]]}))
 
     def member(name: str, port: int) -> ServerProcess:
-        return ServerProcess(
-            "--cluster",
-            str(cluster),
-            "--member",
-            name,
-            "--path",
-            str(tmp_path / name.replace(":", "_")),
-            "--durability",
-            "sync",
-            port=port,
-        )
+        return _member(cluster, name, port)
 
     procs = [member(A, pa)]
     try:
@@ -444,17 +450,7 @@ def _statefulset_rounds(tmp_path: Path, rounds: int) -> None:
     cluster.write_text(json.dumps({"servers": [names]}))
 
     def pod(name: str) -> ServerProcess:
-        p = ServerProcess(
-            "--cluster",
-            str(cluster),
-            "--member",
-            name,
-            "--path",
-            str(tmp_path / name.replace(":", "_")),
-            "--durability",
-            "sync",
-            port=ports[name],
-        )
+        p = _member(cluster, name, ports[name])
         p.wait_ready()
         return p
 
@@ -467,13 +463,11 @@ def _statefulset_rounds(tmp_path: Path, rounds: int) -> None:
         for k in range(rounds):
 
             def whole() -> str | None:
-                # The group's primary, once its follower is live and caught up with it.
+                # The group's primary, once the controller saw its follower live (it
+                # acknowledges every push): a follower it did not see live is never promoted.
                 g = ctl.status()["groups"][0]
-                r = _rep(g["primary"]) if g["state"] == "ok" else None
-                if r is None or r.get("role") != "primary":
-                    return None
-                f = r.get("followers") or []
-                ok = f and all(x["live"] and x["acked_lsn"] == r["lsn"] for x in f)
+                others = [m["address"] for m in g["members"] if m["address"] != g["primary"]]
+                ok = g["state"] == "ok" and g["live_followers"] == others
                 return g["primary"] if ok else None
 
             primary = _wait(f"round {k}: the group whole", whole)
@@ -483,10 +477,13 @@ def _statefulset_rounds(tmp_path: Path, rounds: int) -> None:
             pods[primary].send(signal.SIGKILL)
             pods[primary].proc.wait(30)
             promoted = k + 1
-            _wait(
-                f"round {k}: the promotion",
-                lambda n=promoted: sum(e["event"] == "promoted" for e in ctl.events) == n,
-            )
+            try:
+                _wait(
+                    f"round {k}: the promotion",
+                    lambda n=promoted: sum(e["event"] == "promoted" for e in ctl.events) == n,
+                )
+            except AssertionError as e:
+                raise AssertionError(f"{e}; the controller: {ctl.status()}") from None
             pusher.wait_pushes(10)
             pods[primary] = pod(primary)  # the same arguments, the same disk
         _wait("the last pod rejoined", whole)
