@@ -459,6 +459,14 @@ def _cmd_cluster_promote(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_ray_down(args: argparse.Namespace) -> int:
+    import pstore.ray
+
+    pstore.ray.Cluster.attach(args.name, address=_ray_address(args)).shutdown(grace=args.grace)
+    print(f"cluster {args.name!r} is down (its stores stay on the nodes' disks)")
+    return 0
+
+
 def _cmd_controller(args: argparse.Namespace) -> int:
     import http.server
     import threading
@@ -546,14 +554,6 @@ def _cmd_controller(args: argparse.Namespace) -> int:
 
 
 _CONTROLLER_WARNINGS = ("conflict", "no_candidate", "promote_failed", "replace_failed")
-
-
-def _cmd_ray_down(args: argparse.Namespace) -> int:
-    import pstore.ray
-
-    pstore.ray.Cluster.attach(args.name, address=_ray_address(args)).shutdown(grace=args.grace)
-    print(f"cluster {args.name!r} is down (its stores stay on the nodes' disks)")
-    return 0
 
 
 def _cmd_export(args: argparse.Namespace) -> int:
