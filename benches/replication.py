@@ -24,6 +24,13 @@ the control plane: it polls the primary's Status every 100 ms (0.5 s deadline) a
 failure calls `pstore.promote(follower)`. Reported per trial and as medians: detection (kill to
 the failed poll), promotion (the Promote call), and kill to the first push acknowledged after
 the kill (the client fails over by itself and resends its request).
+
+    python benches/replication.py --controller-failover 7 [--batch 4096] [--dim 64]
+
+the same trials with `pstore controller` on its defaults (checks every 0.5 s, a group without
+a primary for 3 s gets its follower promoted) as the control plane (issue 34's goal: under
+10 s from kill -9 to the first accepted push). Reported: kill to the promotion (the controller's
+`event=promoted` time) and kill to the first push acknowledged after the kill.
 """
 
 from __future__ import annotations
@@ -179,6 +186,26 @@ def _run(replicas: int, ack: str, args: argparse.Namespace) -> dict[str, Any]:
     return out
 
 
+def _pushing(
+    t: Any, args: argparse.Namespace, rng: np.random.Generator, clock: Any
+) -> tuple[threading.Event, list[float], threading.Thread]:
+    """A thread pushing batches into ``t`` until the event is set; the ``clock`` time of each
+    acknowledgement goes into the list."""
+    grads = rng.standard_normal((args.batch, args.dim)).astype(np.float32)
+    stop = threading.Event()
+    acked: list[float] = []
+
+    def push() -> None:
+        while not stop.is_set():
+            ids = rng.integers(0, 1 << 20, size=args.batch, dtype=np.int64)
+            t.push(ids, grads)
+            acked.append(clock())
+
+    pusher = threading.Thread(target=push)
+    pusher.start()
+    return stop, acked, pusher
+
+
 def _failover_trial(args: argparse.Namespace, rng: np.random.Generator) -> dict[str, float]:
     import pstore
 
@@ -197,18 +224,7 @@ def _failover_trial(args: argparse.Namespace, rng: np.random.Generator) -> dict[
         try:
             c = pstore.connect([[p.address, f.address]], ack="all")  # type: ignore[list-item]
             t = c.create_sparse_table("emb", args.dim, optimizer=pstore.optim.Adagrad(lr=0.05))
-            grads = rng.standard_normal((args.batch, args.dim)).astype(np.float32)
-            stop = threading.Event()
-            acked: list[float] = []
-
-            def push() -> None:
-                while not stop.is_set():
-                    ids = rng.integers(0, 1 << 20, size=args.batch, dtype=np.int64)
-                    t.push(ids, grads)
-                    acked.append(time.monotonic())
-
-            pusher = threading.Thread(target=push)
-            pusher.start()
+            stop, acked, pusher = _pushing(t, args, rng, time.monotonic)
             watch = pstore.connect([p.address], timeout=0.5, retries=0)
             time.sleep(float(rng.uniform(0.5, 1.5)))
             killed = time.monotonic()
@@ -237,6 +253,62 @@ def _failover_trial(args: argparse.Namespace, rng: np.random.Generator) -> dict[
     }
 
 
+def _controller_trial(args: argparse.Namespace, rng: np.random.Generator) -> dict[str, float]:
+    import urllib.request
+
+    import pstore
+
+    with tempfile.TemporaryDirectory() as tmp:
+        p = _Server("--path", os.path.join(tmp, "a"), "--durability", args.durability)
+        p.ready()
+        f = _Server(
+            "--path", os.path.join(tmp, "b"), "--durability", args.durability, "--follow", p.address
+        )
+        f.ready()
+        cluster = os.path.join(tmp, "cluster.json")
+        with open(cluster, "w") as out:
+            json.dump({"servers": [[p.address, f.address]]}, out)
+        port = _free_port()
+        cmd = [sys.executable, "-P", "-m", "pstore", "controller", "--cluster", cluster]
+        ctl = subprocess.Popen(
+            [*cmd, "--status-port", str(port)],
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+        )
+
+        def status() -> dict[str, Any] | None:
+            try:
+                with urllib.request.urlopen(f"http://127.0.0.1:{port}/status", timeout=5) as r:
+                    s: dict[str, Any] = json.load(r)
+                    return s
+            except OSError:
+                return None
+
+        try:
+            while (s := status()) is None or s["groups"][0]["state"] != "ok":
+                time.sleep(0.1)
+            c = pstore.connect(cluster, ack="all")
+            t = c.create_sparse_table("emb", args.dim, optimizer=pstore.optim.Adagrad(lr=0.05))
+            stop, acked, pusher = _pushing(t, args, rng, time.time)
+            time.sleep(float(rng.uniform(0.5, 1.5)))
+            killed = time.time()
+            os.kill(p.proc.pid, signal.SIGKILL)
+            while not any(a > killed for a in acked):
+                time.sleep(0.005)
+            first = min(a for a in acked if a > killed)
+            stop.set()
+            pusher.join()
+            s = status()
+            assert s is not None
+            (promoted,) = [e for e in s["events"] if e["event"] == "promoted"]
+        finally:
+            ctl.terminate()
+            ctl.wait(60)
+            for x in (f, p):
+                x.stop()
+    return {"promoted_s": promoted["time"] - killed, "first_write_s": first - killed}
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--workers", type=int, default=4)
@@ -246,10 +318,33 @@ def main() -> None:
     ap.add_argument("--dim", type=int, default=64)
     ap.add_argument("--durability", default="sync", choices=["sync", "async"])
     ap.add_argument("--failover", type=int, default=0, help="failover trials instead")
+    ap.add_argument(
+        "--controller-failover",
+        type=int,
+        default=0,
+        help="failover trials with `pstore controller` as the control plane",
+    )
     ap.add_argument("--worker-json", default=None, help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.worker_json is not None:
         _worker(json.loads(args.worker_json))
+        return
+    if args.controller_failover:
+        rng = np.random.default_rng(34)
+        load = os.getloadavg()[0]
+        ctrials = [_controller_trial(args, rng) for _ in range(args.controller_failover)]
+        for k, r in enumerate(ctrials):
+            print(
+                f"trial {k}: kill to promotion {r['promoted_s']:.3f} s, kill to first accepted "
+                f"write {r['first_write_s']:.3f} s"
+            )
+        med = {k: float(np.median([r[k] for r in ctrials])) for k in ctrials[0]}
+        print(
+            f"median of {len(ctrials)}: kill to promotion {med['promoted_s']:.3f} s, kill to "
+            f"first accepted write {med['first_write_s']:.3f} s (batch {args.batch}, dim "
+            f"{args.dim}, durability {args.durability}; load {load:.2f} at the start, "
+            f"{os.getloadavg()[0]:.2f} at the end)"
+        )
         return
     if args.failover:
         rng = np.random.default_rng(33)

@@ -208,7 +208,11 @@ def _cmd_serve(args: argparse.Namespace) -> int:
     from pstore.server import serve
 
     token_file = args.token_file
-    if args.cluster is not None:
+    follow, replica_name = args.follow, args.replica_name
+    if args.member is not None:
+        follow, replica_name = _member_role(args)
+        token_file = token_file or load_cluster(args.cluster).get("token_file")
+    elif args.cluster is not None:
         cluster = load_cluster(args.cluster)
         if args.index is None or not 0 <= args.index < len(cluster["servers"]):
             raise pstore.InvalidArgumentError(
@@ -236,13 +240,38 @@ def _cmd_serve(args: argparse.Namespace) -> int:
         store,
         host=args.host or "127.0.0.1",
         port=args.port,
-        follow=args.follow,
-        replica_name=args.replica_name,
+        follow=follow,
+        replica_name=replica_name,
         replication_log_bytes=args.replication_log_bytes,
         replication_log_age=args.replication_log_age,
         ack_timeout=args.ack_timeout,
         **_server_settings(args, token_file),
     )
+
+
+def _member_role(args: argparse.Namespace) -> tuple[str | None, str]:
+    """``pstore serve --cluster FILE --member NAME``: the first member of NAME's replica group
+    starts as its primary, the others follow it; a restarted member keeps the role its store
+    recorded (a promoted one stays primary until it learns a newer epoch). NAME is also the
+    name a follower gives its primary (the controller matches it against the file)."""
+    from pstore.client import _groups, load_cluster
+
+    if args.cluster is None:
+        raise pstore.InvalidArgumentError("--member needs --cluster")
+    if args.index is not None or args.follow is not None:
+        raise pstore.InvalidArgumentError("--member takes the place of --index and --follow")
+    if args.path is None:
+        raise pstore.InvalidArgumentError("--member needs --path: a replica keeps its rows on disk")
+    groups = _groups(load_cluster(args.cluster)["servers"], "the cluster file")
+    mine = [g for g in groups if args.member in g]
+    if not mine:
+        raise pstore.InvalidArgumentError(
+            f"--member {args.member} is no member of the cluster file {args.cluster!r} "
+            f"(its servers: {groups})"
+        )
+    group = mine[0]
+    follow = None if group[0] == args.member else group[0]
+    return follow, args.replica_name or args.member
 
 
 def _cmd_status(args: argparse.Namespace) -> int:
@@ -470,6 +499,95 @@ def _cmd_ray_down(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_controller(args: argparse.Namespace) -> int:
+    import http.server
+    import threading
+
+    from pstore.client import load_cluster
+    from pstore.controller import Controller, write_cluster_file
+    from pstore.server import log_event
+
+    base = load_cluster(args.cluster)
+
+    def on_event(e: dict[str, Any]) -> None:
+        fields = {k: v for k, v in e.items() if k not in ("time", "event")}
+        for k, v in fields.items():
+            if not isinstance(v, (str, int, float)) or isinstance(v, bool):
+                fields[k] = json.dumps(v, sort_keys=True)
+        level = "warning" if e["event"] in _CONTROLLER_WARNINGS else "info"
+        log_event(e["event"], level=level, **fields)
+
+    def on_view(view: dict[str, Any]) -> None:
+        if args.publish is not None:
+            write_cluster_file(args.publish, view, base)
+            log_event("published", path=args.publish, generation=view["generation"])
+
+    controller = Controller.from_cluster_file(
+        args.cluster,
+        **({"token_file": args.token_file} if args.token_file else {}),
+        check_interval=args.check_interval,
+        dead_after=args.dead_after,
+        timeout=args.timeout,
+        on_event=on_event,
+        on_view=on_view,
+    )
+    got: list[int] = []
+    stopped = threading.Event()
+
+    def on_signal(signum: int, _frame: object) -> None:
+        got.append(signum)
+        stopped.set()
+
+    old = {s: signal.signal(s, on_signal) for s in (signal.SIGTERM, signal.SIGINT)}
+    httpd: http.server.ThreadingHTTPServer | None = None
+    try:
+        controller.start()
+        if args.status_port is not None:
+
+            class Handler(http.server.BaseHTTPRequestHandler):
+                def do_GET(self) -> None:
+                    if self.path == "/status":
+                        body = json.dumps(controller.status(), indent=2).encode()
+                        self.send_response(200)
+                        self.send_header("Content-Type", "application/json")
+                    elif self.path == "/healthz":
+                        body = b"ok\n"
+                        self.send_response(200)
+                        self.send_header("Content-Type", "text/plain")
+                    else:
+                        body = b"not found: GET /status or /healthz\n"
+                        self.send_response(404)
+                        self.send_header("Content-Type", "text/plain")
+                    self.send_header("Content-Length", str(len(body)))
+                    self.end_headers()
+                    self.wfile.write(body)
+
+                def log_message(self, format: str, *a: Any) -> None:
+                    pass
+
+            httpd = http.server.ThreadingHTTPServer((args.status_host, args.status_port), Handler)
+            threading.Thread(target=httpd.serve_forever, daemon=True).start()
+            log_event(
+                "status_served",
+                address=f"{args.status_host}:{httpd.server_address[1]}",
+                paths="/status,/healthz",
+            )
+        log_event("controlling", cluster=args.cluster, pid=os.getpid())
+        stopped.wait()
+    finally:
+        if httpd is not None:
+            httpd.shutdown()
+            httpd.server_close()
+        controller.stop()
+        for s, h in old.items():
+            signal.signal(s, h)
+    log_event("stopped", signal=signal.Signals(got[0]).name if got else "")
+    return 0
+
+
+_CONTROLLER_WARNINGS = ("conflict", "no_candidate", "promote_failed", "replace_failed")
+
+
 def _cmd_export(args: argparse.Namespace) -> int:
     from pstore import serving
 
@@ -684,6 +802,14 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--host", default=None, help="address to bind (default 127.0.0.1)")
     p.add_argument("--cluster", default=None, help="a cluster file (docs/CLUSTER.md)")
     p.add_argument("--index", type=int, default=None, help="this server's index in --cluster")
+    p.add_argument(
+        "--member",
+        default=None,
+        metavar="HOST:PORT",
+        help="this server's name in a replica group of --cluster: the group's first member "
+        "starts as its primary, the others follow it (a restart keeps the role the store "
+        "recorded); --host and --port still say where it listens",
+    )
     p.add_argument("--path", default=None, help="durable store directory (default: in memory)")
     p.add_argument(
         "--durability",
@@ -888,6 +1014,48 @@ def build_parser() -> argparse.ArgumentParser:
         c.add_argument("--timeout", type=float, default=30.0, help="seconds per call (default 30)")
         c.add_argument("--json", action="store_true", help="print the report as JSON")
         c.set_defaults(func=_cmd_cluster_membership)
+
+    p = sub.add_parser(
+        "controller",
+        help="watch replica groups and promote a follower when a primary dies",
+        description="Watch every server of the cluster file's replica groups (their Status: "
+        "role, group epoch, lag) and, when a group has had no live primary for --dead-after "
+        "seconds, promote its most caught-up live follower; log each decision (logfmt on "
+        "stderr), serve the view on --status-port, and write it to --publish. The servers keep "
+        "their roles: a restarted controller rebuilds its view from them (docs/CLUSTER.md, "
+        '"The controller").',
+    )
+    p.add_argument("--cluster", required=True, metavar="FILE", help="the cluster file")
+    p.add_argument("--token-file", default=None, help="file holding the token")
+    p.add_argument(
+        "--check-interval", type=float, default=0.5, help="seconds between checks (default 0.5)"
+    )
+    p.add_argument(
+        "--dead-after",
+        type=float,
+        default=3.0,
+        help="seconds a group may be without a live primary before a follower is promoted "
+        "(default 3)",
+    )
+    p.add_argument(
+        "--timeout", type=float, default=1.0, help="seconds a server has to answer (default 1)"
+    )
+    p.add_argument(
+        "--publish",
+        default=None,
+        metavar="FILE",
+        help="write the view as a cluster file (each group's primary first) on every change",
+    )
+    p.add_argument(
+        "--status-port",
+        type=int,
+        default=None,
+        help="serve GET /status (JSON) and /healthz over HTTP on this port (0: a free one)",
+    )
+    p.add_argument(
+        "--status-host", default="127.0.0.1", help="the address of --status-port (127.0.0.1)"
+    )
+    p.set_defaults(func=_cmd_controller)
 
     p = sub.add_parser("version", help="print the versions of pstore and numpy")
     p.set_defaults(func=_cmd_version)

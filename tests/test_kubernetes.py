@@ -50,6 +50,7 @@ def _schema_versions() -> list[str]:
 
 
 VERSIONS = _schema_versions()
+CLUSTER_FILE = "/etc/pstore/cluster/cluster.json"
 SERVING = 1  # grpc.health.v1.HealthCheckResponse.ServingStatus.SERVING
 
 
@@ -130,7 +131,7 @@ def test_the_kustomization_lists_the_server_objects_only() -> None:
     kinds = {
         d["kind"] for f in kust["resources"] for d in yaml.safe_load_all((K8S / f).read_text())
     }
-    assert kinds == {"ConfigMap", "Service", "StatefulSet", "PodDisruptionBudget"}
+    assert kinds == {"ConfigMap", "Service", "StatefulSet", "PodDisruptionBudget", "Deployment"}
     # The Secret template and the training Job are applied on their own (docs/KUBERNETES.md).
     assert set(manifests()) == {*kust["resources"], "secret.example.yaml", "train-job.yaml"}
 
@@ -144,6 +145,7 @@ def test_the_service_and_budget_select_the_servers_and_only_them() -> None:
     svc, pdb, job = one("Service"), one("PodDisruptionBudget"), one("Job")
     pod_labels = sts["spec"]["template"]["metadata"]["labels"]
     worker_labels = job["spec"]["template"]["metadata"]["labels"]
+    controller_labels = one("Deployment")["spec"]["template"]["metadata"]["labels"]
     assert svc["spec"]["clusterIP"] == "None"  # headless: one DNS name per server
     assert sts["spec"]["serviceName"] == svc["metadata"]["name"]
     for selector in (
@@ -153,6 +155,7 @@ def test_the_service_and_budget_select_the_servers_and_only_them() -> None:
     ):
         assert matches(selector, pod_labels), selector
         assert not matches(selector, worker_labels), selector
+        assert not matches(selector, controller_labels), selector
     assert pdb["spec"]["maxUnavailable"] == 1
 
 
@@ -163,9 +166,16 @@ def test_the_cluster_file_lists_exactly_the_statefulsets_servers() -> None:
     name, service = sts["metadata"]["name"], svc["metadata"]["name"]
     port = int(flag(serve_args(), "--port"))
     want = [f"{name}-{i}.{service}:{port}" for i in range(sts["spec"]["replicas"])]
-    assert cluster == {"servers": want}
+    # Replica groups of two, in the order of the pods' ordinals.
+    assert cluster == {"servers": [want[i : i + 2] for i in range(0, len(want), 2)]}
     grpc_port = next(p for p in svc["spec"]["ports"] if p["name"] == "grpc")
     assert grpc_port["port"] == port
+    # Each pod names itself in the file: `--member $(POD_NAME).<service>:<port>`, POD_NAME
+    # from the downward API (Kubernetes expands $(VAR) in args).
+    _, c = server()
+    assert flag(serve_args(), "--member") == f"$(POD_NAME).{service}:{port}"
+    env = {e["name"]: e for e in c["env"]}
+    assert env["POD_NAME"]["valueFrom"]["fieldRef"]["fieldPath"] == "metadata.name"
 
 
 def test_the_server_command_line_is_pstore_serve() -> None:
@@ -175,7 +185,7 @@ def test_the_server_command_line_is_pstore_serve() -> None:
     assert parsed.host == "0.0.0.0"
     assert parsed.durability == "sync"
     assert parsed.path and parsed.token_file
-    assert parsed.cluster is None and parsed.index is None
+    assert parsed.cluster == CLUSTER_FILE and parsed.index is None and parsed.follow is None
 
 
 def test_probes_ports_and_mounts_agree_with_the_command_line() -> None:
@@ -216,6 +226,92 @@ def test_probes_ports_and_mounts_agree_with_the_command_line() -> None:
     template = one("Secret")
     assert secret["secretName"] == template["metadata"]["name"]
     assert flag(args, "--token-file") == f"{token_mount}/{next(iter(template['stringData']))}"
+    cluster_mount = mount_of(flag(args, "--cluster"))
+    config = volumes[mounts[cluster_mount]]["configMap"]
+    assert config["name"] == one("ConfigMap")["metadata"]["name"]
+    assert flag(args, "--cluster") == f"{cluster_mount}/cluster.json"
+
+
+def controller() -> tuple[dict[str, Any], dict[str, Any]]:
+    """The controller's Deployment and its one container."""
+    dep = one("Deployment", "pstore-controller")
+    (container,) = dep["spec"]["template"]["spec"]["containers"]
+    return dep, container
+
+
+def test_the_controller_is_one_pod_of_pstore_controller_on_the_servers_cluster_file() -> None:
+    dep, c = controller()
+    assert dep["spec"]["replicas"] == 1
+    assert dep["spec"]["strategy"]["type"] == "Recreate"  # never two controllers at once
+    assert c["command"] == ["pstore", "controller"]
+    args = build_parser().parse_args(["controller", *c["args"]])  # an unknown flag exits here
+    assert args.func.__name__ == "_cmd_controller"
+    _, server_container = server()
+    assert args.cluster == flag(serve_args(), "--cluster") == CLUSTER_FILE
+    assert args.token_file == flag(serve_args(), "--token-file")
+    assert args.status_host == "0.0.0.0"
+    # The same ConfigMap and Secret as the servers, mounted at the same paths.
+    spec = dep["spec"]["template"]["spec"]
+    volumes = {v["name"]: v for v in spec["volumes"]}
+    server_volumes = {v["name"]: v for v in server()[0]["spec"]["template"]["spec"]["volumes"]}
+    server_mounts = {m["mountPath"]: m["name"] for m in server_container["volumeMounts"]}
+    for m in c["volumeMounts"]:
+        assert server_volumes[server_mounts[m["mountPath"]]] == volumes[m["name"]]
+    # The probes ask the status port the command line serves.
+    ports = {p["name"]: p["containerPort"] for p in c["ports"]}
+    assert ports == {"status": args.status_port}
+    for probe in ("livenessProbe", "readinessProbe"):
+        assert c[probe]["httpGet"] == {"path": "/healthz", "port": "status"}
+    assert spec["securityContext"]["fsGroup"] == 10001  # the token's group may read it
+
+
+def test_the_controller_container_serves_its_status(tmp_path: Path) -> None:
+    """The controller's command line on 127.0.0.1, against a group whose two members are not
+    running: it starts, answers the liveness probe's path, and reports the group unreachable
+    without promoting anything."""
+    _, c = controller()
+    port = free_port()
+    (tmp_path / "token").write_text("k8s-test-token\n")
+    group = [f"127.0.0.1:{free_port()}", f"127.0.0.1:{free_port()}"]
+    (tmp_path / "cluster.json").write_text(json.dumps({"servers": [group]}))
+    swap = {
+        CLUSTER_FILE: str(tmp_path / "cluster.json"),
+        flag(c["args"], "--token-file"): str(tmp_path / "token"),
+        "0.0.0.0": "127.0.0.1",
+        flag(c["args"], "--status-port"): str(port),
+    }
+    log = tmp_path / "controller.log"
+    with open(log, "ab") as f:
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "pstore", "controller", *[swap.get(a, a) for a in c["args"]]],
+            stdout=subprocess.DEVNULL,
+            stderr=f,
+            env=child_env(),
+        )
+    try:
+        deadline = time.monotonic() + 60
+        while True:
+            assert proc.poll() is None, log.read_text()
+            try:
+                with urllib.request.urlopen(f"http://127.0.0.1:{port}/healthz", timeout=5) as r:
+                    assert r.status == 200
+                    break
+            except OSError:
+                assert time.monotonic() < deadline, log.read_text()
+                time.sleep(0.1)
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}/status", timeout=5) as r:
+            status = json.load(r)
+        (g,) = status["groups"]
+        assert [m["address"] for m in g["members"]] == group
+        assert all(m["role"] == "down" for m in g["members"])
+        assert g["primary"] is None
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        code = proc.wait(60)
+    text = log.read_text()
+    assert code == 0, text
+    assert "event=controlling" in text and "event=stopped signal=SIGTERM" in text
+    assert "event=promoted" not in text
 
 
 def test_the_worker_job_is_indexed_and_finds_the_servers() -> None:
@@ -312,18 +408,25 @@ class Container:
         if not self.token_file.exists():
             self.token_file.write_text(token + "\n")
         self.token = self.token_file.read_text().strip()
+        self.address = f"127.0.0.1:{self.port}"
+        # Its replica group: this server first (the primary), a follower's place second.
+        self.cluster = root / "cluster.json"
+        if not self.cluster.exists():
+            group = [self.address, f"127.0.0.1:{free_port()}"]
+            self.cluster.write_text(json.dumps({"servers": [group]}))
         swap = {
             "0.0.0.0": "127.0.0.1",
             flag(args, "--port"): str(self.port),
             flag(args, "--metrics-port"): str(self.metrics),
             token_file: str(self.token_file),
+            flag(args, "--cluster"): str(self.cluster),
+            flag(args, "--member"): self.address,
         }
         self.args = [
             swap.get(a, a.replace(data_mount, str(self.data), 1) if a.startswith("/") else a)
             for a in args
         ]
         assert not [a for a in self.args if a.startswith("/") and not a.startswith(str(root))]
-        self.address = f"127.0.0.1:{self.port}"
         self.log = root / "server.log"
         with open(self.log, "ab") as log:
             self.proc = subprocess.Popen(

@@ -131,10 +131,32 @@ impl Group {
             .and_then(|v| serde_json::from_slice(&v).ok())
             .unwrap_or_default();
         record.epoch = record.epoch.max(1);
-        let follow = config
-            .follow
-            .clone()
-            .or_else(|| (record.role == "follower").then(|| record.primary.clone())?);
+        // A server promoted once (primary of an epoch past the first) keeps that role when it
+        // is started again with the `--follow` it was first started with (a StatefulSet's
+        // fixed arguments): the primary it names becomes a suspect, asked before any write,
+        // and this server follows it only if it answers as primary of a newer epoch.
+        let keeps_primary = record.role == "primary" && record.epoch > 1;
+        if keeps_primary {
+            if let Some(p) = &config.follow {
+                eprintln!(
+                    "pstore: this server is the primary of group epoch {} (promoted): it stays \
+                     primary and asks {p} (--follow) before it writes; it follows {p} only if \
+                     that is the primary of a newer epoch",
+                    record.epoch
+                );
+                if !record.members.contains(p) {
+                    record.members.push(p.clone());
+                }
+            }
+        }
+        let follow = if keeps_primary {
+            None
+        } else {
+            config
+                .follow
+                .clone()
+                .or_else(|| (record.role == "follower").then(|| record.primary.clone())?)
+        };
         let (primary, follower) = match follow {
             Some(p) => {
                 if config.follow.is_none() {
