@@ -113,6 +113,32 @@ def test_lazy_rows_answer_contains_remove_and_len_without_loading(tmp_path):
 
 
 @pytest.mark.parametrize("environments", [1, 2])
+def test_first_reads_with_repeated_and_absent_ids_load_each_row_once(tmp_path, environments):
+    rng = np.random.default_rng(5)
+    with pstore.Store(tmp_path / "s", num_shards=4, environments=environments) as s:
+        t = s.create_sparse_table("t", 3, optimizer=optim.Adagrad(lr=0.1))
+        t.push(arange(500), rng.standard_normal((500, 3)).astype(np.float32))
+        want = t.pull(arange(500))
+    s = pstore.Store(tmp_path / "s", num_shards=4, environments=environments)
+    t = s.sparse_table("t")
+    # Stored ids several times over, in no order, mixed with ids the replica does not hold.
+    ids = rng.choice(np.arange(700, dtype=np.uint64), 2000)
+    got = t.pull(ids)
+    held = ids < 500
+    np.testing.assert_array_equal(got[held], want[ids[held].astype(np.int64)])
+    np.testing.assert_array_equal(got[~held], t.initial_rows(ids[~held]))
+    st = t.stats()
+    assert st["rows_unloaded"] == 500 - len(np.unique(ids[held]))
+    assert len(t) == 500 + len(np.unique(ids[~held]))
+    # A push of repeated ids loads each row once and sums its gradients.
+    rest = np.setdiff1d(arange(500), ids)[:2]
+    t.push(np.repeat(rest, 3), np.zeros((6, 3), np.float32))
+    np.testing.assert_array_equal(t.pull(rest), want[rest.astype(np.int64)])
+    assert t.stats()["rows_unloaded"] == st["rows_unloaded"] - 2
+    s.close()
+
+
+@pytest.mark.parametrize("environments", [1, 2])
 def test_dropped_tables_leave_the_replica(tmp_path, environments):
     with pstore.Store(tmp_path / "s", environments=environments) as s:
         s.create_sparse_table("t", 2).push(arange(1000), ones(1000, 2))

@@ -22,11 +22,15 @@ pub(crate) fn replica_row(
     if out.len() == m {
         return Ok(());
     }
-    Err(corrupt(format!(
-        "{}: table {table:?} row {id} holds {} words, not {m}",
+    Err(wrong_len(store, table, m, id, out.len()))
+}
+
+/// The error of a row of `n` words where its table's rows have `m`.
+fn wrong_len(store: &Path, table: &str, m: usize, id: u64, n: usize) -> crate::Error {
+    corrupt(format!(
+        "{}: table {table:?} row {id} holds {n} words, not {m}",
         store.display(),
-        out.len(),
-    )))
+    ))
 }
 
 impl RowSource for Storage {
@@ -37,13 +41,15 @@ impl RowSource for Storage {
         ids: &[u64],
         found: &mut dyn FnMut(usize, &[u32]),
     ) -> Result<()> {
-        let mut words = Vec::with_capacity(m);
+        let mut value = Vec::with_capacity(m + 3);
         self.read(|r| {
             let rows = r.open(Db::Rows, table);
             for (k, &id) in ids.iter().enumerate() {
-                if let Some(v) = r.get_in(rows.as_ref(), table, id)? {
-                    replica_row(self.path(), table, m, id, v, &mut words)?;
-                    found(k, &words);
+                if let Some(words) = r.row_words_in(rows.as_ref(), table, id, &mut value)? {
+                    if words.len() != m {
+                        return Err(wrong_len(self.path(), table, m, id, words.len()));
+                    }
+                    found(k, words);
                 }
             }
             Ok(())

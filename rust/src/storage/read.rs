@@ -4,7 +4,7 @@
 use heed::types::Bytes;
 use heed::{Database, RoTxn, WithoutTls};
 
-use super::format::{decode, key, part_of_key, Db};
+use super::format::{bytes_of, check_row, decode, key, part_of_key, words_into, Db};
 use super::{lmdb_err, Storage};
 use crate::error::{corrupt, Error, Result};
 
@@ -62,6 +62,57 @@ impl Reader<'_> {
     /// [`Reader::get`] in a database opened by [`Reader::open`] (`table` names it in errors;
     /// a table without the database has no payload).
     pub fn get_in(&self, h: Option<&DbHandle>, table: &str, id: u64) -> Result<Option<&[u8]>> {
+        let Some((db, p, k, v)) = self.value_in(h, id)? else {
+            return Ok(None);
+        };
+        let part = &self.storage.parts[p];
+        let (stored, payload) = decode(db, table, &part.dir, part.sums, &k, v)?;
+        self.same_id(p, table, id, stored)?;
+        Ok(Some(payload))
+    }
+
+    /// The payload words of row `id` in a table's rows database opened by [`Reader::open`]
+    /// (`None` if it holds no row of `id`), in `out`: [`Reader::get_in`] of [`Db::Rows`] with
+    /// the payload as words, and the same checks and errors.
+    ///
+    /// The value is read from the map once: copied whole into `out`, its checksum is then
+    /// verified on that copy (in cache), and the copy's payload is what is returned.
+    pub fn row_words_in<'o>(
+        &self,
+        h: Option<&DbHandle>,
+        table: &str,
+        id: u64,
+        out: &'o mut Vec<u32>,
+    ) -> Result<Option<&'o [u32]>> {
+        let Some((db, p, k, v)) = self.value_in(h, id)? else {
+            return Ok(None);
+        };
+        let part = &self.storage.parts[p];
+        out.clear();
+        if db != Db::Rows || !part.sums || v.len() % 4 != 0 {
+            // Rows without checksums, or a value no row of format 3 has: as `get_in`.
+            let (stored, payload) = decode(db, table, &part.dir, part.sums, &k, v)?;
+            self.same_id(p, table, id, stored)?;
+            words_into(payload, out);
+            return Ok(Some(&out[..]));
+        }
+        let n = v.len() / 4;
+        out.reserve(n);
+        // SAFETY: `out` has room for `n` words (reserved above), which are `v.len()` bytes; the
+        // map and the vector do not overlap; every byte of the `n` words is written before the
+        // length is set, and any bytes are a valid u32.
+        unsafe {
+            std::ptr::copy_nonoverlapping(v.as_ptr(), out.as_mut_ptr().cast::<u8>(), v.len());
+            out.set_len(n);
+        }
+        let (stored, _) = check_row(&part.dir, table, &k, bytes_of(out))?;
+        self.same_id(p, table, id, stored)?;
+        // The id's two words before the payload, the checksum's word after it.
+        Ok(Some(&out[2..n - 1]))
+    }
+
+    /// The database of `h` in the environment of `id`'s key, that key, and its value there.
+    fn value_in(&self, h: Option<&DbHandle>, id: u64) -> Result<Option<Stored<'_>>> {
         let Some(h) = h else {
             return Ok(None);
         };
@@ -71,20 +122,18 @@ impl Reader<'_> {
             return Ok(None);
         };
         let v = d.get(&self.txns[p], &k).map_err(|e| self.fail(p, e))?;
-        match v {
-            None => Ok(None),
-            Some(v) => {
-                let part = &self.storage.parts[p];
-                let (stored, payload) = decode(h.db, table, &part.dir, part.sums, &k, v)?;
-                if stored != id {
-                    return Err(corrupt(format!(
-                        "{}: table {table:?}: the key of id {id} holds id {stored}",
-                        part.dir.display()
-                    )));
-                }
-                Ok(Some(payload))
-            }
+        Ok(v.map(|v| (h.db, p, k, v)))
+    }
+
+    /// Fails unless the value under `id`'s key in environment `p` holds `id` itself.
+    fn same_id(&self, p: usize, table: &str, id: u64, stored: u64) -> Result<()> {
+        if stored == id {
+            return Ok(());
         }
+        Err(corrupt(format!(
+            "{}: table {table:?}: the key of id {id} holds id {stored}",
+            self.storage.parts[p].dir.display()
+        )))
     }
 
     /// Entries of a table's database.
@@ -128,6 +177,9 @@ impl Reader<'_> {
         Ok(())
     }
 }
+
+/// A value found by its id: its database, the environment holding it, the id's key, the bytes.
+type Stored<'r> = (Db, usize, [u8; 8], &'r [u8]);
 
 /// A table's database in every environment, looked up once by [`Reader::open`] or
 /// [`Writer::open`] for many reads or writes.

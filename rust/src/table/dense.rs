@@ -210,14 +210,15 @@ impl DenseTable {
         let epoch = self.common.revert_epoch();
         let d = &mut *d;
         d.step = d.step.saturating_add(1);
-        self.config
+        let finite = self
+            .config
             .optimizer
             .apply(lr, d.step, &mut d.weights, &mut d.state, &mut g);
         if let Some((client, seq)) = rid {
             // Under the write lock: a flush takes the value and the id together.
             self.common.applied.note(client, seq);
         }
-        if !super::finite_row(&d.weights) {
+        if !finite {
             Counters::add(&self.common.counters.rows_nonfinite, 1);
         }
         self.dirty.store(true, Ordering::Release);

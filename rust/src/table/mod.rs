@@ -347,13 +347,6 @@ pub(crate) fn check_finite(exec: &Executor, table: &str, grads: &[f32], dim: usi
     check_finite_slice(table, grads, dim)
 }
 
-/// Whether every weight of an updated row is finite (no early exit: one pass the compiler
-/// vectorises).
-#[inline]
-pub(crate) fn finite_row(w: &[f32]) -> bool {
-    w.iter().fold(true, |ok, x| ok & x.is_finite())
-}
-
 /// Whether every value of `v` is finite.
 ///
 /// A value is NaN or infinite when all its exponent bits are set. Each block of 1024 values is

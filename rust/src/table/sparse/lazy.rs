@@ -7,7 +7,7 @@ use std::sync::{Arc, Weak};
 
 use super::SparseTable;
 use crate::error::Result;
-use crate::shard::{Grouped, Shard};
+use crate::shard::{Grouped, Shard, NO_SLOT};
 
 /// Rows of a table kept outside memory, as the table reads them back. Rows are given as their
 /// [`SparseTable::row_words`] words after the id; a source checks their length.
@@ -76,25 +76,33 @@ impl SparseTable {
             return Ok(vec![false; ids.len()]);
         };
         let mut found: Vec<bool> = ids.iter().map(|&id| shard.find(id).is_some()).collect();
-        let ask: Vec<usize> = (0..ids.len())
+        // The positions to ask for, by the id's key in the source (the placement hash: the
+        // replica's key order, so consecutive reads descend to nearby pages), each id once.
+        let mut ask: Vec<(u64, usize)> = (0..ids.len())
             .filter(|&k| !found[k] && !shard.is_gone(ids[k]))
+            .map(|k| (crate::hash::mix64(ids[k]), k))
             .collect();
         if ask.is_empty() {
             return Ok(found);
         }
-        let asked: Vec<u64> = ask.iter().map(|&k| ids[k]).collect();
+        ask.sort_unstable();
+        // Where each distinct id's positions start in `ask`, and the end.
+        let mut starts: Vec<usize> = (0..ask.len())
+            .filter(|&i| i == 0 || ask[i].0 != ask[i - 1].0)
+            .collect();
+        let asked: Vec<u64> = starts.iter().map(|&i| ids[ask[i].1]).collect();
+        starts.push(ask.len());
         src.read_rows(
             &self.common.name,
             self.row_words(),
             &asked,
             &mut |j, words| {
-                let id = asked[j];
-                // A duplicate id is loaded by its first occurrence.
-                if shard.find(id).is_none() {
-                    shard.put_words(id, words);
-                    b.unloaded.fetch_sub(1, Ordering::AcqRel);
+                // Each id once, and absent from the shard (checked above, under its lock).
+                shard.put_words_at(asked[j], NO_SLOT, words);
+                b.unloaded.fetch_sub(1, Ordering::AcqRel);
+                for &(_, k) in &ask[starts[j]..starts[j + 1]] {
+                    found[k] = true;
                 }
-                found[ask[j]] = true;
             },
         )?;
         Ok(found)

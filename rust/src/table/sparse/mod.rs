@@ -23,8 +23,7 @@ pub(crate) use lazy::Backing;
 pub use lazy::RowSource;
 
 use super::{
-    check_finite, finite_row, group_ids, unix_now, Common, Counters, Disjoint, TableHandle,
-    TableStats,
+    check_finite, group_ids, unix_now, Common, Counters, Disjoint, TableHandle, TableStats,
 };
 use crate::error::{shape, Result};
 use crate::executor::PushHandle;
@@ -523,8 +522,7 @@ impl SparseTable {
                 let row = shard.row_mut(slot);
                 let step = bump_step(row);
                 let (w, state) = as_f32_mut(&mut row[HEADER..]).split_at_mut(dim);
-                opt.apply(lr, step, w, state, acc);
-                bad += u64::from(!finite_row(w));
+                bad += u64::from(!opt.apply(lr, step, w, state, acc));
                 shard.touch(slot, version, now, hits);
             };
             let mut runs = 0u64;
