@@ -68,7 +68,7 @@ def _counter_table(store: pstore.RemoteStore) -> pstore.SparseTable:
 
 
 def test_replicas_and_bad_arguments_raise_before_anything_starts():
-    with pytest.raises(pstore.InvalidArgumentError, match="replication release"):
+    with pytest.raises(pstore.InvalidArgumentError, match="not run on Ray yet"):
         pstore.ray.Cluster(2, replicas=2)
     with pytest.raises(pstore.InvalidArgumentError, match="num_servers"):
         pstore.ray.Cluster(0)

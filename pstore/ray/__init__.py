@@ -448,7 +448,8 @@ class Cluster:
         The servers' token. Default: a new random one, which :func:`connect` takes from the
         controller.
     replicas : int
-        Copies of each server's rows. Only 1 exists in this version; more raises.
+        Copies of each server's rows. Only 1 runs on Ray in this version; more raises
+        (replica groups run under ``pstore controller``, docs/CLUSTER.md).
     name : str
         The cluster's name in Ray (``"default"``); one name, one cluster.
     server_cpus : float
@@ -612,9 +613,10 @@ def _spec(**a: Any) -> dict[str, Any]:
         raise InvalidArgumentError(f"replicas must be an int >= 1, got {r!r}")
     if r > 1:
         raise InvalidArgumentError(
-            f"replicas={r} needs replica groups (followers, promotion), which come with the "
-            "replication release of pstore; this version runs one copy of each server "
-            "(replicas=1) and restarts a dead server on its node from its durable store"
+            f"replicas={r}: replica groups are not run on Ray yet; this version runs one copy "
+            "of each server (replicas=1) and restarts a dead server on its node from its "
+            "durable store. For followers and automatic failover run `pstore serve --member` "
+            "processes under `pstore controller` (docs/CLUSTER.md, The controller)"
         )
     if a["durability"] not in _DURABILITIES:
         raise InvalidArgumentError(
