@@ -1480,10 +1480,10 @@ def test_slot_moves_freeze_export_drop_and_refuse_bad_sets(api, fresh):
 
 
 def test_model_server_answers_are_plain_protobuf_whatever_their_size(api, tmp_path):
-    """A model server sends big pull answers in parts while it looks them up (server/model.rs,
-    net/splice.rs); grpcio and the protobuf library still read one ordinary PullResponse, with
-    the in-process lookup's rows. Malformed pulls get INVALID_ARGUMENT naming the problem and
-    the server goes on."""
+    """A model server sends a pull's rows from the buffer the lookup wrote, past tonic's
+    (server/model.rs, net/splice.rs); grpcio and the protobuf library read an ordinary
+    PullResponse with the in-process lookup's rows, at every size. Malformed pulls get
+    INVALID_ARGUMENT naming the problem and the server goes on."""
     from pstore import serving
 
     dim = 8
@@ -1500,8 +1500,8 @@ def test_model_server_answers_are_plain_protobuf_whatever_their_size(api, tmp_pa
     try:
         stub = api.PStoreStub(ch)
         rng = np.random.default_rng(5)
-        # 128 KiB parts: 4096 ids of this table.
-        for n in (1, 4095, 4096, 4097, 3 * 4096 + 5, 50_000):
+        # Around the lookup's parallel split (2048) and the blocking pool's (8192).
+        for n in (1, 2047, 2048, 4097, 8193, 50_000):
             ids = rng.integers(0, 25_000, n, dtype=np.uint64)  # some the artifact lacks
             a = ok(stub.Pull, m.PullRequest(table="emb", ids=ids_bytes(ids)))
             assert (a.dim, a.dtype, a.seq, a.version) == (dim, 0, model.generation, a.seq)

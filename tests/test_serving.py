@@ -1216,22 +1216,26 @@ def test_model_server_answers_lookups_and_refuses_writes(chain, tmp_path):
     assert not srv.running
 
 
-# A streamed answer's part holds 128 KiB of float32 rows: 4096 ids of the dim-8 table.
-PART_IDS = (128 << 10) // (8 * 4)
+# The model server's batch boundaries: a lookup of 2048 ids or more is split over the rayon pool
+# in parts of at most 512 (serving/mod.rs); a pull of more than 8192 ids runs on the blocking
+# pool, not the runtime's thread (server/model.rs).
+PARALLEL_IDS, INLINE_IDS = 2048, 8192
 
 
 @pytest.mark.parametrize("dtype", ["float32", "float16", "int8"])
-def test_model_server_pulls_are_lookups_across_parts(chain, tmp_path, dtype):
-    """Big pulls are looked up and sent in parts (server/model.rs): every batch, whatever its
-    size against the parts, with known, unknown and repeated ids in any order, gets exactly
-    the in-process lookup's rows, for every dtype of artifact and wire."""
+def test_model_server_pulls_are_lookups_at_every_batch_size(chain, tmp_path, dtype):
+    """A pull's rows are looked up straight into the buffer sent to the socket (server/model.rs,
+    net/splice.rs): every batch, whatever its size against the server's boundaries, with known,
+    unknown and repeated ids in any order, gets exactly the in-process lookup's rows, for every
+    dtype of artifact and wire."""
     serving.export(chain.snaps[1], tmp_path / "m", dtype=dtype)
     model = ServingStore(tmp_path / "m")
     have = chain.states[1]["user"][0]
     missing = chain.new_ids("user", 300)
     pool = np.concatenate([have, missing])
     rng = np.random.default_rng(35)
-    sizes = [1, PART_IDS - 1, PART_IDS, PART_IDS + 1, 2 * PART_IDS, 3 * PART_IDS + 17, 40_000]
+    sizes = [1, 511, 513, PARALLEL_IDS - 1, PARALLEL_IDS, PARALLEL_IDS + 1, INLINE_IDS]
+    sizes += [INLINE_IDS + 1, 40_000]
     servers = {d: model.serve(default=d) for d in ("initial", "zeros")}
     try:
         for default, srv in servers.items():
@@ -1243,7 +1247,7 @@ def test_model_server_pulls_are_lookups_across_parts(chain, tmp_path, dtype):
                 got = c.table("user").pull(ids)
                 assert got.dtype == F32 and got.shape == (n, 8)
                 np.testing.assert_array_equal(got, want, err_msg=f"{default}, {n} ids")
-                # float16 on the wire: the whole answer at once, the same rows rounded.
+                # float16 on the wire: the same rows, rounded.
                 np.testing.assert_array_equal(
                     half.table("user").pull(ids),
                     want.astype(np.float16).astype(F32),
@@ -1251,7 +1255,7 @@ def test_model_server_pulls_are_lookups_across_parts(chain, tmp_path, dtype):
                 )
             # Every id the artifact has, in id order and reversed, in one batch.
             for ids in (have, have[::-1].copy()):
-                many = np.tile(ids, -(-(PART_IDS + 5) // len(ids)))
+                many = np.tile(ids, -(-(INLINE_IDS + 5) // len(ids)))
                 np.testing.assert_array_equal(
                     c.table("user").pull(many), model.lookup("user", many, default=default)
                 )
@@ -1262,9 +1266,8 @@ def test_model_server_pulls_are_lookups_across_parts(chain, tmp_path, dtype):
 
 
 def test_model_server_pull_of_a_damaged_row_fails_and_the_server_goes_on(chain, tmp_path):
-    """A damaged row in any part of a big pull fails the pull with CorruptError naming the id
-    (the parts before it already sent: the client drops them), never a wrong row; the server
-    answers the next pulls."""
+    """A damaged row anywhere in a pull, small or big, fails the pull with CorruptError naming
+    the id, never a wrong row; the server answers the next pulls."""
     serving.export(chain.snaps[0], tmp_path / "m")
     probe = ServingStore(tmp_path / "m")
     info = next(t for t in probe.info()["tables"] if t["name"] == "user")
@@ -1286,15 +1289,15 @@ def test_model_server_pull_of_a_damaged_row_fails_and_the_server_goes_on(chain, 
     try:
         c = pstore.connect([srv.address], timeout=30.0)
         user = c.table("user")
-        filler = np.resize(good, 3 * PART_IDS)
-        for where in (0, PART_IDS - 1, PART_IDS, 2 * PART_IDS + 5, 3 * PART_IDS - 1):
+        for n, where in ((PARALLEL_IDS, 0), (PARALLEL_IDS, 1500), (INLINE_IDS + 9, INLINE_IDS)):
+            filler = np.resize(good, n)
             ids = filler.copy()
             ids[where] = bad
             with pytest.raises(pstore.CorruptError, match=f"id {bad}"):
                 user.pull(ids)
             # The server goes on: the next pull, big or small, is answered in full.
             got = user.pull(filler)
-            np.testing.assert_array_equal(got[: len(good)], rows[have != bad])
+            np.testing.assert_array_equal(got, np.resize(rows[have != bad], (n, 8)))
             np.testing.assert_array_equal(user.pull(good[:5]), rows[have != bad][:5])
         # A small pull of the damaged row fails the same way.
         with pytest.raises(pstore.CorruptError, match=f"id {bad}"):
@@ -1316,7 +1319,7 @@ def test_model_server_refuses_bad_pulls_and_goes_on(chain, tmp_path):
             c.table("user").pull(np.resize(have, (1 << 20) // 32 + 1))
         with pytest.raises(pstore.UnknownTableError):
             c.table("nope")
-        big = np.resize(have, 2 * PART_IDS + 3)
+        big = np.resize(have, INLINE_IDS + 3)
         np.testing.assert_array_equal(c.table("user").pull(big), model.lookup("user", big))
     finally:
         srv.stop(grace=1.0)

@@ -14,11 +14,6 @@
 //!   tonic decodes the small rest. The client scatters the rows from those frames straight
 //!   into the caller's output.
 //!
-//! A big answer can also be sent while it is still being looked up ([`StreamedRows`]): the
-//! message's length is known from the batch, so its prefix and the rows field's key go out
-//! first, then each part of the rows as soon as it is written, in order. A part that fails ends
-//! the answer with its status in the trailers (the client drops the message cut short).
-//!
 //! Pushes work the other way round: the client's [`Strip`] sends a push's [`SplicedGrads`] as
 //! its `grads` field from their own buffer (in front of the other fields), and the server's
 //! [`strip_push`] hands the field's received frames to the handler, which joins them once into
@@ -62,62 +57,9 @@ pub struct SplicedRows(pub Bytes);
 /// Puts a pull answer's [`SplicedRows`] back on the wire as its `rows` field, without copying
 /// them; any other response passes unchanged.
 pub fn splice_response(mut resp: http::Response<Body>) -> http::Response<Body> {
-    if let Some(parts) = resp
-        .extensions_mut()
-        .remove::<StreamedRows>()
-        .and_then(|s| s.take())
-    {
-        if parts.len > 0 {
-            return resp.map(|b| splice_rows(b, ROWS_KEY, Rows::Parts(parts)));
-        }
-    }
     match resp.extensions_mut().remove::<SplicedRows>() {
         Some(SplicedRows(rows)) if !rows.is_empty() => resp.map(|b| splice(b, ROWS_KEY, rows)),
         _ => resp,
-    }
-}
-
-/// One part of a [`StreamedRows`]: its bytes once written, or why they could not be.
-pub type Part = tokio::sync::oneshot::Receiver<Result<Bytes, Status>>;
-
-/// The rows of a pull's answer, `len` bytes in all, produced in parts while the answer is
-/// sent: the server sends the message's prefix, then each part as its receiver yields it, in
-/// order (see [`splice_response`]). A part whose sender is dropped, or that yields an error,
-/// or parts that do not add up to `len` bytes, end the answer with an error status.
-#[derive(Clone)]
-pub struct StreamedRows(Arc<Mutex<Option<Parts>>>);
-
-struct Parts {
-    len: usize,
-    parts: VecDeque<Part>,
-}
-
-impl StreamedRows {
-    /// Rows of `len` bytes in all, from `parts` in order.
-    pub fn new(len: usize, parts: impl IntoIterator<Item = Part>) -> Self {
-        StreamedRows(Arc::new(Mutex::new(Some(Parts {
-            len,
-            parts: parts.into_iter().collect(),
-        }))))
-    }
-
-    fn take(&self) -> Option<Parts> {
-        self.0.lock().unwrap_or_else(|e| e.into_inner()).take()
-    }
-}
-
-/// Where a spliced field's bytes come from.
-enum Rows {
-    Whole(Bytes),
-    Parts(Parts),
-}
-
-impl Rows {
-    fn len(&self) -> usize {
-        match self {
-            Rows::Whole(b) => b.len(),
-            Rows::Parts(p) => p.len,
-        }
     }
 }
 
@@ -127,19 +69,12 @@ impl Rows {
 pub struct SplicedGrads(pub Bytes);
 
 fn splice(inner: Body, key: u64, rows: Bytes) -> Body {
-    splice_rows(inner, key, Rows::Whole(rows))
-}
-
-fn splice_rows(inner: Body, key: u64, rows: Rows) -> Body {
     Body::new(Splice {
         inner,
         key,
         rows: Some(rows),
         head: BytesMut::new(),
         out: VecDeque::new(),
-        streaming: None,
-        after: Vec::new(),
-        ended: false,
     })
 }
 
@@ -157,17 +92,11 @@ struct Splice {
     /// The key of the field the rows go in.
     key: u64,
     /// The rows, until the message they belong to has been seen.
-    rows: Option<Rows>,
+    rows: Option<Bytes>,
     /// The message's bytes as far as received.
     head: BytesMut,
     /// Data to send before polling `inner` again.
     out: VecDeque<Bytes>,
-    /// Streamed rows being sent: the parts still to come and the bytes they still owe.
-    streaming: Option<(VecDeque<Part>, usize)>,
-    /// What follows the streamed rows: the message's own fields and anything after them.
-    after: Vec<Bytes>,
-    /// The answer was ended early with an error status.
-    ended: bool,
 }
 
 impl Splice {
@@ -193,7 +122,7 @@ impl Splice {
         let mut field = BytesMut::with_capacity(16);
         put_varint(&mut field, self.key);
         put_varint(&mut field, rows.len() as u64);
-        let total = len.saturating_add(field.len()).saturating_add(rows.len());
+        let total = len + field.len() + rows.len();
         let total = u32::try_from(total).map_err(|_| {
             Status::internal(format!(
                 "a pull answer of {total} bytes is over gRPC's limit"
@@ -206,71 +135,14 @@ impl Splice {
         let mut message = self.head.split_to(PREFIX + len);
         message.advance(PREFIX);
         self.out.push_back(prefix.freeze());
-        let mut rest = Vec::new();
+        self.out.push_back(rows);
         if !message.is_empty() {
-            rest.push(message.freeze());
+            self.out.push_back(message.freeze());
         }
         if !self.head.is_empty() {
-            rest.push(self.head.split().freeze());
-        }
-        match rows {
-            Rows::Whole(rows) => {
-                self.out.push_back(rows);
-                self.out.extend(rest);
-            }
-            Rows::Parts(p) => {
-                self.streaming = Some((p.parts, p.len));
-                self.after = rest;
-            }
+            self.out.push_back(self.head.split().freeze());
         }
         Ok(())
-    }
-
-    /// The next data of streamed rows, or the end of the answer with an error status (as
-    /// trailers) when a part fails. `None` once the rows are all sent.
-    fn poll_part(&mut self, cx: &mut Context<'_>) -> Poll<Option<Frame<Bytes>>> {
-        let Some((parts, owed)) = self.streaming.as_mut() else {
-            return Poll::Ready(None);
-        };
-        let got = match parts.front_mut() {
-            None => Err(Status::internal(format!(
-                "a pull answer's rows ended {owed} bytes short"
-            ))),
-            Some(rx) => match ready!(Pin::new(rx).poll(cx)) {
-                Ok(Ok(b)) if b.len() <= *owed => Ok(b),
-                Ok(Ok(b)) => Err(Status::internal(format!(
-                    "a pull answer's rows came {} bytes too long",
-                    b.len() - *owed
-                ))),
-                Ok(Err(status)) => Err(status),
-                Err(_) => Err(Status::internal(
-                    "a pull answer's rows were not produced (the lookup stopped)",
-                )),
-            },
-        };
-        match got {
-            Ok(b) => {
-                parts.pop_front();
-                *owed -= b.len();
-                if parts.is_empty() && *owed == 0 {
-                    self.streaming = None;
-                    self.out.extend(self.after.drain(..));
-                }
-                Poll::Ready(Some(Frame::data(b)))
-            }
-            Err(status) => {
-                self.streaming = None;
-                self.after.clear();
-                self.out.clear();
-                self.ended = true;
-                let mut trailers = http::HeaderMap::new();
-                if status.add_header(&mut trailers).is_err() {
-                    let _ =
-                        Status::internal("a pull answer's rows failed").add_header(&mut trailers);
-                }
-                Poll::Ready(Some(Frame::trailers(trailers)))
-            }
-        }
     }
 }
 
@@ -286,16 +158,6 @@ impl http_body::Body for Splice {
         loop {
             if let Some(b) = this.out.pop_front() {
                 return Poll::Ready(Some(Ok(Frame::data(b))));
-            }
-            if this.ended {
-                return Poll::Ready(None);
-            }
-            if this.streaming.is_some() {
-                match ready!(this.poll_part(cx)) {
-                    Some(f) if f.is_data() && f.data_ref().is_some_and(Bytes::is_empty) => continue,
-                    Some(f) => return Poll::Ready(Some(Ok(f))),
-                    None => continue,
-                }
             }
             if this.rows.is_none() {
                 return Pin::new(&mut this.inner).poll_frame(cx);
@@ -328,9 +190,7 @@ impl http_body::Body for Splice {
     }
 
     fn is_end_stream(&self) -> bool {
-        self.out.is_empty()
-            && (self.ended
-                || self.rows.is_none() && self.streaming.is_none() && self.inner.is_end_stream())
+        self.out.is_empty() && self.rows.is_none() && self.inner.is_end_stream()
     }
 }
 
@@ -656,22 +516,7 @@ impl http_body::Body for StripBody {
                             return Poll::Ready(Some(Err(e)));
                         }
                     }
-                    // Trailers: an answer cut short by an error status (a server that failed
-                    // while sending its rows) drops the partial message; the status tells.
-                    Err(frame) => {
-                        let failed = frame
-                            .trailers_ref()
-                            .and_then(|t| t.get("grpc-status"))
-                            .is_some_and(|v| v != "0");
-                        if failed && this.st != St::Pass {
-                            this.st = St::Prefix;
-                            this.prefix.clear();
-                            this.kept.clear();
-                            this.key.clear();
-                            this.remaining = 0;
-                        }
-                        return Poll::Ready(Some(Ok(frame)));
-                    }
+                    Err(frame) => return Poll::Ready(Some(Ok(frame))),
                 },
             }
         }
@@ -802,131 +647,6 @@ mod tests {
         resp.extensions_mut()
             .insert(SplicedRows(Bytes::from_static(b"abcd")));
         assert!(drain(splice_response(resp).into_body()).is_err());
-    }
-
-    /// A body's data and its trailers, polling until it ends; `None` when it is pending.
-    fn drain_once(b: &mut Body, data: &mut Vec<u8>) -> Option<Option<http::HeaderMap>> {
-        let waker = std::task::Waker::noop();
-        let mut cx = Context::from_waker(waker);
-        let mut trailers = None;
-        loop {
-            match Pin::new(&mut *b).poll_frame(&mut cx) {
-                Poll::Ready(None) => return Some(trailers),
-                Poll::Ready(Some(Err(e))) => panic!("a streamed answer fails with trailers: {e}"),
-                Poll::Ready(Some(Ok(f))) => match f.into_data() {
-                    Ok(d) => data.extend_from_slice(&d),
-                    Err(f) => trailers = Some(f.into_trailers().expect("trailers")),
-                },
-                Poll::Pending => return None,
-            }
-        }
-    }
-
-    /// A streamed answer of `full`'s rows in parts of the given sizes, and their senders.
-    fn streamed(full: &PullResponse, sizes: &[usize]) -> (Body, Vec<Bytes>, Vec<PartSender>) {
-        let mut rest = full.clone();
-        rest.rows = Bytes::new();
-        let pieces = cut(&full.rows, sizes);
-        let (tx, rx): (Vec<_>, Vec<_>) = pieces
-            .iter()
-            .map(|_| tokio::sync::oneshot::channel())
-            .unzip();
-        let mut resp = http::Response::new(body(cut(&framed(&rest), &[4]), true));
-        resp.extensions_mut()
-            .insert(StreamedRows::new(full.rows.len(), rx));
-        (splice_response(resp).into_body(), pieces, tx)
-    }
-
-    type PartSender = tokio::sync::oneshot::Sender<Result<Bytes, Status>>;
-
-    #[test]
-    fn streamed_answers_are_the_encoded_message() {
-        for rows in [1usize, 300, 1 << 16] {
-            let full = answer(rows);
-            for sizes in [&[usize::MAX][..], &[1000], &[1, 77, 4096]] {
-                // Every part ready before the body is polled.
-                let (mut b, pieces, tx) = streamed(&full, sizes);
-                for (t, p) in tx.into_iter().zip(pieces) {
-                    t.send(Ok(p)).unwrap();
-                }
-                let mut data = Vec::new();
-                let trailers = drain_once(&mut b, &mut data).expect("all parts are ready");
-                assert_eq!(data, framed(&full), "rows {rows}, pieces {sizes:?}");
-                assert_eq!(trailers.unwrap()["grpc-status"], "0");
-                // Parts ready one at a time: the body waits for each, in order.
-                let (mut b, pieces, tx) = streamed(&full, sizes);
-                let mut data = Vec::new();
-                let mut txs = tx.into_iter().zip(pieces).collect::<VecDeque<_>>();
-                let trailers = loop {
-                    if let Some(t) = drain_once(&mut b, &mut data) {
-                        break t;
-                    }
-                    let (t, p) = txs.pop_front().expect("pending only while parts are owed");
-                    t.send(Ok(p)).unwrap();
-                };
-                assert!(txs.is_empty());
-                assert_eq!(data, framed(&full), "rows {rows}, pieces {sizes:?}");
-                assert_eq!(trailers.unwrap()["grpc-status"], "0");
-            }
-        }
-    }
-
-    #[test]
-    fn a_failed_part_ends_the_answer_with_its_status() {
-        let full = answer(3000);
-        let failures: [(&str, Box<dyn Fn(PartSender, Bytes)>); 4] = [
-            (
-                "row 7 is damaged",
-                Box::new(|t, _| t.send(Err(Status::data_loss("row 7 is damaged"))).unwrap()),
-            ),
-            ("not produced", Box::new(|t, _| drop(t))),
-            (
-                "bytes short",
-                Box::new(|t, p: Bytes| t.send(Ok(p.slice(1..))).unwrap()),
-            ),
-            (
-                "too long",
-                Box::new(|t, p: Bytes| {
-                    t.send(Ok(Bytes::from([&p[..], &[0u8; 2000]].concat())))
-                        .unwrap()
-                }),
-            ),
-        ];
-        for (what, fail) in failures {
-            // The last part fails: the parts before it were sent.
-            let (mut b, pieces, tx) = streamed(&full, &[1000]);
-            let n = pieces.len();
-            for (k, (t, p)) in tx.into_iter().zip(pieces).enumerate() {
-                if k + 1 == n {
-                    fail(t, p);
-                } else {
-                    t.send(Ok(p)).unwrap();
-                }
-            }
-            let mut data = Vec::new();
-            let trailers = drain_once(&mut b, &mut data).unwrap().unwrap();
-            assert_ne!(trailers["grpc-status"], "0", "{what}");
-            let message = trailers["grpc-message"].to_str().unwrap();
-            assert!(
-                message.contains(&what.replace(' ', "%20")),
-                "{what}: {message}"
-            );
-            // The prefix announced the whole message; the rows before the failed part came.
-            assert!(data.len() < framed(&full).len(), "{what}");
-            assert!(data.len() >= 2000, "{what}");
-            assert!(b.is_end_stream());
-
-            // The client passes the status on and drops the message cut short.
-            let resp = strip_response(http::Response::new(Body::new(Frames(
-                [Frame::data(Bytes::from(data)), Frame::trailers(trailers)].into(),
-            ))));
-            let mut out = Vec::new();
-            let t = drain_once(&mut resp.into_body(), &mut out)
-                .unwrap()
-                .unwrap();
-            assert!(out.is_empty(), "{what}");
-            assert_ne!(t["grpc-status"], "0");
-        }
     }
 
     fn strip(chunks: Vec<Bytes>) -> (Drained, Option<Vec<u8>>) {

@@ -8,9 +8,6 @@ use std::sync::atomic::AtomicUsize;
 use std::sync::Arc;
 use std::time::Instant;
 
-use bytes::Bytes;
-use rayon::prelude::*;
-use tokio::sync::oneshot;
 use tonic::{Request, Response, Status};
 
 use super::metrics::{Metrics, Sample, TableSample};
@@ -22,16 +19,12 @@ use crate::durable::TableRecord;
 use crate::error::{Error, Result};
 use crate::net::proto::p_store_server::PStore;
 use crate::net::proto::*;
-use crate::net::splice::StreamedRows;
 use crate::net::{status_of, wire, PROTOCOL};
-use crate::serving::{Artifact, Fallback, State, TableMeta, TableReader};
+use crate::serving::{Artifact, Fallback, State, TableMeta};
 
 /// Batches up to this many ids are looked up on the runtime's thread (LMDB reads do not block
 /// unless a page is cold); larger ones on the blocking pool.
 const INLINE_IDS: usize = 1024;
-
-/// The bytes of rows in one part of a streamed answer (see [`Inner::pull`]).
-const PART_BYTES: usize = 128 << 10;
 
 struct Inner {
     artifact: Arc<Artifact>,
@@ -139,12 +132,9 @@ impl Inner {
     }
 
     /// A pull: the rows are looked up straight into the answer's buffer (float32 on the wire),
-    /// which then goes to the socket as it is (`net/splice.rs`), never copied into tonic's. A
-    /// float32 answer of more than one part ([`PART_BYTES`]) from a row file is streamed: the
-    /// parts are looked up on the rayon pool, all from one generation, and each is sent as soon
-    /// as it and those before it are written, so the lookup of the next parts overlaps the
-    /// sending (and the client's receiving) of the first.
-    fn pull(&self, r: PullRequest) -> Result<(PullResponse, Option<StreamedRows>)> {
+    /// which then goes to the socket as it is (`net/splice.rs`), never copied into tonic's.
+    /// The width and the rows come from one pinned generation.
+    fn pull(&self, r: PullRequest) -> Result<PullResponse> {
         let d = wire::dtype(r.dtype)?;
         let ids = wire::ids(&r.ids)?;
         let reader = self.artifact.reader(&r.table)?;
@@ -154,15 +144,6 @@ impl Inner {
         };
         // Refused before any row is read.
         self.fits(ids.len() * dim * wire::width(d))?;
-        let part = (PART_BYTES / (dim * 4).max(1)).max(1);
-        if let (Dtype::Float32, Some(t)) = (d, &reader) {
-            if ids.len() > part && dim > 0 {
-                let generation = t.generation();
-                drop(ids);
-                let streamed = self.stream(r.ids, reader.expect("matched above"), part);
-                return Ok((answer(Bytes::new(), d, dim, generation), Some(streamed)));
-            }
-        }
         let mut generation = 0;
         let mut lookup = |out: &mut [f32]| -> Result<()> {
             generation = match &reader {
@@ -186,42 +167,13 @@ impl Inner {
                 wire::encode_values(&v, d)
             }
         };
-        Ok((answer(rows, d, dim, generation), None))
-    }
-
-    /// The rows of the ids in `raw` (checked), looked up through `t` in parts of `part` ids on
-    /// the rayon pool, as the parts of a streamed answer.
-    fn stream(&self, raw: Bytes, t: TableReader, part: usize) -> StreamedRows {
-        let n = raw.len() / 8;
-        let dim = t.dim();
-        let (senders, parts): (Vec<_>, Vec<_>) =
-            (0..n.div_ceil(part)).map(|_| oneshot::channel()).unzip();
-        let fallback = self.fallback.clone();
-        rayon::spawn(move || {
-            let ids = match wire::ids(&raw) {
-                Ok(ids) => ids,
-                Err(e) => {
-                    for tx in senders {
-                        let _ = tx.send(Err(status_of(&e)));
-                    }
-                    return;
-                }
-            };
-            // With parts of one each, the worker that starts takes them from the front: the
-            // first parts are written first, the others taken by idle workers meanwhile.
-            ids.par_chunks(part).with_max_len(1).zip(senders).for_each(
-                |(ids, tx): (&[u64], oneshot::Sender<_>)| {
-                    if tx.is_closed() {
-                        return; // the client went away
-                    }
-                    let rows = wire::fill_f32(ids.len() * dim, |out| {
-                        t.lookup(ids, &fallback, zeroed(out))
-                    });
-                    let _ = tx.send(rows.map_err(|e| status_of(&e)));
-                },
-            );
-        });
-        StreamedRows::new(n * dim * 4, parts)
+        Ok(PullResponse {
+            rows,
+            dtype: d as i32,
+            dim: dim as u32,
+            seq: generation,
+            version: generation,
+        })
     }
 
     /// The info of every table of the artifact, as one version has them.
@@ -233,17 +185,6 @@ impl Inner {
             .map(|t| self.info(t, state.generation))
             .collect::<Result<Vec<_>>>()?;
         Ok((state, tables))
-    }
-}
-
-/// A pull's answer.
-fn answer(rows: Bytes, d: Dtype, dim: usize, generation: u64) -> PullResponse {
-    PullResponse {
-        rows,
-        dtype: d as i32,
-        dim: dim as u32,
-        seq: generation,
-        version: generation,
     }
 }
 
@@ -356,19 +297,9 @@ impl PStore for ModelService {
 
     async fn pull(&self, req: Request<PullRequest>) -> Answer<PullResponse> {
         let small = |r: &PullRequest| r.ids.len() <= INLINE_IDS * 8;
-        let (meta, (msg, streamed), ext) = self
-            .run("Pull", req, small, Inner::pull)
-            .await?
-            .into_parts();
-        let resp = Response::from_parts(meta, msg, ext);
-        Ok(match streamed {
-            Some(s) => {
-                let mut resp = resp;
-                resp.extensions_mut().insert(s);
-                resp
-            }
-            None => splice_rows(resp),
-        })
+        self.run("Pull", req, small, Inner::pull)
+            .await
+            .map(splice_rows)
     }
 
     async fn push(&self, req: Request<PushRequest>) -> Answer<PushResponse> {
