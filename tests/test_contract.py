@@ -1473,3 +1473,55 @@ def test_slot_moves_freeze_export_drop_and_refuse_bad_sets(api, fresh):
     a = ok(stub.Push, m.PushRequest(table="mv", ids=ids_bytes(ids), grads=g, request_id=rid))
     assert a.applied
     assert pulled() == f32_bytes([-2.0] * 6)
+
+
+# ---------------------------------------------------------------------------------------------
+# The model server's answers, read by grpcio
+
+
+def test_model_server_answers_are_plain_protobuf_whatever_their_size(api, tmp_path):
+    """A model server sends a pull's rows from the buffer the lookup wrote, past tonic's
+    (server/model.rs, net/splice.rs); grpcio and the protobuf library read an ordinary
+    PullResponse with the in-process lookup's rows, at every size. Malformed pulls get
+    INVALID_ARGUMENT naming the problem and the server goes on."""
+    from pstore import serving
+
+    dim = 8
+    store = pstore.Store()
+    t = store.create_sparse_table("emb", dim, optimizer=optim.SGD(lr=0.1), seed=3)
+    t.pull(np.arange(20_000, dtype=np.uint64))
+    store.snapshot(tmp_path / "snap")
+    store.close()
+    serving.export(tmp_path / "snap", tmp_path / "m")
+    model = serving.ServingStore(tmp_path / "m")
+    srv = model.serve()
+    m = api.m
+    ch = grpc.insecure_channel(srv.address, options=[("grpc.max_receive_message_length", -1)])
+    try:
+        stub = api.PStoreStub(ch)
+        rng = np.random.default_rng(5)
+        # Around the lookup's parallel split (2048) and the blocking pool's (8192).
+        for n in (1, 2047, 2048, 4097, 8193, 50_000):
+            ids = rng.integers(0, 25_000, n, dtype=np.uint64)  # some the artifact lacks
+            a = ok(stub.Pull, m.PullRequest(table="emb", ids=ids_bytes(ids)))
+            assert (a.dim, a.dtype, a.seq, a.version) == (dim, 0, model.generation, a.seq)
+            assert a.rows == model.lookup("emb", ids, default="initial").astype("<f4").tobytes(), n
+            half = ok(stub.Pull, m.PullRequest(table="emb", ids=ids_bytes(ids), dtype=1))
+            assert half.rows == f16_bytes(model.lookup("emb", ids, default="initial")), n
+        bad = {
+            "ids": m.PullRequest(table="emb", ids=ids_bytes(range(5000))[:-3]),
+            "dtype": m.PullRequest(table="emb", ids=ids_bytes(range(5000)), dtype=9),
+            "nope": m.PullRequest(table="nope", ids=ids_bytes(range(5000))),
+        }
+        for what, req in bad.items():
+            with pytest.raises(grpc.RpcError) as e:
+                stub.Pull(req, timeout=TIMEOUT)
+            code = Code.NOT_FOUND if what == "nope" else Code.INVALID_ARGUMENT
+            assert e.value.code() == code and what in (e.value.details() or ""), what
+        ids = np.arange(10_000, dtype=np.uint64)
+        a = ok(stub.Pull, m.PullRequest(table="emb", ids=ids_bytes(ids)))
+        assert a.rows == model.lookup("emb", ids).astype("<f4").tobytes()
+    finally:
+        ch.close()
+        srv.stop(grace=1.0)
+        model.close()

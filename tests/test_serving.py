@@ -193,6 +193,13 @@ def artifact_bytes(out: Path) -> int:
 def read_row_file(path: Path, row_id: int) -> tuple[dict, bytes | None]:
     """Reads one id's stored row from a row file with nothing but docs/FORMAT.md: the header,
     then a linear probe of the slots from ``mix64(id) & (slots - 1)``."""
+    header, at, row_bytes = find_row(path, row_id)
+    return header, None if at is None else path.read_bytes()[at : at + row_bytes]
+
+
+def find_row(path: Path, row_id: int) -> tuple[dict, int | None, int]:
+    """The header of a row file, the offset of one id's stored row in it (None when the file
+    lacks the id) and the row's length in bytes."""
     raw = path.read_bytes()
     fields = struct.unpack_from("<8sIIIIQQQQQI", raw)
     magic, version, dtype, dim, stride, rows, slots, gen, length, artifact, crc = fields
@@ -206,14 +213,14 @@ def read_row_file(path: Path, row_id: int) -> tuple[dict, bytes | None]:
     while True:
         k, w = struct.unpack_from("<QQ", raw, 4096 + 16 * i)
         if w == 0:
-            return header, None
+            return header, None, row_bytes
         r = w & ((1 << 40) - 1)
         assert w >> 40 == mix64(k ^ mix64(r ^ 0x707374726F777332)) >> 40, "the slot's check"
         if k == row_id:
             at = rows_at + (r - 1) * stride
             (row_sum,) = struct.unpack_from("<I", raw, at + row_bytes)
             assert row_sum == zlib.crc32(struct.pack("<Q", k) + raw[at : at + row_bytes])
-            return header, raw[at : at + row_bytes]
+            return header, at, row_bytes
         i = (i + 1) & (slots - 1)
 
 
@@ -1207,6 +1214,116 @@ def test_model_server_answers_lookups_and_refuses_writes(chain, tmp_path):
         if open_srv is not None:
             open_srv.stop(grace=1.0)
     assert not srv.running
+
+
+# The model server's batch boundaries: a lookup of 2048 ids or more is split over the rayon pool
+# in parts of at most 512 (serving/mod.rs); a pull of more than 8192 ids runs on the blocking
+# pool, not the runtime's thread (server/model.rs).
+PARALLEL_IDS, INLINE_IDS = 2048, 8192
+
+
+@pytest.mark.parametrize("dtype", ["float32", "float16", "int8"])
+def test_model_server_pulls_are_lookups_at_every_batch_size(chain, tmp_path, dtype):
+    """A pull's rows are looked up straight into the buffer sent to the socket (server/model.rs,
+    net/splice.rs): every batch, whatever its size against the server's boundaries, with known,
+    unknown and repeated ids in any order, gets exactly the in-process lookup's rows, for every
+    dtype of artifact and wire."""
+    serving.export(chain.snaps[1], tmp_path / "m", dtype=dtype)
+    model = ServingStore(tmp_path / "m")
+    have = chain.states[1]["user"][0]
+    missing = chain.new_ids("user", 300)
+    pool = np.concatenate([have, missing])
+    rng = np.random.default_rng(35)
+    sizes = [1, 511, 513, PARALLEL_IDS - 1, PARALLEL_IDS, PARALLEL_IDS + 1, INLINE_IDS]
+    sizes += [INLINE_IDS + 1, 40_000]
+    servers = {d: model.serve(default=d) for d in ("initial", "zeros")}
+    try:
+        for default, srv in servers.items():
+            c = pstore.connect([srv.address], timeout=30.0)
+            half = pstore.connect([srv.address], timeout=30.0, wire_dtype="float16")
+            for n in sizes:
+                ids = rng.choice(pool, n)
+                want = model.lookup("user", ids, default=default)
+                got = c.table("user").pull(ids)
+                assert got.dtype == F32 and got.shape == (n, 8)
+                np.testing.assert_array_equal(got, want, err_msg=f"{default}, {n} ids")
+                # float16 on the wire: the same rows, rounded.
+                np.testing.assert_array_equal(
+                    half.table("user").pull(ids),
+                    want.astype(np.float16).astype(F32),
+                    err_msg=f"{default}, {n} ids, float16 wire",
+                )
+            # Every id the artifact has, in id order and reversed, in one batch.
+            for ids in (have, have[::-1].copy()):
+                many = np.tile(ids, -(-(INLINE_IDS + 5) // len(ids)))
+                np.testing.assert_array_equal(
+                    c.table("user").pull(many), model.lookup("user", many, default=default)
+                )
+    finally:
+        for srv in servers.values():
+            srv.stop(grace=1.0)
+    model.close()
+
+
+def test_model_server_pull_of_a_damaged_row_fails_and_the_server_goes_on(chain, tmp_path):
+    """A damaged row anywhere in a pull, small or big, fails the pull with CorruptError naming
+    the id, never a wrong row; the server answers the next pulls."""
+    serving.export(chain.snaps[0], tmp_path / "m")
+    probe = ServingStore(tmp_path / "m")
+    info = next(t for t in probe.info()["tables"] if t["name"] == "user")
+    have = chain.states[0]["user"][0]
+    rows = probe.lookup("user", have)
+    probe.close()
+    del probe
+    path = tmp_path / "m" / info["index"]["file"]
+    bad = int(have[len(have) // 2])
+    _, at, _ = find_row(path, bad)
+    assert at is not None
+    data = bytearray(path.read_bytes())
+    data[at + 3] ^= 0x5A
+    path.write_bytes(bytes(data))
+    good = have[have != bad]
+
+    model = ServingStore(tmp_path / "m")
+    srv = model.serve()
+    try:
+        c = pstore.connect([srv.address], timeout=30.0)
+        user = c.table("user")
+        for n, where in ((PARALLEL_IDS, 0), (PARALLEL_IDS, 1500), (INLINE_IDS + 9, INLINE_IDS)):
+            filler = np.resize(good, n)
+            ids = filler.copy()
+            ids[where] = bad
+            with pytest.raises(pstore.CorruptError, match=f"id {bad}"):
+                user.pull(ids)
+            # The server goes on: the next pull, big or small, is answered in full.
+            got = user.pull(filler)
+            np.testing.assert_array_equal(got, np.resize(rows[have != bad], (n, 8)))
+            np.testing.assert_array_equal(user.pull(good[:5]), rows[have != bad][:5])
+        # A small pull of the damaged row fails the same way.
+        with pytest.raises(pstore.CorruptError, match=f"id {bad}"):
+            user.pull(np.array([bad], dtype=np.uint64))
+    finally:
+        srv.stop(grace=1.0)
+    model.close()
+
+
+def test_model_server_refuses_bad_pulls_and_goes_on(chain, tmp_path):
+    serving.export(chain.snaps[0], tmp_path / "m")
+    model = ServingStore(tmp_path / "m")
+    srv = model.serve(max_message=1 << 20)
+    try:
+        c = pstore.connect([srv.address], timeout=30.0)
+        have = chain.states[0]["user"][0]
+        # An answer over the server's message limit: refused before any row is read.
+        with pytest.raises(pstore.PstoreError, match="message limit"):
+            c.table("user").pull(np.resize(have, (1 << 20) // 32 + 1))
+        with pytest.raises(pstore.UnknownTableError):
+            c.table("nope")
+        big = np.resize(have, INLINE_IDS + 3)
+        np.testing.assert_array_equal(c.table("user").pull(big), model.lookup("user", big))
+    finally:
+        srv.stop(grace=1.0)
+    model.close()
 
 
 def test_model_server_contains_before_any_pull(chain, tmp_path):

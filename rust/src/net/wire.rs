@@ -246,11 +246,42 @@ pub fn scatter_chunks(
     let mut pieces = chunks.iter().filter(|c| !c.is_empty());
     let mut cur: &[u8] = &[];
     let mut straddling = Vec::new();
-    for &p in pos {
-        let dst = &mut out[p as usize * dim..(p as usize + 1) * dim];
+    let native = d == Dtype::Float32 && cfg!(target_endian = "little");
+    let mut i = 0;
+    while i < pos.len() {
+        let p = pos[i] as usize;
         if cur.is_empty() {
             cur = pieces.next().map_or(&[][..], |c| &c[..]);
         }
+        // Whole float32 rows of this piece going to consecutive positions (a batch for one
+        // server is in order): one copy for all of them.
+        let whole = if native && row_bytes > 0 {
+            cur.len() / row_bytes
+        } else {
+            0
+        };
+        let run = (1..whole.min(pos.len() - i))
+            .take_while(|&k| pos[i + k] as usize == p + k)
+            .count()
+            + 1;
+        if whole >= 2 && run >= 2 {
+            let dst = &mut out[p * dim..(p + run) * dim];
+            let (rows, rest) = cur.split_at(run * row_bytes);
+            // SAFETY: as in `write_row`: `rows` holds `dst.len()` little-endian f32 values, the
+            // native layout here; `dst` is the caller's output, `rows` a received buffer.
+            unsafe {
+                std::ptr::copy_nonoverlapping(
+                    rows.as_ptr(),
+                    dst.as_mut_ptr().cast::<u8>(),
+                    rows.len(),
+                );
+            }
+            cur = rest;
+            i += run;
+            continue;
+        }
+        i += 1;
+        let dst = &mut out[p * dim..(p + 1) * dim];
         let src = if cur.len() >= row_bytes {
             let (row, rest) = cur.split_at(row_bytes);
             cur = rest;
@@ -439,6 +470,43 @@ mod tests {
                 );
                 let short = &chunks[..chunks.len() - 2];
                 scatter_chunks(short, d, &[1, 0], 3, &mut [MaybeUninit::uninit(); 6]).unwrap_err();
+            }
+        }
+    }
+
+    #[test]
+    fn rows_in_runs_of_positions_are_scattered_whole() {
+        // Runs of consecutive positions, broken runs, rows split between pieces.
+        let dim = 3;
+        let pos: Vec<u32> = vec![0, 1, 2, 3, 7, 8, 4, 5, 6, 10, 9, 11];
+        let v: Vec<f32> = (0..pos.len() * dim).map(|i| i as f32 + 0.5).collect();
+        let want: Vec<f32> = {
+            let mut w = vec![0.0; v.len()];
+            for (k, &p) in pos.iter().enumerate() {
+                let p = p as usize;
+                w[p * dim..(p + 1) * dim].copy_from_slice(&v[k * dim..(k + 1) * dim]);
+            }
+            w
+        };
+        for d in [Dtype::Float32, Dtype::Float16] {
+            let rows = encode_values(&v, d);
+            for piece in [1usize, 5, 12, 13, 24, 40, rows.len()] {
+                let chunks: Vec<Bytes> = (0..rows.len())
+                    .step_by(piece)
+                    .map(|a| rows.slice(a..(a + piece).min(rows.len())))
+                    .collect();
+                let mut out = vec![MaybeUninit::<f32>::uninit(); v.len()];
+                scatter_chunks(&chunks, d, &pos, dim, &mut out).unwrap();
+                // SAFETY: scatter_chunks wrote every row.
+                let got: Vec<f32> = out.iter().map(|x| unsafe { x.assume_init() }).collect();
+                let expect: Vec<f32> = match d {
+                    Dtype::Float32 => want.clone(),
+                    _ => want
+                        .iter()
+                        .map(|&x| half::f16::from_f32(x).to_f32())
+                        .collect(),
+                };
+                assert_eq!(got, expect, "{d:?} in pieces of {piece}");
             }
         }
     }

@@ -3,6 +3,7 @@
 //! row), Contains, DensePull, GetTable, ListTables and Status work as on a store server; every
 //! call that would change something is refused with PERMISSION_DENIED.
 
+use std::mem::MaybeUninit;
 use std::sync::atomic::AtomicUsize;
 use std::sync::Arc;
 use std::time::Instant;
@@ -10,7 +11,10 @@ use std::time::Instant;
 use tonic::{Request, Response, Status};
 
 use super::metrics::{Metrics, Sample, TableSample};
-use super::{authenticate, code_name, fits, launch, on_blocking, Busy, ServerConfig, ServerHandle};
+use super::{
+    authenticate, code_name, fits, launch, on_blocking, splice_rows, Busy, ServerConfig,
+    ServerHandle,
+};
 use crate::durable::TableRecord;
 use crate::error::{Error, Result};
 use crate::net::proto::p_store_server::PStore;
@@ -127,6 +131,51 @@ impl Inner {
         fits(self.max_message, bytes, "pull")
     }
 
+    /// A pull: the rows are looked up straight into the answer's buffer (float32 on the wire),
+    /// which then goes to the socket as it is (`net/splice.rs`), never copied into tonic's.
+    /// The width and the rows come from one pinned generation.
+    fn pull(&self, r: PullRequest) -> Result<PullResponse> {
+        let d = wire::dtype(r.dtype)?;
+        let ids = wire::ids(&r.ids)?;
+        let reader = self.artifact.reader(&r.table)?;
+        let dim = match &reader {
+            Some(t) => t.dim(),
+            None => self.artifact.dim(&r.table)?,
+        };
+        // Refused before any row is read.
+        self.fits(ids.len() * dim * wire::width(d))?;
+        let mut generation = 0;
+        let mut lookup = |out: &mut [f32]| -> Result<()> {
+            generation = match &reader {
+                Some(t) => {
+                    t.lookup(&ids, &self.fallback, out)?;
+                    t.generation()
+                }
+                None => {
+                    self.artifact
+                        .lookup(&r.table, &ids, &self.fallback, out, None)?
+                        .1
+                }
+            };
+            Ok(())
+        };
+        let rows = match d {
+            Dtype::Float32 => wire::fill_f32(ids.len() * dim, |out| lookup(zeroed(out)))?,
+            _ => {
+                let mut v = vec![0.0; ids.len() * dim];
+                lookup(&mut v)?;
+                wire::encode_values(&v, d)
+            }
+        };
+        Ok(PullResponse {
+            rows,
+            dtype: d as i32,
+            dim: dim as u32,
+            seq: generation,
+            version: generation,
+        })
+    }
+
     /// The info of every table of the artifact, as one version has them.
     fn infos(&self) -> Result<(State, Vec<TableInfo>)> {
         let state = self.artifact.state()?;
@@ -137,6 +186,15 @@ impl Inner {
             .collect::<Result<Vec<_>>>()?;
         Ok((state, tables))
     }
+}
+
+/// `out` with every element set to 0.0, as floats.
+fn zeroed(out: &mut [MaybeUninit<f32>]) -> &mut [f32] {
+    for x in out.iter_mut() {
+        x.write(0.0);
+    }
+    // SAFETY: every element was initialised just above; MaybeUninit<f32> has f32's layout.
+    unsafe { std::slice::from_raw_parts_mut(out.as_mut_ptr().cast::<f32>(), out.len()) }
 }
 
 #[derive(Clone)]
@@ -239,48 +297,9 @@ impl PStore for ModelService {
 
     async fn pull(&self, req: Request<PullRequest>) -> Answer<PullResponse> {
         let small = |r: &PullRequest| r.ids.len() <= INLINE_IDS * 8;
-        self.run("Pull", req, small, |s, r| {
-            let d = wire::dtype(r.dtype)?;
-            let ids = wire::ids(&r.ids)?;
-            let (rows, dim, generation) = if ids.len() < INLINE_IDS * 8 {
-                // One read transaction, metadata included.
-                let l = s.artifact.lookup_owned(&r.table, &ids, &s.fallback)?;
-                s.fits(l.rows.len() * wire::width(d))?;
-                (wire::encode_values(&l.rows, d), l.dim, l.generation)
-            } else {
-                let dim = s.artifact.dim(&r.table)?;
-                s.fits(ids.len() * dim * wire::width(d))?;
-                let mut generation = 0;
-                let n = ids.len() * dim;
-                let rows = match d {
-                    Dtype::Float32 => wire::fill_f32(n, |out| {
-                        for x in out.iter_mut() {
-                            x.write(0.0);
-                        }
-                        // SAFETY: every element was initialised just above.
-                        let out = unsafe {
-                            std::slice::from_raw_parts_mut(out.as_mut_ptr().cast::<f32>(), n)
-                        };
-                        generation = s.artifact.lookup(&r.table, &ids, &s.fallback, out, None)?.1;
-                        Ok(())
-                    })?,
-                    _ => {
-                        let l = s.artifact.lookup_owned(&r.table, &ids, &s.fallback)?;
-                        generation = l.generation;
-                        wire::encode_values(&l.rows, d)
-                    }
-                };
-                (rows, dim, generation)
-            };
-            Ok(PullResponse {
-                rows,
-                dtype: d as i32,
-                dim: dim as u32,
-                seq: generation,
-                version: generation,
-            })
-        })
-        .await
+        self.run("Pull", req, small, Inner::pull)
+            .await
+            .map(splice_rows)
     }
 
     async fn push(&self, req: Request<PushRequest>) -> Answer<PushResponse> {

@@ -890,6 +890,17 @@ impl Artifact {
         Ok((found.iter().filter(|&&f| f).count(), p.generation))
     }
 
+    /// `table`'s rows as the current generation has them, for a batch looked up in parts that
+    /// must all read one version (the model server's streamed answers); `None` when the
+    /// table's rows are in LMDB (format 1).
+    pub fn reader(&self, table: &str) -> Result<Option<TableReader>> {
+        Ok(self.pinned_file(table)?.map(|(pinned, file)| TableReader {
+            meta: Arc::clone(&pinned.tables[table].meta),
+            generation: pinned.generation,
+            file,
+        }))
+    }
+
     /// Which of `ids` the artifact has rows for.
     pub fn contains(&self, table: &str, ids: &[u64]) -> Result<Vec<bool>> {
         let Some((_, f)) = self.pinned_file(table)? else {
@@ -1284,6 +1295,44 @@ fn gather(
         .zip(out.par_chunks_mut(chunk * dim))
         .zip(found.par_chunks_mut(chunk))
         .try_for_each(|((ids, out), found)| part(ids, out, found))
+}
+
+/// One generation of a sparse table's row file (see [`Artifact::reader`]): every lookup
+/// through it reads that generation, whatever is applied meanwhile (the mapping stays valid
+/// after the writer deletes the file).
+pub struct TableReader {
+    meta: Arc<TableMeta>,
+    generation: u64,
+    file: Arc<rowfile::RowFile>,
+}
+
+impl TableReader {
+    /// The row width.
+    pub fn dim(&self) -> usize {
+        self.meta.dim
+    }
+
+    /// The generation read.
+    pub fn generation(&self) -> u64 {
+        self.generation
+    }
+
+    /// Writes the rows of `ids` into `out` (`ids.len() * dim` floats), `fallback` for ids the
+    /// artifact lacks: the same rows as [`Artifact::lookup`] at this generation.
+    pub fn lookup(&self, ids: &[u64], fallback: &Fallback, out: &mut [f32]) -> Result<()> {
+        if out.len() != ids.len() * self.meta.dim {
+            return Err(invalid(format!(
+                "a lookup of {} ids in table {:?} (dim {}) needs {} floats of output, got {}",
+                ids.len(),
+                self.meta.name,
+                self.meta.dim,
+                ids.len() * self.meta.dim,
+                out.len()
+            )));
+        }
+        let mut found = vec![false; ids.len()];
+        gather(&self.meta, &self.file, ids, fallback, out, &mut found)
+    }
 }
 
 /// Names `table` in a row file's error (the file knows its path only).
