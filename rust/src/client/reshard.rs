@@ -72,21 +72,6 @@ pub(super) fn is_moving(s: &Status) -> bool {
 }
 
 impl Client {
-    /// Refuses routing changes in a cluster with replica groups: the routing a server holds
-    /// does not reach its followers through replication, so a follower promoted after a change
-    /// would accept writes for slots its group gave away (docs/CLUSTER.md, Limits).
-    pub(super) fn refuse_replica_groups(&self, what: &str) -> Result<()> {
-        match self.servers.iter().find(|s| s.group.members.len() > 1) {
-            Some(s) => Err(invalid(format!(
-                "cannot {what}: position {:?} is a replica group, and the routing a server holds \
-                 does not reach its followers yet (a follower promoted later would accept writes \
-                 for slots its group gave away); move slots only between positions of one member",
-                s.name
-            ))),
-            None => Ok(()),
-        }
-    }
-
     /// The table this client routes by now.
     pub(super) fn route(&self) -> Arc<Route> {
         Arc::clone(&self.route.read().unwrap_or_else(|e| e.into_inner()))
@@ -177,7 +162,6 @@ impl Client {
     /// no rows: what the servers held under the old owners stays where it is, so this is the
     /// last step of a move, after the rows are on their new owners.
     pub fn publish_routing(&self, table: SlotTable) -> Result<()> {
-        self.refuse_replica_groups("publish a routing")?;
         let n = self.servers.len();
         if table.servers() != n {
             return Err(invalid(format!(
