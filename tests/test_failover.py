@@ -373,9 +373,29 @@ def test_a_follower_promoted_after_a_move_refuses_the_slots_its_group_gave_away(
         assert fresh.slots["ranges"] == [[0, 16384, 1]]
         rows = fresh.sparse_table("t").pull(ids)
         assert np.all(rows == -2.0), np.unique(rows, return_counts=True)
+        for p in procs:
+            p.stop()
+        # The request ids the move copied to group 1 are kept, on its follower too (a retry
+        # split from a push applied on group 0 is answered there after a failover or restart).
+        copied = [_meta(tmp_path / f"g1-{m}", b"cluster/copied_request_ids") for m in "ab"]
+        assert copied[0] and len(copied[0]) % 16 == 0 and copied[0] == copied[1]
     finally:
         for p in procs:
             p.stop()
+
+
+def _meta(path: Path, key: bytes) -> bytes | None:
+    """A key of a stopped server's `meta` database."""
+    import lmdb
+
+    env = lmdb.open(str(path), readonly=True, lock=False, max_dbs=1024, subdir=True)
+    try:
+        db = env.open_db(b"meta", create=False)
+        with env.begin(db=db) as txn:
+            v = txn.get(key)
+            return None if v is None else bytes(v)
+    finally:
+        env.close()
 
 
 def test_a_follower_that_resyncs_gets_the_routing_and_keeps_it(tmp_path: Path) -> None:

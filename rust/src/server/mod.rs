@@ -96,6 +96,8 @@ pub const WINDOW: u32 = 64 << 20;
 enum On {
     Pool,
     Blocking,
+    /// On the runtime's thread: only for work that never blocks (a few locks held briefly).
+    Inline,
 }
 
 #[derive(Clone, Copy, PartialEq)]
@@ -466,6 +468,11 @@ impl Service {
         if self.0.routing.replaces_layout(req) {
             return Ok(());
         }
+        if self.0.follower().is_some() {
+            // A follower holds its primary's layout (`held.rs`) and enforces it once promoted;
+            // it changes nothing, so it answers reads for any list.
+            return Ok(());
+        }
         if self.0.layout.check(&self.0.store, req)? {
             // Taken just now: a primary's followers get it with the next entry.
             held::ship(&self.0, None, false).map_err(|e| status_of(&e))?;
@@ -510,7 +517,9 @@ impl Service {
             Ok(()) => {
                 let inner = Arc::clone(&self.0);
                 let msg = req.into_inner();
-                if on == On::Pool && self.0.in_memory {
+                if on == On::Inline {
+                    f(&inner, msg).map_err(|e| status_of(&e))
+                } else if on == On::Pool && self.0.in_memory {
                     // Straight onto the store's pool: one hand-off instead of two (runtime ->
                     // blocking thread -> pool). Only for an in-memory store: a durable store's
                     // flusher holds a table's change lock while it runs work on the same pool,
@@ -1357,7 +1366,9 @@ impl PStore for Service {
         &self,
         req: Request<ReplicaAckRequest>,
     ) -> std::result::Result<Response<ReplicaAckResponse>, Status> {
-        self.run("ReplicaAck", Access::Write, On::Pool, req, |s, r| {
+        // Inline: an ack holds the log's lock a moment; a hop to the blocking pool would delay
+        // every push waiting with ack_all for it.
+        self.run("ReplicaAck", Access::Write, On::Inline, req, |s, r| {
             match &s.primary() {
                 Some(p) => p.ack(&r.follower, r.replication_id, r.lsn)?,
                 None => return Err(invalid("this server is not a replication primary")),
