@@ -96,8 +96,6 @@ pub const WINDOW: u32 = 64 << 20;
 enum On {
     Pool,
     Blocking,
-    /// On the runtime's thread: only for work that never blocks (a few locks held briefly).
-    Inline,
 }
 
 #[derive(Clone, Copy, PartialEq)]
@@ -517,9 +515,7 @@ impl Service {
             Ok(()) => {
                 let inner = Arc::clone(&self.0);
                 let msg = req.into_inner();
-                if on == On::Inline {
-                    f(&inner, msg).map_err(|e| status_of(&e))
-                } else if on == On::Pool && self.0.in_memory {
+                if on == On::Pool && self.0.in_memory {
                     // Straight onto the store's pool: one hand-off instead of two (runtime ->
                     // blocking thread -> pool). Only for an in-memory store: a durable store's
                     // flusher holds a table's change lock while it runs work on the same pool,
@@ -1366,9 +1362,7 @@ impl PStore for Service {
         &self,
         req: Request<ReplicaAckRequest>,
     ) -> std::result::Result<Response<ReplicaAckResponse>, Status> {
-        // Inline: an ack holds the log's lock a moment; a hop to the blocking pool would delay
-        // every push waiting with ack_all for it.
-        self.run("ReplicaAck", Access::Write, On::Inline, req, |s, r| {
+        self.run("ReplicaAck", Access::Write, On::Pool, req, |s, r| {
             match &s.primary() {
                 Some(p) => p.ack(&r.follower, r.replication_id, r.lsn)?,
                 None => return Err(invalid("this server is not a replication primary")),

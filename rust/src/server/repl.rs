@@ -1031,10 +1031,7 @@ impl Follower {
     }
 
     fn run(self: Arc<Self>) {
-        // One worker thread: the acks go out on it while this thread applies entries.
-        let rt = match tokio::runtime::Builder::new_multi_thread()
-            .worker_threads(1)
-            .thread_name("pstore-follower-ack")
+        let rt = match tokio::runtime::Builder::new_current_thread()
             .enable_all()
             .build()
         {
@@ -1077,7 +1074,7 @@ impl Follower {
     }
 
     /// One stream from the primary, until it ends or fails.
-    fn session(self: &Arc<Self>, rt: &tokio::runtime::Runtime) -> Result<()> {
+    fn session(&self, rt: &tokio::runtime::Runtime) -> Result<()> {
         let remote = |e: Status| Error::Remote {
             server: self.primary.clone(),
             code: e.code() as i32,
@@ -1113,66 +1110,20 @@ impl Follower {
             s.connected = true;
             s.last_error = None;
         }
-        // Acks go out on the runtime's worker while this thread applies the next entries; a
-        // newer ack replaces one not sent yet (the primary needs only the newest LSN held).
-        let (ack_tx, ack_rx) = watch::channel(None);
-        let failed = Arc::new(Mutex::new(None));
-        let acker = rt.spawn(Arc::clone(self).acks(stub, ack_rx, Arc::clone(&failed)));
-        let out = self.pull(rt, &mut stream, &ack_tx, &failed);
-        drop(ack_tx);
-        // The ack under way ends first: the primary's write lease from this follower ends at
-        // most a lease after the last ack ended (`promotable`).
-        let _ = rt.block_on(acker);
-        out
-    }
-
-    /// Sends the newest LSN held to the primary each time it changes, until the session ends
-    /// or an ack fails (then `failed` says why, and the session ends).
-    async fn acks(
-        self: Arc<Self>,
-        mut stub: PStoreClient<tonic::transport::Channel>,
-        mut rx: watch::Receiver<Option<(u64, u64)>>,
-        failed: Arc<Mutex<Option<Status>>>,
-    ) {
-        while rx.changed().await.is_ok() {
-            let Some((id, lsn)) = *rx.borrow_and_update() else {
-                continue;
-            };
-            let ack = self.request(ReplicaAckRequest {
-                follower: self.name(),
-                replication_id: id,
-                lsn,
-            });
-            let out = stub.replica_ack(ack).await;
-            self.lock().last_ack_end = Some(Instant::now());
-            if let Err(e) = out {
-                *failed.lock().unwrap_or_else(|e| e.into_inner()) = Some(e);
-                self.wake.notify_one();
-                return;
-            }
-        }
-    }
-
-    /// Applies what the stream brings, handing each LSN held to the acker, until the stream
-    /// ends or fails, an ack fails, or the follower stops.
-    fn pull(
-        &self,
-        rt: &tokio::runtime::Runtime,
-        stream: &mut tonic::Streaming<ReplicateMessage>,
-        ack_tx: &watch::Sender<Option<(u64, u64)>>,
-        failed: &Mutex<Option<Status>>,
-    ) -> Result<()> {
-        let remote = |e: Status| Error::Remote {
-            server: self.primary.clone(),
-            code: e.code() as i32,
-            message: format!("the primary {}: {}", self.primary, e.message()),
-        };
+        let mut to_ack: Option<(u64, u64)> = None;
         loop {
-            if let Some(e) = failed.lock().unwrap_or_else(|e| e.into_inner()).take() {
-                return Err(remote(e));
-            }
             if self.stop.load(Ordering::Acquire) {
                 return Ok(());
+            }
+            if let Some((id, lsn)) = to_ack.take() {
+                let ack = self.request(ReplicaAckRequest {
+                    follower: self.name(),
+                    replication_id: id,
+                    lsn,
+                });
+                let out = rt.block_on(stub.replica_ack(ack));
+                self.lock().last_ack_end = Some(Instant::now());
+                out.map_err(remote)?;
             }
             let next = rt.block_on(async {
                 tokio::select! {
@@ -1181,8 +1132,7 @@ impl Follower {
                 }
             });
             let Some(next) = next else {
-                // Woken: stopping, or an ack failed (the top of the loop says which).
-                continue;
+                return Ok(());
             };
             let m = match next {
                 Err(_) => {
@@ -1205,9 +1155,7 @@ impl Follower {
                     _ => break,
                 }
             }
-            if let Some(a) = self.apply(batch)? {
-                ack_tx.send_replace(Some(a));
-            }
+            to_ack = self.apply(batch)?;
         }
     }
 
