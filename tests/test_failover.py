@@ -319,27 +319,157 @@ def test_reads_from_a_follower_after_a_failover_report_its_lag(tmp_path: Path) -
         a.stop()
 
 
-def test_routing_changes_are_refused_in_a_cluster_with_replica_groups(tmp_path: Path) -> None:
-    """The routing a server holds does not reach its followers yet: a follower promoted after a
-    move would accept writes for slots its group gave away. So moving slots or publishing a
-    routing with a replica group in the list is refused, naming it, and changes nothing."""
-    a, b = _group(tmp_path)
-    single = ServerProcess()
-    single.wait_ready()
+def _get_routing(address: str) -> bytes:
+    """The raw `Routing` a server answers GetRouting with (empty: it holds none)."""
+    with grpc.insecure_channel(address) as ch:
+        get = ch.unary_unary(
+            "/pstore.v1.PStore/GetRouting",
+            request_serializer=lambda b: b,
+            response_deserializer=lambda b: b,
+        )
+        out: bytes = get(b"", timeout=20)
+        return out
+
+
+def _assert_moved(address: str, ids: np.ndarray) -> None:
+    code, msg = _raw_push(address, ids, None)
+    assert code == grpc.StatusCode.FAILED_PRECONDITION and msg.startswith("moved:"), (code, msg)
+
+
+def test_a_follower_promoted_after_a_move_refuses_the_slots_its_group_gave_away(
+    tmp_path: Path,
+) -> None:
+    """The manual run that found the defect: slots move away from a replica group of 2, its
+    primary is killed with SIGKILL, its follower promoted; a worker connected before the move
+    pushes again. The promoted follower holds the routing (it came through the replication
+    log), answers "moved", and the worker's push lands on the new owner: every row exactly two
+    pushes, none one short (the defect) and none applied twice."""
+    a0, b0 = _group(tmp_path, "g0")
+    a1, b1 = _group(tmp_path, "g1")
+    procs = [a0, b0, a1, b1]
     try:
-        c = pstore.connect([[a.address, b.address], single.address])  # type: ignore[list-item]
-        t = _sgd_table(c)
-        ids = np.arange(1, 501, dtype=np.int64)
-        t.push(ids, np.ones((len(ids), DIM), np.float32))
-        before = c.slots
-        moved = dict(before, epoch=before["epoch"] + 1, ranges=[[0, 16384, 1]])
-        with pytest.raises(pstore.InvalidArgumentError, match="replica group"):
-            c.move_slots(moved)
-        with pytest.raises(pstore.InvalidArgumentError, match="replica group"):
-            c.publish_routing(moved)
-        fresh = pstore.connect([[a.address, b.address], single.address])  # type: ignore[list-item]
-        assert fresh.slots == before
-        assert np.all(fresh["t"].pull(ids) == -1.0)
+        groups = [[a0.address, b0.address], [a1.address, b1.address]]
+        stale = pstore.connect(groups, timeout=10.0)  # type: ignore[arg-type]
+        t = _sgd_table(stale)
+        ids = np.arange(1, 2001, dtype=np.int64)
+        grads = np.ones((len(ids), DIM), np.float32)
+        t.push(ids, grads)
+        mover = pstore.connect(groups)  # type: ignore[arg-type]
+        before = mover.slots
+        rep = mover.move_slots(dict(before, ranges=[[0, 16384, 1]]))
+        assert rep["slots"] == sum(e - s for s, e, o in before["ranges"] if o == 0) > 0
+        assert rep["rows"] > 0
+        # The giving group's follower has the routing before the move returned.
+        assert _get_routing(b0.address) == _get_routing(a0.address) != b""
+        a0.send(signal.SIGKILL)
+        a0.proc.wait(30)
+        assert pstore.promote(b0.address)["epoch"] == 2
+        # Every id is group 1's now: the promoted follower refuses them all.
+        _assert_moved(b0.address, ids[:8])
+        # The stale worker (routing epoch 0) pushes again: its part for group 0 fails over to
+        # b0, is answered "moved", and goes to group 1.
+        t.push(ids, grads)
+        fresh = pstore.connect(groups)  # type: ignore[arg-type]
+        assert fresh.slots["ranges"] == [[0, 16384, 1]]
+        rows = fresh.sparse_table("t").pull(ids)
+        assert np.all(rows == -2.0), np.unique(rows, return_counts=True)
+        for p in procs:
+            p.stop()
+        # The request ids the move copied to group 1 are kept, on its follower too (a retry
+        # split from a push applied on group 0 is answered there after a failover or restart).
+        copied = [_meta(tmp_path / f"g1-{m}", b"cluster/copied_request_ids") for m in "ab"]
+        assert copied[0] and len(copied[0]) % 16 == 0 and copied[0] == copied[1]
     finally:
-        for p in (a, b, single):
+        for p in procs:
+            p.stop()
+
+
+def _meta(path: Path, key: bytes) -> bytes | None:
+    """A key of a stopped server's `meta` database."""
+    import lmdb
+
+    env = lmdb.open(str(path), readonly=True, lock=False, max_dbs=1024, subdir=True)
+    try:
+        db = env.open_db(b"meta", create=False)
+        with env.begin(db=db) as txn:
+            v = txn.get(key)
+            return None if v is None else bytes(v)
+    finally:
+        env.close()
+
+
+def test_a_follower_that_resyncs_gets_the_routing_and_keeps_it(tmp_path: Path) -> None:
+    """A follower started after a move gets the routing with its resync from a snapshot, keeps
+    it on disk, and enforces it once promoted, across a restart too."""
+    a0, b0 = _group(tmp_path, "g0")
+    a1, b1 = _group(tmp_path, "g1")
+    procs = [a0, b0, a1, b1]
+    try:
+        groups = [[a0.address, b0.address], [a1.address, b1.address]]
+        c = pstore.connect(groups)  # type: ignore[arg-type]
+        t = _sgd_table(c)
+        ids = np.arange(1, 1001, dtype=np.int64)
+        t.push(ids, np.ones((len(ids), DIM), np.float32))
+        c.move_slots(dict(c.slots, ranges=[[0, 16384, 1]]))
+        assert np.all(c.sparse_table("t").pull(ids) == -1.0)
+        # A new follower of group 0: no log covers it, it resyncs.
+        d0 = ServerProcess(
+            "--path", str(tmp_path / "g0-d"), "--durability", "sync", "--follow", a0.address
+        )
+        procs.append(d0)
+        d = d0.wait_ready()
+        _wait_caught_up(pstore.connect([a0.address]), d)
+        assert _status(d)["resyncs"] >= 1
+        assert _get_routing(d0.address) == _get_routing(a0.address) != b""
+        b0.stop()
+        a0.send(signal.SIGKILL)
+        a0.proc.wait(30)
+        pstore.promote(d0.address)
+        _assert_moved(d0.address, ids[:8])
+        d0.stop()
+        d0b = ServerProcess("--path", str(tmp_path / "g0-d"), "--durability", "sync")
+        procs.append(d0b)
+        d0b.wait_ready()
+        _assert_moved(d0b.address, ids[:8])
+    finally:
+        for p in procs:
+            p.stop()
+
+
+def test_a_third_member_follows_the_promoted_follower(tmp_path: Path) -> None:
+    """A group of three: when its primary is killed and one follower promoted, the other
+    follower (which knows its fellow followers from the primary's heartbeats) finds the new
+    primary by itself, resyncs from it and acknowledges its pushes."""
+    a, b = _group(tmp_path)
+    c = ServerProcess(
+        "--path", str(tmp_path / "g-c"), "--durability", "sync", "--follow", a.address
+    )
+    try:
+        c.wait_ready()
+        group = [a.address, b.address, c.address]
+        w = pstore.connect([group], ack="all", timeout=20.0)  # type: ignore[list-item]
+        t = _sgd_table(w)
+        ids = np.arange(1, 101, dtype=np.int64)
+        t.push(ids, np.ones((len(ids), DIM), np.float32))
+        cs = pstore.connect([c.address], retries=0)
+        _wait_caught_up(pstore.connect([a.address]), cs)
+        time.sleep(1.5)  # a heartbeat names every follower to every follower
+        a.send(signal.SIGKILL)
+        a.proc.wait(30)
+        pstore.promote(b.address)
+        rep = _wait_role(cs, "follower")
+        deadline = time.monotonic() + 30
+        while rep["primary"] != b.address:
+            assert time.monotonic() < deadline, rep
+            time.sleep(0.1)
+            rep = _status(cs)
+        t.push(ids, np.ones((len(ids), DIM), np.float32))
+        _wait_caught_up(pstore.connect([b.address]), cs)
+        assert rep["epoch"] == 2 or _status(cs)["epoch"] == 2
+        b.stop()
+        c.stop()
+        rows = _rows_of(tmp_path / "g-c")
+        assert rows == _rows_of(tmp_path / "g-b")
+    finally:
+        for p in (c, b, a):
             p.stop()

@@ -84,15 +84,15 @@ pub(super) fn is_moving(s: &Status) -> bool {
 }
 
 impl Client {
-    /// Refuses routing changes in a cluster with replica groups: the routing a server holds
-    /// does not reach its followers through replication, so a follower promoted after a change
-    /// would accept writes for slots its group gave away (docs/CLUSTER.md, Limits).
+    /// Refuses list changes in a cluster with replica groups: the routing (and its list) reaches
+    /// followers, but a client connected with groups cannot follow a list that changed
+    /// (docs/CLUSTER.md, Limits). Slot moves and publishes work with groups.
     pub(super) fn refuse_replica_groups(&self, what: &str) -> Result<()> {
         match self.list().iter().find(|s| s.group.members.len() > 1) {
             Some(s) => Err(invalid(format!(
-                "cannot {what}: position {:?} is a replica group, and the routing a server holds \
-                 does not reach its followers yet (a follower promoted later would accept writes \
-                 for slots its group gave away); move slots only between positions of one member",
+                "cannot {what}: position {:?} is a replica group, and clients connected with \
+                 replica groups cannot follow a changed server list in this version; move slots \
+                 between the groups instead (move_slots works with replica groups)",
                 s.name
             ))),
             None => Ok(()),
@@ -291,7 +291,6 @@ impl Client {
     /// no rows: what the servers held under the old owners stays where it is, so this is the
     /// last step of a move, after the rows are on their new owners.
     pub fn publish_routing(&self, table: SlotTable) -> Result<()> {
-        self.refuse_replica_groups("publish a routing")?;
         let names = self.names();
         let n = names.len();
         if table.servers() != n {

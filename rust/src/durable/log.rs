@@ -39,12 +39,15 @@ pub struct CommitEntry {
     pub dropped: Vec<String>,
     /// The changes, table by table.
     pub tables: Vec<TableCommit>,
+    /// What the server holds beside its tables (its routing, ...), encoded by the server,
+    /// when it changed since the last entry; opaque here.
+    pub held: Option<Vec<u8>>,
 }
 
 impl CommitEntry {
     /// Nothing in it.
     pub fn is_empty(&self) -> bool {
-        self.dropped.is_empty() && self.tables.is_empty()
+        self.dropped.is_empty() && self.tables.is_empty() && self.held.is_none()
     }
 
     /// The bytes its rows and values take (what a bounded log counts).
@@ -62,6 +65,7 @@ impl CommitEntry {
             })
             .sum::<usize>()
             + self.dropped.iter().map(String::len).sum::<usize>()
+            + self.held.as_ref().map_or(0, Vec::len)
     }
 
     fn table(&mut self, name: &str) -> &mut TableCommit {
@@ -191,6 +195,14 @@ impl Shipping {
         let mut p = self.pending();
         p.tables.retain(|t| t.name != name);
         p.dropped.push(name.to_string());
+    }
+
+    /// The server's held state changed (the newest replaces one not handed on yet).
+    pub(super) fn held(&self, held: Vec<u8>) {
+        if !self.has_sink() {
+            return;
+        }
+        self.pending().held = Some(held);
     }
 
     /// After cycle `lsn` committed something: hands its entry to the sink.

@@ -171,6 +171,13 @@ impl Flusher {
         self.cycle_soon();
     }
 
+    /// What the server holds beside its tables changed (`held`, encoded by the server): the
+    /// next entry of the commit log carries it. Asks for a cycle without waiting for it.
+    pub fn ship_held(&self, held: Vec<u8>) {
+        self.ship.held(held);
+        self.cycle_soon();
+    }
+
     /// When the commit log has creations or drops to hand on: asks for a cycle without
     /// waiting for it (the caller may hold cycles off), so they do not wait for the next write.
     fn cycle_soon(&self) {

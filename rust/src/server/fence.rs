@@ -44,7 +44,8 @@ struct Record {
     /// A follower's primary.
     #[serde(default)]
     primary: Option<String>,
-    /// A primary's followers that have been live under this epoch.
+    /// A primary's followers that have been live under this epoch; a follower's fellow
+    /// followers, as its primary named them.
     #[serde(default)]
     members: Vec<String>,
     /// A promoted primary: what it was promoted from.
@@ -78,6 +79,10 @@ pub struct Group {
     addr: Mutex<String>,
     stop: AtomicBool,
     thread: Mutex<Option<std::thread::JoinHandle<()>>>,
+    /// The server's held state (routing, ...), given to each primary and follower it runs.
+    held: Mutex<Option<Arc<dyn super::repl::Held>>>,
+    /// When a follower whose primary is silent last asked its fellow followers.
+    asked: Mutex<Option<Instant>>,
 }
 
 fn storage_of(store: &Store) -> Result<Arc<crate::storage::Storage>> {
@@ -192,6 +197,8 @@ impl Group {
             addr: Mutex::new(String::new()),
             stop: AtomicBool::new(false),
             thread: Mutex::new(None),
+            held: Mutex::new(None),
+            asked: Mutex::new(None),
         });
         g.save()?;
         Ok(g)
@@ -205,6 +212,30 @@ impl Group {
         let v =
             serde_json::to_vec(&self.lock().record).map_err(|e| Error::Internal(e.to_string()))?;
         storage_of(&self.store)?.write(|w| w.put_meta(GROUP_KEY, &v))
+    }
+
+    /// Gives the server's held state to the primary or follower it runs, now and after a
+    /// promotion or a step down (before [`Group::spawn`]).
+    pub fn attach(&self, h: Arc<dyn super::repl::Held>) {
+        *self.held.lock().unwrap_or_else(|e| e.into_inner()) = Some(Arc::clone(&h));
+        let s = self.lock();
+        if let Some(p) = &s.primary {
+            p.held.set(Arc::clone(&h));
+        }
+        if let Some(f) = &s.follower {
+            f.held.set(h);
+        }
+    }
+
+    fn attach_held(&self, p: Option<&Primary>, f: Option<&Follower>) {
+        if let Some(h) = self.held.lock().unwrap_or_else(|e| e.into_inner()).clone() {
+            if let Some(p) = p {
+                p.held.set(Arc::clone(&h));
+            }
+            if let Some(f) = f {
+                f.held.set(h);
+            }
+        }
     }
 
     /// The primary's log, while this server is primary.
@@ -387,6 +418,7 @@ impl Group {
             }
             self.save()?;
             let p = Primary::start(Arc::clone(&self.store), self.config.clone(), epoch)?;
+            self.attach_held(Some(&p), None);
             Ok((epoch, p))
         };
         let (epoch, p) = start().map_err(|e| crate::net::status_of(&e))?;
@@ -464,16 +496,40 @@ impl Group {
         };
         if let Some(f) = f {
             let heard = f.primary_epoch();
-            let changed = {
+            let siblings = f.siblings();
+            let (changed, members) = {
                 let mut s = self.lock();
-                let c = heard > s.record.epoch;
+                let mut c = heard > s.record.epoch;
                 if c {
                     s.record.epoch = heard;
                 }
-                c
+                if !siblings.is_empty() && siblings != s.record.members {
+                    s.record.members = siblings;
+                    c = true;
+                }
+                (c, s.record.members.clone())
             };
             if changed {
                 self.save()?;
+            }
+            // The primary is silent: was one of the other followers promoted? Then follow it
+            // (a third member of a group does not stay with a dead primary).
+            if f.silent_for() >= self.config.ack_timeout && !members.is_empty() {
+                let due = {
+                    let mut a = self.asked.lock().unwrap_or_else(|e| e.into_inner());
+                    let due = a.is_none_or(|t| t.elapsed() >= Duration::from_secs(1));
+                    if due {
+                        *a = Some(Instant::now());
+                    }
+                    due
+                };
+                if due {
+                    for name in members {
+                        if let Probe::Newer(epoch, _) = self.probe(rt, &name) {
+                            return self.follow_newer(&f, &name, epoch);
+                        }
+                    }
+                }
             }
             return Ok(());
         }
@@ -546,6 +602,32 @@ impl Group {
         }
     }
 
+    /// This follower's primary is silent and `primary` is the primary of the newer group
+    /// `epoch`: follow it (a full resync: its log has another replication id).
+    fn follow_newer(&self, f: &Arc<Follower>, primary: &str, epoch: u64) -> Result<()> {
+        eprintln!(
+            "pstore: {} is silent and {primary} is primary of group epoch {epoch}: this follower \
+             follows it now (a full resync)",
+            f.primary
+        );
+        f.stop();
+        let mut c = self.config.clone();
+        c.follow = Some(primary.to_string());
+        let nf = Follower::new(Arc::clone(&self.store), c)?;
+        self.attach_held(None, Some(&nf));
+        {
+            let mut s = self.lock();
+            s.record.epoch = epoch;
+            s.record.role = "follower".into();
+            s.record.primary = Some(primary.to_string());
+            s.record.members.retain(|m| m != primary);
+            s.follower = Some(Arc::clone(&nf));
+        }
+        self.save()?;
+        let addr = self.addr.lock().unwrap_or_else(|e| e.into_inner()).clone();
+        nf.spawn(&addr)
+    }
+
     /// A newer epoch has `primary`: refuse writes from now on, and follow it.
     fn step_down(
         &self,
@@ -579,6 +661,7 @@ impl Group {
         let mut c = self.config.clone();
         c.follow = Some(primary.to_string());
         let f = Follower::new(Arc::clone(&self.store), c)?;
+        self.attach_held(None, Some(&f));
         {
             let mut s = self.lock();
             s.record = Record {

@@ -60,18 +60,40 @@ impl Layout {
         Ok(())
     }
 
-    /// Refuses a request whose layout is not this server's while it holds tables.
+    /// The pinned hash, if any.
+    pub(super) fn pinned(&self) -> Option<String> {
+        self.0.lock().unwrap_or_else(|e| e.into_inner()).clone()
+    }
+
+    /// Replaces the pinned hash with `hash` (none: none pinned), as a follower takes its
+    /// primary's (decision 0101); kept first by a durable store.
+    pub(super) fn replace(&self, store: &Store, hash: Option<String>) -> Result<()> {
+        let mut pinned = self.0.lock().unwrap_or_else(|e| e.into_inner());
+        if let Some(f) = store.flusher() {
+            match &hash {
+                Some(h) => f
+                    .storage()
+                    .write(|w| w.put_meta(LAYOUT_META, h.as_bytes()))?,
+                None => f.storage().write(|w| w.delete_meta(LAYOUT_META))?,
+            }
+        }
+        *pinned = hash;
+        Ok(())
+    }
+
+    /// Refuses a request whose layout is not this server's while it holds tables; `Ok(true)`
+    /// when it took the request's hash as its own just now.
     pub(super) fn check<T>(
         &self,
         store: &Store,
         req: &Request<T>,
-    ) -> std::result::Result<(), Status> {
+    ) -> std::result::Result<bool, Status> {
         let Some(given) = req.metadata().get(LAYOUT_KEY).and_then(|v| v.to_str().ok()) else {
-            return Ok(());
+            return Ok(false);
         };
         let mut pinned = self.0.lock().unwrap_or_else(|e| e.into_inner());
         match pinned.as_deref() {
-            Some(p) if p == given => Ok(()),
+            Some(p) if p == given => Ok(false),
             Some(p) if !store.tables().is_empty() => Err(status_of(&invalid(format!(
                 "this server holds tables of the cluster whose layout (server list and slot \
                  table) hashes to {p}; this client's layout hashes to {given}: every worker must \
@@ -86,7 +108,7 @@ impl Layout {
                         .map_err(|e| status_of(&e))?;
                 }
                 *pinned = Some(given.to_string());
-                Ok(())
+                Ok(true)
             }
         }
     }

@@ -11,6 +11,7 @@ pub mod bsp;
 mod bulk;
 pub mod conn;
 pub mod fence;
+mod held;
 pub mod layout;
 mod load;
 pub mod metrics;
@@ -129,6 +130,8 @@ struct Inner {
     routing: routing::Routes,
     /// Slots being moved away: their writes wait (`moves.rs`).
     frozen: moves::Frozen,
+    /// The request ids moves copied here (`held.rs`).
+    copied: held::Copied,
 }
 
 impl Inner {
@@ -430,6 +433,9 @@ impl Service {
             "SetLr",
             "BulkLoad",
             "LoadSnapshot",
+            "SetRouting",
+            "FreezeSlots",
+            "DropSlots",
         ];
         let Some(g) = &self.0.group else {
             return Ok(());
@@ -460,7 +466,16 @@ impl Service {
         if self.0.routing.replaces_layout(req) {
             return Ok(());
         }
-        self.0.layout.check(&self.0.store, req)
+        if self.0.follower().is_some() {
+            // A follower holds its primary's layout (`held.rs`) and enforces it once promoted;
+            // it changes nothing, so it answers reads for any list.
+            return Ok(());
+        }
+        if self.0.layout.check(&self.0.store, req)? {
+            // Taken just now: a primary's followers get it with the next entry.
+            held::ship(&self.0, None, false).map_err(|e| status_of(&e))?;
+        }
+        Ok(())
     }
 
     fn check<T>(&self, req: &Request<T>, access: Access) -> std::result::Result<(), Status> {
@@ -1178,9 +1193,12 @@ impl PStore for Service {
             // Request ids of pushes applied to rows moved here: answered, never applied again.
             let known = moves::request_ids(&r.applied_request_ids)?;
             if r.table.is_empty() && !known.is_empty() {
+                // Kept, and on every live follower, before the routing gives the slots here.
+                s.copied.add(&s.store, &known)?;
                 for id in known {
                     s.pushes.remember(id, bsp_accepted(0, 0));
                 }
+                held::ship(s, None, true)?;
                 return Ok(BulkLoadResponse::default());
             }
             if !known.is_empty() {
@@ -1209,9 +1227,11 @@ impl PStore for Service {
                     )));
                 }
             }
-            Ok(FreezeSlotsResponse {
-                frozen: s.frozen.set(&set, !r.thaw) as u32,
-            })
+            let frozen = s.frozen.set(&set, !r.thaw) as u32;
+            // On every live follower before the rows are copied (a follower promoted during
+            // the move refuses writes to them too).
+            held::ship(s, None, true)?;
+            Ok(FreezeSlotsResponse { frozen })
         })
         .await
     }
@@ -1399,6 +1419,8 @@ impl PStore for Service {
                         .set(&s.store, r, |hash| s.layout.pin(&s.store, hash))
                 },
                 |k| s.routing.owns_slot(k) == Some(false),
+                // On every live follower before any write goes on under the new routing.
+                |frozen| held::ship(s, Some(frozen), true),
             )
         })
         .await
@@ -1499,7 +1521,14 @@ pub fn start(store: Arc<Store>, config: ServerConfig) -> Result<ServerHandle> {
         group: group.clone(),
         routing: routing::Routes::load(&store)?,
         frozen: moves::Frozen::default(),
+        copied: held::Copied::load(&store)?,
     });
+    for id in inner.copied.ids() {
+        inner.pushes.remember(id, bsp_accepted(0, 0));
+    }
+    if let Some(g) = &group {
+        g.attach(Arc::new(held::Link(Arc::downgrade(&inner))));
+    }
     let m = Arc::clone(&inner);
     let mut h = launch(
         Service(Arc::clone(&inner)),

@@ -78,12 +78,15 @@ impl Frozen {
     }
 
     /// Runs `publish` (a routing change) with every write held off, then thaws the slots
-    /// `moved` says this server no longer owns: a write that passed its ownership check under
-    /// its pass finishes first, and one after it checks against the new routing.
+    /// `moved` says this server no longer owns, and runs `after` with the slots still frozen
+    /// before any write goes on (a primary hands the change to its followers there): a write
+    /// that passed its ownership check under its pass finishes first, and one after it checks
+    /// against the new routing.
     pub(super) fn publish<R>(
         &self,
         publish: impl FnOnce() -> Result<R>,
         moved: impl Fn(usize) -> bool,
+        after: impl FnOnce(&[bool]) -> Result<()>,
     ) -> Result<R> {
         let mut g = self.0.write().unwrap_or_else(|e| e.into_inner());
         let out = publish()?;
@@ -92,7 +95,20 @@ impl Frozen {
                 *f = false;
             }
         }
+        after(&g)?;
         Ok(out)
+    }
+
+    /// The frozen slots.
+    pub(super) fn slots(&self) -> Vec<bool> {
+        self.0.read().unwrap_or_else(|e| e.into_inner()).clone()
+    }
+
+    /// Replaces the frozen slots with `set` (a follower taking its primary's).
+    pub(super) fn replace(&self, set: &[bool]) {
+        let mut g = self.0.write().unwrap_or_else(|e| e.into_inner());
+        let n = g.len();
+        g.copy_from_slice(&set[..n]);
     }
 
     /// A write of `ids` may go on (holding the pass while it applies), unless one is frozen,
@@ -291,7 +307,7 @@ mod tests {
         // Other slots pass.
         let other = (0..).find(|&x| slot_of(x) != s).unwrap();
         drop(f.pass_ids(&[other], all).unwrap());
-        f.publish(|| Ok(()), |k| k == s).unwrap();
+        f.publish(|| Ok(()), |k| k == s, |_| Ok(())).unwrap();
         drop(f.pass_ids(&[id], all).unwrap());
         assert_eq!(f.set(&one, false), 0);
     }

@@ -33,7 +33,9 @@ use tonic::Status;
 use crate::durable::{CommitEntry, CommitSink, TableRecord};
 use crate::error::{invalid, storage, Error, Result};
 use crate::net::proto::p_store_client::PStoreClient;
-use crate::net::proto::{ReplicaAckRequest, ReplicateMessage, ReplicateRequest, ReplicatedTable};
+use crate::net::proto::{
+    HeldState, ReplicaAckRequest, ReplicateMessage, ReplicateRequest, ReplicatedTable,
+};
 use crate::net::wire;
 use crate::storage::Db;
 use crate::store::{Store, Table};
@@ -96,6 +98,30 @@ impl ReplConfig {
     }
 }
 
+/// What a server holds beside its tables that decides what it accepts (its routing, layout
+/// hash, frozen slots, copied request ids; decision 0101): read for a resync on a primary,
+/// installed on a follower.
+pub trait Held: Send + Sync {
+    /// The state as it is now.
+    fn state(&self) -> HeldState;
+    /// Replaces what this server holds with `state` (kept first by a durable store).
+    fn install(&self, state: HeldState) -> Result<()>;
+}
+
+/// Where a primary or follower finds its server's [`Held`] (set once the server is built).
+#[derive(Default)]
+pub(super) struct HeldLink(Mutex<Option<Arc<dyn Held>>>);
+
+impl HeldLink {
+    pub(super) fn set(&self, h: Arc<dyn Held>) {
+        *self.0.lock().unwrap_or_else(|e| e.into_inner()) = Some(h);
+    }
+
+    fn get(&self) -> Option<Arc<dyn Held>> {
+        self.0.lock().unwrap_or_else(|e| e.into_inner()).clone()
+    }
+}
+
 /// A follower as its primary sees it.
 #[derive(Debug, Clone)]
 struct FollowerState {
@@ -143,6 +169,8 @@ pub struct Primary {
     state: Mutex<LogState>,
     acked: Condvar,
     newest: watch::Sender<u64>,
+    /// The server's held state, sent with a resync.
+    pub(super) held: HeldLink,
 }
 
 fn random_id() -> u64 {
@@ -186,6 +214,13 @@ fn message_of(id: u64, epoch: u64, e: CommitEntry) -> ReplicateMessage {
             })
             .collect(),
         primary_lsn: e.lsn,
+        held: e.held.and_then(|b| {
+            use prost::Message;
+            HeldState::decode(b.as_slice())
+                .map_err(|err| eprintln!("pstore: the held state of entry {}: {err}", e.lsn))
+                .ok()
+        }),
+        members: Vec::new(),
     }
 }
 
@@ -231,6 +266,7 @@ impl Primary {
             }),
             acked: Condvar::new(),
             newest: watch::channel(0).0,
+            held: HeldLink::default(),
         });
         if st.environments() > 1 {
             // Its cycles commit per environment: not one entry each. Replicate refuses.
@@ -621,6 +657,7 @@ impl Primary {
                     epoch: self.epoch,
                     replication_id: self.id,
                     primary_lsn: last,
+                    members: self.lock().followers.keys().cloned().collect(),
                     ..ReplicateMessage::default()
                 };
                 tx.send(Ok(beat)).await.map_err(gone)?;
@@ -734,11 +771,14 @@ impl Primary {
             }
             Ok(())
         })?;
+        // What the server holds now (as new as the rows or newer; the entries after `lsn`
+        // that carry an older one are followed by those carrying this one).
         send(ReplicateMessage {
             replication_id: id,
             lsn,
             resync_done: true,
             primary_lsn: lsn,
+            held: Some(self.held.get().map(|h| h.state()).unwrap_or_default()),
             ..ReplicateMessage::default()
         })?;
         Ok(lsn)
@@ -801,6 +841,8 @@ struct FollowState {
     /// When the last ack to the primary ended (answered or failed): the primary's write lease
     /// from this follower ends at most `lease` after it.
     last_ack_end: Option<Instant>,
+    /// The primary's other followers, as it last named them.
+    siblings: Vec<String>,
 }
 
 /// A follower: the thread that pulls its primary's log and applies it.
@@ -817,6 +859,8 @@ pub struct Follower {
     /// Wakes the thread out of its wait for the primary's next message.
     wake: tokio::sync::Notify,
     started: Instant,
+    /// The server's held state, replaced by what the primary sends.
+    pub(super) held: HeldLink,
 }
 
 #[derive(serde::Serialize, serde::Deserialize)]
@@ -856,6 +900,7 @@ impl Follower {
             name: Mutex::new(String::new()),
             wake: tokio::sync::Notify::new(),
             started: Instant::now(),
+            held: HeldLink::default(),
         });
         Ok(me)
     }
@@ -930,6 +975,16 @@ impl Follower {
         Ok((s.primary_id, s.lsn, s.primary_epoch, end))
     }
 
+    /// The primary's other followers, as it last named them.
+    pub fn siblings(&self) -> Vec<String> {
+        self.lock().siblings.clone()
+    }
+
+    /// How long the primary has been silent (since this follower started, if never heard).
+    pub fn silent_for(&self) -> Duration {
+        self.lock().heard.unwrap_or(self.started).elapsed()
+    }
+
     /// The primary's group epoch, as last heard.
     pub fn primary_epoch(&self) -> u64 {
         self.lock().primary_epoch
@@ -971,6 +1026,7 @@ impl Follower {
             "resyncs": s.resyncs,
             "last_error": s.last_error,
             "primary_epoch": s.primary_epoch,
+            "siblings": s.siblings,
         })
     }
 
@@ -1115,6 +1171,10 @@ impl Follower {
                 s.heard = Some(Instant::now());
                 s.primary_lsn = s.primary_lsn.max(m.primary_lsn);
                 s.primary_epoch = s.primary_epoch.max(m.epoch);
+                if !m.members.is_empty() {
+                    let me = self.name();
+                    s.siblings = m.members.iter().filter(|n| **n != me).cloned().collect();
+                }
             }
             if m.resync_start {
                 self.record(0, 0)?;
@@ -1134,6 +1194,12 @@ impl Follower {
             }
             for t in &m.tables {
                 apply_table(&self.store, t)?;
+            }
+            if let Some(h) = m.held {
+                match self.held.get() {
+                    Some(link) => link.install(h)?,
+                    None => return Err(Error::Internal("the follower has no held state".into())),
+                }
             }
             if m.resync_done || m.lsn > 0 {
                 reached = Some((m.replication_id, m.lsn));

@@ -237,6 +237,41 @@ impl Routes {
         Ok(out)
     }
 
+    /// Replaces the held routing with `r` (none: holds none), as a follower takes its
+    /// primary's (decision 0101): checked, kept first by a durable store, whatever its epoch.
+    pub(super) fn replace(&self, store: &Store, r: Option<proto::Routing>) -> Result<()> {
+        let new = match r.filter(|r| r.slots.is_some()) {
+            None => None,
+            Some(r) => {
+                let slots = r.slots.as_ref().expect("filtered");
+                Some(check(SlotTable::from_proto(slots)?, r.servers, r.index)?)
+            }
+        };
+        let mut g = self.0.write().unwrap_or_else(|e| e.into_inner());
+        if let Some(f) = store.flusher() {
+            match &new {
+                Some(h) => {
+                    let kept = Kept {
+                        servers: h.servers.clone(),
+                        index: h.index as u32,
+                        slots: h.table.spec(),
+                    };
+                    let bytes = serde_json::to_vec(&kept)
+                        .map_err(|e| crate::Error::Internal(format!("routing: {e}")))?;
+                    f.storage().write(|w| w.put_meta(ROUTING_META, &bytes))?;
+                }
+                None => f.storage().write(|w| w.delete_meta(ROUTING_META))?,
+            }
+        }
+        *g = new.map(Arc::new);
+        Ok(())
+    }
+
+    /// The held routing, if any.
+    pub(super) fn held_proto(&self) -> Option<proto::Routing> {
+        self.held().map(|h| h.to_proto())
+    }
+
     /// Whether this server owns slot `s` at its held routing (None: it holds none).
     pub(super) fn owns_slot(&self, s: usize) -> Option<bool> {
         self.held().map(|h| h.table.owner_of_slot(s) == h.index)
