@@ -209,8 +209,9 @@ def _cmd_serve(args: argparse.Namespace) -> int:
 
     token_file = args.token_file
     follow, replica_name = args.follow, args.replica_name
+    members = None
     if args.member is not None:
-        follow, replica_name = _member_role(args)
+        follow, replica_name, members = _member_role(args)
         token_file = token_file or load_cluster(args.cluster).get("token_file")
     elif args.cluster is not None:
         cluster = load_cluster(args.cluster)
@@ -245,15 +246,18 @@ def _cmd_serve(args: argparse.Namespace) -> int:
         replication_log_bytes=args.replication_log_bytes,
         replication_log_age=args.replication_log_age,
         ack_timeout=args.ack_timeout,
+        members=members,
         **_server_settings(args, token_file),
     )
 
 
-def _member_role(args: argparse.Namespace) -> tuple[str | None, str]:
+def _member_role(args: argparse.Namespace) -> tuple[str | None, str, list[str]]:
     """``pstore serve --cluster FILE --member NAME``: the first member of NAME's replica group
     starts as its primary, the others follow it; a restarted member keeps the role its store
     recorded (a promoted one stays primary until it learns a newer epoch). NAME is also the
-    name a follower gives its primary (the controller matches it against the file)."""
+    name a follower gives its primary (the controller matches it against the file). Returns
+    the primary to follow, the name, and the group's other members (a member starting as
+    primary asks them whether one was promoted meanwhile)."""
     from pstore.client import _groups, load_cluster
 
     if args.cluster is None:
@@ -271,7 +275,7 @@ def _member_role(args: argparse.Namespace) -> tuple[str | None, str]:
         )
     group = mine[0]
     follow = None if group[0] == args.member else group[0]
-    return follow, args.replica_name or args.member
+    return follow, args.replica_name or args.member, [m for m in group if m != args.member]
 
 
 def _cmd_status(args: argparse.Namespace) -> int:

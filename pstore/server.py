@@ -17,7 +17,7 @@ import socket
 import sys
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any, TextIO
 
 from pstore import _native
@@ -82,6 +82,11 @@ class Server:
     ack_timeout : float, optional
         Seconds a push with ``ack="all"`` waits for a follower before the follower leaves the
         live set (default 5).
+    members : sequence of str, optional
+        The other members of this server's replica group (``pstore serve --member`` passes
+        them from the cluster file). A server that starts as primary asks each of them, before
+        it accepts a write, whether it is primary of a newer epoch, and then follows it: a
+        primary killed before it recorded its followers cannot come back as a second primary.
     """
 
     def __init__(
@@ -106,6 +111,7 @@ class Server:
         replication_log_bytes: int | None = None,
         replication_log_age: float | None = None,
         ack_timeout: float | None = None,
+        members: Sequence[str] | None = None,
     ) -> None:
         self.store: Store | None = store
         net = _net(
@@ -119,6 +125,7 @@ class Server:
             replication_log_bytes=replication_log_bytes,
             replication_log_age=replication_log_age,
             ack_timeout=ack_timeout,
+            members=None if members is None else [str(m) for m in members],
         )
         self._start(
             lambda cert, key: _native.Server(

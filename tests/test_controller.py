@@ -323,6 +323,7 @@ def _member(cluster: Path, name: str, port: int) -> ServerProcess:
         "--durability",
         "sync",
         port=port,
+        log=cluster.parent / f"{name.replace(':', '_')}.log",
     )
 
 
@@ -367,6 +368,58 @@ def test_a_promoted_member_restarted_with_its_first_arguments_stays_primary(
         assert np.all(t.pull(ids) == -3.0)
         ra = _rep(A)
         assert ra is not None and ra["role"] == "follower" and ra["primary"] == B
+    finally:
+        for p in procs:
+            p.stop()
+
+
+def _forget_members(path: Path) -> None:
+    """Rewrites the group record of the store at ``path`` as a primary killed before it
+    recorded any follower leaves it (its group thread records them every 50 ms)."""
+    import lmdb
+
+    env = lmdb.open(str(path), max_dbs=64)
+    try:
+        with env.begin(write=True) as tx:
+            meta = env.open_db(b"meta", txn=tx, create=False)
+            record = json.loads(tx.get(b"replication/group", db=meta))
+            assert record["role"] == "primary", record
+            record["members"] = []
+            tx.put(b"replication/group", json.dumps(record).encode(), db=meta)
+    finally:
+        env.close()
+
+
+def test_a_primary_killed_before_it_recorded_its_follower_follows_the_promoted_one(
+    tmp_path: Path,
+) -> None:
+    """The first member of a group, killed before its store recorded the follower, then
+    restarted with `--member` after that follower was promoted: the cluster file names the
+    group's other members, so it asks them, finds the newer epoch and follows (else two
+    primaries, of epochs 1 and 2)."""
+    pa, pb = free_port(), free_port()
+    A, B = f"127.0.0.1:{pa}", f"127.0.0.1:{pb}"
+    cluster = tmp_path / "cluster.json"
+    cluster.write_text(json.dumps({"servers": [[A, B]]}))
+    procs = [_member(cluster, A, pa)]
+    try:
+        procs[0].wait_ready()
+        procs.append(_member(cluster, B, pb))
+        procs[1].wait_ready()
+        t = _sgd_table(pstore.connect(str(cluster), ack="all"))
+        ids = np.arange(16, dtype=np.int64)
+        t.push(ids, np.ones((16, DIM), np.float32))
+        _wait_caught_up(pstore.connect([A]), pstore.connect([B], retries=0))
+        procs[0].send(signal.SIGKILL)
+        procs[0].proc.wait(30)
+        _forget_members(tmp_path / A.replace(":", "_"))
+        pstore.promote(B)
+        t.push(ids, np.ones((16, DIM), np.float32))
+        procs.append(_member(cluster, A, pa))
+        ra = _wait("a following b", lambda: (r := _rep(A)) and r["role"] == "follower" and r)
+        assert ra["primary"] == B and ra["epoch"] == 2, ra
+        _wait_caught_up(pstore.connect([B]), pstore.connect([A], retries=0))
+        assert np.all(t.pull(ids) == -2.0)
     finally:
         for p in procs:
             p.stop()
@@ -485,6 +538,7 @@ def _statefulset_rounds(tmp_path: Path, rounds: int) -> None:
             except AssertionError as e:
                 raise AssertionError(f"{e}; the controller: {ctl.status()}") from None
             pusher.wait_pushes(10)
+            pods[primary].stop()  # dead already: closes its log
             pods[primary] = pod(primary)  # the same arguments, the same disk
         _wait("the last pod rejoined", whole)
         assert pusher is not None

@@ -66,6 +66,9 @@ struct Net {
     replication_log_bytes: Option<u64>,
     replication_log_age: Option<f64>,
     ack_timeout: Option<f64>,
+    /// The group's other members (`pstore serve --member`).
+    #[serde(default)]
+    members: Vec<String>,
 }
 
 /// The configuration of a server from the arguments both kinds of server take.
@@ -100,6 +103,7 @@ pub(super) fn server_config(
     }
     cfg.limits.validate().map_err(err)?;
     cfg.replication.follow = net.follow;
+    cfg.replication.members = net.members;
     if let Some(n) = net.replica_name {
         cfg.replication.name = n;
     }

@@ -14,7 +14,8 @@
 //! `Status`. One that answers as primary of a newer epoch fences this server: every write is
 //! refused (FAILED_PRECONDITION, metadata `pstore-epoch` and `pstore-primary`), and the server
 //! follows the new primary, whose full resync discards the commits it did not have (counted
-//! and logged). One that cannot be reached is taken as down.
+//! and logged). One that cannot be reached is taken as down, and asked again every second
+//! while it is not following this server.
 
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard};
@@ -81,7 +82,8 @@ pub struct Group {
     thread: Mutex<Option<std::thread::JoinHandle<()>>>,
     /// The server's held state (routing, ...), given to each primary and follower it runs.
     held: Mutex<Option<Arc<dyn super::repl::Held>>>,
-    /// When a follower whose primary is silent last asked its fellow followers.
+    /// When the other members were last asked (a follower whose primary is silent asks its
+    /// fellow followers; a primary asks the recorded members that are not following it).
     asked: Mutex<Option<Instant>>,
 }
 
@@ -178,6 +180,13 @@ impl Group {
                 (None, Some(Follower::new(Arc::clone(&store), c)?))
             }
             None => {
+                // The members the cluster file names are asked too: a primary killed before it
+                // recorded a follower still learns, after a restart, that it was promoted.
+                for m in &config.members {
+                    if *m != config.name && !record.members.contains(m) {
+                        record.members.push(m.clone());
+                    }
+                }
                 record.role = "primary".into();
                 record.primary = None;
                 let p = Primary::start(Arc::clone(&store), config.clone(), record.epoch)?;
@@ -515,15 +524,7 @@ impl Group {
             // The primary is silent: was one of the other followers promoted? Then follow it
             // (a third member of a group does not stay with a dead primary).
             if f.silent_for() >= self.config.ack_timeout && !members.is_empty() {
-                let due = {
-                    let mut a = self.asked.lock().unwrap_or_else(|e| e.into_inner());
-                    let due = a.is_none_or(|t| t.elapsed() >= Duration::from_secs(1));
-                    if due {
-                        *a = Some(Instant::now());
-                    }
-                    due
-                };
-                if due {
+                if self.due() {
                     for name in members {
                         if let Probe::Newer(epoch, _) = self.probe(rt, &name) {
                             return self.follow_newer(&f, &name, epoch);
@@ -549,16 +550,47 @@ impl Group {
         if added {
             self.save()?;
         }
-        for name in p.suspects() {
-            match self.probe(rt, &name) {
+        let suspects = p.suspects();
+        for name in &suspects {
+            match self.probe(rt, name) {
                 Probe::Newer(epoch, from) => {
-                    self.step_down(&p, &name, epoch, from)?;
+                    self.step_down(&p, name, epoch, from)?;
                     return Ok(());
                 }
-                Probe::NotNewer | Probe::Down => p.clear_suspect(&name),
+                Probe::NotNewer | Probe::Down => p.clear_suspect(name),
+            }
+        }
+        // A recorded member that is not following this server (down when asked, or gone
+        // since) is asked again every second: one that was slow to answer, or comes back as
+        // the primary of a newer epoch, fences this server then instead of never.
+        let absent: Vec<String> = {
+            let live = p.live_names();
+            let s = self.lock();
+            s.record
+                .members
+                .iter()
+                .filter(|m| !live.contains(m) && !suspects.contains(m))
+                .cloned()
+                .collect()
+        };
+        if !absent.is_empty() && self.due() {
+            for name in &absent {
+                if let Probe::Newer(epoch, from) = self.probe(rt, name) {
+                    return self.step_down(&p, name, epoch, from);
+                }
             }
         }
         Ok(())
+    }
+
+    /// Whether a second passed since the members were last asked (and marks them asked).
+    fn due(&self) -> bool {
+        let mut a = self.asked.lock().unwrap_or_else(|e| e.into_inner());
+        let due = a.is_none_or(|t| t.elapsed() >= Duration::from_secs(1));
+        if due {
+            *a = Some(Instant::now());
+        }
+        due
     }
 
     /// Asks `name` for its role and epoch.

@@ -845,6 +845,12 @@ impl PStore for Service {
             let ids = wire::ids(&r.ids)?;
             // Refused before any row is created.
             s.fits(ids.len() * t.dim() * wire::width(d), "pull")?;
+            // Rows are created only on a slot this server still owns (see `moves`).
+            let _pass = if create {
+                Some(s.frozen.pass_owned(&ids, &s.routing)?)
+            } else {
+                None
+            };
             let seq = t.seq();
             let version = versions::get(&*t);
             let rows = match (d, create) {

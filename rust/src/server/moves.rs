@@ -10,7 +10,8 @@
 //! (`SetRouting`, which thaws them here: calls for them are "moved" from then on); **drop**
 //! this server's copy (`DropSlots`, refused for slots this server owns). Reads are not frozen:
 //! they change nothing a move carries (a pull that creates a row creates its initial value,
-//! which the new owner creates alike).
+//! which the new owner creates alike); but a pull that creates rows holds the same pass, so
+//! none admitted under the old routing creates a row after the publish (and the drop).
 
 use std::sync::{RwLock, RwLockReadGuard};
 
@@ -122,6 +123,20 @@ impl Frozen {
             .iter()
             .find(|&&id| g[slot_of(id)] || !owned(slot_of(id)))
         {
+            return Err(moving(format!("id {id} (slot {})", slot_of(id))));
+        }
+        Ok(g)
+    }
+
+    /// A pull that creates the rows of `ids` it does not hold may go on (holding the pass
+    /// while it runs), unless a routing published since the call was admitted gave one away:
+    /// then "moving" (the retry meets "moved"). Frozen slots are read as usual. A publish waits
+    /// for the pass, so once it returned no pull of the old routing is left to create a row
+    /// after the old owner's `DropSlots`.
+    pub(super) fn pass_owned(&self, ids: &[u64], routes: &Routes) -> Result<Pass<'_>> {
+        let g = self.0.read().unwrap_or_else(|e| e.into_inner());
+        let owned = routes.owned_now();
+        if let Some(&id) = ids.iter().find(|&&id| !owned(slot_of(id))) {
             return Err(moving(format!("id {id} (slot {})", slot_of(id))));
         }
         Ok(g)
@@ -332,6 +347,29 @@ mod tests {
         rx.recv_timeout(std::time::Duration::from_secs(10)).unwrap();
         t.join().unwrap();
         assert!(f.pass_ids(&[7], &Routes::default()).is_err());
+    }
+
+    #[test]
+    fn a_creating_pull_reads_frozen_slots_and_holds_a_publish_off() {
+        let f = std::sync::Arc::new(Frozen::default());
+        let mut one = vec![false; SLOTS];
+        one[slot_of(7)] = true;
+        f.set(&one, true);
+        // Frozen slots are read (and created) as usual while their rows are copied.
+        let pass = f.pass_owned(&[7], &Routes::default()).unwrap();
+        let g = std::sync::Arc::clone(&f);
+        let (tx, rx) = std::sync::mpsc::channel();
+        let t = std::thread::spawn(move || {
+            g.publish(|| Ok(()), |_| true, |_| Ok(())).unwrap();
+            tx.send(()).unwrap();
+        });
+        // The publish cannot finish while the pull holds its pass.
+        assert!(rx
+            .recv_timeout(std::time::Duration::from_millis(100))
+            .is_err());
+        drop(pass);
+        rx.recv_timeout(std::time::Duration::from_secs(10)).unwrap();
+        t.join().unwrap();
     }
 
     #[test]

@@ -66,6 +66,10 @@ pub struct ReplConfig {
     /// this time (docs/decisions/0100); a promoted follower waits it out before its first write.
     /// At most half the ack timeout is used.
     pub lease: Duration,
+    /// The group's other members as the cluster file names them (`pstore serve --member`): a
+    /// server starting as primary asks each of them, as it asks the members it recorded,
+    /// before it writes, and follows one that is primary of a newer epoch.
+    pub members: Vec<String>,
 }
 
 impl Default for ReplConfig {
@@ -78,6 +82,7 @@ impl Default for ReplConfig {
             ack_timeout: Duration::from_secs(5),
             token: None,
             lease: Duration::from_secs(2),
+            members: Vec::new(),
         }
     }
 }
