@@ -467,7 +467,7 @@ def _cmd_cluster_membership(args: argparse.Namespace) -> int:
     # A --servers entry with commas is a replica group, its primary first.
     servers = [s.split(",") if "," in s else s for s in args.servers or []]
     remote = pstore.connect(
-        args.cluster or servers,  # type: ignore[arg-type]
+        args.cluster or servers,
         token_file=args.token_file,
         timeout=args.timeout,
         tls_ca=args.tls_ca,

@@ -16,6 +16,7 @@ import sys
 import threading
 import time
 from pathlib import Path
+from typing import Any
 
 import grpc
 import numpy as np
@@ -267,13 +268,13 @@ def test_a_server_that_dies_during_a_leave_stops_it_and_a_rerun_finishes(tmp_pat
 GIDS = np.arange(1, 3001, dtype=np.int64)
 
 
-def _pusher(store: pstore.RemoteStore) -> tuple[threading.Thread, threading.Event, list[int]]:
+def _pusher(store: pstore.RemoteStore) -> tuple[threading.Thread, threading.Event, list[Any]]:
     """A worker pushing gradient 1 to every id of GIDS (SGD lr 1 from zeros: each row is minus
     the pushes acknowledged) until the event is set; the list holds the pushes acknowledged and
     any error. Started."""
     t = store.sparse_table("t")
     stop = threading.Event()
-    done: list = [0]
+    done: list[Any] = [0]
 
     def run() -> None:
         try:
@@ -288,7 +289,7 @@ def _pusher(store: pstore.RemoteStore) -> tuple[threading.Thread, threading.Even
     return th, stop, done
 
 
-def _stop_pusher(th: threading.Thread, stop: threading.Event, done: list) -> int:
+def _stop_pusher(th: threading.Thread, stop: threading.Event, done: list[Any]) -> int:
     stop.set()
     th.join(120)
     assert not th.is_alive()
@@ -359,8 +360,10 @@ def test_a_group_joins_while_a_worker_pushes_and_fails_over_after(tmp_path: Path
         while done[0] < 3 and len(done) == 1:
             time.sleep(0.01)
         admin = pstore.connect(first)  # type: ignore[arg-type]
+        at_start = done[0]
         r = admin.add_server([b0.address, b1.address])
         assert r["slots"] == SLOTS // 2 and r["rows"] > 0, r
+        assert done[0] > at_start, "the worker did not push during the change"
         n = _stop_pusher(th, stop, done)
         assert admin.servers == [a0.address, b0.address]
         assert worker.servers == [a0.address, b0.address]
@@ -436,14 +439,21 @@ def test_a_group_leaves_while_a_worker_pushes_and_bad_group_changes_are_refused(
         assert sum(rows_per_server(admin, "t")) == len(GIDS)
 
         worker = pstore.connect(both, ack="all", timeout=10.0)  # type: ignore[arg-type]
+        idle = pstore.connect(both, timeout=10.0)  # type: ignore[arg-type]
         th, stop, done = _pusher(worker)
         while done[0] < 3 and len(done) == 1:
             time.sleep(0.01)
+        at_start = done[0]
         r = admin.remove_server(b1.address)
         assert r["slots"] == owned(before, 1) > 0 and r["rows"] > 0, r
+        assert done[0] > at_start, "the worker did not push during the change"
         n = _stop_pusher(th, stop, done) + 1
-        assert admin.servers == [a0.address] and worker.servers == [a0.address]
+        assert admin.servers == [a0.address]
         assert np.all(worker.sparse_table("t").pull(GIDS) == -n)
+        # A client idle through the change follows it at its first call on rows: group b
+        # answers "moved" (it is past the end of the list), pointing to the list without it.
+        assert np.all(idle.sparse_table("t").pull(GIDS) == -n)
+        assert idle.servers == [a0.address]
         assert rows_on(b0.address, "t") == 0
         assert _routing_groups(a1.address) == [[a0.address, a1.address]]
         _wait_caught_up(pstore.connect([b0.address]), pstore.connect([b1.address], retries=0))
@@ -457,8 +467,10 @@ def _set_routing_without_groups(address: str, epoch: int, servers: list[str], in
     """A SetRouting as a version before groups sends it (Routing fields 1-3 only), with plain
     grpcio: every slot to position 0."""
     owners = (
-        _varint(1 << 3) + _varint(epoch)  # epoch
-        + _varint(2 << 3) + _varint(len(servers))  # servers
+        _varint(1 << 3)
+        + _varint(epoch)  # epoch
+        + _varint(2 << 3)
+        + _varint(len(servers))  # servers
         + _field(3, b"\x00")  # starts [0]
         + _field(4, b"\x00")  # owners [0]
     )
