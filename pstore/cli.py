@@ -484,8 +484,9 @@ def _cmd_cluster_membership(args: argparse.Namespace) -> int:
         print(json.dumps({**r, "servers": listed}, indent=2, sort_keys=True))
     else:
         done = "joined" if args.cluster_command == "add-server" else "left"
+        who = f"position {args.address}" if args.address.isdigit() else args.address
         print(
-            f"{args.address} {done} the cluster: {r['slots']:,} slots and {r['rows']:,} rows "
+            f"{who} {done} the cluster: {r['slots']:,} slots and {r['rows']:,} rows "
             f"moved in {r['seconds']:.2f} s ({r['batches']} batches, the longest frozen "
             f"{r['max_frozen_seconds']:.3f} s); routing epoch {r['epoch']}, servers: "
             + ", ".join(listed)

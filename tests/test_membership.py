@@ -548,7 +548,7 @@ def test_the_cli_adds_and_removes_a_group(tmp_path: Path) -> None:
             timeout=120,
         )
         assert out.returncode == 0, out.stderr
-        assert "0 left the cluster" in out.stdout and b0.address in out.stdout
+        assert "position 0 left the cluster" in out.stdout and b0.address in out.stdout
         assert rows_on(b0.address, "t") == len(GIDS) and rows_on(a0.address, "t") == 0
         assert np.all(store.sparse_table("t").pull(GIDS) == -1.0)
         assert store.servers == [b0.address]

@@ -557,3 +557,30 @@ impl Client {
         Some(out)
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn at(name: &str, members: &[&str]) -> Position {
+        Position {
+            name: name.into(),
+            members: members.iter().map(|m| m.to_string()).collect(),
+        }
+    }
+
+    #[test]
+    fn a_routing_names_groups_only_when_a_position_has_several_members() {
+        let table = SlotTable::uniform(2).unwrap();
+        let singles = [at("a:1", &["a:1"]), at("c:1", &["c:1"])];
+        let r = routing_over(&singles, &table, 1);
+        assert!(r.groups.is_empty() && r.servers == ["a:1", "c:1"] && r.index == 1);
+        // Read back: the routing does not say, so members are unknown.
+        assert!(positions_of(&r).iter().all(|p| p.members.is_empty()));
+        let grouped = [at("a:1", &["b:1", "a:1"]), at("c:1", &["c:1"])];
+        let r = routing_over(&grouped, &table, 0);
+        assert_eq!(r.groups.len(), 2);
+        assert_eq!(positions_of(&r), grouped);
+        assert_eq!(describe(&grouped), "[b:1, a:1], c:1");
+    }
+}
