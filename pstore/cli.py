@@ -468,8 +468,10 @@ def _cmd_cluster_membership(args: argparse.Namespace) -> int:
         raise pstore.InvalidArgumentError(
             "give the cluster's servers with --servers HOST:PORT ... or --cluster FILE"
         )
+    # A --servers entry with commas is a replica group, its primary first.
+    servers = [s.split(",") if "," in s else s for s in args.servers or []]
     remote = pstore.connect(
-        args.cluster or args.servers,
+        args.cluster or servers,
         token_file=args.token_file,
         timeout=args.timeout,
         tls_ca=args.tls_ca,
@@ -479,18 +481,19 @@ def _cmd_cluster_membership(args: argparse.Namespace) -> int:
             r = remote.add_server(args.address)
         else:
             r = remote.remove_server(args.address)
-        servers = remote.servers
+        listed = remote.servers
     finally:
         remote.close()
     if args.json:
-        print(json.dumps({**r, "servers": servers}, indent=2, sort_keys=True))
+        print(json.dumps({**r, "servers": listed}, indent=2, sort_keys=True))
     else:
         done = "joined" if args.cluster_command == "add-server" else "left"
+        who = f"position {args.address}" if args.address.isdigit() else args.address
         print(
-            f"{args.address} {done} the cluster: {r['slots']:,} slots and {r['rows']:,} rows "
+            f"{who} {done} the cluster: {r['slots']:,} slots and {r['rows']:,} rows "
             f"moved in {r['seconds']:.2f} s ({r['batches']} batches, the longest frozen "
             f"{r['max_frozen_seconds']:.3f} s); routing epoch {r['epoch']}, servers: "
-            + ", ".join(servers)
+            + ", ".join(listed)
         )
     return 0
 
@@ -1006,11 +1009,22 @@ def build_parser() -> argparse.ArgumentParser:
             + ": the call RemoteStore."
             + name.replace("-", "_")
             + ' makes (docs/CLUSTER.md, "When the list changes"). Running workers follow '
-            "the new list without restarting.",
+            "the new list without restarting. A replica group is its members joined with "
+            "commas, its primary first.",
         )
-        c.add_argument("address", metavar="HOST:PORT", help="the server that joins or leaves")
         c.add_argument(
-            "--servers", nargs="+", default=None, metavar="HOST:PORT", help="the cluster's servers"
+            "address",
+            metavar="HOST:PORT[,HOST:PORT...]" if name == "add-server" else "HOST:PORT|POSITION",
+            help="the server or replica group (PRIMARY,FOLLOWER...) that joins"
+            if name == "add-server"
+            else "the server that leaves: any member's address of its group, or its position",
+        )
+        c.add_argument(
+            "--servers",
+            nargs="+",
+            default=None,
+            metavar="HOST:PORT[,HOST:PORT...]",
+            help="the cluster's servers (a replica group: its members joined with commas)",
         )
         c.add_argument("--cluster", default=None, metavar="FILE", help="a cluster file instead")
         c.add_argument("--token-file", default=None, help="file holding the token")

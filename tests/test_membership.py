@@ -16,11 +16,15 @@ import sys
 import threading
 import time
 from pathlib import Path
+from typing import Any
 
+import grpc
 import numpy as np
 import pytest
 from _netutil import ServerProcess, free_port, start_servers, stop_all
 from test_distributed import embedded_rmse  # noqa: F401
+from test_failover import _field, _get_routing, _group, _meta, _varint
+from test_replication import _wait_caught_up
 from test_reshard_online import owned, rows_per_server, train_while
 
 import pstore
@@ -257,3 +261,297 @@ def test_a_server_that_dies_during_a_leave_stops_it_and_a_rerun_finishes(tmp_pat
         assert rows_on(addrs[0], "t") == 0
     finally:
         stop_all(procs)
+
+
+# --- Replica groups joining and leaving (decision 0109) ---------------------------------------
+
+GIDS = np.arange(1, 3001, dtype=np.int64)
+
+
+def _pusher(store: pstore.RemoteStore) -> tuple[threading.Thread, threading.Event, list[Any]]:
+    """A worker pushing gradient 1 to every id of GIDS (SGD lr 1 from zeros: each row is minus
+    the pushes acknowledged) until the event is set; the list holds the pushes acknowledged and
+    any error. Started."""
+    t = store.sparse_table("t")
+    stop = threading.Event()
+    done: list[Any] = [0]
+
+    def run() -> None:
+        try:
+            while not stop.is_set() or done[0] < 3:
+                t.push(GIDS, np.ones((len(GIDS), 2), np.float32))
+                done[0] += 1
+        except Exception as e:  # reported by the test
+            done.append(e)
+
+    th = threading.Thread(target=run)
+    th.start()
+    return th, stop, done
+
+
+def _stop_pusher(th: threading.Thread, stop: threading.Event, done: list[Any]) -> int:
+    stop.set()
+    th.join(120)
+    assert not th.is_alive()
+    assert len(done) == 1, done[1:]
+    return int(done[0])
+
+
+def _group_table(store: pstore.RemoteStore) -> None:
+    store.create_sparse_table(
+        "t", 2, optimizer=pstore.optim.SGD(lr=1.0), initializer=pstore.init.Zeros()
+    )
+
+
+def _routing_groups(address: str) -> list[list[str]]:
+    """The replica groups of the routing `address` holds (`Routing.groups`, field 4), decoded
+    from the raw answer."""
+    raw = _get_routing(address)
+    out: list[list[str]] = []
+    for num, payload in _fields(raw):
+        if num == 4:
+            out.append([m.decode() for n, m in _fields(payload) if n == 1])
+    return out
+
+
+def _fields(raw: bytes) -> list[tuple[int, bytes]]:
+    """The length-delimited fields of a message (others skipped)."""
+    out, i = [], 0
+    while i < len(raw):
+        key, i = _read_varint(raw, i)
+        num, wire = key >> 3, key & 7
+        if wire == 0:
+            _, i = _read_varint(raw, i)
+        elif wire == 2:
+            n, i = _read_varint(raw, i)
+            out.append((num, raw[i : i + n]))
+            i += n
+        else:
+            raise AssertionError(f"wire type {wire}")
+    return out
+
+
+def _read_varint(raw: bytes, i: int) -> tuple[int, int]:
+    n = shift = 0
+    while True:
+        b = raw[i]
+        i += 1
+        n |= (b & 0x7F) << shift
+        shift += 7
+        if not b & 0x80:
+            return n, i
+
+
+def test_a_group_joins_while_a_worker_pushes_and_fails_over_after(tmp_path: Path) -> None:
+    """A cluster of one group of 2 grows by a second group of 2 while a worker connected before
+    the change pushes with ack="all": every row ends with exactly the pushes acknowledged, the
+    new group's follower holds what its primary holds, and after the new group's primary is
+    killed (SIGKILL) and its follower promoted, the same worker goes on, through the group the
+    routing named, without reconnecting."""
+    a0, a1 = _group(tmp_path, "a")
+    b0, b1 = _group(tmp_path, "b")
+    procs = [a0, a1, b0, b1]
+    try:
+        first = [[a0.address, a1.address]]
+        worker = pstore.connect(first, ack="all", timeout=10.0)  # type: ignore[arg-type]
+        _group_table(worker)
+        idle = pstore.connect(first, timeout=10.0)  # type: ignore[arg-type]
+        th, stop, done = _pusher(worker)
+        while done[0] < 3 and len(done) == 1:
+            time.sleep(0.01)
+        admin = pstore.connect(first)  # type: ignore[arg-type]
+        at_start = done[0]
+        r = admin.add_server([b0.address, b1.address])
+        assert r["slots"] == SLOTS // 2 and r["rows"] > 0, r
+        assert done[0] > at_start, "the worker did not push during the change"
+        n = _stop_pusher(th, stop, done)
+        assert admin.servers == [a0.address, b0.address]
+        assert worker.servers == [a0.address, b0.address]
+        # Every member holds the routing with both groups; the joining follower got it from
+        # its primary's log.
+        both = [[a0.address, a1.address], [b0.address, b1.address]]
+        for m in (a0, a1, b0, b1):
+            assert _routing_groups(m.address) == both, m.address
+        assert np.all(worker.sparse_table("t").pull(GIDS) == -n)
+        # A client connected before the change, idle through it, follows it at its first call.
+        assert np.all(idle.sparse_table("t").pull(GIDS) == -n)
+        assert idle.servers == [a0.address, b0.address]
+        # The new group's follower holds what its primary holds: reads from the followers.
+        _wait_caught_up(pstore.connect([b0.address]), pstore.connect([b1.address], retries=0))
+        reader = pstore.connect(both, read_from="follower")  # type: ignore[arg-type]
+        assert reader.replica_groups()[1]["reads_from"] == b1.address
+        assert np.all(reader.sparse_table("t").pull(GIDS) == -n)
+        assert rows_on(b1.address, "t") == rows_on(b0.address, "t") > 0
+        # Failover in the new group: the worker connected before the change goes on.
+        b0.send(signal.SIGKILL)
+        b0.proc.wait(30)
+        assert pstore.promote(b1.address)["epoch"] == 2
+        t = worker.sparse_table("t")
+        t.push(GIDS, np.ones((len(GIDS), 2), np.float32))
+        assert np.all(t.pull(GIDS) == -(n + 1))
+        assert [g["primary"] for g in worker.replica_groups()] == [a0.address, b1.address]
+        for p in procs:
+            p.stop()
+        # The durable servers keep the groups with the list.
+        kept = json.loads(_meta(tmp_path / "a-a", b"cluster/routing") or b"{}")
+        assert kept["groups"] == both and kept["servers"] == [a0.address, b0.address]
+    finally:
+        for p in procs:
+            p.stop()
+
+
+def test_a_group_leaves_while_a_worker_pushes_and_bad_group_changes_are_refused(
+    tmp_path: Path,
+) -> None:
+    """Two groups of 2; one leaves (named by its follower's address) while a worker connected
+    before pushes with ack="all": every row ends with exactly the pushes acknowledged, the group
+    that left holds no row, on its follower neither. Before that, bad group changes are refused
+    naming the problem, with nothing changed."""
+    a0, a1 = _group(tmp_path, "a")
+    b0, b1 = _group(tmp_path, "b")
+    # c0 and its follower c1; d, a server of its own.
+    c0, c1 = _group(tmp_path, "c")
+    d = ServerProcess()
+    d.wait_ready()
+    procs = [a0, a1, b0, b1, c0, c1, d]
+    try:
+        both = [[a0.address, a1.address], [b0.address, b1.address]]
+        admin = pstore.connect(both, timeout=5.0, retries=0)  # type: ignore[arg-type]
+        _group_table(admin)
+        admin.sparse_table("t").push(GIDS, np.ones((len(GIDS), 2), np.float32))
+        before = admin.slots
+        for bad, what in [
+            ([a1.address], f"server {a1.address} is already in the list"),
+            ([c0.address, a0.address], f"server {a0.address} is already in the list"),
+            ([c0.address, c0.address], "given twice"),
+            ([b1.address, c0.address], f"server {b1.address} is already in the list"),
+            ([c0.address, f"127.0.0.1:{free_port()}"], "did not answer"),
+            ([c1.address, c0.address], f"first member {c1.address} is a follower"),
+            ([c0.address, d.address], f"member {d.address} is a primary, not the group's"),
+        ]:
+            with pytest.raises(pstore.InvalidArgumentError, match=what):
+                admin.add_server(bad)
+        with pytest.raises(pstore.InvalidArgumentError, match="position 2 is not in the list"):
+            admin.remove_server(2)
+        with pytest.raises(TypeError, match="list of them"):
+            admin.add_server([c0.address, 7])  # type: ignore[list-item]
+        assert admin.slots == before and admin.servers == [a0.address, b0.address]
+        assert sum(rows_per_server(admin, "t")) == len(GIDS)
+
+        worker = pstore.connect(both, ack="all", timeout=10.0)  # type: ignore[arg-type]
+        idle = pstore.connect(both, timeout=10.0)  # type: ignore[arg-type]
+        th, stop, done = _pusher(worker)
+        while done[0] < 3 and len(done) == 1:
+            time.sleep(0.01)
+        at_start = done[0]
+        r = admin.remove_server(b1.address)
+        assert r["slots"] == owned(before, 1) > 0 and r["rows"] > 0, r
+        assert done[0] > at_start, "the worker did not push during the change"
+        n = _stop_pusher(th, stop, done) + 1
+        assert admin.servers == [a0.address]
+        assert np.all(worker.sparse_table("t").pull(GIDS) == -n)
+        # A client idle through the change follows it at its first call on rows: group b
+        # answers "moved" (it is past the end of the list), pointing to the list without it.
+        assert np.all(idle.sparse_table("t").pull(GIDS) == -n)
+        assert idle.servers == [a0.address]
+        assert rows_on(b0.address, "t") == 0
+        assert _routing_groups(a1.address) == [[a0.address, a1.address]]
+        _wait_caught_up(pstore.connect([b0.address]), pstore.connect([b1.address], retries=0))
+        assert rows_on(b1.address, "t") == 0
+    finally:
+        for p in procs:
+            p.stop()
+
+
+def _set_routing_without_groups(address: str, epoch: int, servers: list[str], index: int) -> None:
+    """A SetRouting as a version before groups sends it (Routing fields 1-3 only), with plain
+    grpcio: every slot to position 0."""
+    owners = (
+        _varint(1 << 3)
+        + _varint(epoch)  # epoch
+        + _varint(2 << 3)
+        + _varint(len(servers))  # servers
+        + _field(3, b"\x00")  # starts [0]
+        + _field(4, b"\x00")  # owners [0]
+    )
+    routing = _field(1, owners) + b"".join(_field(2, s.encode()) for s in servers)
+    routing += _varint(3 << 3) + _varint(index)
+    with grpc.insecure_channel(address) as ch:
+        ch.unary_unary(
+            "/pstore.v1.PStore/SetRouting",
+            request_serializer=lambda b: b,
+            response_deserializer=lambda b: b,
+        )(_field(1, routing), timeout=20)
+
+
+def test_an_old_routing_without_groups_still_reads(tmp_path: Path) -> None:
+    """A routing published by a version before groups were carried (no `groups`): servers hold
+    it and keep it in the old form, and a worker connected with replica groups follows it
+    keeping its groups (a failover after it still works)."""
+    a0, a1 = _group(tmp_path, "a")
+    b0, b1 = _group(tmp_path, "b")
+    procs = [a0, a1, b0, b1]
+    try:
+        both = [[a0.address, a1.address], [b0.address, b1.address]]
+        worker = pstore.connect(both, ack="all", timeout=10.0)  # type: ignore[arg-type]
+        _group_table(worker)
+        names = [a0.address, b0.address]
+        for i, p in enumerate((a0, b0)):
+            _set_routing_without_groups(p.address, 1, names, i)
+        assert _get_routing(a1.address) == _get_routing(a0.address) != b""
+        assert _routing_groups(a0.address) == []
+        # The worker (routing epoch 0) meets "moved" on group b, takes the routing over the
+        # same list and keeps its groups.
+        t = worker.sparse_table("t")
+        t.push(GIDS, np.ones((len(GIDS), 2), np.float32))
+        assert worker.slots["epoch"] == 1 and worker.slots["ranges"] == [[0, SLOTS, 0]]
+        assert rows_on(a0.address, "t") == len(GIDS) and rows_on(b0.address, "t") == 0
+        a0.send(signal.SIGKILL)
+        a0.proc.wait(30)
+        pstore.promote(a1.address)
+        t.push(GIDS, np.ones((len(GIDS), 2), np.float32))
+        assert np.all(t.pull(GIDS) == -2.0)
+        for p in procs:
+            p.stop()
+        kept = json.loads(_meta(tmp_path / "a-b", b"cluster/routing") or b"{}")
+        assert sorted(kept) == ["index", "servers", "slots"], kept
+    finally:
+        for p in procs:
+            p.stop()
+
+
+def test_the_cli_adds_and_removes_a_group(tmp_path: Path) -> None:
+    a0, a1 = _group(tmp_path, "a")
+    b0, b1 = _group(tmp_path, "b")
+    procs = [a0, a1, b0, b1]
+    try:
+        first = [[a0.address, a1.address]]
+        store = pstore.connect(first)  # type: ignore[arg-type]
+        _group_table(store)
+        store.sparse_table("t").push(GIDS, np.ones((len(GIDS), 2), np.float32))
+        cmd = [sys.executable, "-m", "pstore", "cluster"]
+        group_a = f"{a0.address},{a1.address}"
+        out = subprocess.run(
+            [*cmd, "add-server", f"{b0.address},{b1.address}", "--servers", group_a, "--json"],
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
+        assert out.returncode == 0, out.stderr
+        assert json.loads(out.stdout)["servers"] == [a0.address, b0.address]
+        assert rows_on(b0.address, "t") > 0
+        # Position 0 (group a) leaves; its slots go to group b.
+        out = subprocess.run(
+            [*cmd, "remove-server", "0", "--servers", group_a],
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
+        assert out.returncode == 0, out.stderr
+        assert "position 0 left the cluster" in out.stdout and b0.address in out.stdout
+        assert rows_on(b0.address, "t") == len(GIDS) and rows_on(a0.address, "t") == 0
+        assert np.all(store.sparse_table("t").pull(GIDS) == -1.0)
+        assert store.servers == [b0.address]
+    finally:
+        for p in procs:
+            p.stop()

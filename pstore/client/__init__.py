@@ -33,6 +33,25 @@ __all__ = [
 Mode = Literal["async", "bsp", "ssp"]
 
 
+def _members_of(address: str | Sequence[str]) -> list[str]:
+    """The members of a server or replica group given to :meth:`RemoteStore.add_server`: one
+    address, a list or tuple of them, or one string of them joined with commas."""
+    if isinstance(address, str):
+        members = [m.strip() for m in address.split(",")]
+    elif isinstance(address, (list, tuple)) and all(isinstance(m, str) for m in address):
+        members = [m.strip() for m in address]
+    else:
+        raise TypeError(
+            "address must be a str 'host:port' or a list of them (a replica group, its primary "
+            f"first), got {type(address).__name__}"
+        )
+    if not members or any(not m for m in members):
+        raise InvalidArgumentError(
+            f"add_server needs 'host:port' addresses, got {address!r}; nothing was changed"
+        )
+    return members
+
+
 def _read_secret(value: str | None, file: str | os.PathLike[str] | None, env: str) -> str | None:
     """A secret given directly, in a file (stripped of surrounding whitespace), or in ``env``."""
     if value is not None and file is not None:
@@ -217,36 +236,50 @@ class RemoteStore(BaseStore):
         report: dict[str, Any] = self._inner.move_slots(json.dumps(slots))
         return report
 
-    def add_server(self, address: str) -> dict[str, Any]:
-        """Add the store server at ``address`` ("host:port") to the cluster while workers train.
+    def add_server(self, address: str | Sequence[str]) -> dict[str, Any]:
+        """Add a store server, or a replica group, to the cluster while workers train.
 
-        The new server gets every table's definition, joins the end of the server list (which
-        the servers hold, with the slot table, under the next routing epoch), then about 1/N of
-        the hash slots move to it from every other server as :meth:`move_slots` moves them.
-        Running workers follow the new list without restarting; nothing is lost or applied
-        twice; durable servers keep the list across restarts. Refused, with nothing changed,
-        for an address already in the list, a server that does not answer, and one that holds
-        rows or another cluster's routing (docs/CLUSTER.md, "When the list changes"). Returns
-        the report of the move (as :meth:`move_slots`).
+        ``address`` is the server's "host:port", or a replica group: a list or tuple of its
+        members' addresses (or one string of them joined with commas), its primary first, then
+        its followers (each started with ``pstore serve --follow PRIMARY``). The new server or
+        group gets every table's definition, joins the end of the server list (which the
+        servers hold, with each position's group and the slot table, under the next routing
+        epoch), then about 1/N of the hash slots move to it from every other position as
+        :meth:`move_slots` moves them. Running workers follow the new list without restarting,
+        also when they were connected with replica groups; nothing is lost or applied twice;
+        durable servers keep the list across restarts. Refused, with nothing changed, for an
+        address already in the list (of any group), a member that does not answer, a first
+        member that is not a primary or a follower that does not follow it, and a server that
+        holds rows or another cluster's routing (docs/CLUSTER.md, "When the list changes").
+        Returns the report of the move (as :meth:`move_slots`).
         """
-        if not isinstance(address, str):
-            raise TypeError(f"address must be a str 'host:port', got {type(address).__name__}")
-        report: dict[str, Any] = self._inner.add_server(address)
+        members = _members_of(address)
+        report: dict[str, Any] = self._inner.add_server(members)
         return report
 
-    def remove_server(self, address: str) -> dict[str, Any]:
-        """Remove the store server at ``address`` from the cluster while workers train.
+    def remove_server(self, address: str | int) -> dict[str, Any]:
+        """Remove a store server, or a whole replica group, from the cluster while workers train.
 
-        Every hash slot it owns moves to the other servers (spread evenly) with its rows, then
-        the list without it is published under the next routing epoch: it holds no rows
-        afterwards and can be stopped. Refused, with nothing changed, for an address not in the
-        list and for the last server. A move that fails part way (a server died) leaves the
-        slots moved so far where they are; run it again once the servers answer. Returns the
-        report of the move (as :meth:`move_slots`).
+        ``address`` is the address of the server or of any member of its group, or the
+        position's number in :attr:`servers`. Every hash slot it owns moves to the other
+        positions (spread evenly) with its rows, then the list without it is published under
+        the next routing epoch: it holds no rows afterwards and can be stopped (all members of
+        a group). Refused, with nothing changed, for an address not in the list, a position past
+        its end and the last server. A move that fails part way (a server died) leaves the slots
+        moved so far where they are; run it again once the servers answer. Returns the report
+        of the move (as :meth:`move_slots`).
         """
-        if not isinstance(address, str):
-            raise TypeError(f"address must be a str 'host:port', got {type(address).__name__}")
-        report: dict[str, Any] = self._inner.remove_server(address)
+        if isinstance(address, bool) or not isinstance(address, (str, int)):
+            raise TypeError(
+                "address must be a str 'host:port' or a position (int), got "
+                f"{type(address).__name__}"
+            )
+        if isinstance(address, int) and address < 0:
+            raise InvalidArgumentError(
+                f"position {address} is not in the list (positions count from 0); nothing was "
+                "changed"
+            )
+        report: dict[str, Any] = self._inner.remove_server(str(address).strip())
         return report
 
     @property

@@ -8,10 +8,14 @@
 //! publishes the list without it (the others renumbered, the leaving server told it is past the
 //! end of the list, where it owns nothing). Workers meet "moved" and follow the newer list
 //! (`reshard.rs`); nothing is lost or applied twice, no worker restarts.
+//!
+//! A position may be a replica group (decision 0109): a joining group is its primary and
+//! followers, the routing names every position's members, and each group gets the routing on its
+//! primary, whose followers take it from the replication log.
 
-use std::sync::Arc;
 use std::time::Duration;
 
+use super::reshard::{describe, names_of, Position};
 use super::{Client, MoveReport, Server};
 use crate::error::{invalid, Error, Result};
 use crate::net::proto::*;
@@ -89,12 +93,12 @@ fn renumber(owners: &[u32], r: usize) -> Vec<u32> {
 impl Client {
     /// Takes the newest routing the servers hold, with its list when that changed.
     fn follow_held(&self) -> Result<()> {
-        if let Some((servers, table)) = self.held_routing()? {
+        if let Some((list, table)) = self.held_routing()? {
             if table.epoch() > self.route().table.epoch() {
-                if servers == self.names() {
+                if self.is_my_list(&list) {
                     self.adopt(table)?;
                 } else {
-                    self.adopt_list(&servers, table)?;
+                    self.adopt_list(&list, table)?;
                 }
             }
         }
@@ -113,47 +117,111 @@ impl Client {
             .map_err(|e| error_of(&e, &s.name))
     }
 
-    /// Adds server `addr` to the list while workers train: it gets every table's definition,
-    /// joins the list (owning nothing), then about 1/N of the slots move to it with their rows,
-    /// optimizer state and metadata. Fails before changing anything for an address already in
-    /// the list, a server that does not answer or speaks another protocol, or one that holds
-    /// rows or another cluster's routing.
-    pub fn add_server(&self, addr: &str) -> Result<MoveReport> {
-        self.refuse_replica_groups("add a server")?;
+    /// Adds a server, or a replica group, to the list while workers train: `members` is the
+    /// server's address, or a group's members, its primary first, then its followers (each
+    /// started with `--follow` the primary). It gets every table's definition, joins the list
+    /// (owning nothing), then about 1/N of the slots move to it with their rows, optimizer state
+    /// and metadata. Fails before changing anything for an address already in the list (of any
+    /// group), a member that does not answer or speaks another protocol, a first member that is
+    /// not a primary or a follower that does not follow it, or a primary that holds rows or
+    /// another cluster's routing.
+    pub fn add_server(&self, members: &[String]) -> Result<MoveReport> {
+        let Some(addr) = members.first().cloned() else {
+            return Err(invalid(
+                "add_server needs the server's address, or a replica group's members (its \
+                 primary first); nothing was changed",
+            ));
+        };
+        let addr = addr.as_str();
+        let mut seen = std::collections::HashSet::new();
+        for m in members {
+            if m.is_empty() {
+                return Err(invalid(
+                    "cannot add a server: an address is empty; nothing was changed",
+                ));
+            }
+            if !seen.insert(m) {
+                return Err(invalid(format!(
+                    "cannot add server {addr}: {m} is given twice; nothing was changed"
+                )));
+            }
+        }
         self.drain();
         self.follow_held()?;
-        let names = self.names();
-        if names.iter().any(|n| n == addr) {
-            let at = names.iter().position(|n| n == addr).unwrap_or(0);
-            let owned = self.route().table.slots_per_server()[at];
-            return Err(invalid(format!(
-                "server {addr} is already in the list [{}] (position {at}, owning {owned} \
-                 slots); nothing was changed (to give it slots, use move_slots)",
-                names.join(", ")
-            )));
+        let list = self.positions();
+        let names = names_of(&list);
+        for m in members {
+            if let Some(at) = list.iter().position(|p| p.members.contains(m)) {
+                let owned = self.route().table.slots_per_server()[at];
+                return Err(invalid(format!(
+                    "server {m} is already in the list [{}] (position {at}, owning {owned} \
+                     slots); nothing was changed (to give it slots, use move_slots)",
+                    describe(&list)
+                )));
+            }
         }
-        let joining = Arc::new(Server {
+        let joining_at = Position {
             name: addr.to_string(),
-            group: super::group::Group::new(vec![super::member(&self.rt, &self.config, addr)?]),
-        });
-        // Is it there, and empty? Checked before anything changes.
-        let t = self.config.timeout.min(Duration::from_secs(10));
-        let unreachable = |e: Error| {
-            invalid(format!(
-                "cannot add server {addr}: it did not answer ({e}); nothing was changed"
-            ))
+            members: members.to_vec(),
         };
-        let st = self
-            .call_one(&joining, StatusRequest {}, t, |mut c, r| async move {
-                c.status(r).await
-            })
-            .map_err(unreachable)?;
-        if st.protocol != PROTOCOL {
-            return Err(invalid(format!(
-                "cannot add server {addr}: it speaks protocol {}, this client {PROTOCOL}; \
-                 nothing was changed",
-                st.protocol
-            )));
+        let joining = self.server_of(&joining_at, &[])?;
+        // Is every member there, is the first the primary and do the others follow it, is the
+        // primary empty? Checked before anything changes.
+        let t = self.config.timeout.min(Duration::from_secs(10));
+        for (k, m) in joining.group.members.iter().enumerate() {
+            let one = Server {
+                name: m.name.clone(),
+                group: super::group::Group::new(vec![super::group::Member {
+                    name: m.name.clone(),
+                    stub: m.stub.clone(),
+                    channel: m.channel.clone(),
+                }]),
+            };
+            let st = self
+                .call_one(&one, StatusRequest {}, t, |mut c, r| async move {
+                    c.status(r).await
+                })
+                .map_err(|e| {
+                    invalid(format!(
+                        "cannot add server {}: it did not answer ({e}); nothing was changed",
+                        m.name
+                    ))
+                })?;
+            if st.protocol != PROTOCOL {
+                return Err(invalid(format!(
+                    "cannot add server {}: it speaks protocol {}, this client {PROTOCOL}; \
+                     nothing was changed",
+                    m.name, st.protocol
+                )));
+            }
+            if members.len() > 1 {
+                let rep: serde_json::Value =
+                    serde_json::from_str(&st.replication_json).unwrap_or_default();
+                let role = rep["role"].as_str().unwrap_or("primary");
+                let follows = rep["primary"].as_str().unwrap_or("");
+                if k == 0 && role != "primary" {
+                    return Err(invalid(format!(
+                        "cannot add the replica group [{}]: its first member {} is a {role} \
+                         (of {follows}), not the primary; give the primary first; nothing was \
+                         changed",
+                        members.join(", "),
+                        m.name
+                    )));
+                }
+                if k > 0 && (role != "follower" || follows != addr) {
+                    let what = if role == "follower" {
+                        format!("follows {follows}")
+                    } else {
+                        format!("is a {role}")
+                    };
+                    return Err(invalid(format!(
+                        "cannot add the replica group [{}]: member {} {what}, not the group's \
+                         primary {addr} (start it with --follow {addr}); nothing was changed",
+                        members.join(", "),
+                        m.name
+                    )));
+                }
+            }
         }
         let held = self.call_one(&joining, GetRoutingRequest {}, t, |mut c, r| async move {
             c.get_routing(r).await
@@ -211,9 +279,9 @@ impl Client {
         }
         // The list with the new server at its end, owning nothing: no row moves yet.
         let current = self.route().table.clone();
-        let n = names.len();
-        let mut grown = names.clone();
-        grown.push(addr.to_string());
+        let n = list.len();
+        let mut grown = list.clone();
+        grown.push(joining_at);
         let joined = SlotTable::from_owners(current.epoch() + 1, n + 1, current.owners().to_vec())?;
         self.publish_over(&grown, joined.clone(), &[])?;
         // Its share of the slots, from every position.
@@ -222,23 +290,45 @@ impl Client {
         self.move_slots(&target)
     }
 
-    /// Removes server `addr` from the list while workers train: all its slots move to the
-    /// others with their rows, then the list without it is published (it holds nothing
-    /// afterwards, and answers every call on rows "moved"). Fails before changing anything for
-    /// an address not in the list or the last server; a move that fails half way (a server
-    /// that died) leaves the slots moved so far moved and can be run again.
-    pub fn remove_server(&self, addr: &str) -> Result<MoveReport> {
-        self.refuse_replica_groups("remove a server")?;
+    /// Removes a server, or a whole replica group, from the list while workers train: `which`
+    /// is the address of any member of the position, or the position's number. All its slots
+    /// move to the others with their rows, then the list without it is published (it holds
+    /// nothing afterwards, and answers every call on rows "moved"). Fails before changing
+    /// anything for an address not in the list, a position past its end, or the last server;
+    /// a move that fails half way (a server that died) leaves the slots moved so far moved and
+    /// can be run again.
+    pub fn remove_server(&self, which: &str) -> Result<MoveReport> {
         self.drain();
         self.follow_held()?;
-        let names = self.names();
-        let Some(r) = names.iter().position(|n| n == addr) else {
-            return Err(invalid(format!(
-                "server {addr} is not in the list [{}]; nothing was changed",
-                names.join(", ")
-            )));
+        let list = self.positions();
+        let n = list.len();
+        let r = if !which.is_empty() && which.bytes().all(|b| b.is_ascii_digit()) {
+            match which.parse::<usize>() {
+                Ok(r) if r < n => r,
+                _ => {
+                    return Err(invalid(format!(
+                        "position {which} is not in the list [{}] (positions 0 to {}); \
+                         nothing was changed",
+                        describe(&list),
+                        n - 1
+                    )))
+                }
+            }
+        } else {
+            match list
+                .iter()
+                .position(|p| p.members.contains(&which.to_string()))
+            {
+                Some(r) => r,
+                None => {
+                    return Err(invalid(format!(
+                        "server {which} is not in the list [{}]; nothing was changed",
+                        describe(&list)
+                    )))
+                }
+            }
         };
-        let n = names.len();
+        let addr = list[r].name.clone();
         if n == 1 {
             return Err(invalid(format!(
                 "cannot remove server {addr}: it is the last server of the cluster; nothing was \
@@ -267,7 +357,7 @@ impl Client {
             |mut c, r| async move { c.drop_slots(r).await },
         )?;
         let leaving = self.list().get(r).cloned();
-        let mut rest = names.clone();
+        let mut rest = self.positions();
         rest.remove(r);
         let left = SlotTable::from_owners(table.epoch() + 1, n - 1, renumber(table.owners(), r))?;
         self.publish_over(&rest, left, leaving.as_slice())?;

@@ -297,11 +297,7 @@ impl Client {
             }));
         }
         let applier = Applier::new(config.max_inflight_bytes, "pstore-client-push")?;
-        let route = RwLock::new(Arc::new(reshard::Route::new(
-            servers,
-            &config.replicas,
-            router,
-        )?));
+        let route = RwLock::new(Arc::new(reshard::Route::new(servers, router)?));
         let c = Arc::new(Self {
             rt,
             route,
@@ -337,8 +333,8 @@ impl Client {
         // The servers' routing over this list, when they hold one, is the cluster's table: it
         // replaces the one given (decision 0102). A routing over another list is not taken: the
         // first call on rows is answered "moved" and fails naming both lists.
-        if let Some((servers, table)) = c.held_routing()? {
-            if servers == c.names() {
+        if let Some((list, table)) = c.held_routing()? {
+            if reshard::names_of(&list) == c.names() {
                 c.adopt(table)?;
             }
         }

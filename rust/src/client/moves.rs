@@ -65,13 +65,13 @@ impl Client {
         }
         self.drain();
         // Start from the newest routing the servers hold.
-        if let Some((servers, table)) = self.held_routing()? {
+        if let Some((list, table)) = self.held_routing()? {
             let names = self.names();
-            if servers != names {
+            if super::reshard::names_of(&list) != names {
                 return Err(invalid(format!(
                     "the servers route by another list ([{}]) than the one the slot table was \
                      made for ([{}]): make the table over their list",
-                    servers.join(", "),
+                    super::reshard::describe(&list),
                     names.join(", ")
                 )));
             }

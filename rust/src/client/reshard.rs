@@ -8,6 +8,11 @@
 //! simply sent again, a sparse push resends only its refused parts, each sub-part with a
 //! new request id and the ids of the parts it came from (`split_from`), so a server that
 //! remembers one of those as applied answers from its memory instead of applying it twice.
+//!
+//! The routing's list names each position's replica group (decision 0109), so a client follows
+//! a changed list with groups too: it keeps the groups it has, builds the new ones from the
+//! routing (reusing its connections to members it knows) and finds their primaries as on any
+//! failover.
 
 use std::sync::Arc;
 
@@ -39,25 +44,110 @@ pub(super) struct Route {
 }
 
 impl Route {
-    /// `replicas`: each position's members after its first (a replica group counts in the
-    /// layout hash by its position only: `cluster::layout_hash_groups`).
-    pub(super) fn new(
-        servers: Vec<Arc<Server>>,
-        replicas: &[Vec<String>],
-        table: SlotTable,
-    ) -> Result<Self> {
+    /// A replica group counts in the layout hash by its position only
+    /// (`cluster::layout_hash_groups`).
+    pub(super) fn new(servers: Vec<Arc<Server>>, table: SlotTable) -> Result<Self> {
         let ascii = |s: String| {
             s.parse()
                 .map_err(|_| Error::Internal("routing metadata is ASCII".into()))
         };
         let names: Vec<&str> = servers.iter().map(|s| s.name.as_str()).collect();
+        let replicas: Vec<Vec<String>> = servers
+            .iter()
+            .map(|s| {
+                s.group.members[1..]
+                    .iter()
+                    .map(|m| m.name.clone())
+                    .collect()
+            })
+            .collect();
         Ok(Self {
-            layout: ascii(super::cluster::layout_hash_groups(&names, replicas, &table))?,
+            layout: ascii(super::cluster::layout_hash_groups(
+                &names, &replicas, &table,
+            ))?,
             servers,
             epoch: ascii(table.epoch().to_string())?,
             owns_slots: table.slots_per_server().iter().map(|&n| n > 0).collect(),
             table,
         })
+    }
+}
+
+/// A position of a routing's list: its address and its replica group's members, the primary
+/// first as the publisher knew it (empty: the routing does not say, a routing published before
+/// groups were carried).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub(super) struct Position {
+    pub(super) name: String,
+    pub(super) members: Vec<String>,
+}
+
+impl Position {
+    /// Whether `s` is this position: the same address, and the same members (in any order)
+    /// when the routing names them.
+    fn is(&self, s: &Server) -> bool {
+        let mut a: Vec<&str> = self.members.iter().map(String::as_str).collect();
+        let mut b: Vec<&str> = s.group.members.iter().map(|m| m.name.as_str()).collect();
+        a.sort_unstable();
+        b.sort_unstable();
+        self.name == s.name && (a.is_empty() || a == b)
+    }
+}
+
+/// The positions of a routing's list.
+pub(super) fn positions_of(r: &Routing) -> Vec<Position> {
+    r.servers
+        .iter()
+        .enumerate()
+        .map(|(i, name)| Position {
+            name: name.clone(),
+            members: r.groups.get(i).map_or_else(Vec::new, |g| g.members.clone()),
+        })
+        .collect()
+}
+
+/// The addresses of `list`.
+pub(super) fn names_of(list: &[Position]) -> Vec<String> {
+    list.iter().map(|p| p.name.clone()).collect()
+}
+
+/// `list` for a message: each position's address, a group of one as its address alone,
+/// several members as the group joined with commas.
+pub(super) fn describe(list: &[Position]) -> String {
+    list.iter()
+        .map(|p| {
+            if p.members.len() > 1 {
+                format!("[{}]", p.members.join(", "))
+            } else {
+                p.name.clone()
+            }
+        })
+        .collect::<Vec<_>>()
+        .join(", ")
+}
+
+/// The routing message of `table` over `list` for position `index`: with each position's
+/// group when any has more than one member (otherwise in the form of a routing without groups,
+/// which every server version reads).
+pub(super) fn routing_over(list: &[Position], table: &SlotTable, index: usize) -> Routing {
+    let groups = if list.iter().any(|p| p.members.len() > 1) {
+        list.iter()
+            .map(|p| RoutingGroup {
+                members: if p.members.is_empty() {
+                    vec![p.name.clone()]
+                } else {
+                    p.members.clone()
+                },
+            })
+            .collect()
+    } else {
+        Vec::new()
+    };
+    Routing {
+        slots: Some(table.to_proto()),
+        servers: names_of(list),
+        index: index as u32,
+        groups,
     }
 }
 
@@ -84,19 +174,35 @@ pub(super) fn is_moving(s: &Status) -> bool {
 }
 
 impl Client {
-    /// Refuses list changes in a cluster with replica groups: the routing (and its list) reaches
-    /// followers, but a client connected with groups cannot follow a list that changed
-    /// (docs/CLUSTER.md, Limits). Slot moves and publishes work with groups.
-    pub(super) fn refuse_replica_groups(&self, what: &str) -> Result<()> {
-        match self.list().iter().find(|s| s.group.members.len() > 1) {
-            Some(s) => Err(invalid(format!(
-                "cannot {what}: position {:?} is a replica group, and clients connected with \
-                 replica groups cannot follow a changed server list in this version; move slots \
-                 between the groups instead (move_slots works with replica groups)",
-                s.name
-            ))),
-            None => Ok(()),
-        }
+    /// This client's list: each position's address and members, its primary first as this
+    /// client knows it.
+    pub(super) fn positions(&self) -> Vec<Position> {
+        self.list()
+            .iter()
+            .map(|s| {
+                let g = &s.group;
+                let p = g.pick(false);
+                let mut members = vec![g.members[p].name.clone()];
+                members.extend(
+                    g.members
+                        .iter()
+                        .enumerate()
+                        .filter(|&(k, _)| k != p)
+                        .map(|(_, m)| m.name.clone()),
+                );
+                Position {
+                    name: s.name.clone(),
+                    members,
+                }
+            })
+            .collect()
+    }
+
+    /// Whether `list` is this client's list (the same addresses, and the same members where
+    /// `list` names them).
+    pub(super) fn is_my_list(&self, list: &[Position]) -> bool {
+        let mine = self.list();
+        mine.len() == list.len() && list.iter().zip(&mine).all(|(p, s)| p.is(s))
     }
 
     /// The table this client routes by now.
@@ -108,14 +214,14 @@ impl Client {
     pub(super) fn adopt(&self, table: SlotTable) -> Result<()> {
         let mut g = self.route.write().unwrap_or_else(|e| e.into_inner());
         if table.epoch() >= g.table.epoch() && table != g.table {
-            *g = Arc::new(Route::new(g.servers.clone(), &self.config.replicas, table)?);
+            *g = Arc::new(Route::new(g.servers.clone(), table)?);
         }
         Ok(())
     }
 
     /// The newest routing the servers hold (its list and table), if any holds one. A server
     /// older than the routing calls counts as holding none.
-    pub(super) fn held_routing(&self) -> Result<Option<(Vec<String>, SlotTable)>> {
+    pub(super) fn held_routing(&self) -> Result<Option<(Vec<Position>, SlotTable)>> {
         let t = self.config.timeout;
         let answers = self.rt.block_on(async {
             let calls = (0..self.n()).map(|i| {
@@ -130,7 +236,7 @@ impl Client {
             });
             super::futures_join_all(calls).await
         });
-        let mut best: Option<(Vec<String>, SlotTable)> = None;
+        let mut best: Option<(Vec<Position>, SlotTable)> = None;
         for (i, a) in answers.into_iter().enumerate() {
             let r = match a {
                 Ok(r) => r,
@@ -140,15 +246,14 @@ impl Client {
             let Some(slots) = &r.slots else { continue };
             let table = SlotTable::from_proto(slots)?;
             if best.as_ref().is_none_or(|(_, b)| table.epoch() > b.epoch()) {
-                best = Some((r.servers, table));
+                best = Some((positions_of(&r), table));
             }
         }
         Ok(best)
     }
 
     /// Takes the routing server `i` holds, when it is newer than this client's, with its
-    /// server list when that changed (servers joined or left). A client with replica groups
-    /// cannot follow another list (its groups' members are not in the routing).
+    /// server list when that changed (servers or groups joined or left).
     pub(super) async fn refresh_routing(&self, i: usize) -> Result<()> {
         let Some(server) = self.route().servers.get(i).cloned() else {
             // The list changed since the call was split: this client routes by a newer one.
@@ -172,88 +277,105 @@ impl Client {
         if table.epoch() <= self.route().table.epoch() {
             return Ok(());
         }
-        if r.servers != self.names() {
+        let list = positions_of(&r);
+        if !self.is_my_list(&list) {
             let epoch = table.epoch();
-            return self.adopt_list(&r.servers, table).map_err(|e| {
+            return self.adopt_list(&list, table).map_err(|e| {
                 invalid(format!(
                     "server {name} routes by epoch {} over the servers [{}]; this client \
                      cannot follow it: {e}",
                     epoch,
-                    r.servers.join(", "),
+                    describe(&list),
                 ))
             });
         }
         self.adopt(table)
     }
 
-    /// Routes by `table` over the server list `names` from now on, unless this client's table
-    /// is newer: connections to servers it already has are kept, new ones open on first use.
-    pub(super) fn adopt_list(&self, names: &[String], table: SlotTable) -> Result<()> {
-        if self.config.replicas.iter().any(|r| !r.is_empty()) {
-            return Err(invalid(
-                "this client was connected with replica groups, whose members a routing does \
-                 not name; connect again with the new list",
-            ));
-        }
-        if table.servers() != names.len() {
+    /// Routes by `table` over the server list `list` from now on, unless this client's table
+    /// is newer: the groups it already has are kept (with the primary each knows), new ones
+    /// are built from the list's members, reusing this client's connections to members it
+    /// knows and opening the others on first use.
+    pub(super) fn adopt_list(&self, list: &[Position], table: SlotTable) -> Result<()> {
+        if table.servers() != list.len() {
             return Err(invalid(format!(
                 "the slot table addresses {} servers, the list has {}",
                 table.servers(),
-                names.len()
+                list.len()
             )));
         }
-        let servers = self.servers_named(names)?;
+        let servers = self.servers_named(list)?;
         let mut g = self.route.write().unwrap_or_else(|e| e.into_inner());
         if table.epoch() > g.table.epoch() || (table.epoch() == g.table.epoch() && table != g.table)
         {
-            *g = Arc::new(Route::new(servers, &[], table)?);
+            *g = Arc::new(Route::new(servers, table)?);
             self.list_changes
                 .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
         }
         Ok(())
     }
 
-    /// The servers of `names`: this client's own where it has them, new (lazily connected)
-    /// ones otherwise.
-    pub(super) fn servers_named(&self, names: &[String]) -> Result<Vec<Arc<Server>>> {
+    /// The servers of `list`: this client's own where it has the same position, new ones
+    /// otherwise, whose members are this client's connections where it has them and lazily
+    /// connected ones else.
+    pub(super) fn servers_named(&self, list: &[Position]) -> Result<Vec<Arc<Server>>> {
         let have = self.list();
-        names
-            .iter()
-            .map(|n| match have.iter().find(|s| &s.name == n) {
+        list.iter()
+            .map(|p| match have.iter().find(|s| p.is(s)) {
                 Some(s) => Ok(Arc::clone(s)),
-                None => Ok(Arc::new(Server {
-                    name: n.clone(),
-                    group: super::group::Group::new(vec![super::member(
-                        &self.rt,
-                        &self.config,
-                        n,
-                    )?]),
-                })),
+                None => self.server_of(p, &have),
             })
             .collect()
     }
 
-    /// Publishes `table` over the server list `names` (which may differ from this client's):
+    /// A new server (a replica group) for position `p`: its members in the order given (the
+    /// first believed primary), each reusing this client's connection to it when `have` has one.
+    pub(super) fn server_of(&self, p: &Position, have: &[Arc<Server>]) -> Result<Arc<Server>> {
+        let single = [p.name.clone()];
+        let names = if p.members.is_empty() {
+            &single[..]
+        } else {
+            &p.members[..]
+        };
+        let members = names
+            .iter()
+            .map(|n| {
+                match have
+                    .iter()
+                    .flat_map(|s| s.group.members.iter())
+                    .find(|m| &m.name == n)
+                {
+                    Some(m) => Ok(super::group::Member {
+                        name: m.name.clone(),
+                        stub: m.stub.clone(),
+                        channel: m.channel.clone(),
+                    }),
+                    None => super::member(&self.rt, &self.config, n),
+                }
+            })
+            .collect::<Result<Vec<_>>>()?;
+        Ok(Arc::new(Server {
+            name: p.name.clone(),
+            group: super::group::Group::new(members),
+        }))
+    }
+
+    /// Publishes `table` over the server list `list` (which may differ from this client's):
     /// servers joining the list get it first, then the others, then the servers of `gone`
     /// (leaving: they hold the new list at the position past its end, owning nothing; one that
     /// does not answer is skipped, since it owns no slot under the routing it holds). This
-    /// client then routes by it.
+    /// client then routes by it. A replica group gets it on its primary, which hands it to its
+    /// followers through the replication log before it answers (decision 0101).
     pub(super) fn publish_over(
         &self,
-        names: &[String],
+        list: &[Position],
         table: SlotTable,
         gone: &[Arc<Server>],
     ) -> Result<()> {
-        self.refuse_replica_groups("change the server list")?;
-        let servers = self.servers_named(names)?;
+        let servers = self.servers_named(list)?;
         let have = self.names();
-        let slots = table.to_proto();
         let routing = |index: usize| SetRoutingRequest {
-            routing: Some(Routing {
-                slots: Some(slots.clone()),
-                servers: names.to_vec(),
-                index: index as u32,
-            }),
+            routing: Some(routing_over(list, &table, index)),
         };
         let t = self.config.timeout;
         let set = |s: &Arc<Server>, index: usize| {
@@ -278,11 +400,11 @@ impl Client {
                 }
             }
             for s in gone {
-                let _ = set(s, names.len()).await;
+                let _ = set(s, list.len()).await;
             }
             Ok::<(), Error>(())
         })?;
-        self.adopt_list(names, table)
+        self.adopt_list(list, table)
     }
 
     /// Publishes `table` as the cluster's routing: every server of this client's list gets it
@@ -291,8 +413,8 @@ impl Client {
     /// no rows: what the servers held under the old owners stays where it is, so this is the
     /// last step of a move, after the rows are on their new owners.
     pub fn publish_routing(&self, table: SlotTable) -> Result<()> {
-        let names = self.names();
-        let n = names.len();
+        let list = self.positions();
+        let n = list.len();
         if table.servers() != n {
             return Err(invalid(format!(
                 "the slot table addresses {} servers, the cluster has {n}",
@@ -306,17 +428,12 @@ impl Client {
                 table.epoch()
             )));
         }
-        let slots = table.to_proto();
         let targets = (0..n)
             .map(|i| {
                 (
                     i,
                     SetRoutingRequest {
-                        routing: Some(Routing {
-                            slots: Some(slots.clone()),
-                            servers: names.clone(),
-                            index: i as u32,
-                        }),
+                        routing: Some(routing_over(&list, &table, i)),
                     },
                 )
             })
@@ -438,5 +555,32 @@ impl Client {
             ));
         }
         Some(out)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn at(name: &str, members: &[&str]) -> Position {
+        Position {
+            name: name.into(),
+            members: members.iter().map(|m| m.to_string()).collect(),
+        }
+    }
+
+    #[test]
+    fn a_routing_names_groups_only_when_a_position_has_several_members() {
+        let table = SlotTable::uniform(2).unwrap();
+        let singles = [at("a:1", &["a:1"]), at("c:1", &["c:1"])];
+        let r = routing_over(&singles, &table, 1);
+        assert!(r.groups.is_empty() && r.servers == ["a:1", "c:1"] && r.index == 1);
+        // Read back: the routing does not say, so members are unknown.
+        assert!(positions_of(&r).iter().all(|p| p.members.is_empty()));
+        let grouped = [at("a:1", &["b:1", "a:1"]), at("c:1", &["c:1"])];
+        let r = routing_over(&grouped, &table, 0);
+        assert_eq!(r.groups.len(), 2);
+        assert_eq!(positions_of(&r), grouped);
+        assert_eq!(describe(&grouped), "[b:1, a:1], c:1");
     }
 }

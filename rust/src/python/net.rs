@@ -337,17 +337,23 @@ impl PyClient {
         move_report(py, r)
     }
 
-    /// Adds a server to the list while workers train; returns what moved to it.
-    fn add_server<'py>(&self, py: Python<'py>, addr: &str) -> PyResult<Bound<'py, PyDict>> {
+    /// Adds a server, or a replica group (its primary first), to the list while workers train;
+    /// returns what moved to it.
+    fn add_server<'py>(
+        &self,
+        py: Python<'py>,
+        members: Vec<String>,
+    ) -> PyResult<Bound<'py, PyDict>> {
         let c = &self.inner;
-        let r = run(py, || c.add_server(addr))?;
+        let r = run(py, || c.add_server(&members))?;
         move_report(py, r)
     }
 
-    /// Removes a server from the list while workers train; returns what moved from it.
-    fn remove_server<'py>(&self, py: Python<'py>, addr: &str) -> PyResult<Bound<'py, PyDict>> {
+    /// Removes a server or replica group (named by any member's address or its position) from
+    /// the list while workers train; returns what moved from it.
+    fn remove_server<'py>(&self, py: Python<'py>, which: &str) -> PyResult<Bound<'py, PyDict>> {
         let c = &self.inner;
-        let r = run(py, || c.remove_server(addr))?;
+        let r = run(py, || c.remove_server(which))?;
         move_report(py, r)
     }
 

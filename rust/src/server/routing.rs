@@ -15,6 +15,10 @@
 //! is the stronger one (it refuses exactly the ids that went astray). A call without it (a client
 //! generated from the .proto) is still checked against the layout hash, which a publish re-pins
 //! to the new routing's. A durable server keeps its routing in the meta key [`ROUTING_META`].
+//!
+//! The list carries each position's replica group (`Routing.groups`, decision 0109): a client
+//! that follows a changed list learns the members of every group from it. A routing without
+//! groups (published before they were carried, or kept so on disk) reads as groups of one.
 
 use std::sync::{Arc, RwLock};
 
@@ -49,12 +53,19 @@ struct Kept {
     servers: Vec<String>,
     index: u32,
     slots: SlotTableSpec,
+    /// Each position's members (empty: groups of one; absent in the form kept before groups
+    /// were carried).
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    groups: Vec<Vec<String>>,
 }
 
 /// A routing this server holds.
 pub(super) struct Held {
     table: SlotTable,
     servers: Vec<String>,
+    /// Each position's members, primary first as the publisher knew (empty: every position a
+    /// group of one).
+    groups: Vec<Vec<String>>,
     index: usize,
 }
 
@@ -64,7 +75,18 @@ impl Held {
             slots: Some(self.table.to_proto()),
             servers: self.servers.clone(),
             index: self.index as u32,
+            groups: groups_to_proto(&self.groups),
         }
+    }
+
+    fn kept(&self) -> Result<Vec<u8>> {
+        let kept = Kept {
+            servers: self.servers.clone(),
+            index: self.index as u32,
+            slots: self.table.spec(),
+            groups: self.groups.clone(),
+        };
+        serde_json::to_vec(&kept).map_err(|e| crate::Error::Internal(format!("routing: {e}")))
     }
 
     /// The layout hash of this routing (what clients without the epoch metadata must send).
@@ -170,7 +192,7 @@ impl Routes {
         };
         let k: Kept = serde_json::from_slice(&bytes).map_err(|e| bad(e.to_string()))?;
         let table = SlotTable::from_spec(&k.slots).map_err(|e| bad(e.to_string()))?;
-        let held = check(table, k.servers, k.index).map_err(|e| bad(e.to_string()))?;
+        let held = check(table, k.servers, k.groups, k.index).map_err(|e| bad(e.to_string()))?;
         Ok(Self(RwLock::new(Some(Arc::new(held)))))
     }
 
@@ -205,10 +227,13 @@ impl Routes {
                  routing has epoch 1 or more",
             ));
         }
-        let new = check(table, r.servers, r.index)?;
+        let new = check(table, r.servers, groups_of(r.groups), r.index)?;
         let mut g = self.0.write().unwrap_or_else(|e| e.into_inner());
         if let Some(h) = g.as_ref() {
-            let same = h.table == new.table && h.servers == new.servers && h.index == new.index;
+            let same = h.table == new.table
+                && h.servers == new.servers
+                && h.groups == new.groups
+                && h.index == new.index;
             if same {
                 return Ok(h.to_proto());
             }
@@ -222,13 +247,7 @@ impl Routes {
             }
         }
         if let Some(f) = store.flusher() {
-            let kept = Kept {
-                servers: new.servers.clone(),
-                index: new.index as u32,
-                slots: new.table.spec(),
-            };
-            let bytes = serde_json::to_vec(&kept)
-                .map_err(|e| crate::Error::Internal(format!("routing: {e}")))?;
+            let bytes = new.kept()?;
             f.storage().write(|w| w.put_meta(ROUTING_META, &bytes))?;
         }
         pin(&new.layout_hash())?;
@@ -244,20 +263,15 @@ impl Routes {
             None => None,
             Some(r) => {
                 let slots = r.slots.as_ref().expect("filtered");
-                Some(check(SlotTable::from_proto(slots)?, r.servers, r.index)?)
+                let table = SlotTable::from_proto(slots)?;
+                Some(check(table, r.servers, groups_of(r.groups), r.index)?)
             }
         };
         let mut g = self.0.write().unwrap_or_else(|e| e.into_inner());
         if let Some(f) = store.flusher() {
             match &new {
                 Some(h) => {
-                    let kept = Kept {
-                        servers: h.servers.clone(),
-                        index: h.index as u32,
-                        slots: h.table.spec(),
-                    };
-                    let bytes = serde_json::to_vec(&kept)
-                        .map_err(|e| crate::Error::Internal(format!("routing: {e}")))?;
+                    let bytes = h.kept()?;
                     f.storage().write(|w| w.put_meta(ROUTING_META, &bytes))?;
                 }
                 None => f.storage().write(|w| w.delete_meta(ROUTING_META))?,
@@ -357,9 +371,30 @@ impl Routes {
     }
 }
 
+/// The groups of a routing message, as lists of members.
+fn groups_of(groups: Vec<proto::RoutingGroup>) -> Vec<Vec<String>> {
+    groups.into_iter().map(|g| g.members).collect()
+}
+
+/// The groups of a routing, as the message carries them.
+fn groups_to_proto(groups: &[Vec<String>]) -> Vec<proto::RoutingGroup> {
+    groups
+        .iter()
+        .map(|m| proto::RoutingGroup { members: m.clone() })
+        .collect()
+}
+
 /// A routing from its parts, checked: a list of distinct, non-empty addresses, a table over
-/// exactly that many positions, and an index in the list (or its length: not in it).
-fn check(table: SlotTable, servers: Vec<String>, index: u32) -> Result<Held> {
+/// exactly that many positions, each position's group (none: groups of one; otherwise one per
+/// position, each naming the position's address, no address in two places), and an index in
+/// the list (or its length: not in it). Groups that are all of one member are held as none, so
+/// the same routing compares equal in either form.
+fn check(
+    table: SlotTable,
+    servers: Vec<String>,
+    mut groups: Vec<Vec<String>>,
+    index: u32,
+) -> Result<Held> {
     if servers.len() != table.servers() {
         return Err(invalid(format!(
             "routing: the slot table addresses {} servers, the list has {}",
@@ -376,6 +411,39 @@ fn check(table: SlotTable, servers: Vec<String>, index: u32) -> Result<Held> {
             return Err(invalid(format!("routing: server {s} is listed twice")));
         }
     }
+    if !groups.is_empty() {
+        if groups.len() != servers.len() {
+            return Err(invalid(format!(
+                "routing: {} replica groups for a list of {} positions (give one per position, \
+                 or none)",
+                groups.len(),
+                servers.len()
+            )));
+        }
+        for (i, (g, s)) in groups.iter().zip(&servers).enumerate() {
+            if !g.contains(s) {
+                return Err(invalid(format!(
+                    "routing: the replica group of position {i} [{}] does not name its address \
+                     {s}",
+                    g.join(", ")
+                )));
+            }
+            for m in g.iter().filter(|m| *m != s) {
+                if m.is_empty() {
+                    return Err(invalid("routing: a group member's address is empty"));
+                }
+                if !seen.insert(m) {
+                    return Err(invalid(format!("routing: server {m} is listed twice")));
+                }
+            }
+            if g.iter().filter(|m| *m == s).count() > 1 {
+                return Err(invalid(format!("routing: server {s} is listed twice")));
+            }
+        }
+        if groups.iter().all(|g| g.len() == 1) {
+            groups.clear();
+        }
+    }
     // The index past the end: a server that left the list (it owns no slot).
     if index as usize > servers.len() {
         return Err(invalid(format!(
@@ -387,6 +455,78 @@ fn check(table: SlotTable, servers: Vec<String>, index: u32) -> Result<Held> {
     Ok(Held {
         table,
         servers,
+        groups,
         index: index as usize,
     })
+}
+
+#[cfg(test)]
+mod tests {
+    use prost::Message;
+
+    use super::*;
+
+    fn routing(groups: Vec<Vec<&str>>) -> proto::Routing {
+        proto::Routing {
+            slots: Some(SlotTable::uniform(2).unwrap().to_proto()),
+            servers: vec!["a:1".into(), "c:1".into()],
+            index: 1,
+            groups: groups
+                .into_iter()
+                .map(|m| proto::RoutingGroup {
+                    members: m.into_iter().map(String::from).collect(),
+                })
+                .collect(),
+        }
+    }
+
+    fn held(r: proto::Routing) -> Result<Held> {
+        let table = SlotTable::from_proto(r.slots.as_ref().unwrap())?;
+        check(table, r.servers, groups_of(r.groups), r.index)
+    }
+
+    #[test]
+    fn groups_travel_in_the_message_and_the_kept_form() {
+        let r = routing(vec![vec!["b:1", "a:1"], vec!["c:1", "d:1"]]);
+        let bytes = r.encode_to_vec();
+        let h = held(proto::Routing::decode(bytes.as_slice()).unwrap()).unwrap();
+        assert_eq!(h.groups, vec![vec!["b:1", "a:1"], vec!["c:1", "d:1"]]);
+        assert_eq!(h.to_proto(), r);
+        let k: Kept = serde_json::from_slice(&h.kept().unwrap()).unwrap();
+        assert_eq!(k.groups, h.groups);
+        assert_eq!((k.servers, k.index), (h.servers.clone(), 1));
+    }
+
+    #[test]
+    fn a_routing_without_groups_reads_as_groups_of_one() {
+        // The message of a version before groups: fields 1-3 only.
+        let old = proto::Routing {
+            groups: vec![],
+            ..routing(vec![])
+        };
+        let h = held(proto::Routing::decode(old.encode_to_vec().as_slice()).unwrap()).unwrap();
+        assert!(h.groups.is_empty());
+        assert_eq!(h.to_proto(), old);
+        // Groups of one member each are the same routing as none.
+        let ones = held(routing(vec![vec!["a:1"], vec!["c:1"]])).unwrap();
+        assert!(ones.groups.is_empty() && ones.to_proto() == old);
+        // The kept form before groups (no "groups" key) still reads; groups of one write it
+        // so again.
+        let spec = serde_json::to_value(SlotTable::uniform(2).unwrap().spec()).unwrap();
+        let before = serde_json::json!({"servers": ["a:1", "c:1"], "index": 1, "slots": spec});
+        let k: Kept = serde_json::from_value(before.clone()).unwrap();
+        assert!(k.groups.is_empty());
+        let again: serde_json::Value = serde_json::from_slice(&h.kept().unwrap()).unwrap();
+        assert_eq!(again, before);
+    }
+
+    #[test]
+    fn bad_groups_are_refused_naming_the_problem() {
+        let e = |g: Vec<Vec<&str>>| held(routing(g)).err().unwrap().to_string();
+        assert!(e(vec![vec!["a:1", "b:1"]]).contains("1 replica groups for a list of 2"));
+        assert!(e(vec![vec!["b:1"], vec!["c:1"]]).contains("does not name its address a:1"));
+        assert!(e(vec![vec!["a:1", "c:1"], vec!["c:1"]]).contains("c:1 is listed twice"));
+        assert!(e(vec![vec!["a:1", "b:1"], vec!["c:1", "b:1"]]).contains("b:1 is listed twice"));
+        assert!(e(vec![vec!["a:1", ""], vec!["c:1"]]).contains("empty"));
+    }
 }
