@@ -523,12 +523,10 @@ impl Group {
             }
             // The primary is silent: was one of the other followers promoted? Then follow it
             // (a third member of a group does not stay with a dead primary).
-            if f.silent_for() >= self.config.ack_timeout && !members.is_empty() {
-                if self.due() {
-                    for name in members {
-                        if let Probe::Newer(epoch, _) = self.probe(rt, &name) {
-                            return self.follow_newer(&f, &name, epoch);
-                        }
+            if f.silent_for() >= self.config.ack_timeout && !members.is_empty() && self.due() {
+                for name in members {
+                    if let Probe::Newer(epoch, _) = self.probe(rt, &name) {
+                        return self.follow_newer(&f, &name, epoch);
                     }
                 }
             }
