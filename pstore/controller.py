@@ -387,7 +387,9 @@ class Controller:
         member of a group already."""
         with self._lock:
             if not 0 <= group < len(self._groups):
-                raise InvalidArgumentError(f"no group {group} (the cluster has {len(self._groups)})")
+                raise InvalidArgumentError(
+                    f"no group {group} (the cluster has {len(self._groups)})"
+                )
             g = self._groups[group]
             m = g.member(lost)
             if m is None:

@@ -142,9 +142,10 @@ def test_a_lost_primary_node_fails_over_gets_a_replacement_and_the_controller_re
             nonlocal acked, failed
             while not stop.is_set():
                 try:
+                    began = time.monotonic()
                     t.push(ids, np.ones((64, 2), np.float32))  # SGD, lr 1: each row -1 a push
                     acked += 1
-                    if removed_at and not first_after:
+                    if removed_at and began > removed_at[0] and not first_after:
                         first_after.append(time.monotonic())
                 except pstore.PstoreError:
                     failed += 1
@@ -163,8 +164,8 @@ def test_a_lost_primary_node_fails_over_gets_a_replacement_and_the_controller_re
         lost_groups = _group_of_node(st, victim["node_id"])
         node = next(n for n in raycluster.worker_nodes if n.node_id == victim["node_id"])
         at_removal = acked
+        raycluster.remove_node(node)  # returns once the node's processes are gone
         removed_at.append(time.monotonic())
-        raycluster.remove_node(node)
 
         def failed_over() -> dict[str, Any] | None:
             s = cluster.status()
@@ -181,14 +182,19 @@ def test_a_lost_primary_node_fails_over_gets_a_replacement_and_the_controller_re
         print(f"remove_node -> first accepted push: {first_after[0] - removed_at[0]:.2f} s")
         promoted = [e for e in after["events"] if e["event"] == "promoted"]
         assert sorted(e["group"] for e in promoted) == sorted(lost_groups)
+
         # Ray reports the lost member's actor dead (the controller need not wait for it: a
         # primary that does not answer for dead_after is failed over too).
-        _wait(
-            lambda: victim["address"]
-            in {e.get("address") for e in cluster.status()["events"] if e["event"] == "member_down"},
-            60,
-            "Ray's word that the member is dead",
-        )
+        def told() -> bool:
+            evs = cluster.status()["events"]
+            return victim["address"] in {
+                e.get("address") for e in evs if e["event"] == "member_down"
+            }
+
+        try:
+            _wait(told, 60, "Ray's word that the member is dead")
+        except AssertionError:
+            raise AssertionError(f"no member_down event: {cluster.status()['events']}") from None
 
         # Every group that lost a member gets a new follower on a live node that holds no
         # other member of the group, and it catches up.
@@ -218,9 +224,11 @@ def test_a_lost_primary_node_fails_over_gets_a_replacement_and_the_controller_re
         errors_before = failed
         ray.kill(ctl, no_restart=False)
         back = _wait(
-            lambda: (s := cluster.status())["controller_pid"] != whole["controller_pid"]
-            and s["rounds"] >= 3
-            and s,
+            lambda: (
+                (s := cluster.status())["controller_pid"] != whole["controller_pid"]
+                and s["rounds"] >= 3
+                and s
+            ),
             90,
             "the controller's restart",
         )

@@ -216,6 +216,11 @@ class _GroupsController:
                     ray.get(h.info.remote(), timeout=10.0)
                 except (ValueError, ray.exceptions.RayActorError, ray.exceptions.GetTimeoutError):
                     self._dead.add(m["address"])
+                    self._event(
+                        "member_down",
+                        address=m["address"],
+                        reason="found dead when the controller started",
+                    )
                     continue
                 self._track(m["address"], h)
             for actor in g.get("pending", []):
@@ -355,9 +360,7 @@ class _GroupsController:
             with self._lock:
                 self._replacing.discard(lost)
 
-    def _await_member(
-        self, h: Any, group: int, lost: str, actor: str
-    ) -> dict[str, Any] | None:
+    def _await_member(self, h: Any, group: int, lost: str, actor: str) -> dict[str, Any] | None:
         ref = h.info.remote()
         waited = 0.0
         told = False
@@ -367,9 +370,7 @@ class _GroupsController:
                 try:
                     info: dict[str, Any] = ray.get(ref)
                 except ray.exceptions.RayActorError as e:
-                    self._event(
-                        "replacement_failed", group=group, lost=lost, error=str(e)[:300]
-                    )
+                    self._event("replacement_failed", group=group, lost=lost, error=str(e)[:300])
                     return None
                 info.pop("running", None)
                 return info
