@@ -177,6 +177,8 @@ def _failover(trials: int) -> dict[str, Any]:
     rc.wait_for_nodes()
     ray.init(address=rc.address, namespace=pstore.ray.NAMESPACE, log_to_driver=False)
     to_push, to_listed, promoted_after = [], [], []
+    removal_s: list[float] = []
+    timelines: list[list[Any]] = []
     root = tempfile.mkdtemp(prefix="pstore-ray-failover-")
     try:
         for i in range(trials):
@@ -211,8 +213,10 @@ def _failover(trials: int) -> dict[str, Any]:
                 g0 = st["groups"][0]
                 victim = next(m for m in g0["members"] if m["address"] == g0["primary"])
                 node = next(n for n in rc.worker_nodes if n.node_id == victim["node_id"])
+                began_wall = time.time()
                 rc.remove_node(node)
                 gone.append(time.monotonic())
+                removal_s.append(time.time() - began_wall)
                 while not done and time.monotonic() < gone[0] + 120:
                     time.sleep(0.01)
                 to_push.append(done[0] - gone[0] if done else float("nan"))
@@ -225,8 +229,16 @@ def _failover(trials: int) -> dict[str, Any]:
                         to_listed.append(time.monotonic() - gone[0])
                         break
                     time.sleep(0.1)
-                ev = [e for e in c.status()["events"] if e["event"] == "promoted"]
+                evs = c.status()["events"]
+                ev = [e for e in evs if e["event"] == "promoted"]
                 promoted_after += [float(e["after_seconds"]) for e in ev]
+                timelines.append(
+                    [
+                        (e["event"], e.get("group"), round(e["time"] - began_wall, 2))
+                        for e in evs
+                        if e["time"] >= began_wall
+                    ]
+                )
                 stop.set()
                 th.join(60)
             finally:
@@ -243,6 +255,8 @@ def _failover(trials: int) -> dict[str, Any]:
         "median_s": statistics.median(to_push),
         "remove_node_to_replacement_listed_s": to_listed,
         "promoted_after_s": promoted_after,
+        "remove_node_call_s": removal_s,
+        "events_since_remove_node_call_s": timelines,
         "load_avg": os.getloadavg(),
     }
 

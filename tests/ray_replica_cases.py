@@ -270,3 +270,78 @@ def test_a_lost_primary_node_fails_over_gets_a_replacement_and_the_controller_re
         cluster.shutdown()
         if spare is not None and spare in raycluster.worker_nodes:
             raycluster.remove_node(spare)
+
+
+@pytest.mark.soak
+def test_soak_primaries_nodes_removed_round_after_round(raycluster, tmp_path):
+    """Four rounds: a spare node added, the node of group 0's primary removed while a worker
+    pushes with ack="all", the group failed over and refilled. The worker connects again after
+    each replacement (a client keeps the member list it connected with: docs/RAY.md)."""
+    cluster = pstore.ray.Cluster(
+        2,
+        replicas=2,
+        path=tmp_path / "s",
+        durability="sync",
+        token=TOKEN,
+        name="soak",
+        server_cpus=0.5,
+        server_resources=SERVER,
+        check_interval=0.5,
+    )
+    stop = threading.Event()
+    counts = {"acked": 0, "failed": 0}
+    table: list[pstore.SparseTable] = []
+    ids = np.arange(64, dtype=np.int64)
+
+    def push() -> None:
+        while not stop.is_set():
+            try:
+                table[-1].push(ids, np.ones((64, 2), np.float32))
+                counts["acked"] += 1
+            except pstore.PstoreError:
+                counts["failed"] += 1
+
+    pusher = threading.Thread(target=push)
+    try:
+        st = _wait(lambda: (s := cluster.status()) and _whole(s) and s, 60, "the groups whole")
+        store = pstore.ray.connect(cluster, ack="all", timeout=10.0)
+        table.append(
+            store.create_sparse_table(
+                "counts", 2, optimizer=pstore.optim.SGD(lr=1.0), initializer=pstore.init.Zeros()
+            )
+        )
+        pusher.start()
+        for k in range(4):
+            raycluster.add_node(num_cpus=2, resources={"pstore_server": 4})
+            raycluster.wait_for_nodes()
+            n = counts["acked"]
+            _wait(lambda n=n: counts["acked"] >= n + 10, 60, f"round {k}: pushes")
+            g0 = st["groups"][0]
+            victim = next(m for m in g0["members"] if m["address"] == g0["primary"])
+            node = next(x for x in raycluster.worker_nodes if x.node_id == victim["node_id"])
+            raycluster.remove_node(node)
+            st = _wait(
+                lambda g0=g0: (
+                    (s := cluster.status())
+                    and s["groups"][0]["epoch"] > g0["epoch"]
+                    and _whole(s)
+                    and s
+                ),
+                120,
+                f"round {k}: the failover and the replacement",
+            )
+            table.append(pstore.ray.connect(cluster, ack="all", timeout=10.0).table("counts"))
+            n = counts["acked"]
+            _wait(lambda n=n: counts["acked"] >= n + 10, 60, f"round {k}: pushes after")
+        stop.set()
+        pusher.join(120)
+        got = -table[-1].pull(ids)[:, 0]
+        acked, failed = counts["acked"], counts["failed"]
+        assert (got >= acked).all() and (got <= acked + failed).all(), (acked, failed, got)
+        promoted = [e for e in st["events"] if e["event"] == "promoted"]
+        assert len(promoted) >= 4
+    finally:
+        stop.set()
+        if pusher.is_alive():
+            pusher.join(120)
+        cluster.shutdown()

@@ -23,6 +23,12 @@ the membership's ``generation``. The membership is kept in Ray's key-value store
 a restarted controller takes it up again and adopts the live server actors by name: nothing is
 lost and no server is restarted.
 
+**Replica groups.** With ``replicas=R > 1`` each position is a replica group of R servers on R
+nodes (one ``STRICT_SPREAD`` placement group per group), and the controller actor runs the
+shared :class:`pstore.controller.Controller` with a Ray engine: a primary whose actor or node
+Ray loses is failed over at once, and a new follower starts in the lost member's bundle
+(:mod:`pstore.ray._groups`; docs/RAY.md, "Replica groups on Ray").
+
 Data never passes through Ray's object store: workers talk gRPC to the servers. Importing
 :mod:`pstore` does not import this module or Ray.
 """
