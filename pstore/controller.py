@@ -283,6 +283,16 @@ class Controller:
             # No live primary of the newest epoch.
             if g.headless_since is None:
                 g.headless_since = now
+            if g.primary is None:
+                # Never seen (a controller started after the primary died): the member the
+                # followers follow, when they agree on one.
+                followed = {
+                    str((m.rep or {}).get("primary"))
+                    for m in g.members
+                    if m.role() == "follower" and (m.rep or {}).get("primary")
+                }
+                if len(followed) == 1 and g.member(next(iter(followed))) is not None:
+                    g.primary, g.epoch = next(iter(followed)), max(g.epoch, heard)
             gone = g.primary is not None and self._engine.is_down(g.primary)
             waited = now - g.headless_since
             if g.promoting or (waited < self._dead_after and not gone):
