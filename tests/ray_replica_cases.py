@@ -12,6 +12,8 @@ namespace with only loopback (see there).
 from __future__ import annotations
 
 import os
+import subprocess
+import sys
 import threading
 import time
 from typing import Any
@@ -161,7 +163,12 @@ def test_a_lost_primary_node_fails_over_gets_a_replacement_and_the_controller_re
             for m in st["groups"][0]["members"]
             if m["address"] == st["groups"][0]["primary"] and m["node_id"] != head
         )
-        lost_groups = _group_of_node(st, victim["node_id"])
+        lost_groups = _group_of_node(st, victim["node_id"])  # their primary was there
+        touched = [  # any member was there: each gets a replacement
+            g["index"]
+            for g in st["groups"]
+            if any(m["node_id"] == victim["node_id"] for m in g["members"])
+        ]
         node = next(n for n in raycluster.worker_nodes if n.node_id == victim["node_id"])
         at_removal = acked
         raycluster.remove_node(node)  # returns once the node's processes are gone
@@ -200,7 +207,7 @@ def test_a_lost_primary_node_fails_over_gets_a_replacement_and_the_controller_re
         # other member of the group, and it catches up.
         whole = _wait(lambda: (s := cluster.status()) and _whole(s) and s, 120, "replacements")
         live_nodes = {n["NodeID"] for n in ray.nodes() if n["Alive"]}
-        for i in lost_groups:
+        for i in touched:
             g = whole["groups"][i]
             nodes = [m["node_id"] for m in g["members"]]
             assert victim["node_id"] not in nodes and len(set(nodes)) == 2
@@ -209,10 +216,10 @@ def test_a_lost_primary_node_fails_over_gets_a_replacement_and_the_controller_re
             assert new["role"] == "follower" and new["node_id"] == spare.node_id
             assert new["address"] in g["live_followers"]
         events = [e["event"] for e in whole["events"]]
-        assert events.count("replaced") == len(lost_groups)
-        assert events.count("member_started") == len(lost_groups)
+        assert events.count("replaced") == len(touched)
+        assert events.count("member_started") == len(touched)
         # One more for the promotions seen in a round, one for each replacement.
-        assert whole["generation"] >= st["generation"] + 1 + len(lost_groups)
+        assert whole["generation"] >= st["generation"] + 1 + len(touched)
         assert cluster.groups == [
             [g["primary"]] + [m["address"] for m in g["members"] if m["address"] != g["primary"]]
             for g in whole["groups"]
@@ -242,6 +249,17 @@ def test_a_lost_primary_node_fails_over_gets_a_replacement_and_the_controller_re
                 (m["address"], m["pid"]) for m in b["members"]
             ]
         assert back["events"][0]["event"] == "adopted"
+        text = subprocess.run(
+            [sys.executable, "-P", "-m", "pstore", "ray", "status", "--name", "rep"],
+            capture_output=True,
+            text=True,
+            timeout=120,
+            env=dict(os.environ, RAY_ADDRESS=raycluster.address),
+        )
+        assert text.returncode == 0, text.stderr
+        assert "2 replica groups of 2" in text.stdout, text.stdout
+        for g in back["groups"]:
+            assert f"primary {g['primary']}" in text.stdout
         assert not [e for e in back["events"] if e["event"] in ("promoted", "replaced")]
 
         stop.set()
@@ -252,7 +270,7 @@ def test_a_lost_primary_node_fails_over_gets_a_replacement_and_the_controller_re
         assert (got >= acked).all() and (got <= acked + failed).all(), (acked, failed, got)
         assert acked > at_removal + 40
         # The replacements hold the rows of their group (absent ids read as 0 there).
-        for i in lost_groups:
+        for i in touched:
             g = back["groups"][i]
             new = next(m["address"] for m in g["members"] if m["address"] != g["primary"])
             follower = pstore.connect([new], token=TOKEN, retries=0)

@@ -410,7 +410,9 @@ class _GroupsController:
             self._membership["generation"] += 1
             self._save()
             self._track(info["address"], h)
-            self._ctl.replace_member(group, old["address"], info["address"], primary=primary)
+        # Outside this actor's lock: the controller calls the engine (is_down, replace) under
+        # its own lock, which replace_member takes.
+        self._ctl.replace_member(group, old["address"], info["address"], primary=primary)
         self._event(
             "member_started",
             group=group,
