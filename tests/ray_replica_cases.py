@@ -281,11 +281,29 @@ def test_a_lost_primary_node_fails_over_gets_a_replacement_and_the_controller_re
                 return bool(mine.any()) and bool((rows[mine] == got[mine]).all())
 
             _wait(caught_up, 30, f"group {i}'s replacement holding its rows")
+
+        # A cluster snapshot is written by each group's primary; restored onto one group of 2.
+        manifest = cluster.snapshot(tmp_path / "snap")
+        assert len(manifest["parts"]) == 2
     finally:
         stop.set()
         if pusher is not None:
             pusher.join(120)
         cluster.shutdown()
+    restored = pstore.ray.Cluster.restore(
+        tmp_path / "snap",
+        num_servers=1,
+        replicas=2,
+        path=tmp_path / "r",
+        durability="sync",
+        name="rep-restored",
+        server_cpus=0.5,
+        server_resources=SERVER,
+    )
+    try:
+        assert (-restored.connect().table("counts").pull(ids)[:, 0] == got).all()
+    finally:
+        restored.shutdown()
         if spare is not None and spare in raycluster.worker_nodes:
             raycluster.remove_node(spare)
 

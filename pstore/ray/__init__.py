@@ -544,8 +544,9 @@ class Cluster:
                 f"(pstore.ray.Cluster.attach({name!r})) or shut it down first"
             )
         if spec["replicas"] > 1:
-            from pstore.ray._groups import _GroupsController
+            from pstore.ray._groups import _GroupsController, check_nodes
 
+            check_nodes(spec)  # here too, so that the error is raised without an actor's trace
             actor_class: Any = _GroupsController
         else:
             actor_class = _Controller

@@ -79,6 +79,19 @@ def fitting_nodes(bundle: dict[str, float]) -> tuple[int, int]:
     return len(alive), len(fit)
 
 
+def check_nodes(spec: dict[str, Any]) -> None:
+    """Raises ClusterError when fewer live nodes can hold a server than a group has members."""
+    r = spec["replicas"]
+    bundle = bundle_of(spec)
+    alive, fit = fitting_nodes(bundle)
+    if fit < r:
+        raise ClusterError(
+            f"cluster {spec['name']!r}: replicas={r} puts the {r} members of each group on "
+            f"{r} different Ray nodes, but only {fit} of the {alive} live nodes can hold a "
+            f"server ({bundle}); add nodes or lower replicas"
+        )
+
+
 class _RayEngine(Engine):
     """The Controller's engine on Ray (see the module)."""
 
@@ -136,13 +149,8 @@ class _GroupsController:
     def _start(self) -> None:
         n, r = self._spec["num_servers"], self._spec["replicas"]
         bundle = bundle_of(self._spec)
-        alive, fit = fitting_nodes(bundle)
-        if fit < r:
-            raise ClusterError(
-                f"cluster {self._name!r}: replicas={r} puts the {r} members of each group on "
-                f"{r} different Ray nodes, but only {fit} of the {alive} live nodes can hold a "
-                f"server ({bundle}); add nodes or lower replicas"
-            )
+        check_nodes(self._spec)
+        fit = fitting_nodes(bundle)[1]
         pgs = [
             placement_group(
                 [dict(bundle) for _ in range(r)],
