@@ -55,6 +55,9 @@ from pstore.ray import (
 )
 
 _WATCH_SECONDS = 30.0
+# A primary that stops answering while Ray still sees its actor (hung, cut off) is failed over
+# after this long; a dead actor or node is failed over at once.
+_DEAD_AFTER = 3.0
 
 
 def _group_pg_name(name: str, group: int) -> str:
@@ -133,7 +136,7 @@ class _GroupsController:
             token=self._spec["token"],
             engine=_RayEngine(self),
             check_interval=float(self._spec["check_interval"]),
-            dead_after=float(self._spec.get("dead_after") or 3.0),
+            dead_after=_DEAD_AFTER,
             timeout=1.0,
             on_event=self._controller_event,
             on_view=self._on_view,
@@ -178,16 +181,19 @@ class _GroupsController:
                 info = self._info(h, g)
                 tracked.append((info["address"], h))
                 groups.append({"index": g, "members": [info], "next": r, "pending": []})
+            followers = []
             for g in range(n):
                 primary = groups[g]["members"][0]["address"]
+                groups[g]["primary"] = primary
+                groups[g]["epoch"] = None
                 for k in range(1, r):
                     h = self._make_member(pgs[g], g, k, k, primary)
                     started.append(h)
-                    info = self._info(h, g)
-                    tracked.append((info["address"], h))
-                    groups[g]["members"].append(info)
-                groups[g]["primary"] = primary
-                groups[g]["epoch"] = None
+                    followers.append((g, h))
+            for g, h in followers:  # started all at once, then waited for
+                info = self._info(h, g)
+                tracked.append((info["address"], h))
+                groups[g]["members"].append(info)
         except BaseException:
             for h in started:
                 ray.kill(h, no_restart=True)
