@@ -17,6 +17,15 @@ against a ``pstore.ray.Cluster`` and (b) by two plain worker processes (torch.di
 on loopback + DDP) against ``pstore serve`` processes, alternately, ``repeats`` times each;
 samples/s is rank 0's count over every worker's samples per second of training (data set made,
 model built and the first step's join excluded). Prints one JSON line.
+
+``--failover N`` measures instead replica groups on Ray (``Cluster(2, replicas=2,
+durability="sync")``, defaults otherwise): a head node holding no server and two worker nodes
+(2 CPUs each, a ``pstore_server`` resource the servers ask for), a third added as the spare;
+a thread pushes (``ack="all"``, 1024 ids x dim 16) in a loop; ``remove_node`` of the node of
+group 0's primary; timed from ``remove_node``'s return (the node's processes are gone) to the
+return of the first push sent after it, and to the replacement follower listed by the
+controller. N trials, each on a new pstore cluster; the removed node is added back between
+trials.
 """
 
 from __future__ import annotations
@@ -134,12 +143,137 @@ def _plain(config: dict[str, Any], servers: int, workers: int) -> float:
             p.wait(timeout=60)
 
 
+def _push_loop(
+    t: Any, ids: Any, grads: Any, stop: Any, gone: list[float], done: list[float]
+) -> None:
+    """Push until ``stop``; the first push sent after ``gone`` was set notes its return."""
+    import pstore
+
+    while not stop.is_set():
+        began = time.monotonic()
+        try:
+            t.push(ids, grads)
+        except pstore.PstoreError:
+            continue
+        if gone and began > gone[0] and not done:
+            done.append(time.monotonic())
+
+
+def _failover(trials: int) -> dict[str, Any]:
+    """remove_node of a primary's node -> first accepted push, on Ray (see the module)."""
+    import threading
+
+    import numpy as np
+    import ray
+    from ray.cluster_utils import Cluster as RayCluster
+
+    import pstore
+    import pstore.ray
+
+    server = {"pstore_server": 4}
+    rc = RayCluster(initialize_head=True, head_node_args={"num_cpus": 1})
+    for _ in range(2):
+        rc.add_node(num_cpus=2, resources=server)
+    rc.wait_for_nodes()
+    ray.init(address=rc.address, namespace=pstore.ray.NAMESPACE, log_to_driver=False)
+    to_push, to_listed, promoted_after = [], [], []
+    removal_s: list[float] = []
+    timelines: list[list[Any]] = []
+    root = tempfile.mkdtemp(prefix="pstore-ray-failover-")
+    try:
+        for i in range(trials):
+            c = pstore.ray.Cluster(
+                2,
+                replicas=2,
+                path=os.path.join(root, f"t{i}"),
+                durability="sync",
+                name=f"failover{i}",
+                server_cpus=0.5,
+                server_resources={"pstore_server": 1},
+            )
+            try:
+                deadline = time.monotonic() + 60
+                while not all(g["live_followers"] for g in c.status()["groups"]):
+                    if time.monotonic() > deadline:
+                        raise RuntimeError(f"followers not live: {c.status()}")
+                    time.sleep(0.2)
+                st = c.status()
+                spare = rc.add_node(num_cpus=2, resources=server)
+                rc.wait_for_nodes()
+                t = c.connect(ack="all").create_sparse_table("t", 16)
+                ids = np.arange(1024, dtype=np.int64)
+                g = np.ones((1024, 16), np.float32)
+                done: list[float] = []
+                gone: list[float] = []
+                stop = threading.Event()
+
+                th = threading.Thread(target=_push_loop, args=(t, ids, g, stop, gone, done))
+                th.start()
+                time.sleep(2.0)
+                g0 = st["groups"][0]
+                victim = next(m for m in g0["members"] if m["address"] == g0["primary"])
+                node = next(n for n in rc.worker_nodes if n.node_id == victim["node_id"])
+                began_wall = time.time()
+                rc.remove_node(node)
+                gone.append(time.monotonic())
+                removal_s.append(time.time() - began_wall)
+                while not done and time.monotonic() < gone[0] + 120:
+                    time.sleep(0.01)
+                to_push.append(done[0] - gone[0] if done else float("nan"))
+                while time.monotonic() < gone[0] + 120:
+                    s = c.status()
+                    if all(
+                        len(x["members"]) == 2 and x["live_followers"] and not x["pending"]
+                        for x in s["groups"]
+                    ):
+                        to_listed.append(time.monotonic() - gone[0])
+                        break
+                    time.sleep(0.1)
+                evs = c.status()["events"]
+                ev = [e for e in evs if e["event"] == "promoted"]
+                promoted_after += [float(e["after_seconds"]) for e in ev]
+                timelines.append(
+                    [
+                        (e["event"], e.get("group"), round(e["time"] - began_wall, 2))
+                        for e in evs
+                        if e["time"] >= began_wall
+                    ]
+                )
+                stop.set()
+                th.join(60)
+            finally:
+                c.shutdown()
+            if spare not in rc.worker_nodes:
+                raise RuntimeError("the spare node was removed")
+            rc.add_node(num_cpus=2, resources=server)  # in place of the removed one
+            rc.wait_for_nodes()
+    finally:
+        ray.shutdown()
+        rc.shutdown()
+    return {
+        "remove_node_to_first_push_s": to_push,
+        "median_s": statistics.median(to_push),
+        "remove_node_to_replacement_listed_s": to_listed,
+        "promoted_after_s": promoted_after,
+        "remove_node_call_s": removal_s,
+        "events_since_remove_node_call_s": timelines,
+        "load_avg": os.getloadavg(),
+    }
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--samples", type=int, default=24_000)
     p.add_argument("--epochs", type=int, default=2)
     p.add_argument("--servers", type=int, default=2)
+    p.add_argument(
+        "--failover",
+        type=int,
+        default=0,
+        metavar="N",
+        help="measure N trials of a primary's node removed from replica groups on Ray instead",
+    )
     p.add_argument("--plain-worker", default=None, help=argparse.SUPPRESS)
     a = p.parse_args()
     if a.plain_worker is not None:
@@ -160,6 +294,9 @@ def main() -> None:
 
     import pstore.ray
 
+    if a.failover:
+        print(json.dumps(_failover(a.failover)))
+        return
     rc = RayCluster(initialize_head=True, head_node_args={"num_cpus": 2})
     rc.add_node(num_cpus=2)
     rc.wait_for_nodes()

@@ -409,9 +409,15 @@ def _cmd_ray_up(args: argparse.Namespace) -> int:
     config = pstore.ray.load_config(args.config)
     config["address"] = _ray_address(args, config.get("address"))
     cluster = pstore.ray.Cluster(**config)
-    print(f"cluster {cluster.name!r} is up: {len(cluster.servers)} servers")
-    for i, addr in enumerate(cluster.servers):
-        print(f"  server {i}: {addr}")
+    groups = cluster.groups
+    if all(len(g) == 1 for g in groups):
+        print(f"cluster {cluster.name!r} is up: {len(groups)} servers")
+        for i, g in enumerate(groups):
+            print(f"  server {i}: {g[0]}")
+    else:
+        print(f"cluster {cluster.name!r} is up: {len(groups)} replica groups")
+        for i, g in enumerate(groups):
+            print(f"  group {i}: primary {g[0]}, followers {' '.join(g[1:])}")
     print(f"connect with pstore.ray.connect({cluster.name!r}); stop with `pstore ray down`")
     return 0
 
@@ -422,6 +428,20 @@ def _cmd_ray_status(args: argparse.Namespace) -> int:
     st = pstore.ray.Cluster.attach(args.name, address=_ray_address(args)).status()
     if args.json:
         print(json.dumps(st, indent=2, sort_keys=True))
+    elif "groups" in st:
+        print(
+            f"cluster {st['name']!r}: {st['num_servers']} replica groups of {st['replicas']} "
+            f"({st['strategy']}), generation {st['generation']}, {st['durability']}"
+            f"{'  ' + st['path'] if st['path'] else ''}"
+        )
+        for g in st["groups"]:
+            print(f"  group {g['index']}: {g['state']}  epoch {g['epoch']}  primary {g['primary']}")
+            for m in g["members"]:
+                lag = f"  lag {m['lag_entries']}" if m.get("lag_entries") is not None else ""
+                node = f"  node {m['node_id'][:12]}" if m.get("node_id") else ""
+                print(f"    {m['address']}  {m['role']}{lag}{node}  pid {m.get('pid')}")
+            for a in g.get("pending", []):
+                print(f"    (starting {a})")
     else:
         print(
             f"cluster {st['name']!r}: {st['num_servers']} servers ({st['strategy']}), "
@@ -434,11 +454,15 @@ def _cmd_ray_status(args: argparse.Namespace) -> int:
                 f"pid {s['pid']}  restarts {s['incarnation']}"
                 f"{'  LOST' if s.get('lost') else ''}"
             )
+    if not args.json:
         for e in st["events"][-args.events :] if args.events else []:
             when = time.strftime("%H:%M:%S", time.localtime(e["time"]))
             rest = "  ".join(f"{k}={v}" for k, v in e.items() if k not in ("time", "event"))
             print(f"  {when} {e['event']}  {rest}")
-    healthy = all(s["health"] == "SERVING" for s in st["servers"])
+    if "groups" in st:
+        healthy = all(g["state"] == "ok" for g in st["groups"])
+    else:
+        healthy = all(s["health"] == "SERVING" for s in st["servers"])
     return 0 if healthy else 1
 
 

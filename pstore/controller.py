@@ -52,7 +52,10 @@ class Engine:
     def replace(self, group: int, lost: str, primary: str) -> str | None:
         """Start a follower of ``primary`` in place of the member ``lost`` of ``group`` (it
         catches up by the primary's resync). Returns the new member's address when it differs
-        from ``lost``, else None. The default does nothing: the supervisor restarts ``lost``."""
+        from ``lost``, else None: the supervisor restarts ``lost`` at its address, or the
+        engine starts the follower in the background and calls
+        :meth:`Controller.replace_member` once it answers. The default does nothing: the
+        supervisor restarts ``lost``."""
         return None
 
     def is_down(self, address: str) -> bool:
@@ -280,6 +283,16 @@ class Controller:
             # No live primary of the newest epoch.
             if g.headless_since is None:
                 g.headless_since = now
+            if g.primary is None:
+                # Never seen (a controller started after the primary died): the member the
+                # followers follow, when they agree on one.
+                followed = {
+                    str((m.rep or {}).get("primary"))
+                    for m in g.members
+                    if m.role() == "follower" and (m.rep or {}).get("primary")
+                }
+                if len(followed) == 1 and g.member(next(iter(followed))) is not None:
+                    g.primary, g.epoch = next(iter(followed)), max(g.epoch, heard)
             gone = g.primary is not None and self._engine.is_down(g.primary)
             waited = now - g.headless_since
             if g.promoting or (waited < self._dead_after and not gone):
@@ -372,10 +385,30 @@ class Controller:
         if new is None or new == m.address:
             self._event(g.index, "replacement_awaited", lost=m.address, primary=primary)
             return
+        self.replace_member(g.index, m.address, new, primary=primary)
+
+    def replace_member(
+        self, group: int, lost: str, new: str, *, primary: str | None = None
+    ) -> None:
+        """Put the member ``new`` in the place of ``lost`` in group ``group`` (the view lists it
+        from now on). :meth:`Engine.replace` returning an address does this; an engine that
+        starts the follower in the background calls it itself once the follower answers.
+        Raises InvalidArgumentError when ``lost`` is no member of the group or ``new`` is a
+        member of a group already."""
         with self._lock:
+            if not 0 <= group < len(self._groups):
+                raise InvalidArgumentError(
+                    f"no group {group} (the cluster has {len(self._groups)})"
+                )
+            g = self._groups[group]
+            m = g.member(lost)
+            if m is None:
+                raise InvalidArgumentError(f"{lost} is no member of group {group}")
+            if any(x.address == new for gg in self._groups for x in gg.members):
+                raise InvalidArgumentError(f"{new} is a member of a group already")
             g.members[g.members.index(m)] = _Member(new)
             self._generation += 1
-        self._event(g.index, "replaced", lost=m.address, server=new, primary=primary)
+        self._event(group, "replaced", lost=lost, server=new, primary=primary)
 
     def _set_state(self, g: _Group, state: str, **details: Any) -> None:
         if g.state != state:

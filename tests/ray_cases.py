@@ -68,8 +68,12 @@ def _counter_table(store: pstore.RemoteStore) -> pstore.SparseTable:
 
 
 def test_replicas_and_bad_arguments_raise_before_anything_starts():
-    with pytest.raises(pstore.InvalidArgumentError, match="not run on Ray yet"):
+    with pytest.raises(pstore.InvalidArgumentError, match="replicas=2 needs a path"):
         pstore.ray.Cluster(2, replicas=2)
+    with pytest.raises(pstore.InvalidArgumentError, match='needs durability "async" or "sync"'):
+        pstore.ray.Cluster(2, replicas=2, path="x", durability="none")
+    with pytest.raises(pstore.InvalidArgumentError, match="server_resources"):
+        pstore.ray.Cluster(2, server_resources={"CPU": 1})
     with pytest.raises(pstore.InvalidArgumentError, match="num_servers"):
         pstore.ray.Cluster(0)
     with pytest.raises(pstore.InvalidArgumentError, match="needs a path"):

@@ -493,6 +493,45 @@ def test_a_paused_primary_is_failed_over_after_dead_after_or_at_once_on_the_engi
         a.stop()
 
 
+def test_a_controller_started_after_the_primary_died_fails_over_on_the_engines_word(
+    tmp_path: Path,
+) -> None:
+    """A controller that never saw the primary (it started after the primary died, as a
+    restarted Ray controller actor may) takes the primary the followers follow; the engine's
+    word that it is down promotes at once, not after dead_after."""
+    a, b = _group(tmp_path, "g0")
+    engine = _KnowingEngine()
+    views: list[dict[str, Any]] = []
+    ctl = Controller(
+        [[a.address, b.address]],
+        engine=engine,
+        check_interval=0.2,
+        dead_after=30.0,
+        on_view=views.append,
+    )
+    try:
+        t = _sgd_table(pstore.connect([[a.address, b.address]], ack="all", timeout=3.0))  # type: ignore[list-item]
+        ids = np.arange(16, dtype=np.int64)
+        t.push(ids, np.ones((16, DIM), np.float32))
+        _wait_caught_up(pstore.connect([a.address]), pstore.connect([b.address], retries=0))
+        a.send(signal.SIGKILL)
+        a.proc.wait(30)
+        engine.dead.add(a.address)
+        started = time.monotonic()
+        ctl.start()
+        _wait("the promotion", lambda: ctl.status()["groups"][0]["primary"] == b.address)
+        assert time.monotonic() - started < 10.0, "promoted on the engine's word"
+        (promoted,) = [e for e in ctl.events if e["event"] == "promoted"]
+        assert promoted["old_primary"] == a.address and promoted["epoch"] == 2
+        assert views[-1]["servers"][0][0] == b.address and views[-1]["epochs"] == [2]
+        t.push(ids, np.ones((16, DIM), np.float32))
+        assert np.all(t.pull(ids) == -2.0)
+    finally:
+        ctl.stop()
+        b.stop()
+        a.stop()
+
+
 def _statefulset_rounds(tmp_path: Path, rounds: int) -> None:
     """Both members started by `--member` from one cluster file, restarted with the same
     arguments after each SIGKILL (what a StatefulSet does), the controller failing the group

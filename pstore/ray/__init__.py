@@ -23,6 +23,12 @@ the membership's ``generation``. The membership is kept in Ray's key-value store
 a restarted controller takes it up again and adopts the live server actors by name: nothing is
 lost and no server is restarted.
 
+**Replica groups.** With ``replicas=R > 1`` each position is a replica group of R servers on R
+nodes (one ``STRICT_SPREAD`` placement group per group), and the controller actor runs the
+shared :class:`pstore.controller.Controller` with a Ray engine: a primary whose actor or node
+Ray loses is failed over at once, and a new follower starts in the lost member's bundle
+(:mod:`pstore.ray._groups`; docs/RAY.md, "Replica groups on Ray").
+
 Data never passes through Ray's object store: workers talk gRPC to the servers. Importing
 :mod:`pstore` does not import this module or Ray.
 """
@@ -107,15 +113,26 @@ class _ServerActor:
 
         host = spec.get("host") or ray.util.get_node_ip_address()
         path = spec["path"]
+        if path is not None and spec.get("fresh") and os.path.exists(path):
+            # A new member starts from an empty store: never adopt a directory some earlier
+            # cluster left on this node.
+            path = f"{path}-{time.time_ns()}"
         durable = {} if path is None else {"path": path, "durability": spec["durability"]}
         self._store = pstore.Store(
             num_shards=spec.get("num_shards"), threads=spec.get("threads"), **durable
         )
         try:
-            self._server = Server(self._store, host=host, port=spec["port"], token=spec["token"])
+            self._server = Server(
+                self._store,
+                host=host,
+                port=spec["port"],
+                token=spec["token"],
+                follow=spec.get("follow"),
+            )
         except BaseException:
             self._store.close()
             raise
+        self._stopped = threading.Event()
         self._info = {
             "index": spec["index"],
             "address": self._server.address,
@@ -127,14 +144,23 @@ class _ServerActor:
             "incarnation": spec["incarnation"],
             "started_at": time.time(),
         }
+        for k in ("member", "bundle", "actor", "follow"):
+            if k in spec:
+                self._info[k] = spec[k]
 
     def info(self) -> dict[str, Any]:
         return dict(self._info, running=self._server.running)
+
+    def watch(self, timeout: float) -> bool:
+        """Returns when the server stops (True) or after ``timeout`` seconds (False): a call in
+        flight fails at once when the actor dies, which is how the controller hears of it."""
+        return self._stopped.wait(timeout)
 
     def stop(self, grace: float) -> None:
         try:
             self._server.stop(grace)
         finally:
+            self._stopped.set()
             self._store.close()
 
 
@@ -172,7 +198,10 @@ class _Controller:
         n = self._spec["num_servers"]
         nodes = sum(1 for x in ray.nodes() if x.get("Alive"))
         strategy = "STRICT_SPREAD" if nodes >= n else "SPREAD"
-        bundles = [{"CPU": float(self._spec["server_cpus"])} for _ in range(n)]
+        bundles = [
+            {"CPU": float(self._spec["server_cpus"]), **dict(self._spec["server_resources"] or {})}
+            for _ in range(n)
+        ]
         pg = placement_group(
             bundles, strategy=strategy, name=_pg_name(self._name), lifetime="detached"
         )
@@ -244,6 +273,7 @@ class _Controller:
             max_restarts=0,
             max_concurrency=4,
             num_cpus=float(self._spec["server_cpus"]),
+            resources=dict(self._spec["server_resources"] or {}),
             scheduling_strategy=PlacementGroupSchedulingStrategy(
                 placement_group=pg, placement_group_bundle_index=index
             ),
@@ -448,12 +478,17 @@ class Cluster:
         The servers' token. Default: a new random one, which :func:`connect` takes from the
         controller.
     replicas : int
-        Copies of each server's rows. Only 1 runs on Ray in this version; more raises
-        (replica groups run under ``pstore controller``, docs/CLUSTER.md).
+        Copies of each server's rows. With R > 1 each of the ``num_servers`` positions is a
+        replica group of R servers on R different Ray nodes: a primary and R - 1 followers,
+        failed over by the controller when the primary's actor or node dies and refilled with a
+        new follower on a live node (docs/RAY.md, "Replica groups on Ray"). Needs ``path``.
     name : str
         The cluster's name in Ray (``"default"``); one name, one cluster.
     server_cpus : float
         CPUs each server's bundle reserves.
+    server_resources : dict, optional
+        Other Ray resources each server's bundle reserves (``{"pstore": 1}`` keeps the
+        servers on the nodes that declare a ``pstore`` resource).
     num_shards, threads : int, optional
         Of each server's store.
     check_interval : float
@@ -477,6 +512,7 @@ class Cluster:
         replicas: int = 1,
         name: str = "default",
         server_cpus: float = 1.0,
+        server_resources: Mapping[str, float] | None = None,
         num_shards: int | None = None,
         threads: int | None = None,
         check_interval: float = 1.0,
@@ -491,6 +527,7 @@ class Cluster:
             replicas=replicas,
             name=name,
             server_cpus=server_cpus,
+            server_resources=server_resources,
             num_shards=num_shards,
             threads=threads,
             check_interval=check_interval,
@@ -506,8 +543,15 @@ class Cluster:
                 f"a pstore cluster named {name!r} runs already: connect to it "
                 f"(pstore.ray.Cluster.attach({name!r})) or shut it down first"
             )
+        if spec["replicas"] > 1:
+            from pstore.ray._groups import _GroupsController, check_nodes
+
+            check_nodes(spec)  # here too, so that the error is raised without an actor's trace
+            actor_class: Any = _GroupsController
+        else:
+            actor_class = _Controller
         controller: Any = (
-            ray.remote(_Controller)
+            ray.remote(actor_class)
             .options(
                 name=_controller_name(name),
                 namespace=NAMESPACE,
@@ -559,12 +603,17 @@ class Cluster:
 
     @property
     def servers(self) -> list[str]:
-        """The server addresses, in their order."""
-        return [s["address"] for s in self._membership()["servers"]]
+        """The server addresses, in their order (with replica groups: each group's primary)."""
+        return [g[0] for g in _server_list(self._membership())]
+
+    @property
+    def groups(self) -> list[list[str]]:
+        """Each position's members, its primary first (one member each with ``replicas=1``)."""
+        return _server_list(self._membership())
 
     @property
     def generation(self) -> int:
-        """How many times a server was restarted (the membership's version)."""
+        """The membership's version: it grows with every restart, promotion and replacement."""
         return int(self._membership()["generation"])
 
     def _membership(self) -> dict[str, Any]:
@@ -579,7 +628,13 @@ class Cluster:
         """The controller's view: ``name``, ``generation``, ``strategy``, ``path``,
         ``durability``, ``servers`` (each with ``index``, ``address``, ``node_id``, ``pid``,
         ``incarnation``, ``alive``, ``health``) and the recent ``events`` (starts, deaths,
-        restarts)."""
+        restarts). With replica groups, ``groups`` instead of ``servers``: each with ``index``,
+        ``primary``, ``epoch``, ``state`` (``ok``, ``degraded``, ``primary_unreachable``, ...,
+        as :meth:`pstore.controller.Controller.status`), ``live_followers``, ``pending``
+        (replacements being started) and ``members`` (``address``, ``role``, ``epoch``,
+        ``lsn``, a follower's lag, ``node_id``, ``pid``, ``path``, ``alive``); ``replicas``;
+        ``events`` include ``member_down``, ``promoted``, ``replacement_awaited``,
+        ``member_started`` and ``replaced``."""
         s: dict[str, Any] = ray.get(_controller(self.name).status.remote())
         return s
 
@@ -611,13 +666,27 @@ def _spec(**a: Any) -> dict[str, Any]:
     r = a["replicas"]
     if isinstance(r, bool) or not isinstance(r, int) or r < 1:
         raise InvalidArgumentError(f"replicas must be an int >= 1, got {r!r}")
-    if r > 1:
+    if r > 1 and a["path"] is None:
         raise InvalidArgumentError(
-            f"replicas={r}: replica groups are not run on Ray yet; this version runs one copy "
-            "of each server (replicas=1) and restarts a dead server on its node from its "
-            "durable store. For followers and automatic failover run `pstore serve --member` "
-            "processes under `pstore controller` (docs/CLUSTER.md, The controller)"
+            f"replicas={r} needs a path: a follower keeps its copy of the rows on disk"
         )
+    res = a.get("server_resources")
+    if res is not None and (
+        not isinstance(res, Mapping)
+        or not all(
+            isinstance(k, str)
+            and k not in ("CPU", "GPU")
+            and not isinstance(v, bool)
+            and isinstance(v, (int, float))
+            and v > 0
+            for k, v in res.items()
+        )
+    ):
+        raise InvalidArgumentError(
+            "server_resources must map Ray resource names (not CPU or GPU) to numbers > 0, "
+            f"got {res!r}"
+        )
+    a["server_resources"] = None if res is None else {k: float(v) for k, v in res.items()}
     if a["durability"] not in _DURABILITIES:
         raise InvalidArgumentError(
             f'durability must be "none", "async" or "sync", got {a["durability"]!r}'
@@ -626,6 +695,11 @@ def _spec(**a: Any) -> dict[str, Any]:
         if a["durability"] == "sync":
             raise InvalidArgumentError('durability="sync" needs a path for the servers\' stores')
         a["durability"] = "none"
+    if r > 1 and a["durability"] == "none":
+        raise InvalidArgumentError(
+            f'replicas={r} needs durability "async" or "sync": followers are fed by the '
+            "primary's flush cycles"
+        )
     if a["path"] is not None:
         a["path"] = os.path.abspath(os.fspath(a["path"]))
     name = a["name"]
@@ -668,13 +742,28 @@ def connect(cluster: Cluster | str = "default", **connect_args: Any) -> RemoteSt
         raise InvalidArgumentError(f"cluster must be a pstore.ray.Cluster or a name, got {name!r}")
     _ensure_ray()
     m: dict[str, Any] = ray.get(_controller(name).membership.remote())
-    lost = [s["index"] for s in m["servers"] if s.get("lost")]
+    lost = [s["index"] for s in m.get("servers", []) if s.get("lost")]
     if lost:
         raise ClusterError(f"cluster {name!r} lost server(s) {lost} with their nodes")
     args: dict[str, Any] = {"retries": 10, **connect_args}
     if "token" not in args and "token_file" not in args:
         args["token"] = m["token"]
-    return pstore.connect([s["address"] for s in m["servers"]], **args)
+    groups = _server_list(m)
+    if "groups" not in m:
+        return pstore.connect([g[0] for g in groups], **args)
+    return pstore.connect(groups, **args)  # type: ignore[arg-type]
+
+
+def _server_list(m: dict[str, Any]) -> list[list[str]]:
+    """The server list of a membership record: each position's members, primary first."""
+    if "groups" not in m:
+        return [[s["address"]] for s in m["servers"]]
+    out = []
+    for g in m["groups"]:
+        members = [x["address"] for x in g["members"]]
+        p = g.get("primary")
+        out.append(([p] if p in members else []) + [a for a in members if a != p])
+    return out
 
 
 def shutdown(name: str = "default", *, grace: float = 10.0) -> None:
@@ -712,6 +801,7 @@ def load_config(path: str | os.PathLike[str]) -> dict[str, Any]:
         "replicas",
         "name",
         "server_cpus",
+        "server_resources",
         "num_shards",
         "threads",
         "check_interval",

@@ -1,0 +1,383 @@
+"""Replica groups on Ray (``pstore.ray.Cluster(replicas=2)``): a node holding a primary removed
+while a worker pushes with ``ack="all"``, the follower promoted, a replacement follower started
+on a live node, the controller actor killed; and too few nodes for the replicas.
+
+The Ray cluster (``ray.cluster_utils.Cluster`` on 127.0.0.1) has a head node that holds no
+server (this process is connected to it, so it cannot be removed) and two worker nodes with the
+resource ``pstore_server`` that the servers ask for; the test adds a third before it removes
+one, so that there is a live node for the replacement. Run by ``test_ray.py`` in a network
+namespace with only loopback (see there).
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import threading
+import time
+from typing import Any
+
+import numpy as np
+import pytest
+
+os.environ["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"] = "0"  # Ray binds 127.0.0.1
+os.environ["RAY_USAGE_STATS_ENABLED"] = "0"  # no report to Ray's makers
+ray = pytest.importorskip("ray")
+cluster_utils = pytest.importorskip("ray.cluster_utils")
+
+import pstore  # noqa: E402
+import pstore.ray  # noqa: E402
+
+pytestmark = pytest.mark.timeout(400)
+
+SERVER = {"pstore_server": 1.0}
+TOKEN = "replica-groups-on-ray"
+
+
+@pytest.fixture(scope="module")
+def raycluster():
+    c = cluster_utils.Cluster(
+        initialize_head=True, head_node_args={"num_cpus": 1, "include_dashboard": False}
+    )
+    for _ in range(2):
+        c.add_node(num_cpus=2, resources={"pstore_server": 4})
+    c.wait_for_nodes()
+    ray.init(address=c.address, namespace=pstore.ray.NAMESPACE, log_to_driver=False)
+    try:
+        yield c
+    finally:
+        ray.shutdown()
+        c.shutdown()
+
+
+def _wait(cond, timeout: float, what: str) -> Any:
+    deadline = time.monotonic() + timeout
+    last = None
+    while time.monotonic() < deadline:
+        got = cond()
+        if got:
+            return got
+        last = got
+        time.sleep(0.2)
+    raise AssertionError(f"timed out after {timeout} s waiting for {what} ({last!r})")
+
+
+def test_replicas_need_a_path_and_a_node_for_every_member(raycluster, tmp_path):
+    with pytest.raises(pstore.InvalidArgumentError, match="replicas=2 needs a path"):
+        pstore.ray.Cluster(2, replicas=2)
+    with pytest.raises(pstore.ray.ClusterError) as e:
+        pstore.ray.Cluster(
+            1,
+            replicas=3,
+            path=tmp_path / "s",
+            name="few",
+            server_cpus=0.5,
+            server_resources=SERVER,
+        )
+    msg = str(e.value)
+    assert "replicas=3" in msg and "only 2 of the 3 live nodes can hold a server" in msg, msg
+    assert pstore.ray.list_clusters() == []
+
+
+def _group_of_node(st: dict[str, Any], node_id: str) -> list[int]:
+    return [
+        g["index"]
+        for g in st["groups"]
+        if any(m["address"] == g["primary"] and m["node_id"] == node_id for m in g["members"])
+    ]
+
+
+def _whole(st: dict[str, Any]) -> bool:
+    """Every group has its primary and a live follower caught up once."""
+    return all(
+        g["state"] == "ok"
+        and not g["pending"]
+        and len(g["members"]) == 2
+        and g["live_followers"]
+        and all(m["role"] in ("primary", "follower") for m in g["members"])
+        and all(m.get("lag_seconds") is not None for m in g["members"] if m["role"] == "follower")
+        for g in st["groups"]
+    )
+
+
+def test_a_lost_primary_node_fails_over_gets_a_replacement_and_the_controller_restarts(
+    raycluster, tmp_path
+):
+    cluster = pstore.ray.Cluster(
+        2,
+        replicas=2,
+        path=tmp_path / "s",
+        durability="sync",
+        token=TOKEN,
+        name="rep",
+        server_cpus=0.5,
+        server_resources=SERVER,
+        check_interval=0.5,
+    )
+    spare = None
+    pusher: threading.Thread | None = None
+    stop = threading.Event()
+    try:
+        st = _wait(lambda: (s := cluster.status()) and _whole(s) and s, 60, "the groups whole")
+        assert st["replicas"] == 2 and st["strategy"] == "STRICT_SPREAD"
+        for g in st["groups"]:
+            assert len({m["node_id"] for m in g["members"]}) == 2, "a group shares no node"
+            assert g["epoch"] >= 1
+        assert cluster.groups == [
+            [g["primary"]] + [m["address"] for m in g["members"] if m["address"] != g["primary"]]
+            for g in st["groups"]
+        ]
+        spare = raycluster.add_node(num_cpus=2, resources={"pstore_server": 4})
+        raycluster.wait_for_nodes()
+
+        store = pstore.ray.connect(cluster, ack="all", timeout=10.0)
+        t = store.create_sparse_table(
+            "counts", 2, optimizer=pstore.optim.SGD(lr=1.0), initializer=pstore.init.Zeros()
+        )
+        ids = np.arange(64, dtype=np.int64)
+        acked = 0
+        failed = 0
+        first_after: list[float] = []
+
+        def push() -> None:
+            nonlocal acked, failed
+            while not stop.is_set():
+                try:
+                    began = time.monotonic()
+                    t.push(ids, np.ones((64, 2), np.float32))  # SGD, lr 1: each row -1 a push
+                    acked += 1
+                    if removed_at and began > removed_at[0] and not first_after:
+                        first_after.append(time.monotonic())
+                except pstore.PstoreError:
+                    failed += 1
+
+        removed_at: list[float] = []
+        pusher = threading.Thread(target=push)
+        pusher.start()
+        _wait(lambda: acked >= 20, 60, "pushes before the node is removed")
+
+        head = raycluster.head_node.node_id
+        victim = next(
+            m
+            for m in st["groups"][0]["members"]
+            if m["address"] == st["groups"][0]["primary"] and m["node_id"] != head
+        )
+        lost_groups = _group_of_node(st, victim["node_id"])  # their primary was there
+        touched = [  # any member was there: each gets a replacement
+            g["index"]
+            for g in st["groups"]
+            if any(m["node_id"] == victim["node_id"] for m in g["members"])
+        ]
+        node = next(n for n in raycluster.worker_nodes if n.node_id == victim["node_id"])
+        at_removal = acked
+        raycluster.remove_node(node)  # returns once the node's processes are gone
+        removed_at.append(time.monotonic())
+
+        def failed_over() -> dict[str, Any] | None:
+            s = cluster.status()
+            ok = all(
+                s["groups"][i]["primary"] != st["groups"][i]["primary"]
+                and s["groups"][i]["epoch"] > st["groups"][i]["epoch"]
+                for i in lost_groups
+            )
+            return s if ok else None
+
+        after = _wait(failed_over, 60, "the promotions")
+        _wait(lambda: acked >= at_removal + 20, 60, "pushes after the failover")
+        assert first_after, "a push was accepted after the removal"
+        print(f"remove_node -> first accepted push: {first_after[0] - removed_at[0]:.2f} s")
+        promoted = [e for e in after["events"] if e["event"] == "promoted"]
+        assert sorted(e["group"] for e in promoted) == sorted(lost_groups)
+
+        # Ray reports the lost member's actor dead (the controller need not wait for it: a
+        # primary that does not answer for dead_after is failed over too).
+        def told() -> bool:
+            evs = cluster.status()["events"]
+            return victim["address"] in {
+                e.get("address") for e in evs if e["event"] == "member_down"
+            }
+
+        try:
+            _wait(told, 60, "Ray's word that the member is dead")
+        except AssertionError:
+            raise AssertionError(f"no member_down event: {cluster.status()['events']}") from None
+
+        # Every group that lost a member gets a new follower on a live node that holds no
+        # other member of the group, and it catches up.
+        whole = _wait(lambda: (s := cluster.status()) and _whole(s) and s, 120, "replacements")
+        live_nodes = {n["NodeID"] for n in ray.nodes() if n["Alive"]}
+        for i in touched:
+            g = whole["groups"][i]
+            nodes = [m["node_id"] for m in g["members"]]
+            assert victim["node_id"] not in nodes and len(set(nodes)) == 2
+            assert set(nodes) <= live_nodes
+            new = next(m for m in g["members"] if m["address"] != after["groups"][i]["primary"])
+            assert new["role"] == "follower" and new["node_id"] == spare.node_id
+            assert new["address"] in g["live_followers"]
+        events = [e["event"] for e in whole["events"]]
+        assert events.count("replaced") == len(touched)
+        assert events.count("member_started") == len(touched)
+        # One more for the promotions seen in a round, one for each replacement.
+        assert whole["generation"] >= st["generation"] + 1 + len(touched)
+        assert cluster.groups == [
+            [g["primary"]] + [m["address"] for m in g["members"] if m["address"] != g["primary"]]
+            for g in whole["groups"]
+        ]
+
+        # The controller actor dies and comes back: the same view, nothing restarted, and the
+        # worker goes on without noticing.
+        ctl = ray.get_actor("pstore-cluster:rep", namespace=pstore.ray.NAMESPACE)
+        errors_before = failed
+        ray.kill(ctl, no_restart=False)
+        back = _wait(
+            lambda: (
+                (s := cluster.status())["controller_pid"] != whole["controller_pid"]
+                and s["rounds"] >= 3
+                and s
+            ),
+            90,
+            "the controller's restart",
+        )
+        n = acked
+        _wait(lambda: acked >= n + 20, 60, "pushes after the controller's restart")
+        assert failed == errors_before, "the worker noticed the controller's death"
+        assert back["generation"] == whole["generation"]
+        for b, a in zip(whole["groups"], back["groups"], strict=True):
+            assert (a["primary"], a["epoch"]) == (b["primary"], b["epoch"])
+            assert [(m["address"], m["pid"]) for m in a["members"]] == [
+                (m["address"], m["pid"]) for m in b["members"]
+            ]
+        assert back["events"][0]["event"] == "adopted"
+        text = subprocess.run(
+            [sys.executable, "-P", "-m", "pstore", "ray", "status", "--name", "rep"],
+            capture_output=True,
+            text=True,
+            timeout=120,
+            env=dict(os.environ, RAY_ADDRESS=raycluster.address),
+        )
+        assert text.returncode == 0, text.stderr
+        assert "2 replica groups of 2" in text.stdout, text.stdout
+        for g in back["groups"]:
+            assert f"primary {g['primary']}" in text.stdout
+        assert not [e for e in back["events"] if e["event"] in ("promoted", "replaced")]
+
+        stop.set()
+        pusher.join(120)
+        # ack="all" and sync durability: every acknowledged push is in the rows; a push that
+        # raised may or may not have applied.
+        got = -t.pull(ids)[:, 0]
+        assert (got >= acked).all() and (got <= acked + failed).all(), (acked, failed, got)
+        assert acked > at_removal + 40
+        # The replacements hold the rows of their group (absent ids read as 0 there).
+        for i in touched:
+            g = back["groups"][i]
+            new = next(m["address"] for m in g["members"] if m["address"] != g["primary"])
+            follower = pstore.connect([new], token=TOKEN, retries=0)
+
+            def caught_up(follower=follower) -> bool:
+                rows = -follower.sparse_table("counts").pull(ids)[:, 0]
+                mine = rows != 0
+                return bool(mine.any()) and bool((rows[mine] == got[mine]).all())
+
+            _wait(caught_up, 30, f"group {i}'s replacement holding its rows")
+
+        # A cluster snapshot is written by each group's primary; restored onto one group of 2.
+        manifest = cluster.snapshot(tmp_path / "snap")
+        assert len(manifest["parts"]) == 2
+    finally:
+        stop.set()
+        if pusher is not None:
+            pusher.join(120)
+        cluster.shutdown()
+    restored = pstore.ray.Cluster.restore(
+        tmp_path / "snap",
+        num_servers=1,
+        replicas=2,
+        path=tmp_path / "r",
+        durability="sync",
+        name="rep-restored",
+        server_cpus=0.5,
+        server_resources=SERVER,
+    )
+    try:
+        assert (-restored.connect().table("counts").pull(ids)[:, 0] == got).all()
+    finally:
+        restored.shutdown()
+        if spare is not None and spare in raycluster.worker_nodes:
+            raycluster.remove_node(spare)
+
+
+@pytest.mark.soak
+def test_soak_primaries_nodes_removed_round_after_round(raycluster, tmp_path):
+    """Four rounds: a spare node added, the node of group 0's primary removed while a worker
+    pushes with ack="all", the group failed over and refilled. The worker connects again after
+    each replacement (a client keeps the member list it connected with: docs/RAY.md)."""
+    cluster = pstore.ray.Cluster(
+        2,
+        replicas=2,
+        path=tmp_path / "s",
+        durability="sync",
+        token=TOKEN,
+        name="soak",
+        server_cpus=0.5,
+        server_resources=SERVER,
+        check_interval=0.5,
+    )
+    stop = threading.Event()
+    counts = {"acked": 0, "failed": 0}
+    table: list[pstore.SparseTable] = []
+    ids = np.arange(64, dtype=np.int64)
+
+    def push() -> None:
+        while not stop.is_set():
+            try:
+                table[-1].push(ids, np.ones((64, 2), np.float32))
+                counts["acked"] += 1
+            except pstore.PstoreError:
+                counts["failed"] += 1
+
+    pusher = threading.Thread(target=push)
+    try:
+        st = _wait(lambda: (s := cluster.status()) and _whole(s) and s, 60, "the groups whole")
+        store = pstore.ray.connect(cluster, ack="all", timeout=10.0)
+        table.append(
+            store.create_sparse_table(
+                "counts", 2, optimizer=pstore.optim.SGD(lr=1.0), initializer=pstore.init.Zeros()
+            )
+        )
+        pusher.start()
+        for k in range(4):
+            raycluster.add_node(num_cpus=2, resources={"pstore_server": 4})
+            raycluster.wait_for_nodes()
+            n = counts["acked"]
+            _wait(lambda n=n: counts["acked"] >= n + 10, 60, f"round {k}: pushes")
+            g0 = st["groups"][0]
+            victim = next(m for m in g0["members"] if m["address"] == g0["primary"])
+            node = next(x for x in raycluster.worker_nodes if x.node_id == victim["node_id"])
+            raycluster.remove_node(node)
+            st = _wait(
+                lambda g0=g0: (
+                    (s := cluster.status())
+                    and s["groups"][0]["epoch"] > g0["epoch"]
+                    and _whole(s)
+                    and s
+                ),
+                120,
+                f"round {k}: the failover and the replacement",
+            )
+            table.append(pstore.ray.connect(cluster, ack="all", timeout=10.0).table("counts"))
+            n = counts["acked"]
+            _wait(lambda n=n: counts["acked"] >= n + 10, 60, f"round {k}: pushes after")
+        stop.set()
+        pusher.join(120)
+        got = -table[-1].pull(ids)[:, 0]
+        acked, failed = counts["acked"], counts["failed"]
+        assert (got >= acked).all() and (got <= acked + failed).all(), (acked, failed, got)
+        promoted = [e for e in st["events"] if e["event"] == "promoted"]
+        assert len(promoted) >= 4
+    finally:
+        stop.set()
+        if pusher.is_alive():
+            pusher.join(120)
+        cluster.shutdown()
