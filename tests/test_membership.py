@@ -673,7 +673,8 @@ def test_a_client_with_the_old_list_creates_a_table_after_the_join(cluster):
 
 def test_a_push_to_a_server_lacking_the_table_declares_it_and_applies_once(cluster):
     a, b = cluster(2)
-    store = pstore.connect([a, b])
+    store = pstore.connect([a])
+    store.add_server(b)
     t = counting(store, "count", stale_policy="drop", max_staleness=7)
     t.lr = 0.5
     dense = [
