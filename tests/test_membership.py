@@ -722,3 +722,24 @@ def test_a_push_to_a_server_lacking_the_table_declares_it_and_applies_once(clust
     # A table no server of the list holds stays unknown.
     with pytest.raises(pstore.UnknownTableError):
         store.table("never")
+
+
+def test_a_client_of_the_old_list_creates_a_table_after_a_leave_and_a_stop():
+    procs = start_servers(2)
+    try:
+        a, b = (p.address for p in procs)
+        admin = pstore.connect([a])
+        admin.add_server(b)
+        mid = pstore.connect([a, b])
+        admin.remove_server(a)
+        # The server that left is stopped; `mid` still lists it, and its create goes to the
+        # list the servers hold, [b], without an error.
+        procs[0].stop()
+        t = counting(mid, "after")
+        assert mid.servers == [b]
+        assert "after" in definitions(b)
+        ids = np.arange(1, 1001, dtype=np.uint64)
+        t.push(ids, -np.ones((len(ids), 1), np.float32))
+        np.testing.assert_array_equal(admin.table("after").pull(ids)[:, 0], np.ones(len(ids)))
+    finally:
+        stop_all(procs)

@@ -115,7 +115,13 @@ impl Client {
 
     /// Takes the newest routing the servers hold, with its list when that changed.
     pub(super) fn follow_held(&self) -> Result<()> {
-        if let Some((list, table)) = self.held_routing()? {
+        self.follow_held_of(false)
+    }
+
+    /// [`follow_held`](Self::follow_held); `reachable`: the newest of the servers that answer
+    /// (a server that left the list may be stopped).
+    pub(super) fn follow_held_of(&self, reachable: bool) -> Result<()> {
+        if let Some((list, table)) = self.held_routing_of(reachable)? {
             if table.epoch() > self.route().table.epoch() {
                 if self.is_my_list(&list) {
                     self.adopt(table)?;

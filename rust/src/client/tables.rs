@@ -227,13 +227,16 @@ impl Client {
             max_staleness: policy.max_staleness,
             policy_unset: !policy.given,
         };
+        // The list the servers hold now: this client's may be older (a server that left since
+        // may be stopped). Not asked: a server lacking the table gets it when it first refuses
+        // it (`definitions.rs`).
+        let _ = self.follow_held_of(true);
         let before = self.servers();
         self.create_table(req.clone())?;
         // A server joined meanwhile (`add_server` may have copied the definitions before this
         // create reached the others): create over the list the servers hold now, which is
-        // accepted where the table exists (decision 0110). When the routing cannot be asked,
-        // a server that lacks the table gets it when it first refuses it (`definitions.rs`).
-        if self.follow_held().is_ok() && self.servers() != before {
+        // accepted where the table exists (decision 0110).
+        if self.follow_held_of(true).is_ok() && self.servers() != before {
             self.create_table(req)?;
         }
         Ok(())
