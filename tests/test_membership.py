@@ -5,7 +5,8 @@ follow the new list without restarting; every row ends with exactly the pushes s
 test RMSE is the one of a run without changes (the tolerance of test_distributed.py), and the
 server that left holds no row. Then: a dense table larger than one message whose home moves,
 the table definitions a joining server gets, the new list kept by durable servers across a
-restart, the CLI, and bad input (refused, nothing changed)."""
+restart, the CLI, and bad input (refused, nothing changed). Last, tables created while a
+server joins reach it (decision 0110)."""
 
 from __future__ import annotations
 
@@ -555,3 +556,190 @@ def test_the_cli_adds_and_removes_a_group(tmp_path: Path) -> None:
     finally:
         for p in procs:
             p.stop()
+
+
+# Table definitions follow the list (decision 0110): a table created while a server joins, by a
+# worker of either list, reaches the joining server too.
+
+
+def definitions(addr: str) -> dict[str, tuple]:
+    """Every table server `addr` holds (asked alone): kind, config, learning rate, policy."""
+    one = pstore.connect([addr])
+    try:
+        return {
+            t["name"]: (
+                t["kind"],
+                json.dumps(t["config"], sort_keys=True),
+                t["lr"],
+                t["stale_policy"],
+                t["max_staleness"],
+            )
+            for t in one.status()[0]["tables"]
+        }
+    finally:
+        one.close()
+
+
+def counting(store: pstore.RemoteStore, name: str, **policy: Any) -> pstore.SparseTable:
+    """A sparse table whose rows count the pushes of -1 they got (SGD, zeros, dim 1)."""
+    return store.create_sparse_table(
+        name, 1, optimizer=pstore.optim.SGD(lr=1.0), initializer=pstore.init.Zeros(), **policy
+    )
+
+
+def test_tables_created_in_a_loop_while_a_server_joins_reach_it(cluster):
+    a, b = cluster(2)
+    admin = pstore.connect([a])
+    worker = pstore.connect([a])
+    counting(admin, "warm").push(
+        np.arange(1, 3001, dtype=np.uint64), -np.ones((3000, 1), np.float32)
+    )
+    joined = threading.Event()
+    first = np.arange(1, 301, dtype=np.uint64)
+    made: list[str] = []
+    errors: list[BaseException] = []
+
+    def create_in_a_loop() -> None:
+        try:
+            k = 0
+            # Until the join is over, and a few after it (by the worker's list, still [a]).
+            after = 0
+            while after < 5 and k < 150:
+                if joined.is_set():
+                    after += 1
+                # Rows at once, on the servers of the worker's list: those of a slot that moves
+                # later in the join move with it.
+                counting(worker, f"s{k}", stale_policy="drop", max_staleness=3).push(
+                    first, -np.ones((len(first), 1), np.float32)
+                )
+                worker.create_dense_table(
+                    f"d{k}",
+                    (3,),
+                    optimizer=pstore.optim.SGD(lr=1.0),
+                    initializer=pstore.init.Zeros(),
+                )
+                made.extend([f"s{k}", f"d{k}"])
+                k += 1
+                time.sleep(0.005)
+        except BaseException as e:  # reported by the test
+            errors.append(e)
+
+    th = threading.Thread(target=create_in_a_loop)
+    th.start()
+    try:
+        time.sleep(0.05)
+        admin.add_server(b)
+    finally:
+        joined.set()
+        th.join(timeout=60)
+    assert not th.is_alive() and not errors, errors
+    assert admin.servers == [a, b] and worker.servers == [a, b]
+    assert len(made) >= 10
+    # Every server of the list holds every table, as the others do.
+    defs = [definitions(a), definitions(b)]
+    assert set(made) | {"warm"} == set(defs[0]), sorted(set(made) - set(defs[0]))
+    assert defs[0] == defs[1], sorted(set(defs[0]) ^ set(defs[1]))
+    # Pushes and pulls of ids either server owns work on every table, once each; the rows
+    # pushed while the table was new are all there.
+    ids = np.arange(1, 501, dtype=np.uint64)
+    want = np.ones(len(ids), np.float32) + np.isin(ids, first)
+    for name in made:
+        t = worker.table(name)
+        if name.startswith("s"):
+            t.push(ids, -np.ones((len(ids), 1), np.float32))
+            np.testing.assert_array_equal(admin.table(name).pull(ids)[:, 0], want, err_msg=name)
+        else:
+            t.push(-np.ones(3, np.float32))
+            np.testing.assert_array_equal(admin.table(name).pull(), np.ones(3, np.float32))
+    assert all(r > 0 for r in rows_per_server(admin, made[0]))
+
+
+def test_a_client_with_the_old_list_creates_a_table_after_the_join(cluster):
+    a, b, c = cluster(3)
+    admin = pstore.connect([a])
+    old = pstore.connect([a])
+    admin.add_server(b)
+    # `old` routes by [a] until it meets the new list: its create reaches b as well.
+    t = counting(old, "late", stale_policy="scale", max_staleness=5)
+    assert old.servers == [a, b]
+    assert definitions(a) == definitions(b) and "late" in definitions(b)
+    ids = np.arange(1, 2001, dtype=np.uint64)
+    t.push(ids, -np.ones((len(ids), 1), np.float32))
+    np.testing.assert_array_equal(admin.table("late").pull(ids)[:, 0], np.ones(len(ids)))
+    assert all(r > 0 for r in rows_per_server(admin, "late"))
+    # The same when a server leaves and another joins: a client of [a, b] creates over [b, c].
+    mid = pstore.connect([a, b])
+    admin.remove_server(a)
+    admin.add_server(c)
+    d = mid.create_dense_table("later", (4,), initializer=pstore.init.Zeros())
+    assert mid.servers == [b, c]
+    assert "later" in definitions(c) and definitions(b) == definitions(c)
+    d.push(np.ones(4, np.float32))
+    assert admin.table("later").pull().shape == (4,)
+
+
+def test_a_push_to_a_server_lacking_the_table_declares_it_and_applies_once(cluster):
+    a, b = cluster(2)
+    store = pstore.connect([a])
+    store.add_server(b)
+    t = counting(store, "count", stale_policy="drop", max_staleness=7)
+    t.lr = 0.5
+    dense = [
+        store.create_dense_table(
+            f"d{k}", (2,), optimizer=pstore.optim.SGD(lr=1.0), initializer=pstore.init.Zeros()
+        )
+        for k in range(8)
+    ]
+    want = definitions(a)
+    # b loses every table (a client of b alone drops them there): what a server that joined
+    # while they were created would lack.
+    alone = pstore.connect([b])
+    for name in want:
+        alone.drop_table(name)
+    assert definitions(b) == {}
+    ids = np.arange(1, 2001, dtype=np.uint64)
+    for _ in range(3):
+        t.push(ids, -np.ones((len(ids), 1), np.float32))
+    # Declared on b with a's definition, policy and learning rate (0.5, not the config's 1.0),
+    # and each push applied once on each server.
+    np.testing.assert_array_equal(t.pull(ids)[:, 0], np.full(len(ids), 1.5, np.float32))
+    assert all(r > 0 for r in rows_per_server(store, "count"))
+    assert definitions(b)["count"] == want["count"]
+    assert t.stats()["pushes"] == 3
+    # Dense tables homed on b: pushed once each, declared there on the first refusal.
+    for d in dense:
+        d.push(-np.ones(2, np.float32))
+        np.testing.assert_array_equal(d.pull(), np.ones(2, np.float32))
+    on_b = {x["name"]: x["seq"] for x in store.status()[1]["tables"]}
+    homed_on_b = [d.name for d in dense if on_b.get(d.name, 0) > 0]
+    assert homed_on_b, on_b
+    have = definitions(b)
+    assert all(have[n] == want[n] for n in homed_on_b), (have, want)
+    # Any call that reaches b declares the rest (here: opening them asks every server).
+    for name in want:
+        store.table(name)
+    assert definitions(b) == want
+    # A table no server of the list holds stays unknown.
+    with pytest.raises(pstore.UnknownTableError):
+        store.table("never")
+
+
+def test_a_client_of_the_old_list_creates_a_table_after_a_leave_and_a_stop():
+    procs = start_servers(2)
+    try:
+        a, b = (p.address for p in procs)
+        admin = pstore.connect([a])
+        admin.add_server(b)
+        mid = pstore.connect([a, b])
+        admin.remove_server(a)
+        # The server that left is stopped; `mid` still lists it, and its create goes to the
+        # list the servers hold, [b], without an error.
+        procs[0].stop()
+        t = counting(mid, "after")
+        assert mid.servers == [b]
+        assert "after" in definitions(b)
+        ids = np.arange(1, 1001, dtype=np.uint64)
+        t.push(ids, -np.ones((len(ids), 1), np.float32))
+        np.testing.assert_array_equal(admin.table("after").pull(ids)[:, 0], np.ones(len(ids)))
+    finally:
+        stop_all(procs)

@@ -91,9 +91,37 @@ fn renumber(owners: &[u32], r: usize) -> Vec<u32> {
 }
 
 impl Client {
+    /// Gives `to` the definition, stale policy and learning rate of every table the first
+    /// server of the list holds, except those named in `skip` (which it has).
+    fn copy_definitions(&self, to: &Server, skip: &[String], t: Duration) -> Result<()> {
+        let ours = self.fan_out(vec![(0, ListTablesRequest {})], |mut c, r| async move {
+            c.list_tables(r).await
+        })?;
+        for info in ours.into_iter().flat_map(|x| x.tables) {
+            if skip.contains(&info.name) {
+                continue;
+            }
+            let (create, lr) = super::definitions::definition_of(&info);
+            self.call_one(
+                to,
+                create,
+                t,
+                |mut c, r| async move { c.create_table(r).await },
+            )?;
+            self.call_one(to, lr, t, |mut c, r| async move { c.set_lr(r).await })?;
+        }
+        Ok(())
+    }
+
     /// Takes the newest routing the servers hold, with its list when that changed.
-    fn follow_held(&self) -> Result<()> {
-        if let Some((list, table)) = self.held_routing()? {
+    pub(super) fn follow_held(&self) -> Result<()> {
+        self.follow_held_of(false)
+    }
+
+    /// [`follow_held`](Self::follow_held); `reachable`: the newest of the servers that answer
+    /// (a server that left the list may be stopped).
+    pub(super) fn follow_held_of(&self, reachable: bool) -> Result<()> {
+        if let Some((list, table)) = self.held_routing_of(reachable)? {
             if table.epoch() > self.route().table.epoch() {
                 if self.is_my_list(&list) {
                     self.adopt(table)?;
@@ -256,27 +284,7 @@ impl Client {
             )));
         }
         // Table definitions travel with the membership: every table, as the cluster has it.
-        let ours = self.fan_out(vec![(0, ListTablesRequest {})], |mut c, r| async move {
-            c.list_tables(r).await
-        })?;
-        for info in ours.into_iter().flat_map(|x| x.tables) {
-            let create = CreateTableRequest {
-                name: info.name.clone(),
-                kind: info.kind,
-                config_json: info.config_json.clone(),
-                stale_policy: info.stale_policy,
-                max_staleness: info.max_staleness,
-                policy_unset: false,
-            };
-            self.call_one(&joining, create, t, |mut c, r| async move {
-                c.create_table(r).await
-            })?;
-            let lr = SetLrRequest {
-                table: info.name.clone(),
-                lr: info.lr,
-            };
-            self.call_one(&joining, lr, t, |mut c, r| async move { c.set_lr(r).await })?;
-        }
+        self.copy_definitions(&joining, &[], t)?;
         // The list with the new server at its end, owning nothing: no row moves yet.
         let current = self.route().table.clone();
         let n = list.len();
@@ -284,6 +292,19 @@ impl Client {
         grown.push(joining_at);
         let joined = SlotTable::from_owners(current.epoch() + 1, n + 1, current.owners().to_vec())?;
         self.publish_over(&grown, joined.clone(), &[])?;
+        // Again, for the tables it lacks: one created meanwhile by a worker of the old list
+        // reached only the servers that worker knew (decision 0110). A create that ends after
+        // this finds the new list and creates over it (`tables.rs`); a server that still lacks
+        // a table is given it by the first client it refuses (`definitions.rs`).
+        let have = self
+            .call_one(&joining, ListTablesRequest {}, t, |mut c, r| async move {
+                c.list_tables(r).await
+            })?
+            .tables
+            .into_iter()
+            .map(|x| x.name)
+            .collect::<Vec<_>>();
+        self.copy_definitions(&joining, &have, t)?;
         // Its share of the slots, from every position.
         let share = SLOTS / (n + 1);
         let target = SlotTable::from_owners(0, n + 1, grow(joined.owners(), n, share))?;

@@ -27,6 +27,7 @@ use crate::net::{error_of, wire, DEFAULT_MAX_MESSAGE};
 mod boundary;
 mod bsp;
 pub mod cluster;
+mod definitions;
 mod group;
 mod members;
 mod moves;
@@ -492,6 +493,9 @@ impl Client {
         let mut attempt = 0;
         let mut failover: Option<Instant> = None;
         let first = Instant::now();
+        // A table this server lacks and another of the list holds is declared here once, then
+        // the same request sent again (`definitions.rs`).
+        let mut declared = false;
         loop {
             let k = g.pick(read);
             let mut req = self.request(msg.clone(), timeout);
@@ -543,6 +547,13 @@ impl Client {
                         // The same primary: back off as for any retry.
                         tokio::time::sleep(delay).await;
                         delay = (delay * 2).min(Duration::from_secs(1));
+                    }
+                }
+                Err(s) if !declared && definitions::unknown_table(&s).is_some() => {
+                    declared = true;
+                    let table = definitions::unknown_table(&s).unwrap_or_default();
+                    if !self.declare_on(server, &table).await {
+                        return Err(s);
                     }
                 }
                 Err(s)

@@ -87,7 +87,6 @@ impl Client {
                 pairs.entry((a, b)).or_default().push(s);
             }
         }
-        let names = self.list_tables()?;
         for ((from, to), slots) in pairs {
             report.slots += slots.len();
             for batch in slots.chunks(BATCH_SLOTS) {
@@ -98,7 +97,7 @@ impl Client {
                 let next = SlotTable::from_owners(current.epoch() + 1, n, owners)?;
                 let set = runs(batch);
                 let frozen = Instant::now();
-                let moved = self.move_batch(from, to, &set, &names, &next);
+                let moved = self.move_batch(from, to, &set, &next);
                 if moved.is_err() {
                     // Given up: the old owner serves the batch again.
                     let thaw = FreezeSlotsRequest {
@@ -134,14 +133,7 @@ impl Client {
 
     /// Freezes `set` on `from`, copies its rows and recent request ids to `to`, and publishes
     /// `next`; returns the rows copied.
-    fn move_batch(
-        &self,
-        from: usize,
-        to: usize,
-        set: &SlotSet,
-        names: &[String],
-        next: &SlotTable,
-    ) -> Result<u64> {
+    fn move_batch(&self, from: usize, to: usize, set: &SlotSet, next: &SlotTable) -> Result<u64> {
         let freeze = FreezeSlotsRequest {
             slots: Some(set.clone()),
             thaw: false,
@@ -149,8 +141,19 @@ impl Client {
         self.fan_out(vec![(from, freeze)], |mut c, r| async move {
             c.freeze_slots(r).await
         })?;
+        // The tables `from` holds once the batch is frozen: one created since the move began
+        // (by a worker of any list) has its rows of the batch there, and none arrive later.
+        // `to` lacking one is given its definition at the first load (`definitions.rs`).
+        let names: Vec<String> = self
+            .fan_out(vec![(from, ListTablesRequest {})], |mut c, r| async move {
+                c.list_tables(r).await
+            })?
+            .into_iter()
+            .flat_map(|x| x.tables)
+            .map(|t| t.name)
+            .collect();
         let mut rows = 0u64;
-        for name in names {
+        for name in &names {
             let mut shard = 0;
             loop {
                 let req = ExportSlotsRequest {

@@ -222,6 +222,15 @@ impl Client {
     /// The newest routing the servers hold (its list and table), if any holds one. A server
     /// older than the routing calls counts as holding none.
     pub(super) fn held_routing(&self) -> Result<Option<(Vec<Position>, SlotTable)>> {
+        self.held_routing_of(false)
+    }
+
+    /// [`held_routing`](Self::held_routing); `reachable`: from the servers that answer (one
+    /// that left the list may be stopped), failing only when none does.
+    pub(super) fn held_routing_of(
+        &self,
+        reachable: bool,
+    ) -> Result<Option<(Vec<Position>, SlotTable)>> {
         let t = self.config.timeout;
         let answers = self.rt.block_on(async {
             let calls = (0..self.n()).map(|i| {
@@ -237,19 +246,30 @@ impl Client {
             super::futures_join_all(calls).await
         });
         let mut best: Option<(Vec<Position>, SlotTable)> = None;
+        let mut failed = None;
+        let asked = answers.len();
+        let mut answered = 0;
         for (i, a) in answers.into_iter().enumerate() {
             let r = match a {
                 Ok(r) => r,
                 Err(s) if s.code() == tonic::Code::Unimplemented => continue,
+                Err(s) if reachable => {
+                    failed = Some(error_of(&s, &self.name_of(i)));
+                    continue;
+                }
                 Err(s) => return Err(error_of(&s, &self.name_of(i))),
             };
+            answered += 1;
             let Some(slots) = &r.slots else { continue };
             let table = SlotTable::from_proto(slots)?;
             if best.as_ref().is_none_or(|(_, b)| table.epoch() > b.epoch()) {
                 best = Some((positions_of(&r), table));
             }
         }
-        Ok(best)
+        match failed {
+            Some(e) if answered == 0 && asked > 0 => Err(e),
+            _ => Ok(best),
+        }
     }
 
     /// Takes the routing server `i` holds, when it is newer than this client's, with its

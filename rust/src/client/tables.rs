@@ -218,7 +218,7 @@ impl Client {
         policy: PushPolicy,
     ) -> Result<()> {
         crate::table::validate_name(name)?;
-        self.create_table(CreateTableRequest {
+        let req = CreateTableRequest {
             name: name.to_string(),
             kind: kind as i32,
             config_json: serde_json::to_string(config)
@@ -226,7 +226,19 @@ impl Client {
             stale_policy: stale_proto(policy.stale_policy) as i32,
             max_staleness: policy.max_staleness,
             policy_unset: !policy.given,
-        })?;
+        };
+        // The list the servers hold now: this client's may be older (a server that left since
+        // may be stopped). Not asked: a server lacking the table gets it when it first refuses
+        // it (`definitions.rs`).
+        let _ = self.follow_held_of(true);
+        let before = self.servers();
+        self.create_table(req.clone())?;
+        // A server joined meanwhile (`add_server` may have copied the definitions before this
+        // create reached the others): create over the list the servers hold now, which is
+        // accepted where the table exists (decision 0110).
+        if self.follow_held_of(true).is_ok() && self.servers() != before {
+            self.create_table(req)?;
+        }
         Ok(())
     }
 
