@@ -522,6 +522,26 @@ def _cmd_cluster_membership(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_ray_scale(args: argparse.Namespace) -> int:
+    import pstore.ray
+
+    cluster = pstore.ray.Cluster.attach(args.name, address=_ray_address(args))
+    r = cluster.scale(args.num_servers, grace=args.grace)
+    if not r["added"] and not r["removed"]:
+        print(f"cluster {args.name!r} has {len(r['servers'])} servers already: nothing changed")
+        return 0
+    rows = sum(int(m.get("rows", 0)) for m in r["moves"])
+    print(
+        f"cluster {args.name!r} scaled from {len(r['before'])} to {len(r['servers'])} servers "
+        f"in {r['seconds']:.1f} s ({rows} rows moved; generation {r['generation']})"
+    )
+    for a in r["added"]:
+        print(f"  added {a}")
+    for a in r["removed"]:
+        print(f"  removed {a}")
+    return 0
+
+
 def _cmd_ray_down(args: argparse.Namespace) -> int:
     import pstore.ray
 
@@ -987,6 +1007,15 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("--json", action="store_true", help="print the status as JSON")
     r.add_argument("--events", type=int, default=10, help="recent events shown (default 10)")
     r.set_defaults(func=_cmd_ray_status)
+    r = ray_sub.add_parser(
+        "scale",
+        help="grow or shrink a running cluster to N servers, moving rows online",
+        description="Add servers (their share of the rows moves to them) or remove the last "
+        "ones (their rows move to the others) while workers train: pstore.ray.Cluster.scale.",
+    )
+    r.add_argument("num_servers", metavar="N", type=int, help="the number of servers wanted")
+    r.add_argument("--grace", type=float, default=10.0, help="seconds to finish calls on stop")
+    r.set_defaults(func=_cmd_ray_scale)
     r = ray_sub.add_parser("down", help="stop a cluster's servers and controller")
     r.add_argument("--grace", type=float, default=10.0, help="seconds to finish calls on stop")
     r.set_defaults(func=_cmd_ray_down)

@@ -220,18 +220,20 @@ def test_soak_a_hung_server_fails_its_health_checks_and_is_replaced(raycluster, 
 class _Worker:
     """Pushes in a loop until told to stop; counts what succeeded and what raised."""
 
-    def __init__(self, name: str) -> None:
-        self.t = _counter_table(pstore.ray.connect(name, retries=0))
+    def __init__(self, name: str, rows: int = 32, retries: int = 0) -> None:
+        self.store = pstore.ray.connect(name, retries=retries)
+        self.t = _counter_table(self.store)
+        self.rows = rows
         self.ok = 0
         self.errors: list[str] = []
         self.stop = threading.Event()
         self.stopped = threading.Event()
 
     def run(self) -> None:
-        ids = np.arange(32, dtype=np.int64)
+        ids = np.arange(self.rows, dtype=np.int64)
         while not self.stop.is_set():
             try:
-                self.t.push(ids, -np.ones((32, 2), np.float32))
+                self.t.push(ids, -np.ones((self.rows, 2), np.float32))
                 self.ok += 1
             except pstore.PstoreError as e:
                 self.errors.append(str(e))
@@ -239,6 +241,13 @@ class _Worker:
 
     def count(self) -> int:
         return self.ok
+
+    def servers(self) -> list[str]:
+        """The server list this worker's store uses now."""
+        return list(self.store.servers)
+
+    def values(self) -> list[float]:
+        return self.t.pull(np.arange(self.rows, dtype=np.int64))[:, 0].tolist()
 
     def finish(self) -> tuple[int, list[str], float]:
         self.stop.set()
@@ -275,6 +284,66 @@ def test_killed_controller_comes_back_with_the_same_membership(raycluster):
             ), "no server was restarted"
         assert after["events"][0]["event"] == "adopted"
         assert pstore.ray.connect("ctl").servers == cluster.servers
+    finally:
+        cluster.shutdown()
+
+
+def _rows_per_server(store: pstore.RemoteStore, table: str) -> dict[str, int]:
+    return {
+        s["server"]: next((x["rows"] for x in s["tables"] if x["name"] == table), 0)
+        for s in store.status()
+    }
+
+
+def test_scale_up_and_down_while_a_worker_pushes(raycluster):
+    cluster = pstore.ray.Cluster(2, name="scale", server_cpus=0.5, check_interval=0.5)
+    try:
+        before = cluster.servers
+        with pytest.raises(pstore.InvalidArgumentError, match="num_servers must be an int >= 1"):
+            cluster.scale(0)
+        same = cluster.scale(2)
+        assert (same["added"], same["removed"], same["generation"]) == ([], [], 0)
+        with pytest.raises(pstore.ray.ClusterError, match=r"Ray has only .* free"):
+            cluster.scale(40)  # 38 servers of 0.5 CPU on a Ray cluster of 4 CPUs
+        assert cluster.servers == before and cluster.generation == 0, "nothing changed"
+
+        w = _Worker.options(max_concurrency=4).remote("scale", 2000, 10)
+        w.run.remote()
+        _wait(lambda: ray.get(w.count.remote()) >= 10, 60, "the worker's first pushes")
+        up = cluster.scale(3)
+        assert up["before"] == before and up["servers"][:2] == before
+        assert len(up["added"]) == 1 and up["generation"] == 1
+        new = up["added"][0]
+        assert up["moves"][0]["rows"] > 0, up
+        n = ray.get(w.count.remote())
+        _wait(lambda: ray.get(w.count.remote()) >= n + 10, 60, "pushes after the scale up")
+        assert ray.get(w.servers.remote()) == up["servers"], "the worker follows the new list"
+        store = pstore.ray.connect(cluster)
+        assert store.servers == up["servers"]
+        assert _rows_per_server(store, "counts")[new] > 0, "the new server holds rows"
+        st = cluster.status()
+        assert [s["address"] for s in st["servers"]] == up["servers"]
+        assert st["servers"][2]["health"] == "SERVING"
+        assert [e["event"] for e in st["events"]].count("server_added") == 1
+
+        down = cluster.scale(2)
+        assert down["removed"] == [new] and down["servers"] == before
+        assert down["generation"] == 2
+        n = ray.get(w.count.remote())
+        _wait(lambda: ray.get(w.count.remote()) >= n + 10, 60, "pushes after the scale down")
+        assert ray.get(w.servers.remote()) == before
+        ok, errors, _ = ray.get(w.finish.remote())
+        assert errors == [], "the worker noticed the scale"
+        values = ray.get(w.values.remote())
+        assert values == [float(ok)] * 2000, "every acknowledged push, each once"
+        st = cluster.status()
+        assert new not in [s["address"] for s in st["servers"]]
+        assert [s["health"] for s in st["servers"]] == ["SERVING", "SERVING"]
+        store = pstore.ray.connect("scale")
+        assert store.servers == before
+        assert sum(_rows_per_server(store, "counts").values()) == 2000
+        with pytest.raises(ValueError):
+            ray.get_actor("pstore-server:scale:2", namespace=pstore.ray.NAMESPACE)
     finally:
         cluster.shutdown()
 

@@ -83,6 +83,10 @@ def _pg_name(name: str) -> str:
     return f"pstore-servers:{name}"
 
 
+def _position_pg_name(name: str, index: int) -> str:
+    return f"{_pg_name(name)}:server-{index}"
+
+
 def _kv_key(name: str) -> str:
     return _KV_PREFIX + name
 
@@ -178,10 +182,12 @@ class _Controller:
         self._events: deque[dict[str, Any]] = deque(maxlen=200)
         self._stopping = threading.Event()
         self._health_failures: dict[int, int] = {}
-        self._probes: dict[int, RemoteStore] = {}
+        self._probes: dict[str, RemoteStore] = {}  # by address
         self._membership: dict[str, Any] = {}
         self._handles: list[Any] = []
         self._pg: PlacementGroup | None = None
+        self._own_pgs: dict[int, PlacementGroup] = {}  # positions added by scale()
+        self._scaling = threading.Lock()
         raw = internal_kv._internal_kv_get(_kv_key(self._name), namespace=NAMESPACE)
         if raw is None:
             self._start()
@@ -218,6 +224,7 @@ class _Controller:
             "generation": 0,
             "token": self._spec["token"],
             "strategy": strategy,
+            "bundles": n,
             "servers": [],
         }
         handles = [self._make_server(pg, i, 0, 0) for i in range(n)]
@@ -239,6 +246,9 @@ class _Controller:
         """A restarted controller: find the placement group and the live servers by name;
         start the ones that died meanwhile."""
         self._pg = get_placement_group(_pg_name(self._name))
+        for i, s in enumerate(self._membership["servers"]):
+            if s.get("own_pg"):
+                self._own_pgs[i] = get_placement_group(_position_pg_name(self._name, i))
         self._handles = []
         for i in range(len(self._membership["servers"])):
             try:
@@ -252,12 +262,23 @@ class _Controller:
             if h is None:
                 self._restart(i, "found dead when the controller started")
 
-    def _make_server(self, pg: PlacementGroup, index: int, port: int, incarnation: int) -> Any:
+    def _make_server(
+        self,
+        pg: PlacementGroup,
+        index: int,
+        port: int,
+        incarnation: int,
+        *,
+        bundle: int | None = None,
+        path: str | None = None,
+        fresh: bool = False,
+    ) -> Any:
+        if path is None and self._spec["path"] is not None:
+            path = os.path.join(self._spec["path"], f"server-{index}")
         spec = {
             "index": index,
-            "path": None
-            if self._spec["path"] is None
-            else os.path.join(self._spec["path"], f"server-{index}"),
+            "path": path,
+            "fresh": fresh,
             "durability": self._spec["durability"],
             "token": self._spec["token"],
             "port": port,
@@ -275,10 +296,20 @@ class _Controller:
             num_cpus=float(self._spec["server_cpus"]),
             resources=dict(self._spec["server_resources"] or {}),
             scheduling_strategy=PlacementGroupSchedulingStrategy(
-                placement_group=pg, placement_group_bundle_index=index
+                placement_group=pg,
+                placement_group_bundle_index=index if bundle is None else bundle,
             ),
         )
         return actor.remote(spec)
+
+    def _bundle_of(self, i: int) -> tuple[PlacementGroup, int]:
+        """The placement group and bundle of position ``i``: the cluster's own placement group
+        for the first ``bundles`` positions, a placement group of its own for one added past
+        them by :meth:`scale`."""
+        if i in self._own_pgs:
+            return self._own_pgs[i], 0
+        assert self._pg is not None, "set when the controller started"
+        return self._pg, i
 
     def _server_info(self, handle: Any, index: int) -> dict[str, Any]:
         try:
@@ -319,8 +350,8 @@ class _Controller:
 
     def _check(self, i: int) -> None:
         with self._lock:
-            if self._stopping.is_set():
-                return
+            if self._stopping.is_set() or i >= len(self._handles):
+                return  # stopping, or the position left in a scale down
             h = self._handles[i]
             if self._membership["servers"][i].get("lost"):
                 return
@@ -341,18 +372,23 @@ class _Controller:
         self._health_failures[i] = n
         if n >= 3:
             with self._lock:
+                if i >= len(self._handles) or self._handles[i] is None:
+                    return
                 ray.kill(self._handles[i], no_restart=True)
                 self._restart(i, "the gRPC health service failed 3 checks in a row")
 
     def _healthy(self, i: int) -> bool:
-        addr = self._membership["servers"][i]["address"]
+        with self._lock:
+            if i >= len(self._membership["servers"]):
+                return False
+            addr = self._membership["servers"][i]["address"]
         try:
-            probe = self._probes.get(i)
+            probe = self._probes.get(addr)
             if probe is None:
                 probe = pstore.connect(
                     [addr], token=self._membership["token"], timeout=5, retries=0
                 )
-                self._probes[i] = probe
+                self._probes[addr] = probe
             return probe.health() == ["SERVING"]
         except PstoreError:
             return False
@@ -362,11 +398,13 @@ class _Controller:
         old = self._membership["servers"][i]
         self._event("server_down", index=i, address=old["address"], reason=reason)
         incarnation = old["incarnation"] + 1
-        assert self._pg is not None, "set when the controller started"
+        pg, bundle = self._bundle_of(i)
         last: Exception | None = None
         for _ in range(20):
             try:
-                h = self._make_server(self._pg, i, old["port"], incarnation)
+                h = self._make_server(
+                    pg, i, old["port"], incarnation, bundle=bundle, path=old["path"]
+                )
                 info = self._server_info(h, i)
                 break
             except (ValueError, ClusterError) as e:  # the dead actor's name not yet released
@@ -398,7 +436,7 @@ class _Controller:
             )
             return
         self._handles[i] = h
-        self._membership["servers"][i] = info
+        self._membership["servers"][i] = dict(info, own_pg=old.get("own_pg", False))
         self._membership["generation"] += 1
         self._save()
         self._event(
@@ -431,6 +469,173 @@ class _Controller:
         m["events"] = list(self._events)
         return m
 
+    def scale(self, num_servers: int, grace: float) -> dict[str, Any]:
+        """Grow or shrink the cluster to ``num_servers`` positions while workers train (see
+        :meth:`Cluster.scale`). One scale at a time: another one is refused."""
+        if not self._scaling.acquire(blocking=False):
+            raise ClusterError(
+                f"cluster {self._name!r}: a scale is running already; wait for it to return, "
+                "then call scale again (nothing was changed)"
+            )
+        try:
+            t0 = time.monotonic()
+            with self._lock:
+                before = [s["address"] for s in self._membership["servers"]]
+                lost = [s["index"] for s in self._membership["servers"] if s.get("lost")]
+                dead = [i for i, h in enumerate(self._handles) if h is None]
+            if lost or dead:
+                raise ClusterError(
+                    f"cluster {self._name!r}: server(s) {lost or dead} "
+                    f"{'are lost' if lost else 'are not running'}; a scale moves rows from and "
+                    "to every server, so it needs them all (nothing was changed)"
+                )
+            if num_servers == len(before):
+                moves: list[dict[str, Any]] = []
+            elif num_servers > len(before):
+                moves = self._scale_up(len(before), num_servers)
+            else:
+                moves = self._scale_down(len(before), num_servers, grace)
+            with self._lock:
+                after = [s["address"] for s in self._membership["servers"]]
+                generation = self._membership["generation"]
+            return {
+                "before": before,
+                "servers": after,
+                "added": [a for a in after if a not in before],
+                "removed": [a for a in before if a not in after],
+                "generation": generation,
+                "moves": moves,
+                "seconds": time.monotonic() - t0,
+            }
+        finally:
+            self._scaling.release()
+
+    def _data_plane(self) -> RemoteStore:
+        with self._lock:
+            servers = [s["address"] for s in self._membership["servers"]]
+        return pstore.connect(servers, token=self._membership["token"], retries=10)
+
+    def _scale_up(self, n: int, target: int) -> list[dict[str, Any]]:
+        """Start positions ``n`` .. ``target - 1``, then add them one at a time."""
+        cpus = float(self._spec["server_cpus"])
+        bundle = {"CPU": cpus, **dict(self._spec["server_resources"] or {})}
+        reuse = list(range(n, min(target, int(self._membership.get("bundles", n)))))
+        fresh = [i for i in range(n, target) if i not in reuse]
+        # Ask Ray first: a placement group that cannot be placed would only time out.
+        free = ray.available_resources()
+        short = {
+            k: free.get(k, 0.0) for k, v in bundle.items() if free.get(k, 0.0) < v * len(fresh)
+        }
+        if short:
+            raise ClusterError(
+                f"cluster {self._name!r}: {target - n} new server(s) need {len(fresh)} new "
+                f"bundle(s) of {bundle}, but Ray has only {short} free; add nodes or CPUs, or "
+                "lower num_servers (nothing was changed)"
+            )
+        pgs: dict[int, PlacementGroup] = {}
+        handles: dict[int, Any] = {}
+        infos: dict[int, dict[str, Any]] = {}
+        try:
+            for i in fresh:
+                name = _position_pg_name(self._name, i)
+                try:  # a placement group a scale cut short left behind
+                    remove_placement_group(get_placement_group(name))
+                except ValueError:
+                    pass
+                pgs[i] = placement_group(
+                    [dict(bundle)], strategy="PACK", name=name, lifetime="detached"
+                )
+            for i, pg in pgs.items():
+                if not _wait(pg.ready(), self._spec["start_timeout"]):
+                    raise ClusterError(
+                        f"cluster {self._name!r}: Ray could not place server {i} ({bundle}) "
+                        f"within {self._spec['start_timeout']} s; add nodes or CPUs, or lower "
+                        "num_servers (nothing was changed)"
+                    )
+            for i in range(n, target):
+                try:  # a server actor a scale cut short left behind
+                    ray.kill(ray.get_actor(_server_name(self._name, i), namespace=NAMESPACE))
+                except ValueError:
+                    pass
+                pg, b = (pgs[i], 0) if i in pgs else self._bundle_of(i)
+                handles[i] = self._make_server(pg, i, 0, 0, bundle=b, fresh=True)
+            for i, h in handles.items():
+                infos[i] = self._server_info(h, i)
+        except BaseException:
+            for h in handles.values():
+                ray.kill(h, no_restart=True)
+            for pg in pgs.values():
+                remove_placement_group(pg)
+            raise
+        moves = []
+        for k, i in enumerate(range(n, target)):
+            info = infos[i]
+            try:
+                report = self._data_plane().add_server(info["address"])
+            except BaseException as e:
+                for j in range(i, target):
+                    ray.kill(handles[j], no_restart=True)
+                    if j in pgs:
+                        remove_placement_group(pgs[j])
+                raise ClusterError(
+                    f"cluster {self._name!r}: adding server {i} ({info['address']}) failed: "
+                    f"{e}; the cluster has {n + k} servers (the ones added before stay)"
+                ) from None
+            with self._lock:
+                if i in pgs:
+                    self._own_pgs[i] = pgs[i]
+                self._handles.append(handles[i])
+                self._membership["servers"].append(dict(info, own_pg=i in pgs))
+                self._membership["generation"] += 1
+                self._save()
+                generation = self._membership["generation"]
+            moves.append(report)
+            self._event(
+                "server_added",
+                index=i,
+                address=info["address"],
+                node_id=info["node_id"],
+                rows=report.get("rows"),
+                seconds=report.get("seconds"),
+                generation=generation,
+            )
+        return moves
+
+    def _scale_down(self, n: int, target: int, grace: float) -> list[dict[str, Any]]:
+        """Remove positions ``n - 1`` down to ``target``: their rows move to the others, then
+        their servers stop."""
+        moves = []
+        for i in range(n - 1, target - 1, -1):
+            with self._lock:
+                address = self._membership["servers"][i]["address"]
+            report = self._data_plane().remove_server(i)
+            with self._lock:
+                h = self._handles.pop()
+                self._membership["servers"].pop()
+                self._health_failures.pop(i, None)
+                self._membership["generation"] += 1
+                self._save()
+                generation = self._membership["generation"]
+                pg = self._own_pgs.pop(i, None)
+            self._probes.pop(address, None)
+            try:
+                ray.get(h.stop.remote(grace), timeout=grace + 30)
+            except (ray.exceptions.RayActorError, ray.exceptions.GetTimeoutError):
+                pass
+            ray.kill(h, no_restart=True)
+            if pg is not None:
+                remove_placement_group(pg)
+            moves.append(report)
+            self._event(
+                "server_removed",
+                index=i,
+                address=address,
+                rows=report.get("rows"),
+                seconds=report.get("seconds"),
+                generation=generation,
+            )
+        return moves
+
     def shutdown(self, grace: float) -> None:
         """Stop every server (flushing its store), remove the placement group and the record."""
         self._stopping.set()
@@ -445,6 +650,8 @@ class _Controller:
             self._handles = [None] * len(self._handles)
             if self._pg is not None:
                 remove_placement_group(self._pg)
+            for pg in self._own_pgs.values():
+                remove_placement_group(pg)
             internal_kv._internal_kv_del(_kv_key(self._name), namespace=NAMESPACE)
 
 
@@ -637,6 +844,46 @@ class Cluster:
         ``member_started`` and ``replaced``."""
         s: dict[str, Any] = ray.get(_controller(self.name).status.remote())
         return s
+
+    def scale(self, num_servers: int, *, grace: float = 10.0) -> dict[str, Any]:
+        """Grow or shrink the cluster to ``num_servers`` servers while workers train.
+
+        Up: the controller starts the new servers (empty; each in a placement group of its own,
+        or in a bundle of the cluster's placement group that a scale down freed) and adds them
+        one at a time with :meth:`pstore.RemoteStore.add_server`: about 1/N of the hash slots
+        move to each, with their rows. Down: the last positions leave one at a time with
+        :meth:`pstore.RemoteStore.remove_server` (their rows move to the others), then their
+        servers stop (calls in flight get ``grace`` seconds) and their placement groups go.
+        Each added or removed server adds one to :attr:`generation` and is recorded in the
+        GCS, so :func:`connect` gives the new list; workers connected before follow it by
+        themselves (a call that meets "moved" fetches the servers' routing) and lose nothing.
+
+        Returns ``{"before", "servers", "added", "removed", "generation", "moves",
+        "seconds"}`` (``moves``: the report of each server's move, as
+        :meth:`pstore.RemoteStore.move_slots`). ``num_servers`` equal to the current count
+        changes nothing. Raises :class:`pstore.InvalidArgumentError` for ``num_servers < 1``;
+        :class:`ClusterError`, with nothing changed, when a scale runs already (one at a time:
+        the second is refused), when a server is down or lost, when Ray lacks the resources
+        for the new servers, and for replica groups (``replicas > 1``), which do not scale yet.
+        """
+        if isinstance(num_servers, bool) or not isinstance(num_servers, int) or num_servers < 1:
+            raise InvalidArgumentError(
+                f"num_servers must be an int >= 1, got {num_servers!r}; nothing was changed"
+            )
+        ctl = _controller(self.name)
+        if "groups" in self._membership():
+            raise ClusterError(
+                f"cluster {self.name!r} runs replica groups (replicas > 1), which do not "
+                "scale yet: the number of groups stays fixed (nothing was changed)"
+            )
+        try:
+            report: dict[str, Any] = ray.get(ctl.scale.remote(num_servers, float(grace)))
+        except ray.exceptions.RayTaskError as e:
+            cause = getattr(e, "cause", None)
+            if isinstance(cause, PstoreError):  # the controller's error, without Ray's trace
+                raise cause from None
+            raise
+        return report
 
     def snapshot(
         self, dest: str | os.PathLike[str], *, incremental: bool = False
