@@ -526,7 +526,7 @@ def _cmd_ray_scale(args: argparse.Namespace) -> int:
     import pstore.ray
 
     cluster = pstore.ray.Cluster.attach(args.name, address=_ray_address(args))
-    r = cluster.scale(args.num_servers, grace=args.grace)
+    r = cluster.scale(args.num_servers, grace=args.grace, linger=args.linger)
     if not r["added"] and not r["removed"]:
         print(f"cluster {args.name!r} has {len(r['servers'])} servers already: nothing changed")
         return 0
@@ -1015,6 +1015,12 @@ def build_parser() -> argparse.ArgumentParser:
     )
     r.add_argument("num_servers", metavar="N", type=int, help="the number of servers wanted")
     r.add_argument("--grace", type=float, default=10.0, help="seconds to finish calls on stop")
+    r.add_argument(
+        "--linger",
+        type=float,
+        default=30.0,
+        help="seconds a removed server answers 'moved' before it stops (default 30)",
+    )
     r.set_defaults(func=_cmd_ray_scale)
     r = ray_sub.add_parser("down", help="stop a cluster's servers and controller")
     r.add_argument("--grace", type=float, default=10.0, help="seconds to finish calls on stop")

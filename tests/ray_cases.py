@@ -326,12 +326,14 @@ def test_scale_up_and_down_while_a_worker_pushes(raycluster):
         assert st["servers"][2]["health"] == "SERVING"
         assert [e["event"] for e in st["events"]].count("server_added") == 1
 
-        down = cluster.scale(2)
+        down = cluster.scale(2, linger=3.0)
         assert down["removed"] == [new] and down["servers"] == before
         assert down["generation"] == 2
         n = ray.get(w.count.remote())
         _wait(lambda: ray.get(w.count.remote()) >= n + 10, 60, "pushes after the scale down")
-        assert ray.get(w.servers.remote()) == before
+        # A worker that never met "moved" from the leaving server may list it still; it owns
+        # no slot, so no call on rows goes there.
+        assert ray.get(w.servers.remote())[:2] == before
         ok, errors, _ = ray.get(w.finish.remote())
         assert errors == [], "the worker noticed the scale"
         values = ray.get(w.values.remote())
@@ -342,6 +344,11 @@ def test_scale_up_and_down_while_a_worker_pushes(raycluster):
         store = pstore.ray.connect("scale")
         assert store.servers == before
         assert sum(_rows_per_server(store, "counts").values()) == 2000
+        _wait(
+            lambda: "server_stopped" in [e["event"] for e in cluster.status()["events"]],
+            30,
+            "the removed server's stop after its linger",
+        )
         with pytest.raises(ValueError):
             ray.get_actor("pstore-server:scale:2", namespace=pstore.ray.NAMESPACE)
     finally:

@@ -188,6 +188,9 @@ class _Controller:
         self._pg: PlacementGroup | None = None
         self._own_pgs: dict[int, PlacementGroup] = {}  # positions added by scale()
         self._scaling = threading.Lock()
+        # position -> (actor, its own placement group, address) of a server a scale down
+        # removed, until it stops
+        self._retiring: dict[int, tuple[Any, PlacementGroup | None, str]] = {}
         raw = internal_kv._internal_kv_get(_kv_key(self._name), namespace=NAMESPACE)
         if raw is None:
             self._start()
@@ -469,7 +472,7 @@ class _Controller:
         m["events"] = list(self._events)
         return m
 
-    def scale(self, num_servers: int, grace: float) -> dict[str, Any]:
+    def scale(self, num_servers: int, grace: float, linger: float) -> dict[str, Any]:
         """Grow or shrink the cluster to ``num_servers`` positions while workers train (see
         :meth:`Cluster.scale`). One scale at a time: another one is refused."""
         if not self._scaling.acquire(blocking=False):
@@ -494,7 +497,7 @@ class _Controller:
             elif num_servers > len(before):
                 moves = self._scale_up(len(before), num_servers)
             else:
-                moves = self._scale_down(len(before), num_servers, grace)
+                moves = self._scale_down(len(before), num_servers, grace, linger)
             with self._lock:
                 after = [s["address"] for s in self._membership["servers"]]
                 generation = self._membership["generation"]
@@ -519,6 +522,10 @@ class _Controller:
         """Start positions ``n`` .. ``target - 1``, then add them one at a time."""
         cpus = float(self._spec["server_cpus"])
         bundle = {"CPU": cpus, **dict(self._spec["server_resources"] or {})}
+        for i in range(n, target):
+            entry = self._retiring.get(i)
+            if entry is not None:  # removed moments ago, still answering "moved": stop it now
+                self._retire(i, entry[0], 1.0)
         reuse = list(range(n, min(target, int(self._membership.get("bundles", n)))))
         fresh = [i for i in range(n, target) if i not in reuse]
         # Ask Ray first: a placement group that cannot be placed would only time out.
@@ -601,9 +608,9 @@ class _Controller:
             )
         return moves
 
-    def _scale_down(self, n: int, target: int, grace: float) -> list[dict[str, Any]]:
+    def _scale_down(self, n: int, target: int, grace: float, linger: float) -> list[dict[str, Any]]:
         """Remove positions ``n - 1`` down to ``target``: their rows move to the others, then
-        their servers stop."""
+        their servers stop (after ``linger`` seconds)."""
         moves = []
         for i in range(n - 1, target - 1, -1):
             with self._lock:
@@ -617,14 +624,17 @@ class _Controller:
                 self._save()
                 generation = self._membership["generation"]
                 pg = self._own_pgs.pop(i, None)
+                # It keeps answering "moved" for `linger` seconds, so that a worker whose call
+                # was between two tries when the list changed meets "moved" (and follows)
+                # rather than a closed port (which names no new list to follow).
+                self._retiring[i] = (h, pg, address)
             self._probes.pop(address, None)
-            try:
-                ray.get(h.stop.remote(grace), timeout=grace + 30)
-            except (ray.exceptions.RayActorError, ray.exceptions.GetTimeoutError):
-                pass
-            ray.kill(h, no_restart=True)
-            if pg is not None:
-                remove_placement_group(pg)
+            threading.Thread(
+                target=self._retire_later,
+                args=(i, h, grace, linger),
+                name=f"pstore-retire-{i}",
+                daemon=True,
+            ).start()
             moves.append(report)
             self._event(
                 "server_removed",
@@ -636,9 +646,35 @@ class _Controller:
             )
         return moves
 
+    def _retire_later(self, i: int, h: Any, grace: float, linger: float) -> None:
+        if self._stopping.wait(linger):
+            return  # shutdown stops it
+        self._retire(i, h, grace)
+
+    def _retire(self, i: int, h: Any, grace: float) -> None:
+        """Stop the server a scale down removed from position ``i`` (unless done already)."""
+        with self._lock:
+            entry = self._retiring.get(i)
+            if entry is None or entry[0] is not h:
+                return
+            del self._retiring[i]
+        _, pg, address = entry
+        try:
+            ray.get(h.stop.remote(grace), timeout=grace + 30)
+        except (ray.exceptions.RayActorError, ray.exceptions.GetTimeoutError):
+            pass
+        ray.kill(h, no_restart=True)
+        if pg is not None:
+            remove_placement_group(pg)
+        self._event("server_stopped", index=i, address=address)
+
     def shutdown(self, grace: float) -> None:
         """Stop every server (flushing its store), remove the placement group and the record."""
         self._stopping.set()
+        with self._lock:
+            retiring = list(self._retiring.items())
+        for i, (h, _, _) in retiring:
+            self._retire(i, h, grace)
         with self._lock:
             waits = [(h, h.stop.remote(grace)) for h in self._handles if h is not None]
             for h, ref in waits:
@@ -845,15 +881,20 @@ class Cluster:
         s: dict[str, Any] = ray.get(_controller(self.name).status.remote())
         return s
 
-    def scale(self, num_servers: int, *, grace: float = 10.0) -> dict[str, Any]:
+    def scale(
+        self, num_servers: int, *, grace: float = 10.0, linger: float = 30.0
+    ) -> dict[str, Any]:
         """Grow or shrink the cluster to ``num_servers`` servers while workers train.
 
         Up: the controller starts the new servers (empty; each in a placement group of its own,
         or in a bundle of the cluster's placement group that a scale down freed) and adds them
         one at a time with :meth:`pstore.RemoteStore.add_server`: about 1/N of the hash slots
         move to each, with their rows. Down: the last positions leave one at a time with
-        :meth:`pstore.RemoteStore.remove_server` (their rows move to the others), then their
-        servers stop (calls in flight get ``grace`` seconds) and their placement groups go.
+        :meth:`pstore.RemoteStore.remove_server` (their rows move to the others); each removed
+        server keeps answering "moved" for ``linger`` seconds, so that a worker that calls it
+        then follows the new list, then stops (calls in flight get ``grace`` seconds) and its
+        placement group goes. A worker that still routes to a removed server after that (it
+        made no call on rows meanwhile) fails on it: connect again.
         Each added or removed server adds one to :attr:`generation` and is recorded in the
         GCS, so :func:`connect` gives the new list; workers connected before follow it by
         themselves (a call that meets "moved" fetches the servers' routing) and lose nothing.
@@ -870,6 +911,9 @@ class Cluster:
             raise InvalidArgumentError(
                 f"num_servers must be an int >= 1, got {num_servers!r}; nothing was changed"
             )
+        for k, v in (("grace", grace), ("linger", linger)):
+            if isinstance(v, bool) or not isinstance(v, (int, float)) or not v >= 0:
+                raise InvalidArgumentError(f"{k} must be a number >= 0, got {v!r}")
         ctl = _controller(self.name)
         if "groups" in self._membership():
             raise ClusterError(
@@ -877,7 +921,9 @@ class Cluster:
                 "scale yet: the number of groups stays fixed (nothing was changed)"
             )
         try:
-            report: dict[str, Any] = ray.get(ctl.scale.remote(num_servers, float(grace)))
+            report: dict[str, Any] = ray.get(
+                ctl.scale.remote(num_servers, float(grace), float(linger))
+            )
         except ray.exceptions.RayTaskError as e:
             cause = getattr(e, "cause", None)
             if isinstance(cause, PstoreError):  # the controller's error, without Ray's trace
