@@ -423,6 +423,14 @@ def test_cli_up_status_down(raycluster, tmp_path):
         assert got["path"] == str(tmp_path / "data")
         text = _pstore("status", "--name", "cli", env=env)
         assert text.returncode == 0 and "generation 0" in text.stdout
+        sc = _pstore("scale", "--name", "cli", "3", env=env)
+        assert sc.returncode == 0, sc.stderr
+        assert "scaled from 2 to 3 servers" in sc.stdout and "generation 1" in sc.stdout
+        again = _pstore("scale", "--name", "cli", "3", env=env)
+        assert again.returncode == 0 and "has 3 servers already" in again.stdout
+        bad = _pstore("scale", "--name", "cli", "0", env=env)
+        assert bad.returncode == 2 and "num_servers must be an int >= 1" in bad.stderr
+        assert len(pstore.ray.connect("cli").servers) == 3
     finally:
         down = _pstore("down", "--name", "cli", env=env)
     assert down.returncode == 0, down.stderr

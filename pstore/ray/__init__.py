@@ -252,6 +252,22 @@ class _Controller:
         for i, s in enumerate(self._membership["servers"]):
             if s.get("own_pg"):
                 self._own_pgs[i] = get_placement_group(_position_pg_name(self._name, i))
+        for r in self._membership.pop("retiring", []):
+            # Removed by a scale down of the controller that died, and lingering: stop it now.
+            try:
+                old = ray.get_actor(_server_name(self._name, r["index"]), namespace=NAMESPACE)
+                ray.kill(old, no_restart=True)
+            except ValueError:
+                pass
+            if r.get("own_pg"):
+                try:
+                    remove_placement_group(
+                        get_placement_group(_position_pg_name(self._name, r["index"]))
+                    )
+                except ValueError:
+                    pass
+            self._event("server_stopped", index=r["index"], address=r["address"])
+        self._save()
         self._handles = []
         for i in range(len(self._membership["servers"])):
             try:
@@ -618,9 +634,13 @@ class _Controller:
             report = self._data_plane().remove_server(i)
             with self._lock:
                 h = self._handles.pop()
-                self._membership["servers"].pop()
+                gone = self._membership["servers"].pop()
                 self._health_failures.pop(i, None)
                 self._membership["generation"] += 1
+                # Recorded, so that a controller restarted during the linger stops it.
+                self._membership.setdefault("retiring", []).append(
+                    {"index": i, "address": address, "own_pg": bool(gone.get("own_pg"))}
+                )
                 self._save()
                 generation = self._membership["generation"]
                 pg = self._own_pgs.pop(i, None)
@@ -658,6 +678,10 @@ class _Controller:
             if entry is None or entry[0] is not h:
                 return
             del self._retiring[i]
+            self._membership["retiring"] = [
+                r for r in self._membership.get("retiring", []) if r["index"] != i
+            ]
+            self._save()
         _, pg, address = entry
         try:
             ray.get(h.stop.remote(grace), timeout=grace + 30)
