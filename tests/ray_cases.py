@@ -325,6 +325,15 @@ def test_scale_up_and_down_while_a_worker_pushes(raycluster):
         assert [s["address"] for s in st["servers"]] == up["servers"]
         assert st["servers"][2]["health"] == "SERVING"
         assert [e["event"] for e in st["events"]].count("server_added") == 1
+        # A controller restarted after the scale adopts the added server and its placement group.
+        ctl = ray.get_actor("pstore-cluster:scale", namespace=pstore.ray.NAMESPACE)
+        ray.kill(ctl, no_restart=False)
+        _wait(
+            lambda: cluster.status()["controller_pid"] != st["controller_pid"],
+            90,
+            "the controller's restart",
+        )
+        assert cluster.servers == up["servers"] and cluster.generation == 1
 
         down = cluster.scale(2, linger=3.0)
         assert down["removed"] == [new] and down["servers"] == before
