@@ -310,7 +310,13 @@ def test_scale_up_and_down_while_a_worker_pushes(raycluster):
         w = _Worker.options(max_concurrency=4).remote("scale", 2000, 10)
         w.run.remote()
         _wait(lambda: ray.get(w.count.remote()) >= 10, 60, "the worker's first pushes")
-        up = cluster.scale(3)
+        ctl = ray.get_actor("pstore-cluster:scale", namespace=pstore.ray.NAMESPACE)
+        running = ctl.scale.remote(3, 10.0, 30.0)
+        _wait(lambda: cluster.status()["scaling"], 30, "the scale to start")
+        with pytest.raises(pstore.ray.ClusterError, match="a scale is running already"):
+            cluster.scale(2)  # one at a time: refused, not queued
+        up = ray.get(running)
+        assert not cluster.status()["scaling"]
         assert up["before"] == before and up["servers"][:2] == before
         assert len(up["added"]) == 1 and up["generation"] == 1
         new = up["added"][0]
@@ -326,7 +332,6 @@ def test_scale_up_and_down_while_a_worker_pushes(raycluster):
         assert st["servers"][2]["health"] == "SERVING"
         assert [e["event"] for e in st["events"]].count("server_added") == 1
         # A controller restarted after the scale adopts the added server and its placement group.
-        ctl = ray.get_actor("pstore-cluster:scale", namespace=pstore.ray.NAMESPACE)
         ray.kill(ctl, no_restart=False)
         _wait(
             lambda: cluster.status()["controller_pid"] != st["controller_pid"],

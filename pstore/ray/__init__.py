@@ -485,6 +485,8 @@ class _Controller:
         m["path"] = self._spec["path"]
         m["durability"] = self._spec["durability"]
         m["controller_pid"] = os.getpid()
+        m["scaling"] = self._scaling.locked()
+        m.pop("retiring", None)
         m["events"] = list(self._events)
         return m
 
@@ -894,12 +896,14 @@ class Cluster:
     def status(self) -> dict[str, Any]:
         """The controller's view: ``name``, ``generation``, ``strategy``, ``path``,
         ``durability``, ``servers`` (each with ``index``, ``address``, ``node_id``, ``pid``,
-        ``incarnation``, ``alive``, ``health``) and the recent ``events`` (starts, deaths,
-        restarts). With replica groups, ``groups`` instead of ``servers``: each with ``index``,
-        ``primary``, ``epoch``, ``state`` (``ok``, ``degraded``, ``primary_unreachable``, ...,
-        as :meth:`pstore.controller.Controller.status`), ``live_followers``, ``pending``
-        (replacements being started) and ``members`` (``address``, ``role``, ``epoch``,
-        ``lsn``, a follower's lag, ``node_id``, ``pid``, ``path``, ``alive``); ``replicas``;
+        ``incarnation``, ``alive``, ``health``), ``scaling`` (a :meth:`scale` runs) and the
+        recent ``events`` (starts, deaths, restarts, ``server_added``, ``server_removed``,
+        ``server_stopped``). With replica groups, ``groups`` instead of ``servers``: each
+        with ``index``, ``primary``, ``epoch``, ``state`` (``ok``, ``degraded``,
+        ``primary_unreachable``, ..., as :meth:`pstore.controller.Controller.status`),
+        ``live_followers``, ``pending`` (replacements being started) and ``members``
+        (``address``, ``role``, ``epoch``, ``lsn``, a follower's lag, ``node_id``, ``pid``,
+        ``path``, ``alive``); ``replicas``;
         ``events`` include ``member_down``, ``promoted``, ``replacement_awaited``,
         ``member_started`` and ``replaced``."""
         s: dict[str, Any] = ray.get(_controller(self.name).status.remote())
