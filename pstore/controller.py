@@ -184,6 +184,9 @@ class Controller:
         self._generation = 0
         self._rounds = 0
         self._published: str | None = None
+        # The generation of the members last put in the servers' routing (publish_members).
+        self._routed = 0
+        self._routing_failed = -1
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self._pool = ThreadPoolExecutor(max_workers=min(16, max(2, len(seen))))
@@ -241,6 +244,7 @@ class Controller:
         for g in self._groups:
             self._decide(g, now)
         self._publish()
+        self._publish_members()
 
     def _ask(self, address: str) -> tuple[dict[str, Any] | None, str | None]:
         try:
@@ -450,6 +454,38 @@ class Controller:
         if key != self._published:
             self._on_view(v)
             self._published = key
+
+    def _publish_members(self) -> None:
+        """Once a member was replaced, put the groups' members in the routing the servers hold
+        (``RemoteStore.publish_members``: the next epoch, the same slots), so that a client that
+        knows none of a group's live members learns them from the other servers (decision
+        0112). Servers that hold no routing are left so (nothing is published); a publish that
+        fails is tried again next round."""
+        with self._lock:
+            generation = self._generation
+            groups = self.view()["servers"]
+        if generation == self._routed:
+            return
+        try:
+            store = connect(
+                groups,
+                self._token,
+                timeout=self._timeout,
+                retries=0,
+                failover_timeout=self._timeout,
+            )
+            try:
+                epoch = store.publish_members(groups)
+            finally:
+                store.close()
+        except PstoreError as e:
+            if self._routing_failed != generation:
+                self._routing_failed = generation
+                self._event(None, "routing_failed", error=str(e).splitlines()[0][:300])
+            return
+        self._routed = generation
+        if epoch is not None:
+            self._event(None, "routing_published", epoch=epoch, servers=groups)
 
     def status(self) -> dict[str, Any]:
         """``groups`` (each with ``index``, ``primary``, ``epoch``, ``state`` — ``ok``,

@@ -603,3 +603,58 @@ def test_pods_restarted_with_their_arguments_rejoin_and_fail_over_again(tmp_path
 @pytest.mark.soak
 def test_statefulset_failover_soak(tmp_path: Path) -> None:
     _statefulset_rounds(tmp_path, 12)
+
+
+def test_a_client_follows_a_group_that_failed_over_twice_to_a_member_it_never_knew(
+    tmp_path: Path,
+) -> None:
+    # A group [a, b] and a server d: the cluster holds a routing (d joined). A worker connects,
+    # a dies, b is promoted, a replacement c joins as follower of b (the controller publishes
+    # the group's new members), b dies, c is promoted: the worker, which knows only [a, b],
+    # asks d for the routing and pushes on to c (decision 0112).
+    a, b = _group(tmp_path, "g0")
+    d = ServerProcess("--path", str(tmp_path / "d"), "--durability", "sync")
+    engine = _SpawningEngine(tmp_path)
+    ctl = Controller([[a.address, b.address]], engine=engine, check_interval=0.2, dead_after=1.0)
+    try:
+        d.wait_ready()
+        admin = pstore.connect([[a.address, b.address]], ack="all")  # type: ignore[list-item]
+        _sgd_table(admin)
+        admin.add_server(d.address)
+        worker = pstore.connect(
+            [[a.address, b.address], d.address],  # type: ignore[list-item]
+            ack="all",
+            failover_timeout=4.0,
+        )
+        t = worker.sparse_table("t")
+        ids = np.arange(1000, dtype=np.int64)
+        pushes = 0
+
+        def push() -> None:
+            nonlocal pushes
+            t.push(ids, np.ones((len(ids), DIM), np.float32))
+            pushes += 1
+
+        push()
+        ctl.start()
+        a.send(signal.SIGKILL)
+        a.proc.wait(30)
+        _wait("the replacement", lambda: any(e["event"] == "replaced" for e in ctl.events))
+        (c,) = engine.started
+        published = _wait(
+            "the new members published",
+            lambda: [e for e in ctl.events if e["event"] == "routing_published"],
+        )
+        assert published[0]["servers"][0] in ([b.address, c.address], [c.address, b.address])
+        _wait_caught_up(pstore.connect([b.address]), pstore.connect([c.address], retries=0))
+        b.send(signal.SIGKILL)
+        b.proc.wait(30)
+        push()
+        assert _status(pstore.connect([c.address]))["role"] == "primary"
+        push()
+        rows = t.pull(ids)
+        np.testing.assert_array_equal(rows, np.full((len(ids), DIM), -pushes, np.float32))
+    finally:
+        ctl.stop()
+        for p in [a, b, d, *engine.started]:
+            p.stop()

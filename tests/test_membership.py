@@ -743,3 +743,42 @@ def test_a_client_of_the_old_list_creates_a_table_after_a_leave_and_a_stop():
         np.testing.assert_array_equal(admin.table("after").pull(ids)[:, 0], np.ones(len(ids)))
     finally:
         stop_all(procs)
+
+
+# --- A client whose server is gone asks the others (decision 0112) -----------------------------
+
+
+def test_an_idle_worker_follows_the_list_after_the_removed_server_stopped():
+    procs = start_servers(3)
+    try:
+        a, b, c = (p.address for p in procs)
+        worker = pstore.connect([a, b, c])
+        reader = pstore.connect([a, b, c])
+        t = worker.create_sparse_table(
+            "t", 2, optimizer=pstore.optim.SGD(lr=1.0), initializer=pstore.init.Zeros()
+        )
+        # Ids of (nearly) every slot, on every server.
+        ids = np.arange(1, 60001, dtype=np.uint64)
+        t.push(ids, np.ones((len(ids), 2), np.float32))
+        before = reader.table("t").pull(ids)
+        admin = pstore.connect([a, b, c])
+        admin.remove_server(b)
+        assert admin.servers == [a, c]
+        # The server that left stops; the worker and the reader made no call meanwhile: they
+        # still route some slots to it, and nothing answers there.
+        assert procs[1].stop() is not None
+        assert worker.servers == [a, b, c]
+        t.push(ids, np.ones((len(ids), 2), np.float32))
+        assert worker.servers == [a, c]
+        # Each push applied once: every row is minus the two pushes.
+        np.testing.assert_array_equal(
+            admin.table("t").pull(ids), np.full((len(ids), 2), -2.0, np.float32)
+        )
+        np.testing.assert_array_equal(before, np.full((len(ids), 2), -1.0, np.float32))
+        # A read follows the same way (its part for the stopped server is read again).
+        np.testing.assert_array_equal(
+            reader.table("t").pull(ids), np.full((len(ids), 2), -2.0, np.float32)
+        )
+        assert reader.servers == [a, c]
+    finally:
+        stop_all(procs)

@@ -203,6 +203,24 @@ class RemoteStore(BaseStore):
         table: dict[str, Any] = json.loads(self._inner.slots)
         return table
 
+    def publish_members(self, groups: Sequence[Sequence[str]]) -> int | None:
+        """Publish replica groups' current members (each group's addresses, in any order) in
+        the routing the servers hold: every position whose group shares a member with one of
+        ``groups`` and names other members gets that group's members, under the next routing
+        epoch with the same slot table (no row moves). Clients that cannot reach a group's
+        members they know ask the other servers and follow (docs/CLUSTER.md, "How clients
+        follow"). Returns the epoch published, or None when nothing changed or the servers hold
+        no routing yet (a first routing is published by ``add_server`` or
+        :meth:`publish_routing`). :class:`pstore.controller.Controller` calls it when it
+        replaces a member.
+        """
+        if isinstance(groups, (str, bytes)) or not all(
+            not isinstance(g, (str, bytes)) and all(isinstance(a, str) for a in g) for g in groups
+        ):
+            raise TypeError("groups must be a list of lists of 'host:port'")
+        epoch: int | None = self._inner.publish_members([list(g) for g in groups])
+        return epoch
+
     def publish_routing(self, slots: dict[str, Any]) -> None:
         """Publish ``slots`` (the form of :attr:`slots`) as the cluster's routing on every server.
 

@@ -922,7 +922,8 @@ class Cluster:
         server keeps answering "moved" for ``linger`` seconds, so that a worker that calls it
         then follows the new list, then stops (calls in flight get ``grace`` seconds) and its
         placement group goes. A worker that still routes to a removed server after that (it
-        made no call on rows meanwhile) fails on it: connect again.
+        made no call on rows meanwhile) finds it unreachable, asks the other servers of its
+        list for their routing and follows it as well.
         Each added or removed server adds one to :attr:`generation` and is recorded in the
         GCS, so :func:`connect` gives the new list; workers connected before follow it by
         themselves (a call that meets "moved" fetches the servers' routing) and lose nothing.

@@ -133,6 +133,48 @@ impl Client {
         Ok(())
     }
 
+    /// Publishes the members of replica groups as `groups` says they are now (each group's
+    /// members, in any order; the controller's view after it replaced a member): every position
+    /// of the newest routing the servers hold that shares a member with one of `groups` and
+    /// names other members gets that group's members, under the next epoch with the same slot
+    /// table (no row moves). Answers the epoch published, or None when nothing changed or the
+    /// servers hold no routing (publishing a first routing is a list change of its own, left to
+    /// `add_server` and `publish_routing`).
+    pub fn publish_members(&self, groups: &[Vec<String>]) -> Result<Option<u64>> {
+        self.follow_held_of(true)?;
+        let Some((held, table)) = self.held_routing_of(true)? else {
+            return Ok(None);
+        };
+        let mut list = held.clone();
+        for p in list.iter_mut() {
+            let known: Vec<&String> = if p.members.is_empty() {
+                vec![&p.name]
+            } else {
+                p.members.iter().collect()
+            };
+            let Some(g) = groups
+                .iter()
+                .find(|g| g.iter().any(|m| known.contains(&m)))
+            else {
+                continue;
+            };
+            let mut a: Vec<&String> = g.iter().collect();
+            let mut b = known.clone();
+            a.sort_unstable();
+            b.sort_unstable();
+            if a != b && !g.is_empty() {
+                p.members = g.clone();
+            }
+        }
+        if list == held {
+            return Ok(None);
+        }
+        let next = SlotTable::from_owners(table.epoch() + 1, list.len(), table.owners().to_vec())?;
+        let epoch = next.epoch();
+        self.publish_over(&list, next, &[])?;
+        Ok(Some(epoch))
+    }
+
     /// One call to a server that may not be in the list.
     fn call_one<M, R, F, Fut>(&self, s: &Server, msg: M, timeout: Duration, f: F) -> Result<R>
     where

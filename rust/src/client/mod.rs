@@ -440,7 +440,25 @@ impl Client {
                 if reshard::is_moved(&s) {
                     self.refresh_routing(i).await?;
                 }
-                Err(error_of(&s, &self.name_of(i)))
+                // A position this client cannot reach after its retries (a server stopped
+                // after it left the list, a group whose known members have no primary): the
+                // others may route by a newer list (`reshard.rs`, decision 0112).
+                let name = self.name_of(i);
+                if s.code() == Code::Unavailable
+                    && !reshard::is_moving(&s)
+                    && self.follow_the_others(i).await
+                {
+                    return Err(error_of(
+                        &reshard::moved_status(format!(
+                            "{name} could not be reached ({}); the other servers route by \
+                             epoch {}",
+                            s.message(),
+                            self.route().table.epoch()
+                        )),
+                        &name,
+                    ));
+                }
+                Err(error_of(&s, &name))
             }
         }
     }

@@ -335,6 +335,94 @@ impl Client {
         Ok(())
     }
 
+    /// The routing this client routes by, as a generation: its epoch, then how many times its
+    /// list changed (a group's members named anew under the same epoch count as a change).
+    pub(super) fn generation(&self) -> (u64, u64) {
+        (
+            self.route().table.epoch(),
+            self.list_changes.load(std::sync::atomic::Ordering::Relaxed),
+        )
+    }
+
+    /// Position `i` could not be reached (no answer after this client's retries, or no primary
+    /// among the members it knows): asks the *other* servers of the list for the routing they
+    /// hold (each once, with the usual timeout and retries) and takes the newest one when it is
+    /// newer than this client's, or of the same epoch but naming members of position `i` this
+    /// client does not know (a replacement follower that became primary). Answers whether this
+    /// client now routes by another routing, so that the call is split again by it (with the
+    /// same request ids: the unreachable part was not applied under the routing it was sent by).
+    pub(super) async fn follow_the_others(&self, i: usize) -> bool {
+        let route = self.route();
+        let Some(failed) = route.servers.get(i).cloned() else {
+            return false;
+        };
+        let mine = route.table.epoch();
+        let t = self.config.timeout;
+        let asks = route
+            .servers
+            .iter()
+            .enumerate()
+            .filter(|&(k, s)| k != i && s.name != failed.name)
+            .map(|(_, s)| {
+                let s = Arc::clone(s);
+                async move {
+                    self.call_server(&s, GetRoutingRequest {}, t, true, false, |mut c, r| async move {
+                        c.get_routing(r).await
+                    })
+                    .await
+                }
+            });
+        let mut best: Option<(Vec<Position>, SlotTable)> = None;
+        for r in super::futures_join_all(asks).await.into_iter().flatten() {
+            let Some(slots) = &r.slots else { continue };
+            let Ok(table) = SlotTable::from_proto(slots) else {
+                continue;
+            };
+            let list = positions_of(&r);
+            let newer = table.epoch() > mine;
+            let names_others = table.epoch() == mine
+                && table == route.table
+                && list
+                    .get(i)
+                    .is_some_and(|p| !p.members.is_empty() && !p.is(&failed));
+            if (newer || names_others)
+                && best.as_ref().is_none_or(|(_, b)| table.epoch() > b.epoch())
+            {
+                best = Some((list, table));
+            }
+        }
+        let Some((list, table)) = best else {
+            return false;
+        };
+        let before = self.generation();
+        let taken = if table.epoch() > mine {
+            if self.is_my_list(&list) {
+                self.adopt(table)
+            } else {
+                self.adopt_list(&list, table)
+            }
+        } else {
+            self.adopt_members(&list, table)
+        };
+        taken.is_ok() && self.generation() > before
+    }
+
+    /// Routes by `list` (the same table and epoch as this client's, other members in some
+    /// group) from now on, unless this client's routing changed meanwhile.
+    fn adopt_members(&self, list: &[Position], table: SlotTable) -> Result<()> {
+        if table.servers() != list.len() {
+            return Ok(());
+        }
+        let servers = self.servers_named(list)?;
+        let mut g = self.route.write().unwrap_or_else(|e| e.into_inner());
+        if table == g.table && g.servers.len() == list.len() {
+            *g = Arc::new(Route::new(servers, table)?);
+            self.list_changes
+                .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        }
+        Ok(())
+    }
+
     /// The servers of `list`: this client's own where it has the same position, new ones
     /// otherwise, whose members are this client's connections where it has them and lazily
     /// connected ones else.
@@ -467,10 +555,10 @@ impl Client {
     pub(super) fn rerouted<T>(&self, mut op: impl FnMut() -> Result<T>) -> Result<T> {
         let mut rounds = 0;
         loop {
-            let before = self.route().table.epoch();
+            let before = self.generation();
             match op() {
                 Err(Error::Remote { code: 9, .. })
-                    if rounds < MAX_REROUTES && self.route().table.epoch() > before =>
+                    if rounds < MAX_REROUTES && self.generation() > before =>
                 {
                     rounds += 1;
                 }
@@ -489,11 +577,12 @@ impl Client {
         dim: usize,
     ) -> Vec<(String, Result<PushResponse>)> {
         let t = self.config.timeout;
-        // Each part with the epoch of the table it was split by and its server's address.
+        // Each part with the generation of the routing it was split by and its server's address.
         let name = |r: &Route, i: usize| r.servers.get(i).map_or(String::new(), |s| s.name.clone());
-        let mut pending: Vec<(usize, PushRequest, u64, String)> = targets
+        let split = (route.table.epoch(), self.generation().1);
+        let mut pending: Vec<(usize, PushRequest, (u64, u64), String)> = targets
             .into_iter()
-            .map(|(i, m)| (i, m, route.table.epoch(), name(route, i)))
+            .map(|(i, m)| (i, m, split, name(route, i)))
             .collect();
         let mut done = Vec::new();
         for round in 0..=MAX_REROUTES {
@@ -510,7 +599,7 @@ impl Client {
             for ((_, m, split_by, at), r) in pending.into_iter().zip(results) {
                 // Refused as moved, and this client now routes by a newer table than the part
                 // was split by: split it again.
-                let rerouted = round < MAX_REROUTES && self.route().table.epoch() > split_by;
+                let rerouted = round < MAX_REROUTES && self.generation() > split_by;
                 match r {
                     Err(Error::Remote { code: 9, .. }) if rerouted => match self.resplit(&m, dim) {
                         Some(parts) => again.extend(parts),
@@ -535,7 +624,7 @@ impl Client {
         &self,
         m: &PushRequest,
         dim: usize,
-    ) -> Option<Vec<(usize, PushRequest, u64, String)>> {
+    ) -> Option<Vec<(usize, PushRequest, (u64, u64), String)>> {
         let d = wire::dtype(m.dtype).ok()?;
         let row = dim * wire::width(d);
         let ids = wire::ids(&m.ids).ok()?;
@@ -545,6 +634,7 @@ impl Client {
         let mut split_from = m.split_from.clone();
         split_from.extend(m.request_id);
         let route = self.route();
+        let split = self.generation();
         let name = |r: &Route, i: usize| r.servers.get(i).map_or(String::new(), |s| s.name.clone());
         let mut out = Vec::new();
         for (j, pos) in route.table.split(&ids).into_iter().enumerate() {
@@ -570,7 +660,7 @@ impl Client {
                     version_only: false,
                     ..m.clone()
                 },
-                route.table.epoch(),
+                split,
                 name(&route, j),
             ));
         }

@@ -357,6 +357,14 @@ impl PyClient {
         move_report(py, r)
     }
 
+    /// Publishes replica groups' current members in the routing the servers hold (the next
+    /// epoch, the same slots); the epoch published, or None when nothing changed or the servers
+    /// hold no routing.
+    fn publish_members(&self, py: Python<'_>, groups: Vec<Vec<String>>) -> PyResult<Option<u64>> {
+        let c = &self.inner;
+        run(py, || c.publish_members(&groups))
+    }
+
     /// Publishes a slot table (JSON) as the cluster's routing on every server.
     fn publish_routing(&self, py: Python<'_>, slots: &str) -> PyResult<()> {
         let table = crate::net::routing::SlotTable::from_json(slots).map_err(super::err)?;
