@@ -152,10 +152,7 @@ impl Client {
             } else {
                 p.members.iter().collect()
             };
-            let Some(g) = groups
-                .iter()
-                .find(|g| g.iter().any(|m| known.contains(&m)))
-            else {
+            let Some(g) = groups.iter().find(|g| g.iter().any(|m| known.contains(&m))) else {
                 continue;
             };
             let mut a: Vec<&String> = g.iter().collect();

@@ -366,9 +366,14 @@ impl Client {
             .map(|(_, s)| {
                 let s = Arc::clone(s);
                 async move {
-                    self.call_server(&s, GetRoutingRequest {}, t, true, false, |mut c, r| async move {
-                        c.get_routing(r).await
-                    })
+                    self.call_server(
+                        &s,
+                        GetRoutingRequest {},
+                        t,
+                        true,
+                        false,
+                        |mut c, r| async move { c.get_routing(r).await },
+                    )
                     .await
                 }
             });
