@@ -161,6 +161,10 @@ impl Client {
             b.sort_unstable();
             if a != b && !g.is_empty() {
                 p.members = g.clone();
+                // A position is named by one of its members (the first: the primary).
+                if !g.contains(&p.name) {
+                    p.name = g[0].clone();
+                }
             }
         }
         if list == held {

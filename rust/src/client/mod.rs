@@ -636,8 +636,11 @@ impl Client {
 
     /// Status of every server, in the order of the list.
     pub fn status(&self) -> Result<Vec<StatusResponse>> {
-        self.fan_out(self.all(StatusRequest {}), |mut c, r| async move {
-            c.status(r).await
+        // A position that cannot be reached may have left the list (a newer one is followed).
+        self.rerouted(|| {
+            self.fan_out(self.all(StatusRequest {}), |mut c, r| async move {
+                c.status(r).await
+            })
         })
     }
 
@@ -724,7 +727,11 @@ impl Client {
         let m = GetTableRequest {
             name: name.to_string(),
         };
-        self.fan_out(self.all(m), |mut c, r| async move { c.get_table(r).await })
+        self.rerouted(|| {
+            self.fan_out(self.all(m.clone()), |mut c, r| async move {
+                c.get_table(r).await
+            })
+        })
     }
 
     /// The names of the tables on the first server (every server has the same).
@@ -753,15 +760,22 @@ impl Client {
             table: name.to_string(),
             lr,
         };
-        self.fan_out(self.all(m), |mut c, r| async move { c.set_lr(r).await })?;
+        self.rerouted(|| {
+            self.fan_out(
+                self.all(m.clone()),
+                |mut c, r| async move { c.set_lr(r).await },
+            )
+        })?;
         Ok(())
     }
 
     /// Waits for queued pushes, then makes every server durable.
     pub fn flush(&self) -> Result<()> {
         self.drain();
-        self.fan_out(self.all(FlushRequest {}), |mut c, r| async move {
-            c.flush(r).await
+        self.rerouted(|| {
+            self.fan_out(self.all(FlushRequest {}), |mut c, r| async move {
+                c.flush(r).await
+            })
         })?;
         Ok(())
     }
