@@ -14,6 +14,9 @@ use crate::net::proto::p_store_client::PStoreClient;
 use crate::net::proto::StatusRequest;
 use crate::server::fence::EPOCH_KEY;
 
+/// How the error of a group without a reachable primary begins (after `failover_timeout`).
+pub(super) const NO_PRIMARY: &str = "no primary in the replica group";
+
 /// One member of a group.
 pub(super) struct Member {
     pub name: String,
@@ -198,7 +201,7 @@ impl Group {
                     })
                     .collect();
                 return Err(format!(
-                    "no primary in the replica group [{}]: {}",
+                    "{NO_PRIMARY} [{}]: {}",
                     self.members
                         .iter()
                         .map(|m| m.name.as_str())

@@ -136,8 +136,9 @@ impl Client {
     /// Publishes the members of replica groups as `groups` says they are now (each group's
     /// members, in any order; the controller's view after it replaced a member): every position
     /// of the newest routing the servers hold that shares a member with one of `groups` and
-    /// names other members gets that group's members, under the next epoch with the same slot
-    /// table (no row moves). Answers the epoch published, or None when nothing changed or the
+    /// names other members gets that group's members (and, when its address is not one of
+    /// them any more, the group's first member as its address), under the next epoch with the
+    /// same slot table (no row moves). Answers the epoch published, or None when nothing changed or the
     /// servers hold no routing (publishing a first routing is a list change of its own, left to
     /// `add_server` and `publish_routing`).
     pub fn publish_members(&self, groups: &[Vec<String>]) -> Result<Option<u64>> {

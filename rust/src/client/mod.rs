@@ -444,10 +444,9 @@ impl Client {
                 // after it left the list, a group whose known members have no primary): the
                 // others may route by a newer list (`reshard.rs`, decision 0112).
                 let name = self.name_of(i);
-                if s.code() == Code::Unavailable
-                    && !reshard::is_moving(&s)
-                    && self.follow_the_others(i).await
-                {
+                let unreachable = (s.code() == Code::Unavailable && !reshard::is_moving(&s))
+                    || s.message().starts_with(group::NO_PRIMARY);
+                if unreachable && self.follow_the_others(i).await {
                     return Err(error_of(
                         &reshard::moved_status(format!(
                             "{name} could not be reached ({}); the other servers route by \
