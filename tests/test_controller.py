@@ -655,7 +655,6 @@ def test_a_client_follows_a_group_that_failed_over_twice_to_a_member_it_never_kn
         rows = t.pull(ids)
         np.testing.assert_array_equal(rows, np.full((len(ids), DIM), -pushes, np.float32))
     finally:
-        print("EVENTS", ctl.events)
         ctl.stop()
         for p in [a, b, d, *engine.started]:
             p.stop()
