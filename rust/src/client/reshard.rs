@@ -27,6 +27,10 @@ use crate::net::splice::SplicedGrads;
 use crate::net::{error_of, wire, ERROR_KIND};
 use crate::server::routing::MOVED;
 
+/// A part of a push: its position, its message, the routing generation it was split by
+/// ([`Client::generation`]) and its server's address.
+type Part = (usize, PushRequest, (u64, u64), String);
+
 /// How many times one operation follows a routing change before it reports the refusal (a
 /// move publishes an epoch per batch of slots, so a call may meet several in a row).
 const MAX_REROUTES: u32 = 64;
@@ -585,7 +589,7 @@ impl Client {
         // Each part with the generation of the routing it was split by and its server's address.
         let name = |r: &Route, i: usize| r.servers.get(i).map_or(String::new(), |s| s.name.clone());
         let split = (route.table.epoch(), self.generation().1);
-        let mut pending: Vec<(usize, PushRequest, (u64, u64), String)> = targets
+        let mut pending: Vec<Part> = targets
             .into_iter()
             .map(|(i, m)| (i, m, split, name(route, i)))
             .collect();
@@ -625,11 +629,7 @@ impl Client {
     /// its own and the ids of the parts it was split from (`split_from`), so that a server
     /// that remembers one of those as applied (a retry whose first answer was lost, the rows
     /// moved since) answers it without applying it again.
-    fn resplit(
-        &self,
-        m: &PushRequest,
-        dim: usize,
-    ) -> Option<Vec<(usize, PushRequest, (u64, u64), String)>> {
+    fn resplit(&self, m: &PushRequest, dim: usize) -> Option<Vec<Part>> {
         let d = wire::dtype(m.dtype).ok()?;
         let row = dim * wire::width(d);
         let ids = wire::ids(&m.ids).ok()?;
