@@ -1,6 +1,6 @@
 """Model servers of different builds side by side against the in-process lookup (W7's case c).
 
-    python benches/model_server_ab.py base=/path/to/a/python new=/path/to/another/python
+    python benches/model_server_ab.py base=PYTHON_A new=PYTHON_B
     python benches/model_server_ab.py new=.venv/bin/python "split=.venv/bin/python;VAR=1"
 
 Each NAME=PYTHON[;VAR=VALUE...] starts `PYTHON -m pstore serve-model` (with those environment

@@ -331,20 +331,7 @@ class _Controller:
         return self._pg, i
 
     def _server_info(self, handle: Any, index: int) -> dict[str, Any]:
-        try:
-            info: dict[str, Any] = ray.get(
-                handle.info.remote(), timeout=self._spec["start_timeout"]
-            )
-        except ray.exceptions.GetTimeoutError:
-            raise ClusterError(
-                f"cluster {self._name!r}: server {index} did not answer within "
-                f"{self._spec['start_timeout']} s"
-            ) from None
-        except ray.exceptions.RayActorError as e:
-            raise ClusterError(
-                f"cluster {self._name!r}: server {index} failed to start: {e}"
-            ) from None
-        return info
+        return _actor_info(handle, self._spec, f"server {index}")
 
     def _save(self) -> None:
         internal_kv._internal_kv_put(
@@ -715,6 +702,20 @@ class _Controller:
             for pg in self._own_pgs.values():
                 remove_placement_group(pg)
             internal_kv._internal_kv_del(_kv_key(self._name), namespace=NAMESPACE)
+
+
+def _actor_info(handle: Any, spec: dict[str, Any], what: str) -> dict[str, Any]:
+    """A server actor's ``info()``, within the cluster's ``start_timeout``; a server that does
+    not answer or died is a ClusterError naming ``what``."""
+    try:
+        info: dict[str, Any] = ray.get(handle.info.remote(), timeout=spec["start_timeout"])
+    except ray.exceptions.GetTimeoutError:
+        raise ClusterError(
+            f"cluster {spec['name']!r}: {what} did not answer within {spec['start_timeout']} s"
+        ) from None
+    except ray.exceptions.RayActorError as e:
+        raise ClusterError(f"cluster {spec['name']!r}: {what} failed to start: {e}") from None
+    return info
 
 
 def _wait(ref: Any, timeout: float) -> bool:

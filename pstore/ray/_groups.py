@@ -48,6 +48,7 @@ from pstore.controller import Controller, Engine
 from pstore.ray import (
     NAMESPACE,
     ClusterError,
+    _actor_info,
     _kv_key,
     _pg_name,
     _ServerActor,
@@ -281,19 +282,7 @@ class _GroupsController:
         return actor.remote(spec)
 
     def _info(self, handle: Any, group: int) -> dict[str, Any]:
-        try:
-            info: dict[str, Any] = ray.get(
-                handle.info.remote(), timeout=self._spec["start_timeout"]
-            )
-        except ray.exceptions.GetTimeoutError:
-            raise ClusterError(
-                f"cluster {self._name!r}: a server of group {group} did not answer within "
-                f"{self._spec['start_timeout']} s"
-            ) from None
-        except ray.exceptions.RayActorError as e:
-            raise ClusterError(
-                f"cluster {self._name!r}: a server of group {group} failed to start: {e}"
-            ) from None
+        info = _actor_info(handle, self._spec, f"a server of group {group}")
         info.pop("running", None)
         return info
 
