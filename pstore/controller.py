@@ -228,7 +228,9 @@ class Controller:
 
     def check(self) -> None:
         """One round: ask every member, then act on each group (see the module)."""
-        members = [m for g in self._groups for m in g.members]
+        with self._lock:
+            groups = list(self._groups)
+        members = [m for g in groups for m in g.members]
         answers = list(self._pool.map(self._ask, [m.address for m in members]))
         now = time.monotonic()
         with self._lock:
@@ -241,7 +243,10 @@ class Controller:
                     if m.failing_since is None:
                         m.failing_since = now
             self._rounds += 1
-        for g in self._groups:
+        for g in groups:
+            with self._lock:
+                if g not in self._groups:
+                    continue  # removed meanwhile
             self._decide(g, now)
         self._publish()
         self._publish_members()
@@ -413,6 +418,54 @@ class Controller:
             g.members[g.members.index(m)] = _Member(new)
             self._generation += 1
         self._event(group, "replaced", lost=lost, server=new, primary=primary)
+
+    def add_group(self, members: Sequence[str]) -> int:
+        """Watch one more group, ``members`` its addresses (the first believed primary), at the
+        end of the list: call it once the group joined the data plane's list
+        (:meth:`pstore.RemoteStore.add_server`). Returns its index. Raises InvalidArgumentError
+        for no members, or a member listed in a group already."""
+        from pstore.client import _groups
+
+        parsed = _groups([list(members)], "members")[0]
+        with self._lock:
+            for a in parsed:
+                if any(x.address == a for g in self._groups for x in g.members):
+                    raise InvalidArgumentError(f"{a} is a member of a group already")
+            index = len(self._groups)
+            self._groups.append(_Group(index, parsed))
+            self._list_changed()
+        self._event(index, "group_added", members=parsed)
+        return index
+
+    def remove_group(self, group: int) -> list[str]:
+        """Stop watching group ``group`` (the ones after it move down one place, as the data
+        plane's positions do after :meth:`pstore.RemoteStore.remove_server`). Returns its
+        members. Raises InvalidArgumentError for a group not in the list or the last one."""
+        with self._lock:
+            if isinstance(group, bool) or not isinstance(group, int):
+                raise InvalidArgumentError(f"group must be an int, got {group!r}")
+            if not 0 <= group < len(self._groups):
+                raise InvalidArgumentError(
+                    f"no group {group} (the cluster has {len(self._groups)})"
+                )
+            if len(self._groups) == 1:
+                raise InvalidArgumentError("the last group cannot be removed")
+            g = self._groups.pop(group)
+            for i, other in enumerate(self._groups):
+                other.index = i
+            self._list_changed()
+        members = [m.address for m in g.members]
+        self._event(group, "group_removed", members=members)
+        return members
+
+    def _list_changed(self) -> None:
+        """The list of groups changed (under the lock). The data plane's add_server or
+        remove_server published the new list's members, so the routing names them already:
+        nothing more to publish, unless a replacement was waiting for its publish."""
+        up_to_date = self._routed == self._generation
+        self._generation += 1
+        if up_to_date:
+            self._routed = self._generation
 
     def _set_state(self, g: _Group, state: str, **details: Any) -> None:
         if g.state != state:

@@ -381,3 +381,267 @@ def test_soak_primaries_nodes_removed_round_after_round(raycluster, tmp_path):
         if pusher.is_alive():
             pusher.join(120)
         cluster.shutdown()
+
+
+# --------------------------------------------------------------------------------------------
+# Scaling replica groups, and two failovers in a row (decision 0113)
+
+TWO = {"pstore_server": 2.0}  # two servers per worker node (each node declares 4)
+
+
+@ray.remote(num_cpus=0)
+class _Pusher:
+    """A worker on the head node (never removed): connects once, then pushes ids 0..63 with
+    gradient 1 (SGD from zeros, lr 1: each row -1 per push) with ack="all" until stopped;
+    counts what was acknowledged and what raised."""
+
+    def __init__(self, name: str, table: str) -> None:
+        self.store = pstore.ray.connect(name, ack="all", timeout=10.0, failover_timeout=15.0)
+        self.t = self.store.create_sparse_table(
+            table, 2, optimizer=pstore.optim.SGD(lr=1.0), initializer=pstore.init.Zeros()
+        )
+        self.acked = 0
+        self.errors: list[str] = []
+        self.stop_ = threading.Event()
+        self.thread = threading.Thread(target=self._run, daemon=True)
+        self.thread.start()
+
+    def _run(self) -> None:
+        ids = np.arange(64, dtype=np.int64)
+        while not self.stop_.is_set():
+            try:
+                self.t.push(ids, np.ones((64, 2), np.float32))
+                self.acked += 1
+            except pstore.PstoreError as e:
+                self.errors.append(str(e).splitlines()[0])
+
+    def counts(self) -> tuple[int, list[str]]:
+        return self.acked, list(self.errors)
+
+    def stop(self) -> tuple[int, list[str], list[float]]:
+        self.stop_.set()
+        self.thread.join(120)
+        rows = -self.t.pull(np.arange(64, dtype=np.int64))[:, 0]
+        return self.acked, list(self.errors), rows.tolist()
+
+
+def _pusher(name: str, table: str = "counts") -> Any:
+    from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+    head = ray.get_runtime_context().get_node_id()  # the driver's node: the head
+    return _Pusher.options(
+        scheduling_strategy=NodeAffinitySchedulingStrategy(head, soft=False)
+    ).remote(name, table)
+
+
+def _more_pushes(p: Any, more: int, timeout: float, what: str) -> int:
+    n = ray.get(p.counts.remote())[0]
+    _wait(lambda: ray.get(p.counts.remote())[0] >= n + more, timeout, what)
+    acked, errors = ray.get(p.counts.remote())
+    assert not errors, errors
+    return int(acked)
+
+
+def _server_nodes(raycluster: Any, k: int) -> None:
+    """Add worker nodes until ``k`` live ones declare pstore_server."""
+    live = [
+        n for n in ray.nodes() if n["Alive"] and n.get("Resources", {}).get("pstore_server", 0) > 0
+    ]
+    for _ in range(k - len(live)):
+        raycluster.add_node(num_cpus=2, resources={"pstore_server": 4})
+    raycluster.wait_for_nodes()
+
+
+def _node_of(raycluster: Any, node_id: str) -> Any:
+    return next(n for n in raycluster.worker_nodes if n.node_id == node_id)
+
+
+def _primary_member(g: dict[str, Any]) -> dict[str, Any]:
+    return next(m for m in g["members"] if m["address"] == g["primary"])
+
+
+def _holds_its_rows(follower: str, rows: np.ndarray) -> bool:
+    """The follower's rows (absent ids read as 0) equal ``rows`` where it holds any."""
+    try:
+        t = pstore.connect([follower], token=TOKEN, retries=0).sparse_table("counts")
+        mine = -t.pull(np.arange(64, dtype=np.int64))[:, 0]
+    except pstore.PstoreError:
+        return False
+    held = mine != 0
+    return bool(held.any()) and bool((mine[held] == rows[held]).all())
+
+
+def test_groups_scale_up_and_down_while_a_worker_pushes_and_an_added_group_fails_over(
+    raycluster, tmp_path
+):
+    _server_nodes(raycluster, 2)
+    cluster = pstore.ray.Cluster(
+        1,
+        replicas=2,
+        path=tmp_path / "s",
+        durability="sync",
+        token=TOKEN,
+        name="grow",
+        server_cpus=0.5,
+        server_resources=TWO,
+        check_interval=0.5,
+    )
+    pusher = None
+    try:
+        st = _wait(lambda: (s := cluster.status()) and _whole(s) and s, 60, "the group whole")
+        pusher = _pusher("grow")
+        _more_pushes(pusher, 10, 60, "pushes")
+
+        # Refusals change nothing: N < 1, and more groups than the free nodes hold (each of the
+        # two nodes has room for one more server: one group of 2, not two).
+        with pytest.raises(pstore.InvalidArgumentError, match="num_servers must be an int >= 1"):
+            cluster.scale(0)
+        with pytest.raises(pstore.ray.ClusterError, match="room now for 2 of the 4 servers"):
+            cluster.scale(3)
+        assert cluster.generation == st["generation"] and len(cluster.groups) == 1
+        assert ray.util.placement_group_table()  # nothing left behind by the refusal:
+        pgs = [
+            p["name"]
+            for p in ray.util.placement_group_table().values()
+            if p["name"].startswith("pstore-servers:grow") and p["state"] != "REMOVED"
+        ]
+        assert pgs == ["pstore-servers:grow:0"], pgs
+
+        # A node joins, then the cluster grows to two groups while the worker pushes; a
+        # second scale meanwhile is refused.
+        new_node = raycluster.add_node(num_cpus=2, resources={"pstore_server": 4})
+        raycluster.wait_for_nodes()
+        result: list[Any] = []
+        scaler = threading.Thread(target=lambda: result.append(cluster.scale(2, linger=2.0)))
+        scaler.start()
+        _wait(lambda: cluster.status()["scaling"], 30, "the scale to start")
+        with pytest.raises(pstore.ray.ClusterError, match="a scale is running already"):
+            cluster.scale(3)
+        scaler.join(120)
+        (up,) = result
+        assert len(up["groups"]) == 2 and up["groups"][0] == up["groups_before"][0]
+        assert up["generation"] == st["generation"] + 1 and up["moves"][0]["rows"] > 0
+        print(f"scale 1 -> 2 groups: {up['seconds']:.2f} s")
+        _more_pushes(pusher, 20, 60, "pushes after the scale up")
+        grown = _wait(lambda: (s := cluster.status()) and _whole(s) and s, 60, "2 groups whole")
+        g1 = grown["groups"][1]
+        nodes1 = [m["node_id"] for m in g1["members"]]
+        assert len(set(nodes1)) == 2, "the new group's members share no node"
+        print(f"new group on the new node: {new_node.node_id in nodes1}")
+        assert [e["event"] for e in grown["events"]].count("group_added") >= 1
+        follower1 = next(m["address"] for m in g1["members"] if m["address"] != g1["primary"])
+
+        # The controller actor restarts: it sees both groups, the same generation.
+        ctl = ray.get_actor("pstore-cluster:grow", namespace=pstore.ray.NAMESPACE)
+        ray.kill(ctl, no_restart=False)
+        back = _wait(
+            lambda: (
+                (s := cluster.status())["controller_pid"] != grown["controller_pid"]
+                and s["rounds"] >= 3
+                and s
+            ),
+            90,
+            "the controller's restart",
+        )
+        assert back["num_servers"] == 2 and back["generation"] == grown["generation"]
+        assert [g["primary"] for g in back["groups"]] == [g["primary"] for g in grown["groups"]]
+
+        # The added group's primary loses its node: the restarted controller fails it over and
+        # refills it on a live node; the worker goes on.
+        victim = _primary_member(back["groups"][1])
+        touched = [
+            g["index"]
+            for g in back["groups"]
+            if any(m["node_id"] == victim["node_id"] for m in g["members"])
+        ]
+        raycluster.remove_node(_node_of(raycluster, victim["node_id"]))
+        _wait(
+            lambda: cluster.status()["groups"][1]["primary"] == follower1,
+            60,
+            "the added group's failover",
+        )
+        _more_pushes(pusher, 20, 60, "pushes after the failover")
+        refilled = _wait(lambda: (s := cluster.status()) and _whole(s) and s, 120, "refilled")
+        for i in touched:
+            assert victim["node_id"] not in {m["node_id"] for m in refilled["groups"][i]["members"]}
+
+        # Back to one group while the worker pushes: the removed group's members answer
+        # "moved" for the linger, then stop; their placement group goes.
+        down = cluster.scale(1, linger=2.0)
+        assert len(down["groups"]) == 1 and down["removed"] == [refilled["groups"][1]["primary"]]
+        _more_pushes(pusher, 20, 60, "pushes after the scale down")
+        _wait(
+            lambda: any(e["event"] == "group_stopped" for e in cluster.status()["events"]),
+            60,
+            "the removed group's members stopped",
+        )
+        live_pgs = [
+            p["name"]
+            for p in ray.util.placement_group_table().values()
+            if p["name"].startswith("pstore-servers:grow") and p["state"] != "REMOVED"
+        ]
+        assert live_pgs == ["pstore-servers:grow:0"], live_pgs
+        acked, errors, rows = ray.get(pusher.stop.remote())
+        assert not errors, errors
+        got = np.array(rows)
+        assert (got == acked).all(), (acked, got)  # exact: nothing lost, nothing applied twice
+        g0 = cluster.status()["groups"][0]
+        f0 = next(m["address"] for m in g0["members"] if m["address"] != g0["primary"])
+        _wait(lambda: _holds_its_rows(f0, got), 30, "the remaining group's follower's rows")
+    finally:
+        if pusher is not None:
+            ray.kill(pusher)
+        cluster.shutdown()
+
+
+def test_a_worker_rides_over_two_failovers_in_a_row(raycluster, tmp_path):
+    """The node of group 0's primary goes, the follower is promoted and a replacement catches
+    up on a spare node; then the promoted primary's node goes too: the replacement (which
+    the worker never heard of when it connected) is promoted and the worker pushes on."""
+    _server_nodes(raycluster, 4)
+    cluster = pstore.ray.Cluster(
+        2,
+        replicas=2,
+        path=tmp_path / "s",
+        durability="sync",
+        token=TOKEN,
+        name="twice",
+        server_cpus=0.5,
+        server_resources=TWO,
+        check_interval=0.5,
+    )
+    pusher = None
+    try:
+        st = _wait(lambda: (s := cluster.status()) and _whole(s) and s, 60, "the groups whole")
+        pusher = _pusher("twice")
+        _more_pushes(pusher, 10, 60, "pushes")
+        g0 = st["groups"][0]
+        first = _primary_member(g0)
+        raycluster.remove_node(_node_of(raycluster, first["node_id"]))
+        second = next(m for m in g0["members"] if m["address"] != first["address"])
+        s1 = _wait(
+            lambda: (s := cluster.status())["groups"][0]["primary"] == second["address"] and s,
+            60,
+            "the first failover",
+        )
+        _more_pushes(pusher, 10, 60, "pushes after the first failover")
+        whole = _wait(lambda: (s := cluster.status()) and _whole(s) and s, 120, "the refill")
+        new = next(m for m in whole["groups"][0]["members"] if m["address"] != second["address"])
+        assert new["address"] not in [m["address"] for m in g0["members"]]
+        assert s1["groups"][0]["epoch"] > g0["epoch"]
+        # Caught up: pushes acknowledged with ack="all" went through it.
+        _more_pushes(pusher, 10, 60, "pushes with the replacement live")
+        raycluster.remove_node(_node_of(raycluster, second["node_id"]))
+        _wait(
+            lambda: cluster.status()["groups"][0]["primary"] == new["address"],
+            60,
+            "the second failover",
+        )
+        _more_pushes(pusher, 20, 90, "pushes after the second failover")
+        acked, errors, rows = ray.get(pusher.stop.remote())
+        assert not errors, errors
+        assert (np.array(rows) == acked).all(), (acked, rows)
+    finally:
+        if pusher is not None:
+            ray.kill(pusher)
+        cluster.shutdown()

@@ -310,6 +310,51 @@ def test_a_replacement_follower_is_started_and_a_split_group_is_left_alone(
             p.stop()
 
 
+def test_groups_added_and_removed_are_watched_and_failed_over(tmp_path: Path) -> None:
+    """The list of groups grows and shrinks (a scale): an added group is failed over like the
+    first ones; a removed one is no longer watched; bad changes are refused and change
+    nothing."""
+    a, b = _group(tmp_path, "g0")
+    c, d = _group(tmp_path, "g1")
+    ctl = Controller([[a.address, b.address]], check_interval=0.2, dead_after=1.0)
+    try:
+        t = _sgd_table(pstore.connect([[c.address, d.address]], ack="all"))  # type: ignore[list-item]
+        ids = np.arange(16, dtype=np.int64)
+        t.push(ids, np.ones((16, DIM), np.float32))
+        _wait_caught_up(pstore.connect([c.address]), pstore.connect([d.address], retries=0))
+        ctl.start()
+        with pytest.raises(pstore.InvalidArgumentError, match="member of a group already"):
+            ctl.add_group([c.address, b.address])
+        with pytest.raises(pstore.InvalidArgumentError, match="last group"):
+            ctl.remove_group(0)
+        assert ctl.add_group([c.address, d.address]) == 1
+        with pytest.raises(pstore.InvalidArgumentError, match="no group 2"):
+            ctl.remove_group(2)
+        _wait("group 1 seen", lambda: ctl.status()["groups"][1]["primary"] == c.address)
+        c.send(signal.SIGKILL)
+        c.proc.wait(30)
+        s = _wait(
+            "group 1 failed over",
+            lambda: (s := ctl.status())["groups"][1]["primary"] == d.address and s,
+        )
+        assert s["groups"][1]["epoch"] == 2
+        assert [e["group"] for e in ctl.events if e["event"] == "promoted"] == [1]
+        assert ctl.remove_group(0) == [a.address, b.address]
+        g = ctl.status()["groups"]
+        assert [x["index"] for x in g] == [0] and g[0]["primary"] == d.address
+        # Group 0 is no longer watched: its primary's death promotes nothing.
+        a.send(signal.SIGKILL)
+        a.proc.wait(30)
+        rounds = ctl.status()["rounds"]
+        _wait("more rounds", lambda: ctl.status()["rounds"] >= rounds + 10)
+        assert [e["group"] for e in ctl.events if e["event"] == "promoted"] == [1]
+        assert np.all(t.pull(ids) == -1.0)
+    finally:
+        ctl.stop()
+        for p in (a, b, c, d):
+            p.stop()
+
+
 def _member(cluster: Path, name: str, port: int) -> ServerProcess:
     """`pstore serve --cluster FILE --member NAME`, its store beside the cluster file: one
     command line for every member, as a StatefulSet's pods have."""

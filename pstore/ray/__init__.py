@@ -547,6 +547,7 @@ class _Controller:
         pgs: dict[int, PlacementGroup] = {}
         handles: dict[int, Any] = {}
         infos: dict[int, dict[str, Any]] = {}
+        placed: dict[str, int] = {}  # node -> servers this scale put there
         try:
             for i in fresh:
                 name = _position_pg_name(self._name, i)
@@ -554,8 +555,18 @@ class _Controller:
                     remove_placement_group(get_placement_group(name))
                 except ValueError:
                     pass
+                target_node = self._emptiest_node(bundle, placed)
+                if target_node is not None:
+                    placed[target_node] = placed.get(target_node, 0) + 1
+                # STRICT_PACK because Ray honours a target node only for it (one bundle: the
+                # strategy places nothing else); a soft target, so a node that filled up
+                # meanwhile or died only sends the bundle elsewhere.
                 pgs[i] = placement_group(
-                    [dict(bundle)], strategy="PACK", name=name, lifetime="detached"
+                    [dict(bundle)],
+                    strategy="STRICT_PACK",
+                    name=name,
+                    lifetime="detached",
+                    _soft_target_node_id=target_node,
                 )
             for i, pg in pgs.items():
                 if not _wait(pg.ready(), self._spec["start_timeout"]):
@@ -612,6 +623,22 @@ class _Controller:
                 generation=generation,
             )
         return moves
+
+    def _emptiest_node(self, bundle: dict[str, float], placed: dict[str, int]) -> str | None:
+        """The live node with room for ``bundle`` that runs the fewest servers of this cluster
+        (counting ``placed``, the ones this scale placed already; ties: the most free CPU), or
+        None when no node has room (Ray then waits for one)."""
+        with self._lock:
+            count: dict[str, int] = dict(placed)
+            for s in self._membership["servers"]:
+                count[s["node_id"]] = count.get(s["node_id"], 0) + 1
+        room = _free_per_node(bundle)
+        for node, k in placed.items():
+            room[node] = room.get(node, 0) - k
+        fits = [node for node, k in room.items() if k > 0]
+        if not fits:
+            return None
+        return min(fits, key=lambda node: (count.get(node, 0), -room[node], node))
 
     def _scale_down(self, n: int, target: int, grace: float, linger: float) -> list[dict[str, Any]]:
         """Remove positions ``n - 1`` down to ``target``: their rows move to the others, then
@@ -716,6 +743,17 @@ def _actor_info(handle: Any, spec: dict[str, Any], what: str) -> dict[str, Any]:
     except ray.exceptions.RayActorError as e:
         raise ClusterError(f"cluster {spec['name']!r}: {what} failed to start: {e}") from None
     return info
+
+
+def _free_per_node(bundle: Mapping[str, float]) -> dict[str, int]:
+    """How many more ``bundle``s each live node has room for now (Ray's free resources per
+    node, a DeveloperAPI of Ray's state; stale by the time a placement group asks)."""
+    from ray._private.state import available_resources_per_node
+
+    out: dict[str, int] = {}
+    for node, free in available_resources_per_node().items():
+        out[node] = min(int(free.get(k, 0.0) / v + 1e-9) for k, v in bundle.items() if v > 0)
+    return out
 
 
 def _wait(ref: Any, timeout: float) -> bool:
@@ -918,7 +956,14 @@ class Cluster:
         Up: the controller starts the new servers (empty; each in a placement group of its own,
         or in a bundle of the cluster's placement group that a scale down freed) and adds them
         one at a time with :meth:`pstore.RemoteStore.add_server`: about 1/N of the hash slots
-        move to each, with their rows. Down: the last positions leave one at a time with
+        move to each, with their rows. An added server goes, when Ray honours the hint, to a
+        live node with room that runs the fewest servers of this cluster (a soft preference).
+        With replica groups (``replicas=R > 1``) each added position is a group of R new
+        servers in a ``STRICT_SPREAD`` placement group of its own (its members never share a
+        node: a hard rule), its followers following its primary before the group is added,
+        and the controller watches and fails over the new group as the first ones; a group
+        removed by a scale down leaves the controller's watch and its members stop after
+        ``linger``. Down: the last positions leave one at a time with
         :meth:`pstore.RemoteStore.remove_server` (their rows move to the others); each removed
         server keeps answering "moved" for ``linger`` seconds, so that a worker that calls it
         then follows the new list, then stops (calls in flight get ``grace`` seconds) and its
@@ -932,10 +977,13 @@ class Cluster:
         Returns ``{"before", "servers", "added", "removed", "generation", "moves",
         "seconds"}`` (``moves``: the report of each server's move, as
         :meth:`pstore.RemoteStore.move_slots`). ``num_servers`` equal to the current count
-        changes nothing. Raises :class:`pstore.InvalidArgumentError` for ``num_servers < 1``;
-        :class:`ClusterError`, with nothing changed, when a scale runs already (one at a time:
-        the second is refused), when a server is down or lost, when Ray lacks the resources
-        for the new servers, and for replica groups (``replicas > 1``), which do not scale yet.
+        changes nothing. With groups the report also has ``groups_before`` and ``groups``
+        (each position's members, its primary first). Raises
+        :class:`pstore.InvalidArgumentError` for ``num_servers < 1``; :class:`ClusterError`,
+        with nothing changed, when a scale runs already (one at a time: the second is
+        refused), when a server is down or lost (a group without a live primary), when Ray
+        lacks the free resources for the new servers (for groups: fewer nodes with room than
+        a group has members).
         """
         if isinstance(num_servers, bool) or not isinstance(num_servers, int) or num_servers < 1:
             raise InvalidArgumentError(
@@ -945,11 +993,6 @@ class Cluster:
             if isinstance(v, bool) or not isinstance(v, (int, float)) or not v >= 0:
                 raise InvalidArgumentError(f"{k} must be a number >= 0, got {v!r}")
         ctl = _controller(self.name)
-        if "groups" in self._membership():
-            raise ClusterError(
-                f"cluster {self.name!r} runs replica groups (replicas > 1), which do not "
-                "scale yet: the number of groups stays fixed (nothing was changed)"
-            )
         try:
             report: dict[str, Any] = ray.get(
                 ctl.scale.remote(num_servers, float(grace), float(linger))

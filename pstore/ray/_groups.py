@@ -44,13 +44,18 @@ from ray.util.placement_group import (
 )
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
+import pstore
+from pstore.client import RemoteStore
 from pstore.controller import Controller, Engine
+from pstore.exceptions import PstoreError
 from pstore.ray import (
     NAMESPACE,
     ClusterError,
     _actor_info,
+    _free_per_node,
     _kv_key,
     _pg_name,
+    _server_list,
     _ServerActor,
     _wait,
 )
@@ -96,6 +101,17 @@ def check_nodes(spec: dict[str, Any]) -> None:
         )
 
 
+def groups_fit(bundle: dict[str, float], replicas: int, groups: int) -> tuple[bool, int, int]:
+    """Whether ``groups`` new groups of ``replicas`` members (one ``bundle`` each, the members
+    of a group on distinct nodes) fit the resources Ray has free now, and how many live nodes
+    have room for at least one member, and how many members they have room for. Each group takes one bundle on each of ``replicas``
+    nodes, so they fit when at least ``replicas`` nodes have room and the nodes can give
+    ``groups * replicas`` bundles with no node giving more than ``groups`` (one per group)."""
+    room = [min(n, groups) for n in _free_per_node(bundle).values()]
+    nodes = sum(1 for n in room if n > 0)
+    return nodes >= replicas and sum(room) >= groups * replicas, nodes, sum(room)
+
+
 class _RayEngine(Engine):
     """The Controller's engine on Ray (see the module)."""
 
@@ -126,6 +142,10 @@ class _GroupsController:
         self._dead: set[str] = set()
         self._replacing: set[str] = set()  # lost addresses being replaced
         self._pgs: list[PlacementGroup] = []
+        self._scaling = threading.Lock()
+        # group index -> (its members' actor handles, its placement group, its addresses) of a
+        # group a scale down removed, until its members stop
+        self._retiring: dict[int, tuple[list[Any], PlacementGroup, list[str]]] = {}
         raw = internal_kv._internal_kv_get(_kv_key(self._name), namespace=NAMESPACE)
         if raw is None:
             self._start()
@@ -218,12 +238,43 @@ class _GroupsController:
             groups=[[m["address"] for m in g["members"]] for g in groups],
             strategy="STRICT_SPREAD",
         )
+        self._publish_first_routing()
+
+    def _publish_first_routing(self) -> None:
+        """Give the new servers the cluster's routing (the default slot table, with each
+        position's members), so that the controller can publish replaced members in it and a
+        worker whose group failed over twice, to a member it never knew, learns the member from
+        the other groups (decision 0112; a cluster without a routing publishes none). Every
+        client of this cluster gets its list from the controller, so no client of another list
+        meets it. A failure is an event, not a failed start: the cluster serves as before."""
+        try:
+            store = self._data_plane()
+            try:
+                slots = store.slots
+                slots["epoch"] = int(slots["epoch"]) + 1
+                store.publish_routing(slots)
+            finally:
+                store.close()
+        except PstoreError as e:
+            self._event("routing_failed", error=str(e).splitlines()[0][:300])
 
     def _adopt(self) -> None:
         """A restarted controller: the placement groups and the live members by name; pending
         replacements of the controller that died are stopped (the new one asks again)."""
         groups = self._membership["groups"]
         self._pgs = [get_placement_group(_group_pg_name(self._name, g["index"])) for g in groups]
+        for r in self._membership.pop("retiring", []):
+            # Removed by a scale down of the controller that died, and lingering: stop it now.
+            for actor in r["actors"]:
+                try:
+                    ray.kill(ray.get_actor(actor, namespace=NAMESPACE), no_restart=True)
+                except ValueError:
+                    pass
+            try:
+                remove_placement_group(get_placement_group(_group_pg_name(self._name, r["index"])))
+            except ValueError:
+                pass
+            self._event("group_stopped", group=r["index"], members=r["members"])
         for g in groups:
             for m in g["members"]:
                 try:
@@ -309,6 +360,9 @@ class _GroupsController:
             return address in self._dead or address not in self._handles
 
     def _find(self, group: int, address: str) -> dict[str, Any] | None:
+        """The member ``address`` of group ``group``; None when either left (a scale down)."""
+        if group >= len(self._membership["groups"]):
+            return None
         g = self._membership["groups"][group]
         return next((m for m in g["members"] if m["address"] == address), None)
 
@@ -337,9 +391,9 @@ class _GroupsController:
             delay = 1.0
             while not self._stopping.is_set():
                 with self._lock:
-                    g = self._membership["groups"][group]
                     if self._find(group, lost) is None:
                         return
+                    g = self._membership["groups"][group]
                     member = int(g["next"])
                     g["next"] = member + 1
                     actor = _member_actor(self._name, group, member)
@@ -351,8 +405,9 @@ class _GroupsController:
                     self._admit(group, old, info, h, actor, primary)
                     return
                 with self._lock:
-                    g["pending"].remove(actor)
-                    self._save()
+                    if actor in g["pending"]:
+                        g["pending"].remove(actor)
+                        self._save()
                 ray.kill(h, no_restart=True)
                 if self._stopping.wait(delay):
                     return
@@ -404,10 +459,10 @@ class _GroupsController:
         primary: str,
     ) -> None:
         with self._lock:
-            g = self._membership["groups"][group]
             if self._stopping.is_set() or self._find(group, old["address"]) is None:
                 ray.kill(h, no_restart=True)
                 return
+            g = self._membership["groups"][group]
             g["members"][g["members"].index(old)] = info
             g["pending"].remove(actor)
             self._membership["generation"] += 1
@@ -430,8 +485,10 @@ class _GroupsController:
     def _on_view(self, view: dict[str, Any]) -> None:
         with self._lock:
             changed = False
+            # A scale adds and removes groups at the end, the record and the controller's list
+            # one after the other: the groups both hold are the first ones, in the same order.
             for g, members, epoch in zip(
-                self._membership["groups"], view["servers"], view["epochs"], strict=True
+                self._membership["groups"], view["servers"], view["epochs"], strict=False
             ):
                 primary = members[0] if members else None
                 if (g.get("primary"), g.get("epoch")) == (primary, epoch):
@@ -490,6 +547,273 @@ class _GroupsController:
                     with self._lock:
                         self._watches[h.watch.remote(_WATCH_SECONDS)] = address
 
+    # -- scaling
+
+    def scale(self, num_servers: int, grace: float, linger: float) -> dict[str, Any]:
+        """Grow or shrink the cluster to ``num_servers`` groups while workers train (see
+        :meth:`pstore.ray.Cluster.scale`). One scale at a time: another one is refused."""
+        if isinstance(num_servers, bool) or not isinstance(num_servers, int) or num_servers < 1:
+            raise ClusterError(
+                f"num_servers must be an int >= 1, got {num_servers!r} (nothing was changed)"
+            )
+        if not self._scaling.acquire(blocking=False):
+            raise ClusterError(
+                f"cluster {self._name!r}: a scale is running already; wait for it to return, "
+                "then call scale again (nothing was changed)"
+            )
+        try:
+            t0 = time.monotonic()
+            with self._lock:
+                before = _server_list(self._membership)
+            headless = [
+                g["index"]
+                for g in self._ctl.status()["groups"]
+                if g["state"] not in ("ok", "degraded")
+            ]
+            if headless:
+                raise ClusterError(
+                    f"cluster {self._name!r}: group(s) {headless} have no live primary now; a "
+                    "scale moves rows from and to every group, so it needs them all (nothing "
+                    "was changed; try again once they failed over)"
+                )
+            n = len(before)
+            if num_servers > n:
+                moves = self._scale_up(n, num_servers)
+            elif num_servers < n:
+                moves = self._scale_down(n, num_servers, grace, linger)
+            else:
+                moves = []
+            with self._lock:
+                after = _server_list(self._membership)
+                generation = self._membership["generation"]
+            return {
+                "before": [g[0] for g in before],
+                "servers": [g[0] for g in after],
+                "groups_before": before,
+                "groups": after,
+                "added": [g[0] for g in after[n:]],
+                "removed": [g[0] for g in before[len(after) :]],
+                "generation": generation,
+                "moves": moves,
+                "seconds": time.monotonic() - t0,
+            }
+        finally:
+            self._scaling.release()
+
+    def _data_plane(self) -> RemoteStore:
+        with self._lock:
+            groups = _server_list(self._membership)
+        return pstore.connect(
+            groups,  # type: ignore[arg-type]
+            token=self._membership["token"],
+            retries=10,
+        )
+
+    def _scale_up(self, n: int, target: int) -> list[dict[str, Any]]:
+        """Start groups ``n`` .. ``target - 1`` and add them one at a time."""
+        r = int(self._membership["replicas"])
+        bundle = bundle_of(self._spec)
+        for g in range(n, target):
+            if g in self._retiring:  # removed moments ago, still answering "moved"
+                self._retire(g, 1.0)
+        ok, nodes, room = groups_fit(bundle, r, target - n)
+        if not ok:
+            raise ClusterError(
+                f"cluster {self._name!r}: {target - n} new group(s) of {r} servers ({bundle} "
+                f"each) need {r} different nodes per group, but the live nodes have room now "
+                f"for {room} of the {(target - n) * r} servers, on {nodes} node(s); add nodes "
+                "or resources, or lower num_servers (nothing was changed)"
+            )
+        moves = []
+        for k, g in enumerate(range(n, target)):
+            members, handles, pg = self._start_group(g, r, bundle)
+            addresses = [m["address"] for m in members]
+            try:
+                report = self._data_plane().add_server(addresses)
+            except BaseException as e:
+                for h in handles:
+                    ray.kill(h, no_restart=True)
+                remove_placement_group(pg)
+                raise ClusterError(
+                    f"cluster {self._name!r}: adding group {g} ({addresses}) failed: {e}; the "
+                    f"cluster has {n + k} groups (the ones added before stay)"
+                ) from None
+            with self._lock:
+                self._pgs.append(pg)
+                self._membership["groups"].append(
+                    {
+                        "index": g,
+                        "members": members,
+                        "next": r,
+                        "pending": [],
+                        "primary": addresses[0],
+                        "epoch": None,
+                    }
+                )
+                self._membership["generation"] += 1
+                self._save()
+                generation = self._membership["generation"]
+                for m, h in zip(members, handles, strict=True):
+                    self._track(m["address"], h)
+            self._ctl.add_group(addresses)
+            moves.append(report)
+            self._event(
+                "group_added",
+                group=g,
+                members=addresses,
+                nodes=[m["node_id"] for m in members],
+                rows=report.get("rows"),
+                seconds=report.get("seconds"),
+                generation=generation,
+            )
+            self._wake.set()
+        return moves
+
+    def _start_group(
+        self, g: int, r: int, bundle: dict[str, float]
+    ) -> tuple[list[dict[str, Any]], list[Any], PlacementGroup]:
+        """Group ``g``'s placement group (STRICT_SPREAD, ``r`` bundles) and members, the
+        followers following the primary; nothing is left behind when it fails."""
+        name = _group_pg_name(self._name, g)
+        try:  # a placement group a scale cut short left behind
+            remove_placement_group(get_placement_group(name))
+        except ValueError:
+            pass
+        for k in range(r):  # actors a scale cut short left behind
+            try:
+                ray.kill(ray.get_actor(_member_actor(self._name, g, k), namespace=NAMESPACE))
+            except ValueError:
+                pass
+        pg = placement_group(
+            [dict(bundle) for _ in range(r)],
+            strategy="STRICT_SPREAD",
+            name=name,
+            lifetime="detached",
+        )
+        handles: list[Any] = []
+        try:
+            if not _wait(pg.ready(), self._spec["start_timeout"]):
+                raise ClusterError(
+                    f"cluster {self._name!r}: Ray could not place group {g} ({r} servers of "
+                    f"{bundle}, STRICT_SPREAD) within {self._spec['start_timeout']} s; add nodes "
+                    "or CPUs, or lower num_servers (nothing was changed)"
+                )
+            handles.append(self._make_member(pg, g, 0, 0, None))
+            primary = self._info(handles[0], g)
+            for k in range(1, r):
+                handles.append(self._make_member(pg, g, k, k, primary["address"]))
+            members = [primary] + [self._info(h, g) for h in handles[1:]]
+            self._await_followers(g, primary["address"], [m["address"] for m in members[1:]])
+        except BaseException:
+            for h in handles:
+                ray.kill(h, no_restart=True)
+            remove_placement_group(pg)
+            raise
+        return members, handles, pg
+
+    def _await_followers(self, g: int, primary: str, followers: list[str]) -> None:
+        """Until the primary lists every follower live (the data plane's add_server checks
+        that they follow it)."""
+        deadline = time.monotonic() + float(self._spec["start_timeout"])
+        c = pstore.connect([primary], token=self._membership["token"], timeout=5.0, retries=2)
+        try:
+            while True:
+                try:
+                    rep = c.status()[0].get("replication") or {}
+                    live = {f["name"] for f in rep.get("followers", []) if f.get("live")}
+                except PstoreError:
+                    live = set()
+                if set(followers) <= live:
+                    return
+                if time.monotonic() > deadline:
+                    raise ClusterError(
+                        f"cluster {self._name!r}: the followers {sorted(set(followers) - live)} "
+                        f"of group {g} did not follow {primary} within "
+                        f"{self._spec['start_timeout']} s (nothing was changed)"
+                    )
+                time.sleep(0.2)
+        finally:
+            c.close()
+
+    def _scale_down(self, n: int, target: int, grace: float, linger: float) -> list[dict[str, Any]]:
+        """Remove groups ``n - 1`` down to ``target``: their rows move to the others, then their
+        members stop (after ``linger`` seconds) and their placement groups go."""
+        moves = []
+        for g in range(n - 1, target - 1, -1):
+            report = self._data_plane().remove_server(g)
+            self._ctl.remove_group(g)
+            with self._lock:
+                gone = self._membership["groups"].pop()
+                pg = self._pgs.pop()
+                addresses = [m["address"] for m in gone["members"]]
+                handles = [h for a in addresses if (h := self._handles.pop(a, None)) is not None]
+                for actor in gone.get("pending", []):
+                    try:
+                        handles.append(ray.get_actor(actor, namespace=NAMESPACE))
+                    except ValueError:
+                        pass
+                self._membership["generation"] += 1
+                # Recorded, so that a controller restarted during the linger stops it.
+                self._membership.setdefault("retiring", []).append(
+                    {
+                        "index": g,
+                        "members": addresses,
+                        "actors": [m["actor"] for m in gone["members"]] + gone.get("pending", []),
+                    }
+                )
+                self._save()
+                generation = self._membership["generation"]
+                # Its members keep answering "moved" for `linger` seconds, so that a worker
+                # that calls them then follows the new list at once (decision 0111).
+                self._retiring[g] = (handles, pg, addresses)
+            threading.Thread(
+                target=self._retire_later,
+                args=(g, handles, grace, linger),
+                name=f"pstore-retire-{g}",
+                daemon=True,
+            ).start()
+            moves.append(report)
+            self._event(
+                "group_removed",
+                group=g,
+                members=addresses,
+                rows=report.get("rows"),
+                seconds=report.get("seconds"),
+                generation=generation,
+            )
+        return moves
+
+    def _retire_later(self, g: int, handles: list[Any], grace: float, linger: float) -> None:
+        if self._stopping.wait(linger):
+            return  # shutdown stops them
+        with self._lock:
+            entry = self._retiring.get(g)
+            if entry is None or entry[0] is not handles:
+                return
+        self._retire(g, grace)
+
+    def _retire(self, g: int, grace: float) -> None:
+        """Stop the members of group ``g`` that a scale down removed, remove its placement
+        group and its record."""
+        with self._lock:
+            entry = self._retiring.pop(g, None)
+            if entry is None:
+                return
+            self._membership["retiring"] = [
+                x for x in self._membership.get("retiring", []) if x["index"] != g
+            ]
+            self._save()
+        handles, pg, addresses = entry
+        waits = [(h, h.stop.remote(grace)) for h in handles]
+        for h, ref in waits:
+            try:
+                ray.get(ref, timeout=grace + 30)
+            except (ray.exceptions.RayActorError, ray.exceptions.GetTimeoutError):
+                pass
+            ray.kill(h, no_restart=True)
+        remove_placement_group(pg)
+        self._event("group_stopped", group=g, members=addresses)
+
     # -- what clients and Cluster call
 
     def membership(self) -> dict[str, Any]:
@@ -502,7 +826,9 @@ class _GroupsController:
         with self._lock:
             m: dict[str, Any] = json.loads(json.dumps(self._membership))
             live = set(self._handles) - self._dead
-        for cg, g in zip(view["groups"], m["groups"], strict=True):
+        n = min(len(view["groups"]), len(m["groups"]))  # differ only while a scale runs
+        view["groups"] = view["groups"][:n]
+        for cg, g in zip(view["groups"], m["groups"][:n], strict=True):
             infos = {x["address"]: x for x in g["members"]}
             for x in cg["members"]:
                 ray_info = infos.get(x["address"], {})
@@ -517,6 +843,7 @@ class _GroupsController:
             "strategy": m["strategy"],
             "replicas": m["replicas"],
             "num_servers": len(m["groups"]),
+            "scaling": self._scaling.locked(),
             "path": self._spec["path"],
             "durability": self._spec["durability"],
             "controller_pid": os.getpid(),
@@ -535,6 +862,11 @@ class _GroupsController:
             handles = list(self._handles.values())
             pending = [a for g in self._membership["groups"] for a in g.get("pending", [])]
             self._handles = {}
+            retiring = list(self._retiring.values())
+            self._retiring = {}
+        for members, pg, _ in retiring:
+            handles.extend(members)
+            self._pgs.append(pg)
         for a in pending:
             try:
                 handles.append(ray.get_actor(a, namespace=NAMESPACE))
