@@ -403,17 +403,26 @@ class _Pusher:
         self.acked = 0
         self.errors: list[str] = []
         self.stop_ = threading.Event()
+        self.lock = threading.Lock()
         self.thread = threading.Thread(target=self._run, daemon=True)
         self.thread.start()
 
     def _run(self) -> None:
         ids = np.arange(64, dtype=np.int64)
         while not self.stop_.is_set():
-            try:
-                self.t.push(ids, np.ones((64, 2), np.float32))
-                self.acked += 1
-            except pstore.PstoreError as e:
-                self.errors.append(str(e).splitlines()[0])
+            with self.lock:
+                try:
+                    self.t.push(ids, np.ones((64, 2), np.float32))
+                    self.acked += 1
+                except pstore.PstoreError as e:
+                    self.errors.append(str(e).splitlines()[0])
+            time.sleep(0.001)  # lets exact() take the lock
+
+    def exact(self) -> tuple[int, list[float]]:
+        """Between two pushes: the pushes acknowledged and each row's count."""
+        with self.lock:
+            rows = -self.t.pull(np.arange(64, dtype=np.int64))[:, 0]
+            return self.acked, rows.tolist()
 
     def counts(self) -> tuple[int, list[str]]:
         return self.acked, list(self.errors)
@@ -631,6 +640,8 @@ def test_a_worker_rides_over_two_failovers_in_a_row(raycluster, tmp_path):
         assert s1["groups"][0]["epoch"] > g0["epoch"]
         # Caught up: pushes acknowledged with ack="all" went through it.
         _more_pushes(pusher, 10, 60, "pushes with the replacement live")
+        acked, rows = ray.get(pusher.exact.remote())
+        assert (np.array(rows) == acked).all(), ("after the first failover", acked, rows)
         raycluster.remove_node(_node_of(raycluster, second["node_id"]))
         _wait(
             lambda: cluster.status()["groups"][0]["primary"] == new["address"],

@@ -103,10 +103,10 @@ def check_nodes(spec: dict[str, Any]) -> None:
 
 def groups_fit(bundle: dict[str, float], replicas: int, groups: int) -> tuple[bool, int, int]:
     """Whether ``groups`` new groups of ``replicas`` members (one ``bundle`` each, the members
-    of a group on distinct nodes) fit the resources Ray has free now, and how many live nodes
-    have room for at least one member, and how many members they have room for. Each group takes one bundle on each of ``replicas``
-    nodes, so they fit when at least ``replicas`` nodes have room and the nodes can give
-    ``groups * replicas`` bundles with no node giving more than ``groups`` (one per group)."""
+    of a group on distinct nodes) fit the resources Ray has free now; how many live nodes have
+    room for a member; how many members they have room for. Each group takes one bundle on
+    each of ``replicas`` nodes, so they fit when at least ``replicas`` nodes have room and the
+    nodes can give ``groups * replicas`` bundles with no node giving more than ``groups``."""
     room = [min(n, groups) for n in _free_per_node(bundle).values()]
     nodes = sum(1 for n in room if n > 0)
     return nodes >= replicas and sum(room) >= groups * replicas, nodes, sum(room)

@@ -905,6 +905,22 @@ impl PStore for Service {
             {
                 return Ok(a);
             }
+            // Split from a part this server applied without answering it: a follower promoted
+            // since got it from its old primary's log (the client, which could not reach the
+            // group, split the part again by a routing that names this member; decision 0112).
+            if r.step.is_none() {
+                for p in &r.split_from {
+                    let done = t.was_applied(p.client, p.seq)?;
+                    if !done.is_empty() && still_to_apply(&s.store, done).is_none() {
+                        return Ok(PushResponse {
+                            applied: true,
+                            staleness: 0,
+                            seq: t.seq(),
+                            version: versions::get(&*t),
+                        });
+                    }
+                }
+            }
             let out = s.pushes.once(rid, || {
                 let mut part = None;
                 if let Some((client, seq)) = rid {
