@@ -273,6 +273,65 @@ def test_a_paused_old_primary_never_accepts_a_write_under_its_old_epoch(tmp_path
     assert _rows_of(tmp_path / "g-a") == _rows_of(tmp_path / "g-b")
 
 
+def _push_with_ids(
+    address: str, ids: np.ndarray, rid: tuple[int, int], split_from: tuple[int, int] | None
+) -> tuple[grpc.StatusCode, str]:
+    """A raw Push with its request id and, optionally, the id of the part it was split from."""
+
+    def request_id(client: int, seq: int) -> bytes:
+        return b"\x09" + client.to_bytes(8, "little") + b"\x11" + seq.to_bytes(8, "little")
+
+    msg = (
+        _field(1, b"t")
+        + _field(2, ids.astype("<u8").tobytes())
+        + _field(3, np.ones((ids.size, DIM), "<f4").tobytes())
+        + _field(5, request_id(*rid))
+    )
+    if split_from is not None:
+        msg += _field(90, request_id(*split_from))
+    with grpc.insecure_channel(address) as ch:
+        push = ch.unary_unary(
+            "/pstore.v1.PStore/Push",
+            request_serializer=lambda b: b,
+            response_deserializer=lambda b: b,
+        )
+        try:
+            push(msg, timeout=20)
+        except grpc.RpcError as e:
+            return e.code(), e.details()  # type: ignore[attr-defined]
+    return grpc.StatusCode.OK, ""
+
+
+def test_a_promoted_follower_answers_a_part_split_from_a_push_its_old_primary_applied(
+    tmp_path: Path,
+) -> None:
+    """A push applied by the primary (and replicated) whose answer was lost, then sent again
+    split by a newer routing (new request id, split_from the old one: the client could not reach
+    the group and asked the other servers, decision 0112) to the promoted follower: answered
+    as applied, not applied twice."""
+    a, b = _group(tmp_path)
+    try:
+        remote = pstore.connect([[a.address, b.address]])  # type: ignore[list-item]
+        t = _sgd_table(remote)
+        ids = np.arange(4, dtype=np.int64)
+        client = 0x5EED
+        assert _push_with_ids(a.address, ids, (client, 1), None) == (grpc.StatusCode.OK, "")
+        _wait_caught_up(pstore.connect([a.address]), pstore.connect([b.address], retries=0))
+        a.send(signal.SIGKILL)
+        a.proc.wait(30)
+        assert pstore.promote(b.address)["epoch"] == 2
+        code, msg = _push_with_ids(b.address, ids, (client, 2), (client, 1))
+        assert code == grpc.StatusCode.OK, msg
+        assert np.all(t.pull(ids) == -1.0)
+        # A part split from a push nobody applied is applied.
+        code, msg = _push_with_ids(b.address, ids, (client, 4), (client, 3))
+        assert code == grpc.StatusCode.OK, msg
+        assert np.all(t.pull(ids) == -2.0)
+    finally:
+        b.stop()
+        a.stop()
+
+
 def test_reads_from_a_follower_after_a_failover_report_its_lag(tmp_path: Path) -> None:
     a, b = _group(tmp_path)
     a2: ServerProcess | None = None
