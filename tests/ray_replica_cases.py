@@ -656,3 +656,31 @@ def test_a_worker_rides_over_two_failovers_in_a_row(raycluster, tmp_path):
         if pusher is not None:
             ray.kill(pusher)
         cluster.shutdown()
+
+
+def test_an_added_single_server_goes_to_a_node_without_one(raycluster, tmp_path):
+    """replicas=1: an added server prefers the node with room that runs the fewest of the
+    cluster's servers (a soft target); Ray's own choice for one bundle could be any node."""
+    _server_nodes(raycluster, 2)
+    cluster = pstore.ray.Cluster(
+        1, name="spread", token=TOKEN, server_cpus=0.5, server_resources=TWO, check_interval=0.5
+    )
+    try:
+        first = cluster.status()["servers"][0]["node_id"]
+        for n in range(2, 4):
+            up = cluster.scale(n, linger=0.0)
+            assert len(up["added"]) == 1
+        nodes = [s["node_id"] for s in cluster.status()["servers"]]
+        assert nodes[0] == first
+        # The second server went to another node; the third to a node that ran none or one
+        # (never to one that ran two while a node had fewer).
+        assert nodes[1] != first, nodes
+        live = {
+            n["NodeID"]
+            for n in ray.nodes()
+            if n["Alive"] and n.get("Resources", {}).get("pstore_server", 0) > 0
+        }
+        counts = {x: nodes[:2].count(x) for x in live}
+        assert counts[nodes[2]] == min(counts.values()), (nodes, counts)
+    finally:
+        cluster.shutdown()
