@@ -626,7 +626,7 @@ class _Controller:
 
     def _emptiest_node(self, bundle: dict[str, float], placed: dict[str, int]) -> str | None:
         """The live node with room for ``bundle`` that runs the fewest servers of this cluster
-        (counting ``placed``, the ones this scale placed already; ties: the most free CPU), or
+        (counting ``placed``, the ones this scale placed already; ties: the most free room), or
         None when no node has room (Ray then waits for one)."""
         with self._lock:
             count: dict[str, int] = dict(placed)

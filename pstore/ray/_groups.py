@@ -17,6 +17,14 @@ again on a live node that holds no other member of the group (the strict spread)
 member's process died on a live node, the bundle is still on that node. The follower is
 started in the background; the controller lists it once it answers.
 
+**Scaling.** :meth:`_GroupsController.scale` adds a group as a placement group of its own
+(``STRICT_SPREAD`` over R bundles, named as the first groups'), its primary and followers, and,
+once the primary lists every follower live, the data plane's ``add_server([primary, ...])``;
+then the group is recorded and given to the Controller (``Controller.add_group``). A scale
+down removes the last groups (``remove_server``, ``Controller.remove_group``), lets their
+members answer "moved" for ``linger`` seconds, then stops them and removes their placement
+group. One scale at a time (decision 0113).
+
 **Membership.** The record in Ray's key-value store (``pstore-membership:<name>``) holds every
 group with its members (address, node, store, actor name, bundle), its primary and epoch as the
 servers last said, and a ``generation`` that grows with every change (a promotion, a
