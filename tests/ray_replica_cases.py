@@ -658,29 +658,57 @@ def test_a_worker_rides_over_two_failovers_in_a_row(raycluster, tmp_path):
         cluster.shutdown()
 
 
+@ray.remote
+class _Load:
+    """Holds resources on a node (another user's work)."""
+
+    def ready(self) -> bool:
+        return True
+
+
 def test_an_added_single_server_goes_to_a_node_without_one(raycluster, tmp_path):
     """replicas=1: an added server prefers the node with room that runs the fewest of the
-    cluster's servers (a soft target); Ray's own choice for one bundle could be any node."""
+    cluster's servers (a soft target), even when other work makes that node the busier one,
+    where Ray's own choice for one bundle is the least used node."""
+    from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
     _server_nodes(raycluster, 2)
     cluster = pstore.ray.Cluster(
         1, name="spread", token=TOKEN, server_cpus=0.5, server_resources=TWO, check_interval=0.5
     )
+    loads: list[Any] = []
     try:
         first = cluster.status()["servers"][0]["node_id"]
-        for n in range(2, 4):
-            up = cluster.scale(n, linger=0.0)
-            assert len(up["added"]) == 1
-        nodes = [s["node_id"] for s in cluster.status()["servers"]]
-        assert nodes[0] == first
-        # The second server went to another node; the third to a node that ran none or one
-        # (never to one that ran two while a node had fewer).
-        assert nodes[1] != first, nodes
-        live = {
+        others = [
             n["NodeID"]
             for n in ray.nodes()
-            if n["Alive"] and n.get("Resources", {}).get("pstore_server", 0) > 0
-        }
-        counts = {x: nodes[:2].count(x) for x in live}
-        assert counts[nodes[2]] == min(counts.values()), (nodes, counts)
+            if n["Alive"]
+            and n["NodeID"] != first
+            and n.get("Resources", {}).get("pstore_server", 0) > 0
+        ]
+        # Other work fills most of every other node: room for one server is left on each.
+        for node in others:
+            assert pstore.ray._free_per_node({"CPU": 0.5, **TWO})[node] == 2
+            loads.append(
+                _Load.options(
+                    num_cpus=1.5,
+                    resources=TWO,
+                    scheduling_strategy=NodeAffinitySchedulingStrategy(node, soft=False),
+                ).remote()
+            )
+        ray.get([x.ready.remote() for x in loads])
+        _wait(
+            lambda: all(
+                pstore.ray._free_per_node({"CPU": 0.5, **TWO})[node] == 1 for node in others
+            ),
+            30,
+            "the load",
+        )
+        up = cluster.scale(2, linger=0.0)
+        assert len(up["added"]) == 1
+        nodes = [s["node_id"] for s in cluster.status()["servers"]]
+        assert nodes[0] == first and nodes[1] in others, (nodes, first, others)
     finally:
+        for x in loads:
+            ray.kill(x)
         cluster.shutdown()
