@@ -522,7 +522,7 @@ mod tests {
         assert_eq!(f.set(&one, true), 1);
         let all = &Routes::default();
         let e = f
-            .pass_ids(&[1, id], all)
+            .pass_ids("t", &[1, id], all)
             .map(|_| ())
             .unwrap_err()
             .to_string();
@@ -532,16 +532,16 @@ mod tests {
         );
         // Other slots pass.
         let other = (0..).find(|&x| slot_of(x) != s).unwrap();
-        drop(f.pass_ids(&[other], all).unwrap());
+        drop(f.pass_ids("t", &[other], all).unwrap());
         f.publish(|| Ok(()), |k| k == s, |_| Ok(())).unwrap();
-        drop(f.pass_ids(&[id], all).unwrap());
+        drop(f.pass_ids("t", &[id], all).unwrap());
         assert_eq!(f.set(&one, false), 0);
     }
 
     #[test]
     fn a_freeze_waits_for_writes_under_way() {
         let f = std::sync::Arc::new(Frozen::default());
-        let pass = f.pass_ids(&[7], &Routes::default()).unwrap();
+        let pass = f.pass_ids("t", &[7], &Routes::default()).unwrap();
         let g = std::sync::Arc::clone(&f);
         let (tx, rx) = std::sync::mpsc::channel();
         let t = std::thread::spawn(move || {
@@ -557,7 +557,7 @@ mod tests {
         drop(pass);
         rx.recv_timeout(std::time::Duration::from_secs(10)).unwrap();
         t.join().unwrap();
-        assert!(f.pass_ids(&[7], &Routes::default()).is_err());
+        assert!(f.pass_ids("t", &[7], &Routes::default()).is_err());
     }
 
     #[test]
@@ -567,7 +567,7 @@ mod tests {
         one[slot_of(7)] = true;
         f.set(&one, true);
         // Frozen slots are read (and created) as usual while their rows are copied.
-        let pass = f.pass_owned(&[7], &Routes::default()).unwrap();
+        let pass = f.pass_owned("t", &[7], &Routes::default()).unwrap();
         let g = std::sync::Arc::clone(&f);
         let (tx, rx) = std::sync::mpsc::channel();
         let t = std::thread::spawn(move || {
@@ -662,6 +662,155 @@ mod tests {
         };
         assert!(crate::server::bulk::bulk_load(&to, huge).is_err());
         assert_eq!(e.words(), d.words());
+    }
+
+    /// Two ids of different slots, and the set of the first one's slot.
+    fn two_slots() -> (u64, u64, Vec<bool>) {
+        let a = 7u64;
+        let b = (8..).find(|&x| slot_of(x) != slot_of(a)).unwrap();
+        let mut set = vec![false; SLOTS];
+        set[slot_of(a)] = true;
+        (a, b, set)
+    }
+
+    #[test]
+    fn copying_slots_take_writes_and_record_what_they_touch() {
+        let f = Frozen::default();
+        let all = &Routes::default();
+        let (a, b, set) = two_slots();
+        // Nothing is recorded before the mark.
+        drop(f.pass_ids("t", &[a], all).unwrap());
+        assert_eq!(f.copy(&set), 1);
+        // Writes go on; only the copying slot's ids are recorded, per table.
+        drop(f.pass_ids("t", &[a, b], all).unwrap());
+        drop(f.pass_ids("u", &[a], all).unwrap());
+        // A creating pull records too, while the slot is not frozen.
+        let c = (a + 1..).find(|&x| slot_of(x) == slot_of(a)).unwrap();
+        drop(f.pass_owned("t", &[c, b], all).unwrap());
+        // The record is given only once the slots are frozen too.
+        let e = f.dirty_ids("t", &set).unwrap_err().to_string();
+        assert!(e.contains("not frozen"), "{e}");
+        assert_eq!(f.set(&set, true), 1);
+        // Frozen: writes are refused, and a creating pull is no longer recorded.
+        assert!(f.pass_ids("t", &[a], all).is_err());
+        let d = (c + 1..).find(|&x| slot_of(x) == slot_of(a)).unwrap();
+        drop(f.pass_owned("t", &[d], all).unwrap());
+        let mut want = vec![a, c];
+        want.sort_unstable();
+        assert_eq!(f.dirty_ids("t", &set).unwrap(), want);
+        assert_eq!(f.dirty_ids("u", &set).unwrap(), vec![a]);
+        assert!(f.dirty_ids("none", &set).unwrap().is_empty());
+        // A slot outside the copy is refused by name.
+        let mut other = vec![false; SLOTS];
+        other[slot_of(b)] = true;
+        let e = f.dirty_ids("t", &other).unwrap_err().to_string();
+        assert!(
+            e.contains("not being copied") && e.contains(&format!("slot {}", slot_of(b))),
+            "{e}"
+        );
+        // A thaw ends the copy and forgets the record.
+        assert_eq!(f.set(&set, false), 0);
+        assert!(f.dirty_ids("t", &set).is_err());
+        drop(f.pass_ids("t", &[a], all).unwrap());
+        f.copy(&set);
+        f.set(&set, true);
+        assert!(f.dirty_ids("t", &set).unwrap().is_empty());
+    }
+
+    #[test]
+    fn a_dense_table_is_recorded_by_its_name_slot_and_a_publish_ends_the_copy() {
+        let f = Frozen::default();
+        let all = &Routes::default();
+        let home = slot_of(key("d"));
+        let mut set = vec![false; SLOTS];
+        set[home] = true;
+        drop(f.pass_name("d", all).unwrap());
+        f.copy(&set);
+        assert!(!f.dense_dirty("d"));
+        drop(f.pass_name("d", all).unwrap());
+        assert!(f.dense_dirty("d"));
+        let id = (0..).find(|&x| slot_of(x) == home).unwrap();
+        drop(f.pass_ids("t", &[id], all).unwrap());
+        f.set(&set, true);
+        assert_eq!(f.dirty_ids("t", &set).unwrap(), vec![id]);
+        // The publish that gives the slot away thaws it and forgets its record.
+        f.publish(|| Ok(()), |k| k == home, |frozen| {
+            assert!(!frozen[home]);
+            Ok(())
+        })
+        .unwrap();
+        assert!(!f.dense_dirty("d"));
+        assert!(f.dirty_ids("t", &set).is_err());
+    }
+
+    #[test]
+    fn a_mark_waits_for_writes_under_way() {
+        let f = std::sync::Arc::new(Frozen::default());
+        let (a, _, set) = two_slots();
+        let pass = f.pass_ids("t", &[a], &Routes::default()).unwrap();
+        let g = std::sync::Arc::clone(&f);
+        let (tx, rx) = std::sync::mpsc::channel();
+        let t = std::thread::spawn(move || {
+            g.copy(&set);
+            tx.send(set).unwrap();
+        });
+        // The mark cannot finish while a write admitted before it holds its pass: a copy read
+        // after the mark holds that write.
+        assert!(rx
+            .recv_timeout(std::time::Duration::from_millis(100))
+            .is_err());
+        drop(pass);
+        let set = rx.recv_timeout(std::time::Duration::from_secs(10)).unwrap();
+        t.join().unwrap();
+        f.set(&set, true);
+        // The write admitted before the mark is not in the record (the copy holds it).
+        assert!(f.dirty_ids("t", &set).unwrap().is_empty());
+    }
+
+    #[test]
+    fn a_delta_export_gives_rows_held_and_removals_in_pages() {
+        use crate::store::StoreConfig;
+        let store = Store::new(StoreConfig::default()).unwrap();
+        let t = store
+            .create_sparse_table(
+                "t",
+                crate::table::SparseTableConfig {
+                    dim: 2,
+                    optimizer: Default::default(),
+                    initializer: crate::init::Initializer::Zeros,
+                    seed: 0,
+                    lifecycle: Default::default(),
+                    refuse_nonfinite: false,
+                },
+            )
+            .unwrap();
+        let f = Frozen::default();
+        let all = &Routes::default();
+        let every = vec![true; SLOTS];
+        let ids: Vec<u64> = (0..10).collect();
+        t.push(&ids, &[1.0; 20]).unwrap();
+        f.copy(&every);
+        drop(f.pass_ids("t", &[1, 2, 3], all).unwrap());
+        t.remove(&[3]).unwrap();
+        f.set(&every, true);
+        let r = ExportSlotsRequest {
+            table: "t".into(),
+            slots: Some(SlotSet {
+                starts: vec![0],
+                ends: vec![SLOTS as u32],
+            }),
+            shard: 0,
+            dirty: true,
+        };
+        let a = export_dirty(&store, &f, &r).unwrap();
+        assert_eq!(wire::ids(&a.ids).unwrap(), vec![1, 2]);
+        assert_eq!(wire::ids(&a.removed_ids).unwrap(), vec![3]);
+        assert_eq!((a.next_shard, a.shards), (3, 3));
+        assert_eq!(a.words.len(), 2 * 4 * t.row_words());
+        // From a later index on: the rest only.
+        let b = export_dirty(&store, &f, &ExportSlotsRequest { shard: 2, ..r.clone() }).unwrap();
+        assert!(b.ids.is_empty());
+        assert_eq!(wire::ids(&b.removed_ids).unwrap(), vec![3]);
     }
 
     #[test]
