@@ -1599,10 +1599,7 @@ def test_a_pre_copy_records_writes_creations_and_removals_for_the_delta(api):
         load = m.BulkLoadRequest(table="dn", config_json=d.config_json, words=d.words)
         load.dense_offset = d.dense_offset
         ok(b.BulkLoad, load)
-        pulled = [
-            ok(s.DensePull, m.DensePullRequest(table="dn")).values
-            for s in (a, b)
-        ]
+        pulled = [ok(s.DensePull, m.DensePullRequest(table="dn")).values for s in (a, b)]
         assert pulled[0] == pulled[1] != f32_bytes([1.0] * 3)
         # A thaw ends the copy and forgets the record; writes go on.
         assert ok(a.FreezeSlots, m.FreezeSlotsRequest(slots=every, thaw=True)).frozen == 0

@@ -56,7 +56,7 @@ class Writer:
                 self.t.push(new, np.ones((20, DIM), np.float32))
                 self.t.remove(np.arange(10_000 + 20 * k, 10_000 + 20 * (k + 1), dtype=np.int64))
                 self.rounds += 1
-        except BaseException as e:  # noqa: BLE001 - reported by check()
+        except BaseException as e:  # reported by check()
             self.error = e
 
     def __enter__(self) -> Writer:
@@ -115,9 +115,7 @@ def test_a_group_follower_ends_identical_to_its_primary_after_a_move(tmp_path: P
     procs: list[ServerProcess] = []
     try:
         for g in ("g0", "g1"):
-            primary = ServerProcess(
-                "--path", str(tmp_path / f"{g}-a"), "--durability", "sync"
-            )
+            primary = ServerProcess("--path", str(tmp_path / f"{g}-a"), "--durability", "sync")
             primary.wait_ready()
             follower = ServerProcess(
                 "--path",
@@ -139,9 +137,7 @@ def test_a_group_follower_ends_identical_to_its_primary_after_a_move(tmp_path: P
         w.check(t, during)
         assert _rows(admin)[0] == 0
         for p, f in ((procs[0], procs[1]), (procs[2], procs[3])):
-            _wait_caught_up(
-                pstore.connect([p.address], timeout=10.0), pstore.connect([f.address])
-            )
+            _wait_caught_up(pstore.connect([p.address], timeout=10.0), pstore.connect([f.address]))
         for p in procs:
             p.stop()
         assert _rows_of(tmp_path / "g1-a") == _rows_of(tmp_path / "g1-b")
