@@ -190,10 +190,11 @@ impl Client {
                     dense_offset: dense.then_some(a.dense_offset),
                     removed_ids: a.removed_ids.clone(),
                 };
-                let r = self.fan_out(
-                    vec![(to, load)],
-                    |mut c, r| async move { c.bulk_load(r).await },
-                )?;
+                let r =
+                    self.fan_out(
+                        vec![(to, load)],
+                        |mut c, r| async move { c.bulk_load(r).await },
+                    )?;
                 rows += r.iter().map(|x| x.rows).sum::<u64>();
                 rows += (a.removed_ids.len() / 8) as u64;
             }

@@ -122,7 +122,11 @@ impl Frozen {
         if !g.any_copying {
             return;
         }
-        let mut it = ids.iter().copied().filter(|&id| g.copying[slot_of(id)]).peekable();
+        let mut it = ids
+            .iter()
+            .copied()
+            .filter(|&id| g.copying[slot_of(id)])
+            .peekable();
         if it.peek().is_none() {
             return;
         }
@@ -191,7 +195,11 @@ impl Frozen {
                 "export of the rows written during the copy: slot {k} is not {} on this server \
                  (a restart or a failover since the copy began loses what was written there): \
                  move the batch again",
-                if g.copying[k] { "frozen" } else { "being copied" }
+                if g.copying[k] {
+                    "frozen"
+                } else {
+                    "being copied"
+                }
             )));
         }
         let d = self.dirty();
@@ -272,12 +280,7 @@ impl Frozen {
     /// row after the old owner's `DropSlots`. Ids of slots copying and not frozen are recorded
     /// (a row created there reaches the new owner with the delta; one created under the freeze
     /// is created again there at the same initial value).
-    pub(super) fn pass_owned(
-        &self,
-        table: &str,
-        ids: &[u64],
-        routes: &Routes,
-    ) -> Result<Pass<'_>> {
+    pub(super) fn pass_owned(&self, table: &str, ids: &[u64], routes: &Routes) -> Result<Pass<'_>> {
         let g = self.read();
         let owned = routes.owned_now();
         if let Some(&id) = ids.iter().find(|&&id| !owned(slot_of(id))) {
@@ -734,10 +737,14 @@ mod tests {
         f.set(&set, true);
         assert_eq!(f.dirty_ids("t", &set).unwrap(), vec![id]);
         // The publish that gives the slot away thaws it and forgets its record.
-        f.publish(|| Ok(()), |k| k == home, |frozen| {
-            assert!(!frozen[home]);
-            Ok(())
-        })
+        f.publish(
+            || Ok(()),
+            |k| k == home,
+            |frozen| {
+                assert!(!frozen[home]);
+                Ok(())
+            },
+        )
         .unwrap();
         assert!(!f.dense_dirty("d"));
         assert!(f.dirty_ids("t", &set).is_err());
@@ -808,7 +815,15 @@ mod tests {
         assert_eq!((a.next_shard, a.shards), (3, 3));
         assert_eq!(a.words.len(), 2 * 4 * t.row_words());
         // From a later index on: the rest only.
-        let b = export_dirty(&store, &f, &ExportSlotsRequest { shard: 2, ..r.clone() }).unwrap();
+        let b = export_dirty(
+            &store,
+            &f,
+            &ExportSlotsRequest {
+                shard: 2,
+                ..r.clone()
+            },
+        )
+        .unwrap();
         assert!(b.ids.is_empty());
         assert_eq!(wire::ids(&b.removed_ids).unwrap(), vec![3]);
     }
