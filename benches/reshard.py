@@ -10,7 +10,8 @@ pull(ids) -> push(ids, grads) on its own batches (ids drawn from a Zipf-like dis
 the rows) until told to stop. After `--warmup` seconds, `move_slots` gives server 2 its third of
 the slots ("join"); after `--after` more seconds, a second `move_slots` takes every slot from
 server 0 ("leave"). Reported per move: slots and rows moved, seconds, rows/s, the longest time
-one batch was frozen, the whole call's seconds (with `--membership` also the table definitions
+one batch was frozen, the rows copied again under the freeze (`delta_rows`, decision 0114), the
+whole call's seconds (with `--membership` also the table definitions
 and the list's own publishes), and the workers' steps/s during the call over their steps/s in
 the `--warmup` seconds before it (all workers' steps, counted by their end times). With
 `--membership` the list itself changes: the workers and the table start on servers 0 and 1
@@ -174,6 +175,8 @@ def main() -> None:
                         "call_seconds": round(t1 - t0, 3),
                         "rows_per_s": round(r["rows"] / max(r["seconds"], 1e-9)),
                         "max_frozen_ms": round(r["max_frozen_seconds"] * 1e3, 1),
+                        # Rows copied again under the freeze (a build with pre-copy moves).
+                        "delta_rows": r.get("delta_rows"),
                         "steps_per_s_before": round(before, 1),
                         "steps_per_s_during": round(during, 1),
                         "during_over_before": round(during / max(before, 1e-9), 2),

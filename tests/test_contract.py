@@ -1475,6 +1475,144 @@ def test_slot_moves_freeze_export_drop_and_refuse_bad_sets(api, fresh):
     assert pulled() == f32_bytes([-2.0] * 6)
 
 
+def _slot_rows(api: SimpleNamespace, stub: Any, table: str, slots: Any, **kw: Any) -> Any:
+    """Every answer of an export of `table`'s rows in `slots` (kw: dirty=True for the delta)."""
+    m, shard, out = api.m, 0, []
+    while True:
+        a = ok(stub.ExportSlots, m.ExportSlotsRequest(table=table, slots=slots, shard=shard, **kw))
+        out.append(a)
+        if a.next_shard >= a.shards:
+            return out
+        shard = a.next_shard
+
+
+def _rows_by_id(answers: Any) -> dict[int, bytes]:
+    """Each exported row's words (weights, optimizer state, step, version, ...) by its id."""
+    rows = {}
+    for a in answers:
+        ids = np.frombuffer(a.ids, "<u8").tolist()
+        if ids:
+            width = len(a.words) // len(ids)
+            rows.update({i: a.words[k * width : (k + 1) * width] for k, i in enumerate(ids)})
+    return rows
+
+
+def test_a_pre_copy_records_writes_creations_and_removals_for_the_delta(api):
+    """Decision 0114 from a client generated from the .proto: slots marked copying take writes
+    (no "moving"); the rows pushed, pushed into being, created by a pull and removed after the
+    mark come in the delta export (the removed as removed_ids) once the slots are frozen, and
+    the new owner loaded with the pre-copy, then the delta, holds exactly the old owner's rows
+    (weights, Adagrad state, step and version words); without the delta it does not. A dense
+    table pushed during the copy comes in the delta, one not pushed does not. The delta is
+    refused for slots not copying or not frozen, and a thaw forgets the record."""
+    m = api.m
+    adagrad = {"adagrad": {"initial_accumulator_value": 0.1, "eps": 1e-10, "weight_decay": 0.0}}
+    config = json.dumps(
+        {
+            "dim": 2,
+            "optimizer": {"kind": adagrad, "lr": 0.1},
+            "initializer": {"constant": 0.25},
+            "seed": 0,
+        }
+    )
+    dense = json.dumps(
+        {
+            "shape": [3],
+            "optimizer": {"kind": adagrad, "lr": 0.1},
+            "initializer": {"constant": 1.0},
+            "seed": 0,
+        }
+    )
+    old, new = start_server(), start_server()
+    chans = [grpc.insecure_channel(s.address) for s in (old, new)]
+    a, b = (api.PStoreStub(c) for c in chans)
+    every = m.SlotSet(starts=[0], ends=[16384])
+    try:
+        for stub in (a, b):
+            create(api, stub, "pc", config)
+            create(api, stub, "dn", dense, "DENSE")
+            create(api, stub, "quiet", dense, "DENSE")
+
+        def push(ids: Any, value: float = 1.0) -> None:
+            g = f32_bytes(np.full((len(ids), 2), value))
+            ok(a.Push, m.PushRequest(table="pc", ids=ids_bytes(ids), grads=g))
+
+        push(range(200))
+        push(range(100), 0.5)
+        # Not copying yet: no delta to give.
+        e = fails(a.ExportSlots, m.ExportSlotsRequest(table="pc", slots=every, dirty=True))
+        assert e.code() == Code.INVALID_ARGUMENT and "not being copied" in e.details(), e.details()
+        assert ok(a.FreezeSlots, m.FreezeSlotsRequest(slots=every, copy=True)).frozen == 0
+        # The pre-copy, while writes go on.
+        for t in ("pc", "dn", "quiet"):
+            for x in _slot_rows(api, a, t, every):
+                if x.words:
+                    load = m.BulkLoadRequest(
+                        table=t, config_json=x.config_json, ids=x.ids, words=x.words
+                    )
+                    if x.dense:
+                        load.dense_offset = x.dense_offset
+                    ok(b.BulkLoad, load)
+        push(range(10), 2.0)  # written
+        push(range(2000, 2005))  # pushed into being
+        ok(a.Pull, m.PullRequest(table="pc", ids=ids_bytes(range(1000, 1005))))  # created
+        removed = list(range(50, 60))
+        assert ok(a.Remove, m.RemoveRequest(table="pc", ids=ids_bytes(removed))).removed == 10
+        g3 = f32_bytes([1.0, 2.0, 3.0])
+        ok(a.DensePush, m.DensePushRequest(table="dn", grad=g3))
+        # Still copying, not frozen: the delta is refused.
+        e = fails(a.ExportSlots, m.ExportSlotsRequest(table="pc", slots=every, dirty=True))
+        assert e.code() == Code.INVALID_ARGUMENT and "not frozen" in e.details(), e.details()
+        ok(a.FreezeSlots, m.FreezeSlotsRequest(slots=every))
+        e = fails(a.Push, m.PushRequest(table="pc", ids=ids_bytes([1]), grads=f32_bytes([1, 1])))
+        assert e.code() == Code.UNAVAILABLE and e.details().startswith("moving: "), e.details()
+        want = _rows_by_id(_slot_rows(api, a, "pc", every))
+        assert len(want) == 200 + 5 + 5 - 10
+        # Without the delta the new owner is behind.
+        assert _rows_by_id(_slot_rows(api, b, "pc", every)) != want
+        delta = _slot_rows(api, a, "pc", every, dirty=True)
+        sent = sorted(i for x in delta for i in np.frombuffer(x.ids, "<u8").tolist())
+        gone = sorted(i for x in delta for i in np.frombuffer(x.removed_ids, "<u8").tolist())
+        assert sent == [*range(10), *range(1000, 1005), *range(2000, 2005)]
+        assert gone == removed
+        # A malformed removal list is refused and changes nothing.
+        bad = m.BulkLoadRequest(table="pc", config_json=config, removed_ids=b"\x01" * 7)
+        e = fails(b.BulkLoad, bad)
+        assert e.code() == Code.INVALID_ARGUMENT, e.details()
+        for x in delta:
+            ok(
+                b.BulkLoad,
+                m.BulkLoadRequest(
+                    table="pc",
+                    config_json=x.config_json,
+                    ids=x.ids,
+                    words=x.words,
+                    removed_ids=x.removed_ids,
+                ),
+            )
+        assert _rows_by_id(_slot_rows(api, b, "pc", every)) == want
+        # The dense table pushed during the copy comes whole; the quiet one not at all.
+        (d,) = _slot_rows(api, a, "dn", every, dirty=True)
+        assert d.dense and d.words == _slot_rows(api, a, "dn", every)[0].words
+        (q,) = _slot_rows(api, a, "quiet", every, dirty=True)
+        assert q.dense and not q.words
+        load = m.BulkLoadRequest(table="dn", config_json=d.config_json, words=d.words)
+        load.dense_offset = d.dense_offset
+        ok(b.BulkLoad, load)
+        pulled = [ok(s.DensePull, m.DensePullRequest(table="dn")).values for s in (a, b)]
+        assert pulled[0] == pulled[1] != f32_bytes([1.0] * 3)
+        # A thaw ends the copy and forgets the record; writes go on.
+        assert ok(a.FreezeSlots, m.FreezeSlotsRequest(slots=every, thaw=True)).frozen == 0
+        e = fails(a.ExportSlots, m.ExportSlotsRequest(table="pc", slots=every, dirty=True))
+        assert e.code() == Code.INVALID_ARGUMENT and "not being copied" in e.details(), e.details()
+        push([1])
+    finally:
+        for c in chans:
+            c.close()
+        old.stop(grace=1.0)
+        new.stop(grace=1.0)
+
+
 # ---------------------------------------------------------------------------------------------
 # The model server's answers, read by grpcio
 

@@ -239,14 +239,15 @@ class RemoteStore(BaseStore):
         """Move every hash slot whose owner differs in ``slots`` (the form of :attr:`slots`,
         over the same servers; its ``epoch`` is not used) to its new owner while workers train.
 
-        A batch of slots at a time: its writes wait on the old owner (workers retry, briefly),
-        its rows (every table's, with optimizer state and metadata), a dense table whose home
-        moves and the request ids of recent pushes are copied to the new owner, the routing
-        that gives it to the new owner is published under the next epoch, and the old owner
-        drops its copy. Workers follow without restarting; nothing is lost or applied twice.
-        Give a server no slot to empty it before it leaves, or its share when it joins
-        (docs/CLUSTER.md, "Moving slots"). Returns ``{"slots", "rows", "batches", "epoch",
-        "seconds", "max_frozen_seconds"}``.
+        A batch of slots at a time: its rows (every table's, with optimizer state and
+        metadata) and a dense table whose home moves are copied to the new owner while writes
+        go on; then its writes wait on the old owner (workers retry, briefly) while the rows
+        written meanwhile (``delta_rows``), the seqs and the request ids of recent pushes are
+        copied, the routing that gives it to the new owner is published under the next epoch,
+        and the old owner drops its copy. Workers follow without restarting; nothing is lost or
+        applied twice. Give a server no slot to empty it before it leaves, or its share when it
+        joins (docs/CLUSTER.md, "Moving slots"). Returns ``{"slots", "rows", "batches",
+        "epoch", "seconds", "max_frozen_seconds", "delta_rows"}``.
         """
         if not isinstance(slots, dict):
             kind = type(slots).__name__

@@ -705,6 +705,7 @@ impl Client {
                             words: words_bytes(&d.words()).into(),
                             seq: None,
                             applied_request_ids: Default::default(),
+                            removed_ids: Default::default(),
                             dense_offset: None,
                         };
                         self.fan_out(
@@ -725,6 +726,7 @@ impl Client {
                     words: Default::default(),
                     seq: Some(seq),
                     applied_request_ids: Default::default(),
+                    removed_ids: Default::default(),
                     dense_offset: None,
                 };
                 self.fan_out(
@@ -773,6 +775,7 @@ impl Client {
                     words: std::mem::take(&mut words[i]).into(),
                     seq: None,
                     applied_request_ids: Default::default(),
+                    removed_ids: Default::default(),
                     dense_offset: None,
                 },
             ));

@@ -1,12 +1,15 @@
 //! Moving slots between the servers of a running cluster (decision 0103): the driver.
 //!
 //! [`Client::move_slots`] takes a slot table over the same server list and moves every slot
-//! whose owner changes, a batch of slots at a time, while workers train: freeze the batch on
-//! its old owner, copy its rows (every table, with optimizer state and metadata) and the request
-//! ids of the pushes that server answered lately to the new owner, publish the routing that
-//! gives the batch to the new owner (the next routing epoch, on every server), then drop the old
-//! owner's copy. Workers see "moving" (retried) for the batch's slots while it is frozen, then
-//! "moved", and follow (`reshard.rs`); nothing is lost or applied twice.
+//! whose owner changes, a batch of slots at a time, while workers train: mark the batch as
+//! copying on its old owner (which records from then on the rows written, created or removed
+//! in it) and copy its rows (every table, with optimizer state and metadata) to the new owner
+//! while writes go on (decision 0114); then freeze the batch, copy the rows recorded meanwhile
+//! (a removed row as a removal), the seqs and the request ids of the pushes the old owner
+//! answered lately; publish the routing that gives the batch to the new owner (the next routing
+//! epoch, on every server), then drop the old owner's copy. Workers see "moving" (retried) for
+//! the batch's slots only while it is frozen (the delta), then "moved", and follow
+//! (`reshard.rs`); nothing is lost or applied twice.
 
 use std::time::Instant;
 
@@ -15,7 +18,8 @@ use crate::error::{invalid, Error, Result};
 use crate::net::proto::*;
 use crate::net::routing::{SlotTable, SLOTS};
 
-/// The most slots frozen at once: a batch's rows are copied while its slots are frozen.
+/// The most slots moved at once: a batch's rows are copied while writes go on, then what was
+/// written meanwhile while its slots are frozen.
 const BATCH_SLOTS: usize = 512;
 
 /// What a move did.
@@ -25,6 +29,9 @@ pub struct MoveReport {
     pub slots: usize,
     /// Sparse rows copied to new owners (a dense table's value counts one).
     pub rows: u64,
+    /// Rows copied again under the freeze, written during their batch's pre-copy (a removal
+    /// counts one).
+    pub delta_rows: u64,
     /// Batches, each published under its own routing epoch.
     pub batches: usize,
     /// The routing epoch in force at the end.
@@ -96,22 +103,22 @@ impl Client {
                 }
                 let next = SlotTable::from_owners(current.epoch() + 1, n, owners)?;
                 let set = runs(batch);
-                let frozen = Instant::now();
                 let moved = self.move_batch(from, to, &set, &next);
                 if moved.is_err() {
-                    // Given up: the old owner serves the batch again.
+                    // Given up: the old owner serves the batch again, and stops recording.
                     let thaw = FreezeSlotsRequest {
                         slots: Some(set.clone()),
                         thaw: true,
+                        copy: false,
                     };
                     let _ = self.fan_out(vec![(from, thaw)], |mut c, r| async move {
                         c.freeze_slots(r).await
                     });
                 }
-                report.rows += moved?;
-                report.max_frozen_seconds = report
-                    .max_frozen_seconds
-                    .max(frozen.elapsed().as_secs_f64());
+                let (rows, delta, frozen) = moved?;
+                report.rows += rows;
+                report.delta_rows += delta;
+                report.max_frozen_seconds = report.max_frozen_seconds.max(frozen);
                 // The new owner's copy is on its disk before the old owner's goes (a durable
                 // new owner that crashed in between would lose rows both had held).
                 self.fan_out(vec![(to, FlushRequest {})], |mut c, r| async move {
@@ -131,77 +138,125 @@ impl Client {
         Ok(report)
     }
 
-    /// Freezes `set` on `from`, copies its rows and recent request ids to `to`, and publishes
-    /// `next`; returns the rows copied.
-    fn move_batch(&self, from: usize, to: usize, set: &SlotSet, next: &SlotTable) -> Result<u64> {
-        let freeze = FreezeSlotsRequest {
-            slots: Some(set.clone()),
-            thaw: false,
-        };
-        self.fan_out(vec![(from, freeze)], |mut c, r| async move {
-            c.freeze_slots(r).await
-        })?;
-        // The tables `from` holds once the batch is frozen: one created since the move began
-        // (by a worker of any list) has its rows of the batch there, and none arrive later.
-        // `to` lacking one is given its definition at the first load (`definitions.rs`).
-        let names: Vec<String> = self
+    /// The tables `from` holds.
+    fn tables_of(&self, from: usize) -> Result<Vec<String>> {
+        Ok(self
             .fan_out(vec![(from, ListTablesRequest {})], |mut c, r| async move {
                 c.list_tables(r).await
             })?
             .into_iter()
             .flat_map(|x| x.tables)
             .map(|t| t.name)
-            .collect();
+            .collect())
+    }
+
+    /// Copies table `name`'s rows of `set` from `from` to `to`: all of them, or (`dirty`) those
+    /// written, created or removed since the batch was marked copying, removals as removals;
+    /// then (`seq`) the table's seq. Returns the rows written.
+    fn copy_table(
+        &self,
+        from: usize,
+        to: usize,
+        name: &str,
+        set: &SlotSet,
+        dirty: bool,
+        seq: bool,
+    ) -> Result<u64> {
         let mut rows = 0u64;
-        for name in &names {
-            let mut shard = 0;
-            loop {
-                let req = ExportSlotsRequest {
-                    table: name.clone(),
-                    slots: Some(set.clone()),
-                    shard,
+        let mut shard = 0;
+        loop {
+            let req = ExportSlotsRequest {
+                table: name.to_string(),
+                slots: Some(set.clone()),
+                shard,
+                dirty,
+            };
+            let a = self
+                .fan_out(vec![(from, req)], |mut c, r| async move {
+                    c.export_slots(r).await
+                })?
+                .pop()
+                .ok_or_else(|| Error::Internal("no answer".into()))?;
+            let dense = a.dense;
+            if !a.words.is_empty() || !a.removed_ids.is_empty() {
+                let load = BulkLoadRequest {
+                    table: name.to_string(),
+                    config_json: a.config_json.clone(),
+                    ids: a.ids.clone(),
+                    words: a.words.clone(),
+                    seq: None,
+                    applied_request_ids: Default::default(),
+                    // A dense value comes in chunks, each written where it falls.
+                    dense_offset: dense.then_some(a.dense_offset),
+                    removed_ids: a.removed_ids.clone(),
                 };
-                let a = self
-                    .fan_out(vec![(from, req)], |mut c, r| async move {
-                        c.export_slots(r).await
-                    })?
-                    .pop()
-                    .ok_or_else(|| Error::Internal("no answer".into()))?;
-                let dense = a.dense;
-                if !a.words.is_empty() {
-                    let load = BulkLoadRequest {
-                        table: name.clone(),
-                        config_json: a.config_json.clone(),
-                        ids: a.ids.clone(),
-                        words: a.words.clone(),
-                        seq: None,
-                        applied_request_ids: Default::default(),
-                        // A dense value comes in chunks, each written where it falls.
-                        dense_offset: dense.then_some(a.dense_offset),
+                let r =
+                    self.fan_out(
+                        vec![(to, load)],
+                        |mut c, r| async move { c.bulk_load(r).await },
+                    )?;
+                rows += r.iter().map(|x| x.rows).sum::<u64>();
+                rows += (a.removed_ids.len() / 8) as u64;
+            }
+            if a.next_shard >= a.shards {
+                if seq && !dense {
+                    let seq = BulkLoadRequest {
+                        table: name.to_string(),
+                        config_json: a.config_json,
+                        seq: Some(a.seq),
+                        ..Default::default()
                     };
-                    let r =
-                        self.fan_out(
-                            vec![(to, load)],
-                            |mut c, r| async move { c.bulk_load(r).await },
-                        )?;
-                    rows += r.iter().map(|x| x.rows).sum::<u64>();
+                    self.fan_out(
+                        vec![(to, seq)],
+                        |mut c, r| async move { c.bulk_load(r).await },
+                    )?;
                 }
-                if a.next_shard >= a.shards {
-                    if !dense {
-                        let seq = BulkLoadRequest {
-                            table: name.clone(),
-                            config_json: a.config_json,
-                            seq: Some(a.seq),
-                            ..Default::default()
-                        };
-                        self.fan_out(
-                            vec![(to, seq)],
-                            |mut c, r| async move { c.bulk_load(r).await },
-                        )?;
-                    }
-                    break;
-                }
-                shard = a.next_shard;
+                return Ok(rows);
+            }
+            shard = a.next_shard;
+        }
+    }
+
+    /// Copies `set`'s rows from `from` to `to` while writes go on (the batch marked copying on
+    /// `from`), then freezes it there, copies what was written meanwhile (and tables created
+    /// meanwhile whole), the seqs and the recent request ids, and publishes `next`; returns the
+    /// rows copied whole, those copied again under the freeze, and how long the batch was
+    /// frozen.
+    fn move_batch(
+        &self,
+        from: usize,
+        to: usize,
+        set: &SlotSet,
+        next: &SlotTable,
+    ) -> Result<(u64, u64, f64)> {
+        let mark = |copy: bool| FreezeSlotsRequest {
+            slots: Some(set.clone()),
+            thaw: false,
+            copy,
+        };
+        // Pre-copy: writes go on, and `from` records what they touch.
+        self.fan_out(vec![(from, mark(true))], |mut c, r| async move {
+            c.freeze_slots(r).await
+        })?;
+        let copied = self.tables_of(from)?;
+        let mut rows = 0u64;
+        for name in &copied {
+            rows += self.copy_table(from, to, name, set, false, false)?;
+        }
+        // The freeze covers the delta only.
+        let frozen = Instant::now();
+        self.fan_out(vec![(from, mark(false))], |mut c, r| async move {
+            c.freeze_slots(r).await
+        })?;
+        // The tables `from` holds once the batch is frozen: one created since the pre-copy
+        // listed them (by a worker of any list) is copied whole, and none arrive later. `to`
+        // lacking one is given its definition at the first load (`definitions.rs`).
+        let mut delta = 0u64;
+        for name in &self.tables_of(from)? {
+            if copied.contains(name) {
+                delta += self.copy_table(from, to, name, set, true, true)?;
+            } else {
+                rows += self.copy_table(from, to, name, set, false, true)?;
             }
         }
         // The pushes `from` answered lately: a retry of one of them, split to `to` once the
@@ -210,6 +265,7 @@ impl Client {
             table: String::new(),
             slots: Some(set.clone()),
             shard: 0,
+            dirty: false,
         };
         let a = self
             .fan_out(vec![(from, ids)], |mut c, r| async move {
@@ -228,6 +284,6 @@ impl Client {
             )?;
         }
         self.publish_routing(next.clone())?;
-        Ok(rows)
+        Ok((rows, delta, frozen.elapsed().as_secs_f64()))
     }
 }

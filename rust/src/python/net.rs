@@ -637,5 +637,6 @@ fn move_report(py: Python<'_>, r: crate::client::MoveReport) -> PyResult<Bound<'
     d.set_item("epoch", r.epoch)?;
     d.set_item("seconds", r.seconds)?;
     d.set_item("max_frozen_seconds", r.max_frozen_seconds)?;
+    d.set_item("delta_rows", r.delta_rows)?;
     Ok(d)
 }

@@ -35,7 +35,12 @@ pub(super) fn bulk_load(store: &Store, r: BulkLoadRequest) -> Result<BulkLoadRes
             // the rows before the answer (a failed commit undoes them, and the load says so; a
             // load is idempotent, so its retry is safe either way).
             let epoch = t.common().revert_epoch();
+            // Rows the old owner removed during a pre-copy move (decision 0114).
+            let removed = wire::ids(&r.removed_ids)?;
             t.put_rows(&ids, &words)?;
+            if !removed.is_empty() {
+                t.remove(&removed)?;
+            }
             t.common().durable_wait_change(epoch, "bulk load")?;
             if let Some(seq) = r.seq {
                 t.set_seq(t.seq().max(seq));
@@ -58,9 +63,9 @@ pub(super) fn bulk_load(store: &Store, r: BulkLoadRequest) -> Result<BulkLoadRes
                     serde_json::to_string(&c.optimizer).unwrap_or_default(),
                 )));
             }
-            if !r.ids.is_empty() {
+            if !r.ids.is_empty() || !r.removed_ids.is_empty() {
                 return Err(invalid(format!(
-                    "bulk load into dense table {:?}: ids are for sparse tables",
+                    "bulk load into dense table {:?}: ids and removed_ids are for sparse tables",
                     r.table
                 )));
             }

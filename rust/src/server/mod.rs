@@ -847,7 +847,7 @@ impl PStore for Service {
             s.fits(ids.len() * t.dim() * wire::width(d), "pull")?;
             // Rows are created only on a slot this server still owns (see `moves`).
             let _pass = if create {
-                Some(s.frozen.pass_owned(&ids, &s.routing)?)
+                Some(s.frozen.pass_owned(&r.table, &ids, &s.routing)?)
             } else {
                 None
             };
@@ -896,7 +896,7 @@ impl PStore for Service {
             t.validate_push(&ids, &grads)?;
             let rid = request_id(&r.request_id);
             let ack_all = r.ack_all;
-            let _pass = s.frozen.pass_ids(&ids, &s.routing)?;
+            let _pass = s.frozen.pass_ids(&r.table, &ids, &s.routing)?;
             // Split from a part applied here, or on the server its rows moved from.
             if let Some(a) = r
                 .split_from
@@ -1012,7 +1012,7 @@ impl PStore for Service {
             let t = sparse(&s.store, &r.table)?;
             let ids = wire::ids(&r.ids)?;
             let rid = request_id(&r.request_id);
-            let _pass = s.frozen.pass_ids(&ids, &s.routing)?;
+            let _pass = s.frozen.pass_ids(&r.table, &ids, &s.routing)?;
             s.removes.once(rid, || {
                 let mut part = None;
                 if let Some((client, seq)) = rid {
@@ -1249,6 +1249,13 @@ impl PStore for Service {
                     )));
                 }
             }
+            if r.copy && !r.thaw {
+                // Writes go on; nothing changes that a follower must hold.
+                s.frozen.copy(&set);
+                return Ok(FreezeSlotsResponse {
+                    frozen: s.frozen.slots().iter().filter(|&&f| f).count() as u32,
+                });
+            }
             let frozen = s.frozen.set(&set, !r.thaw) as u32;
             // On every live follower before the rows are copied (a follower promoted during
             // the move refuses writes to them too).
@@ -1271,6 +1278,9 @@ impl PStore for Service {
                     ),
                     ..Default::default()
                 });
+            }
+            if r.dirty {
+                return moves::export_dirty(&s.store, &s.frozen, &r);
             }
             moves::export(&s.store, &r)
         })

@@ -13,7 +13,8 @@
 //! which the new owner creates alike); but a pull that creates rows holds the same pass, so
 //! none admitted under the old routing creates a row after the publish (and the drop).
 
-use std::sync::{RwLock, RwLockReadGuard};
+use std::collections::{HashMap, HashSet};
+use std::sync::{Mutex, MutexGuard, RwLock, RwLockReadGuard, RwLockWriteGuard};
 
 use crate::error::{invalid, Error, Result};
 use crate::net::proto::{DropSlotsResponse, ExportSlotsRequest, ExportSlotsResponse, SlotSet};
@@ -45,17 +46,55 @@ pub(super) fn slots_of(p: Option<&SlotSet>) -> Result<Vec<bool>> {
     Ok(set)
 }
 
-/// The frozen slots, and the gate writers pass while they apply.
-pub(super) struct Frozen(RwLock<Vec<bool>>);
+/// The frozen slots, the slots being copied, and the gate writers pass while they apply.
+pub(super) struct Frozen {
+    slots: RwLock<Slots>,
+    /// What was written in the slots being copied since they were marked (decision 0114).
+    dirty: Mutex<Dirty>,
+}
 
-impl Default for Frozen {
-    fn default() -> Self {
-        Self(RwLock::new(vec![false; SLOTS]))
+/// Per slot: frozen (writes answer "moving"), and copying (writes go on, and are recorded).
+pub(super) struct Slots {
+    frozen: Vec<bool>,
+    copying: Vec<bool>,
+    /// Whether any slot is copying (a write checks nothing more when none is).
+    any_copying: bool,
+}
+
+/// The rows written, created or removed in copying slots, by table, and the dense tables
+/// written whose name's slot is copying.
+#[derive(Default)]
+struct Dirty {
+    rows: HashMap<String, HashSet<u64>>,
+    dense: HashSet<String>,
+}
+
+impl Dirty {
+    /// Forgets what was recorded in `set`.
+    fn clear(&mut self, set: &[bool]) {
+        for ids in self.rows.values_mut() {
+            ids.retain(|&id| !set[slot_of(id)]);
+        }
+        self.rows.retain(|_, ids| !ids.is_empty());
+        self.dense.retain(|name| !set[slot_of(key(name))]);
     }
 }
 
-/// A writer's pass: while it lives, no slot it touches can be frozen.
-pub(super) type Pass<'a> = RwLockReadGuard<'a, Vec<bool>>;
+impl Default for Frozen {
+    fn default() -> Self {
+        Self {
+            slots: RwLock::new(Slots {
+                frozen: vec![false; SLOTS],
+                copying: vec![false; SLOTS],
+                any_copying: false,
+            }),
+            dirty: Mutex::new(Dirty::default()),
+        }
+    }
+}
+
+/// A writer's pass: while it lives, no slot it touches can be frozen (or marked copying).
+pub(super) type Pass<'a> = RwLockReadGuard<'a, Slots>;
 
 fn moving(what: String) -> Error {
     Error::Remote {
@@ -66,90 +105,209 @@ fn moving(what: String) -> Error {
 }
 
 impl Frozen {
+    fn write(&self) -> RwLockWriteGuard<'_, Slots> {
+        self.slots.write().unwrap_or_else(|e| e.into_inner())
+    }
+
+    fn read(&self) -> Pass<'_> {
+        self.slots.read().unwrap_or_else(|e| e.into_inner())
+    }
+
+    fn dirty(&self) -> MutexGuard<'_, Dirty> {
+        self.dirty.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    /// Records `ids` of `table` whose slots are copying (under a writer's pass `g`).
+    fn record(&self, g: &Slots, table: &str, ids: &[u64]) {
+        if !g.any_copying {
+            return;
+        }
+        let mut it = ids
+            .iter()
+            .copied()
+            .filter(|&id| g.copying[slot_of(id)])
+            .peekable();
+        if it.peek().is_none() {
+            return;
+        }
+        let mut d = self.dirty();
+        match d.rows.get_mut(table) {
+            Some(set) => set.extend(it),
+            None => {
+                d.rows.insert(table.to_string(), it.collect());
+            }
+        }
+    }
+
     /// Freezes (or thaws) `set`; returns how many slots are frozen afterwards. When it returns
-    /// after a freeze, every write admitted before it has finished.
+    /// after a freeze, every write admitted before it has finished. A thaw also ends the
+    /// copying of `set` and forgets what was recorded there (a move given up).
     pub(super) fn set(&self, set: &[bool], freeze: bool) -> usize {
-        let mut g = self.0.write().unwrap_or_else(|e| e.into_inner());
-        for (f, &s) in g.iter_mut().zip(set) {
+        let mut g = self.write();
+        for (f, &s) in g.frozen.iter_mut().zip(set) {
             if s {
                 *f = freeze;
             }
         }
-        g.iter().filter(|&&f| f).count()
+        if !freeze {
+            self.end_copying(&mut g, set);
+        }
+        g.frozen.iter().filter(|&&f| f).count()
+    }
+
+    /// Marks `set` as copying: writes to it go on, and the ids they write, create or remove are
+    /// recorded from now on (what was recorded there before is forgotten). When it returns,
+    /// every write admitted before it has finished, so a copy read from now on holds it.
+    /// Returns how many slots are copying afterwards.
+    pub(super) fn copy(&self, set: &[bool]) -> usize {
+        let mut g = self.write();
+        self.dirty().clear(set);
+        for (c, &s) in g.copying.iter_mut().zip(set) {
+            if s {
+                *c = true;
+            }
+        }
+        g.any_copying = g.copying.iter().any(|&c| c);
+        g.copying.iter().filter(|&&c| c).count()
+    }
+
+    fn end_copying(&self, g: &mut Slots, set: &[bool]) {
+        if !g.any_copying {
+            return;
+        }
+        for (c, &s) in g.copying.iter_mut().zip(set) {
+            if s {
+                *c = false;
+            }
+        }
+        g.any_copying = g.copying.iter().any(|&c| c);
+        self.dirty().clear(set);
+    }
+
+    /// The ids of `table` recorded in `set` since it was marked copying, in order; refused
+    /// unless every slot of `set` is copying and frozen (so the answer is whole, and stays so
+    /// while the delta is read: a restart or a promotion since the mark loses the record, and
+    /// the move must start the batch again).
+    pub(super) fn dirty_ids(&self, table: &str, set: &[bool]) -> Result<Vec<u64>> {
+        let g = self.read();
+        if let Some(k) = (0..SLOTS).find(|&k| set[k] && !(g.copying[k] && g.frozen[k])) {
+            return Err(invalid(format!(
+                "export of the rows written during the copy: slot {k} is not {} on this server \
+                 (a restart or a failover since the copy began loses what was written there): \
+                 move the batch again",
+                if g.copying[k] {
+                    "frozen"
+                } else {
+                    "being copied"
+                }
+            )));
+        }
+        let d = self.dirty();
+        let mut ids: Vec<u64> = d
+            .rows
+            .get(table)
+            .map(|s| s.iter().copied().filter(|&id| set[slot_of(id)]).collect())
+            .unwrap_or_default();
+        ids.sort_unstable();
+        Ok(ids)
+    }
+
+    /// Whether dense table `name` was written since its name's slot was marked copying.
+    pub(super) fn dense_dirty(&self, name: &str) -> bool {
+        self.dirty().dense.contains(name)
     }
 
     /// Runs `publish` (a routing change) with every write held off, then thaws the slots
-    /// `moved` says this server no longer owns, and runs `after` with the slots still frozen
-    /// before any write goes on (a primary hands the change to its followers there): a write
-    /// that passed its ownership check under its pass finishes first, and one after it checks
-    /// against the new routing.
+    /// `moved` says this server no longer owns (ending their copying), and runs `after` with the
+    /// slots still frozen before any write goes on (a primary hands the change to its followers
+    /// there): a write that passed its ownership check under its pass finishes first, and one
+    /// after it checks against the new routing.
     pub(super) fn publish<R>(
         &self,
         publish: impl FnOnce() -> Result<R>,
         moved: impl Fn(usize) -> bool,
         after: impl FnOnce(&[bool]) -> Result<()>,
     ) -> Result<R> {
-        let mut g = self.0.write().unwrap_or_else(|e| e.into_inner());
+        let mut g = self.write();
         let out = publish()?;
-        for (s, f) in g.iter_mut().enumerate() {
-            if *f && moved(s) {
+        let mut gone = vec![false; SLOTS];
+        let slots = &mut *g;
+        for (s, f) in slots.frozen.iter_mut().enumerate() {
+            if (*f || slots.copying[s]) && moved(s) {
                 *f = false;
+                gone[s] = true;
             }
         }
-        after(&g)?;
+        self.end_copying(&mut g, &gone);
+        after(&g.frozen)?;
         Ok(out)
     }
 
     /// The frozen slots.
     pub(super) fn slots(&self) -> Vec<bool> {
-        self.0.read().unwrap_or_else(|e| e.into_inner()).clone()
+        self.read().frozen.clone()
     }
 
     /// Replaces the frozen slots with `set` (a follower taking its primary's).
     pub(super) fn replace(&self, set: &[bool]) {
-        let mut g = self.0.write().unwrap_or_else(|e| e.into_inner());
-        let n = g.len();
-        g.copy_from_slice(&set[..n]);
+        let mut g = self.write();
+        let n = g.frozen.len();
+        g.frozen.copy_from_slice(&set[..n]);
     }
 
-    /// A write of `ids` may go on (holding the pass while it applies), unless one is frozen,
-    /// or (`owned` false: a routing published since the call was admitted gave it away) no
-    /// longer this server's: then "moving", and the retry meets the routing check ("moved").
-    pub(super) fn pass_ids(&self, ids: &[u64], routes: &Routes) -> Result<Pass<'_>> {
-        let g = self.0.read().unwrap_or_else(|e| e.into_inner());
+    /// A write of `ids` of `table` may go on (holding the pass while it applies), unless one is
+    /// frozen, or (`owned` false: a routing published since the call was admitted gave it away)
+    /// no longer this server's: then "moving", and the retry meets the routing check ("moved").
+    /// Ids of copying slots are recorded.
+    pub(super) fn pass_ids(&self, table: &str, ids: &[u64], routes: &Routes) -> Result<Pass<'_>> {
+        let g = self.read();
         // Read under the pass: a publish (which holds every pass off) is wholly before or after.
         let owned = routes.owned_now();
         if let Some(&id) = ids
             .iter()
-            .find(|&&id| g[slot_of(id)] || !owned(slot_of(id)))
+            .find(|&&id| g.frozen[slot_of(id)] || !owned(slot_of(id)))
         {
             return Err(moving(format!("id {id} (slot {})", slot_of(id))));
         }
+        self.record(&g, table, ids);
         Ok(g)
     }
 
-    /// A pull that creates the rows of `ids` it does not hold may go on (holding the pass
-    /// while it runs), unless a routing published since the call was admitted gave one away:
-    /// then "moving" (the retry meets "moved"). Frozen slots are read as usual. A publish waits
-    /// for the pass, so once it returned no pull of the old routing is left to create a row
-    /// after the old owner's `DropSlots`.
-    pub(super) fn pass_owned(&self, ids: &[u64], routes: &Routes) -> Result<Pass<'_>> {
-        let g = self.0.read().unwrap_or_else(|e| e.into_inner());
+    /// A pull that creates the rows of `ids` of `table` it does not hold may go on (holding the
+    /// pass while it runs), unless a routing published since the call was admitted gave one
+    /// away: then "moving" (the retry meets "moved"). Frozen slots are read as usual. A publish
+    /// waits for the pass, so once it returned no pull of the old routing is left to create a
+    /// row after the old owner's `DropSlots`. Ids of slots copying and not frozen are recorded
+    /// (a row created there reaches the new owner with the delta; one created under the freeze
+    /// is created again there at the same initial value).
+    pub(super) fn pass_owned(&self, table: &str, ids: &[u64], routes: &Routes) -> Result<Pass<'_>> {
+        let g = self.read();
         let owned = routes.owned_now();
         if let Some(&id) = ids.iter().find(|&&id| !owned(slot_of(id))) {
             return Err(moving(format!("id {id} (slot {})", slot_of(id))));
+        }
+        if g.any_copying {
+            let open: Vec<u64> = ids
+                .iter()
+                .copied()
+                .filter(|&id| !g.frozen[slot_of(id)])
+                .collect();
+            self.record(&g, table, &open);
         }
         Ok(g)
     }
 
     /// A write of dense table `name` may go on, unless its name's slot is frozen or no longer
-    /// owned (as [`pass_ids`](Self::pass_ids)).
+    /// owned (as [`pass_ids`](Self::pass_ids)); recorded when its name's slot is copying.
     pub(super) fn pass_name(&self, name: &str, routes: &Routes) -> Result<Pass<'_>> {
-        let g = self.0.read().unwrap_or_else(|e| e.into_inner());
+        let g = self.read();
         let owned = routes.owned_now();
         let s = slot_of(key(name));
-        if g[s] || !owned(s) {
+        if g.frozen[s] || !owned(s) {
             return Err(moving(format!("dense table {name:?} (slot {s})")));
+        }
+        if g.copying[s] {
+            self.dirty().dense.insert(name.to_string());
         }
         Ok(g)
     }
@@ -224,9 +382,8 @@ pub(super) fn export(store: &Store, r: &ExportSlotsRequest) -> Result<ExportSlot
                 next_shard: s as u32,
                 shards: shards as u32,
                 seq: t.seq(),
-                request_ids: Default::default(),
                 dense: false,
-                dense_offset: 0,
+                ..Default::default()
             })
         }
         Table::Dense(d) => {
@@ -253,11 +410,68 @@ pub(super) fn export(store: &Store, r: &ExportSlotsRequest) -> Result<ExportSlot
                 next_shard: r.shard.saturating_add(1),
                 shards: chunks as u32,
                 seq: d.step() as u64,
-                request_ids: Default::default(),
                 dense: true,
                 dense_offset: start as u64,
+                ..Default::default()
             })
         }
+    }
+}
+
+/// The rows of `r.table` written, created or removed in `r.slots` since they were marked
+/// copying (`r.dirty`; the slots frozen): the recorded ids from index `r.shard` on, up to about
+/// [`EXPORT_BYTES`], rows this server holds in `ids` and `words`, the others in `removed_ids`. A
+/// dense table: its value (as [`export`]) when it was written, nothing otherwise.
+pub(super) fn export_dirty(
+    store: &Store,
+    frozen: &Frozen,
+    r: &ExportSlotsRequest,
+) -> Result<ExportSlotsResponse> {
+    let set = slots_of(r.slots.as_ref())?;
+    // Refused unless the slots are copying and frozen.
+    let dirty = frozen.dirty_ids(&r.table, &set)?;
+    match store.table(&r.table)? {
+        Table::Sparse(t) => {
+            t.load_all()?;
+            let config_json = serde_json::to_string(t.config())
+                .map_err(|e| Error::Internal(format!("export: {e}")))?;
+            let from = (r.shard as usize).min(dirty.len());
+            let per_row = 4 * t.row_words() + 8;
+            let take = (EXPORT_BYTES / per_row).max(1);
+            let page = &dirty[from..(from + take).min(dirty.len())];
+            let (mut ids, mut removed) = (Vec::new(), Vec::new());
+            let mut words: Vec<u8> = Vec::new();
+            t.copy_rows_of(
+                page,
+                |id, w| {
+                    ids.push(id);
+                    for x in w {
+                        words.extend_from_slice(&x.to_le_bytes());
+                    }
+                },
+                |id| removed.push(id),
+            );
+            Ok(ExportSlotsResponse {
+                config_json,
+                ids: wire::encode_ids(&ids),
+                words: words.into(),
+                next_shard: (from + page.len()) as u32,
+                shards: dirty.len() as u32,
+                seq: t.seq(),
+                removed_ids: wire::encode_ids(&removed),
+                ..Default::default()
+            })
+        }
+        Table::Dense(_) if frozen.dense_dirty(&r.table) => export(store, r),
+        Table::Dense(d) => Ok(ExportSlotsResponse {
+            config_json: serde_json::to_string(d.config())
+                .map_err(|e| Error::Internal(format!("export: {e}")))?,
+            next_shard: 1,
+            shards: 1,
+            seq: d.step() as u64,
+            dense: true,
+            ..Default::default()
+        }),
     }
 }
 
@@ -311,7 +525,7 @@ mod tests {
         assert_eq!(f.set(&one, true), 1);
         let all = &Routes::default();
         let e = f
-            .pass_ids(&[1, id], all)
+            .pass_ids("t", &[1, id], all)
             .map(|_| ())
             .unwrap_err()
             .to_string();
@@ -321,16 +535,16 @@ mod tests {
         );
         // Other slots pass.
         let other = (0..).find(|&x| slot_of(x) != s).unwrap();
-        drop(f.pass_ids(&[other], all).unwrap());
+        drop(f.pass_ids("t", &[other], all).unwrap());
         f.publish(|| Ok(()), |k| k == s, |_| Ok(())).unwrap();
-        drop(f.pass_ids(&[id], all).unwrap());
+        drop(f.pass_ids("t", &[id], all).unwrap());
         assert_eq!(f.set(&one, false), 0);
     }
 
     #[test]
     fn a_freeze_waits_for_writes_under_way() {
         let f = std::sync::Arc::new(Frozen::default());
-        let pass = f.pass_ids(&[7], &Routes::default()).unwrap();
+        let pass = f.pass_ids("t", &[7], &Routes::default()).unwrap();
         let g = std::sync::Arc::clone(&f);
         let (tx, rx) = std::sync::mpsc::channel();
         let t = std::thread::spawn(move || {
@@ -346,7 +560,7 @@ mod tests {
         drop(pass);
         rx.recv_timeout(std::time::Duration::from_secs(10)).unwrap();
         t.join().unwrap();
-        assert!(f.pass_ids(&[7], &Routes::default()).is_err());
+        assert!(f.pass_ids("t", &[7], &Routes::default()).is_err());
     }
 
     #[test]
@@ -356,7 +570,7 @@ mod tests {
         one[slot_of(7)] = true;
         f.set(&one, true);
         // Frozen slots are read (and created) as usual while their rows are copied.
-        let pass = f.pass_owned(&[7], &Routes::default()).unwrap();
+        let pass = f.pass_owned("t", &[7], &Routes::default()).unwrap();
         let g = std::sync::Arc::clone(&f);
         let (tx, rx) = std::sync::mpsc::channel();
         let t = std::thread::spawn(move || {
@@ -408,6 +622,7 @@ mod tests {
                 table: "d".into(),
                 slots: Some(runs.clone()),
                 shard,
+                dirty: false,
             };
             let a = export(&from, &req).unwrap();
             assert!(
@@ -450,6 +665,167 @@ mod tests {
         };
         assert!(crate::server::bulk::bulk_load(&to, huge).is_err());
         assert_eq!(e.words(), d.words());
+    }
+
+    /// Two ids of different slots, and the set of the first one's slot.
+    fn two_slots() -> (u64, u64, Vec<bool>) {
+        let a = 7u64;
+        let b = (8..).find(|&x| slot_of(x) != slot_of(a)).unwrap();
+        let mut set = vec![false; SLOTS];
+        set[slot_of(a)] = true;
+        (a, b, set)
+    }
+
+    #[test]
+    fn copying_slots_take_writes_and_record_what_they_touch() {
+        let f = Frozen::default();
+        let all = &Routes::default();
+        let (a, b, set) = two_slots();
+        // Nothing is recorded before the mark.
+        drop(f.pass_ids("t", &[a], all).unwrap());
+        assert_eq!(f.copy(&set), 1);
+        // Writes go on; only the copying slot's ids are recorded, per table.
+        drop(f.pass_ids("t", &[a, b], all).unwrap());
+        drop(f.pass_ids("u", &[a], all).unwrap());
+        // A creating pull records too, while the slot is not frozen.
+        let c = (a + 1..).find(|&x| slot_of(x) == slot_of(a)).unwrap();
+        drop(f.pass_owned("t", &[c, b], all).unwrap());
+        // The record is given only once the slots are frozen too.
+        let e = f.dirty_ids("t", &set).unwrap_err().to_string();
+        assert!(e.contains("not frozen"), "{e}");
+        assert_eq!(f.set(&set, true), 1);
+        // Frozen: writes are refused, and a creating pull is no longer recorded.
+        assert!(f.pass_ids("t", &[a], all).is_err());
+        let d = (c + 1..).find(|&x| slot_of(x) == slot_of(a)).unwrap();
+        drop(f.pass_owned("t", &[d], all).unwrap());
+        let mut want = vec![a, c];
+        want.sort_unstable();
+        assert_eq!(f.dirty_ids("t", &set).unwrap(), want);
+        assert_eq!(f.dirty_ids("u", &set).unwrap(), vec![a]);
+        assert!(f.dirty_ids("none", &set).unwrap().is_empty());
+        // A slot outside the copy is refused by name.
+        let mut other = vec![false; SLOTS];
+        other[slot_of(b)] = true;
+        let e = f.dirty_ids("t", &other).unwrap_err().to_string();
+        assert!(
+            e.contains("not being copied") && e.contains(&format!("slot {}", slot_of(b))),
+            "{e}"
+        );
+        // A thaw ends the copy and forgets the record.
+        assert_eq!(f.set(&set, false), 0);
+        assert!(f.dirty_ids("t", &set).is_err());
+        drop(f.pass_ids("t", &[a], all).unwrap());
+        f.copy(&set);
+        f.set(&set, true);
+        assert!(f.dirty_ids("t", &set).unwrap().is_empty());
+    }
+
+    #[test]
+    fn a_dense_table_is_recorded_by_its_name_slot_and_a_publish_ends_the_copy() {
+        let f = Frozen::default();
+        let all = &Routes::default();
+        let home = slot_of(key("d"));
+        let mut set = vec![false; SLOTS];
+        set[home] = true;
+        drop(f.pass_name("d", all).unwrap());
+        f.copy(&set);
+        assert!(!f.dense_dirty("d"));
+        drop(f.pass_name("d", all).unwrap());
+        assert!(f.dense_dirty("d"));
+        let id = (0..).find(|&x| slot_of(x) == home).unwrap();
+        drop(f.pass_ids("t", &[id], all).unwrap());
+        f.set(&set, true);
+        assert_eq!(f.dirty_ids("t", &set).unwrap(), vec![id]);
+        // The publish that gives the slot away thaws it and forgets its record.
+        f.publish(
+            || Ok(()),
+            |k| k == home,
+            |frozen| {
+                assert!(!frozen[home]);
+                Ok(())
+            },
+        )
+        .unwrap();
+        assert!(!f.dense_dirty("d"));
+        assert!(f.dirty_ids("t", &set).is_err());
+    }
+
+    #[test]
+    fn a_mark_waits_for_writes_under_way() {
+        let f = std::sync::Arc::new(Frozen::default());
+        let (a, _, set) = two_slots();
+        let pass = f.pass_ids("t", &[a], &Routes::default()).unwrap();
+        let g = std::sync::Arc::clone(&f);
+        let (tx, rx) = std::sync::mpsc::channel();
+        let t = std::thread::spawn(move || {
+            g.copy(&set);
+            tx.send(set).unwrap();
+        });
+        // The mark cannot finish while a write admitted before it holds its pass: a copy read
+        // after the mark holds that write.
+        assert!(rx
+            .recv_timeout(std::time::Duration::from_millis(100))
+            .is_err());
+        drop(pass);
+        let set = rx.recv_timeout(std::time::Duration::from_secs(10)).unwrap();
+        t.join().unwrap();
+        f.set(&set, true);
+        // The write admitted before the mark is not in the record (the copy holds it).
+        assert!(f.dirty_ids("t", &set).unwrap().is_empty());
+    }
+
+    #[test]
+    fn a_delta_export_gives_rows_held_and_removals_in_pages() {
+        use crate::store::StoreConfig;
+        let store = Store::new(StoreConfig::default()).unwrap();
+        let t = store
+            .create_sparse_table(
+                "t",
+                crate::table::SparseTableConfig {
+                    dim: 2,
+                    optimizer: Default::default(),
+                    initializer: crate::init::Initializer::Zeros,
+                    seed: 0,
+                    lifecycle: Default::default(),
+                    refuse_nonfinite: false,
+                },
+            )
+            .unwrap();
+        let f = Frozen::default();
+        let all = &Routes::default();
+        let every = vec![true; SLOTS];
+        let ids: Vec<u64> = (0..10).collect();
+        t.push(&ids, &[1.0; 20]).unwrap();
+        f.copy(&every);
+        drop(f.pass_ids("t", &[1, 2, 3], all).unwrap());
+        t.remove(&[3]).unwrap();
+        f.set(&every, true);
+        let r = ExportSlotsRequest {
+            table: "t".into(),
+            slots: Some(SlotSet {
+                starts: vec![0],
+                ends: vec![SLOTS as u32],
+            }),
+            shard: 0,
+            dirty: true,
+        };
+        let a = export_dirty(&store, &f, &r).unwrap();
+        assert_eq!(wire::ids(&a.ids).unwrap(), vec![1, 2]);
+        assert_eq!(wire::ids(&a.removed_ids).unwrap(), vec![3]);
+        assert_eq!((a.next_shard, a.shards), (3, 3));
+        assert_eq!(a.words.len(), 2 * 4 * t.row_words());
+        // From a later index on: the rest only.
+        let b = export_dirty(
+            &store,
+            &f,
+            &ExportSlotsRequest {
+                shard: 2,
+                ..r.clone()
+            },
+        )
+        .unwrap();
+        assert!(b.ids.is_empty());
+        assert_eq!(wire::ids(&b.removed_ids).unwrap(), vec![3]);
     }
 
     #[test]

@@ -213,6 +213,27 @@ impl SparseTable {
         }
     }
 
+    /// Gives `row(id, words)` for each of `ids` this table holds, and `absent(id)` for each it
+    /// does not, each under its shard's read lock, changing nothing (words as
+    /// [`copy_rows_where`](Self::copy_rows_where) gives them). Rows still waiting in a replica
+    /// are not seen: load them first.
+    pub fn copy_rows_of(
+        &self,
+        ids: &[u64],
+        mut row: impl FnMut(u64, &[u32]),
+        mut absent: impl FnMut(u64),
+    ) {
+        let m = self.row_words();
+        let n = self.num_shards();
+        for &id in ids {
+            let shard = self.read(crate::hash::shard_of(id, n));
+            match shard.find(id) {
+                Some(slot) => row(id, &shard.row(slot)[2..2 + m]),
+                None => absent(id),
+            }
+        }
+    }
+
     /// Copies shard `s` for a snapshot of an in-memory store, under its lock: all rows, or with
     /// `incremental` the rows changed since the last copy and the ids removed since then. Either
     /// way the shard then records changes anew for the next increment.
