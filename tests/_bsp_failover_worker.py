@@ -1,10 +1,10 @@
 """A BSP (or SSP) worker process for tests/test_bsp_failover.py: trains a few steps on a
 cluster of replica groups with ack="all" and stops at one step until told to go on.
 
-Argument: JSON of {servers, worker, num_workers, job, steps, hold, mode}. At step ``hold``
-worker 0 pushes, says {"held": step} and waits for a line on stdin before it ends the step;
-the other workers say {"held": step} and wait before they push. Prints {"first": rows} (the
-rows before training, worker 0), {"clock": c} after each step, {"last": rows} at the end, and
+Argument: JSON of {servers, worker, num_workers, job, steps, hold, mode, opt}. At step
+``hold`` worker 0 pushes, says {"held": step} and waits for a line on stdin before it ends the
+step; the other workers say {"held": step} and wait before they push. Prints {"first": rows}
+(the rows before training, worker 0), {"clock": c} after each step, {"done": c} at the end, and
 {"error": class, "message": ...} when a call fails.
 """
 
@@ -37,6 +37,7 @@ def main() -> None:
     store = pstore.connect(
         a["servers"],
         mode=a["mode"],
+        staleness=1 if a["mode"] == "ssp" else 0,
         worker=w,
         num_workers=a["num_workers"],
         job=a["job"],
@@ -45,7 +46,8 @@ def main() -> None:
         timeout=10.0,
         barrier_timeout=60.0,
     )
-    t = store.create_sparse_table("emb", DIM, optimizer=pstore.optim.Adagrad(lr=0.1), seed=3)
+    opt = pstore.optim.Adagrad(lr=0.1) if a["opt"] == "adagrad" else pstore.optim.SGD(lr=0.1)
+    t = store.create_sparse_table("emb", DIM, optimizer=opt, seed=3)
     if w == 0:
         say(first=t.pull(IDS).tolist())
     try:
@@ -60,8 +62,7 @@ def main() -> None:
                 say(held=c)
                 sys.stdin.readline()
             say(clock=store.end_step())
-        # Every worker past the last step: the rows hold every step.
-        say(last=t.pull(IDS).tolist())
+        say(done=store.clock)
     except pstore.PstoreError as e:
         say(error=type(e).__name__, message=str(e))
 
