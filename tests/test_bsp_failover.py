@@ -19,7 +19,7 @@ from typing import Any
 import numpy as np
 import pytest
 from _bsp_failover_worker import DIM, IDS, batch
-from _netutil import ServerProcess, child_env
+from _netutil import ServerProcess, child_env, run_threads, start_servers, stop_all
 from test_bsp import _Ref
 from test_failover import _group, _wait_role
 from test_replication import _status
@@ -152,3 +152,36 @@ def test_a_job_goes_on_across_a_kill_9_of_its_primary_and_a_promotion(
         single.stop()
         b.stop()
         a.stop()
+
+
+def test_a_move_is_refused_while_a_step_has_a_pending_aggregate_in_its_slots() -> None:
+    """A step's aggregate is not moved with its slots: a move of slots holding one is refused
+    with nothing changed, and goes once the step is applied."""
+    procs = start_servers(2)
+    try:
+        servers = [p.address for p in procs]
+        job = uuid.uuid4().hex
+        w = [
+            pstore.connect(servers, mode="bsp", worker=k, num_workers=2, job=job)
+            for k in range(2)
+        ]
+        sgd = pstore.optim.SGD(lr=1.0)
+        t = [
+            c.create_sparse_table("moving", DIM, optimizer=sgd, initializer=pstore.init.Zeros())
+            for c in w
+        ]
+        ids = IDS
+        t[0].push(ids, np.ones((ids.size, DIM), np.float32))
+        admin = pstore.connect(servers)
+        before = admin.slots
+        with pytest.raises(pstore.PstoreError, match="pending step 1 with rows of table"):
+            admin.move_slots(dict(before, ranges=[[0, 16384, 1]]))
+        assert admin.slots == before
+        t[1].push(ids, np.ones((ids.size, DIM), np.float32))
+        run_threads(2, lambda k: w[k].end_step())
+        rep = admin.move_slots(dict(before, ranges=[[0, 16384, 1]]))
+        assert rep["slots"] > 0
+        # The step applied once, on its rows' owner then, moved since.
+        np.testing.assert_array_equal(t[0].pull(ids), np.full((ids.size, DIM), -2.0, np.float32))
+    finally:
+        stop_all(procs)

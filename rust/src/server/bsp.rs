@@ -806,6 +806,27 @@ impl Steps {
         Ok(())
     }
 
+    /// A pending step's aggregate with a row (or, of a dense table, its home) in the slots
+    /// `set`: the job, the step and the table. Such an aggregate is not moved with the slots.
+    pub fn pending_in(&self, set: &[bool]) -> Option<(String, u64, String)> {
+        use crate::net::routing::{key, slot_of};
+        let in_set = |slot: usize| set.get(slot).copied().unwrap_or(false);
+        let g = self.lock();
+        let j = g.as_ref()?;
+        for (step, tables) in &j.pending {
+            for (name, agg) in tables {
+                let hit = match agg {
+                    Agg::Sparse { ids, .. } => ids.iter().any(|&id| in_set(slot_of(id))),
+                    Agg::Dense(_) => in_set(slot_of(key(name))),
+                };
+                if hit {
+                    return Some((j.id.clone(), *step, name.clone()));
+                }
+            }
+        }
+        None
+    }
+
     /// Renews worker `w`'s lease in job `job` (a heartbeat); false when that is not the job.
     pub fn renew(&self, job: &str, w: u32) -> bool {
         let mut g = self.lock();

@@ -1245,6 +1245,15 @@ impl PStore for Service {
                 }
             }
             let frozen = s.frozen.set(&set, !r.thaw) as u32;
+            if !r.thaw {
+                // Frozen: no tagged push of these slots is on its way into an aggregate now.
+                if let Some((job, step, table)) = s.steps.pending_in(&set) {
+                    s.frozen.set(&set, false);
+                    return Err(invalid(format!(
+                        "freeze: job {job:?} has a pending step {step} with rows of table                          {table:?} in these slots, and a step's aggregate is not moved with its                          slots: move them between jobs, or once every step is applied (with                          asynchronous training); nothing was frozen"
+                    )));
+                }
+            }
             // On every live follower before the rows are copied (a follower promoted during
             // the move refuses writes to them too).
             held::ship(s, None, true)?;

@@ -399,4 +399,74 @@ mod tests {
         }
         let _ = std::fs::remove_dir_all(&root);
     }
+
+    #[test]
+    fn a_promoted_follower_finishes_a_step_only_on_the_tables_that_lack_its_request_id() {
+        let root = std::env::temp_dir().join(format!("pstore-jobmarker-{}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&root);
+        let store = durable(&root);
+        for name in ["t", "u"] {
+            store.create_sparse_table(name, config()).unwrap();
+        }
+        let steps = Steps::load(&store, true).unwrap();
+        steps.follow();
+        let nonce = 77;
+        // The old primary was applying step 1 (its marker) of both tables' pushes.
+        let saved = serde_json::to_vec(&Saved {
+            id: "j".into(),
+            lease_s: 10.0,
+            continue_on_loss: false,
+            mean: false,
+            clocks: vec![1, 1],
+            lost: vec![false, false],
+            applied: 0,
+            applying: Some((1, BTreeMap::new())),
+            nonce,
+        })
+        .unwrap();
+        let push = |table: &str, g: f32, rid: (u64, u64), index: u64| Record::Push {
+            step: 1,
+            index,
+            body: super::super::encode_log(
+                &super::super::LogHead {
+                    rid: Some(rid),
+                    table: table.into(),
+                    dim: 2,
+                },
+                &[1],
+                &[g, g],
+            ),
+        };
+        let records = [
+            Record::Header {
+                reset: true,
+                saved,
+            },
+            push("t", 1.0, (5, 1), 0),
+            push("u", 2.0, (6, 1), 1),
+        ];
+        let records: Vec<Vec<u8>> = records.iter().map(Record::encode).collect();
+        steps.install(&records).unwrap();
+        // Its apply reached table t (the rows with the step's request id), not u.
+        let Table::Sparse(t) = store.table("t").unwrap() else {
+            panic!("sparse")
+        };
+        t.push_validated_as(&[1], &[1.0, 1.0], 1.0, Some((nonce, 1)))
+            .unwrap();
+        steps.take_over(&store).unwrap();
+        assert_eq!(steps.view().applied, 1);
+        let Table::Sparse(u) = store.table("u").unwrap() else {
+            panic!("sparse")
+        };
+        // SGD from zeros, lr 0.5: t once (not twice), u once.
+        assert_eq!(t.pull(&[1]).unwrap(), vec![-0.5, -0.5]);
+        assert_eq!(u.pull(&[1]).unwrap(), vec![-1.0, -1.0]);
+        // Loaded again (a restart of the promoted server): nothing applied again.
+        drop(steps);
+        let again = Steps::load(&store, false).unwrap();
+        assert_eq!(again.view().applied, 1);
+        assert_eq!(t.pull(&[1]).unwrap(), vec![-0.5, -0.5]);
+        assert_eq!(u.pull(&[1]).unwrap(), vec![-1.0, -1.0]);
+        let _ = std::fs::remove_dir_all(&root);
+    }
 }
