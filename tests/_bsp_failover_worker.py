@@ -3,7 +3,8 @@ cluster of replica groups with ack="all" and stops at one step until told to go 
 
 Argument: JSON of {servers, worker, num_workers, job, steps, hold, mode, opt}. At step
 ``hold`` worker 0 pushes, says {"held": step} and waits for a line on stdin before it ends the
-step; the other workers say {"held": step} and wait before they push. Prints {"first": rows}
+step; the other workers start once told (a line on stdin), then say {"held": step} and wait
+before they push. Prints {"first": rows}
 (the rows before training, worker 0), {"clock": c} after each step, {"done": c} at the end, and
 {"error": class, "message": ...} when a call fails.
 """
@@ -50,6 +51,9 @@ def main() -> None:
     t = store.create_sparse_table("emb", DIM, optimizer=opt, seed=3)
     if w == 0:
         say(first=t.pull(IDS).tolist())
+    else:
+        # Not before worker 0 read the rows (an SSP worker may run ahead of it).
+        sys.stdin.readline()
     try:
         for c in range(a["steps"]):
             ids, g = batch(w, c)
