@@ -169,8 +169,7 @@ def test_a_move_is_refused_while_a_step_has_a_pending_aggregate_in_its_slots() -
         servers = [p.address for p in procs]
         job = uuid.uuid4().hex
         w = [
-            pstore.connect(servers, mode="bsp", worker=k, num_workers=2, job=job)
-            for k in range(2)
+            pstore.connect(servers, mode="bsp", worker=k, num_workers=2, job=job) for k in range(2)
         ]
         sgd = pstore.optim.SGD(lr=1.0)
         t = [

@@ -231,10 +231,7 @@ impl Persist {
     ) -> Result<()> {
         let body = header_of(j, applying);
         self.write_header(&body)?;
-        self.hand_on(mirror::Record::Header {
-            reset,
-            saved: body,
-        });
+        self.hand_on(mirror::Record::Header { reset, saved: body });
         Ok(())
     }
 
@@ -265,14 +262,7 @@ impl Persist {
     }
 
     /// Appends a push to step `step`'s log, as its `index`-th record, and hands it on.
-    fn log(
-        &self,
-        step: u64,
-        index: u64,
-        head: &LogHead,
-        ids: &[u64],
-        vals: &[f32],
-    ) -> Result<()> {
+    fn log(&self, step: u64, index: u64, head: &LogHead, ids: &[u64], vals: &[f32]) -> Result<()> {
         let rec = encode_log(head, ids, vals);
         self.append(step, &rec)?;
         self.hand_on(mirror::Record::Push {
@@ -320,7 +310,9 @@ impl Persist {
         let f = self.step_log(step);
         self.read_raw(step)?
             .iter()
-            .map(|r| parse_log(r).map_err(|e| crate::error::corrupt(format!("{}: {e}", f.display()))))
+            .map(|r| {
+                parse_log(r).map_err(|e| crate::error::corrupt(format!("{}: {e}", f.display())))
+            })
             .collect()
     }
 

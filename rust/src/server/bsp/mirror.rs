@@ -28,7 +28,11 @@ pub(crate) enum Record {
     Header { reset: bool, saved: Vec<u8> },
     /// A tagged push counted in step `step`: the bytes of its record in the step's log, the
     /// `index`-th record there.
-    Push { step: u64, index: u64, body: Vec<u8> },
+    Push {
+        step: u64,
+        index: u64,
+        body: Vec<u8>,
+    },
     /// The logs of steps <= `applied` are deleted.
     Prune { applied: u64 },
     /// No job: everything is deleted.
@@ -262,13 +266,7 @@ mod tests {
             body: body[..body.len() - 1].to_vec(),
         }
         .encode();
-        for bad in [
-            vec![],
-            vec![9],
-            vec![PRUNE, 1],
-            torn,
-            vec![HEADER, 1, b'{'],
-        ] {
+        for bad in [vec![], vec![9], vec![PRUNE, 1], torn, vec![HEADER, 1, b'{']] {
             let e = Record::decode(&bad).unwrap_err().to_string();
             assert!(e.contains("job record"), "{e}");
         }
@@ -337,7 +335,16 @@ mod tests {
             .add("j", 0, Some((1, 1)), 1, "t", 2, &[5], &[1.0, 1.0])
             .unwrap();
         steps
-            .add("j", 1, Some((2, 1)), 1, "t", 2, &[5, 6], &[2.0, 2.0, 3.0, 3.0])
+            .add(
+                "j",
+                1,
+                Some((2, 1)),
+                1,
+                "t",
+                2,
+                &[5, 6],
+                &[2.0, 2.0, 3.0, 3.0],
+            )
             .unwrap();
         steps.advance("j", 0, 2, 1, opts()).unwrap();
         f.flush().unwrap();
@@ -384,10 +391,22 @@ mod tests {
         for (store, s) in [(&follower, &fs), (&again, &gs)] {
             s.take_over(store).unwrap();
             let v = s.view();
-            assert_eq!((v.job.as_str(), v.clocks.clone(), v.applied), ("j", vec![1, 0], 0));
+            assert_eq!(
+                (v.job.as_str(), v.clocks.clone(), v.applied),
+                ("j", vec![1, 0], 0)
+            );
             // A retried push is counted once; the step applies the sum of the two.
-            s.add("j", 1, Some((2, 1)), 1, "t", 2, &[5, 6], &[2.0, 2.0, 3.0, 3.0])
-                .unwrap();
+            s.add(
+                "j",
+                1,
+                Some((2, 1)),
+                1,
+                "t",
+                2,
+                &[5, 6],
+                &[2.0, 2.0, 3.0, 3.0],
+            )
+            .unwrap();
             s.advance("j", 1, 2, 1, opts()).unwrap();
             s.apply_ready(store).unwrap();
             assert_eq!(s.view().applied, 1);
@@ -438,10 +457,7 @@ mod tests {
             ),
         };
         let records = [
-            Record::Header {
-                reset: true,
-                saved,
-            },
+            Record::Header { reset: true, saved },
             push("t", 1.0, (5, 1), 0),
             push("u", 2.0, (6, 1), 1),
         ];
