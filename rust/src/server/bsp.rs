@@ -959,6 +959,8 @@ impl Steps {
         synced: bool,
         clock: Option<u64>,
     ) -> Result<(bool, bool)> {
+        // A primary that stepped down while a worker waited: the worker goes to the new one.
+        self.refuse_following()?;
         let mut g = self.lock();
         let Some(j) = g.as_mut() else {
             return Err(invalid(format!(
