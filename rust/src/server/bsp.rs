@@ -12,6 +12,12 @@
 //! finds a worker silent for longer than the lease either fails with [`Error::WorkerLost`] or,
 //! with `continue`, marks it lost and goes on without it. A lost worker that calls again rejoins
 //! at the step the job is at.
+//!
+//! Replica groups (`bsp/mirror.rs`, decision 0115): a durable primary hands every change of its
+//! job files to its followers through the replication log, in commit order with the rows; a
+//! follower keeps them and runs no job; promoted, it loads the job as a restarted server does.
+//! A step is applied under the request id `(job nonce, step)`, kept with the rows, so a step
+//! interrupted by a crash or a failover is finished on exactly the tables that lack it.
 
 use std::collections::{BTreeMap, HashMap, HashSet};
 use std::path::PathBuf;
@@ -34,7 +40,7 @@ use crate::store::{Store, Table};
 mod boundary;
 mod mirror;
 
-pub(crate) use mirror::Record;
+use mirror::Record;
 
 /// The lease when a job does not give one.
 pub const DEFAULT_LEASE: Duration = Duration::from_secs(10);
