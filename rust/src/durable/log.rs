@@ -42,12 +42,18 @@ pub struct CommitEntry {
     /// What the server holds beside its tables (its routing, ...), encoded by the server,
     /// when it changed since the last entry; opaque here.
     pub held: Option<Vec<u8>>,
+    /// The server's synchronous-job records since the last entry, in order, encoded by the
+    /// server; opaque here.
+    pub job: Vec<Vec<u8>>,
 }
 
 impl CommitEntry {
     /// Nothing in it.
     pub fn is_empty(&self) -> bool {
-        self.dropped.is_empty() && self.tables.is_empty() && self.held.is_none()
+        self.dropped.is_empty()
+            && self.tables.is_empty()
+            && self.held.is_none()
+            && self.job.is_empty()
     }
 
     /// The bytes its rows and values take (what a bounded log counts).
@@ -66,6 +72,7 @@ impl CommitEntry {
             .sum::<usize>()
             + self.dropped.iter().map(String::len).sum::<usize>()
             + self.held.as_ref().map_or(0, Vec::len)
+            + self.job.iter().map(Vec::len).sum::<usize>()
     }
 
     fn table(&mut self, name: &str) -> &mut TableCommit {
@@ -203,6 +210,14 @@ impl Shipping {
             return;
         }
         self.pending().held = Some(held);
+    }
+
+    /// A record of the server's synchronous job (appended after those not handed on yet).
+    pub(super) fn job(&self, record: Vec<u8>) {
+        if !self.has_sink() {
+            return;
+        }
+        self.pending().job.push(record);
     }
 
     /// After cycle `lsn` committed something: hands its entry to the sink.

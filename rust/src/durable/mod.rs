@@ -178,6 +178,14 @@ impl Flusher {
         self.cycle_soon();
     }
 
+    /// A record of the server's synchronous job (`record`, encoded by the server): the next
+    /// entry of the commit log carries it, after the records before it. Asks for a cycle
+    /// without waiting for it.
+    pub fn ship_job(&self, record: Vec<u8>) {
+        self.ship.job(record);
+        self.cycle_soon();
+    }
+
     /// When the commit log has creations or drops to hand on: asks for a cycle without
     /// waiting for it (the caller may hold cycles off), so they do not wait for the next write.
     fn cycle_soon(&self) {

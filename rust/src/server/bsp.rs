@@ -12,9 +12,16 @@
 //! finds a worker silent for longer than the lease either fails with [`Error::WorkerLost`] or,
 //! with `continue`, marks it lost and goes on without it. A lost worker that calls again rejoins
 //! at the step the job is at.
+//!
+//! Replica groups (`bsp/mirror.rs`, decision 0115): a durable primary hands every change of its
+//! job files to its followers through the replication log, in commit order with the rows; a
+//! follower keeps them and runs no job; promoted, it loads the job as a restarted server does.
+//! A step is applied under the request id `(job nonce, step)`, kept with the rows, so a step
+//! interrupted by a crash or a failover is finished on exactly the tables that lack it.
 
 use std::collections::{BTreeMap, HashMap, HashSet};
 use std::path::PathBuf;
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
@@ -31,6 +38,9 @@ use crate::net::status_of;
 use crate::store::{Store, Table};
 
 mod boundary;
+mod mirror;
+
+use mirror::Record;
 
 /// The lease when a job does not give one.
 pub const DEFAULT_LEASE: Duration = Duration::from_secs(10);
@@ -95,6 +105,12 @@ struct Job {
     marker: Option<(u64, BTreeMap<String, u64>)>,
     /// A worker lost under the `fail` option: the error every waiter gets.
     failed: Option<String>,
+    /// Random, made when the job starts: the client id of its steps' applies (a step `s` is
+    /// applied as the write request `(nonce, s)`, kept with the rows it changed), and how a
+    /// follower tells a new job from the one it holds.
+    nonce: u64,
+    /// The records in each pending step's log (a pushed record's index there).
+    logged: BTreeMap<u64, u64>,
     pending: BTreeMap<u64, BTreeMap<String, Agg>>,
     /// Cluster snapshots at a step boundary: their holds on clock answers (`boundary.rs`).
     holds: boundary::Holds,
@@ -135,6 +151,11 @@ pub struct Steps {
     tick: watch::Sender<u64>,
     /// A durable server's copy of the job state.
     persist: Option<Persist>,
+    /// The server follows a primary: it keeps its primary's job records (`mirror.rs`) and runs
+    /// no job.
+    following: AtomicBool,
+    /// A follower's view of the records it keeps (read from its files at the first record).
+    mirror: Mutex<Option<mirror::Mirror>>,
 }
 
 impl Default for Steps {
@@ -144,6 +165,8 @@ impl Default for Steps {
             applying: Mutex::new(()),
             tick: watch::channel(0).0,
             persist: None,
+            following: AtomicBool::new(false),
+            mirror: Mutex::new(None),
         }
     }
 }
@@ -159,6 +182,9 @@ struct Persist {
     dir: PathBuf,
     /// fsync every write (the store's durability is `sync`).
     sync: bool,
+    /// The store's flusher: every change is also a record of the next entry of its commit log
+    /// when the server is a primary with followers (`mirror.rs`; nothing otherwise).
+    ship: Option<Arc<crate::durable::Flusher>>,
 }
 
 #[derive(Serialize, Deserialize)]
@@ -172,6 +198,10 @@ struct Saved {
     applied: u64,
     /// The step being applied and each table's seq before it.
     applying: Option<(u64, BTreeMap<String, u64>)>,
+    /// The job's nonce (0 in the files of older versions: their steps are applied without a
+    /// request id, and a crash in the middle of one is told by the tables' seqs).
+    #[serde(default)]
+    nonce: u64,
 }
 
 /// One push of a step's log: its head, ids and values.
@@ -194,23 +224,37 @@ impl Persist {
         self.dir.join(format!("step-{step}.log"))
     }
 
+    /// Writes `job.json` (`reset`: the job just started) and hands it on.
     fn save(&self, j: &Job, applying: Option<(u64, BTreeMap<String, u64>)>) -> Result<()> {
-        let saved = Saved {
-            id: j.id.clone(),
-            lease_s: j.opts.lease.as_secs_f64(),
-            continue_on_loss: j.opts.continue_on_loss,
-            mean: j.opts.mean,
-            clocks: j.clocks.clone(),
-            lost: j.lost.clone(),
-            applied: j.applied,
-            applying,
-        };
+        self.save_as(j, applying, false)
+    }
+
+    fn save_as(
+        &self,
+        j: &Job,
+        applying: Option<(u64, BTreeMap<String, u64>)>,
+        reset: bool,
+    ) -> Result<()> {
+        let body = header_of(j, applying);
+        self.write_header(&body)?;
+        self.hand_on(mirror::Record::Header { reset, saved: body });
+        Ok(())
+    }
+
+    fn hand_on(&self, r: mirror::Record) {
+        if let Some(f) = &self.ship {
+            f.ship_job(r.encode());
+        }
+    }
+
+    /// Writes `job.json` as `body` (a temporary file renamed over the old one).
+    fn write_header(&self, body: &[u8]) -> Result<()> {
+        std::fs::create_dir_all(&self.dir).map_err(|e| io_err(&self.dir, e))?;
         let f = self.dir.join("job.json");
         let tmp = self.dir.join("job.json.tmp");
-        let body = serde_json::to_vec(&saved).expect("job state serializes");
         let write = || -> std::io::Result<()> {
             let mut h = std::fs::File::create(&tmp)?;
-            h.write_all(&body)?;
+            h.write_all(body)?;
             if self.sync {
                 h.sync_all()?;
             }
@@ -223,72 +267,59 @@ impl Persist {
         write().map_err(|e| io_err(&f, e))
     }
 
-    fn log(&self, step: u64, head: &LogHead, ids: &[u64], vals: &[f32]) -> Result<()> {
+    /// Appends a push to step `step`'s log, as its `index`-th record, and hands it on.
+    fn log(&self, step: u64, index: u64, head: &LogHead, ids: &[u64], vals: &[f32]) -> Result<()> {
+        let rec = encode_log(head, ids, vals);
+        self.append(step, &rec)?;
+        self.hand_on(mirror::Record::Push {
+            step,
+            index,
+            body: rec,
+        });
+        Ok(())
+    }
+
+    /// The records of a step's log as written (a torn last one left out).
+    fn read_raw(&self, step: u64) -> Result<Vec<Vec<u8>>> {
         let f = self.step_log(step);
-        let head = serde_json::to_vec(head).expect("log head serializes");
-        let mut rec = Vec::with_capacity(20 + head.len() + ids.len() * 8 + vals.len() * 4);
-        rec.extend_from_slice(&(head.len() as u32).to_le_bytes());
-        rec.extend_from_slice(&head);
-        rec.extend_from_slice(&(ids.len() as u64).to_le_bytes());
-        ids.iter()
-            .for_each(|x| rec.extend_from_slice(&x.to_le_bytes()));
-        rec.extend_from_slice(&(vals.len() as u64).to_le_bytes());
-        vals.iter()
-            .for_each(|x| rec.extend_from_slice(&x.to_le_bytes()));
-        let write = || -> std::io::Result<()> {
-            let mut h = std::fs::OpenOptions::new()
-                .create(true)
-                .append(true)
-                .open(&f)?;
-            h.write_all(&rec)?;
-            if self.sync {
-                h.sync_data()?;
-            }
-            Ok(())
+        match std::fs::read(&f) {
+            Ok(b) => Ok(split_log(&b).into_iter().map(<[u8]>::to_vec).collect()),
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => Ok(Vec::new()),
+            Err(e) => Err(io_err(&f, e)),
+        }
+    }
+
+    /// The steps that have a log, in order.
+    fn steps(&self) -> Result<Vec<u64>> {
+        let rd = match std::fs::read_dir(&self.dir) {
+            Ok(rd) => rd,
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(Vec::new()),
+            Err(e) => return Err(io_err(&self.dir, e)),
         };
-        write().map_err(|e| io_err(&f, e))
+        let mut steps: Vec<u64> = rd
+            .flatten()
+            .filter_map(|e| {
+                e.file_name()
+                    .to_string_lossy()
+                    .strip_prefix("step-")
+                    .and_then(|x| x.strip_suffix(".log"))
+                    .and_then(|x| x.parse::<u64>().ok())
+            })
+            .collect();
+        steps.sort_unstable();
+        Ok(steps)
     }
 
     /// The records of a step's log; a torn last record (a crash while it was written, before
     /// its push was answered) is left out.
     fn read_log(&self, step: u64) -> Result<Vec<LogRecord>> {
         let f = self.step_log(step);
-        let b = match std::fs::read(&f) {
-            Ok(b) => b,
-            Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(Vec::new()),
-            Err(e) => return Err(io_err(&f, e)),
-        };
-        let mut out = Vec::new();
-        let mut at = 0usize;
-        let take = |at: &mut usize, n: usize| -> Option<&[u8]> {
-            let s = b.get(*at..at.checked_add(n)?)?;
-            *at += n;
-            Some(s)
-        };
-        // A length (u64) and that many values of `width` bytes.
-        let array = |at: &mut usize, width: usize| -> Option<&[u8]> {
-            let n = u64::from_le_bytes(take(at, 8)?.try_into().ok()?) as usize;
-            take(at, n.checked_mul(width)?)
-        };
-        while let Some(h) = take(&mut at, 4) {
-            let hl = u32::from_le_bytes(h.try_into().expect("4 bytes")) as usize;
-            let Some(h) = take(&mut at, hl) else { break };
-            let head: LogHead = serde_json::from_slice(h)
-                .map_err(|e| crate::error::corrupt(format!("{}: {e}", f.display())))?;
-            let (Some(ib), Some(vb)) = (array(&mut at, 8), array(&mut at, 4)) else {
-                break;
-            };
-            let ids = ib
-                .chunks_exact(8)
-                .map(|c| u64::from_le_bytes(c.try_into().expect("8 bytes")))
-                .collect();
-            let vals = vb
-                .chunks_exact(4)
-                .map(|c| f32::from_le_bytes(c.try_into().expect("4 bytes")))
-                .collect();
-            out.push((head, ids, vals));
-        }
-        Ok(out)
+        self.read_raw(step)?
+            .iter()
+            .map(|r| {
+                parse_log(r).map_err(|e| crate::error::corrupt(format!("{}: {e}", f.display())))
+            })
+            .collect()
     }
 
     /// Deletes the logs of steps <= `applied` (and, with `all`, every log); makes the
@@ -308,8 +339,111 @@ impl Persist {
                 }
             }
         }
+        if !all {
+            self.hand_on(mirror::Record::Prune { applied });
+        }
         Ok(())
     }
+}
+
+/// The `job.json` of a job (`applying`: the step being applied and each table's seq before it).
+fn header_of(j: &Job, applying: Option<(u64, BTreeMap<String, u64>)>) -> Vec<u8> {
+    let saved = Saved {
+        id: j.id.clone(),
+        lease_s: j.opts.lease.as_secs_f64(),
+        continue_on_loss: j.opts.continue_on_loss,
+        mean: j.opts.mean,
+        clocks: j.clocks.clone(),
+        lost: j.lost.clone(),
+        applied: j.applied,
+        applying,
+        nonce: j.nonce,
+    };
+    serde_json::to_vec(&saved).expect("job state serializes")
+}
+
+/// One record of a step's log: the head's length (u32), the head (JSON), the ids (a u64 count
+/// and the ids) and the values (a u64 count and the f32 values), little-endian.
+fn encode_log(head: &LogHead, ids: &[u64], vals: &[f32]) -> Vec<u8> {
+    let head = serde_json::to_vec(head).expect("log head serializes");
+    let mut rec = Vec::with_capacity(20 + head.len() + ids.len() * 8 + vals.len() * 4);
+    rec.extend_from_slice(&(head.len() as u32).to_le_bytes());
+    rec.extend_from_slice(&head);
+    rec.extend_from_slice(&(ids.len() as u64).to_le_bytes());
+    ids.iter()
+        .for_each(|x| rec.extend_from_slice(&x.to_le_bytes()));
+    rec.extend_from_slice(&(vals.len() as u64).to_le_bytes());
+    vals.iter()
+        .for_each(|x| rec.extend_from_slice(&x.to_le_bytes()));
+    rec
+}
+
+/// The whole records of a log's bytes (a torn last one, cut by a crash while it was written
+/// and before its push was answered, is left out).
+fn split_log(b: &[u8]) -> Vec<&[u8]> {
+    let mut out = Vec::new();
+    let mut at = 0usize;
+    let take = |at: &mut usize, n: usize| -> Option<()> {
+        b.get(*at..at.checked_add(n)?)?;
+        *at += n;
+        Some(())
+    };
+    let count = |at: &mut usize| -> Option<usize> {
+        let n = u64::from_le_bytes(b.get(*at..*at + 8)?.try_into().ok()?);
+        *at += 8;
+        usize::try_from(n).ok()
+    };
+    loop {
+        let start = at;
+        let whole = (|| -> Option<()> {
+            let hl = u32::from_le_bytes(b.get(at..at + 4)?.try_into().ok()?) as usize;
+            at += 4;
+            take(&mut at, hl)?;
+            let n = count(&mut at)?;
+            take(&mut at, n.checked_mul(8)?)?;
+            let n = count(&mut at)?;
+            take(&mut at, n.checked_mul(4)?)
+        })();
+        if whole.is_none() {
+            break;
+        }
+        out.push(&b[start..at]);
+    }
+    out
+}
+
+/// A whole record of a step's log (see [`encode_log`]).
+fn parse_log(r: &[u8]) -> std::result::Result<LogRecord, String> {
+    let hl = u32::from_le_bytes(r[..4].try_into().expect("4 bytes")) as usize;
+    let head: LogHead = serde_json::from_slice(&r[4..4 + hl]).map_err(|e| e.to_string())?;
+    let mut at = 4 + hl;
+    let n = u64::from_le_bytes(r[at..at + 8].try_into().expect("8 bytes")) as usize;
+    at += 8;
+    let ids = r[at..at + n * 8]
+        .chunks_exact(8)
+        .map(|c| u64::from_le_bytes(c.try_into().expect("8 bytes")))
+        .collect();
+    at += n * 8;
+    let m = u64::from_le_bytes(r[at..at + 8].try_into().expect("8 bytes")) as usize;
+    at += 8;
+    let vals = r[at..at + m * 4]
+        .chunks_exact(4)
+        .map(|c| f32::from_le_bytes(c.try_into().expect("4 bytes")))
+        .collect();
+    Ok((head, ids, vals))
+}
+
+/// A random nonce (never 0).
+fn nonce() -> u64 {
+    use std::hash::{BuildHasher, Hasher};
+    let mut h = std::collections::hash_map::RandomState::new().build_hasher();
+    h.write_u128(
+        std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .unwrap_or_default()
+            .as_nanos(),
+    );
+    h.finish().max(1)
 }
 
 fn seq_of(store: &Store, table: &str) -> Option<u64> {
@@ -330,7 +464,9 @@ impl Steps {
     /// The state of a server of `store`: a durable store's job state is read back from its
     /// directory (a step a crash interrupted is finished, the pending steps' pushes counted
     /// again); an in-memory store's starts empty.
-    pub fn load(store: &Store) -> Result<Self> {
+    /// `following`: the server follows a primary: it keeps the files, loads no job and runs
+    /// none (it loads it when promoted, [`Steps::take_over`]).
+    pub fn load(store: &Store, following: bool) -> Result<Self> {
         let Some(path) = store.path() else {
             return Ok(Self::default());
         };
@@ -339,23 +475,142 @@ impl Steps {
         let sync = store
             .flusher()
             .is_some_and(|f| f.mode() == crate::durable::Durability::Sync);
-        let p = Persist { dir, sync };
-        let f = p.dir.join("job.json");
-        let job = match std::fs::read(&f) {
-            Err(e) if e.kind() == std::io::ErrorKind::NotFound => None,
-            Err(e) => return Err(io_err(&f, e)),
-            Ok(b) => {
-                let saved: Saved = serde_json::from_slice(&b)
-                    .map_err(|e| crate::error::corrupt(format!("{}: {e}", f.display())))?;
-                Some(Self::restore(&p, store, saved)?)
-            }
+        let p = Persist {
+            dir,
+            sync,
+            ship: store.flusher(),
+        };
+        let job = if following {
+            None
+        } else {
+            Self::read_job(&p, store)?
         };
         Ok(Self {
             job: Mutex::new(job),
             applying: Mutex::new(()),
             tick: watch::channel(0).0,
             persist: Some(p),
+            following: AtomicBool::new(following),
+            mirror: Mutex::new(None),
         })
+    }
+
+    /// The job the files of `p` hold (a step a crash interrupted is finished).
+    fn read_job(p: &Persist, store: &Store) -> Result<Option<Job>> {
+        let f = p.dir.join("job.json");
+        match std::fs::read(&f) {
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => Ok(None),
+            Err(e) => Err(io_err(&f, e)),
+            Ok(b) => {
+                let saved: Saved = serde_json::from_slice(&b)
+                    .map_err(|e| crate::error::corrupt(format!("{}: {e}", f.display())))?;
+                Ok(Some(Self::restore(p, store, saved)?))
+            }
+        }
+    }
+
+    /// This server follows a primary from now on: the job it ran (if it was a primary) is
+    /// dropped from memory, and its files are replaced by what its primary sends.
+    pub fn follow(&self) {
+        self.following.store(true, Ordering::Release);
+        *self.lock() = None;
+        *self.mirror.lock().unwrap_or_else(|e| e.into_inner()) = None;
+        self.notify();
+    }
+
+    /// Keeps the records of the primary's job (a follower): written as a durable primary
+    /// writes its own, before the entry is acked.
+    pub fn install(&self, records: &[Vec<u8>]) -> Result<()> {
+        let Some(p) = &self.persist else {
+            return Err(invalid(
+                "a follower keeps its primary's job on disk: it needs a durable store",
+            ));
+        };
+        let mut g = self.mirror.lock().unwrap_or_else(|e| e.into_inner());
+        if g.is_none() {
+            *g = Some(mirror::Mirror::read(p)?);
+        }
+        let m = g.as_mut().expect("read above");
+        for r in records {
+            let r = Record::decode(r)?;
+            if let Err(e) = m.install(p, r) {
+                // What the files hold is read again at the next record.
+                *g = None;
+                return Err(e);
+            }
+        }
+        Ok(())
+    }
+
+    /// The whole job state as records, for a resync: "no job", then the header and every
+    /// pending step's pushes in the order of their logs.
+    pub fn records(&self) -> Result<Vec<Vec<u8>>> {
+        let mut out = vec![Record::Clear.encode()];
+        let Some(p) = &self.persist else {
+            return Ok(out);
+        };
+        let g = self.lock();
+        let Some(j) = g.as_ref() else {
+            return Ok(out);
+        };
+        out.push(
+            Record::Header {
+                reset: true,
+                saved: header_of(j, j.marker.clone()),
+            }
+            .encode(),
+        );
+        for step in p.steps()? {
+            if step <= j.applied && j.marker.as_ref().is_none_or(|m| m.0 != step) {
+                continue;
+            }
+            for (index, body) in p.read_raw(step)?.into_iter().enumerate() {
+                out.push(
+                    Record::Push {
+                        step,
+                        index: index as u64,
+                        body,
+                    }
+                    .encode(),
+                );
+            }
+        }
+        Ok(out)
+    }
+
+    /// This follower was promoted: it loads the job it kept of its primary's, as a restarted
+    /// primary does (a step its primary was applying is finished: the tables that do not hold
+    /// its request id get it), and runs it from now on.
+    pub fn take_over(&self, store: &Store) -> Result<()> {
+        let _a = self.applying.lock().unwrap_or_else(|e| e.into_inner());
+        *self.mirror.lock().unwrap_or_else(|e| e.into_inner()) = None;
+        let job = match &self.persist {
+            Some(p) => Self::read_job(p, store)?,
+            None => None,
+        };
+        if let Some(j) = &job {
+            eprintln!(
+                "event=job_taken_over job={:?} applied={} pending={:?}",
+                j.id,
+                j.applied,
+                j.pending.keys().collect::<Vec<_>>()
+            );
+        }
+        *self.lock() = job;
+        self.following.store(false, Ordering::Release);
+        self.notify();
+        Ok(())
+    }
+
+    fn refuse_following(&self) -> Result<()> {
+        if self.following.load(Ordering::Acquire) {
+            return Err(Error::Remote {
+                server: String::new(),
+                code: tonic::Code::FailedPrecondition as i32,
+                message: "this server follows a primary: it runs no job (its primary does)".into(),
+            });
+        }
+        Ok(())
     }
 
     fn restore(p: &Persist, store: &Store, saved: Saved) -> Result<Job> {
@@ -375,6 +630,8 @@ impl Steps {
             lost: saved.lost,
             applied: saved.applied,
             failed: None,
+            nonce: saved.nonce,
+            logged: BTreeMap::new(),
             pending: BTreeMap::new(),
             rids: BTreeMap::new(),
             marker: None,
@@ -384,7 +641,9 @@ impl Steps {
             j.lost = vec![false; n];
         }
         let replay = |j: &mut Job, step: u64| -> Result<()> {
-            for (h, ids, vals) in p.read_log(step)? {
+            let records = p.read_log(step)?;
+            j.logged.insert(step, records.len() as u64);
+            for (h, ids, vals) in records {
                 if let Some(r) = h.rid {
                     if !j.rids.entry(step).or_default().insert(r) {
                         continue;
@@ -395,38 +654,28 @@ impl Steps {
             Ok(())
         };
         if let Some((step, seqs)) = saved.applying {
-            // Finish the step the crash interrupted: the tables whose seq has not moved.
+            // Finish the step the crash interrupted: the tables that do not have it (they do
+            // not hold its request id; in files of older versions, their seq has not moved).
             replay(&mut j, step)?;
             let live = j.lost.iter().filter(|&&l| !l).count().max(1);
             let divisor = if j.opts.mean { live as f64 } else { 1.0 };
+            let rid = (j.nonce != 0).then_some((j.nonce, step));
             for (name, agg) in j.pending.remove(&step).unwrap_or_default() {
-                if seqs
+                if rid.is_some() {
+                    apply_one(store, &name, agg, divisor, rid)?;
+                } else if seqs
                     .get(&name)
                     .is_some_and(|&s| seq_of(store, &name) == Some(s))
                 {
-                    apply_one(store, &name, agg, divisor)?;
+                    apply_one(store, &name, agg, divisor, None)?;
                 }
             }
             j.applied = j.applied.max(step);
             j.rids.clear();
+            j.logged.clear();
         }
-        let mut steps: Vec<u64> = Vec::new();
-        for e in std::fs::read_dir(&p.dir)
-            .map_err(|e| io_err(&p.dir, e))?
-            .flatten()
-        {
-            let name = e.file_name().to_string_lossy().into_owned();
-            if let Some(st) = name
-                .strip_prefix("step-")
-                .and_then(|x| x.strip_suffix(".log"))
-                .and_then(|x| x.parse::<u64>().ok())
-            {
-                steps.push(st);
-            }
-        }
-        steps.sort_unstable();
         let applied = j.applied;
-        for st in steps.into_iter().filter(|&st| st > applied) {
+        for st in p.steps()?.into_iter().filter(|&st| st > applied) {
             replay(&mut j, st)?;
         }
         p.save(&j, None)?;
@@ -473,7 +722,9 @@ impl Steps {
                 super::state::MAX_WORKERS
             )));
         }
+        self.refuse_following()?;
         let mut g = self.lock();
+        let mut reset = false;
         if g.as_ref().is_none_or(|j| j.id != job) {
             if clock > 0 {
                 // Only a worker joining at clock 0 starts a job: a late call of an ended job
@@ -494,11 +745,14 @@ impl Steps {
                 lost: vec![false; n as usize],
                 applied: 0,
                 failed: None,
+                nonce: nonce(),
+                logged: BTreeMap::new(),
                 pending: BTreeMap::new(),
                 rids: BTreeMap::new(),
                 marker: None,
                 holds: boundary::Holds::default(),
             });
+            reset = true;
             if let Some(p) = &self.persist {
                 p.prune(0, true)?;
             }
@@ -525,7 +779,7 @@ impl Steps {
         j.clocks[w] = j.clocks[w].max(clock);
         if let Some(p) = &self.persist {
             if j.clocks[w] != before || clock == 0 {
-                p.save(j, j.marker.clone())?;
+                p.save_as(j, j.marker.clone(), reset)?;
             }
         }
         drop(g);
@@ -548,6 +802,27 @@ impl Steps {
             )));
         }
         Ok(())
+    }
+
+    /// A pending step's aggregate with a row (or, of a dense table, its home) in the slots
+    /// `set`: the job, the step and the table. Such an aggregate is not moved with the slots.
+    pub fn pending_in(&self, set: &[bool]) -> Option<(String, u64, String)> {
+        use crate::net::routing::{key, slot_of};
+        let in_set = |slot: usize| set.get(slot).copied().unwrap_or(false);
+        let g = self.lock();
+        let j = g.as_ref()?;
+        for (step, tables) in &j.pending {
+            for (name, agg) in tables {
+                let hit = match agg {
+                    Agg::Sparse { ids, .. } => ids.iter().any(|&id| in_set(slot_of(id))),
+                    Agg::Dense(_) => in_set(slot_of(key(name))),
+                };
+                if hit {
+                    return Some((j.id.clone(), *step, name.clone()));
+                }
+            }
+        }
+        None
     }
 
     /// Renews worker `w`'s lease in job `job` (a heartbeat); false when that is not the job.
@@ -577,6 +852,7 @@ impl Steps {
         ids: &[u64],
         grads: &[f32],
     ) -> Result<()> {
+        self.refuse_following()?;
         let mut g = self.lock();
         let j = g
             .as_mut()
@@ -591,8 +867,10 @@ impl Steps {
             }
         }
         if let Some(p) = &self.persist {
+            let index = j.logged.get(&step).copied().unwrap_or(0);
             p.log(
                 step,
+                index,
                 &LogHead {
                     rid,
                     table: table.to_string(),
@@ -601,6 +879,7 @@ impl Steps {
                 ids,
                 grads,
             )?;
+            j.logged.insert(step, index + 1);
         }
         add_to(j, step, table, dim, ids, grads)?;
         if let Some(r) = rid {
@@ -614,7 +893,7 @@ impl Steps {
     pub fn apply_ready(&self, store: &Store) -> Result<()> {
         let _a = self.applying.lock().unwrap_or_else(|e| e.into_inner());
         loop {
-            let (step, tables, divisor) = {
+            let (step, tables, divisor, rid) = {
                 let mut g = self.lock();
                 let Some(j) = g.as_mut() else { return Ok(()) };
                 let Some(min) = j.min_live() else {
@@ -627,6 +906,7 @@ impl Steps {
                 let tables = j.pending.remove(&step).unwrap_or_default();
                 let live = j.lost.iter().filter(|&&l| !l).count().max(1);
                 let divisor = if j.opts.mean { live as f64 } else { 1.0 };
+                let rid = (j.nonce != 0).then_some((j.nonce, step));
                 if let Some(p) = &self.persist {
                     let seqs = tables
                         .keys()
@@ -639,11 +919,11 @@ impl Steps {
                         return Err(e);
                     }
                 }
-                (step, tables, divisor)
+                (step, tables, divisor, rid)
             };
             let mut first_err = None;
             for (name, agg) in tables {
-                if let Err(e) = apply_one(store, &name, agg, divisor) {
+                if let Err(e) = apply_one(store, &name, agg, divisor, rid) {
                     first_err.get_or_insert(e);
                 }
             }
@@ -653,6 +933,7 @@ impl Steps {
                     j.applied = j.applied.max(step);
                     j.marker = None;
                     j.rids = j.rids.split_off(&(step + 1));
+                    j.logged = j.logged.split_off(&(step + 1));
                     if let Some(p) = &self.persist {
                         if let Err(e) = p.save(j, None).and_then(|_| p.prune(step, false)) {
                             first_err.get_or_insert(e);
@@ -684,6 +965,8 @@ impl Steps {
         synced: bool,
         clock: Option<u64>,
     ) -> Result<(bool, bool)> {
+        // A primary that stepped down while a worker waited: the worker goes to the new one.
+        self.refuse_following()?;
         let mut g = self.lock();
         let Some(j) = g.as_mut() else {
             return Err(invalid(format!(
@@ -836,7 +1119,16 @@ fn add_to(
     Ok(())
 }
 
-fn apply_one(store: &Store, name: &str, agg: Agg, divisor: f64) -> Result<()> {
+/// Applies a step's aggregate of one table as the write request `rid` (the job's nonce and the
+/// step), kept with the rows it changes: a table that holds it already has the step (a crash or
+/// a failover in the middle of the step), and the rows of an environment that holds it are left.
+fn apply_one(
+    store: &Store,
+    name: &str,
+    agg: Agg,
+    divisor: f64,
+    rid: Option<(u64, u64)>,
+) -> Result<()> {
     let table = match store.table(name) {
         Ok(t) => t,
         // Dropped while its step was pending: nothing to apply.
@@ -844,15 +1136,30 @@ fn apply_one(store: &Store, name: &str, agg: Agg, divisor: f64) -> Result<()> {
         Err(e) => return Err(e),
     };
     match (table, agg) {
-        (Table::Sparse(t), Agg::Sparse { ids, sums, .. }) => {
+        (Table::Sparse(t), Agg::Sparse { ids, sums, dim, .. }) => {
             let grads: Vec<f32> = sums.iter().map(|&x| (x / divisor) as f32).collect();
             t.validate_push(&ids, &grads)?;
-            t.push_validated(&ids, &grads, 1.0)
+            let Some((client, seq)) = rid else {
+                return t.push_validated(&ids, &grads, 1.0);
+            };
+            match super::still_to_apply(store, t.was_applied(client, seq)?) {
+                None => Ok(()),
+                Some(None) => t.push_validated_as(&ids, &grads, 1.0, rid),
+                Some(Some(keep)) => {
+                    let (ids, grads) = super::keep_rows(&ids, &grads, dim, keep.as_ref());
+                    t.push_validated_as(&ids, &grads, 1.0, rid)
+                }
+            }
         }
         (Table::Dense(t), Agg::Dense(sums)) => {
             let grad: Vec<f32> = sums.iter().map(|&x| (x / divisor) as f32).collect();
             t.validate_push(&grad)?;
-            t.push_validated(&grad, 1.0)
+            if let Some((client, seq)) = rid {
+                if t.was_applied(client, seq)?.iter().all(|&d| d) {
+                    return Ok(());
+                }
+            }
+            t.push_validated_as(&grad, 1.0, rid)
         }
         _ => Err(invalid(format!(
             "table {name:?} changed kind while a step was pending"

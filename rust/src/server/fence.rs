@@ -232,6 +232,7 @@ impl Group {
             p.held.set(Arc::clone(&h));
         }
         if let Some(f) = &s.follower {
+            h.following();
             f.held.set(h);
         }
     }
@@ -242,8 +243,18 @@ impl Group {
                 p.held.set(Arc::clone(&h));
             }
             if let Some(f) = f {
+                h.following();
                 f.held.set(h);
             }
+        }
+    }
+
+    /// Tells the server's held state that this server was promoted (it loads its job).
+    fn promoted(&self) -> Result<()> {
+        let h = self.held.lock().unwrap_or_else(|e| e.into_inner()).clone();
+        match h {
+            Some(h) => h.promoted(),
+            None => Ok(()),
         }
     }
 
@@ -428,6 +439,8 @@ impl Group {
             self.save()?;
             let p = Primary::start(Arc::clone(&self.store), self.config.clone(), epoch)?;
             self.attach_held(Some(&p), None);
+            // The job this follower kept of its primary's, loaded before any write is admitted.
+            self.promoted()?;
             Ok((epoch, p))
         };
         let (epoch, p) = start().map_err(|e| crate::net::status_of(&e))?;

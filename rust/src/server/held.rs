@@ -156,6 +156,33 @@ impl super::repl::Held for Link {
         }
         inner.copied.replace(&inner.store, ids)
     }
+
+    fn job_state(&self) -> Result<Vec<Vec<u8>>> {
+        match self.0.upgrade() {
+            Some(inner) => inner.steps.records(),
+            None => Ok(Vec::new()),
+        }
+    }
+
+    fn install_job(&self, records: &[Vec<u8>]) -> Result<()> {
+        match self.0.upgrade() {
+            Some(inner) => inner.steps.install(records),
+            None => Ok(()),
+        }
+    }
+
+    fn following(&self) {
+        if let Some(inner) = self.0.upgrade() {
+            inner.steps.follow();
+        }
+    }
+
+    fn promoted(&self) -> Result<()> {
+        match self.0.upgrade() {
+            Some(inner) => inner.steps.take_over(&inner.store),
+            None => Ok(()),
+        }
+    }
 }
 
 #[cfg(test)]

@@ -143,10 +143,19 @@ impl Inner {
         self.group.as_ref().and_then(|g| g.follower())
     }
 
-    /// A write with `ack_all`: waits until every live follower holds it.
-    fn ack_all(&self) -> Result<()> {
+    /// A write with `ack_all`: waits until every live follower holds it (`tagged`: a push
+    /// counted in a job's step, whose record goes into the next entry of the log: that entry
+    /// is committed first).
+    fn ack_all(&self, tagged: bool) -> Result<()> {
         match &self.primary() {
-            Some(p) => p.wait_all(),
+            Some(p) => {
+                if tagged {
+                    if let Some(f) = self.store.flusher() {
+                        f.flush()?;
+                    }
+                }
+                p.wait_all()
+            }
             None => Err(invalid(
                 "ack_all needs a durable store server (one with a path and one environment)",
             )),
@@ -436,6 +445,8 @@ impl Service {
             "SetRouting",
             "FreezeSlots",
             "DropSlots",
+            // A job's clock (`clock` asks only for those): it changes the job's state.
+            "Clock",
         ];
         let Some(g) = &self.0.group else {
             return Ok(());
@@ -982,7 +993,7 @@ impl PStore for Service {
                 })
             })?;
             if ack_all {
-                s.ack_all()?;
+                s.ack_all(r.step.is_some())?;
             }
             Ok(out)
         })
@@ -1160,7 +1171,7 @@ impl PStore for Service {
                 })
             })?;
             if ack_all {
-                s.ack_all()?;
+                s.ack_all(r.step.is_some())?;
             }
             Ok(out)
         })
@@ -1257,6 +1268,15 @@ impl PStore for Service {
                 });
             }
             let frozen = s.frozen.set(&set, !r.thaw) as u32;
+            if !r.thaw {
+                // Frozen: no tagged push of these slots is on its way into an aggregate now.
+                if let Some((job, step, table)) = s.steps.pending_in(&set) {
+                    s.frozen.set(&set, false);
+                    return Err(invalid(format!(
+                        "freeze: job {job:?} has a pending step {step} with rows of table                          {table:?} in these slots, and a step's aggregate is not moved with its                          slots: move them between jobs, or once every step is applied (with                          asynchronous training); nothing was frozen"
+                    )));
+                }
+            }
             // On every live follower before the rows are copied (a follower promoted during
             // the move refuses writes to them too).
             held::ship(s, None, true)?;
@@ -1338,6 +1358,10 @@ impl PStore for Service {
         let out = async {
             self.check(&req, access)?;
             self.layout_check(&req)?;
+            if !req.get_ref().job.is_empty() {
+                // A job runs on the primary of a group (its followers keep its records).
+                self.primary_only("Clock", &req).await?;
+            }
             let r = req.into_inner();
             if !r.job.is_empty() {
                 return self.job_clock(r).await;
@@ -1543,7 +1567,10 @@ pub fn start(store: Arc<Store>, config: ServerConfig) -> Result<ServerHandle> {
         pushes: Dedup::new(state::DEDUP_CAPACITY),
         removes: Dedup::new(state::DEDUP_CAPACITY),
         clocks: Clocks::default(),
-        steps: Arc::new(bsp::Steps::load(&store)?),
+        steps: Arc::new(bsp::Steps::load(
+            &store,
+            group.as_ref().is_some_and(|g| g.follower().is_some()),
+        )?),
         policies,
         started: Instant::now(),
         max_message: config.max_message,

@@ -111,6 +111,22 @@ pub trait Held: Send + Sync {
     fn state(&self) -> HeldState;
     /// Replaces what this server holds with `state` (kept first by a durable store).
     fn install(&self, state: HeldState) -> Result<()>;
+    /// The whole state of the server's synchronous job, as records (`bsp/mirror.rs`): sent
+    /// with a resync.
+    fn job_state(&self) -> Result<Vec<Vec<u8>>> {
+        Ok(Vec::new())
+    }
+    /// Keeps the primary's job records, in order (a follower; kept durably before it acks).
+    fn install_job(&self, _records: &[Vec<u8>]) -> Result<()> {
+        Ok(())
+    }
+    /// This server follows a primary from now on: it runs no job logic and holds no job in
+    /// memory (what it keeps on disk is replaced by its primary's).
+    fn following(&self) {}
+    /// This server was promoted: it loads the job it holds (before it accepts a write).
+    fn promoted(&self) -> Result<()> {
+        Ok(())
+    }
 }
 
 /// Where a primary or follower finds its server's [`Held`] (set once the server is built).
@@ -226,6 +242,7 @@ fn message_of(id: u64, epoch: u64, e: CommitEntry) -> ReplicateMessage {
                 .ok()
         }),
         members: Vec::new(),
+        job: e.job.into_iter().map(Bytes::from).collect(),
     }
 }
 
@@ -784,6 +801,12 @@ impl Primary {
             resync_done: true,
             primary_lsn: lsn,
             held: Some(self.held.get().map(|h| h.state()).unwrap_or_default()),
+            // The job as the server holds it now (newer than the rows or as new; the records of
+            // the entries after `lsn` that it holds already are skipped by the follower).
+            job: match self.held.get() {
+                Some(h) => h.job_state()?.into_iter().map(Bytes::from).collect(),
+                None => Vec::new(),
+            },
             ..ReplicateMessage::default()
         })?;
         Ok(lsn)
@@ -1206,12 +1229,23 @@ impl Follower {
                     None => return Err(Error::Internal("the follower has no held state".into())),
                 }
             }
+            if !m.job.is_empty() {
+                let records: Vec<Vec<u8>> = m.job.iter().map(|b| b.to_vec()).collect();
+                match self.held.get() {
+                    Some(link) => link.install_job(&records)?,
+                    None => return Err(Error::Internal("the follower has no job state".into())),
+                }
+            }
             if m.resync_done || m.lsn > 0 {
                 reached = Some((m.replication_id, m.lsn));
                 if m.resync_done {
                     self.lock().resyncing = false;
                 }
-            } else if !m.resync_start && m.tables.is_empty() && m.dropped.is_empty() {
+            } else if !m.resync_start
+                && m.tables.is_empty()
+                && m.dropped.is_empty()
+                && m.job.is_empty()
+            {
                 beat = true;
             }
         }
