@@ -16,6 +16,7 @@ import subprocess
 import sys
 import threading
 import time
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -49,6 +50,22 @@ def raycluster():
     finally:
         ray.shutdown()
         c.shutdown()
+
+
+def _groups(n: int, tmp_path: Path, name: str, resources: dict[str, float]) -> Any:
+    """A cluster of ``n`` durable (``sync``) groups of 2 under the test token, on the nodes
+    that have ``resources``."""
+    return pstore.ray.Cluster(
+        n,
+        replicas=2,
+        path=tmp_path / "s",
+        durability="sync",
+        token=TOKEN,
+        name=name,
+        server_cpus=0.5,
+        server_resources=resources,
+        check_interval=0.5,
+    )
 
 
 def _wait(cond, timeout: float, what: str) -> Any:
@@ -104,17 +121,7 @@ def _whole(st: dict[str, Any]) -> bool:
 def test_a_lost_primary_node_fails_over_gets_a_replacement_and_the_controller_restarts(
     raycluster, tmp_path
 ):
-    cluster = pstore.ray.Cluster(
-        2,
-        replicas=2,
-        path=tmp_path / "s",
-        durability="sync",
-        token=TOKEN,
-        name="rep",
-        server_cpus=0.5,
-        server_resources=SERVER,
-        check_interval=0.5,
-    )
+    cluster = _groups(2, tmp_path, "rep", SERVER)
     spare = None
     pusher: threading.Thread | None = None
     stop = threading.Event()
@@ -313,17 +320,7 @@ def test_soak_primaries_nodes_removed_round_after_round(raycluster, tmp_path):
     """Four rounds: a spare node added, the node of group 0's primary removed while a worker
     pushes with ack="all", the group failed over and refilled. The worker connects again after
     each replacement (a client keeps the member list it connected with: docs/RAY.md)."""
-    cluster = pstore.ray.Cluster(
-        2,
-        replicas=2,
-        path=tmp_path / "s",
-        durability="sync",
-        token=TOKEN,
-        name="soak",
-        server_cpus=0.5,
-        server_resources=SERVER,
-        check_interval=0.5,
-    )
+    cluster = _groups(2, tmp_path, "soak", SERVER)
     stop = threading.Event()
     counts = {"acked": 0, "failed": 0}
     table: list[pstore.SparseTable] = []
@@ -484,17 +481,7 @@ def test_groups_scale_up_and_down_while_a_worker_pushes_and_an_added_group_fails
     raycluster, tmp_path
 ):
     _server_nodes(raycluster, 2)
-    cluster = pstore.ray.Cluster(
-        1,
-        replicas=2,
-        path=tmp_path / "s",
-        durability="sync",
-        token=TOKEN,
-        name="grow",
-        server_cpus=0.5,
-        server_resources=TWO,
-        check_interval=0.5,
-    )
+    cluster = _groups(1, tmp_path, "grow", TWO)
     pusher = None
     try:
         st = _wait(lambda: (s := cluster.status()) and _whole(s) and s, 60, "the group whole")
@@ -608,17 +595,7 @@ def test_a_worker_rides_over_two_failovers_in_a_row(raycluster, tmp_path):
     up on a spare node; then the promoted primary's node goes too: the replacement (which
     the worker never heard of when it connected) is promoted and the worker pushes on."""
     _server_nodes(raycluster, 4)
-    cluster = pstore.ray.Cluster(
-        2,
-        replicas=2,
-        path=tmp_path / "s",
-        durability="sync",
-        token=TOKEN,
-        name="twice",
-        server_cpus=0.5,
-        server_resources=TWO,
-        check_interval=0.5,
-    )
+    cluster = _groups(2, tmp_path, "twice", TWO)
     pusher = None
     try:
         st = _wait(lambda: (s := cluster.status()) and _whole(s) and s, 60, "the groups whole")

@@ -699,11 +699,7 @@ class _Controller:
             ]
             self._save()
         _, pg, address = entry
-        try:
-            ray.get(h.stop.remote(grace), timeout=grace + 30)
-        except (ray.exceptions.RayActorError, ray.exceptions.GetTimeoutError):
-            pass
-        ray.kill(h, no_restart=True)
+        _stop_actors([h], grace)
         if pg is not None:
             remove_placement_group(pg)
         self._event("server_stopped", index=i, address=address)
@@ -716,19 +712,25 @@ class _Controller:
         for i, (h, _, _) in retiring:
             self._retire(i, h, grace)
         with self._lock:
-            waits = [(h, h.stop.remote(grace)) for h in self._handles if h is not None]
-            for h, ref in waits:
-                try:
-                    ray.get(ref, timeout=grace + 30)
-                except (ray.exceptions.RayActorError, ray.exceptions.GetTimeoutError):
-                    pass
-                ray.kill(h, no_restart=True)
+            _stop_actors([h for h in self._handles if h is not None], grace)
             self._handles = [None] * len(self._handles)
             if self._pg is not None:
                 remove_placement_group(self._pg)
             for pg in self._own_pgs.values():
                 remove_placement_group(pg)
             internal_kv._internal_kv_del(_kv_key(self._name), namespace=NAMESPACE)
+
+
+def _stop_actors(handles: list[Any], grace: float) -> None:
+    """Ask every server actor of ``handles`` to stop at once (each flushes its store within
+    ``grace`` seconds), then end them; an actor already gone is skipped."""
+    waits = [(h, h.stop.remote(grace)) for h in handles]
+    for h, ref in waits:
+        try:
+            ray.get(ref, timeout=grace + 30)
+        except (ray.exceptions.RayActorError, ray.exceptions.GetTimeoutError):
+            pass
+        ray.kill(h, no_restart=True)
 
 
 def _actor_info(handle: Any, spec: dict[str, Any], what: str) -> dict[str, Any]:

@@ -65,6 +65,7 @@ from pstore.ray import (
     _pg_name,
     _server_list,
     _ServerActor,
+    _stop_actors,
     _wait,
 )
 
@@ -812,13 +813,7 @@ class _GroupsController:
             ]
             self._save()
         handles, pg, addresses = entry
-        waits = [(h, h.stop.remote(grace)) for h in handles]
-        for h, ref in waits:
-            try:
-                ray.get(ref, timeout=grace + 30)
-            except (ray.exceptions.RayActorError, ray.exceptions.GetTimeoutError):
-                pass
-            ray.kill(h, no_restart=True)
+        _stop_actors(handles, grace)
         remove_placement_group(pg)
         self._event("group_stopped", group=g, members=addresses)
 
@@ -880,13 +875,7 @@ class _GroupsController:
                 handles.append(ray.get_actor(a, namespace=NAMESPACE))
             except ValueError:
                 pass
-        waits = [(h, h.stop.remote(grace)) for h in handles]
-        for h, ref in waits:
-            try:
-                ray.get(ref, timeout=grace + 30)
-            except (ray.exceptions.RayActorError, ray.exceptions.GetTimeoutError):
-                pass
-            ray.kill(h, no_restart=True)
+        _stop_actors(handles, grace)
         for pg in self._pgs:
             remove_placement_group(pg)
         internal_kv._internal_kv_del(_kv_key(self._name), namespace=NAMESPACE)

@@ -433,19 +433,6 @@ fn parse_log(r: &[u8]) -> std::result::Result<LogRecord, String> {
     Ok((head, ids, vals))
 }
 
-/// A random nonce (never 0).
-fn nonce() -> u64 {
-    use std::hash::{BuildHasher, Hasher};
-    let mut h = std::collections::hash_map::RandomState::new().build_hasher();
-    h.write_u128(
-        std::time::SystemTime::now()
-            .duration_since(std::time::UNIX_EPOCH)
-            .unwrap_or_default()
-            .as_nanos(),
-    );
-    h.finish().max(1)
-}
-
 fn seq_of(store: &Store, table: &str) -> Option<u64> {
     match store.table(table).ok()? {
         Table::Sparse(t) => Some(t.seq()),
@@ -745,7 +732,7 @@ impl Steps {
                 lost: vec![false; n as usize],
                 applied: 0,
                 failed: None,
-                nonce: nonce(),
+                nonce: super::repl::random_id(),
                 logged: BTreeMap::new(),
                 pending: BTreeMap::new(),
                 rids: BTreeMap::new(),

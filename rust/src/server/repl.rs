@@ -194,7 +194,8 @@ pub struct Primary {
     pub(super) held: HeldLink,
 }
 
-fn random_id() -> u64 {
+/// A random id, never 0 (a log's id, a job's nonce).
+pub(super) fn random_id() -> u64 {
     use std::hash::{BuildHasher, Hasher};
     let mut h = std::collections::hash_map::RandomState::new().build_hasher();
     h.write_u128(
