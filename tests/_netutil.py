@@ -9,6 +9,7 @@ import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 from collections.abc import Callable, Sequence
@@ -90,7 +91,10 @@ class ServerProcess:
             "0",
             *args,
         ]
-        self.log = open(log, "ab") if log else subprocess.DEVNULL
+        # Without `log`, stderr goes to a temporary file, read back when the server fails to
+        # start (`wait_ready`) or by `stderr_tail()`, and deleted by `stop()`.
+        self._own_log = log is None
+        self.log = open(log, "ab") if log else tempfile.TemporaryFile()
         self.proc = subprocess.Popen(
             cmd,
             stdout=subprocess.DEVNULL,
@@ -103,13 +107,26 @@ class ServerProcess:
         deadline = time.monotonic() + timeout
         while True:
             if self.proc.poll() is not None:
-                raise RuntimeError(f"server exited with {self.proc.returncode}")
+                raise RuntimeError(
+                    f"server exited with {self.proc.returncode}; its stderr ends:\n"
+                    + self.stderr_tail()
+                )
             try:
                 return pstore.connect([self.address], token, timeout=2.0, retries=0)
             except pstore.ServerError:
                 if time.monotonic() > deadline:
                     raise
                 time.sleep(0.05)
+
+    def stderr_tail(self, limit: int = 4000) -> str:
+        """The last `limit` bytes the server wrote to stderr (when no `log` file was given)."""
+        if not self._own_log or self.log.closed:
+            return "(see the log file given)" if not self._own_log else ""
+        self.log.flush()
+        self.log.seek(0, os.SEEK_END)
+        size = self.log.tell()
+        self.log.seek(max(0, size - limit))
+        return self.log.read().decode(errors="replace")
 
     def send(self, sig: int) -> None:
         if self.proc.poll() is None:
@@ -123,8 +140,7 @@ class ServerProcess:
             if self.proc.poll() is None:
                 self.proc.kill()
                 self.proc.wait()
-            if self.log is not subprocess.DEVNULL:
-                self.log.close()
+            self.log.close()
 
 
 def start_servers(n: int, *args: str, token: str | None = None) -> list[ServerProcess]:

@@ -210,6 +210,9 @@ pub struct Client {
     /// How many times the server list changed under this client (a version vector of a pull
     /// before a change does not fit the list after it).
     list_changes: AtomicU64,
+    /// When this client last asked the other servers early about a position it could not
+    /// reach, by the position's name (`reshard.rs`, [`Client::ask_early`]).
+    asked: Mutex<HashMap<String, Instant>>,
 }
 
 fn is_retryable(s: &Status) -> bool {
@@ -310,6 +313,7 @@ impl Client {
             job: Mutex::new(None),
             memo: once::Memo::default(),
             list_changes: AtomicU64::new(0),
+            asked: Mutex::new(HashMap::new()),
         });
         let token = c.config.token.clone();
         let follow = c.config.read_from_follower;
@@ -432,12 +436,15 @@ impl Client {
         F: Fn(Stub, Request<M>) -> Fut,
         Fut: std::future::Future<Output = std::result::Result<tonic::Response<R>, Status>>,
     {
+        let before = self.generation();
         match self.call_status(i, msg, timeout, retry_late, read, f).await {
             Ok(r) => Ok(r),
             Err(s) => {
                 // A server that no longer owns what it was sent: take the routing it holds, so
-                // that the caller's retry (`reshard.rs`) splits by it.
-                if reshard::is_moved(&s) {
+                // that the caller's retry (`reshard.rs`) splits by it. Not when this client
+                // took another routing during the call (the call then says "moved" itself,
+                // and the server it could not reach has nothing newer to tell).
+                if reshard::is_moved(&s) && self.generation() == before {
                     self.refresh_routing(i).await?;
                 }
                 // A position this client cannot reach after its retries (a server stopped
@@ -484,7 +491,7 @@ impl Client {
                 "the server list changed under the call: it has no position {i} now"
             )));
         };
-        self.call_server(&server, msg, timeout, retry_late, read, f)
+        self.call_server_at(&server, Some(i), msg, timeout, retry_late, read, f)
             .await
     }
 
@@ -504,7 +511,50 @@ impl Client {
         F: Fn(Stub, Request<M>) -> Fut,
         Fut: std::future::Future<Output = std::result::Result<tonic::Response<R>, Status>>,
     {
+        self.call_server_at(server, None, msg, timeout, retry_late, read, f)
+            .await
+    }
+
+    /// [`call_server`](Self::call_server) to the server at position `pos` of this client's
+    /// list: when it cannot be reached (refused, or its group has no primary among the members
+    /// this client knows), a few other servers are asked for their routing at once, not only
+    /// after the retries or `failover_timeout` (decision 0112), and a newer routing found there
+    /// fails the call "moved" so that the operation splits it again by that routing.
+    #[allow(clippy::too_many_arguments)]
+    async fn call_server_at<M, R, F, Fut>(
+        &self,
+        server: &Server,
+        pos: Option<usize>,
+        msg: M,
+        timeout: Duration,
+        retry_late: bool,
+        read: bool,
+        f: F,
+    ) -> std::result::Result<R, Status>
+    where
+        M: Clone,
+        F: Fn(Stub, Request<M>) -> Fut,
+        Fut: std::future::Future<Output = std::result::Result<tonic::Response<R>, Status>>,
+    {
         let g = &server.group;
+        // Whether the others route by something newer for position `pos`: the call then fails
+        // "moved". Only for a status that says the request was not applied (no DEADLINE:
+        // a late part may have been; the retries decide for it).
+        let ask = |s: &Status| {
+            let s = s.clone();
+            async move {
+                let i = pos?;
+                if s.code() == Code::DeadlineExceeded || !self.ask_early(i).await {
+                    return None;
+                }
+                Some(reshard::moved_status(format!(
+                    "{} could not be reached ({}); the other servers route by epoch {}",
+                    server.name,
+                    s.message(),
+                    self.route().table.epoch()
+                )))
+            }
+        };
         let read = read && self.config.read_from_follower;
         let mut delay = Duration::from_millis(50);
         let mut attempt = 0;
@@ -551,14 +601,26 @@ impl Client {
                 {
                     let until = *failover
                         .get_or_insert_with(|| Instant::now() + self.config.failover_timeout);
+                    // Looked for in slices: between two, the other servers may name members
+                    // this client does not know (a replacement promoted since).
+                    let slice = match pos {
+                        Some(_) => until.min(Instant::now() + reshard::EARLY_EVERY),
+                        None => until,
+                    };
                     if let Err(m) = g
-                        .find_primary(self.config.token.as_deref(), until, read)
+                        .find_primary(self.config.token.as_deref(), slice, read)
                         .await
                     {
-                        return Err(Status::new(
-                            s.code(),
-                            format!("{m} (the last call said: {})", s.message()),
-                        ));
+                        if let Some(moved) = ask(&s).await {
+                            return Err(moved);
+                        }
+                        if Instant::now() >= until {
+                            return Err(Status::new(
+                                s.code(),
+                                format!("{m} (the last call said: {})", s.message()),
+                            ));
+                        }
+                        continue;
                     }
                     if g.pick(false) == k && s.code() != Code::FailedPrecondition {
                         // The same primary: back off as for any retry.
@@ -578,6 +640,11 @@ impl Client {
                         && (retry_late || s.code() != Code::DeadlineExceeded)
                         && attempt < self.config.retries =>
                 {
+                    if s.code() == Code::Unavailable {
+                        if let Some(moved) = ask(&s).await {
+                            return Err(moved);
+                        }
+                    }
                     attempt += 1;
                     // Jitter in [delay/2, delay).
                     let j = (random_id() % 1000) as f64 / 2000.0 + 0.5;

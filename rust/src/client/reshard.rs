@@ -35,6 +35,16 @@ type Part = (usize, PushRequest, (u64, u64), String);
 /// move publishes an epoch per batch of slots, so a call may meet several in a row).
 const MAX_REROUTES: u32 = 64;
 
+/// How many other servers a call that cannot reach its position asks at once, early
+/// ([`Client::ask_early`]).
+const EARLY_ASKS: usize = 3;
+
+/// How long each of those asks may take.
+const EARLY_WAIT: std::time::Duration = std::time::Duration::from_secs(1);
+
+/// At most one early ask per position in this time.
+pub(super) const EARLY_EVERY: std::time::Duration = std::time::Duration::from_secs(1);
+
 /// The server list and slot table a client routes by, and the metadata it sends with every
 /// call.
 pub(super) struct Route {
@@ -360,7 +370,6 @@ impl Client {
         let Some(failed) = route.servers.get(i).cloned() else {
             return false;
         };
-        let mine = route.table.epoch();
         let t = self.config.timeout;
         let asks = route
             .servers
@@ -381,8 +390,75 @@ impl Client {
                     .await
                 }
             });
+        let answers = super::futures_join_all(asks).await;
+        self.take_the_newest(i, &route, answers.into_iter().flatten())
+    }
+
+    /// The early form of [`follow_the_others`](Self::follow_the_others), asked while a call
+    /// still retries or looks for its group's primary: at most [`EARLY_ASKS`] other servers,
+    /// picked at random, each asked once (no retries, a short deadline), and for each
+    /// position at most once per [`EARLY_EVERY`] (so a call split into many parts, or many
+    /// threads meeting the same dead server, ask a few times, not once each).
+    pub(super) async fn ask_early(&self, i: usize) -> bool {
+        let route = self.route();
+        let Some(failed) = route.servers.get(i).cloned() else {
+            return false;
+        };
+        {
+            let mut asked = self.asked.lock().unwrap_or_else(|e| e.into_inner());
+            let now = std::time::Instant::now();
+            if asked
+                .get(&failed.name)
+                .is_some_and(|t| now.duration_since(*t) < EARLY_EVERY)
+            {
+                return false;
+            }
+            asked.insert(failed.name.clone(), now);
+        }
+        let mut others: Vec<Arc<Server>> = route
+            .servers
+            .iter()
+            .enumerate()
+            .filter(|&(k, s)| k != i && s.name != failed.name)
+            .map(|(_, s)| Arc::clone(s))
+            .collect();
+        // A partial Fisher-Yates shuffle: the first EARLY_ASKS are a random choice.
+        let n = others.len();
+        for k in 0..n.min(EARLY_ASKS) {
+            let j = k + (super::random_id() as usize) % (n - k);
+            others.swap(k, j);
+        }
+        others.truncate(EARLY_ASKS);
+        let wait = self.config.timeout.min(EARLY_WAIT);
+        let asks = others.into_iter().map(|s| {
+            let req = self.request(GetRoutingRequest {}, wait);
+            let mut stub = s.group.primary().stub.clone();
+            async move {
+                match tokio::time::timeout(wait, stub.get_routing(req)).await {
+                    Ok(Ok(r)) => Some(r.into_inner()),
+                    _ => None,
+                }
+            }
+        });
+        let answers = super::futures_join_all(asks).await;
+        self.take_the_newest(i, &route, answers.into_iter().flatten())
+    }
+
+    /// Takes the newest of `answers` (routings the other servers hold) when it is newer than
+    /// `route`, or of the same epoch and table but naming members of position `i` other than
+    /// the ones this client knows. Whether this client now routes by another routing.
+    fn take_the_newest(
+        &self,
+        i: usize,
+        route: &Route,
+        answers: impl Iterator<Item = Routing>,
+    ) -> bool {
+        let Some(failed) = route.servers.get(i).cloned() else {
+            return false;
+        };
+        let mine = route.table.epoch();
         let mut best: Option<(Vec<Position>, SlotTable)> = None;
-        for r in super::futures_join_all(asks).await.into_iter().flatten() {
+        for r in answers {
             let Some(slots) = &r.slots else { continue };
             let Ok(table) = SlotTable::from_proto(slots) else {
                 continue;
