@@ -1613,6 +1613,64 @@ def test_a_pre_copy_records_writes_creations_and_removals_for_the_delta(api):
         new.stop(grace=1.0)
 
 
+def test_an_evict_during_a_move_reaches_the_new_owner_and_spares_frozen_slots(api):
+    """An `Evict` while slots are copying removes old rows as usual and records them, so the
+    delta removes them from the new owner too (it would keep them otherwise); while the slots
+    are frozen it removes nothing there (their rows are on their way as they are)."""
+    m = api.m
+    config = sparse_config(2, lr=1.0, initializer={"constant": 0.5})
+    old, new = start_server(), start_server()
+    chans = [grpc.insecure_channel(s.address) for s in (old, new)]
+    a, b = (api.PStoreStub(c) for c in chans)
+    every = m.SlotSet(starts=[0], ends=[16384])
+    try:
+        for stub in (a, b):
+            create(api, stub, "ev", config)
+
+        def push(ids: Any) -> None:
+            g = f32_bytes(np.ones((len(ids), 2)))
+            ok(a.Push, m.PushRequest(table="ev", ids=ids_bytes(ids), grads=g))
+
+        push(range(100))
+        push(range(50))  # rows 50..99 are one step behind
+        ok(a.FreezeSlots, m.FreezeSlotsRequest(slots=every, copy=True))
+        for x in _slot_rows(api, a, "ev", every):
+            if x.words:
+                load = m.BulkLoadRequest(
+                    table="ev", config_json=x.config_json, ids=x.ids, words=x.words
+                )
+                ok(b.BulkLoad, load)
+        evict = m.EvictRequest(table="ev", not_updated_for_steps=1)
+        assert ok(a.Evict, evict).removed == 50
+        ok(a.FreezeSlots, m.FreezeSlotsRequest(slots=every))
+        # Frozen: nothing is evicted there, however old.
+        time.sleep(2.1)  # rows carry their update time in whole seconds
+        idle = m.EvictRequest(table="ev", not_updated_for_seconds=1.0)
+        assert ok(a.Evict, idle).removed == 0
+        want = _rows_by_id(_slot_rows(api, a, "ev", every))
+        assert sorted(want) == list(range(50))
+        delta = _slot_rows(api, a, "ev", every, dirty=True)
+        gone = sorted(i for x in delta for i in np.frombuffer(x.removed_ids, "<u8").tolist())
+        assert gone == list(range(50, 100))
+        for x in delta:
+            load = m.BulkLoadRequest(
+                table="ev",
+                config_json=x.config_json,
+                ids=x.ids,
+                words=x.words,
+                removed_ids=x.removed_ids,
+            )
+            ok(b.BulkLoad, load)
+        assert _rows_by_id(_slot_rows(api, b, "ev", every)) == want
+        ok(a.FreezeSlots, m.FreezeSlotsRequest(slots=every, thaw=True))
+        assert ok(a.Evict, idle).removed == 50
+    finally:
+        for c in chans:
+            c.close()
+        old.stop(grace=1.0)
+        new.stop(grace=1.0)
+
+
 # ---------------------------------------------------------------------------------------------
 # The model server's answers, read by grpcio
 

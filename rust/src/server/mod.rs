@@ -1084,10 +1084,15 @@ impl PStore for Service {
                         .unwrap_or(0.0);
                     (now - secs).max(0.0) as u32
                 });
+                // Rows of frozen slots or slots not owned are kept; those removed from slots
+                // being copied are recorded for the move's delta (`moves.rs`).
+                let removed = s.frozen.evict(&r.table, &s.routing, |may| {
+                    t.evict_as(before_seq, before_secs, rid, &|id| {
+                        part.as_ref().is_none_or(|keep| keep(id)) && may(id)
+                    })
+                })?;
                 Ok(RemoveResponse {
-                    removed: t.evict_as(before_seq, before_secs, rid, &|id| {
-                        part.as_ref().is_none_or(|keep| keep(id))
-                    })? as u64,
+                    removed: removed as u64,
                 })
             })
         })

@@ -297,6 +297,37 @@ impl Frozen {
         Ok(g)
     }
 
+    /// An `Evict` of `table` may go on while slots move (holding the pass while it runs): the
+    /// rows it may remove are those of slots this server owns and that are not frozen (a row
+    /// of a frozen slot is on its way to the new owner as it is: it is kept, and evicted there
+    /// later if it stays idle); a row it removes from a slot being copied is recorded, so the
+    /// delta removes it from the new owner too. `evict(may)` runs the eviction, asking `may(id)`
+    /// of each row that is old enough to go (and of no other), and answers how many it removed.
+    pub(super) fn evict<R>(
+        &self,
+        table: &str,
+        routes: &Routes,
+        evict: impl FnOnce(&dyn Fn(u64) -> bool) -> Result<R>,
+    ) -> Result<R> {
+        let g = self.read();
+        let owned = routes.owned_now();
+        let removed = Mutex::new(Vec::new());
+        let may = |id: u64| {
+            let s = slot_of(id);
+            let yes = !g.frozen[s] && owned(s);
+            if yes && g.copying[s] {
+                removed.lock().unwrap_or_else(|e| e.into_inner()).push(id);
+            }
+            yes
+        };
+        let out = evict(&may);
+        // Recorded even when the eviction failed part way: a row recorded and still held goes
+        // again with the delta, as it is.
+        let removed = removed.into_inner().unwrap_or_else(|e| e.into_inner());
+        self.record(&g, table, &removed);
+        out
+    }
+
     /// A write of dense table `name` may go on, unless its name's slot is frozen or no longer
     /// owned (as [`pass_ids`](Self::pass_ids)); recorded when its name's slot is copying.
     pub(super) fn pass_name(&self, name: &str, routes: &Routes) -> Result<Pass<'_>> {

@@ -83,7 +83,8 @@ impl SparseTable {
 
     /// [`evict`](Self::evict) of the write request `rid` (client, seq), recorded with the rows
     /// it removed (see `once.rs`), among the ids for which `among` holds (a retry that some
-    /// environments of the replica committed evicts in the others only).
+    /// environments of the replica committed evicts in the others only). `among` is asked
+    /// only of rows old enough to go, and every row it accepts is removed.
     pub fn evict_as(
         &self,
         before_seq: Option<u64>,
@@ -93,10 +94,12 @@ impl SparseTable {
     ) -> Result<usize> {
         self.check_live()?;
         self.load_all()?;
+        // `among` last: it is asked only of rows old enough to go, and each row it accepts is
+        // removed (a caller may record them).
         let evicted = self.evict_where(rid, |id, row| {
-            among(id)
-                && (before_seq.is_some_and(|v| row_version(row) < v)
-                    || before_secs.is_some_and(|t| row[crate::shard::UPDATED_AT] < t))
+            (before_seq.is_some_and(|v| row_version(row) < v)
+                || before_secs.is_some_and(|t| row[crate::shard::UPDATED_AT] < t))
+                && among(id)
         });
         self.common.durable_wait()?;
         Ok(evicted)
