@@ -487,19 +487,45 @@ def _cmd_cluster_promote(args: argparse.Namespace) -> int:
     return 0
 
 
-def _cmd_cluster_membership(args: argparse.Namespace) -> int:
+def _connect_cluster(args: argparse.Namespace) -> pstore.RemoteStore:
+    """The cluster of `--servers` or `--cluster` (a `--servers` entry with commas is a replica
+    group, its primary first)."""
     if (args.cluster is None) == (not args.servers):
         raise pstore.InvalidArgumentError(
             "give the cluster's servers with --servers HOST:PORT ... or --cluster FILE"
         )
-    # A --servers entry with commas is a replica group, its primary first.
     servers = [s.split(",") if "," in s else s for s in args.servers or []]
-    remote = pstore.connect(
+    return pstore.connect(
         args.cluster or servers,
         token_file=args.token_file,
         timeout=args.timeout,
         tls_ca=args.tls_ca,
     )
+
+
+def _cmd_cluster_members(args: argparse.Namespace) -> int:
+    groups = [g.split(",") for g in args.groups]
+    remote = _connect_cluster(args)
+    try:
+        epoch = remote.publish_members(groups)
+    finally:
+        remote.close()
+    if args.json:
+        print(json.dumps({"epoch": epoch, "groups": groups}, indent=2, sort_keys=True))
+    elif epoch is None:
+        print("nothing published: the servers hold no routing, or it names these members already")
+    else:
+        print(
+            f"published routing epoch {epoch}: "
+            + "; ".join(", ".join(g) for g in groups)
+            + " (workers that cannot reach a group's members they know ask the other servers "
+            "and follow)"
+        )
+    return 0
+
+
+def _cmd_cluster_membership(args: argparse.Namespace) -> int:
+    remote = _connect_cluster(args)
     try:
         if args.cluster_command == "add-server":
             r = remote.add_server(args.address)
@@ -1059,6 +1085,7 @@ def build_parser() -> argparse.ArgumentParser:
     for name, what in (
         ("add-server", "add a store server to the list while workers train"),
         ("remove-server", "remove a store server from the list while workers train"),
+        ("members", "publish the members of replica groups after a replacement by hand"),
     ):
         c = cluster_sub.add_parser(
             name,
@@ -1071,13 +1098,31 @@ def build_parser() -> argparse.ArgumentParser:
             "the new list without restarting. A replica group is its members joined with "
             "commas, its primary first.",
         )
-        c.add_argument(
-            "address",
-            metavar="HOST:PORT[,HOST:PORT...]" if name == "add-server" else "HOST:PORT|POSITION",
-            help="the server or replica group (PRIMARY,FOLLOWER...) that joins"
-            if name == "add-server"
-            else "the server that leaves: any member's address of its group, or its position",
-        )
+        if name == "members":
+            c.description = (
+                "Publish replica groups' current members in the routing the servers hold (the "
+                'call RemoteStore.publish_members makes; docs/CLUSTER.md, "Replacing a '
+                'machine"): each position whose group shares a member with a GROUP gets that '
+                "GROUP's members, under the next routing epoch, the same slots (no row moves). "
+                "Workers that cannot reach the members they know ask the other servers and "
+                "follow. The servers must hold a routing (a list changed once, or on Ray)."
+            )
+            c.add_argument(
+                "groups",
+                nargs="+",
+                metavar="HOST:PORT,HOST:PORT[,...]",
+                help="a group's members now, joined with commas (any order)",
+            )
+        else:
+            c.add_argument(
+                "address",
+                metavar="HOST:PORT[,HOST:PORT...]"
+                if name == "add-server"
+                else "HOST:PORT|POSITION",
+                help="the server or replica group (PRIMARY,FOLLOWER...) that joins"
+                if name == "add-server"
+                else "the server that leaves: any member's address of its group, or its position",
+            )
         c.add_argument(
             "--servers",
             nargs="+",
@@ -1090,7 +1135,7 @@ def build_parser() -> argparse.ArgumentParser:
         c.add_argument("--tls-ca", default=None, help="CA certificate (PEM) of the servers")
         c.add_argument("--timeout", type=float, default=30.0, help="seconds per call (default 30)")
         c.add_argument("--json", action="store_true", help="print the report as JSON")
-        c.set_defaults(func=_cmd_cluster_membership)
+        c.set_defaults(func=_cmd_cluster_members if name == "members" else _cmd_cluster_membership)
 
     p = sub.add_parser(
         "controller",

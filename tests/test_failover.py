@@ -532,3 +532,73 @@ def test_a_third_member_follows_the_promoted_follower(tmp_path: Path) -> None:
     finally:
         for p in (c, b, a):
             p.stop()
+
+
+def _cli(*args: str) -> subprocess.CompletedProcess[str]:
+    out = subprocess.run(
+        [sys.executable, "-m", "pstore", "cluster", *args],
+        capture_output=True,
+        text=True,
+        env=child_env(),
+        timeout=120,
+    )
+    assert out.returncode == 0, out.stderr
+    return out
+
+
+def test_a_machine_replaced_by_hand_is_followed_after_pstore_cluster_members(
+    tmp_path: Path,
+) -> None:
+    # "Replacing a machine" done by a person, twice: a group [a, b] and a server d (the servers
+    # hold a routing: d joined). a dies, b is promoted by hand, c is started to follow b and
+    # published with `pstore cluster members`; then b dies and c is promoted by hand. A worker
+    # connected with the first list ([a, b], d) pushes on to c without a restart: it finds no
+    # primary among a and b, asks d, and follows the members published (decision 0112).
+    a, b = _group(tmp_path, "g0")
+    d = ServerProcess("--path", str(tmp_path / "d"), "--durability", "sync")
+    c = None
+    try:
+        d.wait_ready()
+        admin = pstore.connect([[a.address, b.address]], ack="all")  # type: ignore[list-item]
+        _sgd_table(admin)
+        admin.add_server(d.address)
+        worker = pstore.connect(
+            [[a.address, b.address], d.address],  # type: ignore[list-item]
+            ack="all",
+        )
+        t = worker.sparse_table("t")
+        ids = np.arange(1000, dtype=np.int64)
+        t.push(ids, np.ones((len(ids), DIM), np.float32))
+        a.send(signal.SIGKILL)
+        a.proc.wait(30)
+        _cli("promote", b.address)
+        c = ServerProcess(
+            "--path",
+            str(tmp_path / "g0-c"),
+            "--durability",
+            "sync",
+            "--follow",
+            b.address,
+        )
+        c.wait_ready()
+        servers = ["--servers", f"{b.address},{c.address}", d.address]
+        out = _cli("members", f"{b.address},{c.address}", *servers, "--json")
+        epoch = json.loads(out.stdout)["epoch"]
+        assert isinstance(epoch, int) and epoch > 0
+        # The same members again: nothing to publish.
+        again = _cli("members", f"{c.address},{b.address}", *servers)
+        assert "nothing published" in again.stdout, again.stdout
+        _wait_caught_up(pstore.connect([b.address]), pstore.connect([c.address], retries=0))
+        b.send(signal.SIGKILL)
+        b.proc.wait(30)
+        _cli("promote", c.address)
+        started = time.monotonic()
+        t.push(ids, np.ones((len(ids), DIM), np.float32))
+        took = time.monotonic() - started
+        assert took < 15.0, f"the push after the second promotion took {took:.1f} s"
+        rows = t.pull(ids)
+        np.testing.assert_array_equal(rows, np.full((len(ids), DIM), -2.0, np.float32))
+        assert _status(pstore.connect([c.address]))["role"] == "primary"
+    finally:
+        for p in (a, b, d, *([c] if c else [])):
+            p.stop()
