@@ -180,8 +180,11 @@ def test_a_move_is_refused_while_a_step_has_a_pending_aggregate_in_its_slots() -
         t[0].push(ids, np.ones((ids.size, DIM), np.float32))
         admin = pstore.connect(servers)
         before = admin.slots
-        with pytest.raises(pstore.InvalidArgumentError, match="pending step 1 with rows of table"):
+        with pytest.raises(
+            pstore.InvalidArgumentError, match="pending step 1 with rows of table"
+        ) as e:
             admin.move_slots(dict(before, ranges=[[0, 16384, 1]]))
+        assert "  " not in str(e.value), str(e.value)  # one sentence, not a line's indentation
         t[1].push(ids, np.ones((ids.size, DIM), np.float32))
         run_threads(2, lambda k: w[k].end_step())
         rep = admin.move_slots(dict(before, ranges=[[0, 16384, 1]]))

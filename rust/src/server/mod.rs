@@ -1278,7 +1278,10 @@ impl PStore for Service {
                 if let Some((job, step, table)) = s.steps.pending_in(&set) {
                     s.frozen.set(&set, false);
                     return Err(invalid(format!(
-                        "freeze: job {job:?} has a pending step {step} with rows of table                          {table:?} in these slots, and a step's aggregate is not moved with its                          slots: move them between jobs, or once every step is applied (with                          asynchronous training); nothing was frozen"
+                        "freeze: job {job:?} has a pending step {step} with rows of table \
+                         {table:?} in these slots, and a step's aggregate is not moved with its \
+                         slots: move them between jobs, or once every step is applied (with \
+                         asynchronous training); nothing was frozen"
                     )));
                 }
             }
