@@ -603,24 +603,31 @@ impl Client {
                         .get_or_insert_with(|| Instant::now() + self.config.failover_timeout);
                     // Looked for in slices: between two, the other servers may name members
                     // this client does not know (a replacement promoted since).
-                    let slice = match pos {
-                        Some(_) => until.min(Instant::now() + reshard::EARLY_EVERY),
-                        None => until,
+                    let found = loop {
+                        let slice = match pos {
+                            Some(_) => until.min(Instant::now() + reshard::EARLY_EVERY),
+                            None => until,
+                        };
+                        match g
+                            .find_primary(self.config.token.as_deref(), slice, read)
+                            .await
+                        {
+                            Ok(()) => break Ok(()),
+                            Err(m) => {
+                                if let Some(moved) = ask(&s).await {
+                                    return Err(moved);
+                                }
+                                if Instant::now() >= until {
+                                    break Err(m);
+                                }
+                            }
+                        }
                     };
-                    if let Err(m) = g
-                        .find_primary(self.config.token.as_deref(), slice, read)
-                        .await
-                    {
-                        if let Some(moved) = ask(&s).await {
-                            return Err(moved);
-                        }
-                        if Instant::now() >= until {
-                            return Err(Status::new(
-                                s.code(),
-                                format!("{m} (the last call said: {})", s.message()),
-                            ));
-                        }
-                        continue;
+                    if let Err(m) = found {
+                        return Err(Status::new(
+                            s.code(),
+                            format!("{m} (the last call said: {})", s.message()),
+                        ));
                     }
                     if g.pick(false) == k && s.code() != Code::FailedPrecondition {
                         // The same primary: back off as for any retry.
