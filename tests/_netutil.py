@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shlex
 import shutil
@@ -12,6 +13,7 @@ import sys
 import tempfile
 import threading
 import time
+import weakref
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
@@ -92,9 +94,15 @@ class ServerProcess:
             *args,
         ]
         # Without `log`, stderr goes to a temporary file, read back when the server fails to
-        # start (`wait_ready`) or by `stderr_tail()`, and deleted by `stop()`.
-        self._own_log = log is None
-        self.log = open(log, "ab") if log else tempfile.TemporaryFile()
+        # start (`wait_ready`) or by `stderr_tail()`, and deleted with this object.
+        if log is None:
+            fd, name = tempfile.mkstemp(prefix="pstore-serve-", suffix=".stderr")
+            self.stderr_path: Path | None = Path(name)
+            weakref.finalize(self, _unlink, name)
+            self.log = os.fdopen(fd, "ab")
+        else:
+            self.stderr_path = None
+            self.log = open(log, "ab")
         self.proc = subprocess.Popen(
             cmd,
             stdout=subprocess.DEVNULL,
@@ -102,6 +110,8 @@ class ServerProcess:
             env={**os.environ, **(env or {})},
             preexec_fn=preexec_fn,
         )
+        # The child holds its own descriptor.
+        self.log.close()
 
     def wait_ready(self, token: str | None = None, timeout: float = 30.0) -> pstore.RemoteStore:
         deadline = time.monotonic() + timeout
@@ -120,13 +130,13 @@ class ServerProcess:
 
     def stderr_tail(self, limit: int = 4000) -> str:
         """The last `limit` bytes the server wrote to stderr (when no `log` file was given)."""
-        if not self._own_log or self.log.closed:
-            return "(see the log file given)" if not self._own_log else ""
-        self.log.flush()
-        self.log.seek(0, os.SEEK_END)
-        size = self.log.tell()
-        self.log.seek(max(0, size - limit))
-        return self.log.read().decode(errors="replace")
+        if self.stderr_path is None:
+            return "(in the log file given)"
+        try:
+            data = self.stderr_path.read_bytes()
+        except OSError:
+            return ""
+        return data[-limit:].decode(errors="replace")
 
     def send(self, sig: int) -> None:
         if self.proc.poll() is None:
@@ -140,7 +150,11 @@ class ServerProcess:
             if self.proc.poll() is None:
                 self.proc.kill()
                 self.proc.wait()
-            self.log.close()
+
+
+def _unlink(name: str) -> None:
+    with contextlib.suppress(OSError):
+        os.unlink(name)
 
 
 def start_servers(n: int, *args: str, token: str | None = None) -> list[ServerProcess]:
