@@ -316,9 +316,13 @@ def test_a_server_that_cannot_read_the_snapshot_is_named_and_nothing_stays(clust
         blind.stop()
 
 
-def table_rows_on(address: str, name: str) -> int:
-    """Rows of table `name` on the one server at `address` (0 while it has no such table)."""
-    for t in pstore.connect([address], timeout=5.0, retries=0).status()[0]["tables"]:
+def table_rows_on(address: str | pstore.RemoteStore, name: str) -> int:
+    """Rows of table `name` on the one server at `address` (or connected to, a store of one
+    server: no connection to open) (0 while it has no such table)."""
+    store = (
+        pstore.connect([address], timeout=5.0, retries=0) if isinstance(address, str) else address
+    )
+    for t in store.status()[0]["tables"]:
         if t["name"] == name:
             return int(t["rows"])
     return 0
@@ -345,11 +349,16 @@ def test_a_server_killed_during_the_load_leaves_no_table(cluster, tmp_path):
             except BaseException as e:  # handed to the test's thread
                 outcome["error"] = e
 
+        # Asked on a connection opened beforehand: each check is one Status call, so the kill
+        # comes within a millisecond or so of the victim's first loaded chunk, not after it
+        # has loaded everything (a check that opened a connection each time let a quiet
+        # machine finish the load first).
+        probe = pstore.connect([victim.address], timeout=5.0, retries=0)
         th = threading.Thread(target=restore)
         th.start()
         # SIGKILL the victim as soon as it holds some of its rows, not all.
-        while th.is_alive() and table_rows_on(victim.address, "big") == 0:
-            time.sleep(0.002)
+        while th.is_alive() and table_rows_on(probe, "big") == 0:
+            time.sleep(0.0005)
         victim.send(signal.SIGKILL)
         th.join(timeout=300)
         assert not th.is_alive()
