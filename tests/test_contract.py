@@ -1497,6 +1497,20 @@ def _rows_by_id(answers: Any) -> dict[int, bytes]:
     return rows
 
 
+@contextlib.contextmanager
+def _old_and_new(api: SimpleNamespace) -> Iterator[tuple[Any, Any]]:
+    """Two servers, a move's old and new owner, as stubs over channels closed at the end."""
+    old, new = start_server(), start_server()
+    chans = [grpc.insecure_channel(s.address) for s in (old, new)]
+    try:
+        yield api.PStoreStub(chans[0]), api.PStoreStub(chans[1])
+    finally:
+        for c in chans:
+            c.close()
+        old.stop(grace=1.0)
+        new.stop(grace=1.0)
+
+
 def test_a_pre_copy_records_writes_creations_and_removals_for_the_delta(api):
     """Decision 0114 from a client generated from the .proto: slots marked copying take writes
     (no "moving"); the rows pushed, pushed into being, created by a pull and removed after the
@@ -1523,11 +1537,8 @@ def test_a_pre_copy_records_writes_creations_and_removals_for_the_delta(api):
             "seed": 0,
         }
     )
-    old, new = start_server(), start_server()
-    chans = [grpc.insecure_channel(s.address) for s in (old, new)]
-    a, b = (api.PStoreStub(c) for c in chans)
     every = m.SlotSet(starts=[0], ends=[16384])
-    try:
+    with _old_and_new(api) as (a, b):
         for stub in (a, b):
             create(api, stub, "pc", config)
             create(api, stub, "dn", dense, "DENSE")
@@ -1606,11 +1617,6 @@ def test_a_pre_copy_records_writes_creations_and_removals_for_the_delta(api):
         e = fails(a.ExportSlots, m.ExportSlotsRequest(table="pc", slots=every, dirty=True))
         assert e.code() == Code.INVALID_ARGUMENT and "not being copied" in e.details(), e.details()
         push([1])
-    finally:
-        for c in chans:
-            c.close()
-        old.stop(grace=1.0)
-        new.stop(grace=1.0)
 
 
 def test_an_evict_during_a_move_reaches_the_new_owner_and_spares_frozen_slots(api):
@@ -1619,11 +1625,8 @@ def test_an_evict_during_a_move_reaches_the_new_owner_and_spares_frozen_slots(ap
     are frozen it removes nothing there (their rows are on their way as they are)."""
     m = api.m
     config = sparse_config(2, lr=1.0, initializer={"constant": 0.5})
-    old, new = start_server(), start_server()
-    chans = [grpc.insecure_channel(s.address) for s in (old, new)]
-    a, b = (api.PStoreStub(c) for c in chans)
     every = m.SlotSet(starts=[0], ends=[16384])
-    try:
+    with _old_and_new(api) as (a, b):
         for stub in (a, b):
             create(api, stub, "ev", config)
 
@@ -1664,11 +1667,6 @@ def test_an_evict_during_a_move_reaches_the_new_owner_and_spares_frozen_slots(ap
         assert _rows_by_id(_slot_rows(api, b, "ev", every)) == want
         ok(a.FreezeSlots, m.FreezeSlotsRequest(slots=every, thaw=True))
         assert ok(a.Evict, idle).removed == 50
-    finally:
-        for c in chans:
-            c.close()
-        old.stop(grace=1.0)
-        new.stop(grace=1.0)
 
 
 # ---------------------------------------------------------------------------------------------

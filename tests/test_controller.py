@@ -18,7 +18,7 @@ from typing import Any
 import numpy as np
 import pytest
 from _netutil import ServerProcess, child_env, free_port
-from test_failover import DIM, _group, _sgd_table
+from test_failover import DIM, _group, _group_with_a_joined_server, _sgd_table
 from test_replication import _status, _wait_caught_up
 
 import pstore
@@ -662,18 +662,9 @@ def test_a_client_follows_a_group_that_failed_over_twice_to_a_member_it_never_kn
     engine = _SpawningEngine(tmp_path)
     ctl = Controller([[a.address, b.address]], engine=engine, check_interval=0.2, dead_after=1.0)
     try:
-        d.wait_ready()
-        admin = pstore.connect([[a.address, b.address]], ack="all")  # type: ignore[list-item]
-        _sgd_table(admin)
-        admin.add_server(d.address)
         # The default-sized failover timeout: the worker must not wait it out before it asks
         # d (it asks the others while it looks for the primary, decision 0112).
-        worker = pstore.connect(
-            [[a.address, b.address], d.address],  # type: ignore[list-item]
-            ack="all",
-            failover_timeout=30.0,
-        )
-        t = worker.sparse_table("t")
+        t = _group_with_a_joined_server(a, b, d, failover_timeout=30.0)
         ids = np.arange(1000, dtype=np.int64)
         pushes = 0
 

@@ -11,6 +11,7 @@ import sys
 import threading
 import time
 from pathlib import Path
+from typing import Any
 
 import grpc
 import numpy as np
@@ -45,6 +46,24 @@ def _sgd_table(remote: pstore.RemoteStore) -> pstore.SparseTable:
     return remote.create_sparse_table(  # type: ignore[return-value]
         "t", dim=DIM, optimizer=pstore.optim.SGD(lr=1.0), initializer=pstore.init.Zeros()
     )
+
+
+def _group_with_a_joined_server(
+    a: ServerProcess, b: ServerProcess, d: ServerProcess, **worker: Any
+) -> pstore.SparseTable:
+    """The group [a, b] and the server d as one cluster whose servers hold a routing (d joined
+    through `add_server`): table "t", and a worker's handle on it, connected with that list
+    (`worker`: more arguments of its `connect`)."""
+    d.wait_ready()
+    admin = pstore.connect([[a.address, b.address]], ack="all")  # type: ignore[list-item]
+    _sgd_table(admin)
+    admin.add_server(d.address)
+    remote = pstore.connect(
+        [[a.address, b.address], d.address],  # type: ignore[list-item]
+        ack="all",
+        **worker,
+    )
+    return remote.sparse_table("t")  # type: ignore[return-value]
 
 
 def _varint(n: int) -> bytes:
@@ -558,15 +577,7 @@ def test_a_machine_replaced_by_hand_is_followed_after_pstore_cluster_members(
     d = ServerProcess("--path", str(tmp_path / "d"), "--durability", "sync")
     c = None
     try:
-        d.wait_ready()
-        admin = pstore.connect([[a.address, b.address]], ack="all")  # type: ignore[list-item]
-        _sgd_table(admin)
-        admin.add_server(d.address)
-        worker = pstore.connect(
-            [[a.address, b.address], d.address],  # type: ignore[list-item]
-            ack="all",
-        )
-        t = worker.sparse_table("t")
+        t = _group_with_a_joined_server(a, b, d)
         ids = np.arange(1000, dtype=np.int64)
         t.push(ids, np.ones((len(ids), DIM), np.float32))
         a.send(signal.SIGKILL)

@@ -185,7 +185,7 @@ impl Client {
         Fut: std::future::Future<Output = std::result::Result<tonic::Response<R>, tonic::Status>>,
     {
         self.rt
-            .block_on(self.call_server(s, msg, timeout, true, false, f))
+            .block_on(self.call_server(s, None, msg, timeout, true, false, f))
             .map_err(|e| error_of(&e, &s.name))
     }
 

@@ -491,37 +491,18 @@ impl Client {
                 "the server list changed under the call: it has no position {i} now"
             )));
         };
-        self.call_server_at(&server, Some(i), msg, timeout, retry_late, read, f)
+        self.call_server(&server, Some(i), msg, timeout, retry_late, read, f)
             .await
     }
 
     /// [`call_status`](Self::call_status) to `server`, wherever it is in the list (or not in
-    /// it: a server joining or leaving).
-    async fn call_server<M, R, F, Fut>(
-        &self,
-        server: &Server,
-        msg: M,
-        timeout: Duration,
-        retry_late: bool,
-        read: bool,
-        f: F,
-    ) -> std::result::Result<R, Status>
-    where
-        M: Clone,
-        F: Fn(Stub, Request<M>) -> Fut,
-        Fut: std::future::Future<Output = std::result::Result<tonic::Response<R>, Status>>,
-    {
-        self.call_server_at(server, None, msg, timeout, retry_late, read, f)
-            .await
-    }
-
-    /// [`call_server`](Self::call_server) to the server at position `pos` of this client's
-    /// list: when it cannot be reached (refused, or its group has no primary among the members
+    /// it: a server joining or leaving). With its position `pos` in this client's list: when it
+    /// cannot be reached (refused, or its group has no primary among the members
     /// this client knows), a few other servers are asked for their routing at once, not only
     /// after the retries or `failover_timeout` (decision 0112), and a newer routing found there
     /// fails the call "moved" so that the operation splits it again by that routing.
     #[allow(clippy::too_many_arguments)]
-    async fn call_server_at<M, R, F, Fut>(
+    async fn call_server<M, R, F, Fut>(
         &self,
         server: &Server,
         pos: Option<usize>,

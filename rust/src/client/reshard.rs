@@ -381,6 +381,7 @@ impl Client {
                 async move {
                     self.call_server(
                         &s,
+                        None,
                         GetRoutingRequest {},
                         t,
                         true,
@@ -575,7 +576,7 @@ impl Client {
             let s = Arc::clone(s);
             let r = routing(index);
             async move {
-                self.call_server(&s, r, t, true, false, |mut c, r| async move {
+                self.call_server(&s, None, r, t, true, false, |mut c, r| async move {
                     c.set_routing(r).await
                 })
                 .await
