@@ -161,7 +161,9 @@ struct FollowerState {
 }
 
 struct LogState {
-    entries: VecDeque<(u64, Arc<ReplicateMessage>, usize, Instant)>,
+    /// `(lsn, message, bytes, when, committed)`: the newest may be on its way to the disk
+    /// still (handed on before its commit, decision 0116).
+    entries: VecDeque<(u64, Arc<ReplicateMessage>, usize, Instant, bool)>,
     bytes: usize,
     /// Every entry after this LSN is in `entries`.
     covered_from: u64,
@@ -177,6 +179,25 @@ struct LogState {
     suspects: Vec<String>,
     /// Set when a newer epoch has another primary: every write is refused with this message.
     fenced: Option<String>,
+    /// Entries handed on before their commit whose commit failed (numbers above
+    /// `covered_from`): a stream that began before one is cut, and a follower that would
+    /// resume from before one resyncs.
+    retracted: Vec<u64>,
+}
+
+impl LogState {
+    /// Whether a follower holding exactly what this primary committed up to `lsn` may
+    /// resume from it: `lsn` is the log's start (a commit on disk) or an entry this run
+    /// committed (never one that may have left uncommitted: a retracted one, or one a run
+    /// before a crash handed on), and no entry after it was retracted.
+    fn resumable(&self, lsn: u64) -> bool {
+        (lsn == self.covered_from
+            || self
+                .entries
+                .iter()
+                .any(|(l, .., committed)| *l == lsn && *committed))
+            && !self.retracted.iter().any(|&r| r > lsn)
+    }
 }
 
 /// A primary's log and followers.
@@ -286,6 +307,7 @@ impl Primary {
                 resyncs: 0,
                 suspects: Vec::new(),
                 fenced: None,
+                retracted: Vec::new(),
             }),
             acked: Condvar::new(),
             newest: watch::channel(0).0,
@@ -295,9 +317,14 @@ impl Primary {
             // Its cycles commit per environment: not one entry each. Replicate refuses.
             return Ok(p);
         }
+        // A run before a crash may have handed on the entry of the cycle after the last one on
+        // disk without committing it: that number is never used again (decision 0116), and
+        // nothing but the disk's last commit is a point to resume from.
+        let on_disk = f.skip_cycle_number()?;
         f.set_commit_sink(Some(Arc::clone(&p) as Arc<dyn CommitSink>));
         // Cycles committed before the sink was set are not in the log.
         let done = f.done_cycle();
+        let done = if done == on_disk + 1 { on_disk } else { done };
         let mut s = p.lock();
         s.covered_from = s.covered_from.max(done);
         s.last = s.last.max(done);
@@ -312,14 +339,19 @@ impl Primary {
     /// Drops entries past the log's bounds.
     fn trim(&self, s: &mut LogState) {
         let now = Instant::now();
-        while let Some((lsn, _, bytes, at)) = s.entries.front() {
-            if s.bytes <= self.config.log_bytes && now.duration_since(*at) <= self.config.log_age {
+        while let Some((lsn, _, bytes, at, committed)) = s.entries.front() {
+            if !committed
+                || (s.bytes <= self.config.log_bytes
+                    && now.duration_since(*at) <= self.config.log_age)
+            {
                 break;
             }
             s.covered_from = *lsn;
             s.bytes -= bytes;
             s.entries.pop_front();
         }
+        let from = s.covered_from;
+        s.retracted.retain(|&r| r > from);
     }
 
     /// The status of replication as JSON.
@@ -484,12 +516,14 @@ impl Primary {
         }
         let mut s = self.lock();
         let last = s.last;
+        // An entry retracted after it left does not count (its follower resyncs).
+        let retracted = s.retracted.contains(&lsn);
         let f = s
             .followers
             .get_mut(follower)
             .ok_or_else(|| invalid(format!("no follower {follower:?} is connected")))?;
         f.heard = Instant::now();
-        if lsn > f.acked {
+        if lsn > f.acked && !retracted {
             f.acked = lsn;
             f.progress = Instant::now();
         }
@@ -512,9 +546,10 @@ impl Primary {
         if f.mode() != crate::durable::Durability::Sync {
             f.flush()?;
         }
-        let want = f.done_cycle();
         let started = Instant::now();
         let mut s = self.lock();
+        // The newest commit (not a cycle number whose entry was retracted).
+        let want = s.last;
         loop {
             let now = Instant::now();
             let timeout = self.config.ack_timeout;
@@ -634,10 +669,7 @@ impl Primary {
     ) -> Result<()> {
         let gone = |_| storage("the follower went away");
         let mut newest = self.newest.subscribe();
-        let resume = {
-            let s = self.lock();
-            r.replication_id == self.id && r.from_lsn >= s.covered_from && r.from_lsn <= s.last
-        };
+        let resume = r.replication_id == self.id && self.lock().resumable(r.from_lsn);
         let mut sent = if resume {
             r.from_lsn
         } else {
@@ -649,9 +681,18 @@ impl Primary {
             self.lock().resyncs += 1;
             lsn
         };
+        let began = sent;
         loop {
             let batch: Vec<Arc<ReplicateMessage>> = {
                 let s = self.lock();
+                if let Some(r) = s.retracted.iter().find(|&&r| r > began) {
+                    // It may have carried the entry, or lacks the changes beside the rows that
+                    // the entry carried: the follower comes back and resyncs.
+                    return Err(storage(format!(
+                        "entry {r} was retracted (its commit failed on the primary after it \
+                         left): the follower resyncs"
+                    )));
+                }
                 if sent < s.covered_from {
                     return Err(storage(format!(
                         "the follower fell behind the log (at LSN {sent}, the log starts after \
@@ -704,7 +745,8 @@ impl Primary {
                 .map_err(|_| storage("the follower went away"))
         };
         let held = f.hold_cycles();
-        let lsn = f.done_cycle();
+        // The newest commit (the disk holds it: no cycle runs), not a skipped number.
+        let lsn = self.lock().last;
         let id = self.id;
         send(ReplicateMessage {
             replication_id: id,
@@ -826,12 +868,58 @@ impl CommitSink for Primary {
         let lsn = entry.lsn;
         let m = Arc::new(message_of(self.id, self.epoch, entry));
         let mut s = self.lock();
-        s.entries.push_back((lsn, m, bytes, Instant::now()));
+        s.entries.push_back((lsn, m, bytes, Instant::now(), true));
         s.bytes += bytes;
         s.last = lsn;
         self.trim(&mut s);
         drop(s);
         self.newest.send_replace(lsn);
+    }
+
+    fn early(&self) -> bool {
+        true
+    }
+
+    fn shipped(&self, entry: CommitEntry) {
+        let bytes = entry.bytes();
+        let lsn = entry.lsn;
+        let m = Arc::new(message_of(self.id, self.epoch, entry));
+        let mut s = self.lock();
+        s.entries.push_back((lsn, m, bytes, Instant::now(), false));
+        s.bytes += bytes;
+        drop(s);
+        self.newest.send_replace(lsn);
+    }
+
+    fn settled(&self, lsn: u64, ok: bool) {
+        let mut s = self.lock();
+        if ok {
+            if let Some(e) = s.entries.iter_mut().rev().find(|e| e.0 == lsn) {
+                e.4 = true;
+            }
+            s.last = lsn;
+            self.trim(&mut s);
+            return;
+        }
+        // Retracted: the rows it carried were not committed (a `sync` store goes back to its
+        // last commit). Streams that began before it are cut; acks of it stop counting.
+        if let Some(i) = s.entries.iter().position(|e| e.0 == lsn) {
+            if let Some(e) = s.entries.remove(i) {
+                s.bytes -= e.2;
+            }
+        }
+        s.retracted.push(lsn);
+        let last = s.last;
+        for f in s.followers.values_mut() {
+            f.acked = f.acked.min(last);
+        }
+        eprintln!(
+            "pstore: entry {lsn} was retracted (its commit failed after it was sent): the \
+             followers resync"
+        );
+        drop(s);
+        self.newest.send_replace(lsn);
+        self.acked.notify_all();
     }
 
     fn skipped(&self, lsn: u64) {
@@ -840,6 +928,7 @@ impl CommitSink for Primary {
         s.bytes = 0;
         s.covered_from = lsn;
         s.last = lsn;
+        s.retracted.clear();
         drop(s);
         self.newest.send_replace(lsn);
     }
