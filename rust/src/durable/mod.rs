@@ -106,9 +106,10 @@ pub struct Flusher {
     /// not on disk, so no entry leaves before its commit until one commits (after a crash,
     /// the only number that may have left unrecorded is the one after the disk's).
     early_blocked: AtomicBool,
-    /// Tests: the next so many transactions of `write_chunk` fail (after an early hand-on).
+    /// Tests: the next transaction of `write_chunk` fails (after an early hand-on), once the
+    /// test says so on this channel.
     #[cfg(test)]
-    pub(crate) fail_commits: std::sync::atomic::AtomicU32,
+    pub(crate) fail_next: Mutex<Option<std::sync::mpsc::Receiver<()>>>,
     thread: Mutex<Option<JoinHandle<()>>>,
 }
 
@@ -151,7 +152,7 @@ impl Flusher {
             shipped_early: AtomicBool::new(false),
             early_blocked: AtomicBool::new(false),
             #[cfg(test)]
-            fail_commits: std::sync::atomic::AtomicU32::new(0),
+            fail_next: Mutex::new(None),
             thread: Mutex::new(None),
         });
         let idle = Arc::clone(&f.idle);
@@ -806,11 +807,10 @@ impl Flusher {
             self.shipped_early.store(true, Ordering::Relaxed);
         }
         #[cfg(test)]
-        let r = if self
-            .fail_commits
-            .fetch_update(Ordering::Relaxed, Ordering::Relaxed, |n| n.checked_sub(1))
-            .is_ok()
-        {
+        let fail = self.fail_next.lock().unwrap_or_else(|e| e.into_inner()).take();
+        #[cfg(test)]
+        let r = if let Some(go) = fail {
+            let _ = go.recv();
             Err(storage("a commit failed (test)"))
         } else {
             st.write_each(&which, parallel, &|| self.idle.writing(), &write)

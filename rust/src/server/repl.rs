@@ -1637,4 +1637,224 @@ mod tests {
         drop((a, b));
         let _ = std::fs::remove_dir_all(&root);
     }
+
+    /// The held state of a test server: nothing.
+    struct NoHeld;
+
+    impl Held for NoHeld {
+        fn state(&self) -> HeldState {
+            HeldState::default()
+        }
+        fn install(&self, _state: HeldState) -> Result<()> {
+            Ok(())
+        }
+    }
+
+    type Rx = mpsc::Receiver<std::result::Result<ReplicateMessage, Status>>;
+
+    fn follower(dir: &std::path::Path) -> Arc<Follower> {
+        let config = ReplConfig {
+            follow: Some("127.0.0.1:1".into()),
+            ..ReplConfig::default()
+        };
+        let f = Follower::new(durable(dir), config).unwrap();
+        f.held.set(Arc::new(NoHeld));
+        f
+    }
+
+    fn runtime() -> tokio::runtime::Runtime {
+        tokio::runtime::Builder::new_multi_thread()
+            .worker_threads(2)
+            .enable_all()
+            .build()
+            .unwrap()
+    }
+
+    /// The stream the primary serves `f` from its LSN (the follower's request).
+    fn open(rt: &tokio::runtime::Runtime, p: &Arc<Primary>, f: &Follower) -> Rx {
+        let (id, lsn) = {
+            let s = f.lock();
+            (s.primary_id, s.lsn)
+        };
+        let r = ReplicateRequest {
+            follower: "f".into(),
+            replication_id: id,
+            from_lsn: lsn,
+        };
+        let _in = rt.enter();
+        p.serve(r).unwrap()
+    }
+
+    /// The next entry that arrives (heartbeats skipped).
+    fn entry(rx: &mut Rx) -> ReplicateMessage {
+        loop {
+            let m = rx.blocking_recv().unwrap().unwrap();
+            if m.lsn > 0 {
+                return m;
+            }
+        }
+    }
+
+    /// Applies what arrives until the follower holds `lsn`; whether a resync began.
+    fn pump(rx: &mut Rx, f: &Follower, lsn: u64) -> bool {
+        let mut resynced = false;
+        while f.lsn() != lsn || f.lock().resyncing {
+            let m = rx.blocking_recv().unwrap().unwrap();
+            resynced |= m.resync_start;
+            f.apply(vec![m]).unwrap();
+        }
+        resynced
+    }
+
+    fn push(t: &Arc<crate::table::SparseTable>, ids: std::ops::Range<u64>, seq: u64) -> Result<()> {
+        let ids: Vec<u64> = ids.collect();
+        let grads: Vec<f32> = (0..ids.len() * 4).map(|i| (i % 7) as f32 - 3.0).collect();
+        t.push_validated_as(&ids, &grads, 1.0, Some((9, seq)))
+    }
+
+    /// The follower's copy of `t` is the primary's, bit for bit.
+    fn same(p: &Store, f: &Follower) {
+        let (t, u) = (p.sparse("t").unwrap(), f.store.sparse("t").unwrap());
+        assert_eq!(u.len(), t.len());
+        let all: Vec<u64> = (0..400).collect();
+        assert_eq!(t.contains(&all).unwrap(), u.contains(&all).unwrap());
+        let have: Vec<u64> = all
+            .iter()
+            .copied()
+            .filter(|&i| t.contains(&[i]).unwrap()[0])
+            .collect();
+        let (x, y) = (
+            t.pull_existing(&have).unwrap(),
+            u.pull_existing(&have).unwrap(),
+        );
+        assert_eq!(
+            x.iter().map(|v| v.to_bits()).collect::<Vec<_>>(),
+            y.iter().map(|v| v.to_bits()).collect::<Vec<_>>()
+        );
+    }
+
+    /// A primary with a follower that holds its table at the newest LSN; the table.
+    fn caught_up(
+        rt: &tokio::runtime::Runtime,
+        a: &Arc<Store>,
+        f: &Follower,
+    ) -> (Arc<Primary>, Arc<crate::table::SparseTable>, Rx) {
+        let p = Primary::start(Arc::clone(a), ReplConfig::default(), 1).unwrap();
+        let t = a.create_sparse_table("t", config()).unwrap();
+        push(&t, 0..100, 1).unwrap();
+        let mut rx = open(rt, &p, f);
+        assert!(pump(&mut rx, f, p.last_lsn()));
+        push(&t, 0..150, 2).unwrap();
+        assert!(!pump(&mut rx, f, p.last_lsn()));
+        p.ack("f", p.id, f.lsn()).unwrap();
+        same(a, f);
+        (p, t, rx)
+    }
+
+    #[test]
+    fn an_entry_sent_before_a_commit_that_failed_is_retracted_and_its_follower_resyncs() {
+        let root = std::env::temp_dir().join(format!("pstore-retract-{}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&root);
+        let rt = runtime();
+        let a = durable(&root.join("a"));
+        let f = follower(&root.join("b"));
+        let (p, t, mut rx) = caught_up(&rt, &a, &f);
+        let held = p.last_lsn();
+        // The next commit fails ("the disk is full"), after the cycle's entry left and the
+        // follower applied and acked it.
+        let (go, wait) = std::sync::mpsc::channel();
+        *a.flusher().unwrap().fail_next.lock().unwrap() = Some(wait);
+        let pushing = {
+            let t = Arc::clone(&t);
+            std::thread::spawn(move || push(&t, 100..300, 3))
+        };
+        let m = entry(&mut rx);
+        let retracted = m.lsn;
+        assert_eq!(retracted, held + 1);
+        f.apply(vec![m]).unwrap();
+        assert_eq!(f.store.sparse("t").unwrap().len(), 300);
+        p.ack("f", p.id, retracted).unwrap();
+        assert_eq!(p.lock().followers["f"].acked, retracted);
+        go.send(()).unwrap();
+        // The push fails; the primary's rows go back to its last commit; the ack stops
+        // counting, and a late one too.
+        assert!(pushing.join().unwrap().is_err());
+        assert_eq!(t.len(), 150);
+        assert_eq!(p.last_lsn(), held);
+        assert_eq!(p.lock().followers["f"].acked, held);
+        p.ack("f", p.id, retracted).unwrap();
+        assert_eq!(p.lock().followers["f"].acked, held);
+        // Its stream is cut; it comes back from the retracted LSN and resyncs (and would from
+        // the LSN before it: that stream missed whatever else the entry carried).
+        let cut = rx.blocking_recv().unwrap().unwrap_err();
+        assert!(cut.message().contains("retracted"), "{cut:?}");
+        assert!(!p.lock().resumable(retracted) && !p.lock().resumable(held));
+        let mut rx = open(&rt, &p, &f);
+        assert!(pump(&mut rx, &f, held));
+        same(&a, &f);
+        assert!(!f.store.sparse("t").unwrap().was_applied(9, 3).unwrap()[0]);
+        // The failed cycle's number is not used again; the retry applies once, everywhere.
+        push(&t, 100..300, 3).unwrap();
+        assert!(p.last_lsn() > retracted);
+        assert!(!pump(&mut rx, &f, p.last_lsn()));
+        same(&a, &f);
+        assert!(f.store.sparse("t").unwrap().was_applied(9, 3).unwrap()[0]);
+        drop(rx);
+        a.flusher().unwrap().set_commit_sink(None);
+        rt.shutdown_background();
+        drop((p, t, a, f));
+        let _ = std::fs::remove_dir_all(&root);
+    }
+
+    #[test]
+    fn a_primary_restarted_numbers_past_an_entry_it_sent_and_never_committed() {
+        let root = std::env::temp_dir().join(format!("pstore-renumber-{}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&root);
+        let rt = runtime();
+        let a = durable(&root.join("a"));
+        let f = follower(&root.join("b"));
+        let (p, t, mut rx) = caught_up(&rt, &a, &f);
+        let (id, on_disk) = (p.id, p.last_lsn());
+        // The cycle's entry leaves; its commit never happens (the process dies: here the commit
+        // fails and the primary is gone before it could tell the follower).
+        let (go, wait) = std::sync::mpsc::channel();
+        *a.flusher().unwrap().fail_next.lock().unwrap() = Some(wait);
+        let pushing = {
+            let t = Arc::clone(&t);
+            std::thread::spawn(move || push(&t, 100..300, 3))
+        };
+        let lost = entry(&mut rx);
+        assert_eq!(lost.lsn, on_disk + 1);
+        f.apply(vec![lost]).unwrap();
+        go.send(()).unwrap();
+        assert!(pushing.join().unwrap().is_err());
+        drop(rx);
+        a.flusher().unwrap().set_commit_sink(None);
+        rt.shutdown_background();
+        drop((p, t));
+        a.close().unwrap();
+        drop(a);
+        // The primary restarts on its disk and commits a different push before the follower
+        // comes back: under another number than the lost entry's.
+        let rt = runtime();
+        let a = durable(&root.join("a"));
+        let p = Primary::start(Arc::clone(&a), ReplConfig::default(), 1).unwrap();
+        assert_eq!((p.id, p.last_lsn()), (id, on_disk));
+        let t = a.sparse("t").unwrap();
+        assert_eq!(t.len(), 150);
+        push(&t, 0..10, 4).unwrap();
+        assert!(p.last_lsn() > on_disk + 1);
+        // The follower, holding the lost entry, asks to resume from its LSN: it resyncs.
+        assert_eq!(f.lsn(), on_disk + 1);
+        assert!(!p.lock().resumable(on_disk + 1));
+        let mut rx = open(&rt, &p, &f);
+        assert!(pump(&mut rx, &f, p.last_lsn()));
+        same(&a, &f);
+        assert!(!f.store.sparse("t").unwrap().was_applied(9, 3).unwrap()[0]);
+        drop(rx);
+        a.flusher().unwrap().set_commit_sink(None);
+        rt.shutdown_background();
+        drop((p, t, a, f));
+        let _ = std::fs::remove_dir_all(&root);
+    }
 }
