@@ -807,7 +807,11 @@ impl Flusher {
             self.shipped_early.store(true, Ordering::Relaxed);
         }
         #[cfg(test)]
-        let fail = self.fail_next.lock().unwrap_or_else(|e| e.into_inner()).take();
+        let fail = self
+            .fail_next
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .take();
         #[cfg(test)]
         let r = if let Some(go) = fail {
             let _ = go.recv();

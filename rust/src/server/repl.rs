@@ -183,6 +183,8 @@ struct LogState {
     /// `covered_from`): a stream that began before one is cut, and a follower that would
     /// resume from before one resyncs.
     retracted: Vec<u64>,
+    /// How many entries were retracted (a stream is cut when this changes while it runs).
+    retractions: u64,
 }
 
 impl LogState {
@@ -308,6 +310,7 @@ impl Primary {
                 suspects: Vec::new(),
                 fenced: None,
                 retracted: Vec::new(),
+                retractions: 0,
             }),
             acked: Condvar::new(),
             newest: watch::channel(0).0,
@@ -669,7 +672,13 @@ impl Primary {
     ) -> Result<()> {
         let gone = |_| storage("the follower went away");
         let mut newest = self.newest.subscribe();
-        let resume = r.replication_id == self.id && self.lock().resumable(r.from_lsn);
+        let (resume, retractions) = {
+            let s = self.lock();
+            (
+                r.replication_id == self.id && s.resumable(r.from_lsn),
+                s.retractions,
+            )
+        };
         let mut sent = if resume {
             r.from_lsn
         } else {
@@ -681,16 +690,16 @@ impl Primary {
             self.lock().resyncs += 1;
             lsn
         };
-        let began = sent;
         loop {
             let batch: Vec<Arc<ReplicateMessage>> = {
                 let s = self.lock();
-                if let Some(r) = s.retracted.iter().find(|&&r| r > began) {
+                if s.retractions != retractions {
                     // It may have carried the entry, or lacks the changes beside the rows that
                     // the entry carried: the follower comes back and resyncs.
                     return Err(storage(format!(
-                        "entry {r} was retracted (its commit failed on the primary after it \
-                         left): the follower resyncs"
+                        "entry {} was retracted (its commit failed on the primary after it \
+                         left): the follower resyncs",
+                        s.retracted.last().copied().unwrap_or_default()
                     )));
                 }
                 if sent < s.covered_from {
@@ -909,6 +918,7 @@ impl CommitSink for Primary {
             }
         }
         s.retracted.push(lsn);
+        s.retractions += 1;
         let last = s.last;
         for f in s.followers.values_mut() {
             f.acked = f.acked.min(last);
@@ -1829,10 +1839,16 @@ mod tests {
         go.send(()).unwrap();
         assert!(pushing.join().unwrap().is_err());
         drop(rx);
-        a.flusher().unwrap().set_commit_sink(None);
+        let fl = a.flusher().unwrap();
+        fl.set_commit_sink(None);
         rt.shutdown_background();
         drop((p, t));
-        a.close().unwrap();
+        // The process dies: nothing more is committed (the closing cycle fails too).
+        let (go, wait) = std::sync::mpsc::channel::<()>();
+        drop(go);
+        *fl.fail_next.lock().unwrap() = Some(wait);
+        drop(fl);
+        let _ = a.close();
         drop(a);
         // The primary restarts on its disk and commits a different push before the follower
         // comes back: under another number than the lost entry's.
