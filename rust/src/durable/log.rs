@@ -1,6 +1,7 @@
 //! The commit log a durable store hands to a listener (a store server that replicates): after
 //! every flush cycle that committed something, the changes it committed, as written, under the
-//! cycle's number (its log sequence number, LSN).
+//! cycle's number (its log sequence number, LSN). A sink may take a one-transaction cycle's
+//! entry just before its commit, then learn whether it committed (decision 0116).
 //!
 //! An entry holds, per table, the rows as the replica stores them (words after the id), the ids
 //! deleted, a dense table's value, the applied request ids (environment 0's set, which holds
