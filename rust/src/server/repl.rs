@@ -185,6 +185,9 @@ struct LogState {
     retracted: Vec<u64>,
     /// How many entries were retracted (a stream is cut when this changes while it runs).
     retractions: u64,
+    /// The disk's last commit when this run started: a follower's position read back from its
+    /// disk is never resumed from here (see [`LogState::resumable`]).
+    started_at: u64,
 }
 
 impl LogState {
@@ -192,7 +195,13 @@ impl LogState {
     /// resume from it: `lsn` is the log's start (a commit on disk) or an entry this run
     /// committed (never one that may have left uncommitted: a retracted one, or one a run
     /// before a crash handed on), and no entry after it was retracted.
-    fn resumable(&self, lsn: u64) -> bool {
+    fn resumable(&self, lsn: u64, exact: bool) -> bool {
+        // A position read back from the follower's disk may understate its rows by entries
+        // that a run of this primary before a restart handed on and never committed: never
+        // resumed from the point this run started at (`ReplicateRequest.exact`).
+        if !exact && lsn == self.started_at {
+            return false;
+        }
         (lsn == self.covered_from
             || self
                 .entries
@@ -311,6 +320,7 @@ impl Primary {
                 fenced: None,
                 retracted: Vec::new(),
                 retractions: 0,
+                started_at: 0,
             }),
             acked: Condvar::new(),
             newest: watch::channel(0).0,
@@ -331,6 +341,7 @@ impl Primary {
         let mut s = p.lock();
         s.covered_from = s.covered_from.max(done);
         s.last = s.last.max(done);
+        s.started_at = on_disk;
         drop(s);
         Ok(p)
     }
@@ -675,7 +686,7 @@ impl Primary {
         let (resume, retractions) = {
             let s = self.lock();
             (
-                r.replication_id == self.id && s.resumable(r.from_lsn),
+                r.replication_id == self.id && s.resumable(r.from_lsn, r.exact),
                 s.retractions,
             )
         };
@@ -951,6 +962,9 @@ struct FollowState {
     primary_id: u64,
     /// The last entry applied and committed.
     lsn: u64,
+    /// `lsn` is what this process applied, not what its disk recorded lazily (which the rows
+    /// may be ahead of): `ReplicateRequest.exact`.
+    exact: bool,
     /// The primary's newest LSN, as last heard.
     primary_lsn: u64,
     /// When the primary was last heard from.
@@ -1220,14 +1234,15 @@ impl Follower {
         let mut stub = PStoreClient::new(channel)
             .max_decoding_message_size(usize::MAX)
             .max_encoding_message_size(usize::MAX);
-        let (primary_id, from) = {
+        let (primary_id, from, exact) = {
             let s = self.lock();
-            (s.primary_id, s.lsn)
+            (s.primary_id, s.lsn, s.exact)
         };
         let req = self.request(ReplicateRequest {
             follower: self.name(),
             replication_id: primary_id,
             from_lsn: from,
+            exact,
         });
         let mut stream = rt
             .block_on(stub.replicate(req))
@@ -1372,6 +1387,7 @@ impl Follower {
         let mut s = self.lock();
         s.primary_id = id;
         s.lsn = lsn;
+        s.exact = true;
         if s.lsn >= s.primary_lsn {
             s.caught_up = Some(Instant::now());
         }
@@ -1682,14 +1698,15 @@ mod tests {
 
     /// The stream the primary serves `f` from its LSN (the follower's request).
     fn open(rt: &tokio::runtime::Runtime, p: &Arc<Primary>, f: &Follower) -> Rx {
-        let (id, lsn) = {
+        let (id, lsn, exact) = {
             let s = f.lock();
-            (s.primary_id, s.lsn)
+            (s.primary_id, s.lsn, s.exact)
         };
         let r = ReplicateRequest {
             follower: "f".into(),
             replication_id: id,
             from_lsn: lsn,
+            exact,
         };
         let _in = rt.enter();
         p.serve(r).unwrap()
@@ -1798,7 +1815,7 @@ mod tests {
         // the LSN before it: that stream missed whatever else the entry carried).
         let cut = rx.blocking_recv().unwrap().unwrap_err();
         assert!(cut.message().contains("retracted"), "{cut:?}");
-        assert!(!p.lock().resumable(retracted) && !p.lock().resumable(held));
+        assert!(!p.lock().resumable(retracted, true) && !p.lock().resumable(held, true));
         let mut rx = open(&rt, &p, &f);
         assert!(pump(&mut rx, &f, held));
         same(&a, &f);
@@ -1818,7 +1835,22 @@ mod tests {
 
     #[test]
     fn a_primary_restarted_numbers_past_an_entry_it_sent_and_never_committed() {
-        let root = std::env::temp_dir().join(format!("pstore-renumber-{}", std::process::id()));
+        lost_entry_then_restarts(false);
+    }
+
+    /// The follower restarts too (a power cut of both): its position comes back from its disk,
+    /// recorded lazily at the primary's last commit, while its rows hold the lost entry. A
+    /// resume from there would keep rows no push was acknowledged for: it resyncs.
+    #[test]
+    fn a_follower_restarted_on_a_lazily_recorded_position_resyncs_from_a_restarted_primary() {
+        lost_entry_then_restarts(true);
+    }
+
+    fn lost_entry_then_restarts(follower_restarts: bool) {
+        let root = std::env::temp_dir().join(format!(
+            "pstore-renumber-{}-{follower_restarts}",
+            std::process::id()
+        ));
         let _ = std::fs::remove_dir_all(&root);
         let rt = runtime();
         let a = durable(&root.join("a"));
@@ -1839,6 +1871,19 @@ mod tests {
         go.send(()).unwrap();
         assert!(pushing.join().unwrap().is_err());
         drop(rx);
+        let f = if follower_restarts {
+            // What its disk says: the primary's last commit (recorded at most once a second).
+            f.record(id, on_disk).unwrap();
+            let store = Arc::clone(&f.store);
+            drop(f);
+            let _ = store.close();
+            drop(store);
+            let f = follower(&root.join("b"));
+            assert_eq!((f.lsn(), f.lock().exact), (on_disk, false));
+            f
+        } else {
+            f
+        };
         let fl = a.flusher().unwrap();
         fl.set_commit_sink(None);
         rt.shutdown_background();
@@ -1850,21 +1895,45 @@ mod tests {
         drop(fl);
         let _ = a.close();
         drop(a);
-        // The primary restarts on its disk and commits a different push before the follower
-        // comes back: under another number than the lost entry's.
+        // The primary restarts on its disk.
         let rt = runtime();
         let a = durable(&root.join("a"));
         let p = Primary::start(Arc::clone(&a), ReplConfig::default(), 1).unwrap();
         assert_eq!((p.id, p.last_lsn()), (id, on_disk));
         let t = a.sparse("t").unwrap();
         assert_eq!(t.len(), 150);
-        push(&t, 0..10, 4).unwrap();
-        assert!(p.last_lsn() > on_disk + 1);
-        // The follower, holding the lost entry, asks to resume from its LSN: it resyncs.
-        assert_eq!(f.lsn(), on_disk + 1);
-        assert!(!p.lock().resumable(on_disk + 1));
-        let mut rx = open(&rt, &p, &f);
-        assert!(pump(&mut rx, &f, p.last_lsn()));
+        let rx = if follower_restarts {
+            // It comes back at once, before the primary commits anything: its position, read
+            // back from its disk, is the primary's last commit, which an exact position could
+            // resume from; this one resyncs, and then follows the new push.
+            assert!(!p.lock().resumable(on_disk, false));
+            assert!(p.lock().resumable(on_disk, true));
+            let mut rx = open(&rt, &p, &f);
+            // The first message begins a resync (a resumed stream would send a heartbeat).
+            let first = rx.blocking_recv().unwrap().unwrap();
+            assert!(
+                first.resync_start,
+                "resumed from a position read back from disk"
+            );
+            f.apply(vec![first]).unwrap();
+            while f.lock().resyncing {
+                f.apply(vec![rx.blocking_recv().unwrap().unwrap()]).unwrap();
+            }
+            push(&t, 0..10, 4).unwrap();
+            assert!(!pump(&mut rx, &f, p.last_lsn()));
+            rx
+        } else {
+            // It commits a different push before the follower comes back: under another number
+            // than the lost entry's. The follower, holding the lost entry, asks to resume from
+            // its LSN: it resyncs.
+            push(&t, 0..10, 4).unwrap();
+            assert!(p.last_lsn() > on_disk + 1);
+            assert_eq!(f.lsn(), on_disk + 1);
+            assert!(!p.lock().resumable(on_disk + 1, true));
+            let mut rx = open(&rt, &p, &f);
+            assert!(pump(&mut rx, &f, p.last_lsn()));
+            rx
+        };
         same(&a, &f);
         assert!(!f.store.sparse("t").unwrap().was_applied(9, 3).unwrap()[0]);
         drop(rx);
