@@ -1,6 +1,7 @@
 //! The commit log a durable store hands to a listener (a store server that replicates): after
 //! every flush cycle that committed something, the changes it committed, as written, under the
-//! cycle's number (its log sequence number, LSN).
+//! cycle's number (its log sequence number, LSN). A sink may take a one-transaction cycle's
+//! entry just before its commit, then learn whether it committed (decision 0116).
 //!
 //! An entry holds, per table, the rows as the replica stores them (words after the id), the ids
 //! deleted, a dense table's value, the applied request ids (environment 0's set, which holds
@@ -99,6 +100,21 @@ pub trait CommitSink: Send + Sync {
     fn committed(&self, entry: CommitEntry);
     /// Cycle `lsn` committed while no entries were wanted.
     fn skipped(&self, lsn: u64);
+    /// Whether a cycle's entry may be handed on before its commit (decision 0116): then
+    /// [`CommitSink::shipped`] comes before the commit and [`CommitSink::settled`] after it,
+    /// instead of [`CommitSink::committed`].
+    fn early(&self) -> bool {
+        false
+    }
+    /// The entry of cycle `entry.lsn`, handed on before its commit.
+    fn shipped(&self, entry: CommitEntry) {
+        let _ = entry;
+    }
+    /// Cycle `lsn`, shipped before its commit, committed (`ok`) or failed: its entry is
+    /// retracted, and its number is never used again.
+    fn settled(&self, lsn: u64, ok: bool) {
+        let _ = (lsn, ok);
+    }
 }
 
 /// The flusher's side: the sink, and the entry of the cycle in progress.
@@ -218,6 +234,33 @@ impl Shipping {
             return;
         }
         self.pending().job.push(record);
+    }
+
+    /// Whether the sink takes entries before their commit.
+    pub(super) fn early(&self) -> bool {
+        self.sink
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .as_ref()
+            .is_some_and(|s| s.early())
+    }
+
+    /// Before cycle `lsn`'s only commit: hands its entry to the sink (which must be early).
+    pub(super) fn publish_early(&self, lsn: u64) {
+        let sink = self.sink.lock().unwrap_or_else(|e| e.into_inner()).clone();
+        let mut entry = std::mem::take(&mut *self.pending());
+        entry.lsn = lsn;
+        if let Some(s) = sink {
+            s.shipped(entry);
+        }
+    }
+
+    /// After the commit of cycle `lsn`, shipped early: whether it committed.
+    pub(super) fn settle(&self, lsn: u64, ok: bool) {
+        let sink = self.sink.lock().unwrap_or_else(|e| e.into_inner()).clone();
+        if let Some(s) = sink {
+            s.settled(lsn, ok);
+        }
     }
 
     /// After cycle `lsn` committed something: hands its entry to the sink.

@@ -100,6 +100,16 @@ pub struct Flusher {
     committed: AtomicBool,
     /// The commit log handed to a listener (a replicating server).
     ship: log::Shipping,
+    /// The cycle in progress handed its entry on before its commit (decision 0116).
+    shipped_early: AtomicBool,
+    /// A cycle shipped early failed and no cycle has committed since: the number it took is
+    /// not on disk, so no entry leaves before its commit until one commits (after a crash,
+    /// the only number that may have left unrecorded is the one after the disk's).
+    early_blocked: AtomicBool,
+    /// Tests: the next transaction of `write_chunk` fails (after an early hand-on), once the
+    /// test says so on this channel.
+    #[cfg(test)]
+    pub(crate) fail_next: Mutex<Option<std::sync::mpsc::Receiver<()>>>,
     thread: Mutex<Option<JoinHandle<()>>>,
 }
 
@@ -139,6 +149,10 @@ impl Flusher {
             supersede: AtomicBool::new(false),
             committed: AtomicBool::new(false),
             ship: log::Shipping::default(),
+            shipped_early: AtomicBool::new(false),
+            early_blocked: AtomicBool::new(false),
+            #[cfg(test)]
+            fail_next: Mutex::new(None),
             thread: Mutex::new(None),
         });
         let idle = Arc::clone(&f.idle);
@@ -156,6 +170,19 @@ impl Flusher {
     pub fn set_commit_sink(&self, sink: Option<Arc<dyn CommitSink>>) {
         let _held = self.hold_cycles();
         self.ship.set(sink);
+    }
+
+    /// Skips a cycle number: records `last + 1` as the last cycle on disk, so that cycles from
+    /// now on are numbered past any number a run before a crash may have handed on without
+    /// committing it (decision 0116). Returns the last number before (the newest commit).
+    pub fn skip_cycle_number(&self) -> Result<u64> {
+        let _held = self.hold_cycles();
+        let last = self.lock().cycle;
+        let n = last + 1;
+        self.storage
+            .write(|w| w.put_meta(CYCLE_KEY, &n.to_le_bytes()))?;
+        self.lock().cycle = n;
+        Ok(last)
     }
 
     /// A table was created (its record, and a dense table's value, committed): the next entry
@@ -296,9 +323,15 @@ impl Flusher {
             let r = {
                 let _held = self.cycle_lock.lock().unwrap_or_else(|e| e.into_inner());
                 self.committed.store(false, Ordering::Relaxed);
+                self.shipped_early.store(false, Ordering::Relaxed);
                 self.ship.begin();
                 let r = self.cycle(number);
-                if self.committed.load(Ordering::Relaxed) {
+                if self.shipped_early.load(Ordering::Relaxed) {
+                    // Its entry left before its (only) commit: it stands or is retracted.
+                    let ok = self.committed.load(Ordering::Relaxed);
+                    self.ship.settle(number, ok);
+                    self.early_blocked.store(!ok, Ordering::Relaxed);
+                } else if self.committed.load(Ordering::Relaxed) {
                     // Even a cycle that failed after some of its transactions committed hands
                     // those on (a `sync` store then goes back to exactly what they hold).
                     self.ship.publish(number);
@@ -324,6 +357,11 @@ impl Flusher {
             st.background = false;
             if self.committed.load(Ordering::Relaxed) {
                 // A number that committed anything is never used again.
+                st.cycle = number;
+                self.early_blocked.store(false, Ordering::Relaxed);
+            }
+            if self.shipped_early.load(Ordering::Relaxed) {
+                // Nor one whose entry left.
                 st.cycle = number;
             }
             match r {
@@ -521,9 +559,18 @@ impl Flusher {
     fn cycle(&self, cycle: u64) -> Result<CycleDone> {
         let tables = self.table_list();
         let mut done = CycleDone::default();
+        // The entry may leave before the commit when the cycle commits once: one table (a
+        // sparse one, not a bulk load: checked below), and a cycle somebody waits for (a
+        // background one may give way to `flush()` after its entry left).
+        let early = self.ship.collecting()
+            && tables.len() == 1
+            && !self.early_blocked.load(Ordering::Relaxed)
+            && self.storage.environments() == 1
+            && !self.lock().background
+            && self.ship.early();
         for (name, table) in tables {
             let wrote = match &table {
-                Table::Sparse(t) => match self.flush_sparse(&name, t, &table, cycle)? {
+                Table::Sparse(t) => match self.flush_sparse(&name, t, &table, cycle, early)? {
                     Some(wrote) => wrote,
                     None => {
                         done.superseded = true;
@@ -566,6 +613,7 @@ impl Flusher {
         t: &SparseTable,
         table: &Table,
         cycle: u64,
+        early: bool,
     ) -> Result<Option<bool>> {
         let mut taken: Vec<Taken> = Vec::new();
         let mut bytes = 0;
@@ -604,7 +652,7 @@ impl Flusher {
                 chunk.push(one);
                 if size >= CHUNK_BYTES && rest.peek().is_some() {
                     if let Err(e) =
-                        self.write_chunk(name, t, &mut chunk, cycle, seq, None, None, false)
+                        self.write_chunk(name, t, &mut chunk, cycle, seq, None, None, false, false)
                     {
                         for one in rest {
                             t.untake(&one);
@@ -632,6 +680,7 @@ impl Flusher {
             rec.clone(),
             applied,
             supersedable,
+            early && supersedable,
         );
         if !matches!(wrote, Ok(true)) && had_applied {
             t.untake_applied();
@@ -660,6 +709,7 @@ impl Flusher {
         record: Option<Vec<u8>>,
         applied: Option<Vec<Vec<u8>>>,
         supersedable: bool,
+        early: bool,
     ) -> Result<bool> {
         let superseded = || supersedable && self.supersede.load(Ordering::Relaxed);
         let m = t.row_words();
@@ -745,11 +795,36 @@ impl Flusher {
         // rows). When one environment fails, the others may have committed: every row is given
         // back below all the same, and the next cycle writes them again.
         let parallel = !self.lock().background;
+        if early {
+            // The entry leaves before the commit, so that followers write it while this
+            // store does (decision 0116); `run` then says whether it committed.
+            for taken in chunk.iter() {
+                self.ship.rows(name, &taken.ids, &taken.words, &taken.gone);
+            }
+            let a = applied.as_ref().and_then(|a| a.first()).cloned();
+            self.ship.meta(name, record.clone(), None, a);
+            self.ship.publish_early(cycle);
+            self.shipped_early.store(true, Ordering::Relaxed);
+        }
+        #[cfg(test)]
+        let fail = self
+            .fail_next
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .take();
+        #[cfg(test)]
+        let r = if let Some(go) = fail {
+            let _ = go.recv();
+            Err(storage("a commit failed (test)"))
+        } else {
+            st.write_each(&which, parallel, &|| self.idle.writing(), &write)
+        };
+        #[cfg(not(test))]
         let r = st.write_each(&which, parallel, &|| self.idle.writing(), &write);
         match r {
             Ok(()) => {
                 self.committed.store(true, Ordering::Relaxed);
-                let ship = self.ship.collecting();
+                let ship = self.ship.collecting() && !early;
                 for taken in chunk.drain(..) {
                     if ship {
                         self.ship.rows(name, &taken.ids, &taken.words, &taken.gone);

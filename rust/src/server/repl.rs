@@ -161,7 +161,9 @@ struct FollowerState {
 }
 
 struct LogState {
-    entries: VecDeque<(u64, Arc<ReplicateMessage>, usize, Instant)>,
+    /// `(lsn, message, bytes, when, committed)`: the newest may be on its way to the disk
+    /// still (handed on before its commit, decision 0116).
+    entries: VecDeque<(u64, Arc<ReplicateMessage>, usize, Instant, bool)>,
     bytes: usize,
     /// Every entry after this LSN is in `entries`.
     covered_from: u64,
@@ -177,6 +179,36 @@ struct LogState {
     suspects: Vec<String>,
     /// Set when a newer epoch has another primary: every write is refused with this message.
     fenced: Option<String>,
+    /// Entries handed on before their commit whose commit failed (numbers above
+    /// `covered_from`): a stream that began before one is cut, and a follower that would
+    /// resume from before one resyncs.
+    retracted: Vec<u64>,
+    /// How many entries were retracted (a stream is cut when this changes while it runs).
+    retractions: u64,
+    /// The disk's last commit when this run started: a follower's position read back from its
+    /// disk is never resumed from here (see [`LogState::resumable`]).
+    started_at: u64,
+}
+
+impl LogState {
+    /// Whether a follower holding exactly what this primary committed up to `lsn` may
+    /// resume from it: `lsn` is the log's start (a commit on disk) or an entry this run
+    /// committed (never one that may have left uncommitted: a retracted one, or one a run
+    /// before a crash handed on), and no entry after it was retracted.
+    fn resumable(&self, lsn: u64, exact: bool) -> bool {
+        // A position read back from the follower's disk may understate its rows by entries
+        // that a run of this primary before a restart handed on and never committed: never
+        // resumed from the point this run started at (`ReplicateRequest.exact`).
+        if !exact && lsn == self.started_at {
+            return false;
+        }
+        (lsn == self.covered_from
+            || self
+                .entries
+                .iter()
+                .any(|(l, .., committed)| *l == lsn && *committed))
+            && !self.retracted.iter().any(|&r| r > lsn)
+    }
 }
 
 /// A primary's log and followers.
@@ -286,6 +318,9 @@ impl Primary {
                 resyncs: 0,
                 suspects: Vec::new(),
                 fenced: None,
+                retracted: Vec::new(),
+                retractions: 0,
+                started_at: 0,
             }),
             acked: Condvar::new(),
             newest: watch::channel(0).0,
@@ -295,12 +330,18 @@ impl Primary {
             // Its cycles commit per environment: not one entry each. Replicate refuses.
             return Ok(p);
         }
+        // A run before a crash may have handed on the entry of the cycle after the last one on
+        // disk without committing it: that number is never used again (decision 0116), and
+        // nothing but the disk's last commit is a point to resume from.
+        let on_disk = f.skip_cycle_number()?;
         f.set_commit_sink(Some(Arc::clone(&p) as Arc<dyn CommitSink>));
         // Cycles committed before the sink was set are not in the log.
         let done = f.done_cycle();
+        let done = if done == on_disk + 1 { on_disk } else { done };
         let mut s = p.lock();
         s.covered_from = s.covered_from.max(done);
         s.last = s.last.max(done);
+        s.started_at = on_disk;
         drop(s);
         Ok(p)
     }
@@ -312,14 +353,19 @@ impl Primary {
     /// Drops entries past the log's bounds.
     fn trim(&self, s: &mut LogState) {
         let now = Instant::now();
-        while let Some((lsn, _, bytes, at)) = s.entries.front() {
-            if s.bytes <= self.config.log_bytes && now.duration_since(*at) <= self.config.log_age {
+        while let Some((lsn, _, bytes, at, committed)) = s.entries.front() {
+            if !committed
+                || (s.bytes <= self.config.log_bytes
+                    && now.duration_since(*at) <= self.config.log_age)
+            {
                 break;
             }
             s.covered_from = *lsn;
             s.bytes -= bytes;
             s.entries.pop_front();
         }
+        let from = s.covered_from;
+        s.retracted.retain(|&r| r > from);
     }
 
     /// The status of replication as JSON.
@@ -484,12 +530,14 @@ impl Primary {
         }
         let mut s = self.lock();
         let last = s.last;
+        // An entry retracted after it left does not count (its follower resyncs).
+        let retracted = s.retracted.contains(&lsn);
         let f = s
             .followers
             .get_mut(follower)
             .ok_or_else(|| invalid(format!("no follower {follower:?} is connected")))?;
         f.heard = Instant::now();
-        if lsn > f.acked {
+        if lsn > f.acked && !retracted {
             f.acked = lsn;
             f.progress = Instant::now();
         }
@@ -512,9 +560,10 @@ impl Primary {
         if f.mode() != crate::durable::Durability::Sync {
             f.flush()?;
         }
-        let want = f.done_cycle();
         let started = Instant::now();
         let mut s = self.lock();
+        // The newest commit (not a cycle number whose entry was retracted).
+        let want = s.last;
         loop {
             let now = Instant::now();
             let timeout = self.config.ack_timeout;
@@ -634,9 +683,12 @@ impl Primary {
     ) -> Result<()> {
         let gone = |_| storage("the follower went away");
         let mut newest = self.newest.subscribe();
-        let resume = {
+        let (resume, retractions) = {
             let s = self.lock();
-            r.replication_id == self.id && r.from_lsn >= s.covered_from && r.from_lsn <= s.last
+            (
+                r.replication_id == self.id && s.resumable(r.from_lsn, r.exact),
+                s.retractions,
+            )
         };
         let mut sent = if resume {
             r.from_lsn
@@ -652,6 +704,15 @@ impl Primary {
         loop {
             let batch: Vec<Arc<ReplicateMessage>> = {
                 let s = self.lock();
+                if s.retractions != retractions {
+                    // It may have carried the entry, or lacks the changes beside the rows that
+                    // the entry carried: the follower comes back and resyncs.
+                    return Err(storage(format!(
+                        "entry {} was retracted (its commit failed on the primary after it \
+                         left): the follower resyncs",
+                        s.retracted.last().copied().unwrap_or_default()
+                    )));
+                }
                 if sent < s.covered_from {
                     return Err(storage(format!(
                         "the follower fell behind the log (at LSN {sent}, the log starts after \
@@ -704,7 +765,8 @@ impl Primary {
                 .map_err(|_| storage("the follower went away"))
         };
         let held = f.hold_cycles();
-        let lsn = f.done_cycle();
+        // The newest commit (the disk holds it: no cycle runs), not a skipped number.
+        let lsn = self.lock().last;
         let id = self.id;
         send(ReplicateMessage {
             replication_id: id,
@@ -826,12 +888,59 @@ impl CommitSink for Primary {
         let lsn = entry.lsn;
         let m = Arc::new(message_of(self.id, self.epoch, entry));
         let mut s = self.lock();
-        s.entries.push_back((lsn, m, bytes, Instant::now()));
+        s.entries.push_back((lsn, m, bytes, Instant::now(), true));
         s.bytes += bytes;
         s.last = lsn;
         self.trim(&mut s);
         drop(s);
         self.newest.send_replace(lsn);
+    }
+
+    fn early(&self) -> bool {
+        true
+    }
+
+    fn shipped(&self, entry: CommitEntry) {
+        let bytes = entry.bytes();
+        let lsn = entry.lsn;
+        let m = Arc::new(message_of(self.id, self.epoch, entry));
+        let mut s = self.lock();
+        s.entries.push_back((lsn, m, bytes, Instant::now(), false));
+        s.bytes += bytes;
+        drop(s);
+        self.newest.send_replace(lsn);
+    }
+
+    fn settled(&self, lsn: u64, ok: bool) {
+        let mut s = self.lock();
+        if ok {
+            if let Some(e) = s.entries.iter_mut().rev().find(|e| e.0 == lsn) {
+                e.4 = true;
+            }
+            s.last = lsn;
+            self.trim(&mut s);
+            return;
+        }
+        // Retracted: the rows it carried were not committed (a `sync` store goes back to its
+        // last commit). Streams that began before it are cut; acks of it stop counting.
+        if let Some(i) = s.entries.iter().position(|e| e.0 == lsn) {
+            if let Some(e) = s.entries.remove(i) {
+                s.bytes -= e.2;
+            }
+        }
+        s.retracted.push(lsn);
+        s.retractions += 1;
+        let last = s.last;
+        for f in s.followers.values_mut() {
+            f.acked = f.acked.min(last);
+        }
+        eprintln!(
+            "pstore: entry {lsn} was retracted (its commit failed after it was sent): the \
+             followers resync"
+        );
+        drop(s);
+        self.newest.send_replace(lsn);
+        self.acked.notify_all();
     }
 
     fn skipped(&self, lsn: u64) {
@@ -840,6 +949,7 @@ impl CommitSink for Primary {
         s.bytes = 0;
         s.covered_from = lsn;
         s.last = lsn;
+        s.retracted.clear();
         drop(s);
         self.newest.send_replace(lsn);
     }
@@ -852,6 +962,9 @@ struct FollowState {
     primary_id: u64,
     /// The last entry applied and committed.
     lsn: u64,
+    /// `lsn` is what this process applied, not what its disk recorded lazily (which the rows
+    /// may be ahead of): `ReplicateRequest.exact`.
+    exact: bool,
     /// The primary's newest LSN, as last heard.
     primary_lsn: u64,
     /// When the primary was last heard from.
@@ -1121,14 +1234,15 @@ impl Follower {
         let mut stub = PStoreClient::new(channel)
             .max_decoding_message_size(usize::MAX)
             .max_encoding_message_size(usize::MAX);
-        let (primary_id, from) = {
+        let (primary_id, from, exact) = {
             let s = self.lock();
-            (s.primary_id, s.lsn)
+            (s.primary_id, s.lsn, s.exact)
         };
         let req = self.request(ReplicateRequest {
             follower: self.name(),
             replication_id: primary_id,
             from_lsn: from,
+            exact,
         });
         let mut stream = rt
             .block_on(stub.replicate(req))
@@ -1273,6 +1387,7 @@ impl Follower {
         let mut s = self.lock();
         s.primary_id = id;
         s.lsn = lsn;
+        s.exact = true;
         if s.lsn >= s.primary_lsn {
             s.caught_up = Some(Instant::now());
         }
@@ -1546,6 +1661,285 @@ mod tests {
             assert!(u.was_applied(9, 5).unwrap().iter().all(|&d| d));
         }
         drop((a, b));
+        let _ = std::fs::remove_dir_all(&root);
+    }
+
+    /// The held state of a test server: nothing.
+    struct NoHeld;
+
+    impl Held for NoHeld {
+        fn state(&self) -> HeldState {
+            HeldState::default()
+        }
+        fn install(&self, _state: HeldState) -> Result<()> {
+            Ok(())
+        }
+    }
+
+    type Rx = mpsc::Receiver<std::result::Result<ReplicateMessage, Status>>;
+
+    fn follower(dir: &std::path::Path) -> Arc<Follower> {
+        let config = ReplConfig {
+            follow: Some("127.0.0.1:1".into()),
+            ..ReplConfig::default()
+        };
+        let f = Follower::new(durable(dir), config).unwrap();
+        f.held.set(Arc::new(NoHeld));
+        f
+    }
+
+    fn runtime() -> tokio::runtime::Runtime {
+        tokio::runtime::Builder::new_multi_thread()
+            .worker_threads(2)
+            .enable_all()
+            .build()
+            .unwrap()
+    }
+
+    /// The stream the primary serves `f` from its LSN (the follower's request).
+    fn open(rt: &tokio::runtime::Runtime, p: &Arc<Primary>, f: &Follower) -> Rx {
+        let (id, lsn, exact) = {
+            let s = f.lock();
+            (s.primary_id, s.lsn, s.exact)
+        };
+        let r = ReplicateRequest {
+            follower: "f".into(),
+            replication_id: id,
+            from_lsn: lsn,
+            exact,
+        };
+        let _in = rt.enter();
+        p.serve(r).unwrap()
+    }
+
+    /// The next entry that arrives (heartbeats skipped).
+    fn entry(rx: &mut Rx) -> ReplicateMessage {
+        loop {
+            let m = rx.blocking_recv().unwrap().unwrap();
+            if m.lsn > 0 {
+                return m;
+            }
+        }
+    }
+
+    /// Applies what arrives until the follower holds `lsn`; whether a resync began.
+    fn pump(rx: &mut Rx, f: &Follower, lsn: u64) -> bool {
+        let mut resynced = false;
+        while f.lsn() != lsn || f.lock().resyncing {
+            let m = rx.blocking_recv().unwrap().unwrap();
+            resynced |= m.resync_start;
+            f.apply(vec![m]).unwrap();
+        }
+        resynced
+    }
+
+    fn push(t: &Arc<crate::table::SparseTable>, ids: std::ops::Range<u64>, seq: u64) -> Result<()> {
+        let ids: Vec<u64> = ids.collect();
+        let grads: Vec<f32> = (0..ids.len() * 4).map(|i| (i % 7) as f32 - 3.0).collect();
+        t.push_validated_as(&ids, &grads, 1.0, Some((9, seq)))
+    }
+
+    /// The follower's copy of `t` is the primary's, bit for bit.
+    fn same(p: &Store, f: &Follower) {
+        let (t, u) = (p.sparse("t").unwrap(), f.store.sparse("t").unwrap());
+        assert_eq!(u.len(), t.len());
+        let all: Vec<u64> = (0..400).collect();
+        assert_eq!(t.contains(&all).unwrap(), u.contains(&all).unwrap());
+        let have: Vec<u64> = all
+            .iter()
+            .copied()
+            .filter(|&i| t.contains(&[i]).unwrap()[0])
+            .collect();
+        let (x, y) = (
+            t.pull_existing(&have).unwrap(),
+            u.pull_existing(&have).unwrap(),
+        );
+        assert_eq!(
+            x.iter().map(|v| v.to_bits()).collect::<Vec<_>>(),
+            y.iter().map(|v| v.to_bits()).collect::<Vec<_>>()
+        );
+    }
+
+    /// A primary with a follower that holds its table at the newest LSN; the table.
+    fn caught_up(
+        rt: &tokio::runtime::Runtime,
+        a: &Arc<Store>,
+        f: &Follower,
+    ) -> (Arc<Primary>, Arc<crate::table::SparseTable>, Rx) {
+        let p = Primary::start(Arc::clone(a), ReplConfig::default(), 1).unwrap();
+        let t = a.create_sparse_table("t", config()).unwrap();
+        push(&t, 0..100, 1).unwrap();
+        let mut rx = open(rt, &p, f);
+        assert!(pump(&mut rx, f, p.last_lsn()));
+        push(&t, 0..150, 2).unwrap();
+        assert!(!pump(&mut rx, f, p.last_lsn()));
+        p.ack("f", p.id, f.lsn()).unwrap();
+        same(a, f);
+        (p, t, rx)
+    }
+
+    #[test]
+    fn an_entry_sent_before_a_commit_that_failed_is_retracted_and_its_follower_resyncs() {
+        let root = std::env::temp_dir().join(format!("pstore-retract-{}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&root);
+        let rt = runtime();
+        let a = durable(&root.join("a"));
+        let f = follower(&root.join("b"));
+        let (p, t, mut rx) = caught_up(&rt, &a, &f);
+        let held = p.last_lsn();
+        // The next commit fails ("the disk is full"), after the cycle's entry left and the
+        // follower applied and acked it.
+        let (go, wait) = std::sync::mpsc::channel();
+        *a.flusher().unwrap().fail_next.lock().unwrap() = Some(wait);
+        let pushing = {
+            let t = Arc::clone(&t);
+            std::thread::spawn(move || push(&t, 100..300, 3))
+        };
+        let m = entry(&mut rx);
+        let retracted = m.lsn;
+        assert_eq!(retracted, held + 1);
+        f.apply(vec![m]).unwrap();
+        assert_eq!(f.store.sparse("t").unwrap().len(), 300);
+        p.ack("f", p.id, retracted).unwrap();
+        assert_eq!(p.lock().followers["f"].acked, retracted);
+        go.send(()).unwrap();
+        // The push fails; the primary's rows go back to its last commit; the ack stops
+        // counting, and a late one too.
+        assert!(pushing.join().unwrap().is_err());
+        assert_eq!(t.len(), 150);
+        assert_eq!(p.last_lsn(), held);
+        assert_eq!(p.lock().followers["f"].acked, held);
+        p.ack("f", p.id, retracted).unwrap();
+        assert_eq!(p.lock().followers["f"].acked, held);
+        // Its stream is cut; it comes back from the retracted LSN and resyncs (and would from
+        // the LSN before it: that stream missed whatever else the entry carried).
+        let cut = rx.blocking_recv().unwrap().unwrap_err();
+        assert!(cut.message().contains("retracted"), "{cut:?}");
+        assert!(!p.lock().resumable(retracted, true) && !p.lock().resumable(held, true));
+        let mut rx = open(&rt, &p, &f);
+        assert!(pump(&mut rx, &f, held));
+        same(&a, &f);
+        assert!(!f.store.sparse("t").unwrap().was_applied(9, 3).unwrap()[0]);
+        // The failed cycle's number is not used again; the retry applies once, everywhere.
+        push(&t, 100..300, 3).unwrap();
+        assert!(p.last_lsn() > retracted);
+        assert!(!pump(&mut rx, &f, p.last_lsn()));
+        same(&a, &f);
+        assert!(f.store.sparse("t").unwrap().was_applied(9, 3).unwrap()[0]);
+        drop(rx);
+        a.flusher().unwrap().set_commit_sink(None);
+        rt.shutdown_background();
+        drop((p, t, a, f));
+        let _ = std::fs::remove_dir_all(&root);
+    }
+
+    #[test]
+    fn a_primary_restarted_numbers_past_an_entry_it_sent_and_never_committed() {
+        lost_entry_then_restarts(false);
+    }
+
+    /// The follower restarts too (a power cut of both): its position comes back from its disk,
+    /// recorded lazily at the primary's last commit, while its rows hold the lost entry. A
+    /// resume from there would keep rows no push was acknowledged for: it resyncs.
+    #[test]
+    fn a_follower_restarted_on_a_lazily_recorded_position_resyncs_from_a_restarted_primary() {
+        lost_entry_then_restarts(true);
+    }
+
+    fn lost_entry_then_restarts(follower_restarts: bool) {
+        let root = std::env::temp_dir().join(format!(
+            "pstore-renumber-{}-{follower_restarts}",
+            std::process::id()
+        ));
+        let _ = std::fs::remove_dir_all(&root);
+        let rt = runtime();
+        let a = durable(&root.join("a"));
+        let f = follower(&root.join("b"));
+        let (p, t, mut rx) = caught_up(&rt, &a, &f);
+        let (id, on_disk) = (p.id, p.last_lsn());
+        // The cycle's entry leaves; its commit never happens (the process dies: here the commit
+        // fails and the primary is gone before it could tell the follower).
+        let (go, wait) = std::sync::mpsc::channel();
+        *a.flusher().unwrap().fail_next.lock().unwrap() = Some(wait);
+        let pushing = {
+            let t = Arc::clone(&t);
+            std::thread::spawn(move || push(&t, 100..300, 3))
+        };
+        let lost = entry(&mut rx);
+        assert_eq!(lost.lsn, on_disk + 1);
+        f.apply(vec![lost]).unwrap();
+        go.send(()).unwrap();
+        assert!(pushing.join().unwrap().is_err());
+        drop(rx);
+        let f = if follower_restarts {
+            // What its disk says: the primary's last commit (recorded at most once a second).
+            f.record(id, on_disk).unwrap();
+            let store = Arc::clone(&f.store);
+            drop(f);
+            let _ = store.close();
+            drop(store);
+            let f = follower(&root.join("b"));
+            assert_eq!((f.lsn(), f.lock().exact), (on_disk, false));
+            f
+        } else {
+            f
+        };
+        let fl = a.flusher().unwrap();
+        fl.set_commit_sink(None);
+        rt.shutdown_background();
+        drop((p, t));
+        // The process dies: nothing more is committed (the closing cycle fails too).
+        let (go, wait) = std::sync::mpsc::channel::<()>();
+        drop(go);
+        *fl.fail_next.lock().unwrap() = Some(wait);
+        drop(fl);
+        let _ = a.close();
+        drop(a);
+        // The primary restarts on its disk.
+        let rt = runtime();
+        let a = durable(&root.join("a"));
+        let p = Primary::start(Arc::clone(&a), ReplConfig::default(), 1).unwrap();
+        assert_eq!((p.id, p.last_lsn()), (id, on_disk));
+        let t = a.sparse("t").unwrap();
+        assert_eq!(t.len(), 150);
+        let rx = if follower_restarts {
+            // It comes back at once, before the primary commits anything: its position, read
+            // back from its disk, is the primary's last commit, which an exact position could
+            // resume from; this one resyncs, and then follows the new push.
+            assert!(!p.lock().resumable(on_disk, false));
+            assert!(p.lock().resumable(on_disk, true));
+            let mut rx = open(&rt, &p, &f);
+            // The first message begins a resync (a resumed stream would send a heartbeat).
+            let first = rx.blocking_recv().unwrap().unwrap();
+            assert!(
+                first.resync_start,
+                "resumed from a position read back from disk"
+            );
+            f.apply(vec![first]).unwrap();
+            while f.lock().resyncing {
+                f.apply(vec![rx.blocking_recv().unwrap().unwrap()]).unwrap();
+            }
+            push(&t, 0..10, 4).unwrap();
+            assert!(!pump(&mut rx, &f, p.last_lsn()));
+            rx
+        } else {
+            // It commits a different push before the follower comes back: under another number
+            // than the lost entry's. The follower, holding the lost entry, asks to resume from
+            // its LSN: it resyncs.
+            push(&t, 0..10, 4).unwrap();
+            assert!(p.last_lsn() > on_disk + 1);
+            assert_eq!(f.lsn(), on_disk + 1);
+            assert!(!p.lock().resumable(on_disk + 1, true));
+            let mut rx = open(&rt, &p, &f);
+            assert!(pump(&mut rx, &f, p.last_lsn()));
+            rx
+        };
+        same(&a, &f);
+        assert!(!f.store.sparse("t").unwrap().was_applied(9, 3).unwrap()[0]);
+        drop(rx);
+        a.flusher().unwrap().set_commit_sink(None);
+        rt.shutdown_background();
+        drop((p, t, a, f));
         let _ = std::fs::remove_dir_all(&root);
     }
 }
