@@ -206,6 +206,8 @@ pub struct RowFile {
     /// lookups skip it. The file never changes (a generation that changes rows writes a new
     /// file, opened with a bitmap of its own), so a set bit never covers other bytes.
     verified: Box<[AtomicU64]>,
+    /// One bit per index slot (layout 2): set once this process verified the slot's check.
+    slots_verified: Box<[AtomicU64]>,
 }
 
 impl std::fmt::Debug for RowFile {
@@ -314,6 +316,11 @@ impl RowFile {
             } else {
                 Box::default()
             },
+            slots_verified: if version >= 2 {
+                (0..slots.div_ceil(64)).map(|_| AtomicU64::new(0)).collect()
+            } else {
+                Box::default()
+            },
         })
     }
 
@@ -360,9 +367,9 @@ impl RowFile {
             .sum()
     }
 
-    /// Bytes of the bitmap of verified rows.
+    /// Bytes of the bitmaps of verified rows and slots.
     pub fn bitmap_bytes(&self) -> usize {
-        self.verified.len() * 8
+        (self.verified.len() + self.slots_verified.len()) * 8
     }
 
     /// The stored bytes of row `r` (< rows) of `id`: its checksum verified on its first read
@@ -400,8 +407,24 @@ impl RowFile {
 
     /// The row index plus one of slot `i` holding `k` and `w` (its second word), its check
     /// verified (layout 2); 0 for an empty slot. `looking`: the id whose probe reads it.
+    /// A slot verified before in this process is trusted (its bit in `slots_verified`).
     #[inline(always)]
     fn slot_row(&self, i: usize, k: u64, w: u64, looking: u64) -> Result<u64> {
+        if !self.checked || w == 0 {
+            return Ok(w);
+        }
+        let bit = 1 << (i % 64);
+        if self.slots_verified[i / 64].load(Ordering::Relaxed) & bit != 0 {
+            return Ok(w & INDEX_MASK);
+        }
+        let r1 = self.slot_row_now(i, k, w, looking)?;
+        self.slots_verified[i / 64].fetch_or(bit, Ordering::Relaxed);
+        Ok(r1)
+    }
+
+    /// As [`RowFile::slot_row`], the check verified now whatever earlier reads found.
+    #[inline(always)]
+    fn slot_row_now(&self, i: usize, k: u64, w: u64, looking: u64) -> Result<u64> {
         if !self.checked || w == 0 {
             return Ok(w);
         }
@@ -524,12 +547,12 @@ impl RowFile {
         Ok(())
     }
 
-    /// Every (id, row index) the index holds, in slot order (each slot's check verified).
+    /// Every (id, row index) the index holds, in slot order (each slot's check verified now).
     pub fn entries(&self) -> Result<Vec<(u64, usize)>> {
         let mut out = Vec::with_capacity(self.rows as usize);
         for i in 0..=self.mask {
             let (k, w) = self.slot(i);
-            let r = self.slot_row(i, k, w, k)?;
+            let r = self.slot_row_now(i, k, w, k)?;
             if r != 0 {
                 if r > self.rows {
                     return Err(corrupt(format!(
