@@ -1,16 +1,17 @@
 """Serving row checks A/B (issue 32, decision 0117): the cost of the row and slot checks of a
-serving artifact's row file (layout 2) against the same rows in layout 1 (no checks), for two
-builds of pstore side by side.
+serving artifact's row file (layouts 2 and 3) against the same rows in layout 1 (no checks),
+for two builds of pstore side by side (B must be one that writes layout 3).
 
-One table of ROWS x 64 rows is exported once (float32, layout 2); a copy of the artifact gets its
-row file rewritten in layout 1 (docs/FORMAT.md, "Row files": slots without their check, rows
-without their CRC-32). Each measurement is a fresh process of one build (its own Python) that
-opens one artifact and times, in its CPU time (`time.process_time`, all threads):
+One table of ROWS x 64 rows is exported once (float32, layout 3, by the pstore this script runs
+with); copies of the artifact get their row file rewritten in layouts 1 and 2 (docs/FORMAT.md,
+"Row files": layout 1 has no checks, layout 2 keeps each row's CRC-32 after it). Each
+measurement is a fresh process of one build (its own Python) that opens one artifact and times, in its CPU time (`time.process_time`, all threads):
   - cold: the first pass over every row, once each, in a random order (each row's first read);
   - warm: then Zipf(1.05) ids over the same rows (every row already read once), PASSES passes,
     the median pass.
-Builds and layouts alternate within each round; the ratio of a round is layout 2 over layout 1
-of the same build, and the table gives the median over the rounds.
+Builds and layouts alternate within each round (build A reads layouts 1 and 2, build B 1, 2
+and 3); the ratio of a round is a layout over layout 1 of the same build, and the table gives
+the median over the rounds.
 
     python benches/serving_checks.py --python-a A/bin/python --python-b B/bin/python \\
         [--rows 1000000] [--rounds 5] [--dir DIR]
@@ -58,36 +59,44 @@ def stride(row_bytes: int) -> int:
         s += 4
 
 
-def to_layout_1(rows_file: Path) -> None:
-    """Rewrites a layout 2 row file in place as layout 1: slots keep their row index only, rows
-    lose their checksum and take the stride of their bytes."""
+def rewrite(rows_file: Path, version: int, dest: Path) -> None:
+    """Writes the layout 3 row file `rows_file` (a float32 table) to `dest` in layout `version`:
+    1 (slots keep their row index only, no checksums), 2 (each row followed by its checksum, at
+    the stride of both) or 3 (a copy)."""
     raw = rows_file.read_bytes()
-    version, dtype, dim, stride2, rows, slots = struct.unpack_from("<IIIIQQ", raw, 8)
-    assert version == 2 and dtype == 0, (version, dtype)
+    v, dtype, dim, stride3, rows, slots = struct.unpack_from("<IIIIQQ", raw, 8)
+    assert v == 3 and dtype == 0, (v, dtype)
     row_bytes = 4 * dim
-    stride1 = stride(row_bytes)
     rows_at = -(-(HEADER + SLOT * slots) // 4096) * 4096
     slot_words = np.frombuffer(raw, np.uint64, 2 * slots, HEADER).reshape(slots, 2).copy()
-    slot_words[:, 1] &= np.uint64(INDEX_MASK)
-    old = np.frombuffer(raw, np.uint8, rows * stride2, rows_at).reshape(rows, stride2)
-    new = np.zeros((rows, stride1), np.uint8)
+    old = np.frombuffer(raw, np.uint8, rows * stride3, rows_at).reshape(rows, stride3)
+    sums = np.frombuffer(raw, np.uint8, rows * 4, rows_at + rows * stride3).reshape(rows, 4)
+    if version == 1:
+        slot_words[:, 1] &= np.uint64(INDEX_MASK)
+    st = stride(row_bytes + 4) if version == 2 else stride(row_bytes)
+    new = np.zeros((rows, st), np.uint8)
     new[:, :row_bytes] = old[:, :row_bytes]
-    length = rows_at + rows * stride1
+    if version == 2:
+        new[:, row_bytes : row_bytes + 4] = sums
+    length = rows_at + rows * st + (4 * rows if version == 3 else 0)
     head = bytearray(raw[:HEADER])
-    struct.pack_into("<I", head, 8, 1)
-    struct.pack_into("<I", head, 20, stride1)
+    struct.pack_into("<I", head, 8, version)
+    struct.pack_into("<I", head, 20, st)
     struct.pack_into("<Q", head, 48, length)
     struct.pack_into("<I", head, 64, zlib.crc32(bytes(head[:64])))
-    with open(rows_file, "wb") as f:
+    with open(dest, "wb") as f:
         f.write(head)
         f.write(slot_words.tobytes())
         f.write(b"\0" * (rows_at - HEADER - SLOT * slots))
         f.write(new.tobytes())
-    assert rows_file.stat().st_size == length
+        if version == 3:
+            f.write(sums.tobytes())
+    assert dest.stat().st_size == length
 
 
-def build(root: Path, rows: int) -> tuple[Path, Path, np.ndarray]:
-    """The two artifacts (layout 2, layout 1) of one table, and its ids."""
+def build(root: Path, rows: int) -> tuple[dict[int, Path], np.ndarray]:
+    """Artifacts of one table in layouts 1, 2 and 3 (exported by this process's pstore, which
+    writes layout 3, then rewritten), and its ids."""
     import pstore
     import pstore.serving
     from pstore import optim
@@ -101,14 +110,17 @@ def build(root: Path, rows: int) -> tuple[Path, Path, np.ndarray]:
             t.push(part, g.standard_normal((len(part), DIM)).astype(np.float32))
         store.snapshot(root / "snap")
     shutil.rmtree(root / "store")
-    two = root / "layout2"
-    pstore.serving.export(root / "snap", two)
+    three = root / "layout3"
+    pstore.serving.export(root / "snap", three)
     shutil.rmtree(root / "snap")
-    one = root / "layout1"
-    shutil.copytree(two, one)
-    (rows_file,) = (one / "tables").glob("*.rows")
-    to_layout_1(rows_file)
-    return two, one, ids
+    (rows_file,) = (three / "tables").glob("*.rows")
+    out = {3: three}
+    for version in (1, 2):
+        d = root / f"layout{version}"
+        shutil.copytree(three, d)
+        rewrite(rows_file, version, d / "tables" / rows_file.name)
+        out[version] = d
+    return out, ids
 
 
 def child(args: dict) -> None:
@@ -165,18 +177,20 @@ def main() -> None:
     a = ap.parse_args()
     root = Path(tempfile.mkdtemp(prefix="pstore-checks-", dir=a.dir))
     try:
-        two, one, ids = build(root, a.rows)
+        paths, ids = build(root, a.rows)
         np.save(root / "ids.npy", ids)
         print(f"rows {len(ids)}, load {os.getloadavg()}", flush=True)
+        # Build A (the reference) reads layouts 1 and 2; build B layouts 1, 2 and 3.
+        runs = (("A", a.python_a, (1, 2)), ("B", a.python_b, (1, 2, 3)))
         res: dict[tuple[str, int, int], list[dict]] = {}
         for rnd in range(a.rounds):
             for batch in BATCHES:
                 warm = {1: 100_000, 256: len(ids), 4096: len(ids)}[batch]
-                for build_name, py in (("A", a.python_a), ("B", a.python_b)):
-                    for layout, path in ((1, one), (2, two)):
+                for build_name, py, layouts in runs:
+                    for layout in layouts:
                         r = run_child(
                             py,
-                            path=str(path),
+                            path=str(paths[layout]),
                             ids=str(root / "ids.npy"),
                             batch=batch,
                             seed=rnd,
@@ -185,20 +199,24 @@ def main() -> None:
                         res.setdefault((build_name, batch, layout), []).append(r)
                         print(rnd, build_name, batch, layout, json.dumps(r), flush=True)
             print(f"round {rnd} done, load {os.getloadavg()}", flush=True)
-        print("| batch | build | cold L1 / L2 ns | cold ratio | warm L1 / L2 ns | warm ratio |")
+        print(
+            "| batch | build, layout | cold ns: L1 / this | cold ratio "
+            "| warm ns: L1 / this | warm ratio |"
+        )
         print("|---|---|---|---|---|---|")
         for batch in BATCHES:
-            for b in ("A", "B"):
-                one_r, two_r = res[(b, batch, 1)], res[(b, batch, 2)]
-                cells = []
-                for key in ("cold_ns", "warm_ns"):
-                    l1 = statistics.median(r[key] for r in one_r)
-                    l2 = statistics.median(r[key] for r in two_r)
-                    ratio = statistics.median(
-                        y[key] / x[key] for x, y in zip(one_r, two_r, strict=True)
-                    )
-                    cells += [f"{l1:.0f} / {l2:.0f}", f"{ratio:.3f}x"]
-                print(f"| {batch} | {b} | " + " | ".join(cells) + " |")
+            for b, _, layouts in runs:
+                for layout in layouts[1:]:
+                    one_r, this_r = res[(b, batch, 1)], res[(b, batch, layout)]
+                    cells = []
+                    for key in ("cold_ns", "warm_ns"):
+                        l1 = statistics.median(r[key] for r in one_r)
+                        lx = statistics.median(r[key] for r in this_r)
+                        ratio = statistics.median(
+                            y[key] / x[key] for x, y in zip(one_r, this_r, strict=True)
+                        )
+                        cells += [f"{l1:.0f} / {lx:.0f}", f"{ratio:.3f}x"]
+                    print(f"| {batch} | {b}, {layout} | " + " | ".join(cells) + " |")
         print(f"load {os.getloadavg()}")
     finally:
         shutil.rmtree(root)
