@@ -5,13 +5,16 @@ for two builds of pstore side by side (B must be one that writes layout 3).
 One table of ROWS x 64 rows is exported once (float32, layout 3, by the pstore this script runs
 with); copies of the artifact get their row file rewritten in layouts 1 and 2 (docs/FORMAT.md,
 "Row files": layout 1 has no checks, layout 2 keeps each row's CRC-32 after it). Each
-measurement is a fresh process of one build (its own Python) that opens one artifact and times, in its CPU time (`time.process_time`, all threads):
-  - cold: the first pass over every row, once each, in a random order (each row's first read);
-  - warm: then Zipf(1.05) ids over the same rows (every row already read once), PASSES passes,
-    the median pass.
-Builds and layouts alternate within each round (build A reads layouts 1 and 2, build B 1, 2
-and 3); the ratio of a round is a layout over layout 1 of the same build, and the table gives
-the median over the rounds.
+measurement is a fresh process of one build (its own Python) that opens the artifacts of the
+layouts it reads and times, in its CPU time (`time.process_time`, all threads):
+  - cold: per layout, the first pass over every row, once each, in a random order (each row's
+    first read in the process);
+  - warm: then REPS repetitions of one pass of Zipf(1.05) ids per layout, the layouts taking
+    turns (every row was read once before); the ratio of each repetition to layout 1's.
+Builds alternate within each round (build A reads layouts 1 and 2, build B 1, 2 and 3), the
+order of the cold passes rotates with the round; ratios are to layout 1 in the same process,
+and the table gives their median (cold: over the rounds; warm: over rounds x repetitions) and
+range.
 
     python benches/serving_checks.py --python-a A/bin/python --python-b B/bin/python \\
         [--rows 1000000] [--rounds 5] [--dir DIR]
@@ -40,7 +43,7 @@ import numpy as np
 DIM = 64
 TABLE = "emb"
 BATCHES = (1, 256, 4096)
-PASSES = 3
+REPS = 7
 HEADER = 4096
 SLOT = 16
 INDEX_MASK = (1 << 40) - 1
@@ -132,28 +135,29 @@ def child(args: dict) -> None:
     rng = np.random.default_rng(args["seed"])
     cold_ids = rng.permutation(ids)
     ranks = np.minimum(rng.zipf(1.05, len(ids)), len(ids)) - 1
-    warm_ids = rng.permutation(ids)[ranks]
-    s = pstore.serving.ServingStore(args["path"])
-    s.lookup(TABLE, ids[:1])
-    t0 = time.process_time()
-    for k in range(0, len(cold_ids), batch):
-        s.lookup(TABLE, cold_ids[k : k + batch])
-    cold = time.process_time() - t0
-    n = min(len(warm_ids), args["warm_ids"])
-    passes = []
-    for _ in range(PASSES):
+    warm_ids = rng.permutation(ids)[ranks][: args["warm_ids"]]
+    layouts = list(args["paths"])
+    stores = {k: pstore.serving.ServingStore(args["paths"][k]) for k in layouts}
+
+    def one_pass(s: pstore.serving.ServingStore, ids: np.ndarray) -> float:
         t0 = time.process_time()
-        for k in range(0, n, batch):
-            s.lookup(TABLE, warm_ids[k : k + batch])
-        passes.append(time.process_time() - t0)
-    v = s.verified(TABLE) if hasattr(s, "verified") else None
-    out = {
-        "cold_ns": cold / len(cold_ids) * 1e9,
-        "warm_ns": statistics.median(passes) / n * 1e9,
-        "pstore": pstore.__file__,
-        "verified": v,
+        for k in range(0, len(ids), batch):
+            s.lookup(TABLE, ids[k : k + batch])
+        return (time.process_time() - t0) / len(ids) * 1e9
+
+    cold, warm = {}, {k: [] for k in layouts}
+    turn = args["seed"] % len(layouts)
+    for k in layouts[turn:] + layouts[:turn]:
+        stores[k].lookup(TABLE, ids[:1])
+        cold[k] = one_pass(stores[k], cold_ids)
+    for rep in range(REPS):
+        # The layouts take turns, in an order that rotates with each repetition.
+        for k in layouts[rep % len(layouts) :] + layouts[: rep % len(layouts)]:
+            warm[k].append(one_pass(stores[k], warm_ids))
+    verified = {
+        k: stores[k].verified(TABLE) if hasattr(stores[k], "verified") else None for k in layouts
     }
-    print(json.dumps(out))
+    print(json.dumps({"cold": cold, "warm": warm, "pstore": pstore.__file__, "verified": verified}))
 
 
 def run_child(python: str, **kw: object) -> dict:
@@ -181,42 +185,39 @@ def main() -> None:
         np.save(root / "ids.npy", ids)
         print(f"rows {len(ids)}, load {os.getloadavg()}", flush=True)
         # Build A (the reference) reads layouts 1 and 2; build B layouts 1, 2 and 3.
-        runs = (("A", a.python_a, (1, 2)), ("B", a.python_b, (1, 2, 3)))
-        res: dict[tuple[str, int, int], list[dict]] = {}
+        runs = (("A", a.python_a, ("1", "2")), ("B", a.python_b, ("1", "2", "3")))
+        cold: dict[tuple[str, int, str], list[float]] = {}
+        warm: dict[tuple[str, int, str], list[float]] = {}
         for rnd in range(a.rounds):
             for batch in BATCHES:
-                warm = {1: 100_000, 256: len(ids), 4096: len(ids)}[batch]
                 for build_name, py, layouts in runs:
-                    for layout in layouts:
-                        r = run_child(
-                            py,
-                            path=str(paths[layout]),
-                            ids=str(root / "ids.npy"),
-                            batch=batch,
-                            seed=rnd,
-                            warm_ids=warm,
-                        )
-                        res.setdefault((build_name, batch, layout), []).append(r)
-                        print(rnd, build_name, batch, layout, json.dumps(r), flush=True)
+                    r = run_child(
+                        py,
+                        paths={k: str(paths[int(k)]) for k in layouts},
+                        ids=str(root / "ids.npy"),
+                        batch=batch,
+                        seed=rnd,
+                        warm_ids={1: 50_000, 256: len(ids), 4096: len(ids)}[batch],
+                    )
+                    for k in layouts:
+                        c = cold.setdefault((build_name, batch, k), [])
+                        c.append(r["cold"][k] / r["cold"]["1"])
+                        w = warm.setdefault((build_name, batch, k), [])
+                        w += [y / x for x, y in zip(r["warm"]["1"], r["warm"][k], strict=True)]
+                    print(rnd, build_name, batch, json.dumps(r), flush=True)
             print(f"round {rnd} done, load {os.getloadavg()}", flush=True)
         print(
-            "| batch | build, layout | cold ns: L1 / this | cold ratio "
-            "| warm ns: L1 / this | warm ratio |"
+            "| batch | build, layout | cold: ratio to layout 1 (min-max) | warm: ratio (min-max) |"
         )
-        print("|---|---|---|---|---|---|")
+        print("|---|---|---|---|")
         for batch in BATCHES:
             for b, _, layouts in runs:
-                for layout in layouts[1:]:
-                    one_r, this_r = res[(b, batch, 1)], res[(b, batch, layout)]
+                for k in layouts[1:]:
                     cells = []
-                    for key in ("cold_ns", "warm_ns"):
-                        l1 = statistics.median(r[key] for r in one_r)
-                        lx = statistics.median(r[key] for r in this_r)
-                        ratio = statistics.median(
-                            y[key] / x[key] for x, y in zip(one_r, this_r, strict=True)
-                        )
-                        cells += [f"{l1:.0f} / {lx:.0f}", f"{ratio:.3f}x"]
-                    print(f"| {batch} | {b}, {layout} | " + " | ".join(cells) + " |")
+                    for d in (cold, warm):
+                        v = d[(b, batch, k)]
+                        cells.append(f"{statistics.median(v):.3f}x ({min(v):.2f}-{max(v):.2f})")
+                    print(f"| {batch} | {b}, {k} | " + " | ".join(cells) + " |")
         print(f"load {os.getloadavg()}")
     finally:
         shutil.rmtree(root)

@@ -204,8 +204,9 @@ class ServingStore:
     def verified(self, table: str) -> dict[str, int]:
         """How far this process checked a sparse table's rows: ``"rows_verified"`` (rows whose
         checksum it verified, each on its first read; later reads of a verified row skip the
-        check), ``"rows"`` and ``"bitmap_bytes"`` (the memory of the bitmap that remembers
-        them). Rows a snapshot applied rewrote are in a new row file, checked again. An
+        check), ``"rows"`` and ``"bitmap_bytes"`` (the memory of the bitmaps that remember the
+        rows and index slots verified). Rows a snapshot applied rewrote are in a new row file,
+        checked again. An
         artifact of format version 1 (rows in LMDB) reports ``rows_verified`` 0."""
         r = self._inner.verified(table)
         if r is None:

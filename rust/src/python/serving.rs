@@ -116,7 +116,7 @@ impl PyArtifact {
     /// (rows verified in this process, rows, bitmap bytes) of a sparse table's row file.
     fn verified(&self, py: Python<'_>, table: &str) -> PyResult<Option<(u64, u64, usize)>> {
         let a = &self.inner;
-        Ok(run(py, || a.verified(table))?)
+        run(py, || a.verified(table))
     }
 
     fn dense<'py>(&self, py: Python<'py>, table: &str) -> PyResult<Bound<'py, PyArrayDyn<f32>>> {

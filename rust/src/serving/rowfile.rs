@@ -935,7 +935,7 @@ mod tests {
             } else {
                 0
             };
-            b[HEADER + i * SLOT + 8..][..8].copy_from_slice(&(r + 1 | check).to_le_bytes());
+            b[HEADER + i * SLOT + 8..][..8].copy_from_slice(&((r + 1) | check).to_le_bytes());
             let at = rows_at + r as usize * st;
             for j in 0..dim {
                 let v = (id * 10 + j as u64) as f32;
