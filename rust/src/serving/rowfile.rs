@@ -521,7 +521,11 @@ impl RowFile {
         let stage = |ids: &[u64], h: &mut [u64; BLOCK]| {
             for (k, &id) in ids.iter().enumerate() {
                 h[k] = mix64(id);
-                prefetch(self.slot_ptr(h[k] as usize & self.mask));
+                let i = h[k] as usize & self.mask;
+                prefetch(self.slot_ptr(i));
+                if let Some(w) = self.slots_verified.get(i / 64) {
+                    prefetch(std::ptr::from_ref(w).cast());
+                }
             }
         };
         let mut chunks = ids.chunks(BLOCK).enumerate().peekable();
@@ -533,13 +537,14 @@ impl RowFile {
             for (k, &id) in chunk.iter().enumerate() {
                 at[k] = match self.find_from(id, hashes[k])? {
                     Some(r) => {
-                        // A verified row's checksum is not read: its line is not fetched.
+                        // Layout 3: the row's lines and its bit (a checksum's line is fetched
+                        // only when read). Layout 2: the checksum's line if the row is new.
                         let p = self.row_ptr(r);
                         let mut n = row_bytes;
-                        if !self.trusted(r) {
-                            match self.sums_at {
-                                Some(_) => prefetch(self.map.ptr.wrapping_add(self.sum_at(r))),
-                                None => n += ROW_SUM_BYTES,
+                        if let Some(w) = self.verified.get(r / 64) {
+                            prefetch(std::ptr::from_ref(w).cast());
+                            if self.sums_at.is_none() && !self.trusted(r) {
+                                n += ROW_SUM_BYTES;
                             }
                         }
                         let lines = (p as usize % 64 + n).div_ceil(64);
