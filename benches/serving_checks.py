@@ -1,20 +1,16 @@
 """Serving row checks A/B (issue 32, decision 0117): the cost of the row and slot checks of a
-serving artifact's row file (layouts 2 and 3) against the same rows in layout 1 (no checks),
-for two builds of pstore side by side (B must be one that writes layout 3).
+serving artifact's row file (layout 2) against the same rows in layout 1 (no checks), for two
+builds of pstore side by side.
 
-One table of ROWS x 64 rows is exported once (float32, layout 3, by the pstore this script runs
-with); copies of the artifact get their row file rewritten in layouts 1 and 2 (docs/FORMAT.md,
-"Row files": layout 1 has no checks, layout 2 keeps each row's CRC-32 after it). Each
-measurement is a fresh process of one build (its own Python) that opens the artifacts of the
-layouts it reads and times, in its CPU time (`time.process_time`, all threads):
-  - cold: per layout, the first pass over every row, once each, in a random order (each row's
-    first read in the process);
-  - warm: then REPS repetitions of one pass of Zipf(1.05) ids per layout, the layouts taking
-    turns (every row was read once before); the ratio of each repetition to layout 1's.
-Builds alternate within each round (build A reads layouts 1 and 2, build B 1, 2 and 3), the
-order of the cold passes rotates with the round; ratios are to layout 1 in the same process,
-and the table gives their median (cold: over the rounds; warm: over rounds x repetitions) and
-range.
+One table of ROWS x 64 rows is exported once (float32, layout 2); a copy of the artifact gets its
+row file rewritten in layout 1 (docs/FORMAT.md, "Row files": slots without their check, rows
+without their CRC-32). Each measurement is a fresh process of one build (its own Python) that
+opens one artifact and times, in its CPU time (`time.process_time`, all threads):
+  - cold: the first pass over every row, once each, in a random order (each row's first read);
+  - warm: then Zipf(1.05) ids over the same rows (every row already read once), PASSES passes,
+    the median pass.
+Builds and layouts alternate within each round; the ratio of a round is layout 2 over layout 1
+of the same build, and the table gives the median over the rounds.
 
     python benches/serving_checks.py --python-a A/bin/python --python-b B/bin/python \\
         [--rows 1000000] [--rounds 5] [--dir DIR]
@@ -43,7 +39,7 @@ import numpy as np
 DIM = 64
 TABLE = "emb"
 BATCHES = (1, 256, 4096)
-REPS = 7
+PASSES = 3
 HEADER = 4096
 SLOT = 16
 INDEX_MASK = (1 << 40) - 1
@@ -62,44 +58,36 @@ def stride(row_bytes: int) -> int:
         s += 4
 
 
-def rewrite(rows_file: Path, version: int, dest: Path) -> None:
-    """Writes the layout 3 row file `rows_file` (a float32 table) to `dest` in layout `version`:
-    1 (slots keep their row index only, no checksums), 2 (each row followed by its checksum, at
-    the stride of both) or 3 (a copy)."""
+def to_layout_1(rows_file: Path) -> None:
+    """Rewrites a layout 2 row file in place as layout 1: slots keep their row index only, rows
+    lose their checksum and take the stride of their bytes."""
     raw = rows_file.read_bytes()
-    v, dtype, dim, stride3, rows, slots = struct.unpack_from("<IIIIQQ", raw, 8)
-    assert v == 3 and dtype == 0, (v, dtype)
+    version, dtype, dim, stride2, rows, slots = struct.unpack_from("<IIIIQQ", raw, 8)
+    assert version == 2 and dtype == 0, (version, dtype)
     row_bytes = 4 * dim
+    stride1 = stride(row_bytes)
     rows_at = -(-(HEADER + SLOT * slots) // 4096) * 4096
     slot_words = np.frombuffer(raw, np.uint64, 2 * slots, HEADER).reshape(slots, 2).copy()
-    old = np.frombuffer(raw, np.uint8, rows * stride3, rows_at).reshape(rows, stride3)
-    sums = np.frombuffer(raw, np.uint8, rows * 4, rows_at + rows * stride3).reshape(rows, 4)
-    if version == 1:
-        slot_words[:, 1] &= np.uint64(INDEX_MASK)
-    st = stride(row_bytes + 4) if version == 2 else stride(row_bytes)
-    new = np.zeros((rows, st), np.uint8)
+    slot_words[:, 1] &= np.uint64(INDEX_MASK)
+    old = np.frombuffer(raw, np.uint8, rows * stride2, rows_at).reshape(rows, stride2)
+    new = np.zeros((rows, stride1), np.uint8)
     new[:, :row_bytes] = old[:, :row_bytes]
-    if version == 2:
-        new[:, row_bytes : row_bytes + 4] = sums
-    length = rows_at + rows * st + (4 * rows if version == 3 else 0)
+    length = rows_at + rows * stride1
     head = bytearray(raw[:HEADER])
-    struct.pack_into("<I", head, 8, version)
-    struct.pack_into("<I", head, 20, st)
+    struct.pack_into("<I", head, 8, 1)
+    struct.pack_into("<I", head, 20, stride1)
     struct.pack_into("<Q", head, 48, length)
     struct.pack_into("<I", head, 64, zlib.crc32(bytes(head[:64])))
-    with open(dest, "wb") as f:
+    with open(rows_file, "wb") as f:
         f.write(head)
         f.write(slot_words.tobytes())
         f.write(b"\0" * (rows_at - HEADER - SLOT * slots))
         f.write(new.tobytes())
-        if version == 3:
-            f.write(sums.tobytes())
-    assert dest.stat().st_size == length
+    assert rows_file.stat().st_size == length
 
 
-def build(root: Path, rows: int) -> tuple[dict[int, Path], np.ndarray]:
-    """Artifacts of one table in layouts 1, 2 and 3 (exported by this process's pstore, which
-    writes layout 3, then rewritten), and its ids."""
+def build(root: Path, rows: int) -> tuple[Path, Path, np.ndarray]:
+    """The two artifacts (layout 2, layout 1) of one table, and its ids."""
     import pstore
     import pstore.serving
     from pstore import optim
@@ -113,17 +101,14 @@ def build(root: Path, rows: int) -> tuple[dict[int, Path], np.ndarray]:
             t.push(part, g.standard_normal((len(part), DIM)).astype(np.float32))
         store.snapshot(root / "snap")
     shutil.rmtree(root / "store")
-    three = root / "layout3"
-    pstore.serving.export(root / "snap", three)
+    two = root / "layout2"
+    pstore.serving.export(root / "snap", two)
     shutil.rmtree(root / "snap")
-    (rows_file,) = (three / "tables").glob("*.rows")
-    out = {3: three}
-    for version in (1, 2):
-        d = root / f"layout{version}"
-        shutil.copytree(three, d)
-        rewrite(rows_file, version, d / "tables" / rows_file.name)
-        out[version] = d
-    return out, ids
+    one = root / "layout1"
+    shutil.copytree(two, one)
+    (rows_file,) = (one / "tables").glob("*.rows")
+    to_layout_1(rows_file)
+    return two, one, ids
 
 
 def child(args: dict) -> None:
@@ -135,29 +120,28 @@ def child(args: dict) -> None:
     rng = np.random.default_rng(args["seed"])
     cold_ids = rng.permutation(ids)
     ranks = np.minimum(rng.zipf(1.05, len(ids)), len(ids)) - 1
-    warm_ids = rng.permutation(ids)[ranks][: args["warm_ids"]]
-    layouts = list(args["paths"])
-    stores = {k: pstore.serving.ServingStore(args["paths"][k]) for k in layouts}
-
-    def one_pass(s: pstore.serving.ServingStore, ids: np.ndarray) -> float:
+    warm_ids = rng.permutation(ids)[ranks]
+    s = pstore.serving.ServingStore(args["path"])
+    s.lookup(TABLE, ids[:1])
+    t0 = time.process_time()
+    for k in range(0, len(cold_ids), batch):
+        s.lookup(TABLE, cold_ids[k : k + batch])
+    cold = time.process_time() - t0
+    n = min(len(warm_ids), args["warm_ids"])
+    passes = []
+    for _ in range(PASSES):
         t0 = time.process_time()
-        for k in range(0, len(ids), batch):
-            s.lookup(TABLE, ids[k : k + batch])
-        return (time.process_time() - t0) / len(ids) * 1e9
-
-    cold, warm = {}, {k: [] for k in layouts}
-    turn = args["seed"] % len(layouts)
-    for k in layouts[turn:] + layouts[:turn]:
-        stores[k].lookup(TABLE, ids[:1])
-        cold[k] = one_pass(stores[k], cold_ids)
-    for rep in range(REPS):
-        # The layouts take turns, in an order that rotates with each repetition.
-        for k in layouts[rep % len(layouts) :] + layouts[: rep % len(layouts)]:
-            warm[k].append(one_pass(stores[k], warm_ids))
-    verified = {
-        k: stores[k].verified(TABLE) if hasattr(stores[k], "verified") else None for k in layouts
+        for k in range(0, n, batch):
+            s.lookup(TABLE, warm_ids[k : k + batch])
+        passes.append(time.process_time() - t0)
+    v = s.verified(TABLE) if hasattr(s, "verified") else None
+    out = {
+        "cold_ns": cold / len(cold_ids) * 1e9,
+        "warm_ns": statistics.median(passes) / n * 1e9,
+        "pstore": pstore.__file__,
+        "verified": v,
     }
-    print(json.dumps({"cold": cold, "warm": warm, "pstore": pstore.__file__, "verified": verified}))
+    print(json.dumps(out))
 
 
 def run_child(python: str, **kw: object) -> dict:
@@ -181,43 +165,40 @@ def main() -> None:
     a = ap.parse_args()
     root = Path(tempfile.mkdtemp(prefix="pstore-checks-", dir=a.dir))
     try:
-        paths, ids = build(root, a.rows)
+        two, one, ids = build(root, a.rows)
         np.save(root / "ids.npy", ids)
         print(f"rows {len(ids)}, load {os.getloadavg()}", flush=True)
-        # Build A (the reference) reads layouts 1 and 2; build B layouts 1, 2 and 3.
-        runs = (("A", a.python_a, ("1", "2")), ("B", a.python_b, ("1", "2", "3")))
-        cold: dict[tuple[str, int, str], list[float]] = {}
-        warm: dict[tuple[str, int, str], list[float]] = {}
+        res: dict[tuple[str, int, int], list[dict]] = {}
         for rnd in range(a.rounds):
             for batch in BATCHES:
-                for build_name, py, layouts in runs:
-                    r = run_child(
-                        py,
-                        paths={k: str(paths[int(k)]) for k in layouts},
-                        ids=str(root / "ids.npy"),
-                        batch=batch,
-                        seed=rnd,
-                        warm_ids={1: 50_000, 256: len(ids), 4096: len(ids)}[batch],
-                    )
-                    for k in layouts:
-                        c = cold.setdefault((build_name, batch, k), [])
-                        c.append(r["cold"][k] / r["cold"]["1"])
-                        w = warm.setdefault((build_name, batch, k), [])
-                        w += [y / x for x, y in zip(r["warm"]["1"], r["warm"][k], strict=True)]
-                    print(rnd, build_name, batch, json.dumps(r), flush=True)
+                warm = {1: 100_000, 256: len(ids), 4096: len(ids)}[batch]
+                for build_name, py in (("A", a.python_a), ("B", a.python_b)):
+                    for layout, path in ((1, one), (2, two)):
+                        r = run_child(
+                            py,
+                            path=str(path),
+                            ids=str(root / "ids.npy"),
+                            batch=batch,
+                            seed=rnd,
+                            warm_ids=warm,
+                        )
+                        res.setdefault((build_name, batch, layout), []).append(r)
+                        print(rnd, build_name, batch, layout, json.dumps(r), flush=True)
             print(f"round {rnd} done, load {os.getloadavg()}", flush=True)
-        print(
-            "| batch | build, layout | cold: ratio to layout 1 (min-max) | warm: ratio (min-max) |"
-        )
-        print("|---|---|---|---|")
+        print("| batch | build | cold L1 / L2 ns | cold ratio | warm L1 / L2 ns | warm ratio |")
+        print("|---|---|---|---|---|---|")
         for batch in BATCHES:
-            for b, _, layouts in runs:
-                for k in layouts[1:]:
-                    cells = []
-                    for d in (cold, warm):
-                        v = d[(b, batch, k)]
-                        cells.append(f"{statistics.median(v):.3f}x ({min(v):.2f}-{max(v):.2f})")
-                    print(f"| {batch} | {b}, {k} | " + " | ".join(cells) + " |")
+            for b in ("A", "B"):
+                one_r, two_r = res[(b, batch, 1)], res[(b, batch, 2)]
+                cells = []
+                for key in ("cold_ns", "warm_ns"):
+                    l1 = statistics.median(r[key] for r in one_r)
+                    l2 = statistics.median(r[key] for r in two_r)
+                    ratio = statistics.median(
+                        y[key] / x[key] for x, y in zip(one_r, two_r, strict=True)
+                    )
+                    cells += [f"{l1:.0f} / {l2:.0f}", f"{ratio:.3f}x"]
+                print(f"| {batch} | {b} | " + " | ".join(cells) + " |")
         print(f"load {os.getloadavg()}")
     finally:
         shutil.rmtree(root)
