@@ -202,10 +202,14 @@ ROW_SUM = 4
 INDEX = (1 << 40) - 1
 
 
-def artifact_rows(out: Path) -> tuple[Path, dict[int, tuple[int, int]], int]:
-    """The row file of table "emb" and, per id, (its slot's offset, its row's offset); the
-    row's bytes (docs/FORMAT.md, "Row files")."""
-    (rows_file,) = (out / "tables").glob("*.rows")
+def artifact_rows(out: Path, newest: bool = False) -> tuple[Path, dict[int, tuple[int, int]], int]:
+    """The row file of table "emb" (the only one, or the newest generation's) and, per id, (its
+    slot's offset, its row's offset); the row's bytes (docs/FORMAT.md, "Row files")."""
+    files = sorted((out / "tables").glob("*.rows"))
+    if newest:
+        rows_file = files[-1]
+    else:
+        (rows_file,) = files
     raw = rows_file.read_bytes()
     version, dtype, dim, stride, rows, slots = struct.unpack_from("<IIIIQQ", raw, 8)
     assert (version, dtype, dim) == (2, 0, DIM)
@@ -258,3 +262,65 @@ def test_bit_flips_in_an_artifacts_rows_never_give_a_wrong_row(tmp_path):
     # slot is caught or harmless (none is harmless in a slot in use).
     assert raised["row"] == FLIPS * 3 // 4
     assert raised["slot"] == FLIPS // 4
+
+
+def damage_row(rows_file: Path, at: int) -> None:
+    """Flips one bit of the byte at `at` in place (through the page cache a mapping shares)."""
+    with open(rows_file, "r+b") as f:
+        f.seek(at)
+        b = f.read(1)[0]
+        f.seek(at)
+        f.write(bytes([b ^ 0x10]))
+
+
+def test_serving_rows_are_checked_on_first_read_and_rewritten_rows_again(tmp_path):
+    """A lookup verifies a row's checksum the first time this process reads it and remembers
+    that (decision 0117): damage on disk before the first read is refused naming table and id;
+    rows a snapshot rewrote (a new row file) are checked again on their first read, so damage to
+    the new bytes before that read is refused too."""
+    rng = np.random.default_rng(117)
+    ids = np.unique(rng.integers(1 << 40, 1 << 62, 200, dtype=np.uint64))
+    path = tmp_path / "store"
+    build_store(path, ids)
+    with pstore.Store(path, durability="none") as store:
+        store.snapshot(tmp_path / "s0")
+        out = tmp_path / "model"
+        pstore.serving.export(tmp_path / "s0", out)
+        changed = ids[::4]
+        store.sparse_table("emb").push(changed, np.ones((len(changed), DIM), F32))
+        want = store.sparse_table("emb").pull(ids)
+        store.snapshot(tmp_path / "s1", incremental=True)
+    rows_file, where, _ = artifact_rows(out)
+    with pstore.serving.ServingStore(out, writable=True) as s:
+        # One bit per row and one per index slot.
+        (slots,) = struct.unpack_from("<Q", rows_file.read_bytes(), 32)
+        bitmaps = 8 * (-(-len(ids) // 64) + -(-slots // 64))
+        assert s.verified("emb") == {"rows_verified": 0, "rows": len(ids), "bitmap_bytes": bitmaps}
+        # Damage before the first read of a row: refused, naming it; its neighbours are served.
+        bad = int(ids[7])
+        damage_row(rows_file, where[bad][1] + 2)
+        with pytest.raises(CorruptError, match=f'"emb".*id {bad}|id {bad}.*"emb"'):
+            s.lookup("emb", ids[7:8])
+        first = ids[:7]
+        s.lookup("emb", first)
+        assert s.verified("emb")["rows_verified"] == len(first)
+        s.lookup("emb", first)
+        assert s.verified("emb")["rows_verified"] == len(first)
+        # The refused row stays unverified: every later read refuses it again.
+        with pytest.raises(CorruptError, match=f"id {bad}"):
+            s.lookup("emb", ids[:10])
+        damage_row(rows_file, where[bad][1] + 2)
+        s.lookup("emb", ids)
+        assert s.verified("emb")["rows_verified"] == len(ids)
+        # A snapshot rewrites the table into a new row file: nothing of it is verified yet.
+        s.apply(tmp_path / "s1")
+        assert s.verified("emb")["rows_verified"] == 0
+        new_file, new_where, _ = artifact_rows(out, newest=True)
+        assert new_file != rows_file
+        hit = int(changed[3])
+        damage_row(new_file, new_where[hit][1] + 5)
+        with pytest.raises(CorruptError, match=f'"emb".*id {hit}|id {hit}.*"emb"'):
+            s.lookup("emb", ids)
+        damage_row(new_file, new_where[hit][1] + 5)
+        np.testing.assert_array_equal(s.lookup("emb", ids), want)
+        assert s.verified("emb")["rows_verified"] == len(ids)

@@ -201,6 +201,18 @@ class ServingStore:
         """A bool mask: which ids the artifact has rows for."""
         return self._inner.contains(table, _as_ids(ids))
 
+    def verified(self, table: str) -> dict[str, int]:
+        """How far this process checked a sparse table's rows: ``"rows_verified"`` (rows whose
+        checksum it verified, each on its first read; later reads of a verified row skip the
+        check), ``"rows"`` and ``"bitmap_bytes"`` (the memory of the bitmaps that remember the
+        rows and index slots verified). Rows a snapshot applied rewrote are in a new row file,
+        checked again. An
+        artifact of format version 1 (rows in LMDB) reports ``rows_verified`` 0."""
+        r = self._inner.verified(table)
+        if r is None:
+            return {"rows_verified": 0, "rows": 0, "bitmap_bytes": 0}
+        return {"rows_verified": r[0], "rows": r[1], "bitmap_bytes": r[2]}
+
     def dense(self, table: str) -> np.ndarray:
         """A dense table's value (float32, its shape)."""
         return self._inner.dense(table)

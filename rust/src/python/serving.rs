@@ -113,6 +113,12 @@ impl PyArtifact {
         Ok(m.into_pyarray(py))
     }
 
+    /// (rows verified in this process, rows, bitmap bytes) of a sparse table's row file.
+    fn verified(&self, py: Python<'_>, table: &str) -> PyResult<Option<(u64, u64, usize)>> {
+        let a = &self.inner;
+        run(py, || a.verified(table))
+    }
+
     fn dense<'py>(&self, py: Python<'py>, table: &str) -> PyResult<Bound<'py, PyArrayDyn<f32>>> {
         let a = &self.inner;
         let (shape, v) = run(py, || a.dense(table))?;

@@ -901,6 +901,15 @@ impl Artifact {
         }))
     }
 
+    /// Rows of sparse `table`'s current row file whose checksum this process verified (each on
+    /// its first read: later reads skip it), the rows it holds, and the bytes of its bitmap of
+    /// verified rows. `None` for a table whose rows are in LMDB (format version 1).
+    pub fn verified(&self, table: &str) -> Result<Option<(u64, u64, usize)>> {
+        Ok(self
+            .pinned_file(table)?
+            .map(|(_, f)| (f.rows_verified(), f.rows(), f.bitmap_bytes())))
+    }
+
     /// Which of `ids` the artifact has rows for.
     pub fn contains(&self, table: &str, ids: &[u64]) -> Result<Vec<bool>> {
         let Some((_, f)) = self.pinned_file(table)? else {

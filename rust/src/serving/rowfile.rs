@@ -6,6 +6,7 @@
 use std::fs::File;
 use std::os::fd::AsRawFd;
 use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicU64, Ordering};
 
 use super::quant::Dtype;
 use crate::error::{corrupt, storage, Result};
@@ -199,8 +200,14 @@ pub struct RowFile {
     rows: u64,
     mask: usize,
     rows_at: usize,
-    /// Layout 2: slots and rows carry checks, verified on every read.
+    /// Layout 2: slots and rows carry checks; a row's is verified on its first read here.
     checked: bool,
+    /// One bit per row (layout 2): set once this process verified the row's checksum, so later
+    /// lookups skip it. The file never changes (a generation that changes rows writes a new
+    /// file, opened with a bitmap of its own), so a set bit never covers other bytes.
+    verified: Box<[AtomicU64]>,
+    /// One bit per index slot (layout 2): set once this process verified the slot's check.
+    slots_verified: Box<[AtomicU64]>,
 }
 
 impl std::fmt::Debug for RowFile {
@@ -304,6 +311,16 @@ impl RowFile {
             mask: slots as usize - 1,
             rows_at,
             checked: version >= 2,
+            verified: if version >= 2 {
+                (0..rows.div_ceil(64)).map(|_| AtomicU64::new(0)).collect()
+            } else {
+                Box::default()
+            },
+            slots_verified: if version >= 2 {
+                (0..slots.div_ceil(64)).map(|_| AtomicU64::new(0)).collect()
+            } else {
+                Box::default()
+            },
         })
     }
 
@@ -336,9 +353,41 @@ impl RowFile {
         unsafe { self.map.ptr.add(self.rows_at + r * self.stride) }
     }
 
-    /// The stored bytes of row `r` (< rows) of `id`, its checksum verified (layout 2).
+    /// Whether row `r` (< rows) needs no check: layout 1, or verified before in this process.
+    #[inline(always)]
+    fn trusted(&self, r: usize) -> bool {
+        !self.checked || self.verified[r / 64].load(Ordering::Relaxed) & (1 << (r % 64)) != 0
+    }
+
+    /// Rows of the file whose checksum this process verified (layout 2; 0 for layout 1).
+    pub fn rows_verified(&self) -> u64 {
+        self.verified
+            .iter()
+            .map(|w| w.load(Ordering::Relaxed).count_ones() as u64)
+            .sum()
+    }
+
+    /// Bytes of the bitmaps of verified rows and slots.
+    pub fn bitmap_bytes(&self) -> usize {
+        (self.verified.len() + self.slots_verified.len()) * 8
+    }
+
+    /// The stored bytes of row `r` (< rows) of `id`: its checksum verified on its first read
+    /// in this process (layout 2), later reads trust that check.
     #[inline(always)]
     fn row(&self, id: u64, r: usize) -> Result<&[u8]> {
+        if self.trusted(r) {
+            let at = self.rows_at + r * self.stride;
+            return Ok(&self.map.bytes()[at..at + self.row_bytes]);
+        }
+        let row = self.checked_row(id, r)?;
+        // Relaxed: the bit covers bytes of a file that never changes, read by every thread.
+        self.verified[r / 64].fetch_or(1 << (r % 64), Ordering::Relaxed);
+        Ok(row)
+    }
+
+    /// The stored bytes of row `r` (< rows) of `id`, its checksum verified now (layout 2).
+    fn checked_row(&self, id: u64, r: usize) -> Result<&[u8]> {
         let at = self.rows_at + r * self.stride;
         let b = self.map.bytes();
         let row = &b[at..at + self.row_bytes];
@@ -358,8 +407,24 @@ impl RowFile {
 
     /// The row index plus one of slot `i` holding `k` and `w` (its second word), its check
     /// verified (layout 2); 0 for an empty slot. `looking`: the id whose probe reads it.
+    /// A slot verified before in this process is trusted (its bit in `slots_verified`).
     #[inline(always)]
     fn slot_row(&self, i: usize, k: u64, w: u64, looking: u64) -> Result<u64> {
+        if !self.checked || w == 0 {
+            return Ok(w);
+        }
+        let bit = 1 << (i % 64);
+        if self.slots_verified[i / 64].load(Ordering::Relaxed) & bit != 0 {
+            return Ok(w & INDEX_MASK);
+        }
+        let r1 = self.slot_row_now(i, k, w, looking)?;
+        self.slots_verified[i / 64].fetch_or(bit, Ordering::Relaxed);
+        Ok(r1)
+    }
+
+    /// As [`RowFile::slot_row`], the check verified now whatever earlier reads found.
+    #[inline(always)]
+    fn slot_row_now(&self, i: usize, k: u64, w: u64, looking: u64) -> Result<u64> {
         if !self.checked || w == 0 {
             return Ok(w);
         }
@@ -429,7 +494,10 @@ impl RowFile {
     /// rows are prefetched as its slots are probed, so the misses of a stage overlap.
     pub fn gather(&self, ids: &[u64], out: &mut [f32], found: &mut [bool]) -> Result<()> {
         let dim = self.dim;
-        let lines = entry_bytes(if self.checked { 2 } else { 1 }, self.row_bytes).div_ceil(64);
+        let (row_bytes, entry) = (
+            self.row_bytes,
+            entry_bytes(if self.checked { 2 } else { 1 }, self.row_bytes),
+        );
         let mut hashes = [0u64; BLOCK];
         let mut next = [0u64; BLOCK];
         let mut at = [usize::MAX; BLOCK];
@@ -448,10 +516,14 @@ impl RowFile {
             for (k, &id) in chunk.iter().enumerate() {
                 at[k] = match self.find_from(id, hashes[k])? {
                     Some(r) => {
+                        // A verified row's checksum is not read: its line is not fetched.
                         let p = self.row_ptr(r);
+                        let n = if self.trusted(r) { row_bytes } else { entry };
+                        let lines = (p as usize % 64 + n).div_ceil(64);
+                        let first = p.wrapping_sub(p as usize % 64);
                         for l in 0..lines {
-                            // SAFETY: inside the row (l * 64 < row_bytes).
-                            prefetch(unsafe { p.add(l * 64) });
+                            // A prefetch never faults; these lines hold the row's bytes.
+                            prefetch(first.wrapping_add(l * 64));
                         }
                         r
                     }
@@ -475,12 +547,12 @@ impl RowFile {
         Ok(())
     }
 
-    /// Every (id, row index) the index holds, in slot order (each slot's check verified).
+    /// Every (id, row index) the index holds, in slot order (each slot's check verified now).
     pub fn entries(&self) -> Result<Vec<(u64, usize)>> {
         let mut out = Vec::with_capacity(self.rows as usize);
         for i in 0..=self.mask {
             let (k, w) = self.slot(i);
-            let r = self.slot_row(i, k, w, k)?;
+            let r = self.slot_row_now(i, k, w, k)?;
             if r != 0 {
                 if r > self.rows {
                     return Err(corrupt(format!(
@@ -505,9 +577,9 @@ impl RowFile {
     }
 
     /// The stored bytes of row index `r` of `id` (from [`RowFile::entries`]), its checksum
-    /// verified.
+    /// verified now, whatever earlier reads found (rows copied into a new file or exported).
     pub fn stored(&self, id: u64, r: usize) -> Result<&[u8]> {
-        self.row(id, r)
+        self.checked_row(id, r)
     }
 }
 
