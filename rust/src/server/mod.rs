@@ -539,9 +539,8 @@ impl Service {
                 let inner = Arc::clone(&self.0);
                 let msg = req.into_inner();
                 if on == On::Here && self.0.in_memory {
-                    match std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
-                        f(&inner, msg)
-                    })) {
+                    match std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| f(&inner, msg)))
+                    {
                         Ok(r) => r.map_err(|e| status_of(&e)),
                         Err(_) => Err(Status::internal("the request's work panicked")),
                     }
