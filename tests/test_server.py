@@ -736,3 +736,37 @@ def test_a_large_pull_answer_comes_in_large_http2_frames(rng):
     finally:
         relay.close()
         server.stop(grace=1.0)
+
+
+def _minor_faults(pid: int) -> int:
+    with open(f"/proc/{pid}/stat") as f:
+        return int(f.read().rsplit(")", 1)[1].split()[7])
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc")
+def test_a_server_process_keeps_its_receive_buffers_between_large_pushes(rng):
+    """`pstore serve` keeps freed buffers (decision 0118): after a warm-up, a 65536 x 64 push
+    (16 MiB of gradients, received into fresh HTTP/2 frame buffers) no longer faults in the
+    pages of those buffers again each time (4096 pages per push with glibc's defaults)."""
+    (proc,) = start_servers(1)
+    try:
+        client = pstore.connect([proc.address], timeout=30.0)
+        t = client.create_sparse_table("w", 64, optimizer=optim.SGD(lr=0.01))
+        twin = _embedded_twin(t, pstore.Store())
+        ids = rng.integers(0, 2**62, size=65536, dtype=np.int64)
+        grads = rng.standard_normal((65536, 64), dtype=np.float32)
+        t.pull(ids)
+        twin.pull(ids)
+        for _ in range(3):
+            t.push(ids, grads)
+            twin.push(ids, grads)
+        before = _minor_faults(proc.proc.pid)
+        for _ in range(5):
+            t.push(ids, grads)
+            twin.push(ids, grads)
+        per_push = (_minor_faults(proc.proc.pid) - before) / 5
+        np.testing.assert_array_equal(t.pull(ids), twin.pull(ids))
+        assert per_push < 1024, f"{per_push:.0f} page faults per 16 MiB push"
+        client.close()
+    finally:
+        stop_all([proc])
