@@ -206,7 +206,6 @@ impl ModelService {
         method: &'static str,
         req: Request<T>,
         inline: impl Fn(&T) -> bool,
-        on_rayon: bool,
         f: impl FnOnce(&Inner, T) -> Result<R> + Send + 'static,
     ) -> std::result::Result<Response<R>, Status>
     where
@@ -221,23 +220,6 @@ impl ModelService {
                 let msg = req.into_inner();
                 if inline(&msg) {
                     f(&self.0, msg).map_err(|e| status_of(&e))
-                } else if on_rayon {
-                    // Straight onto rayon's pool, which a big lookup spreads over anyway: the
-                    // thread that takes it works on its parts too, where a blocking-pool thread
-                    // would hand them all over and wait (one hand-off less each way).
-                    let inner = Arc::clone(&self.0);
-                    let (tx, rx) = tokio::sync::oneshot::channel();
-                    rayon::spawn(move || {
-                        let r = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
-                            f(&inner, msg)
-                        }));
-                        let _ = tx.send(r);
-                    });
-                    match rx.await {
-                        Ok(Ok(r)) => r.map_err(|e| status_of(&e)),
-                        Ok(Err(_)) => Err(Status::internal("the request's work panicked")),
-                        Err(_) => Err(Status::internal("the request's work was dropped")),
-                    }
                 } else {
                     let inner = Arc::clone(&self.0);
                     on_blocking(move || f(&inner, msg)).await
@@ -284,7 +266,6 @@ impl PStore for ModelService {
             "GetTable",
             req,
             |_| true,
-            false,
             |s, r| {
                 let state = s.artifact.state()?;
                 let t = state
@@ -301,7 +282,6 @@ impl PStore for ModelService {
             "ListTables",
             req,
             |_| true,
-            false,
             |s, _| {
                 Ok(ListTablesResponse {
                     tables: s.infos()?.1,
@@ -317,7 +297,7 @@ impl PStore for ModelService {
 
     async fn pull(&self, req: Request<PullRequest>) -> Answer<PullResponse> {
         let small = |r: &PullRequest| r.ids.len() <= INLINE_IDS * 8;
-        self.run("Pull", req, small, true, Inner::pull)
+        self.run("Pull", req, small, Inner::pull)
             .await
             .map(splice_rows)
     }
@@ -328,7 +308,7 @@ impl PStore for ModelService {
 
     async fn contains(&self, req: Request<ContainsRequest>) -> Answer<ContainsResponse> {
         let small = |r: &ContainsRequest| r.ids.len() <= INLINE_IDS * 8;
-        self.run("Contains", req, small, false, |s, r| {
+        self.run("Contains", req, small, |s, r| {
             let ids = wire::ids(&r.ids)?;
             let mask = s.artifact.contains(&r.table, &ids)?;
             Ok(ContainsResponse {
@@ -351,7 +331,6 @@ impl PStore for ModelService {
             "DensePull",
             req,
             |_| true,
-            false,
             |s, r| {
                 let d = wire::dtype(r.dtype)?;
                 let (shape, v) = s.artifact.dense(&r.table)?;
@@ -417,14 +396,8 @@ impl PStore for ModelService {
 
     async fn get_routing(&self, req: Request<GetRoutingRequest>) -> Answer<Routing> {
         // A model server holds no routing: every client's own table applies.
-        self.run(
-            "GetRouting",
-            req,
-            |_| true,
-            false,
-            |_, _| Ok(Routing::default()),
-        )
-        .await
+        self.run("GetRouting", req, |_| true, |_, _| Ok(Routing::default()))
+            .await
     }
 
     async fn set_routing(&self, req: Request<SetRoutingRequest>) -> Answer<Routing> {
@@ -448,7 +421,6 @@ impl PStore for ModelService {
             "Status",
             req,
             |_| true,
-            false,
             |s, _| {
                 let (state, tables) = s.infos()?;
                 Ok(StatusResponse {
