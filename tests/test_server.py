@@ -10,6 +10,7 @@ import json
 import os
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import threading
@@ -622,3 +623,150 @@ def test_cluster_file(tmp_path):
     bad.write_text('{"servers": ["nohostport"]}')
     with pytest.raises(pstore.InvalidArgumentError, match="host:port"):
         pstore.connect(bad)
+
+
+class _FrameCounter:
+    """A loopback TCP relay between one client and a server that reads the server's HTTP/2
+    frame headers as they pass (9 bytes: length, type, flags, stream) and keeps the lengths of
+    the DATA frames (type 0)."""
+
+    def __init__(self, target: str):
+        host, port = target.rsplit(":", 1)
+        self.target = (host, int(port))
+        self.listener = socket.create_server(("127.0.0.1", 0))
+        self.address = f"127.0.0.1:{self.listener.getsockname()[1]}"
+        self.data_frames: list[int] = []
+        self.sockets: list[socket.socket] = []
+        self.lock = threading.Lock()
+        self.threads = [threading.Thread(target=self._accept, daemon=True)]
+        self.threads[0].start()
+
+    def _accept(self) -> None:
+        try:
+            client, _ = self.listener.accept()
+        except OSError:
+            return
+        server = socket.create_connection(self.target)
+        self.sockets += [client, server]
+        for s in (client, server):
+            s.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        up = threading.Thread(target=self._pump, args=(client, server, False), daemon=True)
+        down = threading.Thread(target=self._pump, args=(server, client, True), daemon=True)
+        self.threads += [up, down]
+        up.start()
+        down.start()
+
+    def _pump(self, src, dst, parse: bool) -> None:
+        pending = b""
+        skip = 0
+        try:
+            while chunk := src.recv(1 << 20):
+                dst.sendall(chunk)
+                if not parse:
+                    continue
+                pending += chunk
+                while True:
+                    if skip:
+                        n = min(skip, len(pending))
+                        pending, skip = pending[n:], skip - n
+                        if skip:
+                            break
+                    if len(pending) < 9:
+                        break
+                    length = int.from_bytes(pending[:3], "big")
+                    if pending[3] == 0:
+                        with self.lock:
+                            self.data_frames.append(length)
+                    pending, skip = pending[9:], length
+        except OSError:
+            pass
+        finally:
+            for s in (src, dst):
+                try:
+                    s.shutdown(socket.SHUT_RDWR)
+                except OSError:
+                    pass
+
+    def take(self) -> list[int]:
+        with self.lock:
+            out, self.data_frames = self.data_frames, []
+        return out
+
+    def close(self) -> None:
+        self.listener.close()
+        for s in self.sockets:
+            try:
+                s.shutdown(socket.SHUT_RDWR)
+            except OSError:
+                pass
+        for t in self.threads:
+            t.join(timeout=10.0)
+        for s in self.sockets:
+            s.close()
+
+
+def test_a_large_pull_answer_comes_in_large_http2_frames(rng):
+    """A client accepts DATA frames of up to 1 MiB (decision 0118): a 16384 x 64 pull (4 MiB of
+    rows) arrives in a few frames, not hundreds of HTTP/2's default 16 KiB, rows unchanged."""
+    store = pstore.Store(num_shards=4, threads=2)
+    server = Server(store)
+    relay = _FrameCounter(server.address)
+    try:
+        remote = pstore.connect([relay.address], timeout=10.0)
+        t = remote.create_sparse_table("big", 64, initializer=init.Normal(0.0, 0.1), seed=3)
+        ids = rng.integers(0, 2**62, size=16384, dtype=np.int64)
+        t.pull(ids)  # creates the rows
+        relay.take()
+        rows = t.pull(ids)
+        frames = relay.take()
+        assert rows.shape == (16384, 64)
+        np.testing.assert_array_equal(rows, store.table("big").pull(ids))
+        big = [n for n in frames if n > 0]
+        assert sum(big) >= rows.nbytes
+        assert max(big) > 16384, f"DATA frames of at most {max(big)} bytes"
+        assert len(big) <= 32, f"{len(big)} DATA frames for one 4 MiB answer"
+        # A push through the same connection applies as an in-process one does.
+        grads = rng.standard_normal((16384, 64), dtype=np.float32)
+        twin = _embedded_twin(t, pstore.Store())
+        twin.pull(ids)
+        t.push(ids, grads)
+        twin.push(ids, grads)
+        np.testing.assert_array_equal(t.pull(ids), twin.pull(ids))
+        remote.close()
+    finally:
+        relay.close()
+        server.stop(grace=1.0)
+
+
+def _minor_faults(pid: int) -> int:
+    with open(f"/proc/{pid}/stat") as f:
+        return int(f.read().rsplit(")", 1)[1].split()[7])
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc")
+def test_a_server_process_keeps_its_receive_buffers_between_large_pushes(rng):
+    """`pstore serve` keeps freed buffers (decision 0118): after a warm-up, a 65536 x 64 push
+    (16 MiB of gradients, received into fresh HTTP/2 frame buffers) no longer faults in the
+    pages of those buffers again each time (4096 pages per push with glibc's defaults)."""
+    (proc,) = start_servers(1)
+    try:
+        client = pstore.connect([proc.address], timeout=30.0)
+        t = client.create_sparse_table("w", 64, optimizer=optim.SGD(lr=0.01))
+        twin = _embedded_twin(t, pstore.Store())
+        ids = rng.integers(0, 2**62, size=65536, dtype=np.int64)
+        grads = rng.standard_normal((65536, 64), dtype=np.float32)
+        t.pull(ids)
+        twin.pull(ids)
+        for _ in range(3):
+            t.push(ids, grads)
+            twin.push(ids, grads)
+        before = _minor_faults(proc.proc.pid)
+        for _ in range(5):
+            t.push(ids, grads)
+            twin.push(ids, grads)
+        per_push = (_minor_faults(proc.proc.pid) - before) / 5
+        np.testing.assert_array_equal(t.pull(ids), twin.pull(ids))
+        assert per_push < 1024, f"{per_push:.0f} page faults per 16 MiB push"
+        client.close()
+    finally:
+        stop_all([proc])

@@ -158,6 +158,9 @@ fn member(
         .tcp_nodelay(true)
         .initial_stream_window_size(crate::server::WINDOW)
         .initial_connection_window_size(crate::server::WINDOW * 4)
+        // The largest DATA frame the server may send us (HTTP/2's default is 16 KiB: a 64k-id
+        // pull's 16 MiB answer would be 1024 frames, one write and one read each).
+        .max_frame_size(crate::server::MAX_FRAME)
         .http2_keep_alive_interval(Duration::from_secs(30));
     if let Some(ca) = &config.tls_ca {
         let host = name.rsplit_once(':').map_or(name, |(h, _)| h);

@@ -90,13 +90,25 @@ impl ServerConfig {
 /// The HTTP/2 stream flow-control window of servers and clients.
 pub const WINDOW: u32 = 64 << 20;
 
+/// The largest HTTP/2 DATA frame a server or client accepts (each side's peer sends frames up
+/// to it): big answers and pushes go in few frames, one write and one read each.
+pub const MAX_FRAME: u32 = 1 << 20;
+
 /// Where a call's work runs: the store's pool (short table work, in-memory stores) or tokio's
 /// blocking pool (anything that may wait: snapshots, flushes, table creation, durable stores).
 #[derive(Clone, Copy, PartialEq)]
 enum On {
     Pool,
+    /// On the runtime thread that received the call, for an in-memory store (no hand-off to
+    /// the pool and back): short work that takes no lock a flusher holds. Else as `Pool`.
+    Here,
     Blocking,
 }
+
+/// Pulls of up to this many ids are gathered on the runtime thread that received them, in an
+/// in-memory store (the table gathers them on one thread anyway: see `PARALLEL_MIN_IDS` in
+/// `table/sparse`).
+const INLINE_PULL_IDS: usize = 1024;
 
 #[derive(Clone, Copy, PartialEq)]
 enum Access {
@@ -526,7 +538,13 @@ impl Service {
             Ok(()) => {
                 let inner = Arc::clone(&self.0);
                 let msg = req.into_inner();
-                if on == On::Pool && self.0.in_memory {
+                if on == On::Here && self.0.in_memory {
+                    match std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| f(&inner, msg)))
+                    {
+                        Ok(r) => r.map_err(|e| status_of(&e)),
+                        Err(_) => Err(Status::internal("the request's work panicked")),
+                    }
+                } else if on != On::Blocking && self.0.in_memory {
                     // Straight onto the store's pool: one hand-off instead of two (runtime ->
                     // blocking thread -> pool). Only for an in-memory store: a durable store's
                     // flusher holds a table's change lock while it runs work on the same pool,
@@ -850,7 +868,12 @@ impl PStore for Service {
         // Nor does a follower: its rows are its primary's.
         let create = !matches!(authenticate(&self.0.tokens, &req), Ok(Some(Access::Read)))
             && self.0.follower().is_none();
-        self.run("Pull", Access::Read, On::Pool, req, move |s, r| {
+        let on = if req.get_ref().ids.len() <= INLINE_PULL_IDS * 8 {
+            On::Here
+        } else {
+            On::Pool
+        };
+        self.run("Pull", Access::Read, on, req, move |s, r| {
             let t = sparse(&s.store, &r.table)?;
             let d = wire::dtype(r.dtype)?;
             let ids = wire::ids(&r.ids)?;
@@ -1728,7 +1751,7 @@ pub(crate) fn launch<S: PStore>(
         let mut builder = tonic::transport::Server::builder()
             .initial_stream_window_size(WINDOW)
             .initial_connection_window_size(WINDOW * 4)
-            .max_frame_size(1 << 20)
+            .max_frame_size(MAX_FRAME)
             .http2_keepalive_interval(Some(Duration::from_secs(30)));
         if let Some(tls) = tls {
             builder = builder
