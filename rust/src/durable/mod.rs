@@ -694,6 +694,25 @@ impl Flusher {
         Ok(Some(true))
     }
 
+    /// Tests: the failure the next transaction of `write_chunk` meets (see `fail_next`),
+    /// once the test lets it go.
+    #[cfg(test)]
+    fn test_fault(&self) -> Option<Error> {
+        let go = self
+            .fail_next
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .take()?;
+        let _ = go.recv();
+        Some(storage("a commit failed (test)"))
+    }
+
+    #[cfg(not(test))]
+    #[inline(always)]
+    fn test_fault(&self) -> Option<Error> {
+        None
+    }
+
     /// Writes what `chunk` took in one transaction; on failure, gives it back to the table
     /// (and the rest of the cycle is left for the next one). False when the write gave way to
     /// `flush()` (if `supersedable`; see `Flusher::supersede`): nothing was committed and the
@@ -806,21 +825,10 @@ impl Flusher {
             self.ship.publish_early(cycle);
             self.shipped_early.store(true, Ordering::Relaxed);
         }
-        #[cfg(test)]
-        let fail = self
-            .fail_next
-            .lock()
-            .unwrap_or_else(|e| e.into_inner())
-            .take();
-        #[cfg(test)]
-        let r = if let Some(go) = fail {
-            let _ = go.recv();
-            Err(storage("a commit failed (test)"))
-        } else {
-            st.write_each(&which, parallel, &|| self.idle.writing(), &write)
+        let r = match self.test_fault() {
+            Some(e) => Err(e),
+            None => st.write_each(&which, parallel, &|| self.idle.writing(), &write),
         };
-        #[cfg(not(test))]
-        let r = st.write_each(&which, parallel, &|| self.idle.writing(), &write);
         match r {
             Ok(()) => {
                 self.committed.store(true, Ordering::Relaxed);

@@ -539,11 +539,7 @@ impl Service {
                 let inner = Arc::clone(&self.0);
                 let msg = req.into_inner();
                 if on == On::Here && self.0.in_memory {
-                    match std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| f(&inner, msg)))
-                    {
-                        Ok(r) => r.map_err(|e| status_of(&e)),
-                        Err(_) => Err(Status::internal("the request's work panicked")),
-                    }
+                    guarded(|| f(&inner, msg))
                 } else if on != On::Blocking && self.0.in_memory {
                     // Straight onto the store's pool: one hand-off instead of two (runtime ->
                     // blocking thread -> pool). Only for an in-memory store: a durable store's
@@ -552,16 +548,10 @@ impl Service {
                     let (tx, rx) = oneshot::channel();
                     let store = Arc::clone(&self.0.store);
                     store.spawn(move || {
-                        let r = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
-                            f(&inner, msg)
-                        }));
-                        let _ = tx.send(r);
+                        let _ = tx.send(guarded(|| f(&inner, msg)));
                     });
-                    match rx.await {
-                        Ok(Ok(r)) => r.map_err(|e| status_of(&e)),
-                        Ok(Err(_)) => Err(Status::internal("the request's work panicked")),
-                        Err(_) => Err(Status::internal("the request's work was dropped")),
-                    }
+                    rx.await
+                        .unwrap_or_else(|_| Err(Status::internal("the request's work was dropped")))
                 } else {
                     on_blocking(move || f(&inner, msg)).await
                 }
@@ -570,6 +560,14 @@ impl Service {
         let code = out.as_ref().err().map(|s| code_name(s.code()));
         self.0.metrics.observe(method, t0.elapsed(), code);
         out.map(Response::new)
+    }
+}
+
+/// Runs a request's work here, its error or a panic as the call's status.
+fn guarded<R>(f: impl FnOnce() -> Result<R>) -> std::result::Result<R, Status> {
+    match std::panic::catch_unwind(std::panic::AssertUnwindSafe(f)) {
+        Ok(r) => r.map_err(|e| status_of(&e)),
+        Err(_) => Err(Status::internal("the request's work panicked")),
     }
 }
 

@@ -876,6 +876,26 @@ impl Primary {
     }
 }
 
+impl Primary {
+    /// Adds `entry` to the log and wakes the streams; a `committed` one is the newest commit
+    /// (one handed on before its commit waits for `settled`).
+    fn append(&self, entry: CommitEntry, committed: bool) {
+        let bytes = entry.bytes();
+        let lsn = entry.lsn;
+        let m = Arc::new(message_of(self.id, self.epoch, entry));
+        let mut s = self.lock();
+        s.entries
+            .push_back((lsn, m, bytes, Instant::now(), committed));
+        s.bytes += bytes;
+        if committed {
+            s.last = lsn;
+            self.trim(&mut s);
+        }
+        drop(s);
+        self.newest.send_replace(lsn);
+    }
+}
+
 impl CommitSink for Primary {
     fn wanted(&self) -> bool {
         let s = self.lock();
@@ -884,16 +904,7 @@ impl CommitSink for Primary {
     }
 
     fn committed(&self, entry: CommitEntry) {
-        let bytes = entry.bytes();
-        let lsn = entry.lsn;
-        let m = Arc::new(message_of(self.id, self.epoch, entry));
-        let mut s = self.lock();
-        s.entries.push_back((lsn, m, bytes, Instant::now(), true));
-        s.bytes += bytes;
-        s.last = lsn;
-        self.trim(&mut s);
-        drop(s);
-        self.newest.send_replace(lsn);
+        self.append(entry, true);
     }
 
     fn early(&self) -> bool {
@@ -901,14 +912,7 @@ impl CommitSink for Primary {
     }
 
     fn shipped(&self, entry: CommitEntry) {
-        let bytes = entry.bytes();
-        let lsn = entry.lsn;
-        let m = Arc::new(message_of(self.id, self.epoch, entry));
-        let mut s = self.lock();
-        s.entries.push_back((lsn, m, bytes, Instant::now(), false));
-        s.bytes += bytes;
-        drop(s);
-        self.newest.send_replace(lsn);
+        self.append(entry, false);
     }
 
     fn settled(&self, lsn: u64, ok: bool) {
