@@ -408,6 +408,64 @@ impl Shard {
         }
     }
 
+    /// Calls `f(k, s, slot)` for every `k` in order, with the shard `s` of `ids[k]` among
+    /// `shards` (a table's shards, all of them, in order) and the id's slot there, or `NO_SLOT`
+    /// where there is no row.
+    ///
+    /// The batch is read in its own order, with no grouping by shard: the pipeline of
+    /// [`Shard::for_each_found`] (index line `AHEAD` ids before the probe, the row `AHEAD` ids
+    /// before `f`) runs over the whole batch, whichever shard each id falls in, so it never drains
+    /// at a shard's boundary, and `f` is called at consecutive positions (a caller writing rows
+    /// out writes them in memory order).
+    #[inline]
+    pub fn for_each_found_across(
+        shards: &[&Shard],
+        ids: &[u64],
+        row_words: usize,
+        mut f: impl FnMut(usize, usize, u32),
+    ) {
+        // Entries live 2 * AHEAD steps; a ring of twice that is never overwritten while read.
+        const RING: usize = 4 * AHEAD;
+        let n = ids.len();
+        let count = shards.len();
+        let mut mixes = [0u64; RING];
+        let mut at = [0usize; RING];
+        let mut cands = [NO_SLOT; RING];
+        for i in 0..n + 2 * AHEAD {
+            if i < n {
+                let m = mix64(ids[i]);
+                let s = shard_of_mix(m, count);
+                let index = &shards[s].index;
+                prefetch(&index.table[index.home(frag_of_mix(m))]);
+                (mixes[i % RING], at[i % RING]) = (m, s);
+            }
+            if i >= AHEAD && i - AHEAD < n {
+                let j = (i - AHEAD) % RING;
+                let shard = shards[at[j]];
+                let c = shard.index.candidate(frag_of_mix(mixes[j]));
+                cands[j] = c;
+                if c != NO_SLOT {
+                    // The candidate is almost always the row: load what `f` will read.
+                    shard.prefetch_row(c, HEADER + row_words);
+                }
+            }
+            if i >= 2 * AHEAD {
+                let k = i - 2 * AHEAD;
+                let (s, c, id) = (at[k % RING], cands[k % RING], ids[k]);
+                let shard = shards[s];
+                let slot = if c == NO_SLOT {
+                    NO_SLOT
+                } else if shard.id_at(c) == id {
+                    c
+                } else {
+                    // Two ids share the 32-bit fragment: probe past the first candidate.
+                    shard.find(id).unwrap_or(NO_SLOT)
+                };
+                f(k, s, slot);
+            }
+        }
+    }
+
     /// The slot of `id`, and whether it was created now. A new row gets its header, and its body
     /// (weights and state) is written by `init`.
     #[inline]

@@ -37,6 +37,9 @@ const PARALLEL_MIN_IDS: usize = 2048;
 const PREFETCH_RUNS: usize = 6;
 /// How many gradient rows ahead a push prefetches the one it will add up.
 const PREFETCH_GRADS: usize = 8;
+/// A pull of at least this many ids per shard reads its batch in order across all the shards
+/// (see `pull_in_order`); a smaller one is grouped by shard first.
+const IN_ORDER_MIN_PER_SHARD: usize = 8;
 /// A shard's part of a push at least this long is checked for distinct rows (which need no sort).
 const DISTINCT_MIN: usize = 32;
 
@@ -54,6 +57,25 @@ fn distinct_slots(slots: &[u32], end: u32) -> bool {
         seen[w] |= bit;
     }
     true
+}
+
+/// Copies the weights of the row at `slot` to row `p` of the output at `out` (`dim` floats a row),
+/// with streaming stores when `stream`.
+///
+/// # Safety
+/// Row `p` must lie inside the output, and no other thread may access it meanwhile.
+#[inline]
+unsafe fn copy_row(shard: &Shard, slot: u32, out: Disjoint<f32>, p: usize, dim: usize, stream: bool) {
+    let row = as_f32(&shard.row(slot)[HEADER..HEADER + dim]);
+    let dst = out.get().wrapping_add(p * dim);
+    // SAFETY: the caller's promise.
+    unsafe {
+        if stream {
+            copy_floats_streaming(row, dst)
+        } else {
+            copy_floats(row, dst)
+        }
+    }
 }
 
 /// A shard's lock and fields on cache lines of their own: the lock word of one shard, written by
@@ -268,24 +290,107 @@ impl SparseTable {
             )));
         }
         let ptr = Disjoint(out.as_mut_ptr().cast::<f32>());
-        let created = std::sync::atomic::AtomicU64::new(0);
+        let created = if ids.len() >= IN_ORDER_MIN_PER_SHARD * self.shards.len() {
+            self.pull_in_order(ids, ptr, stream, create)?
+        } else {
+            self.pull_grouped(ids, ptr, stream, create)?
+        };
+        Counters::add(&self.common.counters.pulls, 1);
+        Counters::add(&self.common.counters.ids_pulled, ids.len());
+        Counters::add(&self.common.counters.rows_created, created as usize);
+        self.enforce_budget()
+    }
+
+    /// The pull of a large batch: every shard read-locked once, in shard order, for the whole
+    /// batch, and the batch read in its own order across the shards (no grouping pass), split
+    /// into consecutive ranges over the pool. Ids without a row are then handled shard after
+    /// shard as [`SparseTable::pull_grouped`] does. Returns the rows created.
+    fn pull_in_order(
+        &self,
+        ids: &[u64],
+        out: Disjoint<f32>,
+        stream: bool,
+        create: bool,
+    ) -> Result<u64> {
+        let (dim, count, n) = (self.config.dim, self.shards.len(), ids.len());
+        let mut missing = {
+            // Shard order: any two batches holding several shards take them in the same order,
+            // and a writer holds one shard at a time, so no wait for a lock closes a cycle.
+            let guards: Vec<_> = (0..count).map(|s| self.read(s)).collect();
+            let shards: Vec<&Shard> = guards.iter().map(|g| &**g).collect();
+            let threads = self.common.exec.threads();
+            let tasks = if n >= PARALLEL_MIN_IDS && threads > 1 {
+                threads
+            } else {
+                1
+            };
+            let per = n.div_ceil(tasks);
+            let missing: Mutex<Vec<u32>> = Mutex::new(Vec::new());
+            let visit = |t: usize| {
+                let (a, b) = ((t * per).min(n), ((t + 1) * per).min(n));
+                // Every return of this task passes here: its streaming stores are ordered first.
+                let _fence = Fence(stream);
+                let mut miss = Vec::new();
+                Shard::for_each_found_across(&shards, &ids[a..b], dim, |k, s, slot| {
+                    let p = a + k;
+                    if slot == NO_SLOT {
+                        miss.push(p as u32);
+                    } else {
+                        // SAFETY: `p < ids.len()`, and only this task writes row `p`.
+                        unsafe { copy_row(shards[s], slot, out, p, dim, stream) };
+                    }
+                });
+                if !miss.is_empty() {
+                    missing
+                        .lock()
+                        .unwrap_or_else(|e| e.into_inner())
+                        .extend(miss);
+                }
+            };
+            if tasks > 1 {
+                if !crate::openmp::run(tasks, threads, &visit) {
+                    self.common.exec.run_shared(tasks, &visit);
+                }
+            } else {
+                visit(0);
+            }
+            missing.into_inner().unwrap_or_else(|e| e.into_inner())
+        };
+        if missing.is_empty() {
+            return Ok(0);
+        }
+        // In batch order within each shard, as the grouped pull creates them.
+        missing.sort_unstable();
+        let mut of_shard: Vec<Vec<u32>> = vec![Vec::new(); count];
+        for &p in &missing {
+            of_shard[crate::hash::shard_of(ids[p as usize], count)].push(p);
+        }
+        let mut made = 0;
+        for (s, positions) in of_shard.iter().enumerate() {
+            if !positions.is_empty() {
+                let mut shard = self.write(s);
+                made += self.fill_missing(&mut shard, ids, positions, out, stream, create)?;
+            }
+        }
+        Ok(made)
+    }
+
+    /// The pull of a small batch: grouped by shard, each shard's part read under its lock (in
+    /// parallel over the pool for a batch of [`PARALLEL_MIN_IDS`] or more). Returns the rows
+    /// created.
+    fn pull_grouped(
+        &self,
+        ids: &[u64],
+        out: Disjoint<f32>,
+        stream: bool,
+        create: bool,
+    ) -> Result<u64> {
+        let dim = self.config.dim;
+        let created = AtomicU64::new(0);
         let failure: Mutex<Option<crate::Error>> = Mutex::new(None);
         let g = self.group(ids);
         self.for_each_shard(&g, ids.len(), |s, part| {
             let pos = part.positions;
-            let copy = |shard: &Shard, slot: u32, p: u32| {
-                let row = as_f32(&shard.row(slot)[HEADER..HEADER + dim]);
-                let dst = ptr.get().wrapping_add(p as usize * dim);
-                // SAFETY: `p < ids.len()`, so the row lies inside `out`'s capacity, and only
-                // this task writes row `p` (see `Disjoint`).
-                unsafe {
-                    if stream {
-                        copy_floats_streaming(row, dst)
-                    } else {
-                        copy_floats(row, dst)
-                    }
-                };
-            };
             // Every return of this task passes here: its streaming stores are ordered first.
             let _fence = Fence(stream);
             let mut missing = Vec::new();
@@ -295,7 +400,8 @@ impl SparseTable {
                     if slot == NO_SLOT {
                         missing.push(pos[k]);
                     } else {
-                        copy(&shard, slot, pos[k]);
+                        // SAFETY: `pos[k] < ids.len()`, and only this task writes its rows.
+                        unsafe { copy_row(&shard, slot, out, pos[k] as usize, dim, stream) };
                     }
                 });
             }
@@ -303,48 +409,64 @@ impl SparseTable {
                 return;
             }
             let mut shard = self.write(s);
-            let missing_ids: Vec<u64> = missing.iter().map(|&p| ids[p as usize]).collect();
-            if let Err(e) = self.fault_in(&mut shard, &missing_ids) {
-                failure
-                    .lock()
-                    .unwrap_or_else(|e| e.into_inner())
-                    .get_or_insert(e);
-                return;
-            }
-            // A pull that must not create reads a row loaded from the replica above (it exists),
-            // and the initial value of any other.
-            let admit_now = create && self.admit_after() <= 1;
-            let (version, now) = (self.seq(), unix_now());
-            let mut made = 0;
-            for (&p, &id) in missing.iter().zip(&missing_ids) {
-                if !admit_now && shard.find(id).is_none() {
-                    // Not admitted yet (or not to be created): its initial value, and no row.
-                    // SAFETY: as in `copy`.
-                    let out = unsafe {
-                        std::slice::from_raw_parts_mut(ptr.get().add(p as usize * dim), dim)
-                    };
-                    self.config.initializer.fill(self.config.seed, id, out);
-                    continue;
+            match self.fill_missing(&mut shard, ids, &missing, out, stream, create) {
+                Ok(made) => {
+                    created.fetch_add(made, Ordering::Relaxed);
                 }
-                let (slot, new) = shard.find_or_insert(id, |b| self.init_body(id, b));
-                if new {
-                    shard.touch(slot, version, now, 0);
-                    made += 1;
+                Err(e) => {
+                    failure
+                        .lock()
+                        .unwrap_or_else(|e| e.into_inner())
+                        .get_or_insert(e);
                 }
-                copy(&shard, slot, p);
             }
-            created.fetch_add(made, std::sync::atomic::Ordering::Relaxed);
         });
         if let Some(e) = failure.into_inner().unwrap_or_else(|e| e.into_inner()) {
             return Err(e);
         }
-        Counters::add(&self.common.counters.pulls, 1);
-        Counters::add(&self.common.counters.ids_pulled, ids.len());
-        Counters::add(
-            &self.common.counters.rows_created,
-            created.into_inner() as usize,
-        );
-        self.enforce_budget()
+        Ok(created.into_inner())
+    }
+
+    /// Writes the rows of the ids at `missing` (positions of one shard's ids that had no row in
+    /// memory, under that shard's write lock): rows loaded from the replica, rows created when
+    /// `create` and admitted, and otherwise the initial value without a row. Returns the rows
+    /// created.
+    fn fill_missing(
+        &self,
+        shard: &mut Shard,
+        ids: &[u64],
+        missing: &[u32],
+        out: Disjoint<f32>,
+        stream: bool,
+        create: bool,
+    ) -> Result<u64> {
+        let dim = self.config.dim;
+        let missing_ids: Vec<u64> = missing.iter().map(|&p| ids[p as usize]).collect();
+        self.fault_in(shard, &missing_ids)?;
+        // A pull that must not create reads a row loaded from the replica above (it exists),
+        // and the initial value of any other.
+        let admit_now = create && self.admit_after() <= 1;
+        let (version, now) = (self.seq(), unix_now());
+        let mut made = 0;
+        for (&p, &id) in missing.iter().zip(&missing_ids) {
+            if !admit_now && shard.find(id).is_none() {
+                // Not admitted yet (or not to be created): its initial value, and no row.
+                // SAFETY: `p < ids.len()`, and only this caller writes row `p`.
+                let row = unsafe {
+                    std::slice::from_raw_parts_mut(out.get().add(p as usize * dim), dim)
+                };
+                self.config.initializer.fill(self.config.seed, id, row);
+                continue;
+            }
+            let (slot, new) = shard.find_or_insert(id, |b| self.init_body(id, b));
+            if new {
+                shard.touch(slot, version, now, 0);
+                made += 1;
+            }
+            // SAFETY: as above.
+            unsafe { copy_row(shard, slot, out, p as usize, dim, stream) };
+        }
+        Ok(made)
     }
 
     /// Which of `ids` have a row. Creates nothing.
