@@ -65,7 +65,14 @@ fn distinct_slots(slots: &[u32], end: u32) -> bool {
 /// # Safety
 /// Row `p` must lie inside the output, and no other thread may access it meanwhile.
 #[inline]
-unsafe fn copy_row(shard: &Shard, slot: u32, out: Disjoint<f32>, p: usize, dim: usize, stream: bool) {
+unsafe fn copy_row(
+    shard: &Shard,
+    slot: u32,
+    out: Disjoint<f32>,
+    p: usize,
+    dim: usize,
+    stream: bool,
+) {
     let row = as_f32(&shard.row(slot)[HEADER..HEADER + dim]);
     let dst = out.get().wrapping_add(p * dim);
     // SAFETY: the caller's promise.
@@ -291,7 +298,8 @@ impl SparseTable {
         }
         let ptr = Disjoint(out.as_mut_ptr().cast::<f32>());
         let created = if ids.len() >= IN_ORDER_MIN_PER_SHARD * self.shards.len() {
-            self.pull_in_order(ids, ptr, stream, create)?
+            // Rows written out in order: plain stores (see `pull_in_order`).
+            self.pull_in_order(ids, ptr, create)?
         } else {
             self.pull_grouped(ids, ptr, stream, create)?
         };
@@ -305,13 +313,11 @@ impl SparseTable {
     /// batch, and the batch read in its own order across the shards (no grouping pass), split
     /// into consecutive ranges over the pool. Ids without a row are then handled shard after
     /// shard as [`SparseTable::pull_grouped`] does. Returns the rows created.
-    fn pull_in_order(
-        &self,
-        ids: &[u64],
-        out: Disjoint<f32>,
-        stream: bool,
-        create: bool,
-    ) -> Result<u64> {
+    ///
+    /// The output is written with plain stores, whatever its size: written in order, it ran
+    /// 1.1x to 1.4x faster than with streaming stores (decision 0121), which pay where the
+    /// grouped pull scatters its rows over an output larger than the cache.
+    fn pull_in_order(&self, ids: &[u64], out: Disjoint<f32>, create: bool) -> Result<u64> {
         let (dim, count, n) = (self.config.dim, self.shards.len(), ids.len());
         let mut missing = {
             // Shard order: any two batches holding several shards take them in the same order,
@@ -328,8 +334,6 @@ impl SparseTable {
             let missing: Mutex<Vec<u32>> = Mutex::new(Vec::new());
             let visit = |t: usize| {
                 let (a, b) = ((t * per).min(n), ((t + 1) * per).min(n));
-                // Every return of this task passes here: its streaming stores are ordered first.
-                let _fence = Fence(stream);
                 let mut miss = Vec::new();
                 Shard::for_each_found_across(&shards, &ids[a..b], dim, |k, s, slot| {
                     let p = a + k;
@@ -337,7 +341,7 @@ impl SparseTable {
                         miss.push(p as u32);
                     } else {
                         // SAFETY: `p < ids.len()`, and only this task writes row `p`.
-                        unsafe { copy_row(shards[s], slot, out, p, dim, stream) };
+                        unsafe { copy_row(shards[s], slot, out, p, dim, false) };
                     }
                 });
                 if !miss.is_empty() {
@@ -369,7 +373,7 @@ impl SparseTable {
         for (s, positions) in of_shard.iter().enumerate() {
             if !positions.is_empty() {
                 let mut shard = self.write(s);
-                made += self.fill_missing(&mut shard, ids, positions, out, stream, create)?;
+                made += self.fill_missing(&mut shard, ids, positions, out, false, create)?;
             }
         }
         Ok(made)
@@ -452,9 +456,8 @@ impl SparseTable {
             if !admit_now && shard.find(id).is_none() {
                 // Not admitted yet (or not to be created): its initial value, and no row.
                 // SAFETY: `p < ids.len()`, and only this caller writes row `p`.
-                let row = unsafe {
-                    std::slice::from_raw_parts_mut(out.get().add(p as usize * dim), dim)
-                };
+                let row =
+                    unsafe { std::slice::from_raw_parts_mut(out.get().add(p as usize * dim), dim) };
                 self.config.initializer.fill(self.config.seed, id, row);
                 continue;
             }
@@ -843,11 +846,13 @@ mod tests {
     }
 
     #[test]
-    fn streamed_and_cached_pulls_write_the_same_rows() {
-        // The same pulls with and without streaming stores, for a width that streams whole
-        // (64), one that does not (63) and a narrow one, with new ids (created by the pull),
-        // pushed ones and duplicates.
+    fn grouped_streamed_grouped_cached_and_in_order_pulls_write_the_same_rows() {
+        // The same pulls by the grouped path with and without streaming stores and by the
+        // in-order path (split over two threads, and on one), each on a table of its own that
+        // the pull itself fills (new ids created, pushed ones read, duplicates), for a width
+        // that streams whole (64), one that does not (63) and a narrow one.
         let exec = crate::executor::Executor::new(2, 1 << 20).unwrap();
+        let one = crate::executor::Executor::new(1, 1 << 20).unwrap();
         for dim in [64usize, 63, 16] {
             let config = SparseTableConfig {
                 dim,
@@ -860,33 +865,48 @@ mod tests {
                 lifecycle: Default::default(),
                 refuse_nonfinite: false,
             };
-            let common = Common::new(format!("t{dim}"), config.optimizer.lr, Arc::clone(&exec));
-            let t = Arc::new(SparseTable::new(common, config, 64, None).unwrap());
             let ids: Vec<u64> = (0..20_000u64).map(|i| (i * 7919) % 15_000).collect();
             let grads: Vec<f32> = (0..5_000 * dim).map(|i| (i % 13) as f32 - 6.0).collect();
-            t.push(&ids[..5_000], &grads).unwrap();
-            let pull = |stream: bool| {
+            let pulled = |how: usize| {
+                let pool = if how == 3 { &one } else { &exec };
+                let common = Common::new(format!("t{dim}"), config.optimizer.lr, Arc::clone(pool));
+                let t = Arc::new(SparseTable::new(common, config.clone(), 64, None).unwrap());
+                t.push(&ids[..5_000], &grads).unwrap();
                 let mut out: Vec<f32> = Vec::with_capacity(ids.len() * dim);
-                t.pull_rows(
-                    &ids,
-                    &mut out.spare_capacity_mut()[..ids.len() * dim],
-                    stream,
-                    true,
-                )
+                let ptr = Disjoint(out.as_mut_ptr());
+                let made = match how {
+                    0 => t.pull_grouped(&ids, ptr, true, true),
+                    1 => t.pull_grouped(&ids, ptr, false, true),
+                    _ => t.pull_in_order(&ids, ptr, true),
+                }
                 .unwrap();
-                // SAFETY: `pull_rows` returned Ok, so it wrote every element.
+                // SAFETY: the pull returned Ok, so it wrote every element.
                 unsafe { out.set_len(ids.len() * dim) };
-                out
+                let check: Vec<Vec<f32>> = ids
+                    .iter()
+                    .step_by(997)
+                    .map(|&id| t.pull(&[id]).unwrap())
+                    .collect();
+                (out, made, t.len(), check)
             };
-            let streamed = pull(true);
-            let cached = pull(false);
-            assert_eq!(streamed, cached, "dim {dim}");
-            for (k, &id) in ids.iter().enumerate().step_by(997) {
-                let one = t.pull(&[id]).unwrap();
+            let first = pulled(0);
+            assert_eq!(first.1 as usize + 5_000, first.2, "dim {dim}: rows created");
+            for how in 1..4 {
+                let other = pulled(how);
+                assert_eq!(first.0, other.0, "dim {dim}, path {how}");
                 assert_eq!(
-                    &streamed[k * dim..(k + 1) * dim],
-                    &one[..],
-                    "dim {dim}, id {id}"
+                    (first.1, first.2),
+                    (other.1, other.2),
+                    "dim {dim}, path {how}"
+                );
+            }
+            for (k, row) in first.3.iter().enumerate() {
+                let at = k * 997 * dim;
+                assert_eq!(
+                    &first.0[at..at + dim],
+                    &row[..],
+                    "dim {dim}, id {}",
+                    ids[k * 997]
                 );
             }
         }
