@@ -40,6 +40,10 @@ const PREFETCH_GRADS: usize = 8;
 /// A pull of at least this many ids per shard reads its batch in order across all the shards
 /// (see `pull_in_order`); a smaller one is grouped by shard first.
 const IN_ORDER_MIN_PER_SHARD: usize = 8;
+/// Ranges an in-order pull is cut into per thread of the pool.
+const RANGES_PER_THREAD: usize = 4;
+/// The fewest ids of a range of an in-order pull.
+const MIN_RANGE: usize = 512;
 /// A shard's part of a push at least this long is checked for distinct rows (which need no sort).
 const DISTINCT_MIN: usize = 32;
 
@@ -325,12 +329,13 @@ impl SparseTable {
             let guards: Vec<_> = (0..count).map(|s| self.read(s)).collect();
             let shards: Vec<&Shard> = guards.iter().map(|g| &**g).collect();
             let threads = self.common.exec.threads();
-            let tasks = if n >= PARALLEL_MIN_IDS && threads > 1 {
-                threads
+            // Several ranges a thread, so that a helper that joins late still finds work.
+            let per = if n >= PARALLEL_MIN_IDS && threads > 1 {
+                n.div_ceil(threads * RANGES_PER_THREAD).max(MIN_RANGE)
             } else {
-                1
+                n
             };
-            let per = n.div_ceil(tasks);
+            let tasks = n.div_ceil(per);
             let missing: Mutex<Vec<u32>> = Mutex::new(Vec::new());
             let visit = |t: usize| {
                 let (a, b) = ((t * per).min(n), ((t + 1) * per).min(n));
