@@ -340,13 +340,13 @@ impl SparseTable {
             let visit = |t: usize| {
                 let (a, b) = ((t * per).min(n), ((t + 1) * per).min(n));
                 let mut miss = Vec::new();
-                Shard::for_each_found_across(&shards, &ids[a..b], dim, |k, s, slot| {
-                    let p = a + k;
-                    if slot == NO_SLOT {
-                        miss.push(p as u32);
-                    } else {
-                        // SAFETY: `p < ids.len()`, and only this task writes row `p`.
-                        unsafe { copy_row(shards[s], slot, out, p, dim, false) };
+                Shard::for_each_found_across(&shards, &ids[a..b], dim, |k, row| match row {
+                    None => miss.push((a + k) as u32),
+                    Some(row) => {
+                        let dst = out.get().wrapping_add((a + k) * dim);
+                        // SAFETY: `a + k < ids.len()`, so the row lies inside the output, and
+                        // only this task writes it (see `Disjoint`).
+                        unsafe { copy_floats(as_f32(&row[HEADER..HEADER + dim]), dst) };
                     }
                 });
                 if !miss.is_empty() {
