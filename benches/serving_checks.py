@@ -1,6 +1,6 @@
-"""Serving row checks A/B (issue 32, decision 0117): the cost of the row and slot checks of a
-serving artifact's row file (layout 2) against the same rows in layout 1 (no checks), for two
-builds of pstore side by side.
+"""Serving row checks A/B (issue 32, decisions 0117 and 0119): the cost of the row and slot
+checks of a serving artifact's row file (layout 2) against the same rows in layout 1 (no checks),
+for two builds of pstore side by side.
 
 One table of ROWS x 64 rows is exported once (float32, layout 2); a copy of the artifact gets its
 row file rewritten in layout 1 (docs/FORMAT.md, "Row files": slots without their check, rows
@@ -8,12 +8,18 @@ without their CRC-32). Each measurement is a fresh process of one build (its own
 opens one artifact and times, in its CPU time (`time.process_time`, all threads):
   - cold: the first pass over every row, once each, in a random order (each row's first read);
   - warm: then Zipf(1.05) ids over the same rows (every row already read once), PASSES passes,
-    the median pass.
+    the median pass. A build with the background check (0119) first waits until it has ended
+    (the cold pass's CPU time includes the check's, where they overlap).
 Builds and layouts alternate within each round; the ratio of a round is layout 2 over layout 1
 of the same build, and the table gives the median over the rounds.
 
     python benches/serving_checks.py --python-a A/bin/python --python-b B/bin/python \\
-        [--rows 1000000] [--rounds 5] [--dir DIR]
+        [--rows 1000000] [--rounds 5] [--dir DIR] [--scan-only]
+
+`--scan-only` times build B's background check instead: a fresh process opens the layout 2
+artifact, looks up one id (which maps the row file and queues the check), then waits for the
+check to end; it reports the opening's wall time, the check's wall time and the process's CPU
+time meanwhile (the check's thread; the waiting thread sleeps), `--rounds` processes.
 
 The child (`python benches/serving_checks.py child '{"path": ..., "batch": ...}'`) prints one
 JSON line.
@@ -127,6 +133,7 @@ def child(args: dict) -> None:
     for k in range(0, len(cold_ids), batch):
         s.lookup(TABLE, cold_ids[k : k + batch])
     cold = time.process_time() - t0
+    wait_scan(s)
     n = min(len(warm_ids), args["warm_ids"])
     passes = []
     for _ in range(PASSES):
@@ -140,6 +147,35 @@ def child(args: dict) -> None:
         "warm_ns": statistics.median(passes) / n * 1e9,
         "pstore": pstore.__file__,
         "verified": v,
+    }
+    print(json.dumps(out))
+
+
+def wait_scan(s: object) -> dict | None:
+    """Waits for a build with the background check (0119) to end it; its `verified()`."""
+    v = s.verified(TABLE) if hasattr(s, "verified") else None  # type: ignore[attr-defined]
+    while v is not None and v.get("scan") == "running":
+        time.sleep(0.001)
+        v = s.verified(TABLE)  # type: ignore[attr-defined]
+    return v
+
+
+def scan_child(args: dict) -> None:
+    import pstore
+    import pstore.serving
+
+    w0 = time.perf_counter()
+    s = pstore.serving.ServingStore(args["path"])
+    s.lookup(TABLE, np.array([1], np.uint64))
+    opened = time.perf_counter() - w0
+    c0, w0 = time.process_time(), time.perf_counter()
+    v = wait_scan(s)
+    out = {
+        "open_ms": opened * 1e3,
+        "scan_s": time.perf_counter() - w0,
+        "scan_cpu_s": time.process_time() - c0,
+        "verified": v,
+        "pstore": pstore.__file__,
     }
     print(json.dumps(out))
 
@@ -162,12 +198,29 @@ def main() -> None:
     ap.add_argument("--rows", type=int, default=1_000_000)
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--dir", default=None)
+    ap.add_argument("--scan-only", action="store_true", help="time B's background check")
     a = ap.parse_args()
     root = Path(tempfile.mkdtemp(prefix="pstore-checks-", dir=a.dir))
     try:
         two, one, ids = build(root, a.rows)
         np.save(root / "ids.npy", ids)
         print(f"rows {len(ids)}, load {os.getloadavg()}", flush=True)
+        if a.scan_only:
+            runs = []
+            for _ in range(a.rounds):
+                p = subprocess.run(
+                    [a.python_b, str(Path(__file__).resolve()), "scan", json.dumps({"path": str(two)})],
+                    capture_output=True,
+                    text=True,
+                    check=True,
+                    cwd=tempfile.gettempdir(),
+                )
+                runs.append(json.loads(p.stdout.strip().splitlines()[-1]))
+                print(json.dumps(runs[-1]), flush=True)
+            for key in ("open_ms", "scan_s", "scan_cpu_s"):
+                print(key, "median", f"{statistics.median(r[key] for r in runs):.4f}")
+            print(f"load {os.getloadavg()}")
+            return
         res: dict[tuple[str, int, int], list[dict]] = {}
         for rnd in range(a.rounds):
             for batch in BATCHES:
@@ -207,5 +260,7 @@ def main() -> None:
 if __name__ == "__main__":
     if len(sys.argv) > 2 and sys.argv[1] == "child":
         child(json.loads(sys.argv[2]))
+    elif len(sys.argv) > 2 and sys.argv[1] == "scan":
+        scan_child(json.loads(sys.argv[2]))
     else:
         main()

@@ -9,6 +9,7 @@ import json
 import re
 import shutil
 import struct
+import time
 from pathlib import Path
 
 import lmdb
@@ -18,7 +19,7 @@ import pytest
 import pstore
 import pstore.serving
 from pstore import optim
-from pstore.exceptions import CorruptError
+from pstore.exceptions import CorruptError, InvalidArgumentError
 from pstore.inspection import inspect_store
 
 F32 = np.float32
@@ -291,11 +292,17 @@ def test_serving_rows_are_checked_on_first_read_and_rewritten_rows_again(tmp_pat
         want = store.sparse_table("emb").pull(ids)
         store.snapshot(tmp_path / "s1", incremental=True)
     rows_file, where, _ = artifact_rows(out)
-    with pstore.serving.ServingStore(out, writable=True) as s:
+    # Reads alone check rows here: no background check (decision 0119).
+    with pstore.serving.ServingStore(out, writable=True, verify="on-read") as s:
         # One bit per row and one per index slot.
         (slots,) = struct.unpack_from("<Q", rows_file.read_bytes(), 32)
         bitmaps = 8 * (-(-len(ids) // 64) + -(-slots // 64))
-        assert s.verified("emb") == {"rows_verified": 0, "rows": len(ids), "bitmap_bytes": bitmaps}
+        assert s.verified("emb") == {
+            "rows_verified": 0,
+            "rows": len(ids),
+            "bitmap_bytes": bitmaps,
+            "scan": "off",
+        }
         # Damage before the first read of a row: refused, naming it; its neighbours are served.
         bad = int(ids[7])
         damage_row(rows_file, where[bad][1] + 2)
@@ -322,5 +329,103 @@ def test_serving_rows_are_checked_on_first_read_and_rewritten_rows_again(tmp_pat
         with pytest.raises(CorruptError, match=f'"emb".*id {hit}|id {hit}.*"emb"'):
             s.lookup("emb", ids)
         damage_row(new_file, new_where[hit][1] + 5)
+        np.testing.assert_array_equal(s.lookup("emb", ids), want)
+        assert s.verified("emb")["rows_verified"] == len(ids)
+
+
+def wait_scan(s: pstore.serving.ServingStore) -> dict:
+    """`verified("emb")` once the background check of the row file has ended (polled; the
+    deadline only bounds a hang)."""
+    deadline = time.monotonic() + 300
+    while (v := s.verified("emb"))["scan"] == "running":
+        assert time.monotonic() < deadline, v
+        time.sleep(0.005)
+    return v
+
+
+def exported(tmp_path: Path, n: int) -> tuple[np.ndarray, np.ndarray, Path]:
+    """Ids, their rows and an artifact of them (table "emb"), with an increment snapshot "s1"
+    that changes every fourth row."""
+    ids = np.unique(np.random.default_rng(119).integers(1 << 40, 1 << 62, n, dtype=np.uint64))
+    build_store(tmp_path / "store", ids)
+    with pstore.Store(tmp_path / "store", durability="none") as store:
+        want = store.sparse_table("emb").pull(ids)
+        store.snapshot(tmp_path / "s0")
+        pstore.serving.export(tmp_path / "s0", tmp_path / "model")
+        store.sparse_table("emb").push(ids[::4], np.ones((len(ids[::4]), DIM), F32))
+        store.snapshot(tmp_path / "s1", incremental=True)
+    return ids, want, tmp_path / "model"
+
+
+def test_the_background_check_verifies_a_sound_row_file_whole(tmp_path):
+    """Opening an artifact queues its row files for one background check (decision 0119): a
+    sound file ends "verified", every row and slot with it, though lookups read one row."""
+    ids, want, out = exported(tmp_path, 3000)
+    with pstore.serving.ServingStore(out) as s:
+        np.testing.assert_array_equal(s.lookup("emb", ids[:1]), want[:1])
+        v = wait_scan(s)
+        assert v["scan"] == "verified", v
+        assert v["rows_verified"] == v["rows"] == len(ids)
+        np.testing.assert_array_equal(s.lookup("emb", ids), want)
+    # The environment setting turns it off.
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("PSTORE_SERVING_VERIFY", "on-read")
+        with pstore.serving.ServingStore(out) as s:
+            s.lookup("emb", ids[:5])
+            assert s.verified("emb")["scan"] == "off"
+            assert s.verified("emb")["rows_verified"] == 5
+        mp.setenv("PSTORE_SERVING_VERIFY", "sometimes")
+        with pytest.raises(InvalidArgumentError, match="PSTORE_SERVING_VERIFY"):
+            pstore.serving.ServingStore(out)
+    with pytest.raises(InvalidArgumentError, match="on-read"):
+        pstore.serving.ServingStore(out, verify="never")
+
+
+def test_a_damaged_row_is_refused_before_and_after_the_background_check(tmp_path):
+    """Damage found by the background check never lets it mark the file verified: the damaged
+    row is refused on every read, before the check and after it, and the others are served."""
+    ids, want, out = exported(tmp_path, 3000)
+    rows_file, where, _ = artifact_rows(out)
+    bad = int(ids[1234])
+    damage_row(rows_file, where[bad][1] + 9)
+    refused = f'"emb".*id {bad}|id {bad}.*"emb"'
+    with pstore.serving.ServingStore(out, verify="on-read") as before:
+        with pytest.raises(CorruptError, match=refused):
+            before.lookup("emb", ids)
+        assert before.verified("emb")["scan"] == "off"
+        # A second opening that asks for the check shares the first, and checks its file.
+        with pstore.serving.ServingStore(out) as s:
+            v = wait_scan(s)
+            assert v["scan"] == "damaged", v
+            assert v["rows_verified"] == len(ids) - 1
+            for _ in range(2):
+                with pytest.raises(CorruptError, match=refused):
+                    s.lookup("emb", ids[1000:2000])
+            others = np.delete(np.arange(len(ids)), 1234)
+            np.testing.assert_array_equal(s.lookup("emb", ids[others]), want[others])
+            assert wait_scan(s)["scan"] == "damaged"
+
+
+def test_an_increments_new_row_file_is_checked_anew(tmp_path):
+    """A snapshot that changes a table writes a new row file: it starts unverified and gets its
+    own check, so damage to it is found although the previous file was verified."""
+    ids, _, out = exported(tmp_path, 3000)
+    with pstore.Store(tmp_path / "store", durability="none") as store:
+        want = store.sparse_table("emb").pull(ids)
+    with pstore.serving.ServingStore(out, writable=True) as s:
+        s.lookup("emb", ids[:1])
+        assert wait_scan(s)["scan"] == "verified"
+        s.apply(tmp_path / "s1")
+        new_file, new_where, _ = artifact_rows(out, newest=True)
+        hit = int(ids[::4][5])
+        damage_row(new_file, new_where[hit][1] + 1)
+        v = s.verified("emb")
+        assert v["scan"] in ("running", "damaged"), v
+        with pytest.raises(CorruptError, match=f"id {hit}"):
+            s.lookup("emb", ids)
+        assert wait_scan(s)["scan"] == "damaged"
+        # Undone on disk (the same bytes again): the file's check stays "damaged" (it ran
+        # once), and reads verify the row now.
+        damage_row(new_file, new_where[hit][1] + 1)
         np.testing.assert_array_equal(s.lookup("emb", ids), want)
         assert s.verified("emb")["rows_verified"] == len(ids)

@@ -6,7 +6,7 @@
 use std::fs::File;
 use std::os::fd::AsRawFd;
 use std::path::{Path, PathBuf};
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::atomic::{AtomicU64, AtomicU8, Ordering};
 
 use super::quant::Dtype;
 use crate::error::{corrupt, storage, Result};
@@ -32,6 +32,52 @@ const HEADER_CRC_AT: usize = 64;
 const SLOT: usize = 16;
 /// Slots per batch stage: the misses of one stage overlap.
 const BLOCK: usize = 32;
+/// Rows whose ids one pass of [`RowFile::verify_all`] collects from the index (8 bytes each).
+const SCAN_WINDOW: usize = 1 << 22;
+/// Rows or slots [`RowFile::verify_all`] handles between two looks at whether to stop.
+const SCAN_STEP: usize = 1 << 16;
+
+/// Where the whole-file check of a row file stands ([`RowFile::verify_all`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Scan {
+    /// Not asked for (or layout 1: nothing to check): reads check rows and slots themselves.
+    Off,
+    /// Queued or under way: reads check what it has not verified yet.
+    Running,
+    /// Every row and slot verified: reads check nothing more.
+    Verified,
+    /// Damage found: the damaged rows or slots are refused on every read; reads keep checking.
+    Damaged,
+    /// Stopped before its end (the file was closed): reads keep checking.
+    Stopped,
+}
+
+impl Scan {
+    fn code(self) -> u8 {
+        self as u8
+    }
+
+    fn of(code: u8) -> Scan {
+        [
+            Scan::Off,
+            Scan::Running,
+            Scan::Verified,
+            Scan::Damaged,
+            Scan::Stopped,
+        ][code as usize]
+    }
+
+    /// The name `verified()` reports.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Scan::Off => "off",
+            Scan::Running => "running",
+            Scan::Verified => "verified",
+            Scan::Damaged => "damaged",
+            Scan::Stopped => "stopped",
+        }
+    }
+}
 
 /// Bytes from one row to the next for rows of `row_bytes`: rows of up to a cache line take a
 /// power of two (so each lies in one line); longer ones the smallest multiple of 4 at which no
@@ -208,6 +254,9 @@ pub struct RowFile {
     verified: Box<[AtomicU64]>,
     /// One bit per index slot (layout 2): set once this process verified the slot's check.
     slots_verified: Box<[AtomicU64]>,
+    /// A [`Scan`]: `Verified` once a whole-file check found every row and slot sound; lookups
+    /// then take layout 1's path (no bitmap, no checksum line), testing this once a batch.
+    scan: AtomicU8,
 }
 
 impl std::fmt::Debug for RowFile {
@@ -321,6 +370,7 @@ impl RowFile {
             } else {
                 Box::default()
             },
+            scan: AtomicU8::new(Scan::Off.code()),
         })
     }
 
@@ -359,6 +409,43 @@ impl RowFile {
         !self.checked || self.verified[r / 64].load(Ordering::Relaxed) & (1 << (r % 64)) != 0
     }
 
+    /// Whether reads check nothing: layout 1, or every row and slot verified by
+    /// [`RowFile::verify_all`]. Tested once a batch.
+    #[inline(always)]
+    fn unchecked(&self) -> bool {
+        !self.checked || self.scan.load(Ordering::Acquire) == Scan::Verified.code()
+    }
+
+    /// Where the whole-file check stands.
+    pub fn scan_state(&self) -> Scan {
+        Scan::of(self.scan.load(Ordering::Acquire))
+    }
+
+    /// Marks the file queued for [`RowFile::verify_all`]; false when it needs none (layout 1)
+    /// or was queued before.
+    pub fn queue_scan(&self) -> bool {
+        self.checked
+            && self
+                .scan
+                .compare_exchange(
+                    Scan::Off.code(),
+                    Scan::Running.code(),
+                    Ordering::AcqRel,
+                    Ordering::Acquire,
+                )
+                .is_ok()
+    }
+
+    /// Marks a queued file as not scanned after all (no thread to scan it).
+    pub fn unqueue_scan(&self) {
+        let _ = self.scan.compare_exchange(
+            Scan::Running.code(),
+            Scan::Off.code(),
+            Ordering::AcqRel,
+            Ordering::Acquire,
+        );
+    }
+
     /// Rows of the file whose checksum this process verified (layout 2; 0 for layout 1).
     pub fn rows_verified(&self) -> u64 {
         self.verified
@@ -375,8 +462,8 @@ impl RowFile {
     /// The stored bytes of row `r` (< rows) of `id`: its checksum verified on its first read
     /// in this process (layout 2), later reads trust that check.
     #[inline(always)]
-    fn row(&self, id: u64, r: usize) -> Result<&[u8]> {
-        if self.trusted(r) {
+    fn row<const CHECK: bool>(&self, id: u64, r: usize) -> Result<&[u8]> {
+        if !CHECK || self.trusted(r) {
             let at = self.rows_at + r * self.stride;
             return Ok(&self.map.bytes()[at..at + self.row_bytes]);
         }
@@ -409,7 +496,11 @@ impl RowFile {
     /// verified (layout 2); 0 for an empty slot. `looking`: the id whose probe reads it.
     /// A slot verified before in this process is trusted (its bit in `slots_verified`).
     #[inline(always)]
-    fn slot_row(&self, i: usize, k: u64, w: u64, looking: u64) -> Result<u64> {
+    fn slot_row<const CHECK: bool>(&self, i: usize, k: u64, w: u64, looking: u64) -> Result<u64> {
+        if !CHECK {
+            // Layout 1 (no check bits) or every slot verified.
+            return Ok(w & INDEX_MASK);
+        }
         if !self.checked || w == 0 {
             return Ok(w);
         }
@@ -459,11 +550,11 @@ impl RowFile {
 
     /// The row index of `id`, starting the probe at slot `h & mask`.
     #[inline(always)]
-    fn find_from(&self, id: u64, h: u64) -> Result<Option<usize>> {
+    fn find_from<const CHECK: bool>(&self, id: u64, h: u64) -> Result<Option<usize>> {
         let mut i = h as usize & self.mask;
         for _ in 0..=self.mask {
             let (k, w) = self.slot(i);
-            let r = self.slot_row(i, k, w, id)?;
+            let r = self.slot_row::<CHECK>(i, k, w, id)?;
             if r == 0 {
                 return Ok(None);
             }
@@ -484,7 +575,12 @@ impl RowFile {
 
     /// Whether the file holds `id`.
     pub fn contains(&self, id: u64) -> Result<bool> {
-        Ok(self.find_from(id, mix64(id))?.is_some())
+        let found = if self.unchecked() {
+            self.find_from::<false>(id, mix64(id))?
+        } else {
+            self.find_from::<true>(id, mix64(id))?
+        };
+        Ok(found.is_some())
     }
 
     /// Decodes the rows of `ids` into `out` (`ids.len() * dim` floats) and marks `found`; ids
@@ -493,6 +589,22 @@ impl RowFile {
     /// of the next stage are prefetched while this stage's rows are decoded, and this stage's
     /// rows are prefetched as its slots are probed, so the misses of a stage overlap.
     pub fn gather(&self, ids: &[u64], out: &mut [f32], found: &mut [bool]) -> Result<()> {
+        if self.unchecked() {
+            self.gather_with::<false>(ids, out, found)
+        } else {
+            self.gather_with::<true>(ids, out, found)
+        }
+    }
+
+    /// [`RowFile::gather`] with the per-read checks (`CHECK`) or without (layout 1, or a file
+    /// [`RowFile::verify_all`] found sound).
+    #[inline(always)]
+    fn gather_with<const CHECK: bool>(
+        &self,
+        ids: &[u64],
+        out: &mut [f32],
+        found: &mut [bool],
+    ) -> Result<()> {
         let dim = self.dim;
         let (row_bytes, entry) = (
             self.row_bytes,
@@ -514,11 +626,15 @@ impl RowFile {
         while let Some((c, chunk)) = chunks.next() {
             hashes.copy_from_slice(&next);
             for (k, &id) in chunk.iter().enumerate() {
-                at[k] = match self.find_from(id, hashes[k])? {
+                at[k] = match self.find_from::<CHECK>(id, hashes[k])? {
                     Some(r) => {
                         // A verified row's checksum is not read: its line is not fetched.
                         let p = self.row_ptr(r);
-                        let n = if self.trusted(r) { row_bytes } else { entry };
+                        let n = if !CHECK || self.trusted(r) {
+                            row_bytes
+                        } else {
+                            entry
+                        };
                         let lines = (p as usize % 64 + n).div_ceil(64);
                         let first = p.wrapping_sub(p as usize % 64);
                         for l in 0..lines {
@@ -538,7 +654,7 @@ impl RowFile {
                 let i = base + k;
                 found[i] = r != usize::MAX;
                 if found[i] {
-                    let row = self.row(chunk[k], r)?;
+                    let row = self.row::<CHECK>(chunk[k], r)?;
                     self.dtype
                         .decode_fast(row, &mut out[i * dim..(i + 1) * dim]);
                 }
@@ -580,6 +696,115 @@ impl RowFile {
     /// verified now, whatever earlier reads found (rows copied into a new file or exported).
     pub fn stored(&self, id: u64, r: usize) -> Result<&[u8]> {
         self.checked_row(id, r)
+    }
+
+    /// Verifies every slot and row of the file once, in file order (the index, then the rows:
+    /// sequential reads), setting their bits as reads would. Sets [`Scan::Verified`] when all
+    /// are sound, so reads check nothing more; else [`Scan::Damaged`] (the bitmaps stay in use,
+    /// the damaged rows and slots unverified, so every read of them is refused) or, when `stop`
+    /// says so (looked at every [`SCAN_STEP`] rows or slots), [`Scan::Stopped`]. Ids are
+    /// gathered for [`SCAN_WINDOW`] rows at a time (8 bytes a row); a file of more rows reads
+    /// its index once per window.
+    pub fn verify_all(&self, stop: &dyn Fn() -> bool) -> Scan {
+        self.verify_all_in(SCAN_WINDOW, stop)
+    }
+
+    /// [`RowFile::verify_all`] gathering ids for `window` rows at a time.
+    fn verify_all_in(&self, window: usize, stop: &dyn Fn() -> bool) -> Scan {
+        // Windows start on a bitmap word.
+        debug_assert!(window > 0 && window % 64 == 0);
+        let end = |s: Scan| {
+            self.scan.store(s.code(), Ordering::Release);
+            s
+        };
+        if !self.checked {
+            return Scan::Off;
+        }
+        let rows = self.rows as usize;
+        let slots = self.mask + 1;
+        let mut damaged = false;
+        let mut lo = 0;
+        loop {
+            let hi = rows.min(lo + window);
+            let mut ids = vec![0u64; hi - lo];
+            let mut have = vec![0u64; (hi - lo).div_ceil(64)];
+            for base in (0..slots).step_by(64) {
+                if base % SCAN_STEP == 0 && stop() {
+                    return end(Scan::Stopped);
+                }
+                let mut sound = 0u64;
+                for j in 0..64.min(slots - base) {
+                    let (k, w) = self.slot(base + j);
+                    if w == 0 {
+                        continue;
+                    }
+                    let r1 = w & INDEX_MASK;
+                    if r1 == 0 || r1 > self.rows || w >> INDEX_BITS != slot_check(k, r1) {
+                        damaged = true;
+                        continue;
+                    }
+                    sound |= 1 << j;
+                    let r = r1 as usize - 1;
+                    if (lo..hi).contains(&r) {
+                        let (word, bit) = ((r - lo) / 64, 1u64 << ((r - lo) % 64));
+                        if have[word] & bit != 0 {
+                            // Two slots name one row: one of them is damaged.
+                            damaged = true;
+                            continue;
+                        }
+                        have[word] |= bit;
+                        ids[r - lo] = k;
+                    }
+                }
+                if lo == 0 && sound != 0 {
+                    self.slots_verified[base / 64].fetch_or(sound, Ordering::Relaxed);
+                }
+            }
+            for start in (lo..hi).step_by(64) {
+                if (start - lo) % SCAN_STEP == 0 {
+                    if stop() {
+                        return end(Scan::Stopped);
+                    }
+                    self.will_need(start + SCAN_STEP, SCAN_STEP);
+                }
+                let mut sound = 0u64;
+                for r in start..hi.min(start + 64) {
+                    let (word, bit) = ((r - lo) / 64, 1u64 << ((r - lo) % 64));
+                    // A row no slot names cannot be checked (its id is unknown): damage.
+                    if have[word] & bit == 0 || self.checked_row(ids[r - lo], r).is_err() {
+                        damaged = true;
+                        continue;
+                    }
+                    sound |= 1 << (r % 64);
+                }
+                if sound != 0 {
+                    self.verified[start / 64].fetch_or(sound, Ordering::Relaxed);
+                }
+            }
+            if hi == rows {
+                break;
+            }
+            lo = hi;
+        }
+        end(if damaged {
+            Scan::Damaged
+        } else {
+            Scan::Verified
+        })
+    }
+
+    /// Asks the kernel to read rows `from..from + n` ahead (the mapping is advised random for
+    /// lookups, which turns off read-ahead).
+    fn will_need(&self, from: usize, n: usize) {
+        let from = (from as u64).min(self.rows) as usize;
+        let to = (from + n).min(self.rows as usize);
+        if to <= from {
+            return;
+        }
+        let start = (self.rows_at + from * self.stride) & !4095;
+        let len = self.rows_at + to * self.stride - start;
+        // SAFETY: advice on a page-aligned range inside our own mapping; it reads nothing.
+        unsafe { libc::madvise(self.map.ptr.add(start).cast(), len, libc::MADV_WILLNEED) };
     }
 }
 
@@ -871,6 +1096,71 @@ mod tests {
         let (out, found) = lookup().unwrap();
         assert!(found.iter().all(|&f| f));
         assert_eq!(out, rows);
+        std::fs::remove_dir_all(&dir).unwrap();
+    }
+
+    #[test]
+    fn the_whole_file_check_verifies_sound_files_and_never_a_damaged_one() {
+        let dir = std::env::temp_dir().join(format!("pstore-rowfile-scan-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let path = dir.join("t.rows");
+        let n = 200u64;
+        let rows = write_small(&path, n);
+        let pristine = std::fs::read(&path).unwrap();
+        let ids: Vec<u64> = (0..n).map(|i| i * 7919).collect();
+        let open = || RowFile::open(&path, want(n, Dtype::Float32)).unwrap();
+        let lookup = |f: &RowFile, ids: &[u64]| {
+            let mut out = vec![0.0; ids.len() * 5];
+            let mut found = vec![false; ids.len()];
+            f.gather(ids, &mut out, &mut found).map(|()| out)
+        };
+        // Sound: every row and slot verified, in one window or several (64 rows each).
+        for window in [SCAN_WINDOW, 64] {
+            let f = open();
+            assert_eq!(f.scan_state(), Scan::Off);
+            assert!(f.queue_scan());
+            assert!(!f.queue_scan());
+            assert_eq!(f.verify_all_in(window, &|| false), Scan::Verified);
+            assert_eq!(f.scan_state(), Scan::Verified);
+            assert_eq!(f.rows_verified(), n);
+            assert!(f.unchecked());
+            assert_eq!(lookup(&f, &ids).unwrap(), rows);
+        }
+        // Asked to stop: stopped, and reads keep checking.
+        let f = open();
+        assert_eq!(f.verify_all(&|| true), Scan::Stopped);
+        assert!(!f.unchecked());
+        drop(f);
+        // A damaged row (its bytes, its checksum) or slot: never `Verified`; the damaged id is
+        // refused after the check, the others served.
+        let (places, f) = {
+            let f = open();
+            let mut places = Vec::new();
+            for (id, r) in f.entries().unwrap() {
+                let slot = (0..=f.mask).find(|&i| f.slot(i).0 == id).unwrap();
+                places.push((id, HEADER + slot * SLOT, f.rows_at + r * f.stride));
+            }
+            (places, f)
+        };
+        drop(f);
+        let (id, slot_at, row_at) = places[17];
+        for (at, window) in [(row_at + 3, SCAN_WINDOW), (row_at + 20, 64), (slot_at + 2, 64)] {
+            std::fs::write(&path, &pristine).unwrap();
+            flip(&path, at, 1);
+            let f = open();
+            assert_eq!(f.verify_all_in(window, &|| false), Scan::Damaged);
+            assert!(!f.unchecked());
+            assert!(f.rows_verified() < n);
+            let e = lookup(&f, &[id]).unwrap_err().to_string();
+            assert!(e.contains(&format!("id {id}")), "{e}");
+            let others: Vec<u64> = ids.iter().copied().filter(|&i| i != id).collect();
+            let got = lookup(&f, &others).unwrap();
+            let want: Vec<f32> = (0..n as usize)
+                .filter(|&r| ids[r] != id)
+                .flat_map(|r| rows[r * 5..r * 5 + 5].to_vec())
+                .collect();
+            assert_eq!(got, want);
+        }
         std::fs::remove_dir_all(&dir).unwrap();
     }
 
