@@ -92,8 +92,8 @@ def to_layout_1(rows_file: Path) -> None:
     assert rows_file.stat().st_size == length
 
 
-def build(root: Path, rows: int) -> tuple[Path, Path, np.ndarray]:
-    """The two artifacts (layout 2, layout 1) of one table, and its ids."""
+def build(root: Path, rows: int, layout_1: bool = True) -> tuple[Path, Path, np.ndarray]:
+    """The two artifacts (layout 2, layout 1 unless not `layout_1`) of one table, and its ids."""
     import pstore
     import pstore.serving
     from pstore import optim
@@ -111,6 +111,8 @@ def build(root: Path, rows: int) -> tuple[Path, Path, np.ndarray]:
     pstore.serving.export(root / "snap", two)
     shutil.rmtree(root / "snap")
     one = root / "layout1"
+    if not layout_1:
+        return two, one, ids
     shutil.copytree(two, one)
     (rows_file,) = (one / "tables").glob("*.rows")
     to_layout_1(rows_file)
@@ -202,7 +204,7 @@ def main() -> None:
     a = ap.parse_args()
     root = Path(tempfile.mkdtemp(prefix="pstore-checks-", dir=a.dir))
     try:
-        two, one, ids = build(root, a.rows)
+        two, one, ids = build(root, a.rows, layout_1=not a.scan_only)
         np.save(root / "ids.npy", ids)
         print(f"rows {len(ids)}, load {os.getloadavg()}", flush=True)
         if a.scan_only:
