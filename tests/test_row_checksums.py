@@ -203,9 +203,12 @@ ROW_SUM = 4
 INDEX = (1 << 40) - 1
 
 
-def artifact_rows(out: Path, newest: bool = False) -> tuple[Path, dict[int, tuple[int, int]], int]:
+def artifact_rows(
+    out: Path, newest: bool = False
+) -> tuple[Path, dict[int, tuple[int, int, int]], int]:
     """The row file of table "emb" (the only one, or the newest generation's) and, per id, (its
-    slot's offset, its row's offset); the row's bytes (docs/FORMAT.md, "Row files")."""
+    slot's offset, its row's offset, its checksum's offset); the row's bytes (docs/FORMAT.md,
+    "Row files": layout 3 keeps the checksums in an array after the rows)."""
     files = sorted((out / "tables").glob("*.rows"))
     if newest:
         rows_file = files[-1]
@@ -213,13 +216,16 @@ def artifact_rows(out: Path, newest: bool = False) -> tuple[Path, dict[int, tupl
         (rows_file,) = files
     raw = rows_file.read_bytes()
     version, dtype, dim, stride, rows, slots = struct.unpack_from("<IIIIQQ", raw, 8)
-    assert (version, dtype, dim) == (2, 0, DIM)
+    assert (version, dtype, dim) == (3, 0, DIM)
     rows_at = -(-(4096 + 16 * slots) // 4096) * 4096
+    sums_at = rows_at + rows * stride
+    assert len(raw) == sums_at + ROW_SUM * rows
     where = {}
     for i in range(slots):
         k, word = struct.unpack_from("<QQ", raw, 4096 + 16 * i)
         if word:
-            where[k] = (4096 + 16 * i, rows_at + ((word & INDEX) - 1) * stride)
+            r = (word & INDEX) - 1
+            where[k] = (4096 + 16 * i, rows_at + r * stride, sums_at + ROW_SUM * r)
     assert len(where) == rows
     return rows_file, where, 4 * DIM
 
@@ -239,15 +245,21 @@ def test_bit_flips_in_an_artifacts_rows_never_give_a_wrong_row(tmp_path):
     raised = {"row": 0, "slot": 0}
     for k in range(FLIPS):
         hit = int(ids[k % len(ids)])
-        slot_at, row_at = where[hit]
+        slot_at, row_at, sum_at = where[hit]
         # Three flips in four in the row and its checksum, one in its index slot.
         region = "slot" if k % 4 == 3 else "row"
-        at, n = (slot_at, 16) if region == "slot" else (row_at, row_bytes + ROW_SUM)
+        n = 16 if region == "slot" else row_bytes + ROW_SUM
         bit = int(rng.integers(0, n * 8))
+        if region == "slot":
+            at = slot_at + bit // 8
+        elif bit // 8 < row_bytes:
+            at = row_at + bit // 8
+        else:
+            at = sum_at + bit // 8 - row_bytes
         work = tmp_path / f"model-{k}"
         shutil.copytree(out, work)
         damaged = bytearray(pristine)
-        damaged[at + bit // 8] ^= 1 << (bit % 8)
+        damaged[at] ^= 1 << (bit % 8)
         (work / rows_file.relative_to(out)).write_bytes(bytes(damaged))
         with pstore.serving.ServingStore(work) as s:
             try:

@@ -14,10 +14,12 @@ use crate::hash::mix64;
 
 /// The first bytes of every row file.
 pub const MAGIC: [u8; 8] = *b"PSTROWS\0";
-/// The row file layout this build writes (it reads layout 1 too: no checksums).
-/// Layout 2: each row is followed by its checksum ([`row_sum`]), and each slot carries a check
-/// of itself ([`slot_check`]) above its row index.
-pub const FILE_VERSION: u32 = 2;
+/// The row file layout this build writes (it reads layouts 1 and 2 too).
+/// Layout 1: no checks. Layout 2: each row is followed by its checksum ([`row_sum`]), and each
+/// slot carries a check of itself ([`slot_check`]) above its row index. Layout 3: slots as in
+/// layout 2, rows at the stride of their bytes (as in layout 1), their checksums in an array
+/// after the rows: a row verified once in a process is read later without the checksum's line.
+pub const FILE_VERSION: u32 = 3;
 /// Bits of a layout 2 slot's second word that hold the row index plus one; the check of the
 /// slot is in the bits above.
 const INDEX_BITS: u32 = 40;
@@ -126,7 +128,7 @@ pub fn slot_check(id: u64, r1: u64) -> u64 {
 
 /// Bytes a row takes in a file of `version` (its stored bytes, then its checksum in layout 2).
 fn entry_bytes(version: u32, row_bytes: usize) -> usize {
-    if version >= 2 {
+    if version == 2 {
         row_bytes + ROW_SUM_BYTES
     } else {
         row_bytes
@@ -246,7 +248,9 @@ pub struct RowFile {
     rows: u64,
     mask: usize,
     rows_at: usize,
-    /// Layout 2: slots and rows carry checks; a row's is verified on its first read here.
+    /// Layout 3: where the array of the rows' checksums starts (layout 2: after each row).
+    sums_at: Option<usize>,
+    /// Layouts 2 and 3: slots and rows carry checks, each verified on its first read here.
     checked: bool,
     /// One bit per row (layout 2): set once this process verified the row's checksum, so later
     /// lookups skip it. The file never changes (a generation that changes rows writes a new
@@ -268,11 +272,17 @@ impl std::fmt::Debug for RowFile {
     }
 }
 
-/// The layout of a file of `rows` rows: (slots, where the rows start, file length).
-fn layout(rows: u64, stride: usize) -> (u64, usize, usize) {
+/// The layout of a file of `version` with `rows` rows: (slots, where the rows start, file
+/// length). Layout 3 ends with the rows' checksums (4 bytes a row, right after the rows).
+fn layout(version: u32, rows: u64, stride: usize) -> (u64, usize, usize) {
     let slots = slots_for(rows);
     let rows_at = (HEADER + slots as usize * SLOT).div_ceil(4096) * 4096;
-    (slots, rows_at, rows_at + rows as usize * stride)
+    let sums = if version >= 3 {
+        rows as usize * ROW_SUM_BYTES
+    } else {
+        0
+    };
+    (slots, rows_at, rows_at + rows as usize * stride + sums)
 }
 
 impl RowFile {
@@ -338,7 +348,7 @@ impl RowFile {
         }
         let row_bytes = want.dtype.row_bytes(want.dim);
         let st = stride(entry_bytes(version, row_bytes));
-        let (want_slots, rows_at, want_len) = layout(rows, st);
+        let (want_slots, rows_at, want_len) = layout(version, rows, st);
         if stride_f as usize != st || slots != want_slots || file_len as usize != want_len {
             return Err(bad("has a header that does not fit its rows".into()));
         }
@@ -359,6 +369,7 @@ impl RowFile {
             rows,
             mask: slots as usize - 1,
             rows_at,
+            sums_at: (version >= 3).then(|| rows_at + rows as usize * st),
             checked: version >= 2,
             verified: if version >= 2 {
                 (0..rows.div_ceil(64)).map(|_| AtomicU64::new(0)).collect()
@@ -401,6 +412,15 @@ impl RowFile {
     fn row_ptr(&self, r: usize) -> *const u8 {
         // SAFETY: r < rows (checked by `find`): inside the row array.
         unsafe { self.map.ptr.add(self.rows_at + r * self.stride) }
+    }
+
+    /// Where row `r`'s checksum is (layouts 2 and 3).
+    #[inline(always)]
+    fn sum_at(&self, r: usize) -> usize {
+        match self.sums_at {
+            Some(s) => s + r * ROW_SUM_BYTES,
+            None => self.rows_at + r * self.stride + self.row_bytes,
+        }
     }
 
     /// Whether row `r` (< rows) needs no check: layout 1, or verified before in this process.
@@ -479,7 +499,7 @@ impl RowFile {
         let b = self.map.bytes();
         let row = &b[at..at + self.row_bytes];
         if self.checked {
-            let stored = u32_at(b, at + self.row_bytes);
+            let stored = u32_at(b, self.sum_at(r));
             let found = row_sum(id, row);
             if stored != found {
                 return Err(corrupt(format!(
@@ -606,10 +626,7 @@ impl RowFile {
         found: &mut [bool],
     ) -> Result<()> {
         let dim = self.dim;
-        let (row_bytes, entry) = (
-            self.row_bytes,
-            entry_bytes(if self.checked { 2 } else { 1 }, self.row_bytes),
-        );
+        let row_bytes = self.row_bytes;
         let mut hashes = [0u64; BLOCK];
         let mut next = [0u64; BLOCK];
         let mut at = [usize::MAX; BLOCK];
@@ -630,11 +647,13 @@ impl RowFile {
                     Some(r) => {
                         // A verified row's checksum is not read: its line is not fetched.
                         let p = self.row_ptr(r);
-                        let n = if !CHECK || self.trusted(r) {
-                            row_bytes
-                        } else {
-                            entry
-                        };
+                        let mut n = row_bytes;
+                        if CHECK && !self.trusted(r) {
+                            match self.sums_at {
+                                Some(_) => prefetch(self.map.ptr.wrapping_add(self.sum_at(r))),
+                                None => n += ROW_SUM_BYTES,
+                            }
+                        }
                         let lines = (p as usize % 64 + n).div_ceil(64);
                         let first = p.wrapping_sub(p as usize % 64);
                         for l in 0..lines {
@@ -834,7 +853,7 @@ impl Writer {
         }
         let row_bytes = want.dtype.row_bytes(want.dim);
         let st = stride(entry_bytes(FILE_VERSION, row_bytes));
-        let (slots, rows_at, len) = layout(want.rows, st);
+        let (slots, rows_at, len) = layout(FILE_VERSION, want.rows, st);
         let file = File::options()
             .read(true)
             .write(true)
@@ -900,13 +919,14 @@ impl Writer {
             i = (i + 1) & self.mask;
         }
         let at = self.rows_at + r * self.stride;
+        let sum_at = self.rows_at + self.want.rows as usize * self.stride + r * ROW_SUM_BYTES;
         let sum = row_sum(id, bytes).to_le_bytes();
-        // SAFETY: row r's bytes and checksum lie inside the mapping (r < rows, the stride holds
-        // both); nothing else borrows them.
+        // SAFETY: row r's bytes and its checksum in the array after the rows lie inside the
+        // mapping (r < rows); nothing else borrows them.
         unsafe {
-            let p = self.map.ptr.add(at);
-            std::ptr::copy_nonoverlapping(bytes.as_ptr(), p, self.row_bytes);
-            std::ptr::copy_nonoverlapping(sum.as_ptr(), p.add(self.row_bytes), ROW_SUM_BYTES);
+            let p = self.map.ptr;
+            std::ptr::copy_nonoverlapping(bytes.as_ptr(), p.add(at), self.row_bytes);
+            std::ptr::copy_nonoverlapping(sum.as_ptr(), p.add(sum_at), ROW_SUM_BYTES);
         };
         self.next += 1;
         Ok(())
@@ -1067,7 +1087,12 @@ mod tests {
         let mut places = Vec::new();
         for (id, r) in f.entries().unwrap() {
             let slot = (0..=f.mask).find(|&i| f.slot(i).0 == id).unwrap();
-            places.push((id, HEADER + slot * SLOT, f.rows_at + r * f.stride));
+            places.push((
+                id,
+                HEADER + slot * SLOT,
+                f.rows_at + r * f.stride,
+                f.sum_at(r),
+            ));
         }
         drop(f);
         let lookup = || {
@@ -1076,8 +1101,10 @@ mod tests {
             let mut found = vec![false; ids.len()];
             f.gather(&ids, &mut out, &mut found).map(|()| (out, found))
         };
-        for &(id, slot_at, row_at) in &places {
-            let bytes = (slot_at..slot_at + SLOT).chain(row_at..row_at + 20 + ROW_SUM_BYTES);
+        for &(id, slot_at, row_at, sum_at) in &places {
+            let bytes = (slot_at..slot_at + SLOT)
+                .chain(row_at..row_at + 20)
+                .chain(sum_at..sum_at + ROW_SUM_BYTES);
             for at in bytes {
                 for bit in 0..8 {
                     std::fs::write(&path, &pristine).unwrap();
@@ -1138,13 +1165,18 @@ mod tests {
             let mut places = Vec::new();
             for (id, r) in f.entries().unwrap() {
                 let slot = (0..=f.mask).find(|&i| f.slot(i).0 == id).unwrap();
-                places.push((id, HEADER + slot * SLOT, f.rows_at + r * f.stride));
+                places.push((
+                    id,
+                    HEADER + slot * SLOT,
+                    f.rows_at + r * f.stride,
+                    f.sum_at(r),
+                ));
             }
             (places, f)
         };
         drop(f);
-        let (id, slot_at, row_at) = places[17];
-        for (at, window) in [(row_at + 3, SCAN_WINDOW), (row_at + 20, 64), (slot_at + 2, 64)] {
+        let (id, slot_at, row_at, sum_at) = places[17];
+        for (at, window) in [(row_at + 3, SCAN_WINDOW), (sum_at + 2, 64), (slot_at + 2, 64)] {
             std::fs::write(&path, &pristine).unwrap();
             flip(&path, at, 1);
             let f = open();
@@ -1165,14 +1197,22 @@ mod tests {
     }
 
     #[test]
-    fn a_layout_1_file_still_reads() {
-        let dir = std::env::temp_dir().join(format!("pstore-rowfile-v1-{}", std::process::id()));
+    fn layout_1_and_2_files_still_read() {
+        for version in [1, 2] {
+            read_old_layout(version);
+        }
+    }
+
+    fn read_old_layout(version: u32) {
+        let dir =
+            std::env::temp_dir().join(format!("pstore-rowfile-v{version}-{}", std::process::id()));
         std::fs::create_dir_all(&dir).unwrap();
         let path = dir.join("t.rows");
-        // Written as layout 1 did: slots of (id, row + 1), rows at stride(row bytes), no sums.
+        // Written as layout 1 did: slots of (id, row + 1), rows at stride(row bytes), no sums;
+        // layout 2: slots with their check, each row followed by its checksum.
         let (n, dim) = (40u64, 5usize);
-        let st = stride(4 * dim);
-        let (slots, rows_at, len) = layout(n, st);
+        let st = stride(entry_bytes(version, 4 * dim));
+        let (slots, rows_at, len) = layout(version, n, st);
         let mut b = vec![0u8; len];
         for r in 0..n {
             let id = r * 31 + 5;
@@ -1181,15 +1221,25 @@ mod tests {
                 i = (i + 1) & (slots as usize - 1);
             }
             b[HEADER + i * SLOT..][..8].copy_from_slice(&id.to_le_bytes());
-            b[HEADER + i * SLOT + 8..][..8].copy_from_slice(&(r + 1).to_le_bytes());
+            let check = if version == 2 {
+                slot_check(id, r + 1) << INDEX_BITS
+            } else {
+                0
+            };
+            b[HEADER + i * SLOT + 8..][..8].copy_from_slice(&(r + 1 | check).to_le_bytes());
+            let at = rows_at + r as usize * st;
             for j in 0..dim {
                 let v = (id * 10 + j as u64) as f32;
-                b[rows_at + r as usize * st + 4 * j..][..4].copy_from_slice(&v.to_le_bytes());
+                b[at + 4 * j..][..4].copy_from_slice(&v.to_le_bytes());
+            }
+            if version == 2 {
+                let sum = row_sum(id, &b[at..at + 4 * dim]);
+                b[at + 4 * dim..][..4].copy_from_slice(&sum.to_le_bytes());
             }
         }
         let h = &mut b[..HEADER_CRC_AT + 4];
         h[..8].copy_from_slice(&MAGIC);
-        for (at, v) in [(8, 1u32), (12, 0), (16, dim as u32), (20, st as u32)] {
+        for (at, v) in [(8, version), (12, 0), (16, dim as u32), (20, st as u32)] {
             h[at..at + 4].copy_from_slice(&v.to_le_bytes());
         }
         for (at, v) in [(24, n), (32, slots), (40, 3), (48, len as u64), (56, 7)] {
@@ -1218,6 +1268,16 @@ mod tests {
             assert_eq!(&out[i * dim..(i + 1) * dim], &row[..]);
         }
         assert_eq!(f.entries().unwrap().len(), n as usize);
+        assert_eq!(f.rows_verified(), if version == 2 { n } else { 0 });
+        drop(f);
+        if version == 2 {
+            // Row 0 (id 5) damaged: refused on its first read.
+            flip(&path, rows_at + 2, 3);
+            let f = RowFile::open(&path, want(n, Dtype::Float32)).unwrap();
+            let e = f.gather(&[5], &mut out[..dim], &mut found[..1]);
+            let e = e.unwrap_err().to_string();
+            assert!(e.contains("id 5 is damaged"), "{e}");
+        }
         std::fs::remove_dir_all(&dir).unwrap();
     }
 }
