@@ -4,8 +4,9 @@ rows in layout 1 (no checks), for two builds of pstore side by side.
 
 One table of ROWS x 64 rows is snapshotted once and exported by each build (float32, its own
 layout); a copy of an artifact gets its row file rewritten in layout 1 (docs/FORMAT.md, "Row
-files": slots without their check, rows without their CRC-32). Each measurement is a fresh process of one build (its own Python) that
-opens one artifact and times, in its CPU time (`time.process_time`, all threads):
+files": slots without their check, rows without their CRC-32). Each measurement is a fresh
+process of one build (its own Python) that opens one artifact and times, in its CPU time
+(`time.process_time`, all threads):
   - cold: the first pass over every row, once each, in a random order (each row's first read);
   - warm: then Zipf(1.05) ids over the same rows (every row already read once), PASSES passes,
     the median pass. A build with the background check (0119) first waits until it has ended
@@ -223,7 +224,12 @@ def main() -> None:
             runs = []
             for _ in range(a.rounds):
                 p = subprocess.run(
-                    [a.python_b, str(Path(__file__).resolve()), "scan", json.dumps({"path": str(outs["B"])})],
+                    [
+                        a.python_b,
+                        str(Path(__file__).resolve()),
+                        "scan",
+                        json.dumps({"path": str(outs["B"])}),
+                    ],
                     capture_output=True,
                     text=True,
                     check=True,
@@ -254,7 +260,10 @@ def main() -> None:
                         res.setdefault((build_name, batch, layout), []).append(r)
                         print(rnd, build_name, batch, layout, json.dumps(r), flush=True)
             print(f"round {rnd} done, load {os.getloadavg()}", flush=True)
-        print("| batch | build | cold L1 / checked ns | cold ratio | warm L1 / checked ns | warm ratio |")
+        print(
+            "| batch | build | cold L1 / checked ns | cold ratio | warm L1 / checked ns"
+            " | warm ratio |"
+        )
         print("|---|---|---|---|---|---|")
         for batch in BATCHES:
             for b in ("A", "B"):

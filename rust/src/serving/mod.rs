@@ -387,11 +387,7 @@ impl Artifact {
     /// [`Artifact::open`] with the row files' checks chosen (`None`: [`VERIFY_ENV`], else
     /// [`Verify::Background`]). The background check runs when any opening of the directory
     /// in this process asked for it.
-    pub fn open_with(
-        path: &Path,
-        writable: bool,
-        verify: Option<Verify>,
-    ) -> Result<Arc<Artifact>> {
+    pub fn open_with(path: &Path, writable: bool, verify: Option<Verify>) -> Result<Arc<Artifact>> {
         let verify = match verify {
             Some(v) => v,
             None => Verify::from_env()?,

@@ -731,7 +731,7 @@ impl RowFile {
     /// [`RowFile::verify_all`] gathering ids for `window` rows at a time.
     fn verify_all_in(&self, window: usize, stop: &dyn Fn() -> bool) -> Scan {
         // Windows start on a bitmap word.
-        debug_assert!(window > 0 && window % 64 == 0);
+        debug_assert!(window > 0 && window.is_multiple_of(64));
         let end = |s: Scan| {
             self.scan.store(s.code(), Ordering::Release);
             s
@@ -748,7 +748,7 @@ impl RowFile {
             let mut ids = vec![0u64; hi - lo];
             let mut have = vec![0u64; (hi - lo).div_ceil(64)];
             for base in (0..slots).step_by(64) {
-                if base % SCAN_STEP == 0 && stop() {
+                if base.is_multiple_of(SCAN_STEP) && stop() {
                     return end(Scan::Stopped);
                 }
                 let mut sound = 0u64;
@@ -780,7 +780,7 @@ impl RowFile {
                 }
             }
             for start in (lo..hi).step_by(64) {
-                if (start - lo) % SCAN_STEP == 0 {
+                if (start - lo).is_multiple_of(SCAN_STEP) {
                     if stop() {
                         return end(Scan::Stopped);
                     }
@@ -1176,7 +1176,11 @@ mod tests {
         };
         drop(f);
         let (id, slot_at, row_at, sum_at) = places[17];
-        for (at, window) in [(row_at + 3, SCAN_WINDOW), (sum_at + 2, 64), (slot_at + 2, 64)] {
+        for (at, window) in [
+            (row_at + 3, SCAN_WINDOW),
+            (sum_at + 2, 64),
+            (slot_at + 2, 64),
+        ] {
             std::fs::write(&path, &pristine).unwrap();
             flip(&path, at, 1);
             let f = open();
@@ -1226,7 +1230,7 @@ mod tests {
             } else {
                 0
             };
-            b[HEADER + i * SLOT + 8..][..8].copy_from_slice(&(r + 1 | check).to_le_bytes());
+            b[HEADER + i * SLOT + 8..][..8].copy_from_slice(&((r + 1) | check).to_le_bytes());
             let at = rows_at + r as usize * st;
             for j in 0..dim {
                 let v = (id * 10 + j as u64) as f32;
