@@ -34,6 +34,7 @@ mod moves;
 pub use group::{promote, Promoted};
 mod once;
 mod reshard;
+mod rows;
 mod tables;
 pub use boundary::StepSnapshot;
 pub use bsp::JobConfig;
@@ -216,6 +217,8 @@ pub struct Client {
     /// When this client last asked the other servers early about a position it could not
     /// reach, by the position's name (`reshard.rs`, [`Client::ask_early`]).
     asked: Mutex<HashMap<String, Instant>>,
+    /// The rows ports of model servers that serve one, by server name (`rows.rs`).
+    rows: Mutex<HashMap<String, Arc<rows::Endpoint>>>,
 }
 
 fn is_retryable(s: &Status) -> bool {
@@ -317,6 +320,7 @@ impl Client {
             memo: once::Memo::default(),
             list_changes: AtomicU64::new(0),
             asked: Mutex::new(HashMap::new()),
+            rows: Mutex::new(HashMap::new()),
         });
         let token = c.config.token.clone();
         let follow = c.config.read_from_follower;
@@ -336,6 +340,18 @@ impl Client {
                     st.protocol,
                     crate::net::PROTOCOL
                 )));
+            }
+            // A model server's rows port, for pulls that go to it alone (not over TLS: the
+            // port is plain TCP; not to a replica group, whose pulls may go to followers).
+            if st.role == "model"
+                && st.rows_port != 0
+                && c.config.tls_ca.is_none()
+                && s.group.members.len() == 1
+            {
+                c.rows
+                    .lock()
+                    .unwrap_or_else(|e| e.into_inner())
+                    .insert(s.name.clone(), Arc::new(rows::Endpoint::new(&s.name, st.rows_port)));
             }
         }
         // The servers' routing over this list, when they hold one, is the cluster's table: it
@@ -930,6 +946,11 @@ impl Client {
                 parts.push((i, c));
             }
         }
+        if let [(i, _)] = &targets[..] {
+            if let Some(v) = self.pull_rows_port(table, dim, &route, *i, ids, &parts[0].1, out) {
+                return v;
+            }
+        }
         // Each answer with the frames that carried its rows (`net/splice.rs`); pulls may go to
         // followers.
         let answers = self.fan_out_on(targets, true, |mut c, r| async move {
@@ -954,6 +975,50 @@ impl Client {
         }
         self.remember_versions(table, ids, versions.clone());
         Ok(versions)
+    }
+
+    /// A pull that goes to server `i` alone, on its rows port if it serves one (`rows.rs`):
+    /// `None` when it has none or the port's transport failed (the caller then pulls over
+    /// gRPC), else the pull's result.
+    #[allow(clippy::too_many_arguments)]
+    fn pull_rows_port(
+        &self,
+        table: &str,
+        dim: usize,
+        route: &reshard::Route,
+        i: usize,
+        ids: &[u64],
+        pos: &[u32],
+        out: &mut [std::mem::MaybeUninit<f32>],
+    ) -> Option<Result<Vec<u64>>> {
+        let name = &route.servers.get(i)?.name;
+        let port = self
+            .rows
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .get(name)
+            .cloned()?;
+        // The whole batch, in order: the rows go straight into `out`.
+        if pos.len() * dim != out.len() || pos.iter().enumerate().any(|(k, &p)| p as usize != k)
+            || !port.usable()
+        {
+            return None;
+        }
+        let token = self.config.token.as_deref();
+        let d = self.config.wire;
+        match port.pull(table, token, d, ids, dim, out, self.config.timeout) {
+            rows::Pulled::Transport => None,
+            rows::Pulled::Failed(s) => Some(Err(error_of(&s, name))),
+            rows::Pulled::Dim(got) => Some(Err(shape(format!(
+                "table {table:?} has dim {got} on server {name}, the client expected {dim}"
+            )))),
+            rows::Pulled::Rows(generation) => {
+                let mut versions = vec![u64::MAX; route.servers.len()];
+                versions[i] = generation;
+                self.remember_versions(table, ids, versions.clone());
+                Some(Ok(versions))
+            }
+        }
     }
 
     /// Remembers the seq server `i` answered a pull of `table` with.
