@@ -110,7 +110,10 @@ pub fn parse_request_head(b: &[u8; REQUEST_HEAD]) -> Result<RequestHead, String>
         ));
     }
     if h.token > MAX_TOKEN {
-        return Err(format!("a token of {} bytes (at most {MAX_TOKEN})", h.token));
+        return Err(format!(
+            "a token of {} bytes (at most {MAX_TOKEN})",
+            h.token
+        ));
     }
     Ok(h)
 }
@@ -241,10 +244,14 @@ mod tests {
         assert_eq!(&b[REQUEST_HEAD + 6..REQUEST_HEAD + 14], &7u64.to_le_bytes());
         let mut bad = head;
         bad[0] = b'G';
-        assert!(parse_request_head(&bad).unwrap_err().contains("not a pstore"));
+        assert!(parse_request_head(&bad)
+            .unwrap_err()
+            .contains("not a pstore"));
         let mut long = head;
         long[8..12].copy_from_slice(&(MAX_TABLE as u32 + 1).to_le_bytes());
-        assert!(parse_request_head(&long).unwrap_err().contains("table name"));
+        assert!(parse_request_head(&long)
+            .unwrap_err()
+            .contains("table name"));
 
         let a = AnswerHead {
             code: 0,

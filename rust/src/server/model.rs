@@ -159,7 +159,11 @@ impl Inner {
                 t.lookup(ids, &self.fallback, out)?;
                 t.generation()
             }
-            None => self.artifact.lookup(table, ids, &self.fallback, out, None)?.1,
+            None => {
+                self.artifact
+                    .lookup(table, ids, &self.fallback, out, None)?
+                    .1
+            }
         })
     }
 
@@ -565,12 +569,7 @@ pub fn start(
     if let Some(l) = rows_listener {
         let i = Arc::clone(&inner);
         let handler: Arc<rows::Handler> = Arc::new(move |c, buf| i.rows_call(c, buf));
-        handle.rows = Some(rows::serve(
-            l,
-            config.limits,
-            config.max_message,
-            handler,
-        )?);
+        handle.rows = Some(rows::serve(l, config.limits, config.max_message, handler)?);
     }
     Ok(handle)
 }

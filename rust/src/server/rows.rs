@@ -19,9 +19,7 @@ use tonic::Status;
 
 use super::conn::Limits;
 use crate::error::{invalid, Error, Result};
-use crate::net::rows::{
-    encode_error, parse_request_head, AnswerHead, ANSWER_HEAD, REQUEST_HEAD,
-};
+use crate::net::rows::{encode_error, parse_request_head, AnswerHead, ANSWER_HEAD, REQUEST_HEAD};
 
 /// Floats of the answer buffer in front of the rows: the answer's head.
 pub const HEAD_WORDS: usize = ANSWER_HEAD / 4;
@@ -55,10 +53,8 @@ pub struct Rows {
 
 /// Looks a call's rows up into `buf` (after its first [`HEAD_WORDS`] floats, growing it as
 /// needed), or fails with the status the gRPC path would answer.
-pub type Handler = dyn Fn(&Call<'_>, &mut Vec<f32>) -> std::result::Result<Rows, Status>
-    + Send
-    + Sync
-    + 'static;
+pub type Handler =
+    dyn Fn(&Call<'_>, &mut Vec<f32>) -> std::result::Result<Rows, Status> + Send + Sync + 'static;
 
 /// The port's listener and connections; [`RowsPort::stop`] (or dropping it) closes them all.
 pub struct RowsPort {
@@ -70,7 +66,8 @@ pub struct RowsPort {
 
 /// Binds the rows port (`addr`, port 0: any free port).
 pub fn bind(addr: SocketAddr) -> Result<TcpListener> {
-    TcpListener::bind(addr).map_err(|e| invalid(format!("cannot listen on {addr} (rows port): {e}")))
+    TcpListener::bind(addr)
+        .map_err(|e| invalid(format!("cannot listen on {addr} (rows port): {e}")))
 }
 
 /// Serves `listener` until stopped.
@@ -240,8 +237,7 @@ fn serve_conn(mut sock: TcpStream, handshake: Duration, max_message: usize, hand
         }
         text.resize(h.table + h.token, 0);
         ids.resize(id_bytes / 8, 0);
-        if sock.read_exact(&mut text).is_err() || sock.read_exact(bytes_of_mut(&mut ids)).is_err()
-        {
+        if sock.read_exact(&mut text).is_err() || sock.read_exact(bytes_of_mut(&mut ids)).is_err() {
             return;
         }
         if cfg!(target_endian = "big") {
