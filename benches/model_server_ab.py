@@ -5,13 +5,14 @@
     python benches/model_server_ab.py grpc=PY "rows=PY;--rows-port=0"
 
 Each NAME=PYTHON[;VAR=VALUE...][;--flag=value...] starts `PYTHON -m pstore serve-model` (with
-those environment variables and flags) on a free 127.0.0.1 port, serving one float32 artifact (rows x 64, every row the
-initializer's, exported once into --dir and reused). The client and the in-process reference
-(`ServingStore.lookup`) are the pstore of the interpreter running this script. Per batch size,
-each repetition times the same Zipf batches through every contender in turn (the order rotated
-each repetition), so the ratios are of one run. It reports the median rate, the ratio to the
-in-process median, p50/p99 latency, and the CPU time per call of this process (client) and of
-the server process (from /proc), which on a loaded machine tells more than the rates.
+those environment variables and flags) on a free 127.0.0.1 port, serving one float32 artifact
+(rows x 64, every row the initializer's, exported once into --dir and reused). The client and
+the in-process reference (`ServingStore.lookup`) are the pstore of the interpreter running this
+script. Per batch size, each repetition times the same Zipf batches through every contender in
+turn (the order rotated each repetition), so the ratios are of one run. It reports the median
+rate, the ratio to the in-process median, p50/p99 latency, and the CPU time per call of this
+process (client) and of the server process (from /proc), which on a loaded machine tells more
+than the rates.
 """
 
 from __future__ import annotations

@@ -1295,9 +1295,7 @@ def test_model_server_pulls_are_lookups_at_every_batch_size(chain, tmp_path, dty
 
 
 @pytest.mark.parametrize("via_rows", [False, True], ids=["grpc", "rows-port"])
-def test_model_server_pull_of_a_damaged_row_fails_and_the_server_goes_on(
-    chain, tmp_path, via_rows
-):
+def test_model_server_pull_of_a_damaged_row_fails_and_the_server_goes_on(chain, tmp_path, via_rows):
     """A damaged row anywhere in a pull, small or big, fails the pull with CorruptError naming
     the id, never a wrong row; the server answers the next pulls."""
     serving.export(chain.snaps[0], tmp_path / "m")
@@ -1425,9 +1423,7 @@ def test_rows_port_speaks_its_framing_and_survives_any_request(chain, tmp_path):
                 s.sendall(rows_request("user", ids, "rt"))
                 code, dtype, dim, gen, body = rows_answer(s)
                 assert (code, dtype, dim, gen) == (0, 0, 8, model.generation)
-                np.testing.assert_array_equal(
-                    np.frombuffer(body, "<f4").reshape(-1, 8), want
-                )
+                np.testing.assert_array_equal(np.frombuffer(body, "<f4").reshape(-1, 8), want)
             # float16 on the wire.
             s.sendall(rows_request("user", ids, "rt", dtype=1))
             code, dtype, dim, _, body = rows_answer(s)
