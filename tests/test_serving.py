@@ -1482,6 +1482,50 @@ def test_rows_port_speaks_its_framing_and_survives_any_request(chain, tmp_path):
     model.close()
 
 
+def test_rows_port_clients_share_it_and_fall_back_to_grpc_when_it_goes(chain, tmp_path):
+    """Threads pulling at once through one client each get exact rows over the rows port; when
+    the server comes back on its gRPC port without a rows port, the client's kept connection is
+    dead and the port refused, and its pulls go over gRPC, still exact."""
+    serving.export(chain.snaps[1], tmp_path / "m")
+    model = ServingStore(tmp_path / "m")
+    have = chain.states[1]["user"][0]
+    rng = np.random.default_rng(120)
+    batches = [rng.choice(have, n) for n in (1, 256, 4096, 3000) * 5]
+    wants = [model.lookup("user", b, default="initial") for b in batches]
+    srv = model.serve(rows_port=0)
+    port, rows_port = srv.port, srv.rows_port
+    c = pstore.connect([srv.address], timeout=30.0)
+    user = c.table("user")
+    errors: list[BaseException] = []
+
+    def pull_all() -> None:
+        try:
+            for b, w in zip(batches, wants, strict=True):
+                np.testing.assert_array_equal(user.pull(b), w)
+        except BaseException as e:
+            errors.append(e)
+
+    try:
+        threads = [threading.Thread(target=pull_all) for _ in range(4)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        assert not errors, errors[0]
+        assert rows_port_clients(rows_port) >= 1
+    finally:
+        srv.stop(grace=1.0)
+    again = model.serve(port=port)
+    try:
+        assert again.rows_port is None
+        for b, w in zip(batches, wants, strict=True):
+            np.testing.assert_array_equal(user.pull(b), w)
+        assert rows_port_clients(rows_port) == 0
+    finally:
+        again.stop(grace=1.0)
+    model.close()
+
+
 def test_rows_port_settings_are_checked(chain, tmp_path):
     serving.export(chain.snaps[0], tmp_path / "m")
     model = ServingStore(tmp_path / "m")
