@@ -25,6 +25,9 @@ const REST: Duration = Duration::from_secs(5);
 const MAX_ERROR: u64 = 64 << 10;
 /// Idle connections kept per port.
 const KEEP: usize = 4;
+/// The longest wait for a connection to the port (a firewalled port must not hold a pull for
+/// the whole call timeout before it goes over gRPC).
+const CONNECT: Duration = Duration::from_secs(1);
 
 /// A server's rows port.
 pub(super) struct Endpoint {
@@ -108,7 +111,7 @@ impl Endpoint {
     fn connect(&self, timeout: Duration) -> std::io::Result<Conn> {
         let mut last = None;
         for a in self.addr.to_socket_addrs()? {
-            match TcpStream::connect_timeout(&a, timeout) {
+            match TcpStream::connect_timeout(&a, timeout.min(CONNECT)) {
                 Ok(sock) => {
                     sock.set_nodelay(true)?;
                     sock.set_read_timeout(Some(timeout))?;

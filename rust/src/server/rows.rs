@@ -10,6 +10,7 @@
 use std::collections::HashMap;
 use std::io::{Read, Write};
 use std::net::{Shutdown, SocketAddr, TcpListener, TcpStream};
+use std::os::fd::AsRawFd;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::thread::JoinHandle;
@@ -24,8 +25,9 @@ use crate::net::rows::{encode_error, parse_request_head, AnswerHead, ANSWER_HEAD
 /// Floats of the answer buffer in front of the rows: the answer's head.
 pub const HEAD_WORDS: usize = ANSWER_HEAD / 4;
 
-/// Answers above this many bytes do not keep their buffer for the next call.
-const KEEP_BYTES: usize = 8 << 20;
+/// Answers above this many bytes do not keep their buffer for the next call (a 4096 x 64
+/// float32 answer is 1 MiB): an idle connection holds at most this much.
+const KEEP_BYTES: usize = 2 << 20;
 
 /// One pull as the rows port received it.
 pub struct Call<'a> {
@@ -59,6 +61,8 @@ pub type Handler =
 /// The port's listener and connections; [`RowsPort::stop`] (or dropping it) closes them all.
 pub struct RowsPort {
     addr: SocketAddr,
+    /// The listening socket (shut down to wake the accept loop).
+    listener: TcpListener,
     stop: Arc<AtomicBool>,
     conns: Arc<Mutex<HashMap<u64, TcpStream>>>,
     accept: Option<JoinHandle<()>>,
@@ -82,6 +86,9 @@ pub fn serve(
         .map_err(|e| Error::Internal(e.to_string()))?;
     let stop = Arc::new(AtomicBool::new(false));
     let conns: Arc<Mutex<HashMap<u64, TcpStream>>> = Arc::default();
+    let mine = listener
+        .try_clone()
+        .map_err(|e| Error::Internal(format!("starting the rows port: {e}")))?;
     let (st, cs) = (Arc::clone(&stop), Arc::clone(&conns));
     let accept = std::thread::Builder::new()
         .name("pstore-rows".into())
@@ -89,6 +96,7 @@ pub fn serve(
         .map_err(|e| Error::Internal(format!("starting the rows port: {e}")))?;
     Ok(RowsPort {
         addr,
+        listener: mine,
         stop,
         conns,
         accept: Some(accept),
@@ -106,7 +114,11 @@ impl RowsPort {
     pub fn stop(&mut self) {
         self.stop.store(true, Ordering::Release);
         if let Some(t) = self.accept.take() {
-            // Wakes the blocking accept.
+            // Wakes the blocking accept: on Linux it fails at once on a listening socket that
+            // is shut down (and the loop sees `stop`).
+            // SAFETY: `shutdown` on the listener's own open descriptor.
+            unsafe { libc::shutdown(self.listener.as_raw_fd(), libc::SHUT_RDWR) };
+            // Elsewhere a connection wakes it.
             let mut wake = self.addr;
             if wake.ip().is_unspecified() {
                 wake.set_ip(match wake {
@@ -114,7 +126,9 @@ impl RowsPort {
                     SocketAddr::V6(_) => std::net::Ipv6Addr::LOCALHOST.into(),
                 });
             }
-            let _ = TcpStream::connect_timeout(&wake, Duration::from_secs(1));
+            if !t.is_finished() {
+                let _ = TcpStream::connect_timeout(&wake, Duration::from_millis(200));
+            }
             let _ = t.join();
         }
         let conns = std::mem::take(&mut *self.conns.lock().unwrap_or_else(|e| e.into_inner()));
