@@ -1678,7 +1678,7 @@ def test_cli_serve_model_follows_and_stops_on_sigterm(chain, tmp_path):
     shutil.copytree(chain.snaps[0], root / "snap-0")
     out = tmp_path / "m"
     assert run_cli("export", root / "snap-0", "--out", out, "--quiet").returncode == 0
-    port, metrics_port = free_port(), free_port()
+    port, metrics_port, rows_port = free_port(), free_port(), free_port()
     log = tmp_path / "server.log"
     with open(log, "wb") as err:
         proc = subprocess.Popen(
@@ -1700,6 +1700,8 @@ def test_cli_serve_model_follows_and_stops_on_sigterm(chain, tmp_path):
                 "0.1",
                 "--log-interval",
                 "0",
+                "--rows-port",
+                str(rows_port),
             ],
             stdout=subprocess.DEVNULL,
             stderr=err,
@@ -1731,6 +1733,8 @@ def test_cli_serve_model_follows_and_stops_on_sigterm(chain, tmp_path):
             assert time.monotonic() < deadline, log.read_text()
             time.sleep(0.05)
         assert c.tables() == ["bias", "late", "user"]
+        # The pulls, new snapshots' rows included, came over the rows port.
+        assert rows_port_clients(rows_port) >= 1
         with urllib.request.urlopen(f"http://127.0.0.1:{metrics_port}/metrics", timeout=10) as r:
             assert "pstore_model_generation 3" in r.read().decode()
     finally:
@@ -1745,6 +1749,7 @@ def test_cli_serve_model_follows_and_stops_on_sigterm(chain, tmp_path):
     text = log.read_text()
     assert code == 0, text
     assert "event=serving" in text and f"address=127.0.0.1:{port}" in text, text
+    assert f"rows_port={rows_port}" in text, text
     assert text.count("event=applied") == 2, text
     assert "event=stopped" in text, text
 
