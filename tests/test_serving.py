@@ -1281,11 +1281,19 @@ def test_model_server_pulls_are_lookups_at_every_batch_size(chain, tmp_path, dty
                 np.testing.assert_array_equal(
                     c.table("user").pull(many), model.lookup("user", many, default=default)
                 )
+            # A client whose message limit splits a batch into requests: on the rows port they
+            # go one after the other on one connection, each into its part of the output.
+            small = pstore.connect([srv.address], timeout=30.0, max_message=1 << 16)
+            for n in (0, 1, 1433, 1434, 5000):
+                ids = rng.choice(pool, n)
+                np.testing.assert_array_equal(
+                    small.table("user").pull(ids), model.lookup("user", ids, default=default)
+                )
             # The pulls went over the rows port when the server has one (the clients keep
             # their connections to it).
             if via_rows:
                 assert srv.rows_port
-                assert rows_port_clients(srv.rows_port) >= 2
+                assert rows_port_clients(srv.rows_port) >= 3
             else:
                 assert srv.rows_port is None
     finally:

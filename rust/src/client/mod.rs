@@ -929,13 +929,12 @@ impl Client {
         let mut targets = Vec::new();
         let mut parts = Vec::new();
         let route = self.route();
-        // One server, one request: its rows port if it serves one.
+        // One server: its rows port if it serves one, in requests of the size gRPC's would be.
         if route.servers.len() == 1 {
             let limit = (self.config.max_message * 7 / 8).min(CHUNK_BYTES);
-            if ids.len() <= (limit / (8 + dim * wire::width(d))).max(1) {
-                if let Some(v) = self.pull_rows_port(table, dim, &route, ids, out) {
-                    return v;
-                }
+            let per = (limit / (8 + dim * wire::width(d))).max(1);
+            if let Some(v) = self.pull_rows_port(table, dim, &route, ids, out, per) {
+                return v;
             }
         }
         for (i, pos) in route.table.split(ids).into_iter().enumerate() {
@@ -981,9 +980,11 @@ impl Client {
         Ok(versions)
     }
 
-    /// A pull that goes to the one server of the list in one request, on its rows port if it
-    /// serves one (`rows.rs`): `None` when it has none or the port's transport failed (the
-    /// caller then pulls over gRPC), else the pull's result.
+    /// A pull that goes to the one server of the list, on its rows port if it serves one
+    /// (`rows.rs`), in requests of at most `per` ids one after the other on one connection,
+    /// each answer received into its part of `out`: `None` when it has none or the port's
+    /// transport failed (the caller then pulls over gRPC and writes every row again), else the
+    /// pull's result with the oldest generation its parts read (as over gRPC).
     fn pull_rows_port(
         &self,
         table: &str,
@@ -991,6 +992,7 @@ impl Client {
         route: &reshard::Route,
         ids: &[u64],
         out: &mut [std::mem::MaybeUninit<f32>],
+        per: usize,
     ) -> Option<Result<Vec<u64>>> {
         let name = &route.servers.first()?.name;
         let port = self
@@ -1004,17 +1006,29 @@ impl Client {
         }
         let token = self.config.token.as_deref();
         let d = self.config.wire;
-        match port.pull(table, token, d, ids, dim, out, self.config.timeout) {
-            rows::Pulled::Transport => None,
-            rows::Pulled::Failed(s) => Some(Err(error_of(&s, name))),
-            rows::Pulled::Dim(got) => Some(Err(shape(format!(
-                "table {table:?} has dim {got} on server {name}, the client expected {dim}"
-            )))),
-            // Not remembered for a push of the same ids (as `pull_routed` does): a model
-            // server refuses every push, and hashing the batch's ids cost a tenth of this
-            // path's client CPU.
-            rows::Pulled::Rows(generation) => Some(Ok(vec![generation])),
+        let mut generation = u64::MAX;
+        // An empty batch is one (empty) request: its answer tells the generation.
+        for k in 0..ids.len().div_ceil(per).max(1) {
+            let part = &ids[(k * per).min(ids.len())..((k + 1) * per).min(ids.len())];
+            let at = k * per * dim;
+            let len = out.len();
+            let o = &mut out[at.min(len)..(at + part.len() * dim).min(len)];
+            match port.pull(table, token, d, part, dim, o, self.config.timeout) {
+                rows::Pulled::Transport => return None,
+                rows::Pulled::Failed(s) => return Some(Err(error_of(&s, name))),
+                rows::Pulled::Dim(got) => {
+                    return Some(Err(shape(format!(
+                        "table {table:?} has dim {got} on server {name}, the client expected \
+                         {dim}"
+                    ))))
+                }
+                rows::Pulled::Rows(g) => generation = generation.min(g),
+            }
         }
+        // Not remembered for a push of the same ids (as `pull_routed` does): a model server
+        // refuses every push, and hashing the batch's ids cost a tenth of this path's client
+        // CPU.
+        Some(Ok(vec![generation]))
     }
 
     /// Remembers the seq server `i` answered a pull of `table` with.
