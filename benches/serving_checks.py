@@ -1,19 +1,27 @@
-"""Serving row checks A/B (issue 32, decision 0117): the cost of the row and slot checks of a
-serving artifact's row file (layout 2) against the same rows in layout 1 (no checks), for two
-builds of pstore side by side.
+"""Serving row checks A/B (issue 32, decisions 0117 and 0119): the cost of the row and slot
+checks of a serving artifact's row file (the layout each build writes: 2 or 3) against the same
+rows in layout 1 (no checks), for two builds of pstore side by side.
 
-One table of ROWS x 64 rows is exported once (float32, layout 2); a copy of the artifact gets its
-row file rewritten in layout 1 (docs/FORMAT.md, "Row files": slots without their check, rows
-without their CRC-32). Each measurement is a fresh process of one build (its own Python) that
-opens one artifact and times, in its CPU time (`time.process_time`, all threads):
+One table of ROWS x 64 rows is snapshotted once and exported by each build (float32, its own
+layout); a copy of an artifact gets its row file rewritten in layout 1 (docs/FORMAT.md, "Row
+files": slots without their check, rows without their CRC-32). Each measurement is a fresh
+process of one build (its own Python) that opens one artifact and times, in its CPU time
+(`time.process_time`, all threads):
   - cold: the first pass over every row, once each, in a random order (each row's first read);
   - warm: then Zipf(1.05) ids over the same rows (every row already read once), PASSES passes,
-    the median pass.
-Builds and layouts alternate within each round; the ratio of a round is layout 2 over layout 1
-of the same build, and the table gives the median over the rounds.
+    the median pass. A build with the background check (0119) first waits until it has ended
+    (the cold pass's CPU time includes the check's, where they overlap).
+Builds and layouts alternate within each round (the layouts' order by round); the ratio of a
+round is the checked layout over layout 1 of the same build, and the table gives the median over
+the rounds.
 
     python benches/serving_checks.py --python-a A/bin/python --python-b B/bin/python \\
-        [--rows 1000000] [--rounds 5] [--dir DIR]
+        [--rows 1000000] [--rounds 5] [--dir DIR] [--scan-only]
+
+`--scan-only` times build B's background check instead: a fresh process opens its checked
+artifact, looks up one id (which maps the row file and queues the check), then waits for the
+check to end; it reports the opening's wall time, the check's wall time and the process's CPU
+time meanwhile (the check's thread; the waiting thread sleeps), `--rounds` processes.
 
 The child (`python benches/serving_checks.py child '{"path": ..., "batch": ...}'`) prints one
 JSON line.
@@ -59,11 +67,12 @@ def stride(row_bytes: int) -> int:
 
 
 def to_layout_1(rows_file: Path) -> None:
-    """Rewrites a layout 2 row file in place as layout 1: slots keep their row index only, rows
-    lose their checksum and take the stride of their bytes."""
+    """Rewrites a layout 2 or 3 row file in place as layout 1: slots keep their row index only,
+    rows lose their checksum (after each row, or the array after the rows) and take the stride
+    of their bytes."""
     raw = rows_file.read_bytes()
     version, dtype, dim, stride2, rows, slots = struct.unpack_from("<IIIIQQ", raw, 8)
-    assert version == 2 and dtype == 0, (version, dtype)
+    assert version in (2, 3) and dtype == 0, (version, dtype)
     row_bytes = 4 * dim
     stride1 = stride(row_bytes)
     rows_at = -(-(HEADER + SLOT * slots) // 4096) * 4096
@@ -86,8 +95,11 @@ def to_layout_1(rows_file: Path) -> None:
     assert rows_file.stat().st_size == length
 
 
-def build(root: Path, rows: int) -> tuple[Path, Path, np.ndarray]:
-    """The two artifacts (layout 2, layout 1) of one table, and its ids."""
+def build(
+    root: Path, rows: int, pythons: dict[str, str], layout_1: bool = True
+) -> tuple[dict[str, Path], Path, np.ndarray]:
+    """The artifacts of one table exported by each build of `pythons` (its own layout), the
+    artifact rewritten as layout 1 (unless not `layout_1`), and the table's ids."""
     import pstore
     import pstore.serving
     from pstore import optim
@@ -101,14 +113,22 @@ def build(root: Path, rows: int) -> tuple[Path, Path, np.ndarray]:
             t.push(part, g.standard_normal((len(part), DIM)).astype(np.float32))
         store.snapshot(root / "snap")
     shutil.rmtree(root / "store")
-    two = root / "layout2"
-    pstore.serving.export(root / "snap", two)
+    outs = {}
+    for name, py in pythons.items():
+        outs[name] = root / f"checked-{name}"
+        code = "import sys, pstore.serving; pstore.serving.export(sys.argv[1], sys.argv[2])"
+        subprocess.run(
+            [py, "-c", code, str(root / "snap"), str(outs[name])],
+            check=True,
+            cwd=tempfile.gettempdir(),
+        )
     shutil.rmtree(root / "snap")
     one = root / "layout1"
-    shutil.copytree(two, one)
-    (rows_file,) = (one / "tables").glob("*.rows")
-    to_layout_1(rows_file)
-    return two, one, ids
+    if layout_1:
+        shutil.copytree(outs[next(iter(outs))], one)
+        (rows_file,) = (one / "tables").glob("*.rows")
+        to_layout_1(rows_file)
+    return outs, one, ids
 
 
 def child(args: dict) -> None:
@@ -127,6 +147,7 @@ def child(args: dict) -> None:
     for k in range(0, len(cold_ids), batch):
         s.lookup(TABLE, cold_ids[k : k + batch])
     cold = time.process_time() - t0
+    wait_scan(s)
     n = min(len(warm_ids), args["warm_ids"])
     passes = []
     for _ in range(PASSES):
@@ -140,6 +161,35 @@ def child(args: dict) -> None:
         "warm_ns": statistics.median(passes) / n * 1e9,
         "pstore": pstore.__file__,
         "verified": v,
+    }
+    print(json.dumps(out))
+
+
+def wait_scan(s: object) -> dict | None:
+    """Waits for a build with the background check (0119) to end it; its `verified()`."""
+    v = s.verified(TABLE) if hasattr(s, "verified") else None  # type: ignore[attr-defined]
+    while v is not None and v.get("scan") == "running":
+        time.sleep(0.001)
+        v = s.verified(TABLE)  # type: ignore[attr-defined]
+    return v
+
+
+def scan_child(args: dict) -> None:
+    import pstore
+    import pstore.serving
+
+    w0 = time.perf_counter()
+    s = pstore.serving.ServingStore(args["path"])
+    s.lookup(TABLE, np.array([1], np.uint64))
+    opened = time.perf_counter() - w0
+    c0, w0 = time.process_time(), time.perf_counter()
+    v = wait_scan(s)
+    out = {
+        "open_ms": opened * 1e3,
+        "scan_s": time.perf_counter() - w0,
+        "scan_cpu_s": time.process_time() - c0,
+        "verified": v,
+        "pstore": pstore.__file__,
     }
     print(json.dumps(out))
 
@@ -162,18 +212,43 @@ def main() -> None:
     ap.add_argument("--rows", type=int, default=1_000_000)
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--dir", default=None)
+    ap.add_argument("--scan-only", action="store_true", help="time B's background check")
     a = ap.parse_args()
     root = Path(tempfile.mkdtemp(prefix="pstore-checks-", dir=a.dir))
     try:
-        two, one, ids = build(root, a.rows)
+        pythons = {"B": a.python_b} if a.scan_only else {"A": a.python_a, "B": a.python_b}
+        outs, one, ids = build(root, a.rows, pythons, layout_1=not a.scan_only)
         np.save(root / "ids.npy", ids)
         print(f"rows {len(ids)}, load {os.getloadavg()}", flush=True)
+        if a.scan_only:
+            runs = []
+            for _ in range(a.rounds):
+                p = subprocess.run(
+                    [
+                        a.python_b,
+                        str(Path(__file__).resolve()),
+                        "scan",
+                        json.dumps({"path": str(outs["B"])}),
+                    ],
+                    capture_output=True,
+                    text=True,
+                    check=True,
+                    cwd=tempfile.gettempdir(),
+                )
+                runs.append(json.loads(p.stdout.strip().splitlines()[-1]))
+                print(json.dumps(runs[-1]), flush=True)
+            for key in ("open_ms", "scan_s", "scan_cpu_s"):
+                print(key, "median", f"{statistics.median(r[key] for r in runs):.4f}")
+            print(f"load {os.getloadavg()}")
+            return
         res: dict[tuple[str, int, int], list[dict]] = {}
         for rnd in range(a.rounds):
             for batch in BATCHES:
                 warm = {1: 100_000, 256: len(ids), 4096: len(ids)}[batch]
                 for build_name, py in (("A", a.python_a), ("B", a.python_b)):
-                    for layout, path in ((1, one), (2, two)):
+                    pair = [(1, one), (2, outs[build_name])]
+                    # The order of the two layouts alternates by round.
+                    for layout, path in pair if rnd % 2 == 0 else pair[::-1]:
                         r = run_child(
                             py,
                             path=str(path),
@@ -185,7 +260,10 @@ def main() -> None:
                         res.setdefault((build_name, batch, layout), []).append(r)
                         print(rnd, build_name, batch, layout, json.dumps(r), flush=True)
             print(f"round {rnd} done, load {os.getloadavg()}", flush=True)
-        print("| batch | build | cold L1 / L2 ns | cold ratio | warm L1 / L2 ns | warm ratio |")
+        print(
+            "| batch | build | cold L1 / checked ns | cold ratio | warm L1 / checked ns"
+            " | warm ratio |"
+        )
         print("|---|---|---|---|---|---|")
         for batch in BATCHES:
             for b in ("A", "B"):
@@ -207,5 +285,7 @@ def main() -> None:
 if __name__ == "__main__":
     if len(sys.argv) > 2 and sys.argv[1] == "child":
         child(json.loads(sys.argv[2]))
+    elif len(sys.argv) > 2 and sys.argv[1] == "scan":
+        scan_child(json.loads(sys.argv[2]))
     else:
         main()

@@ -9,6 +9,7 @@ import json
 import re
 import shutil
 import struct
+import time
 from pathlib import Path
 
 import lmdb
@@ -18,7 +19,7 @@ import pytest
 import pstore
 import pstore.serving
 from pstore import optim
-from pstore.exceptions import CorruptError
+from pstore.exceptions import CorruptError, InvalidArgumentError
 from pstore.inspection import inspect_store
 
 F32 = np.float32
@@ -202,9 +203,12 @@ ROW_SUM = 4
 INDEX = (1 << 40) - 1
 
 
-def artifact_rows(out: Path, newest: bool = False) -> tuple[Path, dict[int, tuple[int, int]], int]:
+def artifact_rows(
+    out: Path, newest: bool = False
+) -> tuple[Path, dict[int, tuple[int, int, int]], int]:
     """The row file of table "emb" (the only one, or the newest generation's) and, per id, (its
-    slot's offset, its row's offset); the row's bytes (docs/FORMAT.md, "Row files")."""
+    slot's offset, its row's offset, its checksum's offset); the row's bytes (docs/FORMAT.md,
+    "Row files": layout 3 keeps the checksums in an array after the rows)."""
     files = sorted((out / "tables").glob("*.rows"))
     if newest:
         rows_file = files[-1]
@@ -212,13 +216,16 @@ def artifact_rows(out: Path, newest: bool = False) -> tuple[Path, dict[int, tupl
         (rows_file,) = files
     raw = rows_file.read_bytes()
     version, dtype, dim, stride, rows, slots = struct.unpack_from("<IIIIQQ", raw, 8)
-    assert (version, dtype, dim) == (2, 0, DIM)
+    assert (version, dtype, dim) == (3, 0, DIM)
     rows_at = -(-(4096 + 16 * slots) // 4096) * 4096
+    sums_at = rows_at + rows * stride
+    assert len(raw) == sums_at + ROW_SUM * rows
     where = {}
     for i in range(slots):
         k, word = struct.unpack_from("<QQ", raw, 4096 + 16 * i)
         if word:
-            where[k] = (4096 + 16 * i, rows_at + ((word & INDEX) - 1) * stride)
+            r = (word & INDEX) - 1
+            where[k] = (4096 + 16 * i, rows_at + r * stride, sums_at + ROW_SUM * r)
     assert len(where) == rows
     return rows_file, where, 4 * DIM
 
@@ -238,15 +245,21 @@ def test_bit_flips_in_an_artifacts_rows_never_give_a_wrong_row(tmp_path):
     raised = {"row": 0, "slot": 0}
     for k in range(FLIPS):
         hit = int(ids[k % len(ids)])
-        slot_at, row_at = where[hit]
+        slot_at, row_at, sum_at = where[hit]
         # Three flips in four in the row and its checksum, one in its index slot.
         region = "slot" if k % 4 == 3 else "row"
-        at, n = (slot_at, 16) if region == "slot" else (row_at, row_bytes + ROW_SUM)
+        n = 16 if region == "slot" else row_bytes + ROW_SUM
         bit = int(rng.integers(0, n * 8))
+        if region == "slot":
+            at = slot_at + bit // 8
+        elif bit // 8 < row_bytes:
+            at = row_at + bit // 8
+        else:
+            at = sum_at + bit // 8 - row_bytes
         work = tmp_path / f"model-{k}"
         shutil.copytree(out, work)
         damaged = bytearray(pristine)
-        damaged[at + bit // 8] ^= 1 << (bit % 8)
+        damaged[at] ^= 1 << (bit % 8)
         (work / rows_file.relative_to(out)).write_bytes(bytes(damaged))
         with pstore.serving.ServingStore(work) as s:
             try:
@@ -291,11 +304,17 @@ def test_serving_rows_are_checked_on_first_read_and_rewritten_rows_again(tmp_pat
         want = store.sparse_table("emb").pull(ids)
         store.snapshot(tmp_path / "s1", incremental=True)
     rows_file, where, _ = artifact_rows(out)
-    with pstore.serving.ServingStore(out, writable=True) as s:
+    # Reads alone check rows here: no background check (decision 0119).
+    with pstore.serving.ServingStore(out, writable=True, verify="on-read") as s:
         # One bit per row and one per index slot.
         (slots,) = struct.unpack_from("<Q", rows_file.read_bytes(), 32)
         bitmaps = 8 * (-(-len(ids) // 64) + -(-slots // 64))
-        assert s.verified("emb") == {"rows_verified": 0, "rows": len(ids), "bitmap_bytes": bitmaps}
+        assert s.verified("emb") == {
+            "rows_verified": 0,
+            "rows": len(ids),
+            "bitmap_bytes": bitmaps,
+            "scan": "off",
+        }
         # Damage before the first read of a row: refused, naming it; its neighbours are served.
         bad = int(ids[7])
         damage_row(rows_file, where[bad][1] + 2)
@@ -322,5 +341,103 @@ def test_serving_rows_are_checked_on_first_read_and_rewritten_rows_again(tmp_pat
         with pytest.raises(CorruptError, match=f'"emb".*id {hit}|id {hit}.*"emb"'):
             s.lookup("emb", ids)
         damage_row(new_file, new_where[hit][1] + 5)
+        np.testing.assert_array_equal(s.lookup("emb", ids), want)
+        assert s.verified("emb")["rows_verified"] == len(ids)
+
+
+def wait_scan(s: pstore.serving.ServingStore) -> dict:
+    """`verified("emb")` once the background check of the row file has ended (polled; the
+    deadline only bounds a hang)."""
+    deadline = time.monotonic() + 300
+    while (v := s.verified("emb"))["scan"] == "running":
+        assert time.monotonic() < deadline, v
+        time.sleep(0.005)
+    return v
+
+
+def exported(tmp_path: Path, n: int) -> tuple[np.ndarray, np.ndarray, Path]:
+    """Ids, their rows and an artifact of them (table "emb"), with an increment snapshot "s1"
+    that changes every fourth row."""
+    ids = np.unique(np.random.default_rng(119).integers(1 << 40, 1 << 62, n, dtype=np.uint64))
+    build_store(tmp_path / "store", ids)
+    with pstore.Store(tmp_path / "store", durability="none") as store:
+        want = store.sparse_table("emb").pull(ids)
+        store.snapshot(tmp_path / "s0")
+        pstore.serving.export(tmp_path / "s0", tmp_path / "model")
+        store.sparse_table("emb").push(ids[::4], np.ones((len(ids[::4]), DIM), F32))
+        store.snapshot(tmp_path / "s1", incremental=True)
+    return ids, want, tmp_path / "model"
+
+
+def test_the_background_check_verifies_a_sound_row_file_whole(tmp_path):
+    """Opening an artifact queues its row files for one background check (decision 0119): a
+    sound file ends "verified", every row and slot with it, though lookups read one row."""
+    ids, want, out = exported(tmp_path, 3000)
+    with pstore.serving.ServingStore(out) as s:
+        np.testing.assert_array_equal(s.lookup("emb", ids[:1]), want[:1])
+        v = wait_scan(s)
+        assert v["scan"] == "verified", v
+        assert v["rows_verified"] == v["rows"] == len(ids)
+        np.testing.assert_array_equal(s.lookup("emb", ids), want)
+    # The environment setting turns it off.
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("PSTORE_SERVING_VERIFY", "on-read")
+        with pstore.serving.ServingStore(out) as s:
+            s.lookup("emb", ids[:5])
+            assert s.verified("emb")["scan"] == "off"
+            assert s.verified("emb")["rows_verified"] == 5
+        mp.setenv("PSTORE_SERVING_VERIFY", "sometimes")
+        with pytest.raises(InvalidArgumentError, match="PSTORE_SERVING_VERIFY"):
+            pstore.serving.ServingStore(out)
+    with pytest.raises(InvalidArgumentError, match="on-read"):
+        pstore.serving.ServingStore(out, verify="never")
+
+
+def test_a_damaged_row_is_refused_before_and_after_the_background_check(tmp_path):
+    """Damage found by the background check never lets it mark the file verified: the damaged
+    row is refused on every read, before the check and after it, and the others are served."""
+    ids, want, out = exported(tmp_path, 3000)
+    rows_file, where, _ = artifact_rows(out)
+    bad = int(ids[1234])
+    damage_row(rows_file, where[bad][1] + 9)
+    refused = f'"emb".*id {bad}|id {bad}.*"emb"'
+    with pstore.serving.ServingStore(out, verify="on-read") as before:
+        with pytest.raises(CorruptError, match=refused):
+            before.lookup("emb", ids)
+        assert before.verified("emb")["scan"] == "off"
+        # A second opening that asks for the check shares the first, and checks its file.
+        with pstore.serving.ServingStore(out) as s:
+            v = wait_scan(s)
+            assert v["scan"] == "damaged", v
+            assert v["rows_verified"] == len(ids) - 1
+            for _ in range(2):
+                with pytest.raises(CorruptError, match=refused):
+                    s.lookup("emb", ids[1000:2000])
+            others = np.delete(np.arange(len(ids)), 1234)
+            np.testing.assert_array_equal(s.lookup("emb", ids[others]), want[others])
+            assert wait_scan(s)["scan"] == "damaged"
+
+
+def test_an_increments_new_row_file_is_checked_anew(tmp_path):
+    """A snapshot that changes a table writes a new row file: it starts unverified and gets its
+    own check, so damage to it is found although the previous file was verified."""
+    ids, _, out = exported(tmp_path, 3000)
+    with pstore.Store(tmp_path / "store", durability="none") as store:
+        want = store.sparse_table("emb").pull(ids)
+    with pstore.serving.ServingStore(out, writable=True) as s:
+        s.lookup("emb", ids[:1])
+        assert wait_scan(s)["scan"] == "verified"
+        s.apply(tmp_path / "s1")
+        new_file, new_where, _ = artifact_rows(out, newest=True)
+        hit = int(ids[::4][5])
+        damage_row(new_file, new_where[hit][1] + 1)
+        v = s.verified("emb")
+        assert v["scan"] in ("running", "damaged"), v
+        with pytest.raises(CorruptError, match=f"id {hit}"):
+            s.lookup("emb", ids)
+        assert wait_scan(s)["scan"] == "damaged"
+        # Undone on disk (the same bytes again): the file's check stays "damaged" (it ran
+        # once), and reads verify the row now.
+        damage_row(new_file, new_where[hit][1] + 1)
         np.testing.assert_array_equal(s.lookup("emb", ids), want)
         assert s.verified("emb")["rows_verified"] == len(ids)

@@ -203,7 +203,7 @@ def find_row(path: Path, row_id: int) -> tuple[dict, int | None, int]:
     raw = path.read_bytes()
     fields = struct.unpack_from("<8sIIIIQQQQQI", raw)
     magic, version, dtype, dim, stride, rows, slots, gen, length, artifact, crc = fields
-    assert magic == b"PSTROWS\0" and version == 2 and zlib.crc32(raw[:64]) == crc
+    assert magic == b"PSTROWS\0" and version == 3 and zlib.crc32(raw[:64]) == crc
     assert length == len(raw)
     header = {"dtype": dtype, "dim": dim, "stride": stride, "rows": rows, "slots": slots}
     header |= {"generation": gen, "artifact": artifact}
@@ -218,7 +218,8 @@ def find_row(path: Path, row_id: int) -> tuple[dict, int | None, int]:
         assert w >> 40 == mix64(k ^ mix64(r ^ 0x707374726F777332)) >> 40, "the slot's check"
         if k == row_id:
             at = rows_at + (r - 1) * stride
-            (row_sum,) = struct.unpack_from("<I", raw, at + row_bytes)
+            # Layout 3: the rows' checksums in an array after the rows.
+            (row_sum,) = struct.unpack_from("<I", raw, rows_at + rows * stride + 4 * (r - 1))
             assert row_sum == zlib.crc32(struct.pack("<Q", k) + raw[at : at + row_bytes])
             return header, at, row_bytes
         i = (i + 1) & (slots - 1)
@@ -443,9 +444,9 @@ def test_bytes_per_row_by_dtype(tmp_path, rng):
         assert info["file_bytes"] == sizes[dtype]
         per_row[dtype] = sizes[dtype] / n
         assert info["bytes_per_row"] == pytest.approx(per_row[dtype])
-        # The row file: the rows and their checksums at their stride, 16-byte slots at most two
-        # thirds full.
-        stride = {"float32": 260, "float16": 132, "int8": 72}[dtype]
+        # The row file: the rows at their stride, their 4-byte checksums after them, 16-byte
+        # slots at most two thirds full.
+        stride = {"float32": 256, "float16": 128, "int8": 68}[dtype] + 4
         assert per_row[dtype] >= stride
         assert per_row[dtype] <= stride + 16 * 3 + 8192 / n + 50_000 / n
     print(

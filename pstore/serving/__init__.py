@@ -103,11 +103,22 @@ class ServingStore:
     writes rows: an artifact changes only by applying snapshots training took
     (:meth:`apply`, :meth:`follow`). Opening an artifact a second time in one process shares the
     first opening.
+
+    ``verify`` chooses how rows are checked against their checksums (every row is checked
+    before it is served; decision 0119): ``"background"`` (the default) has one low-priority
+    thread of the process read each row file once, whole, after it is opened; lookups check the
+    rows it has not reached on their first read, and nothing once it found the file sound.
+    ``"on-read"`` checks each row on its first read in the process only (no thread). ``None``
+    takes the ``PSTORE_SERVING_VERIFY`` environment setting (``background`` or ``on-read``),
+    else ``"background"``. The background check runs if any opening of the directory in the
+    process asked for it.
     """
 
-    def __init__(self, path: PathLike, *, writable: bool = False) -> None:
+    def __init__(
+        self, path: PathLike, *, writable: bool = False, verify: str | None = None
+    ) -> None:
         self.path = os.fspath(path)
-        self._native: _native.Artifact | None = _native.Artifact(self.path, writable)
+        self._native: _native.Artifact | None = _native.Artifact(self.path, writable, verify)
 
     @property
     def _inner(self) -> _native.Artifact:
@@ -201,17 +212,21 @@ class ServingStore:
         """A bool mask: which ids the artifact has rows for."""
         return self._inner.contains(table, _as_ids(ids))
 
-    def verified(self, table: str) -> dict[str, int]:
+    def verified(self, table: str) -> dict[str, Any]:
         """How far this process checked a sparse table's rows: ``"rows_verified"`` (rows whose
-        checksum it verified, each on its first read; later reads of a verified row skip the
-        check), ``"rows"`` and ``"bitmap_bytes"`` (the memory of the bitmaps that remember the
-        rows and index slots verified). Rows a snapshot applied rewrote are in a new row file,
-        checked again. An
-        artifact of format version 1 (rows in LMDB) reports ``rows_verified`` 0."""
+        checksum it verified, on a read or by the background check; later reads of a verified
+        row skip the check), ``"rows"``, ``"bitmap_bytes"`` (the memory of the bitmaps that
+        remember the rows and index slots verified) and ``"scan"``, where the background check
+        of the whole row file stands: ``"off"`` (``verify="on-read"``), ``"running"``,
+        ``"verified"`` (every row and slot sound: lookups check nothing more), ``"damaged"``
+        (damage found: those rows are refused on every read, the others served) or
+        ``"stopped"``. Rows a snapshot applied rewrote are in a new row file, checked again. An
+        artifact of format version 1 (rows in LMDB) reports ``rows_verified`` 0 and scan
+        ``"off"``."""
         r = self._inner.verified(table)
         if r is None:
-            return {"rows_verified": 0, "rows": 0, "bitmap_bytes": 0}
-        return {"rows_verified": r[0], "rows": r[1], "bitmap_bytes": r[2]}
+            return {"rows_verified": 0, "rows": 0, "bitmap_bytes": 0, "scan": "off"}
+        return {"rows_verified": r[0], "rows": r[1], "bitmap_bytes": r[2], "scan": r[3]}
 
     def dense(self, table: str) -> np.ndarray:
         """A dense table's value (float32, its shape)."""

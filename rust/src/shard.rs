@@ -207,6 +207,58 @@ impl Index {
     }
 }
 
+/// What a lookup across shards reads of one shard ([`Shard::for_each_found_across`]): its
+/// index and row chunks, borrowed for as long as the shard is.
+#[derive(Clone, Copy)]
+pub struct View<'a> {
+    index: &'a [u64],
+    shift: u32,
+    chunks: &'a [Buffer<u32>],
+    chunk_magic: u64,
+    chunk_rows: usize,
+    stride: usize,
+}
+
+impl<'a> View<'a> {
+    fn of(shard: &'a Shard) -> Self {
+        Self {
+            index: &shard.index.table,
+            shift: 32 - shard.index.bits,
+            chunks: &shard.chunks,
+            chunk_magic: shard.chunk_magic,
+            chunk_rows: shard.chunk_rows,
+            stride: shard.stride,
+        }
+    }
+
+    /// The index entry where the probe for fragment `f` starts.
+    #[inline(always)]
+    fn entry(&self, f: u32) -> *const u64 {
+        // `f >> shift` is below 2^bits, the index's length.
+        self.index[(f >> self.shift) as usize..].as_ptr()
+    }
+
+    /// The row of the first entry carrying fragment `f` (as [`Index::candidate`]), or `None`.
+    #[inline(always)]
+    fn candidate(&self, f: u32) -> Option<&'a [u32]> {
+        let mask = self.index.len() - 1;
+        let mut p = (f >> self.shift) as usize;
+        loop {
+            let e = self.index[p];
+            if e == 0 {
+                return None;
+            }
+            if (e >> 32) as u32 == f {
+                let slot = (e as u32).wrapping_sub(1);
+                let c = ((self.chunk_magic as u128 * slot as u128) >> 64) as usize;
+                let off = (slot as usize - c * self.chunk_rows) * self.stride;
+                return self.chunks.get(c)?.get(off..off + self.stride);
+            }
+            p = (p + 1) & mask;
+        }
+    }
+}
+
 /// Views 32-bit words as f32 values.
 #[inline]
 pub fn as_f32(words: &[u32]) -> &[f32] {
@@ -404,6 +456,70 @@ impl Shard {
                     self.find(id).unwrap_or(NO_SLOT)
                 };
                 f(k, slot);
+            }
+        }
+    }
+
+    /// Calls `f(k, row)` for every `k` in order, with the words of the row of `ids[k]` (its
+    /// shard among `shards`, a table's shards, all of them, in order), or `None` where it has
+    /// no row.
+    ///
+    /// The batch is read in its own order, with no grouping by shard: the pipeline of
+    /// [`Shard::for_each_found`] (index line `AHEAD` ids before the probe, the row `AHEAD` ids
+    /// before `f`, here its lines from `HEADER + row_words` words) runs over the whole batch,
+    /// whichever shard each id falls in, so it never drains at a shard's boundary, and `f` is
+    /// called at consecutive positions. Each shard's fields are read once per call into a
+    /// [`View`], and a row is located once (its address travels down the pipeline): a pull
+    /// from the cache spends its time in the copy, not in bookkeeping.
+    #[inline]
+    pub fn for_each_found_across<'a>(
+        shards: &[&'a Shard],
+        ids: &[u64],
+        row_words: usize,
+        mut f: impl FnMut(usize, Option<&'a [u32]>),
+    ) {
+        // Entries live 2 * AHEAD steps; a ring of twice that is never overwritten while read.
+        const RING: usize = 4 * AHEAD;
+        let views: Vec<View<'a>> = shards.iter().map(|s| View::of(s)).collect();
+        let n = ids.len();
+        let reach = (HEADER + row_words) * 4;
+        let mut mixes = [0u64; RING];
+        let mut at = [0usize; RING];
+        let mut rows: [Option<&'a [u32]>; RING] = [None; RING];
+        for i in 0..n + 2 * AHEAD {
+            if i < n {
+                let m = mix64(ids[i]);
+                let s = shard_of_mix(m, views.len());
+                prefetch(views[s].entry(frag_of_mix(m)));
+                (mixes[i % RING], at[i % RING]) = (m, s);
+            }
+            if i >= AHEAD && i - AHEAD < n {
+                let j = (i - AHEAD) % RING;
+                let row = views[at[j]].candidate(frag_of_mix(mixes[j]));
+                if let Some(r) = row {
+                    // The candidate is almost always the row: load the lines `f` will read.
+                    let start = r.as_ptr() as usize;
+                    let mut line = start & !63;
+                    while line < start + reach {
+                        prefetch(line as *const u8);
+                        line += 64;
+                    }
+                }
+                rows[j] = row;
+            }
+            if i >= 2 * AHEAD {
+                let k = i - 2 * AHEAD;
+                let id = ids[k];
+                let row = match rows[k % RING] {
+                    Some(r) if r[0] as u64 | ((r[1] as u64) << 32) == id => Some(r),
+                    None => None,
+                    // Two ids share the 32-bit fragment: probe past the first candidate.
+                    Some(_) => {
+                        let shard = shards[at[k % RING]];
+                        shard.find(id).map(|slot| shard.row(slot))
+                    }
+                };
+                f(k, row);
             }
         }
     }

@@ -11,7 +11,7 @@ use super::convert::err;
 use super::net::{server_config, PyServer};
 use super::{run, slice, PyCounter};
 use crate::error::Error;
-use crate::serving::{Artifact, Dtype, Fallback};
+use crate::serving::{Artifact, Dtype, Fallback, Verify};
 
 fn fallback(default: &str, row: Option<PyReadonlyArray1<'_, f32>>) -> PyResult<Fallback> {
     match (default, row) {
@@ -53,9 +53,10 @@ impl PyArtifact {
 #[pymethods]
 impl PyArtifact {
     #[new]
-    #[pyo3(signature = (path, writable=false))]
-    fn new(py: Python<'_>, path: PathBuf, writable: bool) -> PyResult<Self> {
-        let inner = run(py, || Artifact::open(&path, writable))?;
+    #[pyo3(signature = (path, writable=false, verify=None))]
+    fn new(py: Python<'_>, path: PathBuf, writable: bool, verify: Option<&str>) -> PyResult<Self> {
+        let verify = verify.map(Verify::parse).transpose().map_err(err)?;
+        let inner = run(py, || Artifact::open_with(&path, writable, verify))?;
         Ok(Self { inner, writable })
     }
 
@@ -113,10 +114,17 @@ impl PyArtifact {
         Ok(m.into_pyarray(py))
     }
 
-    /// (rows verified in this process, rows, bitmap bytes) of a sparse table's row file.
-    fn verified(&self, py: Python<'_>, table: &str) -> PyResult<Option<(u64, u64, usize)>> {
+    /// (rows verified in this process, rows, bitmap bytes, background check's state) of a
+    /// sparse table's row file.
+    #[allow(clippy::type_complexity)]
+    fn verified(
+        &self,
+        py: Python<'_>,
+        table: &str,
+    ) -> PyResult<Option<(u64, u64, usize, &'static str)>> {
         let a = &self.inner;
-        run(py, || a.verified(table))
+        let v = run(py, || a.verified(table))?;
+        Ok(v.map(|v| (v.rows_verified, v.rows, v.bitmap_bytes, v.scan.as_str())))
     }
 
     fn dense<'py>(&self, py: Python<'py>, table: &str) -> PyResult<Bound<'py, PyArrayDyn<f32>>> {

@@ -9,12 +9,13 @@
 
 pub mod quant;
 pub mod rowfile;
+mod scan;
 
 use std::collections::HashMap;
 use std::fs::File;
 use std::os::fd::AsRawFd;
 use std::path::{Path, PathBuf};
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, OnceLock, RwLock, Weak};
 
 use heed::types::Bytes;
@@ -87,6 +88,53 @@ impl Hint {
 const MAP_SIZE: usize = 1 << 40;
 /// Named databases at most: one per sparse table ever held.
 const MAX_DBS: u32 = 4096;
+/// How an opened artifact's row files are checked (decision 0119).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Verify {
+    /// A background thread verifies each row file once, whole; reads check the rows it has
+    /// not verified yet on their first read, and nothing once it found the file sound.
+    Background,
+    /// Reads check each row and slot on its first read in the process (decision 0117).
+    OnRead,
+}
+
+/// The environment setting that chooses [`Verify`] where the caller does not.
+pub const VERIFY_ENV: &str = "PSTORE_SERVING_VERIFY";
+
+impl Verify {
+    /// `"background"` or `"on-read"`.
+    pub fn parse(s: &str) -> Result<Verify> {
+        match s {
+            "background" => Ok(Verify::Background),
+            "on-read" => Ok(Verify::OnRead),
+            _ => Err(invalid(format!(
+                "verify must be \"background\" or \"on-read\", got {s:?}"
+            ))),
+        }
+    }
+
+    /// [`VERIFY_ENV`]'s choice, [`Verify::Background`] when it is unset.
+    pub fn from_env() -> Result<Verify> {
+        match std::env::var(VERIFY_ENV) {
+            Ok(v) => Verify::parse(&v).map_err(|e| invalid(format!("{VERIFY_ENV}: {e}"))),
+            Err(_) => Ok(Verify::Background),
+        }
+    }
+}
+
+/// What [`Artifact::verified`] reports of a table's row file.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Verified {
+    /// Rows whose checksum this process verified.
+    pub rows_verified: u64,
+    /// Rows the file holds.
+    pub rows: u64,
+    /// Bytes of the bitmaps of verified rows and slots.
+    pub bitmap_bytes: usize,
+    /// Where the background check of the whole file stands.
+    pub scan: rowfile::Scan,
+}
+
 /// Lookups of more ids than this are split over the thread pool.
 const PARALLEL_MIN_IDS: usize = 2048;
 /// Ids per part of a split lookup (row files).
@@ -279,6 +327,9 @@ pub struct Artifact {
     pinned: RwLock<Option<Arc<Pinned>>>,
     /// The generation hint (absent in version 1 artifacts opened read-only).
     hint: Option<Hint>,
+    /// Row files are verified whole in the background ([`Verify::Background`]): set when any
+    /// opening of the directory in this process asked for it.
+    background: AtomicBool,
 }
 
 /// One generation of an artifact as lookups use it: the table records and mapped row files.
@@ -330,6 +381,31 @@ impl Artifact {
     /// writer at a time, across processes). Opening a directory this process has open already
     /// shares that opening (a read-only one cannot become writable).
     pub fn open(path: &Path, writable: bool) -> Result<Arc<Artifact>> {
+        Self::open_with(path, writable, None)
+    }
+
+    /// [`Artifact::open`] with the row files' checks chosen (`None`: [`VERIFY_ENV`], else
+    /// [`Verify::Background`]). The background check runs when any opening of the directory
+    /// in this process asked for it.
+    pub fn open_with(path: &Path, writable: bool, verify: Option<Verify>) -> Result<Arc<Artifact>> {
+        let verify = match verify {
+            Some(v) => v,
+            None => Verify::from_env()?,
+        };
+        let a = Self::open_shared(path, writable)?;
+        if verify == Verify::Background && !a.background.swap(true, Ordering::AcqRel) {
+            // Files pinned by an opening that did not ask for it.
+            let pinned = a.pinned.read().unwrap_or_else(|e| e.into_inner()).clone();
+            for f in pinned.iter().flat_map(|p| p.tables.values()) {
+                if let Some(f) = &f.file {
+                    scan::schedule(f);
+                }
+            }
+        }
+        Ok(a)
+    }
+
+    fn open_shared(path: &Path, writable: bool) -> Result<Arc<Artifact>> {
         check_dir(path)?;
         let canon = path
             .canonicalize()
@@ -454,6 +530,7 @@ impl Artifact {
             } else {
                 Hint::open(path, writable)?
             },
+            background: AtomicBool::new(false),
         };
         if writable && !create {
             if a.state()?.version < FORMAT_VERSION {
@@ -780,7 +857,7 @@ impl Artifact {
                                     gone = Some(path);
                                     break;
                                 }
-                                Some(Arc::new(rowfile::RowFile::open(
+                                let f = Arc::new(rowfile::RowFile::open(
                                     &path,
                                     rowfile::Expect {
                                         artifact: state.artifact,
@@ -789,7 +866,11 @@ impl Artifact {
                                         dim: t.dim,
                                         rows: t.rows,
                                     },
-                                )?))
+                                )?);
+                                if self.background.load(Ordering::Acquire) {
+                                    scan::schedule(&f);
+                                }
+                                Some(f)
                             }
                         }
                     }
@@ -901,13 +982,17 @@ impl Artifact {
         }))
     }
 
-    /// Rows of sparse `table`'s current row file whose checksum this process verified (each on
-    /// its first read: later reads skip it), the rows it holds, and the bytes of its bitmap of
-    /// verified rows. `None` for a table whose rows are in LMDB (format version 1).
-    pub fn verified(&self, table: &str) -> Result<Option<(u64, u64, usize)>> {
-        Ok(self
-            .pinned_file(table)?
-            .map(|(_, f)| (f.rows_verified(), f.rows(), f.bitmap_bytes())))
+    /// How far this process verified sparse `table`'s current row file: rows whose checksum
+    /// it verified (on a read or by the background check), the rows it holds, the bytes of the
+    /// bitmaps, and the background check's state. `None` for a table whose rows are in LMDB
+    /// (format version 1).
+    pub fn verified(&self, table: &str) -> Result<Option<Verified>> {
+        Ok(self.pinned_file(table)?.map(|(_, f)| Verified {
+            rows_verified: f.rows_verified(),
+            rows: f.rows(),
+            bitmap_bytes: f.bitmap_bytes(),
+            scan: f.scan_state(),
+        }))
     }
 
     /// Which of `ids` the artifact has rows for.

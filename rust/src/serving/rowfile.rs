@@ -6,7 +6,7 @@
 use std::fs::File;
 use std::os::fd::AsRawFd;
 use std::path::{Path, PathBuf};
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::atomic::{AtomicU64, AtomicU8, Ordering};
 
 use super::quant::Dtype;
 use crate::error::{corrupt, storage, Result};
@@ -14,10 +14,12 @@ use crate::hash::mix64;
 
 /// The first bytes of every row file.
 pub const MAGIC: [u8; 8] = *b"PSTROWS\0";
-/// The row file layout this build writes (it reads layout 1 too: no checksums).
-/// Layout 2: each row is followed by its checksum ([`row_sum`]), and each slot carries a check
-/// of itself ([`slot_check`]) above its row index.
-pub const FILE_VERSION: u32 = 2;
+/// The row file layout this build writes (it reads layouts 1 and 2 too).
+/// Layout 1: no checks. Layout 2: each row is followed by its checksum ([`row_sum`]), and each
+/// slot carries a check of itself ([`slot_check`]) above its row index. Layout 3: slots as in
+/// layout 2, rows at the stride of their bytes (as in layout 1), their checksums in an array
+/// after the rows: a row verified once in a process is read later without the checksum's line.
+pub const FILE_VERSION: u32 = 3;
 /// Bits of a layout 2 slot's second word that hold the row index plus one; the check of the
 /// slot is in the bits above.
 const INDEX_BITS: u32 = 40;
@@ -32,6 +34,52 @@ const HEADER_CRC_AT: usize = 64;
 const SLOT: usize = 16;
 /// Slots per batch stage: the misses of one stage overlap.
 const BLOCK: usize = 32;
+/// Rows whose ids one pass of [`RowFile::verify_all`] collects from the index (8 bytes each).
+const SCAN_WINDOW: usize = 1 << 22;
+/// Rows or slots [`RowFile::verify_all`] handles between two looks at whether to stop.
+const SCAN_STEP: usize = 1 << 16;
+
+/// Where the whole-file check of a row file stands ([`RowFile::verify_all`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Scan {
+    /// Not asked for (or layout 1: nothing to check): reads check rows and slots themselves.
+    Off,
+    /// Queued or under way: reads check what it has not verified yet.
+    Running,
+    /// Every row and slot verified: reads check nothing more.
+    Verified,
+    /// Damage found: the damaged rows or slots are refused on every read; reads keep checking.
+    Damaged,
+    /// Stopped before its end (the file was closed): reads keep checking.
+    Stopped,
+}
+
+impl Scan {
+    fn code(self) -> u8 {
+        self as u8
+    }
+
+    fn of(code: u8) -> Scan {
+        [
+            Scan::Off,
+            Scan::Running,
+            Scan::Verified,
+            Scan::Damaged,
+            Scan::Stopped,
+        ][code as usize]
+    }
+
+    /// The name `verified()` reports.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Scan::Off => "off",
+            Scan::Running => "running",
+            Scan::Verified => "verified",
+            Scan::Damaged => "damaged",
+            Scan::Stopped => "stopped",
+        }
+    }
+}
 
 /// Bytes from one row to the next for rows of `row_bytes`: rows of up to a cache line take a
 /// power of two (so each lies in one line); longer ones the smallest multiple of 4 at which no
@@ -80,7 +128,7 @@ pub fn slot_check(id: u64, r1: u64) -> u64 {
 
 /// Bytes a row takes in a file of `version` (its stored bytes, then its checksum in layout 2).
 fn entry_bytes(version: u32, row_bytes: usize) -> usize {
-    if version >= 2 {
+    if version == 2 {
         row_bytes + ROW_SUM_BYTES
     } else {
         row_bytes
@@ -200,7 +248,9 @@ pub struct RowFile {
     rows: u64,
     mask: usize,
     rows_at: usize,
-    /// Layout 2: slots and rows carry checks; a row's is verified on its first read here.
+    /// Layout 3: where the array of the rows' checksums starts (layout 2: after each row).
+    sums_at: Option<usize>,
+    /// Layouts 2 and 3: slots and rows carry checks, each verified on its first read here.
     checked: bool,
     /// One bit per row (layout 2): set once this process verified the row's checksum, so later
     /// lookups skip it. The file never changes (a generation that changes rows writes a new
@@ -208,6 +258,9 @@ pub struct RowFile {
     verified: Box<[AtomicU64]>,
     /// One bit per index slot (layout 2): set once this process verified the slot's check.
     slots_verified: Box<[AtomicU64]>,
+    /// A [`Scan`]: `Verified` once a whole-file check found every row and slot sound; lookups
+    /// then take layout 1's path (no bitmap, no checksum line), testing this once a batch.
+    scan: AtomicU8,
 }
 
 impl std::fmt::Debug for RowFile {
@@ -219,11 +272,17 @@ impl std::fmt::Debug for RowFile {
     }
 }
 
-/// The layout of a file of `rows` rows: (slots, where the rows start, file length).
-fn layout(rows: u64, stride: usize) -> (u64, usize, usize) {
+/// The layout of a file of `version` with `rows` rows: (slots, where the rows start, file
+/// length). Layout 3 ends with the rows' checksums (4 bytes a row, right after the rows).
+fn layout(version: u32, rows: u64, stride: usize) -> (u64, usize, usize) {
     let slots = slots_for(rows);
     let rows_at = (HEADER + slots as usize * SLOT).div_ceil(4096) * 4096;
-    (slots, rows_at, rows_at + rows as usize * stride)
+    let sums = if version >= 3 {
+        rows as usize * ROW_SUM_BYTES
+    } else {
+        0
+    };
+    (slots, rows_at, rows_at + rows as usize * stride + sums)
 }
 
 impl RowFile {
@@ -289,7 +348,7 @@ impl RowFile {
         }
         let row_bytes = want.dtype.row_bytes(want.dim);
         let st = stride(entry_bytes(version, row_bytes));
-        let (want_slots, rows_at, want_len) = layout(rows, st);
+        let (want_slots, rows_at, want_len) = layout(version, rows, st);
         if stride_f as usize != st || slots != want_slots || file_len as usize != want_len {
             return Err(bad("has a header that does not fit its rows".into()));
         }
@@ -310,6 +369,7 @@ impl RowFile {
             rows,
             mask: slots as usize - 1,
             rows_at,
+            sums_at: (version >= 3).then(|| rows_at + rows as usize * st),
             checked: version >= 2,
             verified: if version >= 2 {
                 (0..rows.div_ceil(64)).map(|_| AtomicU64::new(0)).collect()
@@ -321,6 +381,7 @@ impl RowFile {
             } else {
                 Box::default()
             },
+            scan: AtomicU8::new(Scan::Off.code()),
         })
     }
 
@@ -353,10 +414,56 @@ impl RowFile {
         unsafe { self.map.ptr.add(self.rows_at + r * self.stride) }
     }
 
+    /// Where row `r`'s checksum is (layouts 2 and 3).
+    #[inline(always)]
+    fn sum_at(&self, r: usize) -> usize {
+        match self.sums_at {
+            Some(s) => s + r * ROW_SUM_BYTES,
+            None => self.rows_at + r * self.stride + self.row_bytes,
+        }
+    }
+
     /// Whether row `r` (< rows) needs no check: layout 1, or verified before in this process.
     #[inline(always)]
     fn trusted(&self, r: usize) -> bool {
         !self.checked || self.verified[r / 64].load(Ordering::Relaxed) & (1 << (r % 64)) != 0
+    }
+
+    /// Whether reads check nothing: layout 1, or every row and slot verified by
+    /// [`RowFile::verify_all`]. Tested once a batch.
+    #[inline(always)]
+    fn unchecked(&self) -> bool {
+        !self.checked || self.scan.load(Ordering::Acquire) == Scan::Verified.code()
+    }
+
+    /// Where the whole-file check stands.
+    pub fn scan_state(&self) -> Scan {
+        Scan::of(self.scan.load(Ordering::Acquire))
+    }
+
+    /// Marks the file queued for [`RowFile::verify_all`]; false when it needs none (layout 1)
+    /// or was queued before.
+    pub fn queue_scan(&self) -> bool {
+        self.checked
+            && self
+                .scan
+                .compare_exchange(
+                    Scan::Off.code(),
+                    Scan::Running.code(),
+                    Ordering::AcqRel,
+                    Ordering::Acquire,
+                )
+                .is_ok()
+    }
+
+    /// Marks a queued file as not scanned after all (no thread to scan it).
+    pub fn unqueue_scan(&self) {
+        let _ = self.scan.compare_exchange(
+            Scan::Running.code(),
+            Scan::Off.code(),
+            Ordering::AcqRel,
+            Ordering::Acquire,
+        );
     }
 
     /// Rows of the file whose checksum this process verified (layout 2; 0 for layout 1).
@@ -375,8 +482,8 @@ impl RowFile {
     /// The stored bytes of row `r` (< rows) of `id`: its checksum verified on its first read
     /// in this process (layout 2), later reads trust that check.
     #[inline(always)]
-    fn row(&self, id: u64, r: usize) -> Result<&[u8]> {
-        if self.trusted(r) {
+    fn row<const CHECK: bool>(&self, id: u64, r: usize) -> Result<&[u8]> {
+        if !CHECK || self.trusted(r) {
             let at = self.rows_at + r * self.stride;
             return Ok(&self.map.bytes()[at..at + self.row_bytes]);
         }
@@ -392,7 +499,7 @@ impl RowFile {
         let b = self.map.bytes();
         let row = &b[at..at + self.row_bytes];
         if self.checked {
-            let stored = u32_at(b, at + self.row_bytes);
+            let stored = u32_at(b, self.sum_at(r));
             let found = row_sum(id, row);
             if stored != found {
                 return Err(corrupt(format!(
@@ -409,7 +516,11 @@ impl RowFile {
     /// verified (layout 2); 0 for an empty slot. `looking`: the id whose probe reads it.
     /// A slot verified before in this process is trusted (its bit in `slots_verified`).
     #[inline(always)]
-    fn slot_row(&self, i: usize, k: u64, w: u64, looking: u64) -> Result<u64> {
+    fn slot_row<const CHECK: bool>(&self, i: usize, k: u64, w: u64, looking: u64) -> Result<u64> {
+        if !CHECK {
+            // Layout 1 (no check bits) or every slot verified.
+            return Ok(w & INDEX_MASK);
+        }
         if !self.checked || w == 0 {
             return Ok(w);
         }
@@ -459,11 +570,11 @@ impl RowFile {
 
     /// The row index of `id`, starting the probe at slot `h & mask`.
     #[inline(always)]
-    fn find_from(&self, id: u64, h: u64) -> Result<Option<usize>> {
+    fn find_from<const CHECK: bool>(&self, id: u64, h: u64) -> Result<Option<usize>> {
         let mut i = h as usize & self.mask;
         for _ in 0..=self.mask {
             let (k, w) = self.slot(i);
-            let r = self.slot_row(i, k, w, id)?;
+            let r = self.slot_row::<CHECK>(i, k, w, id)?;
             if r == 0 {
                 return Ok(None);
             }
@@ -484,7 +595,12 @@ impl RowFile {
 
     /// Whether the file holds `id`.
     pub fn contains(&self, id: u64) -> Result<bool> {
-        Ok(self.find_from(id, mix64(id))?.is_some())
+        let found = if self.unchecked() {
+            self.find_from::<false>(id, mix64(id))?
+        } else {
+            self.find_from::<true>(id, mix64(id))?
+        };
+        Ok(found.is_some())
     }
 
     /// Decodes the rows of `ids` into `out` (`ids.len() * dim` floats) and marks `found`; ids
@@ -493,11 +609,24 @@ impl RowFile {
     /// of the next stage are prefetched while this stage's rows are decoded, and this stage's
     /// rows are prefetched as its slots are probed, so the misses of a stage overlap.
     pub fn gather(&self, ids: &[u64], out: &mut [f32], found: &mut [bool]) -> Result<()> {
+        if self.unchecked() {
+            self.gather_with::<false>(ids, out, found)
+        } else {
+            self.gather_with::<true>(ids, out, found)
+        }
+    }
+
+    /// [`RowFile::gather`] with the per-read checks (`CHECK`) or without (layout 1, or a file
+    /// [`RowFile::verify_all`] found sound).
+    #[inline(always)]
+    fn gather_with<const CHECK: bool>(
+        &self,
+        ids: &[u64],
+        out: &mut [f32],
+        found: &mut [bool],
+    ) -> Result<()> {
         let dim = self.dim;
-        let (row_bytes, entry) = (
-            self.row_bytes,
-            entry_bytes(if self.checked { 2 } else { 1 }, self.row_bytes),
-        );
+        let row_bytes = self.row_bytes;
         let mut hashes = [0u64; BLOCK];
         let mut next = [0u64; BLOCK];
         let mut at = [usize::MAX; BLOCK];
@@ -514,11 +643,17 @@ impl RowFile {
         while let Some((c, chunk)) = chunks.next() {
             hashes.copy_from_slice(&next);
             for (k, &id) in chunk.iter().enumerate() {
-                at[k] = match self.find_from(id, hashes[k])? {
+                at[k] = match self.find_from::<CHECK>(id, hashes[k])? {
                     Some(r) => {
                         // A verified row's checksum is not read: its line is not fetched.
                         let p = self.row_ptr(r);
-                        let n = if self.trusted(r) { row_bytes } else { entry };
+                        let mut n = row_bytes;
+                        if CHECK && !self.trusted(r) {
+                            match self.sums_at {
+                                Some(_) => prefetch(self.map.ptr.wrapping_add(self.sum_at(r))),
+                                None => n += ROW_SUM_BYTES,
+                            }
+                        }
                         let lines = (p as usize % 64 + n).div_ceil(64);
                         let first = p.wrapping_sub(p as usize % 64);
                         for l in 0..lines {
@@ -538,7 +673,7 @@ impl RowFile {
                 let i = base + k;
                 found[i] = r != usize::MAX;
                 if found[i] {
-                    let row = self.row(chunk[k], r)?;
+                    let row = self.row::<CHECK>(chunk[k], r)?;
                     self.dtype
                         .decode_fast(row, &mut out[i * dim..(i + 1) * dim]);
                 }
@@ -581,6 +716,115 @@ impl RowFile {
     pub fn stored(&self, id: u64, r: usize) -> Result<&[u8]> {
         self.checked_row(id, r)
     }
+
+    /// Verifies every slot and row of the file once, in file order (the index, then the rows:
+    /// sequential reads), setting their bits as reads would. Sets [`Scan::Verified`] when all
+    /// are sound, so reads check nothing more; else [`Scan::Damaged`] (the bitmaps stay in use,
+    /// the damaged rows and slots unverified, so every read of them is refused) or, when `stop`
+    /// says so (looked at every [`SCAN_STEP`] rows or slots), [`Scan::Stopped`]. Ids are
+    /// gathered for [`SCAN_WINDOW`] rows at a time (8 bytes a row); a file of more rows reads
+    /// its index once per window.
+    pub fn verify_all(&self, stop: &dyn Fn() -> bool) -> Scan {
+        self.verify_all_in(SCAN_WINDOW, stop)
+    }
+
+    /// [`RowFile::verify_all`] gathering ids for `window` rows at a time.
+    fn verify_all_in(&self, window: usize, stop: &dyn Fn() -> bool) -> Scan {
+        // Windows start on a bitmap word.
+        debug_assert!(window > 0 && window.is_multiple_of(64));
+        let end = |s: Scan| {
+            self.scan.store(s.code(), Ordering::Release);
+            s
+        };
+        if !self.checked {
+            return Scan::Off;
+        }
+        let rows = self.rows as usize;
+        let slots = self.mask + 1;
+        let mut damaged = false;
+        let mut lo = 0;
+        loop {
+            let hi = rows.min(lo + window);
+            let mut ids = vec![0u64; hi - lo];
+            let mut have = vec![0u64; (hi - lo).div_ceil(64)];
+            for base in (0..slots).step_by(64) {
+                if base.is_multiple_of(SCAN_STEP) && stop() {
+                    return end(Scan::Stopped);
+                }
+                let mut sound = 0u64;
+                for j in 0..64.min(slots - base) {
+                    let (k, w) = self.slot(base + j);
+                    if w == 0 {
+                        continue;
+                    }
+                    let r1 = w & INDEX_MASK;
+                    if r1 == 0 || r1 > self.rows || w >> INDEX_BITS != slot_check(k, r1) {
+                        damaged = true;
+                        continue;
+                    }
+                    sound |= 1 << j;
+                    let r = r1 as usize - 1;
+                    if (lo..hi).contains(&r) {
+                        let (word, bit) = ((r - lo) / 64, 1u64 << ((r - lo) % 64));
+                        if have[word] & bit != 0 {
+                            // Two slots name one row: one of them is damaged.
+                            damaged = true;
+                            continue;
+                        }
+                        have[word] |= bit;
+                        ids[r - lo] = k;
+                    }
+                }
+                if lo == 0 && sound != 0 {
+                    self.slots_verified[base / 64].fetch_or(sound, Ordering::Relaxed);
+                }
+            }
+            for start in (lo..hi).step_by(64) {
+                if (start - lo).is_multiple_of(SCAN_STEP) {
+                    if stop() {
+                        return end(Scan::Stopped);
+                    }
+                    self.will_need(start + SCAN_STEP, SCAN_STEP);
+                }
+                let mut sound = 0u64;
+                for r in start..hi.min(start + 64) {
+                    let (word, bit) = ((r - lo) / 64, 1u64 << ((r - lo) % 64));
+                    // A row no slot names cannot be checked (its id is unknown): damage.
+                    if have[word] & bit == 0 || self.checked_row(ids[r - lo], r).is_err() {
+                        damaged = true;
+                        continue;
+                    }
+                    sound |= 1 << (r % 64);
+                }
+                if sound != 0 {
+                    self.verified[start / 64].fetch_or(sound, Ordering::Relaxed);
+                }
+            }
+            if hi == rows {
+                break;
+            }
+            lo = hi;
+        }
+        end(if damaged {
+            Scan::Damaged
+        } else {
+            Scan::Verified
+        })
+    }
+
+    /// Asks the kernel to read rows `from..from + n` ahead (the mapping is advised random for
+    /// lookups, which turns off read-ahead).
+    fn will_need(&self, from: usize, n: usize) {
+        let from = (from as u64).min(self.rows) as usize;
+        let to = (from + n).min(self.rows as usize);
+        if to <= from {
+            return;
+        }
+        let start = (self.rows_at + from * self.stride) & !4095;
+        let len = self.rows_at + to * self.stride - start;
+        // SAFETY: advice on a page-aligned range inside our own mapping; it reads nothing.
+        unsafe { libc::madvise(self.map.ptr.add(start).cast(), len, libc::MADV_WILLNEED) };
+    }
 }
 
 /// Writes a new row file: `create`, `put` each row once, `finish`.
@@ -609,7 +853,7 @@ impl Writer {
         }
         let row_bytes = want.dtype.row_bytes(want.dim);
         let st = stride(entry_bytes(FILE_VERSION, row_bytes));
-        let (slots, rows_at, len) = layout(want.rows, st);
+        let (slots, rows_at, len) = layout(FILE_VERSION, want.rows, st);
         let file = File::options()
             .read(true)
             .write(true)
@@ -675,13 +919,14 @@ impl Writer {
             i = (i + 1) & self.mask;
         }
         let at = self.rows_at + r * self.stride;
+        let sum_at = self.rows_at + self.want.rows as usize * self.stride + r * ROW_SUM_BYTES;
         let sum = row_sum(id, bytes).to_le_bytes();
-        // SAFETY: row r's bytes and checksum lie inside the mapping (r < rows, the stride holds
-        // both); nothing else borrows them.
+        // SAFETY: row r's bytes and its checksum in the array after the rows lie inside the
+        // mapping (r < rows); nothing else borrows them.
         unsafe {
-            let p = self.map.ptr.add(at);
-            std::ptr::copy_nonoverlapping(bytes.as_ptr(), p, self.row_bytes);
-            std::ptr::copy_nonoverlapping(sum.as_ptr(), p.add(self.row_bytes), ROW_SUM_BYTES);
+            let p = self.map.ptr;
+            std::ptr::copy_nonoverlapping(bytes.as_ptr(), p.add(at), self.row_bytes);
+            std::ptr::copy_nonoverlapping(sum.as_ptr(), p.add(sum_at), ROW_SUM_BYTES);
         };
         self.next += 1;
         Ok(())
@@ -842,7 +1087,12 @@ mod tests {
         let mut places = Vec::new();
         for (id, r) in f.entries().unwrap() {
             let slot = (0..=f.mask).find(|&i| f.slot(i).0 == id).unwrap();
-            places.push((id, HEADER + slot * SLOT, f.rows_at + r * f.stride));
+            places.push((
+                id,
+                HEADER + slot * SLOT,
+                f.rows_at + r * f.stride,
+                f.sum_at(r),
+            ));
         }
         drop(f);
         let lookup = || {
@@ -851,8 +1101,10 @@ mod tests {
             let mut found = vec![false; ids.len()];
             f.gather(&ids, &mut out, &mut found).map(|()| (out, found))
         };
-        for &(id, slot_at, row_at) in &places {
-            let bytes = (slot_at..slot_at + SLOT).chain(row_at..row_at + 20 + ROW_SUM_BYTES);
+        for &(id, slot_at, row_at, sum_at) in &places {
+            let bytes = (slot_at..slot_at + SLOT)
+                .chain(row_at..row_at + 20)
+                .chain(sum_at..sum_at + ROW_SUM_BYTES);
             for at in bytes {
                 for bit in 0..8 {
                     std::fs::write(&path, &pristine).unwrap();
@@ -875,14 +1127,96 @@ mod tests {
     }
 
     #[test]
-    fn a_layout_1_file_still_reads() {
-        let dir = std::env::temp_dir().join(format!("pstore-rowfile-v1-{}", std::process::id()));
+    fn the_whole_file_check_verifies_sound_files_and_never_a_damaged_one() {
+        let dir = std::env::temp_dir().join(format!("pstore-rowfile-scan-{}", std::process::id()));
         std::fs::create_dir_all(&dir).unwrap();
         let path = dir.join("t.rows");
-        // Written as layout 1 did: slots of (id, row + 1), rows at stride(row bytes), no sums.
+        let n = 200u64;
+        let rows = write_small(&path, n);
+        let pristine = std::fs::read(&path).unwrap();
+        let ids: Vec<u64> = (0..n).map(|i| i * 7919).collect();
+        let open = || RowFile::open(&path, want(n, Dtype::Float32)).unwrap();
+        let lookup = |f: &RowFile, ids: &[u64]| {
+            let mut out = vec![0.0; ids.len() * 5];
+            let mut found = vec![false; ids.len()];
+            f.gather(ids, &mut out, &mut found).map(|()| out)
+        };
+        // Sound: every row and slot verified, in one window or several (64 rows each).
+        for window in [SCAN_WINDOW, 64] {
+            let f = open();
+            assert_eq!(f.scan_state(), Scan::Off);
+            assert!(f.queue_scan());
+            assert!(!f.queue_scan());
+            assert_eq!(f.verify_all_in(window, &|| false), Scan::Verified);
+            assert_eq!(f.scan_state(), Scan::Verified);
+            assert_eq!(f.rows_verified(), n);
+            assert!(f.unchecked());
+            assert_eq!(lookup(&f, &ids).unwrap(), rows);
+        }
+        // Asked to stop: stopped, and reads keep checking.
+        let f = open();
+        assert_eq!(f.verify_all(&|| true), Scan::Stopped);
+        assert!(!f.unchecked());
+        drop(f);
+        // A damaged row (its bytes, its checksum) or slot: never `Verified`; the damaged id is
+        // refused after the check, the others served.
+        let (places, f) = {
+            let f = open();
+            let mut places = Vec::new();
+            for (id, r) in f.entries().unwrap() {
+                let slot = (0..=f.mask).find(|&i| f.slot(i).0 == id).unwrap();
+                places.push((
+                    id,
+                    HEADER + slot * SLOT,
+                    f.rows_at + r * f.stride,
+                    f.sum_at(r),
+                ));
+            }
+            (places, f)
+        };
+        drop(f);
+        let (id, slot_at, row_at, sum_at) = places[17];
+        for (at, window) in [
+            (row_at + 3, SCAN_WINDOW),
+            (sum_at + 2, 64),
+            (slot_at + 2, 64),
+        ] {
+            std::fs::write(&path, &pristine).unwrap();
+            flip(&path, at, 1);
+            let f = open();
+            assert_eq!(f.verify_all_in(window, &|| false), Scan::Damaged);
+            assert!(!f.unchecked());
+            assert!(f.rows_verified() < n);
+            let e = lookup(&f, &[id]).unwrap_err().to_string();
+            assert!(e.contains(&format!("id {id}")), "{e}");
+            let others: Vec<u64> = ids.iter().copied().filter(|&i| i != id).collect();
+            let got = lookup(&f, &others).unwrap();
+            let want: Vec<f32> = (0..n as usize)
+                .filter(|&r| ids[r] != id)
+                .flat_map(|r| rows[r * 5..r * 5 + 5].to_vec())
+                .collect();
+            assert_eq!(got, want);
+        }
+        std::fs::remove_dir_all(&dir).unwrap();
+    }
+
+    #[test]
+    fn layout_1_and_2_files_still_read() {
+        for version in [1, 2] {
+            read_old_layout(version);
+        }
+    }
+
+    fn read_old_layout(version: u32) {
+        let dir =
+            std::env::temp_dir().join(format!("pstore-rowfile-v{version}-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let path = dir.join("t.rows");
+        // Written as layout 1 did: slots of (id, row + 1), rows at stride(row bytes), no sums;
+        // layout 2: slots with their check, each row followed by its checksum.
         let (n, dim) = (40u64, 5usize);
-        let st = stride(4 * dim);
-        let (slots, rows_at, len) = layout(n, st);
+        let st = stride(entry_bytes(version, 4 * dim));
+        let (slots, rows_at, len) = layout(version, n, st);
         let mut b = vec![0u8; len];
         for r in 0..n {
             let id = r * 31 + 5;
@@ -891,15 +1225,25 @@ mod tests {
                 i = (i + 1) & (slots as usize - 1);
             }
             b[HEADER + i * SLOT..][..8].copy_from_slice(&id.to_le_bytes());
-            b[HEADER + i * SLOT + 8..][..8].copy_from_slice(&(r + 1).to_le_bytes());
+            let check = if version == 2 {
+                slot_check(id, r + 1) << INDEX_BITS
+            } else {
+                0
+            };
+            b[HEADER + i * SLOT + 8..][..8].copy_from_slice(&((r + 1) | check).to_le_bytes());
+            let at = rows_at + r as usize * st;
             for j in 0..dim {
                 let v = (id * 10 + j as u64) as f32;
-                b[rows_at + r as usize * st + 4 * j..][..4].copy_from_slice(&v.to_le_bytes());
+                b[at + 4 * j..][..4].copy_from_slice(&v.to_le_bytes());
+            }
+            if version == 2 {
+                let sum = row_sum(id, &b[at..at + 4 * dim]);
+                b[at + 4 * dim..][..4].copy_from_slice(&sum.to_le_bytes());
             }
         }
         let h = &mut b[..HEADER_CRC_AT + 4];
         h[..8].copy_from_slice(&MAGIC);
-        for (at, v) in [(8, 1u32), (12, 0), (16, dim as u32), (20, st as u32)] {
+        for (at, v) in [(8, version), (12, 0), (16, dim as u32), (20, st as u32)] {
             h[at..at + 4].copy_from_slice(&v.to_le_bytes());
         }
         for (at, v) in [(24, n), (32, slots), (40, 3), (48, len as u64), (56, 7)] {
@@ -928,6 +1272,16 @@ mod tests {
             assert_eq!(&out[i * dim..(i + 1) * dim], &row[..]);
         }
         assert_eq!(f.entries().unwrap().len(), n as usize);
+        assert_eq!(f.rows_verified(), if version == 2 { n } else { 0 });
+        drop(f);
+        if version == 2 {
+            // Row 0 (id 5) damaged: refused on its first read.
+            flip(&path, rows_at + 2, 3);
+            let f = RowFile::open(&path, want(n, Dtype::Float32)).unwrap();
+            let e = f.gather(&[5], &mut out[..dim], &mut found[..1]);
+            let e = e.unwrap_err().to_string();
+            assert!(e.contains("id 5 is damaged"), "{e}");
+        }
         std::fs::remove_dir_all(&dir).unwrap();
     }
 }

@@ -37,6 +37,13 @@ const PARALLEL_MIN_IDS: usize = 2048;
 const PREFETCH_RUNS: usize = 6;
 /// How many gradient rows ahead a push prefetches the one it will add up.
 const PREFETCH_GRADS: usize = 8;
+/// A pull of at least this many ids per shard reads its batch in order across all the shards
+/// (see `pull_in_order`); a smaller one is grouped by shard first.
+const IN_ORDER_MIN_PER_SHARD: usize = 8;
+/// Ranges an in-order pull is cut into per thread of the pool.
+const RANGES_PER_THREAD: usize = 4;
+/// The fewest ids of a range of an in-order pull.
+const MIN_RANGE: usize = 512;
 /// A shard's part of a push at least this long is checked for distinct rows (which need no sort).
 const DISTINCT_MIN: usize = 32;
 
@@ -54,6 +61,32 @@ fn distinct_slots(slots: &[u32], end: u32) -> bool {
         seen[w] |= bit;
     }
     true
+}
+
+/// Copies the weights of the row at `slot` to row `p` of the output at `out` (`dim` floats a row),
+/// with streaming stores when `stream`.
+///
+/// # Safety
+/// Row `p` must lie inside the output, and no other thread may access it meanwhile.
+#[inline]
+unsafe fn copy_row(
+    shard: &Shard,
+    slot: u32,
+    out: Disjoint<f32>,
+    p: usize,
+    dim: usize,
+    stream: bool,
+) {
+    let row = as_f32(&shard.row(slot)[HEADER..HEADER + dim]);
+    let dst = out.get().wrapping_add(p * dim);
+    // SAFETY: the caller's promise.
+    unsafe {
+        if stream {
+            copy_floats_streaming(row, dst)
+        } else {
+            copy_floats(row, dst)
+        }
+    }
 }
 
 /// A shard's lock and fields on cache lines of their own: the lock word of one shard, written by
@@ -268,24 +301,105 @@ impl SparseTable {
             )));
         }
         let ptr = Disjoint(out.as_mut_ptr().cast::<f32>());
-        let created = std::sync::atomic::AtomicU64::new(0);
+        let created = if ids.len() >= IN_ORDER_MIN_PER_SHARD * self.shards.len() {
+            // Rows written out in order: plain stores (see `pull_in_order`).
+            self.pull_in_order(ids, ptr, create)?
+        } else {
+            self.pull_grouped(ids, ptr, stream, create)?
+        };
+        Counters::add(&self.common.counters.pulls, 1);
+        Counters::add(&self.common.counters.ids_pulled, ids.len());
+        Counters::add(&self.common.counters.rows_created, created as usize);
+        self.enforce_budget()
+    }
+
+    /// The pull of a large batch: every shard read-locked once, in shard order, for the whole
+    /// batch, and the batch read in its own order across the shards (no grouping pass), split
+    /// into consecutive ranges over the pool. Ids without a row are then handled shard after
+    /// shard as [`SparseTable::pull_grouped`] does. Returns the rows created.
+    ///
+    /// The output is written with plain stores, whatever its size: written in order, it ran
+    /// 1.1x to 1.4x faster than with streaming stores (decision 0121), which pay where the
+    /// grouped pull scatters its rows over an output larger than the cache.
+    fn pull_in_order(&self, ids: &[u64], out: Disjoint<f32>, create: bool) -> Result<u64> {
+        let (dim, count, n) = (self.config.dim, self.shards.len(), ids.len());
+        let mut missing = {
+            // Shard order: any two batches holding several shards take them in the same order,
+            // and a writer holds one shard at a time, so no wait for a lock closes a cycle.
+            let guards: Vec<_> = (0..count).map(|s| self.read(s)).collect();
+            let shards: Vec<&Shard> = guards.iter().map(|g| &**g).collect();
+            let threads = self.common.exec.threads();
+            // Several ranges a thread, so that a helper that joins late still finds work.
+            let per = if n >= PARALLEL_MIN_IDS && threads > 1 {
+                n.div_ceil(threads * RANGES_PER_THREAD).max(MIN_RANGE)
+            } else {
+                n
+            };
+            let tasks = n.div_ceil(per);
+            let missing: Mutex<Vec<u32>> = Mutex::new(Vec::new());
+            let visit = |t: usize| {
+                let (a, b) = ((t * per).min(n), ((t + 1) * per).min(n));
+                let mut miss = Vec::new();
+                Shard::for_each_found_across(&shards, &ids[a..b], dim, |k, row| match row {
+                    None => miss.push((a + k) as u32),
+                    Some(row) => {
+                        let dst = out.get().wrapping_add((a + k) * dim);
+                        // SAFETY: `a + k < ids.len()`, so the row lies inside the output, and
+                        // only this task writes it (see `Disjoint`).
+                        unsafe { copy_floats(as_f32(&row[HEADER..HEADER + dim]), dst) };
+                    }
+                });
+                if !miss.is_empty() {
+                    missing
+                        .lock()
+                        .unwrap_or_else(|e| e.into_inner())
+                        .extend(miss);
+                }
+            };
+            if tasks > 1 {
+                if !crate::openmp::run(tasks, threads, &visit) {
+                    self.common.exec.run_shared(tasks, &visit);
+                }
+            } else {
+                visit(0);
+            }
+            missing.into_inner().unwrap_or_else(|e| e.into_inner())
+        };
+        if missing.is_empty() {
+            return Ok(0);
+        }
+        // In batch order within each shard, as the grouped pull creates them.
+        missing.sort_unstable();
+        let mut of_shard: Vec<Vec<u32>> = vec![Vec::new(); count];
+        for &p in &missing {
+            of_shard[crate::hash::shard_of(ids[p as usize], count)].push(p);
+        }
+        let mut made = 0;
+        for (s, positions) in of_shard.iter().enumerate() {
+            if !positions.is_empty() {
+                let mut shard = self.write(s);
+                made += self.fill_missing(&mut shard, ids, positions, out, false, create)?;
+            }
+        }
+        Ok(made)
+    }
+
+    /// The pull of a small batch: grouped by shard, each shard's part read under its lock (in
+    /// parallel over the pool for a batch of [`PARALLEL_MIN_IDS`] or more). Returns the rows
+    /// created.
+    fn pull_grouped(
+        &self,
+        ids: &[u64],
+        out: Disjoint<f32>,
+        stream: bool,
+        create: bool,
+    ) -> Result<u64> {
+        let dim = self.config.dim;
+        let created = AtomicU64::new(0);
         let failure: Mutex<Option<crate::Error>> = Mutex::new(None);
         let g = self.group(ids);
         self.for_each_shard(&g, ids.len(), |s, part| {
             let pos = part.positions;
-            let copy = |shard: &Shard, slot: u32, p: u32| {
-                let row = as_f32(&shard.row(slot)[HEADER..HEADER + dim]);
-                let dst = ptr.get().wrapping_add(p as usize * dim);
-                // SAFETY: `p < ids.len()`, so the row lies inside `out`'s capacity, and only
-                // this task writes row `p` (see `Disjoint`).
-                unsafe {
-                    if stream {
-                        copy_floats_streaming(row, dst)
-                    } else {
-                        copy_floats(row, dst)
-                    }
-                };
-            };
             // Every return of this task passes here: its streaming stores are ordered first.
             let _fence = Fence(stream);
             let mut missing = Vec::new();
@@ -295,7 +409,8 @@ impl SparseTable {
                     if slot == NO_SLOT {
                         missing.push(pos[k]);
                     } else {
-                        copy(&shard, slot, pos[k]);
+                        // SAFETY: `pos[k] < ids.len()`, and only this task writes its rows.
+                        unsafe { copy_row(&shard, slot, out, pos[k] as usize, dim, stream) };
                     }
                 });
             }
@@ -303,48 +418,63 @@ impl SparseTable {
                 return;
             }
             let mut shard = self.write(s);
-            let missing_ids: Vec<u64> = missing.iter().map(|&p| ids[p as usize]).collect();
-            if let Err(e) = self.fault_in(&mut shard, &missing_ids) {
-                failure
-                    .lock()
-                    .unwrap_or_else(|e| e.into_inner())
-                    .get_or_insert(e);
-                return;
-            }
-            // A pull that must not create reads a row loaded from the replica above (it exists),
-            // and the initial value of any other.
-            let admit_now = create && self.admit_after() <= 1;
-            let (version, now) = (self.seq(), unix_now());
-            let mut made = 0;
-            for (&p, &id) in missing.iter().zip(&missing_ids) {
-                if !admit_now && shard.find(id).is_none() {
-                    // Not admitted yet (or not to be created): its initial value, and no row.
-                    // SAFETY: as in `copy`.
-                    let out = unsafe {
-                        std::slice::from_raw_parts_mut(ptr.get().add(p as usize * dim), dim)
-                    };
-                    self.config.initializer.fill(self.config.seed, id, out);
-                    continue;
+            match self.fill_missing(&mut shard, ids, &missing, out, stream, create) {
+                Ok(made) => {
+                    created.fetch_add(made, Ordering::Relaxed);
                 }
-                let (slot, new) = shard.find_or_insert(id, |b| self.init_body(id, b));
-                if new {
-                    shard.touch(slot, version, now, 0);
-                    made += 1;
+                Err(e) => {
+                    failure
+                        .lock()
+                        .unwrap_or_else(|e| e.into_inner())
+                        .get_or_insert(e);
                 }
-                copy(&shard, slot, p);
             }
-            created.fetch_add(made, std::sync::atomic::Ordering::Relaxed);
         });
         if let Some(e) = failure.into_inner().unwrap_or_else(|e| e.into_inner()) {
             return Err(e);
         }
-        Counters::add(&self.common.counters.pulls, 1);
-        Counters::add(&self.common.counters.ids_pulled, ids.len());
-        Counters::add(
-            &self.common.counters.rows_created,
-            created.into_inner() as usize,
-        );
-        self.enforce_budget()
+        Ok(created.into_inner())
+    }
+
+    /// Writes the rows of the ids at `missing` (positions of one shard's ids that had no row in
+    /// memory, under that shard's write lock): rows loaded from the replica, rows created when
+    /// `create` and admitted, and otherwise the initial value without a row. Returns the rows
+    /// created.
+    fn fill_missing(
+        &self,
+        shard: &mut Shard,
+        ids: &[u64],
+        missing: &[u32],
+        out: Disjoint<f32>,
+        stream: bool,
+        create: bool,
+    ) -> Result<u64> {
+        let dim = self.config.dim;
+        let missing_ids: Vec<u64> = missing.iter().map(|&p| ids[p as usize]).collect();
+        self.fault_in(shard, &missing_ids)?;
+        // A pull that must not create reads a row loaded from the replica above (it exists),
+        // and the initial value of any other.
+        let admit_now = create && self.admit_after() <= 1;
+        let (version, now) = (self.seq(), unix_now());
+        let mut made = 0;
+        for (&p, &id) in missing.iter().zip(&missing_ids) {
+            if !admit_now && shard.find(id).is_none() {
+                // Not admitted yet (or not to be created): its initial value, and no row.
+                // SAFETY: `p < ids.len()`, and only this caller writes row `p`.
+                let row =
+                    unsafe { std::slice::from_raw_parts_mut(out.get().add(p as usize * dim), dim) };
+                self.config.initializer.fill(self.config.seed, id, row);
+                continue;
+            }
+            let (slot, new) = shard.find_or_insert(id, |b| self.init_body(id, b));
+            if new {
+                shard.touch(slot, version, now, 0);
+                made += 1;
+            }
+            // SAFETY: as above.
+            unsafe { copy_row(shard, slot, out, p as usize, dim, stream) };
+        }
+        Ok(made)
     }
 
     /// Which of `ids` have a row. Creates nothing.
@@ -721,11 +851,13 @@ mod tests {
     }
 
     #[test]
-    fn streamed_and_cached_pulls_write_the_same_rows() {
-        // The same pulls with and without streaming stores, for a width that streams whole
-        // (64), one that does not (63) and a narrow one, with new ids (created by the pull),
-        // pushed ones and duplicates.
+    fn grouped_streamed_grouped_cached_and_in_order_pulls_write_the_same_rows() {
+        // The same pulls by the grouped path with and without streaming stores and by the
+        // in-order path (split over two threads, and on one), each on a table of its own that
+        // the pull itself fills (new ids created, pushed ones read, duplicates), for a width
+        // that streams whole (64), one that does not (63) and a narrow one.
         let exec = crate::executor::Executor::new(2, 1 << 20).unwrap();
+        let one = crate::executor::Executor::new(1, 1 << 20).unwrap();
         for dim in [64usize, 63, 16] {
             let config = SparseTableConfig {
                 dim,
@@ -738,33 +870,48 @@ mod tests {
                 lifecycle: Default::default(),
                 refuse_nonfinite: false,
             };
-            let common = Common::new(format!("t{dim}"), config.optimizer.lr, Arc::clone(&exec));
-            let t = Arc::new(SparseTable::new(common, config, 64, None).unwrap());
             let ids: Vec<u64> = (0..20_000u64).map(|i| (i * 7919) % 15_000).collect();
             let grads: Vec<f32> = (0..5_000 * dim).map(|i| (i % 13) as f32 - 6.0).collect();
-            t.push(&ids[..5_000], &grads).unwrap();
-            let pull = |stream: bool| {
+            let pulled = |how: usize| {
+                let pool = if how == 3 { &one } else { &exec };
+                let common = Common::new(format!("t{dim}"), config.optimizer.lr, Arc::clone(pool));
+                let t = Arc::new(SparseTable::new(common, config.clone(), 64, None).unwrap());
+                t.push(&ids[..5_000], &grads).unwrap();
                 let mut out: Vec<f32> = Vec::with_capacity(ids.len() * dim);
-                t.pull_rows(
-                    &ids,
-                    &mut out.spare_capacity_mut()[..ids.len() * dim],
-                    stream,
-                    true,
-                )
+                let ptr = Disjoint(out.as_mut_ptr());
+                let made = match how {
+                    0 => t.pull_grouped(&ids, ptr, true, true),
+                    1 => t.pull_grouped(&ids, ptr, false, true),
+                    _ => t.pull_in_order(&ids, ptr, true),
+                }
                 .unwrap();
-                // SAFETY: `pull_rows` returned Ok, so it wrote every element.
+                // SAFETY: the pull returned Ok, so it wrote every element.
                 unsafe { out.set_len(ids.len() * dim) };
-                out
+                let check: Vec<Vec<f32>> = ids
+                    .iter()
+                    .step_by(997)
+                    .map(|&id| t.pull(&[id]).unwrap())
+                    .collect();
+                (out, made, t.len(), check)
             };
-            let streamed = pull(true);
-            let cached = pull(false);
-            assert_eq!(streamed, cached, "dim {dim}");
-            for (k, &id) in ids.iter().enumerate().step_by(997) {
-                let one = t.pull(&[id]).unwrap();
+            let first = pulled(0);
+            assert_eq!(first.1 as usize + 5_000, first.2, "dim {dim}: rows created");
+            for how in 1..4 {
+                let other = pulled(how);
+                assert_eq!(first.0, other.0, "dim {dim}, path {how}");
                 assert_eq!(
-                    &streamed[k * dim..(k + 1) * dim],
-                    &one[..],
-                    "dim {dim}, id {id}"
+                    (first.1, first.2),
+                    (other.1, other.2),
+                    "dim {dim}, path {how}"
+                );
+            }
+            for (k, row) in first.3.iter().enumerate() {
+                let at = k * 997 * dim;
+                assert_eq!(
+                    &first.0[at..at + dim],
+                    &row[..],
+                    "dim {dim}, id {}",
+                    ids[k * 997]
                 );
             }
         }
