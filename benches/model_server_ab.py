@@ -2,15 +2,17 @@
 
     python benches/model_server_ab.py base=PYTHON_A new=PYTHON_B
     python benches/model_server_ab.py new=.venv/bin/python "split=.venv/bin/python;VAR=1"
+    python benches/model_server_ab.py grpc=PY "rows=PY;--rows-port=0"
 
-Each NAME=PYTHON[;VAR=VALUE...] starts `PYTHON -m pstore serve-model` (with those environment
-variables) on a free 127.0.0.1 port, serving one float32 artifact (rows x 64, every row the
-initializer's, exported once into --dir and reused). The client and the in-process reference
-(`ServingStore.lookup`) are the pstore of the interpreter running this script. Per batch size,
-each repetition times the same Zipf batches through every contender in turn (the order rotated
-each repetition), so the ratios are of one run. It reports the median rate, the ratio to the
-in-process median, p50/p99 latency, and the CPU time per call of this process (client) and of
-the server process (from /proc), which on a loaded machine tells more than the rates.
+Each NAME=PYTHON[;VAR=VALUE...][;--flag=value...] starts `PYTHON -m pstore serve-model` (with
+those environment variables and flags) on a free 127.0.0.1 port, serving one float32 artifact
+(rows x 64, every row the initializer's, exported once into --dir and reused). The client and
+the in-process reference (`ServingStore.lookup`) are the pstore of the interpreter running this
+script. Per batch size, each repetition times the same Zipf batches through every contender in
+turn (the order rotated each repetition), so the ratios are of one run. It reports the median
+rate, the ratio to the in-process median, p50/p99 latency, and the CPU time per call of this
+process (client) and of the server process (from /proc), which on a loaded machine tells more
+than the rates.
 """
 
 from __future__ import annotations
@@ -54,10 +56,12 @@ def build(art: Path, rows: int) -> None:
 
 def start(spec: str, art: Path) -> tuple[subprocess.Popen[bytes], str]:
     """`serve-model` of `art` by the interpreter of `spec`, once it accepts connections."""
-    py, *envs = spec.split(";")
+    py, *rest = spec.split(";")
+    envs = [e for e in rest if not e.startswith("--")]
+    flags = [e for e in rest if e.startswith("--")]
     env = dict(os.environ, **dict(e.split("=", 1) for e in envs))
     port = free_port()
-    argv = [py, "-m", "pstore", "serve-model", str(art), "--port", str(port)]
+    argv = [py, "-m", "pstore", "serve-model", str(art), "--port", str(port), *flags]
     # Not from the repo root, whose pstore/ would shadow the interpreter's installed one.
     proc = subprocess.Popen(argv, cwd=art.parent, env=env, stdout=subprocess.DEVNULL)
     deadline = time.monotonic() + 60

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import functools
 import importlib
+import inspect
 import json
 import os
 import shutil
@@ -210,6 +211,11 @@ def start_model_server(
     how = "python -m pstore serve-model"
     argv = [sys.executable, "-m", "pstore", "serve-model", str(model_dir)]
     argv += ["--host", host, "--port", str(port)]
+    # Its rows port (decision 0120), when the benchmarked pstore has one: the client uses it.
+    serving_mod = importlib.import_module(pstore.__name__ + ".serving")
+    if "rows_port" in inspect.signature(serving_mod.ModelServer).parameters:
+        argv += ["--rows-port", "0"]
+        how += " --rows-port 0"
     server = ServerProcess("model-server", argv, workdir, f"{host}:{port}", env)
     wait_serving(pstore, server)
     return server, how

@@ -760,6 +760,7 @@ def _cmd_serve_model(args: argparse.Namespace) -> int:
         default=args.default,
         host=args.host,
         port=args.port,
+        rows_port=args.rows_port,
         **_server_settings(args, args.token_file),
     )
 
@@ -1035,6 +1036,13 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--follow", default=None, metavar="SNAPSHOT_ROOT", help="apply new snapshots")
     p.add_argument("--interval", type=float, default=10.0, help="seconds between --follow checks")
+    p.add_argument(
+        "--rows-port",
+        type=int,
+        default=None,
+        help="also answer pulls on this plain TCP port of --host (0: any; not with TLS; "
+        "pstore.connect clients find and use it, docs/PROTOCOL.md 'Rows port')",
+    )
     _server_options(p, token="a token ($PSTORE_TOKEN)", logs="lag")
     p.set_defaults(func=_cmd_serve_model)
 

@@ -1223,12 +1223,34 @@ def test_model_server_answers_lookups_and_refuses_writes(chain, tmp_path):
 PARALLEL_IDS, INLINE_IDS = 2048, 8192
 
 
+def rows_port_clients(port: int) -> int:
+    """Established TCP connections of this machine to `port` (a rows port: the client's
+    connections to it, the server's own side not counted)."""
+    n = 0
+    for name in ("/proc/net/tcp", "/proc/net/tcp6"):
+        try:
+            lines = Path(name).read_text().splitlines()[1:]
+        except OSError:
+            continue
+        for line in lines:
+            f = line.split()
+            if f[3] == "01" and int(f[2].rsplit(":", 1)[1], 16) == port:
+                n += 1
+    return n
+
+
+def rows_port_of(rows: bool) -> dict:
+    """The serve() arguments of a model server with a rows port (any free one) or without."""
+    return {"rows_port": 0} if rows else {}
+
+
+@pytest.mark.parametrize("via_rows", [False, True], ids=["grpc", "rows-port"])
 @pytest.mark.parametrize("dtype", ["float32", "float16", "int8"])
-def test_model_server_pulls_are_lookups_at_every_batch_size(chain, tmp_path, dtype):
+def test_model_server_pulls_are_lookups_at_every_batch_size(chain, tmp_path, dtype, via_rows):
     """A pull's rows are looked up straight into the buffer sent to the socket (server/model.rs,
-    net/splice.rs): every batch, whatever its size against the server's boundaries, with known,
-    unknown and repeated ids in any order, gets exactly the in-process lookup's rows, for every
-    dtype of artifact and wire."""
+    net/splice.rs; on the rows port server/rows.rs): every batch, whatever its size against the
+    server's boundaries, with known, unknown and repeated ids in any order, gets exactly the
+    in-process lookup's rows, for every dtype of artifact and wire."""
     serving.export(chain.snaps[1], tmp_path / "m", dtype=dtype)
     model = ServingStore(tmp_path / "m")
     have = chain.states[1]["user"][0]
@@ -1236,8 +1258,8 @@ def test_model_server_pulls_are_lookups_at_every_batch_size(chain, tmp_path, dty
     pool = np.concatenate([have, missing])
     rng = np.random.default_rng(35)
     sizes = [1, 511, 513, PARALLEL_IDS - 1, PARALLEL_IDS, PARALLEL_IDS + 1, INLINE_IDS]
-    sizes += [INLINE_IDS + 1, 40_000]
-    servers = {d: model.serve(default=d) for d in ("initial", "zeros")}
+    sizes += [INLINE_IDS + 1, 40_000, 0]
+    servers = {d: model.serve(default=d, **rows_port_of(via_rows)) for d in ("initial", "zeros")}
     try:
         for default, srv in servers.items():
             c = pstore.connect([srv.address], timeout=30.0)
@@ -1260,13 +1282,29 @@ def test_model_server_pulls_are_lookups_at_every_batch_size(chain, tmp_path, dty
                 np.testing.assert_array_equal(
                     c.table("user").pull(many), model.lookup("user", many, default=default)
                 )
+            # A client whose message limit splits a batch into requests: on the rows port they
+            # go one after the other on one connection, each into its part of the output.
+            small = pstore.connect([srv.address], timeout=30.0, max_message=1 << 16)
+            for n in (0, 1, 1433, 1434, 5000):
+                ids = rng.choice(pool, n)
+                np.testing.assert_array_equal(
+                    small.table("user").pull(ids), model.lookup("user", ids, default=default)
+                )
+            # The pulls went over the rows port when the server has one (the clients keep
+            # their connections to it).
+            if via_rows:
+                assert srv.rows_port
+                assert rows_port_clients(srv.rows_port) >= 3
+            else:
+                assert srv.rows_port is None
     finally:
         for srv in servers.values():
             srv.stop(grace=1.0)
     model.close()
 
 
-def test_model_server_pull_of_a_damaged_row_fails_and_the_server_goes_on(chain, tmp_path):
+@pytest.mark.parametrize("via_rows", [False, True], ids=["grpc", "rows-port"])
+def test_model_server_pull_of_a_damaged_row_fails_and_the_server_goes_on(chain, tmp_path, via_rows):
     """A damaged row anywhere in a pull, small or big, fails the pull with CorruptError naming
     the id, never a wrong row; the server answers the next pulls."""
     serving.export(chain.snaps[0], tmp_path / "m")
@@ -1286,7 +1324,7 @@ def test_model_server_pull_of_a_damaged_row_fails_and_the_server_goes_on(chain, 
     good = have[have != bad]
 
     model = ServingStore(tmp_path / "m")
-    srv = model.serve()
+    srv = model.serve(**rows_port_of(via_rows))
     try:
         c = pstore.connect([srv.address], timeout=30.0)
         user = c.table("user")
@@ -1308,10 +1346,11 @@ def test_model_server_pull_of_a_damaged_row_fails_and_the_server_goes_on(chain, 
     model.close()
 
 
-def test_model_server_refuses_bad_pulls_and_goes_on(chain, tmp_path):
+@pytest.mark.parametrize("via_rows", [False, True], ids=["grpc", "rows-port"])
+def test_model_server_refuses_bad_pulls_and_goes_on(chain, tmp_path, via_rows):
     serving.export(chain.snaps[0], tmp_path / "m")
     model = ServingStore(tmp_path / "m")
-    srv = model.serve(max_message=1 << 20)
+    srv = model.serve(max_message=1 << 20, **rows_port_of(via_rows))
     try:
         c = pstore.connect([srv.address], timeout=30.0)
         have = chain.states[0]["user"][0]
@@ -1324,6 +1363,193 @@ def test_model_server_refuses_bad_pulls_and_goes_on(chain, tmp_path):
         np.testing.assert_array_equal(c.table("user").pull(big), model.lookup("user", big))
     finally:
         srv.stop(grace=1.0)
+    model.close()
+
+
+RQ_HEAD = struct.Struct("<4sIIIQ")
+ANS_HEAD = struct.Struct("<4sIIIQQ")
+
+
+def rows_request(table: str, ids, token: str = "", dtype: int = 0, magic: bytes = b"PSq1"):
+    t, k = table.encode(), token.encode()
+    ids = np.asarray(ids, dtype="<u8")
+    return RQ_HEAD.pack(magic, dtype, len(t), len(k), len(ids)) + t + k + ids.tobytes()
+
+
+def recv_exactly(sock, n: int) -> bytes:
+    out = bytearray()
+    while len(out) < n:
+        b = sock.recv(n - len(out))
+        if not b:
+            raise ConnectionError(f"closed after {len(out)} of {n} bytes")
+        out += b
+    return bytes(out)
+
+
+def rows_answer(sock) -> tuple[int, int, int, int, bytes]:
+    """(code, dtype, dim, generation, body) of the next answer on `sock`."""
+    magic, code, dtype, dim, gen, n = ANS_HEAD.unpack(recv_exactly(sock, ANS_HEAD.size))
+    assert magic == b"PSa1"
+    return code, dtype, dim, gen, recv_exactly(sock, n)
+
+
+def error_text(body: bytes) -> list[str]:
+    out, at = [], 0
+    while at < len(body):
+        (n,) = struct.unpack_from("<I", body, at)
+        out.append(body[at + 4 : at + 4 + n].decode())
+        at += 4 + n
+    return out
+
+
+def closed(sock) -> bool:
+    sock.settimeout(10)
+    try:
+        return sock.recv(1) == b""
+    except ConnectionResetError:
+        return True
+
+
+def test_rows_port_speaks_its_framing_and_survives_any_request(chain, tmp_path):
+    """The rows port as docs/PROTOCOL.md describes it, spoken from a plain socket: rows exactly
+    the lookup's; a request it can still frame but not answer (unknown table, bad dtype, no or a
+    wrong token) gets the gRPC path's status and the connection goes on; one it cannot frame (a
+    foreign protocol, a name or token over the limits, ids over the message limit) gets an error
+    and its connection closed; requests cut anywhere or dropped halfway leave the server
+    answering."""
+    import socket
+
+    serving.export(chain.snaps[1], tmp_path / "m")
+    model = ServingStore(tmp_path / "m")
+    srv = model.serve(rows_port=0, read_token="rt", max_message=1 << 20)
+    addr = ("127.0.0.1", srv.rows_port)
+    have = chain.states[1]["user"][0]
+    ids = np.concatenate([have, chain.new_ids("user", 7), have[:3]])
+    want = model.lookup("user", ids, default="initial")
+    try:
+        with socket.create_connection(addr, timeout=30) as s:
+            for _ in range(2):  # the connection takes call after call
+                s.sendall(rows_request("user", ids, "rt"))
+                code, dtype, dim, gen, body = rows_answer(s)
+                assert (code, dtype, dim, gen) == (0, 0, 8, model.generation)
+                np.testing.assert_array_equal(np.frombuffer(body, "<f4").reshape(-1, 8), want)
+            # float16 on the wire.
+            s.sendall(rows_request("user", ids, "rt", dtype=1))
+            code, dtype, dim, _, body = rows_answer(s)
+            assert (code, dtype, dim) == (0, 1, 8)
+            np.testing.assert_array_equal(
+                np.frombuffer(body, "<f2").astype(F32).reshape(-1, 8),
+                want.astype(np.float16).astype(F32),
+            )
+            # Answered with the gRPC path's status; the connection goes on.
+            for req, code, words in (
+                (rows_request("nope", ids, "rt"), 5, "nope"),
+                (rows_request("user", ids, "rt", dtype=7), 3, "dtype"),
+                (rows_request("user", ids), 16, "needs a token"),
+                (rows_request("user", ids, "wrong"), 16, "wrong token"),
+                (rows_request("user", np.resize(have, (1 << 20) // 32 + 1), "rt"), 3, "limit"),
+            ):
+                # Sent a byte at a time for one of them: framing does not depend on the cuts.
+                if code == 5:
+                    for b in req:
+                        s.send(bytes([b]))
+                else:
+                    s.sendall(req)
+                got, _, _, _, body = rows_answer(s)
+                assert got == code, (code, error_text(body))
+                assert words in error_text(body)[0]
+            s.sendall(rows_request("user", ids[:5], "rt"))
+            assert rows_answer(s)[0] == 0
+        # Not framable: an error, then the connection is closed.
+        for req, words in (
+            (b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n", "not a pstore rows request"),
+            (rows_request("user", ids, "rt", magic=b"PSq2"), "not a pstore rows request"),
+            (RQ_HEAD.pack(b"PSq1", 0, 1 << 20, 0, 1), "table name"),
+            (RQ_HEAD.pack(b"PSq1", 0, 4, 1 << 30, 1), "token"),
+            (RQ_HEAD.pack(b"PSq1", 0, 4, 2, 1 << 40), "too large"),
+        ):
+            with socket.create_connection(addr, timeout=30) as s:
+                s.sendall(req)
+                code, _, _, _, body = rows_answer(s)
+                assert code != 0 and words in error_text(body)[0], error_text(body)
+                assert closed(s)
+        # Dropped halfway through a request, or silent: the server goes on.
+        with socket.create_connection(addr, timeout=30) as s:
+            s.sendall(rows_request("user", ids, "rt")[:40])
+        with socket.create_connection(addr, timeout=30):
+            pass
+        c = pstore.connect([srv.address], "rt", timeout=30.0)
+        np.testing.assert_array_equal(c.table("user").pull(ids), want)
+        # Stopping the server closes the rows port's connections.
+        s = socket.create_connection(addr, timeout=30)
+        s.sendall(rows_request("user", ids[:1], "rt"))
+        assert rows_answer(s)[0] == 0
+    finally:
+        srv.stop(grace=1.0)
+    assert closed(s)
+    s.close()
+    model.close()
+
+
+def test_rows_port_clients_share_it_and_fall_back_to_grpc_when_it_goes(chain, tmp_path):
+    """Threads pulling at once through one client each get exact rows over the rows port; when
+    the server comes back on its gRPC port without a rows port, the client's kept connection is
+    dead and the port refused, and its pulls go over gRPC, still exact."""
+    serving.export(chain.snaps[1], tmp_path / "m")
+    model = ServingStore(tmp_path / "m")
+    have = chain.states[1]["user"][0]
+    rng = np.random.default_rng(120)
+    batches = [rng.choice(have, n) for n in (1, 256, 4096, 3000) * 5]
+    wants = [model.lookup("user", b, default="initial") for b in batches]
+    srv = model.serve(rows_port=0)
+    port, rows_port = srv.port, srv.rows_port
+    c = pstore.connect([srv.address], timeout=30.0)
+    user = c.table("user")
+    errors: list[BaseException] = []
+
+    def pull_all() -> None:
+        try:
+            for b, w in zip(batches, wants, strict=True):
+                np.testing.assert_array_equal(user.pull(b), w)
+        except BaseException as e:
+            errors.append(e)
+
+    try:
+        threads = [threading.Thread(target=pull_all) for _ in range(4)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        assert not errors, errors[0]
+        assert rows_port_clients(rows_port) >= 1
+    finally:
+        srv.stop(grace=1.0)
+    again = model.serve(port=port)
+    try:
+        assert again.rows_port is None
+        for b, w in zip(batches, wants, strict=True):
+            np.testing.assert_array_equal(user.pull(b), w)
+        assert rows_port_clients(rows_port) == 0
+    finally:
+        again.stop(grace=1.0)
+    model.close()
+
+
+def test_rows_port_settings_are_checked(chain, tmp_path):
+    serving.export(chain.snaps[0], tmp_path / "m")
+    model = ServingStore(tmp_path / "m")
+    with pytest.raises(pstore.InvalidArgumentError, match="rows_port"):
+        model.serve(rows_port=70000)
+    (tmp_path / "c.pem").write_text("not read")
+    with pytest.raises(pstore.InvalidArgumentError, match="TLS"):
+        model.serve(rows_port=0, tls_cert=tmp_path / "c.pem", tls_key=tmp_path / "c.pem")
+    busy = model.serve(rows_port=0)
+    try:
+        # A port in use: refused, naming it.
+        with pytest.raises(pstore.InvalidArgumentError, match="rows port"):
+            model.serve(rows_port=busy.rows_port)
+    finally:
+        busy.stop(grace=1.0)
     model.close()
 
 
@@ -1461,7 +1687,7 @@ def test_cli_serve_model_follows_and_stops_on_sigterm(chain, tmp_path):
     shutil.copytree(chain.snaps[0], root / "snap-0")
     out = tmp_path / "m"
     assert run_cli("export", root / "snap-0", "--out", out, "--quiet").returncode == 0
-    port, metrics_port = free_port(), free_port()
+    port, metrics_port, rows_port = free_port(), free_port(), free_port()
     log = tmp_path / "server.log"
     with open(log, "wb") as err:
         proc = subprocess.Popen(
@@ -1483,6 +1709,8 @@ def test_cli_serve_model_follows_and_stops_on_sigterm(chain, tmp_path):
                 "0.1",
                 "--log-interval",
                 "0",
+                "--rows-port",
+                str(rows_port),
             ],
             stdout=subprocess.DEVNULL,
             stderr=err,
@@ -1514,6 +1742,8 @@ def test_cli_serve_model_follows_and_stops_on_sigterm(chain, tmp_path):
             assert time.monotonic() < deadline, log.read_text()
             time.sleep(0.05)
         assert c.tables() == ["bias", "late", "user"]
+        # The pulls, new snapshots' rows included, came over the rows port.
+        assert rows_port_clients(rows_port) >= 1
         with urllib.request.urlopen(f"http://127.0.0.1:{metrics_port}/metrics", timeout=10) as r:
             assert "pstore_model_generation 3" in r.read().decode()
     finally:
@@ -1528,6 +1758,7 @@ def test_cli_serve_model_follows_and_stops_on_sigterm(chain, tmp_path):
     text = log.read_text()
     assert code == 0, text
     assert "event=serving" in text and f"address=127.0.0.1:{port}" in text, text
+    assert f"rows_port={rows_port}" in text, text
     assert text.count("event=applied") == 2, text
     assert "event=stopped" in text, text
 

@@ -27,7 +27,7 @@ import numpy.typing as npt
 
 from pstore import _native
 from pstore.exceptions import InvalidArgumentError
-from pstore.server import Server, _net, _warnings_of, log_event
+from pstore.server import Server, _check_port, _net, _warnings_of, log_event
 from pstore.store import IdsLike, _as_f32, _as_ids
 
 __all__ = ["DTYPES", "ModelServer", "ServingStore", "export", "follow", "serve_model"]
@@ -319,6 +319,12 @@ class ModelServer(Server):
     ``contains``, dense ``pull``, ``status`` work; every write is refused. Tokens, TLS, metrics,
     connection limits and ``max_message`` are as for :class:`pstore.server.Server`; metrics add
     ``pstore_model_lag_seconds`` and ``pstore_model_generation``.
+
+    ``rows_port`` (0: any free port) also serves pulls on a plain TCP port of ``host``
+    (docs/PROTOCOL.md, "Rows port"): :func:`pstore.connect` learns it from the server's status
+    and sends a pull that goes to this server alone there, answered without HTTP/2, and over
+    gRPC if the port cannot be reached. Not with TLS (the port is not encrypted); tokens are
+    checked as on the gRPC port.
     """
 
     def __init__(
@@ -339,6 +345,7 @@ class ModelServer(Server):
         metrics_tls: bool = False,
         max_connections: int | None = None,
         handshake_timeout: float | None = None,
+        rows_port: int | None = None,
     ) -> None:
         kind, row = (default, None) if isinstance(default, str) else ("row", default)
         if kind not in ("zeros", "initial", "row"):
@@ -351,7 +358,15 @@ class ModelServer(Server):
         self.model = model
         self.store = None
         fallback = None if row is None else _as_f32(row, "the default row")
-        net = _net(metrics_host, metrics_token, metrics_tls, max_connections, handshake_timeout)
+        _check_port(rows_port, "rows_port")
+        net = _net(
+            metrics_host,
+            metrics_token,
+            metrics_tls,
+            max_connections,
+            handshake_timeout,
+            rows_port=rows_port,
+        )
         self._start(
             lambda cert, key: model._inner.serve(
                 kind,
@@ -372,6 +387,11 @@ class ModelServer(Server):
             tls_cert,
             tls_key,
         )
+
+    @property
+    def rows_port(self) -> int | None:
+        """The rows port, if it serves one."""
+        return self._inner.rows_port
 
     def __repr__(self) -> str:
         return f"<ModelServer {self.address} {self.model.path!r} running={self.running}>"
@@ -505,6 +525,7 @@ def serve_model(
             "snapshot": info["snapshot"]["id"],
             "dtype": info["dtype"],
             "follow": "" if follow_root is None else os.fspath(follow_root),
+            "rows_port": srv._inner.rows_port or "",
         },
         tick=tick,
         close=close,

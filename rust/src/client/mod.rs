@@ -34,6 +34,7 @@ mod moves;
 pub use group::{promote, Promoted};
 mod once;
 mod reshard;
+mod rows;
 mod tables;
 pub use boundary::StepSnapshot;
 pub use bsp::JobConfig;
@@ -216,6 +217,8 @@ pub struct Client {
     /// When this client last asked the other servers early about a position it could not
     /// reach, by the position's name (`reshard.rs`, [`Client::ask_early`]).
     asked: Mutex<HashMap<String, Instant>>,
+    /// The rows ports of model servers that serve one, by server name (`rows.rs`).
+    rows: Mutex<HashMap<String, Arc<rows::Endpoint>>>,
 }
 
 fn is_retryable(s: &Status) -> bool {
@@ -317,6 +320,7 @@ impl Client {
             memo: once::Memo::default(),
             list_changes: AtomicU64::new(0),
             asked: Mutex::new(HashMap::new()),
+            rows: Mutex::new(HashMap::new()),
         });
         let token = c.config.token.clone();
         let follow = c.config.read_from_follower;
@@ -336,6 +340,18 @@ impl Client {
                     st.protocol,
                     crate::net::PROTOCOL
                 )));
+            }
+            // A model server's rows port, for pulls that go to it alone (not over TLS: the
+            // port is plain TCP; not to a replica group, whose pulls may go to followers).
+            if st.role == "model"
+                && st.rows_port != 0
+                && c.config.tls_ca.is_none()
+                && s.group.members.len() == 1
+            {
+                c.rows.lock().unwrap_or_else(|e| e.into_inner()).insert(
+                    s.name.clone(),
+                    Arc::new(rows::Endpoint::new(&s.name, st.rows_port)),
+                );
             }
         }
         // The servers' routing over this list, when they hold one, is the cluster's table: it
@@ -913,6 +929,14 @@ impl Client {
         let mut targets = Vec::new();
         let mut parts = Vec::new();
         let route = self.route();
+        // One server: its rows port if it serves one, in requests of the size gRPC's would be.
+        if route.servers.len() == 1 {
+            let limit = (self.config.max_message * 7 / 8).min(CHUNK_BYTES);
+            let per = (limit / (8 + dim * wire::width(d))).max(1);
+            if let Some(v) = self.pull_rows_port(table, dim, &route, ids, out, per) {
+                return v;
+            }
+        }
         for (i, pos) in route.table.split(ids).into_iter().enumerate() {
             let mut chunks = self.chunks(&pos, 8 + dim * wire::width(d));
             if chunks.is_empty() && route.owns_slots[i] {
@@ -954,6 +978,57 @@ impl Client {
         }
         self.remember_versions(table, ids, versions.clone());
         Ok(versions)
+    }
+
+    /// A pull that goes to the one server of the list, on its rows port if it serves one
+    /// (`rows.rs`), in requests of at most `per` ids one after the other on one connection,
+    /// each answer received into its part of `out`: `None` when it has none or the port's
+    /// transport failed (the caller then pulls over gRPC and writes every row again), else the
+    /// pull's result with the oldest generation its parts read (as over gRPC).
+    fn pull_rows_port(
+        &self,
+        table: &str,
+        dim: usize,
+        route: &reshard::Route,
+        ids: &[u64],
+        out: &mut [std::mem::MaybeUninit<f32>],
+        per: usize,
+    ) -> Option<Result<Vec<u64>>> {
+        let name = &route.servers.first()?.name;
+        let port = self
+            .rows
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .get(name)
+            .cloned()?;
+        if !port.usable() {
+            return None;
+        }
+        let token = self.config.token.as_deref();
+        let d = self.config.wire;
+        let mut generation = u64::MAX;
+        // An empty batch is one (empty) request: its answer tells the generation.
+        for k in 0..ids.len().div_ceil(per).max(1) {
+            let part = &ids[(k * per).min(ids.len())..((k + 1) * per).min(ids.len())];
+            let at = k * per * dim;
+            let len = out.len();
+            let o = &mut out[at.min(len)..(at + part.len() * dim).min(len)];
+            match port.pull(table, token, d, part, dim, o, self.config.timeout) {
+                rows::Pulled::Transport => return None,
+                rows::Pulled::Failed(s) => return Some(Err(error_of(&s, name))),
+                rows::Pulled::Dim(got) => {
+                    return Some(Err(shape(format!(
+                        "table {table:?} has dim {got} on server {name}, the client expected \
+                         {dim}"
+                    ))))
+                }
+                rows::Pulled::Rows(g) => generation = generation.min(g),
+            }
+        }
+        // Not remembered for a push of the same ids (as `pull_routed` does): a model server
+        // refuses every push, and hashing the batch's ids cost a tenth of this path's client
+        // CPU.
+        Some(Ok(vec![generation]))
     }
 
     /// Remembers the seq server `i` answered a pull of `table` with.

@@ -3,6 +3,7 @@
 //! token check.
 
 pub mod routing;
+pub mod rows;
 pub mod splice;
 pub mod wire;
 

@@ -35,6 +35,7 @@ pub(super) struct PyServer {
     pub(super) inner: Mutex<Option<ServerHandle>>,
     pub(super) port: u16,
     pub(super) metrics_port: Option<u16>,
+    pub(super) rows_port: Option<u16>,
 }
 
 impl PyServer {
@@ -42,6 +43,7 @@ impl PyServer {
         Self {
             port: h.addr().port(),
             metrics_port: h.metrics_addr().map(|a| a.port()),
+            rows_port: h.rows_addr().map(|a| a.port()),
             inner: Mutex::new(Some(h)),
         }
     }
@@ -69,6 +71,8 @@ struct Net {
     /// The group's other members (`pstore serve --member`).
     #[serde(default)]
     members: Vec<String>,
+    /// A model server's rows port on the gRPC host (0: any free port).
+    rows_port: Option<u16>,
 }
 
 /// The configuration of a server from the arguments both kinds of server take.
@@ -102,6 +106,7 @@ pub(super) fn server_config(
         cfg.limits.handshake_timeout = t;
     }
     cfg.limits.validate().map_err(err)?;
+    cfg.rows_addr = net.rows_port.map(|p| addr(host, p, "rows")).transpose()?;
     cfg.replication.follow = net.follow;
     cfg.replication.members = net.members;
     if let Some(n) = net.replica_name {
@@ -192,6 +197,11 @@ impl PyServer {
     #[getter]
     fn metrics_port(&self) -> Option<u16> {
         self.metrics_port
+    }
+
+    #[getter]
+    fn rows_port(&self) -> Option<u16> {
+        self.rows_port
     }
 
     /// True until stopped (or until the transport failed).

@@ -19,6 +19,7 @@ pub mod model;
 mod moves;
 pub mod repl;
 pub mod routing;
+pub mod rows;
 pub mod state;
 pub mod versions;
 
@@ -68,6 +69,8 @@ pub struct ServerConfig {
     pub limits: conn::Limits,
     /// Replication: a primary's log bounds, or the primary a follower follows.
     pub replication: repl::ReplConfig,
+    /// A model server's rows port (`rows.rs`, port 0: any free port); store servers have none.
+    pub rows_addr: Option<SocketAddr>,
 }
 
 impl ServerConfig {
@@ -83,6 +86,7 @@ impl ServerConfig {
             max_message: DEFAULT_MAX_MESSAGE,
             limits: conn::Limits::default(),
             replication: repl::ReplConfig::default(),
+            rows_addr: None,
         }
     }
 }
@@ -421,6 +425,15 @@ fn authenticate<T>(t: &Tokens, req: &Request<T>) -> std::result::Result<Option<A
         .and_then(|v| v.to_str().ok())
         .and_then(|v| v.strip_prefix("Bearer "))
         .map(str::as_bytes);
+    check_token(t, given)
+}
+
+/// What `given` (a request's token, if it has one) allows: `None` when the server has no
+/// tokens.
+fn check_token(t: &Tokens, given: Option<&[u8]>) -> std::result::Result<Option<Access>, Status> {
+    if t.write.is_none() && t.read.is_none() {
+        return Ok(None);
+    }
     let Some(given) = given else {
         return Err(Status::unauthenticated(
             "this server needs a token: metadata `authorization: Bearer <token>`",
@@ -1538,6 +1551,7 @@ impl PStore for Service {
                 role: "store".to_string(),
                 model_json: String::new(),
                 replication_json: s.replication_json(),
+                rows_port: 0,
             })
         })
         .await
@@ -1557,10 +1571,17 @@ pub struct ServerHandle {
     store: Option<Arc<Store>>,
     /// A durable server's group (a follower's thread), stopped by `stop`.
     group: Option<Arc<fence::Group>>,
+    /// A model server's rows port, closed by `stop`.
+    rows: Option<rows::RowsPort>,
 }
 
 /// Starts serving `store`; returns once the ports are bound.
 pub fn start(store: Arc<Store>, config: ServerConfig) -> Result<ServerHandle> {
+    if config.rows_addr.is_some() {
+        return Err(invalid(
+            "a rows port is served by model servers only (pstore serve-model)",
+        ));
+    }
     config.replication.validate()?;
     let mut repl = config.replication.clone();
     repl.lease = repl.lease.min(repl.ack_timeout / 2);
@@ -1802,6 +1823,7 @@ pub(crate) fn launch<S: PStore>(
         inflight,
         store,
         group: None,
+        rows: None,
     })
 }
 
@@ -1814,6 +1836,11 @@ impl ServerHandle {
     /// The metrics address, if it serves metrics.
     pub fn metrics_addr(&self) -> Option<SocketAddr> {
         self.metrics_addr
+    }
+
+    /// The rows port's address, if it serves one (model servers, `rows.rs`).
+    pub fn rows_addr(&self) -> Option<SocketAddr> {
+        self.rows.as_ref().map(rows::RowsPort::addr)
     }
 
     /// The store it serves (`None` for a model server).
@@ -1829,6 +1856,9 @@ impl ServerHandle {
     /// Stops accepting calls, lets the calls in flight finish (waiting at most `grace`), then
     /// flushes the store. Returns the flush's error, if any.
     pub fn stop(&mut self, grace: Duration) -> Result<()> {
+        if let Some(mut r) = self.rows.take() {
+            r.stop();
+        }
         if let Some(g) = self.group.take() {
             g.stop();
         }

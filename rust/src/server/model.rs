@@ -12,15 +12,15 @@ use tonic::{Request, Response, Status};
 
 use super::metrics::{Metrics, Sample, TableSample};
 use super::{
-    authenticate, code_name, fits, launch, on_blocking, splice_rows, Busy, ServerConfig,
-    ServerHandle,
+    authenticate, check_token, code_name, fits, launch, on_blocking, rows, splice_rows, Busy,
+    ServerConfig, ServerHandle,
 };
 use crate::durable::TableRecord;
-use crate::error::{Error, Result};
+use crate::error::{invalid, Error, Result};
 use crate::net::proto::p_store_server::PStore;
 use crate::net::proto::*;
 use crate::net::{status_of, wire, PROTOCOL};
-use crate::serving::{Artifact, Fallback, State, TableMeta};
+use crate::serving::{Artifact, Fallback, State, TableMeta, TableReader};
 
 /// Batches up to this many ids are looked up on the runtime's thread (LMDB reads do not block
 /// unless a page is cold); larger ones on the blocking pool.
@@ -34,6 +34,8 @@ struct Inner {
     started: Instant,
     max_message: usize,
     inflight: Arc<AtomicUsize>,
+    /// The rows port's port number (0: none), what Status tells clients.
+    rows_port: u32,
 }
 
 impl Inner {
@@ -131,32 +133,105 @@ impl Inner {
         fits(self.max_message, bytes, "pull")
     }
 
+    /// The table's rows, pinned at one generation, and their width; a pull of `n` ids in wire
+    /// type `d` is refused here, before any row is read, when its answer is over the limit.
+    fn pinned(&self, table: &str, n: usize, d: Dtype) -> Result<(Option<TableReader>, usize)> {
+        let reader = self.artifact.reader(table)?;
+        let dim = match &reader {
+            Some(t) => t.dim(),
+            None => self.artifact.dim(table)?,
+        };
+        self.fits(n * dim * wire::width(d))?;
+        Ok((reader, dim))
+    }
+
+    /// Looks `ids` up into `out` from `reader` (or the artifact's current version when the
+    /// table has no row file); the generation read.
+    fn look(
+        &self,
+        reader: &Option<TableReader>,
+        table: &str,
+        ids: &[u64],
+        out: &mut [f32],
+    ) -> Result<u64> {
+        Ok(match reader {
+            Some(t) => {
+                t.lookup(ids, &self.fallback, out)?;
+                t.generation()
+            }
+            None => {
+                self.artifact
+                    .lookup(table, ids, &self.fallback, out, None)?
+                    .1
+            }
+        })
+    }
+
+    /// A pull on the rows port (`rows.rs`): the rows go into `buf` after its head, float32
+    /// rows looked up in place. The buffer is the connection's, kept across calls: it is
+    /// zeroed only where it grows.
+    fn pull_rows(&self, c: &rows::Call<'_>, buf: &mut Vec<f32>) -> Result<rows::Rows> {
+        let d = wire::dtype(c.dtype)?;
+        let (reader, dim) = self.pinned(c.table, c.ids.len(), d)?;
+        let n = c.ids.len() * dim;
+        let at = rows::HEAD_WORDS;
+        let (generation, bytes) = match d {
+            Dtype::Float32 => {
+                if buf.len() < at + n {
+                    buf.resize(at + n, 0.0);
+                }
+                let g = self.look(&reader, c.table, c.ids, &mut buf[at..at + n])?;
+                (g, n * 4)
+            }
+            _ => {
+                let mut v = vec![0.0; n];
+                let g = self.look(&reader, c.table, c.ids, &mut v)?;
+                let enc = wire::encode_values(&v, d);
+                let words = enc.len().div_ceil(4);
+                if buf.len() < at + words {
+                    buf.resize(at + words, 0.0);
+                }
+                // SAFETY: f32 memory is valid as bytes; the slice covers `words` floats.
+                let out = unsafe {
+                    std::slice::from_raw_parts_mut(buf[at..].as_mut_ptr().cast::<u8>(), words * 4)
+                };
+                out[..enc.len()].copy_from_slice(&enc);
+                (g, enc.len())
+            }
+        };
+        Ok(rows::Rows {
+            dtype: d as i32,
+            dim: dim as u32,
+            generation,
+            bytes,
+        })
+    }
+
+    /// A call on the rows port, counted and timed as a gRPC `Pull`.
+    fn rows_call(
+        &self,
+        c: &rows::Call<'_>,
+        buf: &mut Vec<f32>,
+    ) -> std::result::Result<rows::Rows, Status> {
+        let t0 = Instant::now();
+        let _busy = Busy::new(&self.inflight);
+        let out = check_token(&self.tokens, c.token)
+            .and_then(|_| self.pull_rows(c, buf).map_err(|e| status_of(&e)));
+        let code = out.as_ref().err().map(|s| code_name(s.code()));
+        self.metrics.observe("Pull", t0.elapsed(), code);
+        out
+    }
+
     /// A pull: the rows are looked up straight into the answer's buffer (float32 on the wire),
     /// which then goes to the socket as it is (`net/splice.rs`), never copied into tonic's.
     /// The width and the rows come from one pinned generation.
     fn pull(&self, r: PullRequest) -> Result<PullResponse> {
         let d = wire::dtype(r.dtype)?;
         let ids = wire::ids(&r.ids)?;
-        let reader = self.artifact.reader(&r.table)?;
-        let dim = match &reader {
-            Some(t) => t.dim(),
-            None => self.artifact.dim(&r.table)?,
-        };
-        // Refused before any row is read.
-        self.fits(ids.len() * dim * wire::width(d))?;
+        let (reader, dim) = self.pinned(&r.table, ids.len(), d)?;
         let mut generation = 0;
         let mut lookup = |out: &mut [f32]| -> Result<()> {
-            generation = match &reader {
-                Some(t) => {
-                    t.lookup(&ids, &self.fallback, out)?;
-                    t.generation()
-                }
-                None => {
-                    self.artifact
-                        .lookup(&r.table, &ids, &self.fallback, out, None)?
-                        .1
-                }
-            };
+            generation = self.look(&reader, &r.table, &ids, out)?;
             Ok(())
         };
         let rows = match d {
@@ -437,6 +512,7 @@ impl PStore for ModelService {
                     model_json: serde_json::to_string(&state)
                         .map_err(|e| Error::Internal(e.to_string()))?,
                     replication_json: String::new(),
+                    rows_port: s.rows_port,
                 })
             },
         )
@@ -452,6 +528,20 @@ pub fn start(
 ) -> Result<ServerHandle> {
     // The artifact must be readable now, not at the first call.
     artifact.state()?;
+    if config.rows_addr.is_some() && config.tls.is_some() {
+        return Err(invalid(
+            "the rows port is plain TCP: it cannot be served with TLS (leave rows_port unset)",
+        ));
+    }
+    let rows_listener = config.rows_addr.map(rows::bind).transpose()?;
+    let rows_port = match &rows_listener {
+        Some(l) => l
+            .local_addr()
+            .map_err(|e| Error::Internal(e.to_string()))?
+            .port()
+            .into(),
+        None => 0,
+    };
     let inner = Arc::new(Inner {
         artifact,
         fallback,
@@ -460,6 +550,7 @@ pub fn start(
         started: Instant::now(),
         max_message: config.max_message,
         inflight: Arc::new(AtomicUsize::new(0)),
+        rows_port,
     });
     let m = Arc::clone(&inner);
     let render = Arc::new(move || {
@@ -468,13 +559,19 @@ pub fn start(
         text.push_str(&extra);
         text
     });
-    launch(
+    let mut handle = launch(
         ModelService(Arc::clone(&inner)),
         &config,
         render,
         Arc::clone(&inner.inflight),
         None,
-    )
+    )?;
+    if let Some(l) = rows_listener {
+        let i = Arc::clone(&inner);
+        let handler: Arc<rows::Handler> = Arc::new(move |c, buf| i.rows_call(c, buf));
+        handle.rows = Some(rows::serve(l, config.limits, config.max_message, handler)?);
+    }
+    Ok(handle)
 }
 
 #[cfg(test)]

@@ -1,0 +1,301 @@
+//! A model server's rows port (`net/rows.rs`, decision 0120): one blocking thread per
+//! connection reads a request, has the handler look its rows up into the connection's answer
+//! buffer, and sends head and rows with one write. The buffer is kept across calls (no fill,
+//! no page faults); the request is handled on the thread that read it.
+//!
+//! A request the server cannot frame (a foreign protocol, a name or token over the limits, ids
+//! over the message limit) is answered with an error and its connection closed; any other
+//! failure is an error answer and the connection goes on.
+
+use std::collections::HashMap;
+use std::io::{Read, Write};
+use std::net::{Shutdown, SocketAddr, TcpListener, TcpStream};
+use std::os::fd::AsRawFd;
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::{Arc, Mutex};
+use std::thread::JoinHandle;
+use std::time::Duration;
+
+use tonic::Status;
+
+use super::conn::Limits;
+use crate::error::{invalid, Error, Result};
+use crate::net::rows::{encode_error, parse_request_head, AnswerHead, ANSWER_HEAD, REQUEST_HEAD};
+
+/// Floats of the answer buffer in front of the rows: the answer's head.
+pub const HEAD_WORDS: usize = ANSWER_HEAD / 4;
+
+/// Answers above this many bytes do not keep their buffer for the next call (a 4096 x 64
+/// float32 answer is 1 MiB): an idle connection holds at most this much.
+const KEEP_BYTES: usize = 2 << 20;
+
+/// One pull as the rows port received it.
+pub struct Call<'a> {
+    /// The request's token, if it carries one.
+    pub token: Option<&'a [u8]>,
+    /// The table.
+    pub table: &'a str,
+    /// The wire dtype asked for.
+    pub dtype: i32,
+    /// The ids.
+    pub ids: &'a [u64],
+}
+
+/// What the handler wrote after [`HEAD_WORDS`] floats of the buffer.
+pub struct Rows {
+    /// The rows' wire dtype.
+    pub dtype: i32,
+    /// The row width.
+    pub dim: u32,
+    /// The artifact generation read.
+    pub generation: u64,
+    /// Bytes of rows written.
+    pub bytes: usize,
+}
+
+/// Looks a call's rows up into `buf` (after its first [`HEAD_WORDS`] floats, growing it as
+/// needed), or fails with the status the gRPC path would answer.
+pub type Handler =
+    dyn Fn(&Call<'_>, &mut Vec<f32>) -> std::result::Result<Rows, Status> + Send + Sync + 'static;
+
+/// The port's listener and connections; [`RowsPort::stop`] (or dropping it) closes them all.
+pub struct RowsPort {
+    addr: SocketAddr,
+    /// The listening socket (shut down to wake the accept loop).
+    listener: TcpListener,
+    stop: Arc<AtomicBool>,
+    conns: Arc<Mutex<HashMap<u64, TcpStream>>>,
+    accept: Option<JoinHandle<()>>,
+}
+
+/// Binds the rows port (`addr`, port 0: any free port).
+pub fn bind(addr: SocketAddr) -> Result<TcpListener> {
+    TcpListener::bind(addr)
+        .map_err(|e| invalid(format!("cannot listen on {addr} (rows port): {e}")))
+}
+
+/// Serves `listener` until stopped.
+pub fn serve(
+    listener: TcpListener,
+    limits: Limits,
+    max_message: usize,
+    handler: Arc<Handler>,
+) -> Result<RowsPort> {
+    let addr = listener
+        .local_addr()
+        .map_err(|e| Error::Internal(e.to_string()))?;
+    let stop = Arc::new(AtomicBool::new(false));
+    let conns: Arc<Mutex<HashMap<u64, TcpStream>>> = Arc::default();
+    let mine = listener
+        .try_clone()
+        .map_err(|e| Error::Internal(format!("starting the rows port: {e}")))?;
+    let (st, cs) = (Arc::clone(&stop), Arc::clone(&conns));
+    let accept = std::thread::Builder::new()
+        .name("pstore-rows".into())
+        .spawn(move || accept_loop(listener, limits, max_message, handler, st, cs))
+        .map_err(|e| Error::Internal(format!("starting the rows port: {e}")))?;
+    Ok(RowsPort {
+        addr,
+        listener: mine,
+        stop,
+        conns,
+        accept: Some(accept),
+    })
+}
+
+impl RowsPort {
+    /// The address it listens on.
+    pub fn addr(&self) -> SocketAddr {
+        self.addr
+    }
+
+    /// Stops accepting and closes every connection (a call being answered ends with its
+    /// connection; the client then pulls over gRPC).
+    pub fn stop(&mut self) {
+        self.stop.store(true, Ordering::Release);
+        if let Some(t) = self.accept.take() {
+            // Wakes the blocking accept: on Linux it fails at once on a listening socket that
+            // is shut down (and the loop sees `stop`).
+            // SAFETY: `shutdown` on the listener's own open descriptor.
+            unsafe { libc::shutdown(self.listener.as_raw_fd(), libc::SHUT_RDWR) };
+            // Elsewhere a connection wakes it.
+            let mut wake = self.addr;
+            if wake.ip().is_unspecified() {
+                wake.set_ip(match wake {
+                    SocketAddr::V4(_) => std::net::Ipv4Addr::LOCALHOST.into(),
+                    SocketAddr::V6(_) => std::net::Ipv6Addr::LOCALHOST.into(),
+                });
+            }
+            if !t.is_finished() {
+                let _ = TcpStream::connect_timeout(&wake, Duration::from_millis(200));
+            }
+            let _ = t.join();
+        }
+        let conns = std::mem::take(&mut *self.conns.lock().unwrap_or_else(|e| e.into_inner()));
+        for s in conns.values() {
+            let _ = s.shutdown(Shutdown::Both);
+        }
+    }
+}
+
+impl Drop for RowsPort {
+    fn drop(&mut self) {
+        self.stop();
+    }
+}
+
+fn accept_loop(
+    listener: TcpListener,
+    limits: Limits,
+    max_message: usize,
+    handler: Arc<Handler>,
+    stop: Arc<AtomicBool>,
+    conns: Arc<Mutex<HashMap<u64, TcpStream>>>,
+) {
+    let next = AtomicU64::new(0);
+    let mut pause = Duration::from_millis(5);
+    loop {
+        let accepted = listener.accept();
+        if stop.load(Ordering::Acquire) {
+            return;
+        }
+        let sock = match accepted {
+            Ok((s, _)) => {
+                pause = Duration::from_millis(5);
+                s
+            }
+            Err(_) => {
+                // Out of file descriptors, say: a growing pause instead of a busy loop.
+                std::thread::sleep(pause);
+                pause = (pause * 2).min(Duration::from_secs(1));
+                continue;
+            }
+        };
+        let id = next.fetch_add(1, Ordering::Relaxed);
+        {
+            let mut open = conns.lock().unwrap_or_else(|e| e.into_inner());
+            if open.len() as u64 >= limits.max_connections {
+                continue;
+            }
+            match sock.try_clone() {
+                Ok(c) => open.insert(id, c),
+                Err(_) => continue,
+            };
+        }
+        let (h, cs) = (Arc::clone(&handler), Arc::clone(&conns));
+        let timeout = Duration::from_secs_f64(limits.handshake_timeout);
+        let spawned = std::thread::Builder::new()
+            .name("pstore-rows-conn".into())
+            .spawn(move || {
+                serve_conn(sock, timeout, max_message, &*h);
+                cs.lock().unwrap_or_else(|e| e.into_inner()).remove(&id);
+            });
+        if spawned.is_err() {
+            conns.lock().unwrap_or_else(|e| e.into_inner()).remove(&id);
+        }
+    }
+}
+
+/// Sends `s` as the answer; the connection is then closed by the caller when `fatal`.
+fn refuse(sock: &mut TcpStream, s: &Status) -> bool {
+    sock.write_all(&encode_error(s)).is_ok()
+}
+
+/// `v`'s elements as bytes.
+fn bytes_of_mut<T: Copy>(v: &mut [T]) -> &mut [u8] {
+    // SAFETY: the element types used here (f32, u64) are plain data: any bytes are a valid
+    // value and the slice covers exactly their memory.
+    unsafe { std::slice::from_raw_parts_mut(v.as_mut_ptr().cast::<u8>(), std::mem::size_of_val(v)) }
+}
+
+/// Answers the requests of one connection until it closes or fails.
+fn serve_conn(mut sock: TcpStream, handshake: Duration, max_message: usize, handler: &Handler) {
+    let _ = sock.set_nodelay(true);
+    // The first request must come within the handshake timeout; later ones may wait.
+    let _ = sock.set_read_timeout(Some(handshake));
+    let mut head = [0u8; REQUEST_HEAD];
+    let mut text = Vec::new();
+    let mut ids: Vec<u64> = Vec::new();
+    let mut buf: Vec<f32> = Vec::new();
+    let mut first = true;
+    loop {
+        if sock.read_exact(&mut head).is_err() {
+            return;
+        }
+        if first {
+            first = false;
+            let _ = sock.set_read_timeout(None);
+        }
+        let h = match parse_request_head(&head) {
+            Ok(h) => h,
+            Err(m) => {
+                refuse(&mut sock, &Status::invalid_argument(m));
+                return;
+            }
+        };
+        let id_bytes = usize::try_from(h.ids)
+            .ok()
+            .and_then(|n| n.checked_mul(8))
+            .unwrap_or(usize::MAX);
+        let size = id_bytes.saturating_add(h.table + h.token + 16);
+        if size > max_message {
+            // tonic's code and words for a request over the limit.
+            refuse(
+                &mut sock,
+                &Status::out_of_range(format!(
+                    "Error, decoded message length too large: found {size} bytes, the limit \
+                     is: {max_message} bytes"
+                )),
+            );
+            return;
+        }
+        text.resize(h.table + h.token, 0);
+        ids.resize(id_bytes / 8, 0);
+        if sock.read_exact(&mut text).is_err() || sock.read_exact(bytes_of_mut(&mut ids)).is_err() {
+            return;
+        }
+        if cfg!(target_endian = "big") {
+            for id in ids.iter_mut() {
+                *id = u64::from_le(*id);
+            }
+        }
+        let answer = match std::str::from_utf8(&text[..h.table]) {
+            Err(_) => Err(Status::invalid_argument("the table name is not UTF-8")),
+            Ok(table) => handler(
+                &Call {
+                    token: (h.token > 0).then(|| &text[h.table..]),
+                    table,
+                    dtype: h.dtype,
+                    ids: &ids,
+                },
+                &mut buf,
+            ),
+        };
+        let sent = match answer {
+            Ok(r) => {
+                let head = AnswerHead {
+                    code: 0,
+                    dtype: r.dtype,
+                    dim: r.dim,
+                    generation: r.generation,
+                    len: r.bytes as u64,
+                }
+                .encode();
+                let out = bytes_of_mut(&mut buf);
+                out[..ANSWER_HEAD].copy_from_slice(&head);
+                let ok = sock.write_all(&out[..ANSWER_HEAD + r.bytes]).is_ok();
+                if r.bytes > KEEP_BYTES {
+                    buf = Vec::new();
+                }
+                ok
+            }
+            Err(s) => refuse(&mut sock, &s),
+        };
+        if ids.len() > KEEP_BYTES / 8 {
+            ids = Vec::new();
+        }
+        if !sent {
+            return;
+        }
+    }
+}
