@@ -1068,6 +1068,21 @@ mod tests {
         all
     }
 
+    /// Each row's (id, its slot's byte offset, its row's offset, its checksum's offset).
+    fn places_of(f: &RowFile) -> Vec<(u64, usize, usize, usize)> {
+        let mut places = Vec::new();
+        for (id, r) in f.entries().unwrap() {
+            let slot = (0..=f.mask).find(|&i| f.slot(i).0 == id).unwrap();
+            places.push((
+                id,
+                HEADER + slot * SLOT,
+                f.rows_at + r * f.stride,
+                f.sum_at(r),
+            ));
+        }
+        places
+    }
+
     fn flip(path: &Path, at: usize, bit: usize) {
         let mut b = std::fs::read(path).unwrap();
         b[at] ^= 1 << bit;
@@ -1084,16 +1099,7 @@ mod tests {
         let pristine = std::fs::read(&path).unwrap();
         let ids: Vec<u64> = (0..n).map(|i| i * 7919).collect();
         let f = RowFile::open(&path, want(n, Dtype::Float32)).unwrap();
-        let mut places = Vec::new();
-        for (id, r) in f.entries().unwrap() {
-            let slot = (0..=f.mask).find(|&i| f.slot(i).0 == id).unwrap();
-            places.push((
-                id,
-                HEADER + slot * SLOT,
-                f.rows_at + r * f.stride,
-                f.sum_at(r),
-            ));
-        }
+        let places = places_of(&f);
         drop(f);
         let lookup = || {
             let f = RowFile::open(&path, want(n, Dtype::Float32)).unwrap();
@@ -1162,16 +1168,7 @@ mod tests {
         // refused after the check, the others served.
         let (places, f) = {
             let f = open();
-            let mut places = Vec::new();
-            for (id, r) in f.entries().unwrap() {
-                let slot = (0..=f.mask).find(|&i| f.slot(i).0 == id).unwrap();
-                places.push((
-                    id,
-                    HEADER + slot * SLOT,
-                    f.rows_at + r * f.stride,
-                    f.sum_at(r),
-                ));
-            }
+            let places = places_of(&f);
             (places, f)
         };
         drop(f);
