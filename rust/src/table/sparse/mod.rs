@@ -63,6 +63,50 @@ fn distinct_slots(slots: &[u32], end: u32) -> bool {
     true
 }
 
+/// What the shard tasks of one pull that fill missing rows report: rows created, and the first
+/// failure (the other shards still go on).
+#[derive(Default)]
+struct Filling {
+    created: AtomicU64,
+    failure: Mutex<Option<crate::Error>>,
+}
+
+impl Filling {
+    /// [`SparseTable::fill_missing`] of shard `s`'s positions `missing`, under its write lock.
+    #[allow(clippy::too_many_arguments)]
+    fn shard(
+        &self,
+        t: &SparseTable,
+        s: usize,
+        ids: &[u64],
+        missing: &[u32],
+        out: Disjoint<f32>,
+        stream: bool,
+        create: bool,
+    ) {
+        let mut shard = t.write(s);
+        match t.fill_missing(&mut shard, ids, missing, out, stream, create) {
+            Ok(made) => {
+                self.created.fetch_add(made, Ordering::Relaxed);
+            }
+            Err(e) => {
+                self.failure
+                    .lock()
+                    .unwrap_or_else(|e| e.into_inner())
+                    .get_or_insert(e);
+            }
+        }
+    }
+
+    /// The rows created, or the first failure.
+    fn result(self) -> Result<u64> {
+        match self.failure.into_inner().unwrap_or_else(|e| e.into_inner()) {
+            Some(e) => Err(e),
+            None => Ok(self.created.into_inner()),
+        }
+    }
+}
+
 /// Copies the weights of the row at `slot` to row `p` of the output at `out` (`dim` floats a row),
 /// with streaming stores when `stream`.
 ///
@@ -235,15 +279,21 @@ impl SparseTable {
                 f(s, part);
             }
         };
+        self.run_tasks(shards, n, &visit);
+    }
+
+    /// Runs `f(0..tasks)`: over the pool when the batch (`n` ids) is large and the store has
+    /// more than one thread, else on the calling thread.
+    fn run_tasks(&self, tasks: usize, n: usize, f: &(dyn Fn(usize) + Sync)) {
         let threads = self.common.exec.threads();
         if n >= PARALLEL_MIN_IDS && threads > 1 {
-            // A thread that joined its OpenMP team (a torch training thread) runs the shards on
+            // A thread that joined its OpenMP team (a torch training thread) runs the tasks on
             // that team; any other runs them itself, with the store's helper threads.
-            if !crate::openmp::run(shards, threads, &visit) {
-                self.common.exec.run_shared(shards, &visit);
+            if !crate::openmp::run(tasks, threads, f) {
+                self.common.exec.run_shared(tasks, f);
             }
         } else {
-            (0..shards).for_each(visit);
+            (0..tasks).for_each(f);
         }
     }
 
@@ -356,13 +406,7 @@ impl SparseTable {
                         .extend(miss);
                 }
             };
-            if tasks > 1 {
-                if !crate::openmp::run(tasks, threads, &visit) {
-                    self.common.exec.run_shared(tasks, &visit);
-                }
-            } else {
-                visit(0);
-            }
+            self.run_tasks(tasks, n, &visit);
             missing.into_inner().unwrap_or_else(|e| e.into_inner())
         };
         if missing.is_empty() {
@@ -374,14 +418,15 @@ impl SparseTable {
         for &p in &missing {
             of_shard[crate::hash::shard_of(ids[p as usize], count)].push(p);
         }
-        let mut made = 0;
-        for (s, positions) in of_shard.iter().enumerate() {
-            if !positions.is_empty() {
-                let mut shard = self.write(s);
-                made += self.fill_missing(&mut shard, ids, positions, out, false, create)?;
+        // Shard after shard, in parallel when many (a reopened store's first pull loads its
+        // rows from the replica here).
+        let fill = Filling::default();
+        self.run_tasks(count, missing.len(), &|s| {
+            if !of_shard[s].is_empty() {
+                fill.shard(self, s, ids, &of_shard[s], out, false, create);
             }
-        }
-        Ok(made)
+        });
+        fill.result()
     }
 
     /// The pull of a small batch: grouped by shard, each shard's part read under its lock (in
@@ -395,8 +440,7 @@ impl SparseTable {
         create: bool,
     ) -> Result<u64> {
         let dim = self.config.dim;
-        let created = AtomicU64::new(0);
-        let failure: Mutex<Option<crate::Error>> = Mutex::new(None);
+        let fill = Filling::default();
         let g = self.group(ids);
         self.for_each_shard(&g, ids.len(), |s, part| {
             let pos = part.positions;
@@ -414,26 +458,11 @@ impl SparseTable {
                     }
                 });
             }
-            if missing.is_empty() {
-                return;
-            }
-            let mut shard = self.write(s);
-            match self.fill_missing(&mut shard, ids, &missing, out, stream, create) {
-                Ok(made) => {
-                    created.fetch_add(made, Ordering::Relaxed);
-                }
-                Err(e) => {
-                    failure
-                        .lock()
-                        .unwrap_or_else(|e| e.into_inner())
-                        .get_or_insert(e);
-                }
+            if !missing.is_empty() {
+                fill.shard(self, s, ids, &missing, out, stream, create);
             }
         });
-        if let Some(e) = failure.into_inner().unwrap_or_else(|e| e.into_inner()) {
-            return Err(e);
-        }
-        Ok(created.into_inner())
+        fill.result()
     }
 
     /// Writes the rows of the ids at `missing` (positions of one shard's ids that had no row in
