@@ -365,8 +365,8 @@ impl SparseTable {
 
     /// The pull of a large batch: every shard read-locked once, in shard order, for the whole
     /// batch, and the batch read in its own order across the shards (no grouping pass), split
-    /// into consecutive ranges over the pool. Ids without a row are then handled shard after
-    /// shard as [`SparseTable::pull_grouped`] does. Returns the rows created.
+    /// into consecutive ranges over the pool. Ids without a row are then handled per shard as
+    /// [`SparseTable::pull_grouped`] does. Returns the rows created.
     ///
     /// The output is written with plain stores, whatever its size: written in order, it ran
     /// 1.1x to 1.4x faster than with streaming stores (decision 0121), which pay where the
