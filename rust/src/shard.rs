@@ -72,6 +72,32 @@ pub fn prefetch_lines<T>(s: &[T]) {
     }
 }
 
+/// The slot of the first entry of `table` (an [`Index`]'s) carrying fragment `f`, probing from
+/// position `home` up to the first empty entry, or `NO_SLOT`.
+#[inline(always)]
+fn first_candidate(table: &[u64], home: usize, f: u32) -> u32 {
+    let mask = table.len() - 1;
+    let mut p = home;
+    loop {
+        let e = table[p];
+        if e == 0 {
+            return NO_SLOT;
+        }
+        if (e >> 32) as u32 == f {
+            return (e as u32).wrapping_sub(1);
+        }
+        p = (p + 1) & mask;
+    }
+}
+
+/// The chunk of `slot` and the word where its row starts there, for chunks of `chunk_rows` rows
+/// of `stride` words (`chunk_magic` is `ceil(2^64 / chunk_rows)`, see [`Shard`]).
+#[inline(always)]
+fn chunk_offset(chunk_magic: u64, chunk_rows: usize, stride: usize, slot: u32) -> (usize, usize) {
+    let c = ((chunk_magic as u128 * slot as u128) >> 64) as usize;
+    (c, (slot as usize - c * chunk_rows) * stride)
+}
+
 /// An open-addressing index with linear probing: `id -> slot` in 8 bytes an entry.
 ///
 /// An entry is `(frag << 32) | (slot + 1)`, 0 meaning empty. The id itself lives in the row, so an
@@ -131,7 +157,7 @@ impl Index {
     /// The first slot whose entry carries fragment `f`, or `NO_SLOT` (then no row has this id).
     #[inline]
     fn candidate(&self, f: u32) -> u32 {
-        self.probe(f).next().map_or(NO_SLOT, |(_, slot)| slot)
+        first_candidate(&self.table, self.home(f), f)
     }
 
     /// Adds an entry for an id known to be absent.
@@ -241,21 +267,12 @@ impl<'a> View<'a> {
     /// The row of the first entry carrying fragment `f` (as [`Index::candidate`]), or `None`.
     #[inline(always)]
     fn candidate(&self, f: u32) -> Option<&'a [u32]> {
-        let mask = self.index.len() - 1;
-        let mut p = (f >> self.shift) as usize;
-        loop {
-            let e = self.index[p];
-            if e == 0 {
-                return None;
-            }
-            if (e >> 32) as u32 == f {
-                let slot = (e as u32).wrapping_sub(1);
-                let c = ((self.chunk_magic as u128 * slot as u128) >> 64) as usize;
-                let off = (slot as usize - c * self.chunk_rows) * self.stride;
-                return self.chunks.get(c)?.get(off..off + self.stride);
-            }
-            p = (p + 1) & mask;
+        let slot = first_candidate(self.index, (f >> self.shift) as usize, f);
+        if slot == NO_SLOT {
+            return None;
         }
+        let (c, off) = chunk_offset(self.chunk_magic, self.chunk_rows, self.stride, slot);
+        self.chunks.get(c)?.get(off..off + self.stride)
     }
 }
 
@@ -350,8 +367,7 @@ impl Shard {
 
     #[inline]
     fn locate(&self, slot: u32) -> (usize, usize) {
-        let c = ((self.chunk_magic as u128 * slot as u128) >> 64) as usize;
-        (c, (slot as usize - c * self.chunk_rows) * self.stride)
+        chunk_offset(self.chunk_magic, self.chunk_rows, self.stride, slot)
     }
 
     /// The row words of `slot`.
