@@ -116,6 +116,43 @@ def test_bit_flips_in_rows_of_the_replica_never_give_a_wrong_row(tmp_path):
     assert raised >= FLIPS * len(ids) / copies / 2, (raised, copies)
 
 
+def test_bit_flips_in_rows_of_the_replica_never_reach_a_snapshot(tmp_path):
+    """A snapshot reads the replica whole, its rows checked a group at a time (storage/
+    groupsum.rs): a flipped bit in any row of a group fails the snapshot naming that row, or
+    (a stale copy) changes nothing the snapshot holds."""
+    rng = np.random.default_rng(20261204)
+    ids = np.unique(rng.integers(1 << 40, 1 << 62, 40, dtype=np.uint64))
+    path = tmp_path / "store"
+    build_store(path, ids)
+    want = expected(path, ids, np.zeros((len(ids), DIM), F32))[0]
+    pristine = (path / "data.mdb").read_bytes()
+    offsets = row_offsets(pristine, ids)
+    work = tmp_path / "work"
+    raised = 0
+    for k in range(48):
+        hit = int(ids[k % len(ids)])
+        bit = int(rng.integers(0, VALUE_BYTES * 8))
+        at = offsets[hit][0] + bit // 8
+        shutil.rmtree(work, ignore_errors=True)
+        shutil.rmtree(tmp_path / "snap", ignore_errors=True)
+        shutil.copytree(path, work)
+        damaged = bytearray(pristine)
+        damaged[at] ^= 1 << (bit % 8)
+        (work / "data.mdb").write_bytes(bytes(damaged))
+        with pstore.Store(work, durability="none") as store:
+            try:
+                store.snapshot(tmp_path / "snap")
+            except CorruptError as e:
+                assert f"row {hit} " in str(e) and '"emb"' in str(e), str(e)
+                raised += 1
+                continue
+        restored = pstore.Store.restore(tmp_path / "snap")
+        np.testing.assert_array_equal(restored.sparse_table("emb").pull(ids), want)
+        restored.close()
+    # The first copy of most rows is the live one: most flips were caught.
+    assert raised >= 24, raised
+
+
 def test_a_damaged_row_is_refused_where_it_is_read_and_others_are_served(tmp_path):
     rng = np.random.default_rng(7)
     ids = np.unique(rng.integers(1 << 40, 1 << 62, 16, dtype=np.uint64))

@@ -18,6 +18,7 @@
 
 mod check;
 mod format;
+mod groupsum;
 mod inspect;
 mod read;
 mod write;

@@ -4,7 +4,8 @@
 use heed::types::Bytes;
 use heed::{Database, RoTxn, WithoutTls};
 
-use super::format::{bytes_of, check_row, decode, key, part_of_key, words_into, Db};
+use super::format::{bytes_of, check_row, decode, key, part_of_key, words_into, Db, ROW_SUM_BYTES};
+use super::groupsum::{group_rows, group_sound, Expected, GROUP_ROWS};
 use super::{lmdb_err, Storage};
 use crate::error::{corrupt, Error, Result};
 
@@ -161,20 +162,92 @@ impl Reader<'_> {
                 continue;
             };
             let part = &self.storage.parts[k];
+            // Rows with checksums are checked a group at a time where the CPU can
+            // (`groupsum`); a group that fails is checked row by row, which names the row.
+            let grouped = db == Db::Rows && part.sums;
+            let mut group: Vec<(&[u8], &[u8])> = Vec::with_capacity(GROUP_ROWS);
+            let mut expected = Expected::default();
+            let mut room = 0;
             for item in d.iter(txn).map_err(|e| self.fail(k, e))? {
                 let (key, v) = item.map_err(|e| self.fail(k, e))?;
-                let (id, payload) = decode(db, table, &part.dir, part.sums, key, v)?;
-                if db == Db::Rows && key != self::key(id) {
-                    return Err(corrupt(format!(
-                        "{}: table {table:?}: the key of id {} holds id {id}",
-                        part.file().display(),
-                        crate::hash::unmix64(u64::from_be_bytes(key.try_into().unwrap_or([0; 8])))
-                    )));
+                if grouped {
+                    if group.first().is_some_and(|g| g.1.len() != v.len()) {
+                        self.emit_group(db, table, k, &mut group, &mut expected, &mut f)?;
+                    }
+                    if group.is_empty() {
+                        room = group_rows(v.len());
+                    }
+                    if room >= 2 {
+                        group.push((key, v));
+                        if group.len() == room {
+                            self.emit_group(db, table, k, &mut group, &mut expected, &mut f)?;
+                        }
+                        continue;
+                    }
                 }
-                f(id, payload)?;
+                self.emit(db, table, k, key, v, None, &mut f)?;
             }
+            self.emit_group(db, table, k, &mut group, &mut expected, &mut f)?;
         }
         Ok(())
+    }
+
+    /// Hands the values of `group` (of one length) to `f` and empties it: without their checks
+    /// where [`group_sound`] finds them all sound, else one by one with theirs.
+    fn emit_group(
+        &self,
+        db: Db,
+        table: &str,
+        k: usize,
+        group: &mut Vec<(&[u8], &[u8])>,
+        expected: &mut Expected,
+        f: &mut impl FnMut(u64, &[u8]) -> Result<()>,
+    ) -> Result<()> {
+        if group.is_empty() {
+            return Ok(());
+        }
+        let mut values = [&[][..]; GROUP_ROWS];
+        for (slot, (_, v)) in values.iter_mut().zip(group.iter()) {
+            *slot = v;
+        }
+        let sound = group_sound(&values[..group.len()], expected) == Some(true);
+        for &(key, v) in group.iter() {
+            let checked = sound.then(|| {
+                let id = u64::from_le_bytes(v[..8].try_into().expect("8 bytes"));
+                (id, &v[8..v.len() - ROW_SUM_BYTES])
+            });
+            self.emit(db, table, k, key, v, checked, f)?;
+        }
+        group.clear();
+        Ok(())
+    }
+
+    /// Hands one value to `f`: its id and payload from `checked` (already verified) or decoded
+    /// here (a row's checksum verified), after checking that a row's key is its id's.
+    #[allow(clippy::too_many_arguments)]
+    fn emit(
+        &self,
+        db: Db,
+        table: &str,
+        k: usize,
+        key: &[u8],
+        v: &[u8],
+        checked: Option<(u64, &[u8])>,
+        f: &mut impl FnMut(u64, &[u8]) -> Result<()>,
+    ) -> Result<()> {
+        let part = &self.storage.parts[k];
+        let (id, payload) = match checked {
+            Some(c) => c,
+            None => decode(db, table, &part.dir, part.sums, key, v)?,
+        };
+        if db == Db::Rows && key != self::key(id) {
+            return Err(corrupt(format!(
+                "{}: table {table:?}: the key of id {} holds id {id}",
+                part.file().display(),
+                crate::hash::unmix64(u64::from_be_bytes(key.try_into().unwrap_or([0; 8])))
+            )));
+        }
+        f(id, payload)
     }
 }
 
