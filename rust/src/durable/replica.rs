@@ -44,15 +44,13 @@ impl RowSource for Storage {
         let mut value = Vec::with_capacity(m + 3);
         self.read(|r| {
             let rows = r.open(Db::Rows, table);
-            for (k, &id) in ids.iter().enumerate() {
-                if let Some(words) = r.row_words_in(rows.as_ref(), table, id, &mut value)? {
-                    if words.len() != m {
-                        return Err(wrong_len(self.path(), table, m, id, words.len()));
-                    }
-                    found(k, words);
+            r.rows_words_in(rows.as_ref(), table, ids, &mut value, &mut |k, words| {
+                if words.len() != m {
+                    return Err(wrong_len(self.path(), table, m, ids[k], words.len()));
                 }
-            }
-            Ok(())
+                found(k, words);
+                Ok(())
+            })
         })
     }
 

@@ -1298,6 +1298,34 @@ mod tests {
             assert!(r.get(Db::Rows, "t", 16)?.is_some());
             want(r.get(Db::Rows, "t", 17).unwrap_err());
             want(r.scan(Db::Rows, "t", |_, _| Ok(())).unwrap_err());
+            // Rows read by id a group at a time: the rows before the damaged one are handed
+            // on in order, then the damaged one is refused by name.
+            let h = r.open(Db::Rows, "t");
+            let mut out = Vec::new();
+            let mut seen = Vec::new();
+            let ids: Vec<u64> = (0..50).collect();
+            want(
+                r.rows_words_in(h.as_ref(), "t", &ids, &mut out, &mut |k, w| {
+                    seen.push((k, w.to_vec()));
+                    Ok(())
+                })
+                .unwrap_err(),
+            );
+            assert_eq!(
+                seen.iter().map(|s| s.0).collect::<Vec<_>>(),
+                (0..=16).collect::<Vec<_>>()
+            );
+            // Without it (and with an id that has no row): every other row, whole.
+            seen.clear();
+            let ids: Vec<u64> = (0..17).chain(18..50).chain([1000]).collect();
+            r.rows_words_in(h.as_ref(), "t", &ids, &mut out, &mut |k, w| {
+                seen.push((k, w.to_vec()));
+                Ok(())
+            })?;
+            assert_eq!(seen.len(), 49);
+            for (k, w) in &seen {
+                assert_eq!(w, &vec![ids[*k] as u32; 6], "id {}", ids[*k]);
+            }
             Ok(())
         })
         .unwrap();

@@ -85,9 +85,87 @@ impl Reader<'_> {
         id: u64,
         out: &'o mut Vec<u32>,
     ) -> Result<Option<&'o [u32]>> {
-        let Some((db, p, k, v)) = self.value_in(h, id)? else {
+        let Some(stored) = self.value_in(h, id)? else {
             return Ok(None);
         };
+        self.words_of(stored, table, id, out, false).map(Some)
+    }
+
+    /// [`Reader::row_words_in`] of each of `ids` in turn: `found(k, words)` for each `ids[k]`
+    /// with a row, in order. Rows with checksums are checked a group at a time where the CPU
+    /// can (`groupsum`: a group of sound rows is copied without a check each), and a group
+    /// that fails row by row, which names the damaged row.
+    pub fn rows_words_in(
+        &self,
+        h: Option<&DbHandle>,
+        table: &str,
+        ids: &[u64],
+        out: &mut Vec<u32>,
+        found: &mut dyn FnMut(usize, &[u32]) -> Result<()>,
+    ) -> Result<()> {
+        let mut group: Vec<(usize, Stored<'_>)> = Vec::with_capacity(GROUP_ROWS);
+        let mut expected = Expected::default();
+        let mut room = 0;
+        for (k, &id) in ids.iter().enumerate() {
+            let Some(stored) = self.value_in(h, id)? else {
+                continue;
+            };
+            let (db, p, _, v) = stored;
+            let groupable = db == Db::Rows && self.storage.parts[p].sums && v.len() % 4 == 0;
+            if !groupable || group.first().is_some_and(|g| g.1 .3.len() != v.len()) {
+                self.words_group(table, ids, &mut group, &mut expected, out, found)?;
+            }
+            if groupable && group.is_empty() {
+                room = group_rows(v.len());
+            }
+            if groupable && room >= 2 {
+                group.push((k, stored));
+                if group.len() == room {
+                    self.words_group(table, ids, &mut group, &mut expected, out, found)?;
+                }
+                continue;
+            }
+            found(k, self.words_of(stored, table, id, out, false)?)?;
+        }
+        self.words_group(table, ids, &mut group, &mut expected, out, found)
+    }
+
+    /// Hands the rows of `group` (values of one length, with checksums) to `found` and empties
+    /// it: unchecked one by one where [`group_sound`] finds them all sound, else each checked.
+    fn words_group(
+        &self,
+        table: &str,
+        ids: &[u64],
+        group: &mut Vec<(usize, Stored<'_>)>,
+        expected: &mut Expected,
+        out: &mut Vec<u32>,
+        found: &mut dyn FnMut(usize, &[u32]) -> Result<()>,
+    ) -> Result<()> {
+        if group.is_empty() {
+            return Ok(());
+        }
+        let mut values = [&[][..]; GROUP_ROWS];
+        for (slot, g) in values.iter_mut().zip(group.iter()) {
+            *slot = g.1 .3;
+        }
+        let sound = group_sound(&values[..group.len()], expected) == Some(true);
+        for &(k, stored) in group.iter() {
+            found(k, self.words_of(stored, table, ids[k], out, sound)?)?;
+        }
+        group.clear();
+        Ok(())
+    }
+
+    /// The payload words of a value read for `id`, copied into `out` (see
+    /// [`Reader::row_words_in`]); its checksum verified unless `sound` (its group was).
+    fn words_of<'o>(
+        &self,
+        (db, p, k, v): Stored<'_>,
+        table: &str,
+        id: u64,
+        out: &'o mut Vec<u32>,
+        sound: bool,
+    ) -> Result<&'o [u32]> {
         let part = &self.storage.parts[p];
         out.clear();
         if db != Db::Rows || !part.sums || v.len() % 4 != 0 {
@@ -95,7 +173,7 @@ impl Reader<'_> {
             let (stored, payload) = decode(db, table, &part.dir, part.sums, &k, v)?;
             self.same_id(p, table, id, stored)?;
             words_into(payload, out);
-            return Ok(Some(&out[..]));
+            return Ok(&out[..]);
         }
         let n = v.len() / 4;
         out.reserve(n);
@@ -106,10 +184,14 @@ impl Reader<'_> {
             std::ptr::copy_nonoverlapping(v.as_ptr(), out.as_mut_ptr().cast::<u8>(), v.len());
             out.set_len(n);
         }
-        let (stored, _) = check_row(&part.dir, table, &k, bytes_of(out))?;
+        let stored = if sound {
+            out[0] as u64 | (out[1] as u64) << 32
+        } else {
+            check_row(&part.dir, table, &k, bytes_of(out))?.0
+        };
         self.same_id(p, table, id, stored)?;
         // The id's two words before the payload, the checksum's word after it.
-        Ok(Some(&out[2..n - 1]))
+        Ok(&out[2..n - 1])
     }
 
     /// The database of `h` in the environment of `id`'s key, that key, and its value there.
