@@ -1638,6 +1638,8 @@ pub fn start(store: Arc<Store>, config: ServerConfig) -> Result<ServerHandle> {
     if let Some(g) = &group {
         g.attach(Arc::new(held::Link(Arc::downgrade(&inner))));
     }
+    // The tables' `max_rows` budgets spare what a move carries as it is (decision 0122).
+    store.set_budget_guard(Some(Arc::new(moves::Guard(Arc::downgrade(&inner)))));
     let m = Arc::clone(&inner);
     let mut h = launch(
         Service(Arc::clone(&inner)),

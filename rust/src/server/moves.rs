@@ -21,6 +21,7 @@ use crate::net::proto::{DropSlotsResponse, ExportSlotsRequest, ExportSlotsRespon
 use crate::net::routing::{key, slot_of, SLOTS};
 use crate::net::wire;
 use crate::store::{Store, Table};
+use crate::table::{BudgetGuard, BudgetRow};
 
 use super::routing::Routes;
 
@@ -51,6 +52,24 @@ pub(super) struct Frozen {
     slots: RwLock<Slots>,
     /// What was written in the slots being copied since they were marked (decision 0114).
     dirty: Mutex<Dirty>,
+    /// Per slot, [`FROZEN`] and [`COPYING`] as `slots` holds them, for a table's `max_rows`
+    /// budget (decision 0122): its evictions hold the read side (under a writer's pass, or under
+    /// none when a BSP step is applied: `slots` itself cannot be read again under a pass), and
+    /// every change of `slots`, and a publish (which changes what this server owns), the write
+    /// side, always taken after `slots`' write side.
+    budget: RwLock<Vec<u8>>,
+}
+
+/// A slot of [`Frozen::budget`] that is frozen.
+const FROZEN: u8 = 1;
+/// A slot of [`Frozen::budget`] that is being copied.
+const COPYING: u8 = 2;
+
+/// Writes `g`'s slots into the budget's copy.
+fn mirror(flags: &mut [u8], g: &Slots) {
+    for ((f, &fr), &c) in flags.iter_mut().zip(&g.frozen).zip(&g.copying) {
+        *f = if fr { FROZEN } else { 0 } | if c { COPYING } else { 0 };
+    }
 }
 
 /// Per slot: frozen (writes answer "moving"), and copying (writes go on, and are recorded).
@@ -89,6 +108,7 @@ impl Default for Frozen {
                 any_copying: false,
             }),
             dirty: Mutex::new(Dirty::default()),
+            budget: RwLock::new(vec![0; SLOTS]),
         }
     }
 }
@@ -117,16 +137,25 @@ impl Frozen {
         self.dirty.lock().unwrap_or_else(|e| e.into_inner())
     }
 
+    /// The budget's copy of the slots, to change (after `slots`' write side).
+    fn budget_write(&self) -> RwLockWriteGuard<'_, Vec<u8>> {
+        self.budget.write().unwrap_or_else(|e| e.into_inner())
+    }
+
     /// Records `ids` of `table` whose slots are copying (under a writer's pass `g`).
     fn record(&self, g: &Slots, table: &str, ids: &[u64]) {
         if !g.any_copying {
             return;
         }
-        let mut it = ids
-            .iter()
-            .copied()
-            .filter(|&id| g.copying[slot_of(id)])
-            .peekable();
+        self.note(
+            table,
+            ids.iter().copied().filter(|&id| g.copying[slot_of(id)]),
+        );
+    }
+
+    /// Records `ids` of `table` (of copying slots).
+    fn note(&self, table: &str, it: impl Iterator<Item = u64>) {
+        let mut it = it.peekable();
         if it.peek().is_none() {
             return;
         }
@@ -144,6 +173,7 @@ impl Frozen {
     /// copying of `set` and forgets what was recorded there (a move given up).
     pub(super) fn set(&self, set: &[bool], freeze: bool) -> usize {
         let mut g = self.write();
+        let mut b = self.budget_write();
         for (f, &s) in g.frozen.iter_mut().zip(set) {
             if s {
                 *f = freeze;
@@ -152,6 +182,7 @@ impl Frozen {
         if !freeze {
             self.end_copying(&mut g, set);
         }
+        mirror(&mut b, &g);
         g.frozen.iter().filter(|&&f| f).count()
     }
 
@@ -161,6 +192,7 @@ impl Frozen {
     /// Returns how many slots are copying afterwards.
     pub(super) fn copy(&self, set: &[bool]) -> usize {
         let mut g = self.write();
+        let mut b = self.budget_write();
         self.dirty().clear(set);
         for (c, &s) in g.copying.iter_mut().zip(set) {
             if s {
@@ -168,6 +200,7 @@ impl Frozen {
             }
         }
         g.any_copying = g.copying.iter().any(|&c| c);
+        mirror(&mut b, &g);
         g.copying.iter().filter(|&&c| c).count()
     }
 
@@ -229,6 +262,8 @@ impl Frozen {
         after: impl FnOnce(&[bool]) -> Result<()>,
     ) -> Result<R> {
         let mut g = self.write();
+        // Held through the routing change too: a budget's eviction reads what it owns.
+        let mut b = self.budget_write();
         let out = publish()?;
         let mut gone = vec![false; SLOTS];
         let slots = &mut *g;
@@ -239,6 +274,8 @@ impl Frozen {
             }
         }
         self.end_copying(&mut g, &gone);
+        mirror(&mut b, &g);
+        drop(b);
         after(&g.frozen)?;
         Ok(out)
     }
@@ -251,8 +288,10 @@ impl Frozen {
     /// Replaces the frozen slots with `set` (a follower taking its primary's).
     pub(super) fn replace(&self, set: &[bool]) {
         let mut g = self.write();
+        let mut b = self.budget_write();
         let n = g.frozen.len();
         g.frozen.copy_from_slice(&set[..n]);
+        mirror(&mut b, &g);
     }
 
     /// A write of `ids` of `table` may go on (holding the pass while it applies), unless one is
@@ -328,6 +367,41 @@ impl Frozen {
         out
     }
 
+    /// A table's `max_rows` budget evicting while slots move (decision 0122): `evict(class)`
+    /// runs the eviction, asking `class(id)` of each row. A row of a slot this server does not
+    /// own (copied in before the publish that gives it the slot, or left until `DropSlots`)
+    /// is neither counted nor evicted; one of a frozen slot is counted and kept (it is on its
+    /// way to the new owner as it is); any other may go, and one evicted from a slot being
+    /// copied is recorded, so the delta removes it from the new owner too. Holds the budget's
+    /// read side, so no slot is frozen, marked or given away while the eviction runs: it may
+    /// run under a writer's pass or under none.
+    pub(super) fn budget(
+        &self,
+        table: &str,
+        routes: &Routes,
+        evict: &mut dyn FnMut(&dyn Fn(u64) -> BudgetRow) -> Vec<u64>,
+    ) {
+        let flags = self.budget.read().unwrap_or_else(|e| e.into_inner());
+        let owned = routes.owned_now();
+        let class = |id: u64| {
+            let s = slot_of(id);
+            if !owned(s) {
+                BudgetRow::Skip
+            } else if flags[s] & FROZEN != 0 {
+                BudgetRow::Keep
+            } else {
+                BudgetRow::Evict
+            }
+        };
+        let evicted = evict(&class);
+        self.note(
+            table,
+            evicted
+                .into_iter()
+                .filter(|&id| flags[slot_of(id)] & COPYING != 0),
+        );
+    }
+
     /// A write of dense table `name` may go on, unless its name's slot is frozen or no longer
     /// owned (as [`pass_ids`](Self::pass_ids)); recorded when its name's slot is copying.
     pub(super) fn pass_name(&self, name: &str, routes: &Routes) -> Result<Pass<'_>> {
@@ -341,6 +415,21 @@ impl Frozen {
             self.dirty().dense.insert(name.to_string());
         }
         Ok(g)
+    }
+}
+
+/// The server's [`BudgetGuard`]: its tables' `max_rows` budgets evict as [`Frozen::budget`]
+/// says (any row once the server is gone).
+pub(super) struct Guard(pub(super) std::sync::Weak<super::Inner>);
+
+impl BudgetGuard for Guard {
+    fn budget(&self, table: &str, evict: &mut dyn FnMut(&dyn Fn(u64) -> BudgetRow) -> Vec<u64>) {
+        match self.0.upgrade() {
+            Some(inner) => inner.frozen.budget(table, &inner.routing, evict),
+            None => {
+                evict(&|_| BudgetRow::Evict);
+            }
+        }
     }
 }
 

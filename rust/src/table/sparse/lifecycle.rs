@@ -6,6 +6,7 @@ use std::collections::HashMap;
 use super::{EvictPolicy, SparseTable};
 use crate::error::Result;
 use crate::shard::{row_version, Shard, FREQ, NO_SLOT};
+use crate::table::BudgetRow;
 use crate::table::{Counters, TableHandle};
 
 impl SparseTable {
@@ -102,14 +103,18 @@ impl SparseTable {
                 && among(id)
         });
         self.common.durable_wait()?;
-        Ok(evicted)
+        Ok(evicted.len())
     }
 
     /// Removes the rows for which `evict(id, row)` holds (the row's words with its header) and
-    /// counts them as evicted; returns how many.
-    fn evict_where(&self, rid: Option<(u64, u64)>, evict: impl Fn(u64, &[u32]) -> bool) -> usize {
+    /// counts them as evicted; returns their ids.
+    fn evict_where(
+        &self,
+        rid: Option<(u64, u64)>,
+        evict: impl Fn(u64, &[u32]) -> bool,
+    ) -> Vec<u64> {
         let _changing = self.changing();
-        let mut evicted = 0;
+        let mut evicted = Vec::new();
         for s in 0..self.shards.len() {
             let mut shard = self.write(s);
             let victims: Vec<u64> = shard
@@ -118,17 +123,20 @@ impl SparseTable {
                 .map(|(id, _)| id)
                 .collect();
             for id in victims {
-                evicted += shard.remove(id) as usize;
+                if shard.remove(id) {
+                    evicted.push(id);
+                }
             }
         }
-        Counters::add(&self.common.counters.rows_evicted, evicted);
+        Counters::add(&self.common.counters.rows_evicted, evicted.len());
         if let Some((client, seq)) = rid {
             self.note_applied(client, seq);
         }
         evicted
     }
 
-    /// Keeps the table within `max_rows`: past it, evicts by the policy down to 99% of it.
+    /// Keeps the table within `max_rows`: past it, evicts by the policy down to 99% of it,
+    /// among the rows the store's [`BudgetGuard`] lets it evict (any row without one).
     pub(super) fn enforce_budget(&self) -> Result<()> {
         let Some(max) = self.config.lifecycle.max_rows else {
             return Ok(());
@@ -140,12 +148,24 @@ impl SparseTable {
             return Ok(()); // another thread is at it
         };
         self.load_all()?;
-        let len = self.len() as u64;
-        if len <= max {
+        if self.len() as u64 <= max {
             return Ok(());
         }
-        let target = max - max / 100;
-        let excess = (len - target) as usize;
+        match self.common.budget_guard() {
+            None => {
+                self.evict_budget(max, &|_| BudgetRow::Evict);
+            }
+            Some(g) => g.budget(&self.common.name, &mut |class| {
+                self.evict_budget(max, class)
+            }),
+        }
+        Ok(())
+    }
+
+    /// Evicts by the policy, among the rows `class` says to evict, down to 99% of `max` of the
+    /// rows it counts (those it keeps are counted: the budget takes other rows in their place,
+    /// or stays over while only kept rows are left); returns the ids evicted.
+    fn evict_budget(&self, max: u64, class: &dyn Fn(u64) -> BudgetRow) -> Vec<u64> {
         let lfu = self.config.lifecycle.policy == EvictPolicy::Lfu;
         // Scores: LFU by push count then version; LRU by version; ties by id, so the rows kept
         // do not depend on the shard layout.
@@ -156,18 +176,31 @@ impl SparseTable {
                 (row_version(row), 0, id)
             }
         };
-        let mut scores: Vec<(u64, u64, u64)> = Vec::with_capacity(len as usize);
+        let mut counted = 0u64;
+        let mut scores: Vec<(u64, u64, u64)> = Vec::with_capacity(self.len());
         for s in 0..self.shards.len() {
             let shard = self.read(s);
-            scores.extend(shard.iter().map(|(id, slot)| score(id, shard.row(slot))));
+            for (id, slot) in shard.iter() {
+                match class(id) {
+                    BudgetRow::Evict => {
+                        counted += 1;
+                        scores.push(score(id, shard.row(slot)));
+                    }
+                    BudgetRow::Keep => counted += 1,
+                    BudgetRow::Skip => {}
+                }
+            }
         }
-        if excess == 0 || scores.is_empty() {
-            return Ok(());
+        let target = max - max / 100;
+        if counted <= max || scores.is_empty() {
+            return Vec::new();
         }
+        let excess = (counted - target) as usize;
         let k = excess.min(scores.len()) - 1;
         let (_, &mut cut, _) = scores.select_nth_unstable(k);
-        self.evict_where(None, |id, row| score(id, row) <= cut);
-        Ok(())
+        self.evict_where(None, |id, row| {
+            score(id, row) <= cut && class(id) == BudgetRow::Evict
+        })
     }
 
     /// Creates the rows of the shard's missing ids that are admitted now; returns the slot of
