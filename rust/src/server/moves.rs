@@ -948,6 +948,133 @@ mod tests {
         assert_eq!(wire::ids(&b.removed_ids).unwrap(), vec![3]);
     }
 
+    /// A store's budget guard over a [`Frozen`] (the server's holds its `Inner` instead).
+    struct Over(std::sync::Arc<Frozen>, Routes);
+
+    impl BudgetGuard for Over {
+        fn budget(
+            &self,
+            table: &str,
+            evict: &mut dyn FnMut(&dyn Fn(u64) -> BudgetRow) -> Vec<u64>,
+        ) {
+            self.0.budget(table, &self.1, evict)
+        }
+    }
+
+    /// Classes rows by a function of their id alone.
+    struct By(fn(u64) -> BudgetRow);
+
+    impl BudgetGuard for By {
+        fn budget(&self, _: &str, evict: &mut dyn FnMut(&dyn Fn(u64) -> BudgetRow) -> Vec<u64>) {
+            evict(&|id| (self.0)(id));
+        }
+    }
+
+    fn budgeted(store: &Store, max_rows: u64) -> std::sync::Arc<crate::SparseTable> {
+        let config = crate::table::SparseTableConfig {
+            dim: 2,
+            optimizer: Default::default(),
+            initializer: crate::init::Initializer::Zeros,
+            seed: 0,
+            lifecycle: crate::table::Lifecycle {
+                max_rows: Some(max_rows),
+                ..Default::default()
+            },
+            refuse_nonfinite: false,
+        };
+        store.create_sparse_table("t", config).unwrap()
+    }
+
+    #[test]
+    fn a_budget_keeps_frozen_rows_and_records_what_it_evicts_from_copying_slots() {
+        use crate::store::StoreConfig;
+        let store = Store::new(StoreConfig::default()).unwrap();
+        let t = budgeted(&store, 100);
+        let f = std::sync::Arc::new(Frozen::default());
+        store.set_budget_guard(Some(std::sync::Arc::new(Over(
+            std::sync::Arc::clone(&f),
+            Routes::default(),
+        ))));
+        let old: Vec<u64> = (0..100).collect();
+        t.push(&old, &[1.0; 200]).unwrap(); // at the budget, one version
+                                            // Frozen: the slots of ids 0..30; copying: the other slots of ids 30..60.
+        let mut frozen = vec![false; SLOTS];
+        let mut copying = vec![false; SLOTS];
+        for id in 0..30 {
+            frozen[slot_of(id)] = true;
+        }
+        for id in 30..60 {
+            copying[slot_of(id)] = !frozen[slot_of(id)];
+        }
+        f.set(&frozen, true);
+        f.copy(&copying);
+        // 20 new rows: down to 99, the 21 oldest (ties by id) among the rows not frozen.
+        let new: Vec<u64> = (1000..1020).collect();
+        t.push(&new, &[1.0; 40]).unwrap();
+        let gone: Vec<u64> = old
+            .iter()
+            .copied()
+            .filter(|&id| !frozen[slot_of(id)])
+            .take(21)
+            .collect();
+        let held = t.contains(&old).unwrap();
+        for (&id, &h) in old.iter().zip(&held) {
+            assert_eq!(h, !gone.contains(&id), "id {id}");
+        }
+        assert_eq!(t.len(), 99);
+        let mut recorded: Vec<u64> = f.dirty().rows["t"].iter().copied().collect();
+        recorded.sort_unstable();
+        let want: Vec<u64> = gone
+            .iter()
+            .copied()
+            .filter(|&id| copying[slot_of(id)])
+            .collect();
+        assert!(!want.is_empty());
+        assert_eq!(recorded, want);
+        // Only frozen rows left to take: the table stays over its budget until they go.
+        f.set(&vec![true; SLOTS], true);
+        t.push(&(2000..2050).collect::<Vec<_>>(), &[1.0; 100])
+            .unwrap();
+        assert_eq!(t.len(), 149);
+        f.set(&vec![true; SLOTS], false);
+        t.push(&[3000], &[1.0; 2]).unwrap();
+        assert_eq!(t.len(), 99);
+        assert_eq!(t.stats().rows_evicted, 21 + 51);
+    }
+
+    #[test]
+    fn a_budget_does_not_count_rows_it_skips() {
+        use crate::store::StoreConfig;
+        let store = Store::new(StoreConfig::default()).unwrap();
+        let t = budgeted(&store, 100);
+        // Ids from 1000 on are another server's (copied in before a publish): not counted.
+        store.set_budget_guard(Some(std::sync::Arc::new(By(|id| {
+            if id >= 1000 {
+                BudgetRow::Skip
+            } else {
+                BudgetRow::Evict
+            }
+        }))));
+        t.push(&(1000..1050).collect::<Vec<_>>(), &[1.0; 100])
+            .unwrap();
+        t.push(&(0..100).collect::<Vec<_>>(), &[1.0; 200]).unwrap();
+        assert_eq!(t.len(), 150);
+        t.push(&[100], &[1.0; 2]).unwrap();
+        // 101 counted: down to 99, the two oldest counted rows; none of the skipped.
+        assert_eq!(t.len(), 99 + 50);
+        assert!(t.contains(&[0, 1]).unwrap().iter().all(|&h| !h));
+        assert!(t
+            .contains(&(1000..1050).collect::<Vec<_>>())
+            .unwrap()
+            .iter()
+            .all(|&h| h));
+        // Without a guard every row counts and any may go.
+        store.set_budget_guard(None);
+        t.push(&[101], &[1.0; 2]).unwrap();
+        assert_eq!(t.len(), 99);
+        assert!(t.contains(&[1000, 1049]).unwrap().iter().all(|&h| !h));
+    }
+
     #[test]
     fn request_ids_round_trip_and_odd_lengths_are_refused() {
         let ids = vec![(1u64, 2u64), (u64::MAX, 0)];
