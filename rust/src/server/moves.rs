@@ -21,7 +21,7 @@ use crate::net::proto::{DropSlotsResponse, ExportSlotsRequest, ExportSlotsRespon
 use crate::net::routing::{key, slot_of, SLOTS};
 use crate::net::wire;
 use crate::store::{Store, Table};
-use crate::table::{BudgetGuard, BudgetRow};
+use crate::table::{BudgetEvict, BudgetGuard, BudgetRow};
 
 use super::routing::Routes;
 
@@ -375,12 +375,7 @@ impl Frozen {
     /// copied is recorded, so the delta removes it from the new owner too. Holds the budget's
     /// read side, so no slot is frozen, marked or given away while the eviction runs: it may
     /// run under a writer's pass or under none.
-    pub(super) fn budget(
-        &self,
-        table: &str,
-        routes: &Routes,
-        evict: &mut dyn FnMut(&dyn Fn(u64) -> BudgetRow) -> Vec<u64>,
-    ) {
+    pub(super) fn budget(&self, table: &str, routes: &Routes, evict: &mut BudgetEvict<'_>) {
         let flags = self.budget.read().unwrap_or_else(|e| e.into_inner());
         let owned = routes.owned_now();
         let class = |id: u64| {
@@ -423,7 +418,7 @@ impl Frozen {
 pub(super) struct Guard(pub(super) std::sync::Weak<super::Inner>);
 
 impl BudgetGuard for Guard {
-    fn budget(&self, table: &str, evict: &mut dyn FnMut(&dyn Fn(u64) -> BudgetRow) -> Vec<u64>) {
+    fn budget(&self, table: &str, evict: &mut BudgetEvict<'_>) {
         match self.0.upgrade() {
             Some(inner) => inner.frozen.budget(table, &inner.routing, evict),
             None => {
@@ -952,11 +947,7 @@ mod tests {
     struct Over(std::sync::Arc<Frozen>, Routes);
 
     impl BudgetGuard for Over {
-        fn budget(
-            &self,
-            table: &str,
-            evict: &mut dyn FnMut(&dyn Fn(u64) -> BudgetRow) -> Vec<u64>,
-        ) {
+        fn budget(&self, table: &str, evict: &mut BudgetEvict<'_>) {
             self.0.budget(table, &self.1, evict)
         }
     }
@@ -965,7 +956,7 @@ mod tests {
     struct By(fn(u64) -> BudgetRow);
 
     impl BudgetGuard for By {
-        fn budget(&self, _: &str, evict: &mut dyn FnMut(&dyn Fn(u64) -> BudgetRow) -> Vec<u64>) {
+        fn budget(&self, _: &str, evict: &mut BudgetEvict<'_>) {
             evict(&|id| (self.0)(id));
         }
     }

@@ -132,8 +132,12 @@ pub enum BudgetRow {
 /// and records those evicted from slots being copied). A store without one evicts any row.
 pub trait BudgetGuard: Send + Sync {
     /// Runs `evict` with the class of each row of `table`; `evict` answers the ids it evicted.
-    fn budget(&self, table: &str, evict: &mut dyn FnMut(&dyn Fn(u64) -> BudgetRow) -> Vec<u64>);
+    fn budget(&self, table: &str, evict: &mut BudgetEvict<'_>);
 }
+
+/// The eviction a [`BudgetGuard`] runs: given each row's class, it evicts and answers the ids
+/// it evicted.
+pub type BudgetEvict<'a> = dyn FnMut(&dyn Fn(u64) -> BudgetRow) -> Vec<u64> + 'a;
 
 /// A store's [`BudgetGuard`], shared by its tables (set while a server serves the store).
 pub(crate) type GuardCell = Arc<std::sync::RwLock<Option<Arc<dyn BudgetGuard>>>>;

@@ -136,7 +136,8 @@ impl SparseTable {
     }
 
     /// Keeps the table within `max_rows`: past it, evicts by the policy down to 99% of it,
-    /// among the rows the store's [`BudgetGuard`] lets it evict (any row without one).
+    /// among the rows the store's [`BudgetGuard`](crate::table::BudgetGuard) lets it evict (any
+    /// row without one).
     pub(super) fn enforce_budget(&self) -> Result<()> {
         let Some(max) = self.config.lifecycle.max_rows else {
             return Ok(());
