@@ -378,17 +378,24 @@ impl Frozen {
     pub(super) fn budget(&self, table: &str, routes: &Routes, evict: &mut BudgetEvict<'_>) {
         let flags = self.budget.read().unwrap_or_else(|e| e.into_inner());
         let owned = routes.owned_now();
-        let class = |id: u64| {
-            let s = slot_of(id);
-            if !owned(s) {
-                BudgetRow::Skip
-            } else if flags[s] & FROZEN != 0 {
-                BudgetRow::Keep
-            } else {
-                BudgetRow::Evict
-            }
-        };
-        let evicted = evict(&class);
+        // Each slot's class, once per eviction (the rows then cost a hash and a look-up).
+        let by_slot: Vec<BudgetRow> = (0..SLOTS)
+            .map(|s| {
+                if !owned(s) {
+                    BudgetRow::Skip
+                } else if flags[s] & FROZEN != 0 {
+                    BudgetRow::Keep
+                } else {
+                    BudgetRow::Evict
+                }
+            })
+            .collect();
+        if by_slot.iter().all(|&c| c == BudgetRow::Evict) && !flags.iter().any(|&f| f != 0) {
+            // No move here, every slot owned: any row may go, nothing to record.
+            evict(&|_| BudgetRow::Evict);
+            return;
+        }
+        let evicted = evict(&|id| by_slot[slot_of(id)]);
         self.note(
             table,
             evicted
