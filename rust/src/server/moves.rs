@@ -367,8 +367,8 @@ impl Frozen {
         out
     }
 
-    /// A table's `max_rows` budget evicting while slots move (decision 0122): `evict(class)`
-    /// runs the eviction, asking `class(id)` of each row. A row of a slot this server does not
+    /// A table's `max_rows` budget evicting while slots move (decision 0122): `evict(by_slot)`
+    /// runs the eviction with each slot's class. A row of a slot this server does not
     /// own (copied in before the publish that gives it the slot, or left until `DropSlots`)
     /// is neither counted nor evicted; one of a frozen slot is counted and kept (it is on its
     /// way to the new owner as it is); any other may go, and one evicted from a slot being
@@ -378,7 +378,6 @@ impl Frozen {
     pub(super) fn budget(&self, table: &str, routes: &Routes, evict: &mut BudgetEvict<'_>) {
         let flags = self.budget.read().unwrap_or_else(|e| e.into_inner());
         let owned = routes.owned_now();
-        // Each slot's class, once per eviction (the rows then cost a hash and a look-up).
         let by_slot: Vec<BudgetRow> = (0..SLOTS)
             .map(|s| {
                 if !owned(s) {
@@ -390,12 +389,7 @@ impl Frozen {
                 }
             })
             .collect();
-        if by_slot.iter().all(|&c| c == BudgetRow::Evict) && !flags.iter().any(|&f| f != 0) {
-            // No move here, every slot owned: any row may go, nothing to record.
-            evict(&|_| BudgetRow::Evict);
-            return;
-        }
-        let evicted = evict(&|id| by_slot[slot_of(id)]);
+        let evicted = evict(&by_slot);
         self.note(
             table,
             evicted
@@ -429,7 +423,7 @@ impl BudgetGuard for Guard {
         match self.0.upgrade() {
             Some(inner) => inner.frozen.budget(table, &inner.routing, evict),
             None => {
-                evict(&|_| BudgetRow::Evict);
+                evict(&[BudgetRow::Evict; SLOTS]);
             }
         }
     }
@@ -959,12 +953,12 @@ mod tests {
         }
     }
 
-    /// Classes rows by a function of their id alone.
-    struct By(fn(u64) -> BudgetRow);
+    /// Classes rows by their slot alone.
+    struct By(Vec<BudgetRow>);
 
     impl BudgetGuard for By {
         fn budget(&self, _: &str, evict: &mut BudgetEvict<'_>) {
-            evict(&|id| (self.0)(id));
+            evict(&self.0);
         }
     }
 
@@ -1045,32 +1039,37 @@ mod tests {
         use crate::store::StoreConfig;
         let store = Store::new(StoreConfig::default()).unwrap();
         let t = budgeted(&store, 100);
-        // Ids from 1000 on are another server's (copied in before a publish): not counted.
-        store.set_budget_guard(Some(std::sync::Arc::new(By(|id| {
-            if id >= 1000 {
-                BudgetRow::Skip
-            } else {
-                BudgetRow::Evict
-            }
-        }))));
-        t.push(&(1000..1050).collect::<Vec<_>>(), &[1.0; 100])
-            .unwrap();
-        t.push(&(0..100).collect::<Vec<_>>(), &[1.0; 200]).unwrap();
+        // The slots of the first half are another server's (rows copied in before a publish):
+        // not counted.
+        let by_slot: Vec<BudgetRow> = (0..SLOTS)
+            .map(|s| {
+                if s < SLOTS / 2 {
+                    BudgetRow::Skip
+                } else {
+                    BudgetRow::Evict
+                }
+            })
+            .collect();
+        store.set_budget_guard(Some(std::sync::Arc::new(By(by_slot))));
+        let theirs: Vec<u64> = (0..).filter(|&x| slot_of(x) < SLOTS / 2).take(50).collect();
+        let ours: Vec<u64> = (0..)
+            .filter(|&x| slot_of(x) >= SLOTS / 2)
+            .take(102)
+            .collect();
+        t.push(&theirs, &[1.0; 100]).unwrap();
+        t.push(&ours[..100], &[1.0; 200]).unwrap();
         assert_eq!(t.len(), 150);
-        t.push(&[100], &[1.0; 2]).unwrap();
+        t.push(&ours[100..101], &[1.0; 2]).unwrap();
         // 101 counted: down to 99, the two oldest counted rows; none of the skipped.
         assert_eq!(t.len(), 99 + 50);
-        assert!(t.contains(&[0, 1]).unwrap().iter().all(|&h| !h));
-        assert!(t
-            .contains(&(1000..1050).collect::<Vec<_>>())
-            .unwrap()
-            .iter()
-            .all(|&h| h));
-        // Without a guard every row counts and any may go.
+        assert!(t.contains(&ours[..2]).unwrap().iter().all(|&h| !h));
+        assert!(t.contains(&ours[2..101]).unwrap().iter().all(|&h| h));
+        assert!(t.contains(&theirs).unwrap().iter().all(|&h| h));
+        // Without a guard every row counts and any may go: the skipped ones are the oldest.
         store.set_budget_guard(None);
-        t.push(&[101], &[1.0; 2]).unwrap();
+        t.push(&ours[101..], &[1.0; 2]).unwrap();
         assert_eq!(t.len(), 99);
-        assert!(t.contains(&[1000, 1049]).unwrap().iter().all(|&h| !h));
+        assert!(t.contains(&theirs).unwrap().iter().all(|&h| !h));
     }
 
     #[test]

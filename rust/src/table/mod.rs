@@ -131,13 +131,14 @@ pub enum BudgetRow {
 /// (a server moving slots keeps the rows of frozen slots, skips those of slots it does not own,
 /// and records those evicted from slots being copied). A store without one evicts any row.
 pub trait BudgetGuard: Send + Sync {
-    /// Runs `evict` with the class of each row of `table`; `evict` answers the ids it evicted.
+    /// Runs `evict` with the class of each slot's rows of `table`; `evict` answers the ids it
+    /// evicted.
     fn budget(&self, table: &str, evict: &mut BudgetEvict<'_>);
 }
 
-/// The eviction a [`BudgetGuard`] runs: given each row's class, it evicts and answers the ids
-/// it evicted.
-pub type BudgetEvict<'a> = dyn FnMut(&dyn Fn(u64) -> BudgetRow) -> Vec<u64> + 'a;
+/// The eviction a [`BudgetGuard`] runs: given each hash slot's class (16384 of them, a row's
+/// slot as `net::routing::slot_of` gives it), it evicts and answers the ids it evicted.
+pub type BudgetEvict<'a> = dyn FnMut(&[BudgetRow]) -> Vec<u64> + 'a;
 
 /// A store's [`BudgetGuard`], shared by its tables (set while a server serves the store).
 pub(crate) type GuardCell = Arc<std::sync::RwLock<Option<Arc<dyn BudgetGuard>>>>;
