@@ -168,6 +168,19 @@ impl Frozen {
         }
     }
 
+    /// Records the rows of pending BSP steps in slots being copied (`rows`: a sparse table's
+    /// ids, or `None` for a dense table), which their steps will write after the mark.
+    pub(super) fn note_pending(&self, rows: Vec<(String, Option<Vec<u64>>)>) {
+        for (table, ids) in rows {
+            match ids {
+                Some(ids) => self.note(&table, ids.into_iter()),
+                None => {
+                    self.dirty().dense.insert(table);
+                }
+            }
+        }
+    }
+
     /// Freezes (or thaws) `set`; returns how many slots are frozen afterwards. When it returns
     /// after a freeze, every write admitted before it has finished. A thaw also ends the
     /// copying of `set` and forgets what was recorded there (a move given up).
@@ -184,6 +197,19 @@ impl Frozen {
         }
         mirror(&mut b, &g);
         g.frozen.iter().filter(|&&f| f).count()
+    }
+
+    /// Thaws `set` and keeps it copying, with its record (a freeze that waits for a BSP step
+    /// boundary lets the step's pushes in meanwhile, decision 0123).
+    pub(super) fn unfreeze(&self, set: &[bool]) {
+        let mut g = self.write();
+        let mut b = self.budget_write();
+        for (f, &s) in g.frozen.iter_mut().zip(set) {
+            if s {
+                *f = false;
+            }
+        }
+        mirror(&mut b, &g);
     }
 
     /// Marks `set` as copying: writes to it go on, and the ids they write, create or remove are
