@@ -202,6 +202,7 @@ def test_a_move_waits_for_the_step_boundary_of_a_pending_aggregate_in_its_slots(
         assert out[0]["slots"] == sum(e - a for a, e, o in before["ranges"] if o == 0) > 0
         # The step applied once, on its rows' owner then, moved since.
         np.testing.assert_array_equal(t[0].pull(ids), np.full((ids.size, DIM), -2.0, np.float32))
-        assert [sum(x["rows"] for x in s["tables"]) for s in admin.status()][0] == 0
+        old_owner = admin.status()[0]
+        assert sum(x["rows"] for x in old_owner["tables"]) == 0
     finally:
         stop_all(procs)

@@ -1701,7 +1701,12 @@ def test_a_max_rows_budget_during_a_move_reaches_the_new_owner_and_spares_frozen
         ok(a.FreezeSlots, m.FreezeSlotsRequest(slots=half, copy=True))
         for x in _slot_rows(api, a, "bud", half):
             if x.words:
-                ok(b.BulkLoad, m.BulkLoadRequest(table="bud", config_json=x.config_json, ids=x.ids, words=x.words))
+                ok(
+                    b.BulkLoad,
+                    m.BulkLoadRequest(
+                        table="bud", config_json=x.config_json, ids=x.ids, words=x.words
+                    ),
+                )
         # 20 new rows: the budget evicts down to 99, the 21 oldest (ids 0..20, ties by id).
         push(range(1000, 1020))
         held = rows(a, every)

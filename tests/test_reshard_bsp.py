@@ -70,7 +70,9 @@ def test_a_move_completes_while_four_bsp_workers_train() -> None:
                 while min(steps) < 2:  # the job is under way
                     assert time.monotonic() < deadline
                     time.sleep(0.01)
-                report.append(admin.move_slots({"epoch": 0, "servers": 2, "ranges": [[0, SLOTS, 1]]}))
+                report.append(
+                    admin.move_slots({"epoch": 0, "servers": 2, "ranges": [[0, SLOTS, 1]]})
+                )
                 report.append({"steps_at_end": max(steps)})
             except BaseException as e:  # reported below
                 report.append({"error": repr(e)})
@@ -100,7 +102,9 @@ def test_a_move_completes_while_four_bsp_workers_train() -> None:
                     seen[w][c], np.repeat(-_counts(c).astype(np.float32)[:, None], DIM, axis=1)
                 )
         # The old owner holds nothing.
-        rows = [sum(int(x["rows"]) for x in s["tables"] if x["name"] == "m") for s in admin.status()]
+        rows = [
+            sum(int(x["rows"]) for x in s["tables"] if x["name"] == "m") for s in admin.status()
+        ]
         assert rows == [0, N]
     finally:
         stop_all(procs)
