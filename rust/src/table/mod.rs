@@ -137,7 +137,7 @@ pub trait BudgetGuard: Send + Sync {
 }
 
 /// The eviction a [`BudgetGuard`] runs: given each hash slot's class (16384 of them, a row's
-/// slot as `net::routing::slot_of` gives it), it evicts and answers the ids it evicted.
+/// slot as `hash::slot_of` gives it), it evicts and answers the ids it evicted.
 pub type BudgetEvict<'a> = dyn FnMut(&[BudgetRow]) -> Vec<u64> + 'a;
 
 /// A store's [`BudgetGuard`], shared by its tables (set while a server serves the store).

@@ -5,7 +5,7 @@ use std::collections::HashMap;
 
 use super::{EvictPolicy, SparseTable};
 use crate::error::Result;
-use crate::net::routing::{slot_of, slot_of_mix};
+use crate::hash::{slot_of, slot_of_mix};
 use crate::shard::{row_version, Shard, FREQ, NO_SLOT};
 use crate::table::BudgetRow;
 use crate::table::{Counters, TableHandle};
@@ -282,7 +282,7 @@ impl SparseTable {
 
 /// The class of every slot of shard `s` of `n`, when they share one. Shard `s` holds the ids
 /// whose `mix64` lies in `[ceil(s 2^64 / n), ceil((s+1) 2^64 / n))` (`hash::shard_of_mix`), and
-/// a slot is the top bits of the same `mix64` (`net::routing::slot_of`), so a run of slots.
+/// a slot is the top bits of the same `mix64` (`hash::slot_of`), so a run of slots.
 fn one_class(by_slot: &[BudgetRow], s: usize, n: usize) -> Option<BudgetRow> {
     let (lo, hi) = shard_slots(s, n);
     let first = by_slot[lo];
@@ -317,7 +317,7 @@ mod tests {
             }
             // The runs cover the slots in order, touching or sharing an end slot.
             assert_eq!(shard_slots(0, n).0, 0);
-            assert_eq!(shard_slots(n - 1, n).1, crate::net::routing::SLOTS - 1);
+            assert_eq!(shard_slots(n - 1, n).1, crate::hash::SLOTS - 1);
             for s in 1..n {
                 assert!(shard_slots(s, n).0 <= shard_slots(s - 1, n).1 + 1);
             }
