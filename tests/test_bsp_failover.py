@@ -163,10 +163,10 @@ def test_a_job_goes_on_across_a_kill_9_of_its_primary_and_a_promotion(
 def test_a_move_waits_for_the_step_boundary_of_a_pending_aggregate_in_its_slots() -> None:
     """Decision 0123: a step's aggregate is not moved with its slots, so a batch of slots holding
     one is frozen at the job's next step boundary: the move started while step 1 holds worker
-    0's pushes waits (it cannot end before worker 1 pushes and both end the step); then the step
-    is applied on the old owner, the batch frozen and moved. The step is applied once with both
-    workers' pushes (the rows of the aggregate, pending when the batch was marked, are copied
-    again after the step: without that the new owner's rows lose it)."""
+    0's pushes waits (it cannot end before both workers end the step); then the step is applied
+    on the old owner, the batch frozen and moved. The step is applied once, and reaches the new
+    owner: its rows, pending when their batch was marked and written by no push after the mark,
+    are copied again with the delta (without that the new owner's rows lose the step)."""
     procs = start_servers(2)
     try:
         servers = [p.address for p in procs]
@@ -195,13 +195,14 @@ def test_a_move_waits_for_the_step_boundary_of_a_pending_aggregate_in_its_slots(
         mover.start()
         time.sleep(1.0)
         assert mover.is_alive() and not out  # waiting for the step's boundary
-        t[1].push(ids, np.ones((ids.size, DIM), np.float32))
+        # Worker 1 pushes nothing this step: the rows hold worker 0's pushes alone, admitted
+        # before the move marked their slots and applied after their pre-copy.
         assert run_threads(2, lambda k: w[k].end_step()) == [1, 1]
         mover.join(60)
         assert len(out) == 1 and isinstance(out[0], dict), out
         assert out[0]["slots"] == sum(e - a for a, e, o in before["ranges"] if o == 0) > 0
-        # The step applied once, on its rows' owner then, moved since.
-        np.testing.assert_array_equal(t[0].pull(ids), np.full((ids.size, DIM), -2.0, np.float32))
+        # The step applied once, on its rows' owner then, and moved with it.
+        np.testing.assert_array_equal(t[0].pull(ids), np.full((ids.size, DIM), -1.0, np.float32))
         old_owner = admin.status()[0]
         assert sum(x["rows"] for x in old_owner["tables"]) == 0
     finally:
