@@ -11,6 +11,7 @@ import json
 import signal
 import subprocess
 import sys
+import threading
 import time
 import uuid
 from pathlib import Path
@@ -159,11 +160,13 @@ def test_a_job_goes_on_across_a_kill_9_of_its_primary_and_a_promotion(
         a.stop()
 
 
-def test_a_move_is_refused_while_a_step_has_a_pending_aggregate_in_its_slots() -> None:
-    """A step's aggregate is not moved with its slots: a move's batch of slots holding one is
-    refused at its freeze (the batches before it, without pending rows, moved), and the move
-    goes on once the step is applied. The step is then applied once with both workers' pushes
-    (without the refusal the aggregate stays on the old owner and the rows lose it)."""
+def test_a_move_waits_for_the_step_boundary_of_a_pending_aggregate_in_its_slots() -> None:
+    """Decision 0123: a step's aggregate is not moved with its slots, so a batch of slots holding
+    one is frozen at the job's next step boundary: the move started while step 1 holds worker
+    0's pushes waits (it cannot end before both workers end the step); then the step is applied
+    on the old owner, the batch frozen and moved. The step is applied once, and reaches the new
+    owner: its rows, pending when their batch was marked and written by no push after the mark,
+    are copied again with the delta (without that the new owner's rows lose the step)."""
     procs = start_servers(2)
     try:
         servers = [p.address for p in procs]
@@ -180,16 +183,27 @@ def test_a_move_is_refused_while_a_step_has_a_pending_aggregate_in_its_slots() -
         t[0].push(ids, np.ones((ids.size, DIM), np.float32))
         admin = pstore.connect(servers)
         before = admin.slots
-        with pytest.raises(
-            pstore.InvalidArgumentError, match="pending step 1 with rows of table"
-        ) as e:
-            admin.move_slots(dict(before, ranges=[[0, 16384, 1]]))
-        assert "  " not in str(e.value), str(e.value)  # one sentence, not a line's indentation
-        t[1].push(ids, np.ones((ids.size, DIM), np.float32))
-        run_threads(2, lambda k: w[k].end_step())
-        rep = admin.move_slots(dict(before, ranges=[[0, 16384, 1]]))
-        assert rep["slots"] > 0
-        # The step applied once, on its rows' owner then, moved since.
-        np.testing.assert_array_equal(t[0].pull(ids), np.full((ids.size, DIM), -2.0, np.float32))
+        out: list[Any] = []
+
+        def move() -> None:
+            try:
+                out.append(admin.move_slots(dict(before, ranges=[[0, 16384, 1]])))
+            except BaseException as e:  # checked below
+                out.append(e)
+
+        mover = threading.Thread(target=move)
+        mover.start()
+        time.sleep(1.0)
+        assert mover.is_alive() and not out  # waiting for the step's boundary
+        # Worker 1 pushes nothing this step: the rows hold worker 0's pushes alone, admitted
+        # before the move marked their slots and applied after their pre-copy.
+        assert run_threads(2, lambda k: w[k].end_step()) == [1, 1]
+        mover.join(60)
+        assert len(out) == 1 and isinstance(out[0], dict), out
+        assert out[0]["slots"] == sum(e - a for a, e, o in before["ranges"] if o == 0) > 0
+        # The step applied once, on its rows' owner then, and moved with it.
+        np.testing.assert_array_equal(t[0].pull(ids), np.full((ids.size, DIM), -1.0, np.float32))
+        old_owner = admin.status()[0]
+        assert sum(x["rows"] for x in old_owner["tables"]) == 0
     finally:
         stop_all(procs)

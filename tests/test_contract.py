@@ -1669,6 +1669,78 @@ def test_an_evict_during_a_move_reaches_the_new_owner_and_spares_frozen_slots(ap
         assert ok(a.Evict, idle).removed == 50
 
 
+def test_a_max_rows_budget_during_a_move_reaches_the_new_owner_and_spares_frozen_slots(api):
+    """Decision 0122: the `max_rows` budget (LRU) that a push triggers while slots are copying
+    evicts as usual and records the rows it takes there, so the delta removes them from the new
+    owner too (it kept them otherwise); while the slots are frozen it evicts none of theirs (it
+    takes other rows in their place); a thaw gives them back to it."""
+    m = api.m
+    config = json.loads(sparse_config(2, lr=1.0, initializer={"constant": 0.5}))
+    config["lifecycle"] = {"admit_after": 0, "max_rows": 100, "policy": "lru"}
+    config = json.dumps(config)
+    half = m.SlotSet(starts=[0], ends=[8192])
+    with _old_and_new(api) as (a, b):
+        for stub in (a, b):
+            create(api, stub, "bud", config)
+        # Which ids fall in the moved half (a scratch table of the new owner, no budget).
+        create(api, b, "probe", sparse_config(2))
+        probe = np.arange(4000)
+        ok(b.Pull, m.PullRequest(table="probe", ids=ids_bytes(probe)))
+        inside = set(_rows_by_id(_slot_rows(api, b, "probe", half)))
+        outside = [i for i in probe.tolist() if i not in inside]
+
+        def push(ids: Any) -> None:
+            g = f32_bytes(np.ones((len(ids), 2)))
+            ok(a.Push, m.PushRequest(table="bud", ids=ids_bytes(ids), grads=g))
+
+        def rows(stub: Any, slots: Any) -> dict[int, bytes]:
+            return _rows_by_id(_slot_rows(api, stub, "bud", slots))
+
+        every = m.SlotSet(starts=[0], ends=[16384])
+        push(range(100))  # at the budget, all of one version
+        ok(a.FreezeSlots, m.FreezeSlotsRequest(slots=half, copy=True))
+        for x in _slot_rows(api, a, "bud", half):
+            if x.words:
+                ok(
+                    b.BulkLoad,
+                    m.BulkLoadRequest(
+                        table="bud", config_json=x.config_json, ids=x.ids, words=x.words
+                    ),
+                )
+        # 20 new rows: the budget evicts down to 99, the 21 oldest (ids 0..20, ties by id).
+        push(range(1000, 1020))
+        held = rows(a, every)
+        assert sorted(held) == list(range(21, 100)) + list(range(1000, 1020))
+        ok(a.FreezeSlots, m.FreezeSlotsRequest(slots=half))
+        frozen = rows(a, half)
+        assert frozen and set(frozen) <= set(held)
+        # Frozen: new rows elsewhere make the budget take rows outside the half only.
+        new = [i for i in outside if i >= 2000][:60]
+        push(new)
+        assert rows(a, half) == frozen
+        after = rows(a, every)
+        assert len(after) == 99 and set(frozen) <= set(after)
+        assert all(i in outside for i in set(held) - set(after))
+        # The delta removes what the budget evicted from the half during the copy.
+        delta = _slot_rows(api, a, "bud", half, dirty=True)
+        gone = sorted(i for x in delta for i in np.frombuffer(x.removed_ids, "<u8").tolist())
+        assert gone == [i for i in range(21) if i in inside]
+        for x in delta:
+            load = m.BulkLoadRequest(
+                table="bud",
+                config_json=x.config_json,
+                ids=x.ids,
+                words=x.words,
+                removed_ids=x.removed_ids,
+            )
+            ok(b.BulkLoad, load)
+        assert rows(b, half) == frozen
+        # Thawed: the half's rows are the budget's again.
+        ok(a.FreezeSlots, m.FreezeSlotsRequest(slots=half, thaw=True))
+        push([i for i in outside if i >= 3000][:60])
+        assert len(rows(a, every)) == 99 and len(rows(a, half)) < len(frozen)
+
+
 # ---------------------------------------------------------------------------------------------
 # The model server's answers, read by grpcio
 

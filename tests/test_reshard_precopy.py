@@ -89,8 +89,8 @@ class Writer:
         assert t.contains(kept).all()
 
 
-def _rows(store: pstore.RemoteStore) -> list[int]:
-    return [sum(int(x["rows"]) for x in s["tables"] if x["name"] == "c") for s in store.status()]
+def _rows(store: pstore.RemoteStore, table: str = "c") -> list[int]:
+    return [sum(int(x["rows"]) for x in s["tables"] if x["name"] == table) for s in store.status()]
 
 
 def test_rows_written_created_and_removed_during_a_move_arrive_exactly(cluster) -> None:
@@ -145,3 +145,80 @@ def test_a_group_follower_ends_identical_to_its_primary_after_a_move(tmp_path: P
     finally:
         for p in procs:
             p.stop()
+
+
+BUDGET = 100_000
+CHUNK = 2000
+
+
+class NewIds:
+    """Pushes CHUNK new ids per call (gradient 1, from `start` on) until stopped, so every push
+    past the budget makes the table evict its oldest rows."""
+
+    def __init__(self, t: pstore.SparseTable, start: int) -> None:
+        self.t, self.start, self.next, self.calls = t, start, start, 0
+        self.stop, self.error = threading.Event(), None
+        self.thread = threading.Thread(target=self.run)
+
+    def run(self) -> None:
+        ones = np.ones((CHUNK, DIM), np.float32)
+        try:
+            while not self.stop.is_set():
+                self.t.push(np.arange(self.next, self.next + CHUNK, dtype=np.int64), ones)
+                self.next += CHUNK
+                self.calls += 1
+        except BaseException as e:  # reported by the test
+            self.error = e
+
+    def ids(self) -> np.ndarray:
+        return np.arange(self.start, self.next, dtype=np.int64)
+
+
+def test_rows_a_max_rows_budget_evicts_during_a_move_do_not_stay_on_the_new_owner(cluster) -> None:
+    """Decision 0122: a table with a `max_rows` budget (LRU) gets new ids pushed while
+    `move_slots` gives every slot to the other server, so the old owner's budget evicts rows of
+    the batches being copied (and would evict rows of frozen ones). Afterwards every id pushed
+    is either a row (once, holding exactly its one push) or counted evicted, never both: no row
+    the old owner evicted came back on the new owner (main kept them there), and the row counts
+    agree with the rows found."""
+    servers = cluster(2)
+    admin = pstore.connect(servers)
+    admin.publish_routing({"epoch": 1, "servers": 2, "ranges": [[0, SLOTS, 0]]})
+    t = admin.create_sparse_table(
+        "b",
+        DIM,
+        optimizer=pstore.optim.SGD(lr=1.0),
+        initializer=pstore.init.Zeros(),
+        max_rows=BUDGET,
+        evict_policy="lru",
+    )
+    t.push(np.arange(BUDGET, dtype=np.int64), np.ones((BUDGET, DIM), np.float32))
+    writers = [
+        NewIds(pstore.connect(servers).sparse_table("b"), start) for start in (BUDGET, 1 << 40)
+    ]
+    for w in writers:
+        w.thread.start()
+    try:
+        deadline = time.monotonic() + 30
+        while min(w.calls for w in writers) < 3:  # over the budget before the move starts
+            assert all(w.error is None for w in writers) and time.monotonic() < deadline
+            time.sleep(0.01)
+        before = sum(w.calls for w in writers)
+        r = admin.move_slots({"epoch": 0, "servers": 2, "ranges": [[0, SLOTS, 1]]})
+        during = sum(w.calls for w in writers) - before
+    finally:
+        for w in writers:
+            w.stop.set()
+            w.thread.join(60)
+    assert all(w.error is None for w in writers), [w.error for w in writers]
+    assert r["slots"] == SLOTS and during > 0
+    pushed = np.concatenate([np.arange(BUDGET, dtype=np.int64)] + [w.ids() for w in writers])
+    held = t.contains(pushed)
+    s = t.stats()
+    # Each id was pushed once: a row, or evicted once.
+    assert int(held.sum()) == s["rows"]
+    assert s["rows"] + s["rows_evicted"] == len(pushed), (s["rows"], s["rows_evicted"], len(pushed))
+    assert s["rows_evicted"] > 0
+    # Nothing applied twice (nor lost): every row holds its one push.
+    assert np.all(t.pull(pushed[held]) == -1.0)
+    assert _rows(admin, "b")[0] == 0

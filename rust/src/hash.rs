@@ -13,6 +13,24 @@ pub fn mix64(mut x: u64) -> u64 {
     x ^ (x >> 31)
 }
 
+/// The number of hash slots (`net::routing` routes by them).
+pub const SLOTS: usize = 16_384;
+
+/// Bits of `mix64(id)` that name the slot (the top ones).
+pub(crate) const SLOT_BITS: u32 = 14;
+
+/// The slot of `id`: the top 14 bits of `mix64(id)`.
+#[inline]
+pub fn slot_of(id: u64) -> usize {
+    slot_of_mix(mix64(id))
+}
+
+/// The slot of the id whose `mix64` is `mix`.
+#[inline]
+pub fn slot_of_mix(mix: u64) -> usize {
+    (mix >> (64 - SLOT_BITS)) as usize
+}
+
 /// The inverse of an odd multiplier modulo 2^64 (Newton's iteration; each step doubles the
 /// correct low bits, from 3 for any odd number).
 const fn inverse(c: u64) -> u64 {

@@ -15,31 +15,15 @@
 use serde::{Deserialize, Serialize};
 
 use crate::error::{invalid, Result};
-use crate::hash::mix64;
-
-/// The number of hash slots.
-pub const SLOTS: usize = 16_384;
-
-/// Bits of `mix64(id)` that name the slot (the top ones).
-const SLOT_BITS: u32 = 14;
+use crate::hash::{mix64, SLOT_BITS};
+/// The slots themselves are the hash layer's (a table's budget classes its shards by them).
+pub use crate::hash::{slot_of, slot_of_mix, SLOTS};
 
 /// The most servers a slot table addresses.
 pub const MAX_SERVERS: usize = SLOTS;
 
 /// Stripes of the uniform table: the default shard count of a sparse table.
 const STRIPES: usize = 64;
-
-/// The slot of `id`: the top 14 bits of `mix64(id)`.
-#[inline]
-pub fn slot_of(id: u64) -> usize {
-    slot_of_mix(mix64(id))
-}
-
-/// The slot of the id whose `mix64` is `mix`.
-#[inline]
-pub fn slot_of_mix(mix: u64) -> usize {
-    (mix >> (64 - SLOT_BITS)) as usize
-}
 
 /// The first and one-past-the-last LMDB key (`mix64(id)` big-endian) of slot `s`.
 pub fn slot_key_range(s: usize) -> (u64, Option<u64>) {

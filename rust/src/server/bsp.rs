@@ -796,6 +796,8 @@ impl Steps {
     pub fn pending_in(&self, set: &[bool]) -> Option<(String, u64, String)> {
         use crate::net::routing::{key, slot_of};
         let in_set = |slot: usize| set.get(slot).copied().unwrap_or(false);
+        // A step being applied has left `pending` and may not be in the rows yet: wait for it.
+        let _a = self.applying.lock().unwrap_or_else(|e| e.into_inner());
         let g = self.lock();
         let j = g.as_ref()?;
         for (step, tables) in &j.pending {
@@ -810,6 +812,40 @@ impl Steps {
             }
         }
         None
+    }
+
+    /// The rows of the pending steps' aggregates in the slots `set`, by table: a sparse
+    /// table's ids there, or (`None`) a dense table whose home is there. Waits for a step being
+    /// applied first, as [`pending_in`](Self::pending_in) does. A slot move marking `set` as
+    /// copying records them: they are applied later, outside any writer's pass (decision 0123).
+    pub fn pending_rows_in(&self, set: &[bool]) -> Vec<(String, Option<Vec<u64>>)> {
+        use crate::net::routing::{key, slot_of};
+        let in_set = |slot: usize| set.get(slot).copied().unwrap_or(false);
+        let _a = self.applying.lock().unwrap_or_else(|e| e.into_inner());
+        let g = self.lock();
+        let Some(j) = g.as_ref() else {
+            return Vec::new();
+        };
+        let mut out = Vec::new();
+        for tables in j.pending.values() {
+            for (name, agg) in tables {
+                match agg {
+                    Agg::Sparse { ids, .. } => {
+                        let here: Vec<u64> = ids
+                            .iter()
+                            .copied()
+                            .filter(|&id| in_set(slot_of(id)))
+                            .collect();
+                        if !here.is_empty() {
+                            out.push((name.clone(), Some(here)));
+                        }
+                    }
+                    Agg::Dense(_) if in_set(slot_of(key(name))) => out.push((name.clone(), None)),
+                    Agg::Dense(_) => {}
+                }
+            }
+        }
+        out
     }
 
     /// Renews worker `w`'s lease in job `job` (a heartbeat); false when that is not the job.

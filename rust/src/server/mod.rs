@@ -410,6 +410,9 @@ async fn on_blocking<R: Send + 'static>(
     }
 }
 
+/// The longest a freeze waits for a BSP job's step boundary (under a client's call timeout).
+const FREEZE_WAIT: Duration = Duration::from_secs(20);
+
 /// The service.
 #[derive(Clone)]
 struct Service(Arc<Inner>);
@@ -1302,20 +1305,36 @@ impl PStore for Service {
             if r.copy && !r.thaw {
                 // Writes go on; nothing changes that a follower must hold.
                 s.frozen.copy(&set);
+                // A step's pushes admitted before the mark are applied later, outside any
+                // writer's pass: their rows go again with the delta (decision 0123).
+                s.frozen.note_pending(s.steps.pending_rows_in(&set));
                 return Ok(FreezeSlotsResponse {
                     frozen: s.frozen.slots().iter().filter(|&&f| f).count() as u32,
                 });
             }
-            let frozen = s.frozen.set(&set, !r.thaw) as u32;
+            let mut frozen = s.frozen.set(&set, !r.thaw) as u32;
+            // Dropped once the freeze is on every follower: the job's workers go on then.
+            let mut _hold = None;
             if !r.thaw {
                 // Frozen: no tagged push of these slots is on its way into an aggregate now.
-                if let Some((job, step, table)) = s.steps.pending_in(&set) {
+                let mut pending = s.steps.pending_in(&set);
+                if let Some((job, _, _)) = &pending {
+                    // Frozen at the job's next step boundary instead (decision 0123): thawed
+                    // meanwhile, so that the step's pushes arrive; then no aggregate is
+                    // pending until the hold is dropped.
+                    s.frozen.unfreeze(&set);
+                    _hold = s.steps.hold_for_freeze(&s.store, job, FREEZE_WAIT);
+                    frozen = s.frozen.set(&set, true) as u32;
+                    pending = s.steps.pending_in(&set);
+                }
+                if let Some((job, step, table)) = pending {
                     s.frozen.set(&set, false);
                     return Err(invalid(format!(
                         "freeze: job {job:?} has a pending step {step} with rows of table \
-                         {table:?} in these slots, and a step's aggregate is not moved with its \
-                         slots: move them between jobs, or once every step is applied (with \
-                         asynchronous training); nothing was frozen"
+                         {table:?} in these slots, and no step boundary came within {}s (a \
+                         step's aggregate is not moved with its slots: the freeze waits for \
+                         the step to be applied); nothing was frozen",
+                        FREEZE_WAIT.as_secs()
                     )));
                 }
             }
@@ -1638,6 +1657,8 @@ pub fn start(store: Arc<Store>, config: ServerConfig) -> Result<ServerHandle> {
     if let Some(g) = &group {
         g.attach(Arc::new(held::Link(Arc::downgrade(&inner))));
     }
+    // The tables' `max_rows` budgets spare what a move carries as it is (decision 0122).
+    store.set_budget_guard(Some(Arc::new(moves::Guard(Arc::downgrade(&inner)))));
     let m = Arc::clone(&inner);
     let mut h = launch(
         Service(Arc::clone(&inner)),

@@ -21,6 +21,7 @@ use crate::net::proto::{DropSlotsResponse, ExportSlotsRequest, ExportSlotsRespon
 use crate::net::routing::{key, slot_of, SLOTS};
 use crate::net::wire;
 use crate::store::{Store, Table};
+use crate::table::{BudgetEvict, BudgetGuard, BudgetRow};
 
 use super::routing::Routes;
 
@@ -51,6 +52,24 @@ pub(super) struct Frozen {
     slots: RwLock<Slots>,
     /// What was written in the slots being copied since they were marked (decision 0114).
     dirty: Mutex<Dirty>,
+    /// Per slot, [`FROZEN`] and [`COPYING`] as `slots` holds them, for a table's `max_rows`
+    /// budget (decision 0122): its evictions hold the read side (under a writer's pass, or under
+    /// none when a BSP step is applied: `slots` itself cannot be read again under a pass), and
+    /// every change of `slots`, and a publish (which changes what this server owns), the write
+    /// side, always taken after `slots`' write side.
+    budget: RwLock<Vec<u8>>,
+}
+
+/// A slot of [`Frozen::budget`] that is frozen.
+const FROZEN: u8 = 1;
+/// A slot of [`Frozen::budget`] that is being copied.
+const COPYING: u8 = 2;
+
+/// Writes `g`'s slots into the budget's copy.
+fn mirror(flags: &mut [u8], g: &Slots) {
+    for ((f, &fr), &c) in flags.iter_mut().zip(&g.frozen).zip(&g.copying) {
+        *f = if fr { FROZEN } else { 0 } | if c { COPYING } else { 0 };
+    }
 }
 
 /// Per slot: frozen (writes answer "moving"), and copying (writes go on, and are recorded).
@@ -89,6 +108,7 @@ impl Default for Frozen {
                 any_copying: false,
             }),
             dirty: Mutex::new(Dirty::default()),
+            budget: RwLock::new(vec![0; SLOTS]),
         }
     }
 }
@@ -117,16 +137,25 @@ impl Frozen {
         self.dirty.lock().unwrap_or_else(|e| e.into_inner())
     }
 
+    /// The budget's copy of the slots, to change (after `slots`' write side).
+    fn budget_write(&self) -> RwLockWriteGuard<'_, Vec<u8>> {
+        self.budget.write().unwrap_or_else(|e| e.into_inner())
+    }
+
     /// Records `ids` of `table` whose slots are copying (under a writer's pass `g`).
     fn record(&self, g: &Slots, table: &str, ids: &[u64]) {
         if !g.any_copying {
             return;
         }
-        let mut it = ids
-            .iter()
-            .copied()
-            .filter(|&id| g.copying[slot_of(id)])
-            .peekable();
+        self.note(
+            table,
+            ids.iter().copied().filter(|&id| g.copying[slot_of(id)]),
+        );
+    }
+
+    /// Records `ids` of `table` (of copying slots).
+    fn note(&self, table: &str, it: impl Iterator<Item = u64>) {
+        let mut it = it.peekable();
         if it.peek().is_none() {
             return;
         }
@@ -139,11 +168,25 @@ impl Frozen {
         }
     }
 
+    /// Records the rows of pending BSP steps in slots being copied (`rows`: a sparse table's
+    /// ids, or `None` for a dense table), which their steps will write after the mark.
+    pub(super) fn note_pending(&self, rows: Vec<(String, Option<Vec<u64>>)>) {
+        for (table, ids) in rows {
+            match ids {
+                Some(ids) => self.note(&table, ids.into_iter()),
+                None => {
+                    self.dirty().dense.insert(table);
+                }
+            }
+        }
+    }
+
     /// Freezes (or thaws) `set`; returns how many slots are frozen afterwards. When it returns
     /// after a freeze, every write admitted before it has finished. A thaw also ends the
     /// copying of `set` and forgets what was recorded there (a move given up).
     pub(super) fn set(&self, set: &[bool], freeze: bool) -> usize {
         let mut g = self.write();
+        let mut b = self.budget_write();
         for (f, &s) in g.frozen.iter_mut().zip(set) {
             if s {
                 *f = freeze;
@@ -152,7 +195,21 @@ impl Frozen {
         if !freeze {
             self.end_copying(&mut g, set);
         }
+        mirror(&mut b, &g);
         g.frozen.iter().filter(|&&f| f).count()
+    }
+
+    /// Thaws `set` and keeps it copying, with its record (a freeze that waits for a BSP step
+    /// boundary lets the step's pushes in meanwhile, decision 0123).
+    pub(super) fn unfreeze(&self, set: &[bool]) {
+        let mut g = self.write();
+        let mut b = self.budget_write();
+        for (f, &s) in g.frozen.iter_mut().zip(set) {
+            if s {
+                *f = false;
+            }
+        }
+        mirror(&mut b, &g);
     }
 
     /// Marks `set` as copying: writes to it go on, and the ids they write, create or remove are
@@ -161,6 +218,7 @@ impl Frozen {
     /// Returns how many slots are copying afterwards.
     pub(super) fn copy(&self, set: &[bool]) -> usize {
         let mut g = self.write();
+        let mut b = self.budget_write();
         self.dirty().clear(set);
         for (c, &s) in g.copying.iter_mut().zip(set) {
             if s {
@@ -168,6 +226,7 @@ impl Frozen {
             }
         }
         g.any_copying = g.copying.iter().any(|&c| c);
+        mirror(&mut b, &g);
         g.copying.iter().filter(|&&c| c).count()
     }
 
@@ -229,6 +288,8 @@ impl Frozen {
         after: impl FnOnce(&[bool]) -> Result<()>,
     ) -> Result<R> {
         let mut g = self.write();
+        // Held through the routing change too: a budget's eviction reads what it owns.
+        let mut b = self.budget_write();
         let out = publish()?;
         let mut gone = vec![false; SLOTS];
         let slots = &mut *g;
@@ -239,6 +300,8 @@ impl Frozen {
             }
         }
         self.end_copying(&mut g, &gone);
+        mirror(&mut b, &g);
+        drop(b);
         after(&g.frozen)?;
         Ok(out)
     }
@@ -251,8 +314,10 @@ impl Frozen {
     /// Replaces the frozen slots with `set` (a follower taking its primary's).
     pub(super) fn replace(&self, set: &[bool]) {
         let mut g = self.write();
+        let mut b = self.budget_write();
         let n = g.frozen.len();
         g.frozen.copy_from_slice(&set[..n]);
+        mirror(&mut b, &g);
     }
 
     /// A write of `ids` of `table` may go on (holding the pass while it applies), unless one is
@@ -328,6 +393,37 @@ impl Frozen {
         out
     }
 
+    /// A table's `max_rows` budget evicting while slots move (decision 0122): `evict(by_slot)`
+    /// runs the eviction with each slot's class. A row of a slot this server does not
+    /// own (copied in before the publish that gives it the slot, or left until `DropSlots`)
+    /// is neither counted nor evicted; one of a frozen slot is counted and kept (it is on its
+    /// way to the new owner as it is); any other may go, and one evicted from a slot being
+    /// copied is recorded, so the delta removes it from the new owner too. Holds the budget's
+    /// read side, so no slot is frozen, marked or given away while the eviction runs: it may
+    /// run under a writer's pass or under none.
+    pub(super) fn budget(&self, table: &str, routes: &Routes, evict: &mut BudgetEvict<'_>) {
+        let flags = self.budget.read().unwrap_or_else(|e| e.into_inner());
+        let owned = routes.owned_now();
+        let by_slot: Vec<BudgetRow> = (0..SLOTS)
+            .map(|s| {
+                if !owned(s) {
+                    BudgetRow::Skip
+                } else if flags[s] & FROZEN != 0 {
+                    BudgetRow::Keep
+                } else {
+                    BudgetRow::Evict
+                }
+            })
+            .collect();
+        let evicted = evict(&by_slot);
+        self.note(
+            table,
+            evicted
+                .into_iter()
+                .filter(|&id| flags[slot_of(id)] & COPYING != 0),
+        );
+    }
+
     /// A write of dense table `name` may go on, unless its name's slot is frozen or no longer
     /// owned (as [`pass_ids`](Self::pass_ids)); recorded when its name's slot is copying.
     pub(super) fn pass_name(&self, name: &str, routes: &Routes) -> Result<Pass<'_>> {
@@ -341,6 +437,21 @@ impl Frozen {
             self.dirty().dense.insert(name.to_string());
         }
         Ok(g)
+    }
+}
+
+/// The server's [`BudgetGuard`]: its tables' `max_rows` budgets evict as [`Frozen::budget`]
+/// says (any row once the server is gone).
+pub(super) struct Guard(pub(super) std::sync::Weak<super::Inner>);
+
+impl BudgetGuard for Guard {
+    fn budget(&self, table: &str, evict: &mut BudgetEvict<'_>) {
+        match self.0.upgrade() {
+            Some(inner) => inner.frozen.budget(table, &inner.routing, evict),
+            None => {
+                evict(&[BudgetRow::Evict; SLOTS]);
+            }
+        }
     }
 }
 
@@ -857,6 +968,134 @@ mod tests {
         .unwrap();
         assert!(b.ids.is_empty());
         assert_eq!(wire::ids(&b.removed_ids).unwrap(), vec![3]);
+    }
+
+    /// A store's budget guard over a [`Frozen`] (the server's holds its `Inner` instead).
+    struct Over(std::sync::Arc<Frozen>, Routes);
+
+    impl BudgetGuard for Over {
+        fn budget(&self, table: &str, evict: &mut BudgetEvict<'_>) {
+            self.0.budget(table, &self.1, evict)
+        }
+    }
+
+    /// Classes rows by their slot alone.
+    struct By(Vec<BudgetRow>);
+
+    impl BudgetGuard for By {
+        fn budget(&self, _: &str, evict: &mut BudgetEvict<'_>) {
+            evict(&self.0);
+        }
+    }
+
+    fn budgeted(store: &Store, max_rows: u64) -> std::sync::Arc<crate::SparseTable> {
+        let config = crate::table::SparseTableConfig {
+            dim: 2,
+            optimizer: Default::default(),
+            initializer: crate::init::Initializer::Zeros,
+            seed: 0,
+            lifecycle: crate::table::Lifecycle {
+                max_rows: Some(max_rows),
+                ..Default::default()
+            },
+            refuse_nonfinite: false,
+        };
+        store.create_sparse_table("t", config).unwrap()
+    }
+
+    #[test]
+    fn a_budget_keeps_frozen_rows_and_records_what_it_evicts_from_copying_slots() {
+        use crate::store::StoreConfig;
+        let store = Store::new(StoreConfig::default()).unwrap();
+        let t = budgeted(&store, 100);
+        let f = std::sync::Arc::new(Frozen::default());
+        store.set_budget_guard(Some(std::sync::Arc::new(Over(
+            std::sync::Arc::clone(&f),
+            Routes::default(),
+        ))));
+        let old: Vec<u64> = (0..100).collect();
+        t.push(&old, &[1.0; 200]).unwrap(); // at the budget, one version
+                                            // Frozen: the slots of ids 0..30; copying: the other slots of ids 30..60.
+        let mut frozen = vec![false; SLOTS];
+        let mut copying = vec![false; SLOTS];
+        for id in 0..30 {
+            frozen[slot_of(id)] = true;
+        }
+        for id in 30..60 {
+            copying[slot_of(id)] = !frozen[slot_of(id)];
+        }
+        f.set(&frozen, true);
+        f.copy(&copying);
+        // 20 new rows: down to 99, the 21 oldest (ties by id) among the rows not frozen.
+        let new: Vec<u64> = (1000..1020).collect();
+        t.push(&new, &[1.0; 40]).unwrap();
+        let gone: Vec<u64> = old
+            .iter()
+            .copied()
+            .filter(|&id| !frozen[slot_of(id)])
+            .take(21)
+            .collect();
+        let held = t.contains(&old).unwrap();
+        for (&id, &h) in old.iter().zip(&held) {
+            assert_eq!(h, !gone.contains(&id), "id {id}");
+        }
+        assert_eq!(t.len(), 99);
+        let mut recorded: Vec<u64> = f.dirty().rows["t"].iter().copied().collect();
+        recorded.sort_unstable();
+        let want: Vec<u64> = gone
+            .iter()
+            .copied()
+            .filter(|&id| copying[slot_of(id)])
+            .collect();
+        assert!(!want.is_empty());
+        assert_eq!(recorded, want);
+        // Only frozen rows left to take: the table stays over its budget until they go.
+        f.set(&vec![true; SLOTS], true);
+        t.push(&(2000..2050).collect::<Vec<_>>(), &[1.0; 100])
+            .unwrap();
+        assert_eq!(t.len(), 149);
+        f.set(&vec![true; SLOTS], false);
+        t.push(&[3000], &[1.0; 2]).unwrap();
+        assert_eq!(t.len(), 99);
+        assert_eq!(t.stats().rows_evicted, 21 + 51);
+    }
+
+    #[test]
+    fn a_budget_does_not_count_rows_it_skips() {
+        use crate::store::StoreConfig;
+        let store = Store::new(StoreConfig::default()).unwrap();
+        let t = budgeted(&store, 100);
+        // The slots of the first half are another server's (rows copied in before a publish):
+        // not counted.
+        let by_slot: Vec<BudgetRow> = (0..SLOTS)
+            .map(|s| {
+                if s < SLOTS / 2 {
+                    BudgetRow::Skip
+                } else {
+                    BudgetRow::Evict
+                }
+            })
+            .collect();
+        store.set_budget_guard(Some(std::sync::Arc::new(By(by_slot))));
+        let theirs: Vec<u64> = (0..).filter(|&x| slot_of(x) < SLOTS / 2).take(50).collect();
+        let ours: Vec<u64> = (0..)
+            .filter(|&x| slot_of(x) >= SLOTS / 2)
+            .take(102)
+            .collect();
+        t.push(&theirs, &[1.0; 100]).unwrap();
+        t.push(&ours[..100], &[1.0; 200]).unwrap();
+        assert_eq!(t.len(), 150);
+        t.push(&ours[100..101], &[1.0; 2]).unwrap();
+        // 101 counted: down to 99, the two oldest counted rows; none of the skipped.
+        assert_eq!(t.len(), 99 + 50);
+        assert!(t.contains(&ours[..2]).unwrap().iter().all(|&h| !h));
+        assert!(t.contains(&ours[2..101]).unwrap().iter().all(|&h| h));
+        assert!(t.contains(&theirs).unwrap().iter().all(|&h| h));
+        // Without a guard every row counts and any may go: the skipped ones are the oldest.
+        store.set_budget_guard(None);
+        t.push(&ours[101..], &[1.0; 2]).unwrap();
+        assert_eq!(t.len(), 99);
+        assert!(t.contains(&theirs).unwrap().iter().all(|&h| !h));
     }
 
     #[test]

@@ -227,7 +227,7 @@ pub struct Primary {
 }
 
 /// A random id, never 0 (a log's id, a job's nonce).
-pub(super) fn random_id() -> u64 {
+pub(in crate::server) fn random_id() -> u64 {
     use std::hash::{BuildHasher, Hasher};
     let mut h = std::collections::hash_map::RandomState::new().build_hasher();
     h.write_u128(

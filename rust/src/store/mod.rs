@@ -20,8 +20,8 @@ use crate::executor::Executor;
 use crate::storage::{words_into, Db, Storage, DEFAULT_MAP_SIZE};
 pub use crate::table::Table;
 use crate::table::{
-    validate_name, Backing, ChangeHook, Common, DenseTable, DenseTableConfig, RowSource,
-    SparseTable, SparseTableConfig,
+    validate_name, Backing, BudgetGuard, ChangeHook, Common, DenseTable, DenseTableConfig,
+    GuardCell, RowSource, SparseTable, SparseTableConfig,
 };
 
 /// Where and how a durable store keeps its replica.
@@ -108,6 +108,8 @@ pub struct Store {
     path: Option<PathBuf>,
     /// Snapshots of an in-memory store: the id of the last one (the parent of an increment).
     pub(crate) last_snapshot: Mutex<Option<crate::snapshot::Parent>>,
+    /// What the `max_rows` budgets of its tables may evict, set by the server serving it.
+    guard: GuardCell,
 }
 
 impl Store {
@@ -122,6 +124,7 @@ impl Store {
             flusher: Mutex::new(None),
             path: None,
             last_snapshot: Mutex::new(None),
+            guard: GuardCell::default(),
         })
     }
 
@@ -189,6 +192,7 @@ impl Store {
             flusher: Mutex::new(Some(Arc::clone(&flusher))),
             path: Some(durable.path.clone()),
             last_snapshot: Mutex::new(None),
+            guard: GuardCell::default(),
         };
         for (name, rec, dense, applied) in records {
             let t = flusher.exclusive(|| store.build(&name, &rec, dense.as_deref(), &flusher))?;
@@ -215,6 +219,7 @@ impl Store {
         let st = flusher.storage();
         let mut common = Common::new(name.to_string(), 0.01, Arc::clone(&self.exec));
         common.durable = Some(hook(flusher));
+        common.guard = Arc::clone(&self.guard);
         common.applied.set_environments(st.environments());
         let table = match rec {
             TableRecord::Sparse { config, seq, .. } => {
@@ -298,10 +303,17 @@ impl Store {
     fn common(&self, name: &str, lr: f64, flusher: &Option<Arc<Flusher>>) -> Common {
         let mut c = Common::new(name.to_string(), lr, Arc::clone(&self.exec));
         c.durable = flusher.as_ref().map(hook);
+        c.guard = Arc::clone(&self.guard);
         if let Some(f) = flusher {
             c.applied.set_environments(f.storage().environments());
         }
         c
+    }
+
+    /// Sets (or, with `None`, clears) what the `max_rows` budgets of every table of this store
+    /// may evict (a server moving slots, `server/moves.rs`).
+    pub(crate) fn set_budget_guard(&self, guard: Option<Arc<dyn BudgetGuard>>) {
+        *self.guard.write().unwrap_or_else(|e| e.into_inner()) = guard;
     }
 
     /// The store's configuration.

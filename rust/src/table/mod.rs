@@ -116,6 +116,33 @@ pub trait ChangeHook: Send + Sync {
     }
 }
 
+/// What a table's `max_rows` budget does with a row, as a [`BudgetGuard`] classes it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum BudgetRow {
+    /// Counted against the budget, and evicted when the policy picks it.
+    Evict,
+    /// Counted, but kept (a row being moved as it is: the budget takes other rows).
+    Keep,
+    /// Neither counted nor evicted (a row of a slot this server does not own).
+    Skip,
+}
+
+/// Classes the rows a table's `max_rows` budget may evict, for the layer that serves the store
+/// (a server moving slots keeps the rows of frozen slots, skips those of slots it does not own,
+/// and records those evicted from slots being copied). A store without one evicts any row.
+pub trait BudgetGuard: Send + Sync {
+    /// Runs `evict` with the class of each slot's rows of `table`; `evict` answers the ids it
+    /// evicted.
+    fn budget(&self, table: &str, evict: &mut BudgetEvict<'_>);
+}
+
+/// The eviction a [`BudgetGuard`] runs: given each hash slot's class (16384 of them, a row's
+/// slot as `hash::slot_of` gives it), it evicts and answers the ids it evicted.
+pub type BudgetEvict<'a> = dyn FnMut(&[BudgetRow]) -> Vec<u64> + 'a;
+
+/// A store's [`BudgetGuard`], shared by its tables (set while a server serves the store).
+pub(crate) type GuardCell = Arc<std::sync::RwLock<Option<Arc<dyn BudgetGuard>>>>;
+
 /// What every table has besides its data: a name, a run-time learning rate, the store's executor,
 /// counters, and the mark set when the table is dropped from its store.
 pub struct Common {
@@ -133,6 +160,8 @@ pub struct Common {
     /// How often a `sync` store gave back this table's changes after a failed commit (see
     /// [`Common::durable_wait_push`]).
     reverts: AtomicU64,
+    /// The store's budget guard, if its server set one.
+    pub(crate) guard: GuardCell,
 }
 
 impl Common {
@@ -147,7 +176,13 @@ impl Common {
             uid: AtomicU64::new(new_uid()),
             applied: Applied::default(),
             reverts: AtomicU64::new(0),
+            guard: GuardCell::default(),
         }
+    }
+
+    /// The budget guard the store's server set, if any.
+    pub(crate) fn budget_guard(&self) -> Option<Arc<dyn BudgetGuard>> {
+        self.guard.read().unwrap_or_else(|e| e.into_inner()).clone()
     }
 
     /// The table's unique id.

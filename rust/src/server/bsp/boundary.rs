@@ -149,6 +149,38 @@ impl Steps {
         self.notify();
     }
 
+    /// For a freeze of slots holding a pending step's aggregate of job `job` (decision 0123):
+    /// holds the job's clock answers on this server at its next step boundary, waits (at most
+    /// `wait`) until every live worker reached it, and applies the steps complete. No worker
+    /// starts a later step while the hold stands (it needs every server's answer), and every
+    /// push of the steps before it is in the rows, so no aggregate is pending here until the
+    /// hold is dropped: the caller freezes the slots before it drops the hold. `None` when no
+    /// boundary came within `wait` or the job failed meanwhile. Runs on a blocking thread.
+    pub(in crate::server) fn hold_for_freeze(
+        self: &Arc<Self>,
+        store: &Arc<Store>,
+        job: &str,
+        wait: Duration,
+    ) -> Option<Unhold> {
+        let id = format!("freeze-{:016x}", crate::server::repl::random_id());
+        let (job, step) = self.reserve(job, &id, None, wait).ok()?;
+        let unhold = Unhold(Arc::clone(self), id.clone());
+        let t0 = Instant::now();
+        let reached = tokio::runtime::Handle::current().block_on(tokio::time::timeout(
+            wait,
+            self.wait_boundary(store, &job, &id, step),
+        ));
+        if !matches!(reached, Ok(Ok(_))) {
+            return None;
+        }
+        self.apply_ready(store).ok()?;
+        eprintln!(
+            "event=freeze_boundary job={job:?} step={step} waited_s={:.3}",
+            t0.elapsed().as_secs_f64()
+        );
+        Some(unhold)
+    }
+
     /// Holds an advance of worker `w` to `clock` that does not wait for other workers until no
     /// snapshot's hold keeps it (at once when none does); renews `w`'s lease meanwhile.
     pub(super) async fn pass_hold(&self, job: &str, w: u32, clock: u64) {
@@ -219,8 +251,9 @@ impl Steps {
     }
 }
 
-/// Drops a hold when it goes: when its part is written, or when the call is given up first.
-struct Unhold(Arc<Steps>, String);
+/// Drops a hold when it goes: when its part is written (or its freeze done), or when the call
+/// is given up first.
+pub(in crate::server) struct Unhold(Arc<Steps>, String);
 
 impl Drop for Unhold {
     fn drop(&mut self) {

@@ -5,7 +5,9 @@ use std::collections::HashMap;
 
 use super::{EvictPolicy, SparseTable};
 use crate::error::Result;
+use crate::hash::{slot_of, slot_of_mix};
 use crate::shard::{row_version, Shard, FREQ, NO_SLOT};
+use crate::table::BudgetRow;
 use crate::table::{Counters, TableHandle};
 
 impl SparseTable {
@@ -102,14 +104,18 @@ impl SparseTable {
                 && among(id)
         });
         self.common.durable_wait()?;
-        Ok(evicted)
+        Ok(evicted.len())
     }
 
     /// Removes the rows for which `evict(id, row)` holds (the row's words with its header) and
-    /// counts them as evicted; returns how many.
-    fn evict_where(&self, rid: Option<(u64, u64)>, evict: impl Fn(u64, &[u32]) -> bool) -> usize {
+    /// counts them as evicted; returns their ids.
+    fn evict_where(
+        &self,
+        rid: Option<(u64, u64)>,
+        evict: impl Fn(u64, &[u32]) -> bool,
+    ) -> Vec<u64> {
         let _changing = self.changing();
-        let mut evicted = 0;
+        let mut evicted = Vec::new();
         for s in 0..self.shards.len() {
             let mut shard = self.write(s);
             let victims: Vec<u64> = shard
@@ -118,17 +124,21 @@ impl SparseTable {
                 .map(|(id, _)| id)
                 .collect();
             for id in victims {
-                evicted += shard.remove(id) as usize;
+                if shard.remove(id) {
+                    evicted.push(id);
+                }
             }
         }
-        Counters::add(&self.common.counters.rows_evicted, evicted);
+        Counters::add(&self.common.counters.rows_evicted, evicted.len());
         if let Some((client, seq)) = rid {
             self.note_applied(client, seq);
         }
         evicted
     }
 
-    /// Keeps the table within `max_rows`: past it, evicts by the policy down to 99% of it.
+    /// Keeps the table within `max_rows`: past it, evicts by the policy down to 99% of it,
+    /// among the rows the store's [`BudgetGuard`](crate::table::BudgetGuard) lets it evict (any
+    /// row without one).
     pub(super) fn enforce_budget(&self) -> Result<()> {
         let Some(max) = self.config.lifecycle.max_rows else {
             return Ok(());
@@ -140,12 +150,25 @@ impl SparseTable {
             return Ok(()); // another thread is at it
         };
         self.load_all()?;
-        let len = self.len() as u64;
-        if len <= max {
+        if self.len() as u64 <= max {
             return Ok(());
         }
-        let target = max - max / 100;
-        let excess = (len - target) as usize;
+        match self.common.budget_guard() {
+            None => {
+                self.evict_budget(max, None);
+            }
+            Some(g) => g.budget(&self.common.name, &mut |by_slot| {
+                self.evict_budget(max, Some(by_slot))
+            }),
+        }
+        Ok(())
+    }
+
+    /// Evicts by the policy, among the rows whose slot `by_slot` says to evict (every row
+    /// without it), down to 99% of `max` of the rows it counts (those it keeps are counted: the
+    /// budget takes other rows in their place, or stays over while only kept rows are left);
+    /// returns the ids evicted.
+    fn evict_budget(&self, max: u64, by_slot: Option<&[BudgetRow]>) -> Vec<u64> {
         let lfu = self.config.lifecycle.policy == EvictPolicy::Lfu;
         // Scores: LFU by push count then version; LRU by version; ties by id, so the rows kept
         // do not depend on the shard layout.
@@ -156,18 +179,44 @@ impl SparseTable {
                 (row_version(row), 0, id)
             }
         };
-        let mut scores: Vec<(u64, u64, u64)> = Vec::with_capacity(len as usize);
-        for s in 0..self.shards.len() {
+        let class = |id: u64| by_slot.map_or(BudgetRow::Evict, |c| c[slot_of(id)]);
+        let n = self.shards.len();
+        let mut counted = 0u64;
+        let mut scores: Vec<(u64, u64, u64)> = Vec::with_capacity(self.len());
+        for s in 0..n {
             let shard = self.read(s);
-            scores.extend(shard.iter().map(|(id, slot)| score(id, shard.row(slot))));
+            // A shard holds a run of slots: one class for all of them spares a hash a row.
+            match by_slot.map_or(Some(BudgetRow::Evict), |c| one_class(c, s, n)) {
+                Some(BudgetRow::Skip) => {}
+                Some(BudgetRow::Keep) => counted += shard.len() as u64,
+                Some(BudgetRow::Evict) => {
+                    counted += shard.len() as u64;
+                    scores.extend(shard.iter().map(|(id, slot)| score(id, shard.row(slot))));
+                }
+                None => {
+                    for (id, slot) in shard.iter() {
+                        match class(id) {
+                            BudgetRow::Evict => {
+                                counted += 1;
+                                scores.push(score(id, shard.row(slot)));
+                            }
+                            BudgetRow::Keep => counted += 1,
+                            BudgetRow::Skip => {}
+                        }
+                    }
+                }
+            }
         }
-        if excess == 0 || scores.is_empty() {
-            return Ok(());
+        let target = max - max / 100;
+        if counted <= max || scores.is_empty() {
+            return Vec::new();
         }
+        let excess = (counted - target) as usize;
         let k = excess.min(scores.len()) - 1;
         let (_, &mut cut, _) = scores.select_nth_unstable(k);
-        self.evict_where(None, |id, row| score(id, row) <= cut);
-        Ok(())
+        self.evict_where(None, |id, row| {
+            score(id, row) <= cut && class(id) == BudgetRow::Evict
+        })
     }
 
     /// Creates the rows of the shard's missing ids that are admitted now; returns the slot of
@@ -228,5 +277,50 @@ impl SparseTable {
             }
         }
         made
+    }
+}
+
+/// The class of every slot of shard `s` of `n`, when they share one. Shard `s` holds the ids
+/// whose `mix64` lies in `[ceil(s 2^64 / n), ceil((s+1) 2^64 / n))` (`hash::shard_of_mix`), and
+/// a slot is the top bits of the same `mix64` (`hash::slot_of`), so a run of slots.
+fn one_class(by_slot: &[BudgetRow], s: usize, n: usize) -> Option<BudgetRow> {
+    let (lo, hi) = shard_slots(s, n);
+    let first = by_slot[lo];
+    by_slot[lo..=hi]
+        .iter()
+        .all(|&c| c == first)
+        .then_some(first)
+}
+
+/// The first and last slot of shard `s` of `n`.
+fn shard_slots(s: usize, n: usize) -> (usize, usize) {
+    let start = |k: usize| ((k as u128) << 64).div_ceil(n as u128);
+    let lo = start(s) as u64;
+    let hi = (start(s + 1) - 1) as u64;
+    (slot_of_mix(lo), slot_of_mix(hi))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::hash::{mix64, shard_of_mix};
+
+    #[test]
+    fn a_shard_holds_a_run_of_slots() {
+        for n in [1usize, 3, 4, 64, 100] {
+            let mut x = 1u64;
+            for _ in 0..20_000 {
+                x = mix64(x);
+                let s = shard_of_mix(mix64(x), n);
+                let (lo, hi) = shard_slots(s, n);
+                assert!((lo..=hi).contains(&slot_of(x)), "n {n} id {x}");
+            }
+            // The runs cover the slots in order, touching or sharing an end slot.
+            assert_eq!(shard_slots(0, n).0, 0);
+            assert_eq!(shard_slots(n - 1, n).1, crate::hash::SLOTS - 1);
+            for s in 1..n {
+                assert!(shard_slots(s, n).0 <= shard_slots(s - 1, n).1 + 1);
+            }
+        }
     }
 }
