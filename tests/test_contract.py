@@ -1486,6 +1486,23 @@ def _slot_rows(api: SimpleNamespace, stub: Any, table: str, slots: Any, **kw: An
         shard = a.next_shard
 
 
+def _copy_delta(api: SimpleNamespace, src: Any, dst: Any, table: str, slots: Any) -> list[int]:
+    """Loads the delta of `table`'s rows in `slots` from `src` into `dst`, as a move's freeze
+    does; the ids it removes, sorted."""
+    m, gone = api.m, []
+    for x in _slot_rows(api, src, table, slots, dirty=True):
+        gone += np.frombuffer(x.removed_ids, "<u8").tolist()
+        load = m.BulkLoadRequest(
+            table=table,
+            config_json=x.config_json,
+            ids=x.ids,
+            words=x.words,
+            removed_ids=x.removed_ids,
+        )
+        ok(dst.BulkLoad, load)
+    return sorted(gone)
+
+
 def _rows_by_id(answers: Any) -> dict[int, bytes]:
     """Each exported row's words (weights, optimizer state, step, version, ...) by its id."""
     rows = {}
@@ -1652,18 +1669,7 @@ def test_an_evict_during_a_move_reaches_the_new_owner_and_spares_frozen_slots(ap
         assert ok(a.Evict, idle).removed == 0
         want = _rows_by_id(_slot_rows(api, a, "ev", every))
         assert sorted(want) == list(range(50))
-        delta = _slot_rows(api, a, "ev", every, dirty=True)
-        gone = sorted(i for x in delta for i in np.frombuffer(x.removed_ids, "<u8").tolist())
-        assert gone == list(range(50, 100))
-        for x in delta:
-            load = m.BulkLoadRequest(
-                table="ev",
-                config_json=x.config_json,
-                ids=x.ids,
-                words=x.words,
-                removed_ids=x.removed_ids,
-            )
-            ok(b.BulkLoad, load)
+        assert _copy_delta(api, a, b, "ev", every) == list(range(50, 100))
         assert _rows_by_id(_slot_rows(api, b, "ev", every)) == want
         ok(a.FreezeSlots, m.FreezeSlotsRequest(slots=every, thaw=True))
         assert ok(a.Evict, idle).removed == 50
@@ -1722,18 +1728,8 @@ def test_a_max_rows_budget_during_a_move_reaches_the_new_owner_and_spares_frozen
         assert len(after) == 99 and set(frozen) <= set(after)
         assert all(i in outside for i in set(held) - set(after))
         # The delta removes what the budget evicted from the half during the copy.
-        delta = _slot_rows(api, a, "bud", half, dirty=True)
-        gone = sorted(i for x in delta for i in np.frombuffer(x.removed_ids, "<u8").tolist())
+        gone = _copy_delta(api, a, b, "bud", half)
         assert gone == [i for i in range(21) if i in inside]
-        for x in delta:
-            load = m.BulkLoadRequest(
-                table="bud",
-                config_json=x.config_json,
-                ids=x.ids,
-                words=x.words,
-                removed_ids=x.removed_ids,
-            )
-            ok(b.BulkLoad, load)
         assert rows(b, half) == frozen
         # Thawed: the half's rows are the budget's again.
         ok(a.FreezeSlots, m.FreezeSlotsRequest(slots=half, thaw=True))
