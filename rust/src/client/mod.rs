@@ -1013,7 +1013,14 @@ impl Client {
             let at = k * per * dim;
             let len = out.len();
             let o = &mut out[at.min(len)..(at + part.len() * dim).min(len)];
-            match port.pull(table, token, d, part, dim, o, self.config.timeout) {
+            let ask = rows::Ask {
+                table,
+                token,
+                dtype: d,
+                ids: part,
+                dim,
+            };
+            match port.pull(&ask, o, self.config.timeout) {
                 rows::Pulled::Transport => return None,
                 rows::Pulled::Failed(s) => return Some(Err(error_of(&s, name))),
                 rows::Pulled::Dim(got) => {

@@ -42,6 +42,16 @@ struct Conn {
     req: Vec<u8>,
 }
 
+/// A pull on the rows port: `ids` of `table`, rows `dim` wide, in `dtype` on the wire.
+#[derive(Clone, Copy)]
+pub(super) struct Ask<'a> {
+    pub(super) table: &'a str,
+    pub(super) token: Option<&'a str>,
+    pub(super) dtype: Dtype,
+    pub(super) ids: &'a [u64],
+    pub(super) dim: usize,
+}
+
 /// How a pull on the rows port ended.
 pub(super) enum Pulled {
     /// Every row written; the generation read.
@@ -127,16 +137,11 @@ impl Endpoint {
         Err(last.unwrap_or_else(|| std::io::ErrorKind::NotFound.into()))
     }
 
-    /// Pulls `ids` of `table` (rows `dim` wide) into `out`: on a kept connection, and once more
-    /// on a new one if that fails; a second failure rests the port.
-    #[allow(clippy::too_many_arguments)]
+    /// Pulls `ask` into `out`: on a kept connection, and once more on a new one if that fails;
+    /// a second failure rests the port.
     pub(super) fn pull(
         &self,
-        table: &str,
-        token: Option<&str>,
-        d: Dtype,
-        ids: &[u64],
-        dim: usize,
+        ask: &Ask<'_>,
         out: &mut [MaybeUninit<f32>],
         timeout: Duration,
     ) -> Pulled {
@@ -146,14 +151,14 @@ impl Endpoint {
             Ok(c) => c,
             Err(_) => return self.failed(),
         };
-        let mut r = self.call(&mut conn, table, token, d, ids, dim, out);
+        let mut r = self.call(&mut conn, ask, out);
         if r.is_none() && !fresh {
             // A kept connection the server may have closed meanwhile.
             conn = match self.connect(timeout) {
                 Ok(c) => c,
                 Err(_) => return self.failed(),
             };
-            r = self.call(&mut conn, table, token, d, ids, dim, out);
+            r = self.call(&mut conn, ask, out);
         }
         match r {
             None => self.failed(),
@@ -177,18 +182,20 @@ impl Endpoint {
 
     /// One request and its answer; `None` when the transport failed, else how it ended and
     /// whether the connection can take another call.
-    #[allow(clippy::too_many_arguments)]
     fn call(
         &self,
         conn: &mut Conn,
-        table: &str,
-        token: Option<&str>,
-        d: Dtype,
-        ids: &[u64],
-        dim: usize,
+        ask: &Ask<'_>,
         out: &mut [MaybeUninit<f32>],
     ) -> Option<(Pulled, bool)> {
-        encode_request(&mut conn.req, table, token, d as i32, ids);
+        let Ask {
+            table,
+            token,
+            dtype,
+            ids,
+            dim,
+        } = *ask;
+        encode_request(&mut conn.req, table, token, dtype as i32, ids);
         conn.sock.write_all(&conn.req).ok()?;
         if conn.req.capacity() > 1 << 20 {
             conn.req = Vec::new();
