@@ -661,9 +661,11 @@ class _FrameCounter:
         skip = 0
         try:
             while chunk := src.recv(1 << 20):
-                dst.sendall(chunk)
                 if not parse:
+                    dst.sendall(chunk)
                     continue
+                # Headers are recorded before their bytes go on: once the client has read a
+                # frame, the relay has counted it.
                 pending += chunk
                 while True:
                     if skip:
@@ -678,6 +680,7 @@ class _FrameCounter:
                         with self.lock:
                             self.data_frames.append(length)
                     pending, skip = pending[9:], length
+                dst.sendall(chunk)
         except OSError:
             pass
         finally:
