@@ -3,6 +3,7 @@ during the move (issue 33's goal: training keeps >= 0.5x of its speed).
 
     python benches/reshard.py [--rows 200000] [--workers 4] [--batch 4096] [--dim 64]
                               [--warmup 5] [--after 3] [--membership]
+                              [--max-rows-per-second R]
 
 Three in-memory `pstore serve` processes on loopback; the routing gives server 2 no slot.
 `--rows` rows of a dim-`dim` Adagrad table are written first; then each worker process runs
@@ -16,7 +17,9 @@ and the list's own publishes), and the workers' steps/s during the call over the
 the `--warmup` seconds before it (all workers' steps, counted by their end times). With
 `--membership` the list itself changes: the workers and the table start on servers 0 and 1
 only, "join" is `add_server(server 2)` and "leave" is `remove_server(server 0)` (the workers
-follow the new lists). Servers are stopped by their pids.
+follow the new lists). `--max-rows-per-second` paces every move (`max_rows_per_second`:
+it waits between batches so that rows move at most that fast on average). Servers are stopped
+by their pids.
 """
 
 from __future__ import annotations
@@ -78,6 +81,7 @@ def main() -> None:
     ap.add_argument("--warmup", type=float, default=5.0)
     ap.add_argument("--after", type=float, default=3.0)
     ap.add_argument("--membership", action="store_true", help="add_server / remove_server")
+    ap.add_argument("--max-rows-per-second", type=float, default=None, help="pace the moves")
     ap.add_argument("--worker-json", help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.worker_json:
@@ -135,12 +139,13 @@ def main() -> None:
         time.sleep(args.warmup)
         for name, positions in (("join", [0, 1, 2]), ("leave", [1, 2])):
             t0 = time.time()
+            pace = args.max_rows_per_second
             if not args.membership:
-                r = admin.move_slots(_table(positions, 3))
+                r = admin.move_slots(_table(positions, 3), max_rows_per_second=pace)
             elif name == "join":
-                r = admin.add_server(servers[2])
+                r = admin.add_server(servers[2], max_rows_per_second=pace)
             else:
-                r = admin.remove_server(servers[0])
+                r = admin.remove_server(servers[0], max_rows_per_second=pace)
             t1 = time.time()
             moves.append((name, t0, t1, r))
             time.sleep(args.after)
@@ -168,6 +173,7 @@ def main() -> None:
                         "batch": args.batch,
                         "dim": args.dim,
                         "table_rows": args.rows,
+                        "max_rows_per_second": args.max_rows_per_second,
                         "slots": r["slots"],
                         "rows_moved": r["rows"],
                         "batches": r["batches"],

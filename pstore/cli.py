@@ -561,10 +561,11 @@ def _cmd_cluster_members(args: argparse.Namespace) -> int:
 def _cmd_cluster_membership(args: argparse.Namespace) -> int:
     remote = _connect_cluster(args)
     try:
+        pace = args.max_rows_per_second
         if args.cluster_command == "add-server":
-            r = remote.add_server(args.address)
+            r = remote.add_server(args.address, max_rows_per_second=pace)
         else:
-            r = remote.remove_server(args.address)
+            r = remote.remove_server(args.address, max_rows_per_second=pace)
         listed = remote.servers
     finally:
         remote.close()
@@ -1165,6 +1166,14 @@ def build_parser() -> argparse.ArgumentParser:
                 help="the server or replica group (PRIMARY,FOLLOWER...) that joins"
                 if name == "add-server"
                 else "the server that leaves: any member's address of its group, or its position",
+            )
+            c.add_argument(
+                "--max-rows-per-second",
+                type=float,
+                default=None,
+                metavar="ROWS",
+                help="pace the move: wait between batches so that rows move at most this fast "
+                "on average (default: batches back to back)",
             )
         c.add_argument(
             "--servers",

@@ -29,7 +29,7 @@ from typing import Any
 import grpc
 import numpy as np
 import pytest
-from _netutil import child_env, free_port
+from _netutil import ServerProcess, child_env, free_port
 from grpc_tools import protoc
 from hypothesis import HealthCheck, Phase, given, settings
 from hypothesis import strategies as st
@@ -1787,3 +1787,79 @@ def test_model_server_answers_are_plain_protobuf_whatever_their_size(api, tmp_pa
         ch.close()
         srv.stop(grace=1.0)
         model.close()
+
+
+def test_a_follower_promoted_mid_move_thaws_the_frozen_slots_and_the_move_runs_again(api, tmp_path):
+    """Decision 0125: a move froze every slot of a replica group's primary (FreezeSlots, as the
+    driver's freeze; the freeze is on the follower before it is answered), then the primary
+    is killed -9 and its follower promoted. The new primary thaws the slots: a push to them is
+    applied at once (before, it was answered "moving" until the worker's call timed out). A
+    routing that gives the slots away, as the interrupted move would publish next, is refused
+    by the new primary with a clear error and changes nothing; the move run again against the
+    new epoch moves every row with every push, the one taken after the promotion included."""
+    from test_failover import _group
+
+    m = api.m
+    a, b = _group(tmp_path)
+    d = ServerProcess()
+    n = 2000
+    ids = np.arange(n, dtype=np.int64)
+    try:
+        d.wait_ready()
+        group = [a.address, b.address]
+        admin = pstore.connect([group, d.address], ack="all", timeout=10.0)
+        admin.publish_routing({"epoch": 1, "servers": 2, "ranges": [[0, 16384, 0]]})
+        t = admin.create_sparse_table("t", 2, optimizer=optim.SGD(lr=1.0), initializer=init.Zeros())
+        t.push(ids, np.ones((n, 2), np.float32))
+        every = m.SlotSet(starts=[0], ends=[16384])
+        ch = grpc.insecure_channel(a.address)
+        try:
+            stub = api.PStoreStub(ch)
+            ok(stub.FreezeSlots, m.FreezeSlotsRequest(slots=every, copy=True))
+            assert ok(stub.FreezeSlots, m.FreezeSlotsRequest(slots=every)).frozen == 16384
+        finally:
+            ch.close()
+        # Frozen on the primary: a push waits for the move ("moving") until its call times out.
+        quick = pstore.connect(
+            [group, d.address], ack="all", timeout=1.0, retries=0, failover_timeout=1.0
+        )
+        with pytest.raises(pstore.ServerError, match="moving"):
+            quick.sparse_table("t").push(ids[:10], np.ones((10, 2), np.float32))
+        a.send(signal.SIGKILL)  # this pid only
+        a.proc.wait(30)
+        pstore.promote(b.address)
+        # The new primary took the slots thawed: the push is applied at once, once.
+        worker = pstore.connect(
+            [group, d.address], ack="all", timeout=5.0, retries=0, failover_timeout=10.0
+        )
+        worker.sparse_table("t").push(ids, np.ones((n, 2), np.float32))
+        np.testing.assert_array_equal(
+            worker.sparse_table("t").pull(ids), np.full((n, 2), -2.0, np.float32)
+        )
+        # What the interrupted move would publish next is refused, and nothing changes.
+        ch = grpc.insecure_channel(b.address)
+        try:
+            stub = api.PStoreStub(ch)
+            held = ok(stub.GetRouting, m.GetRoutingRequest())
+            given = m.Routing()
+            given.CopyFrom(held)
+            given.slots.epoch = held.slots.epoch + 1
+            given.slots.owners[:] = [1] * len(given.slots.owners)
+            e = fails(stub.SetRouting, m.SetRoutingRequest(routing=given))
+            assert e.code() == Code.INVALID_ARGUMENT, e.details()
+            assert "promoted" in e.details() and "move the slots again" in e.details()
+            assert ok(stub.GetRouting, m.GetRoutingRequest()) == held
+        finally:
+            ch.close()
+        # The move run again (against the new primary and its epoch) moves every row.
+        report = admin.move_slots({"epoch": 0, "servers": 2, "ranges": [[0, 16384, 1]]})
+        assert report["slots"] == 16384, report
+        np.testing.assert_array_equal(
+            admin.sparse_table("t").pull(ids), np.full((n, 2), -2.0, np.float32)
+        )
+        rows = [sum(int(x["rows"]) for x in s["tables"]) for s in admin.status()]
+        assert rows == [0, n], rows
+    finally:
+        d.stop()
+        b.stop()
+        a.stop()

@@ -166,11 +166,44 @@ def test_bad_moves_are_refused_and_change_nothing(cluster):
         store.move_slots({"epoch": 0, "servers": 2, "ranges": [[0, 100, 0]]})
     with pytest.raises(TypeError, match="slots must be a dict"):
         store.move_slots([1, 2])  # type: ignore[arg-type]
+    everything = {"epoch": 0, "servers": 2, "ranges": [[0, SLOTS, 1]]}
+    for bad in (0, -5.0, float("nan"), float("inf")):
+        with pytest.raises(pstore.InvalidArgumentError, match="max_rows_per_second must be"):
+            store.move_slots(everything, max_rows_per_second=bad)
+        with pytest.raises(pstore.InvalidArgumentError, match="max_rows_per_second must be"):
+            store.remove_server(0, max_rows_per_second=bad)
+    with pytest.raises(TypeError, match="max_rows_per_second must be a number"):
+        store.move_slots(everything, max_rows_per_second="fast")  # type: ignore[arg-type]
     assert store.slots == before
     assert sum(rows_per_server(store, "t")) == len(ids)
     # Moving to the table in force moves nothing.
     r = store.move_slots(before)
     assert (r["slots"], r["rows"], r["batches"]) == (0, 0, 0)
+
+
+def test_a_paced_move_keeps_to_its_rate_and_moves_every_row(cluster):
+    addrs = cluster(2)
+    store = pstore.connect(addrs)
+    t = store.create_sparse_table("t", 8, optimizer=pstore.optim.Adagrad(lr=0.1))
+    ids = np.arange(1, 6001, dtype=np.uint64)
+    t.push(ids, np.ones((len(ids), 8), np.float32))
+    rows = t.pull(ids)
+    # Every slot to server 1: about half the rows move (the other half are there already).
+    rate = 2500.0
+    t0 = time.monotonic()
+    r = store.move_slots(
+        {"epoch": 0, "servers": 2, "ranges": [[0, SLOTS, 1]]}, max_rows_per_second=rate
+    )
+    took = time.monotonic() - t0
+    assert r["rows"] >= 2000 and r["batches"] >= 8, r
+    # It waits after each batch until the average is back at the rate: at least rows / rate.
+    assert took >= r["seconds"] >= r["rows"] / rate, (took, r)
+    assert rows_per_server(store, "t") == [0, len(ids)]
+    np.testing.assert_array_equal(t.pull(ids), rows)
+    # Unpaced, twice as many rows move back in less time than the pace would allow them.
+    back = store.move_slots({"epoch": 0, "servers": 2, "ranges": [[0, SLOTS, 0]]})
+    assert back["rows"] == len(ids)
+    assert back["seconds"] < len(ids) / rate, back
 
 
 def test_a_move_to_an_unreachable_server_is_refused_and_changes_nothing():

@@ -33,6 +33,18 @@ __all__ = [
 Mode = Literal["async", "bsp", "ssp"]
 
 
+def _pace(max_rows_per_second: float | None) -> float | None:
+    """A move's pace as a float (None: unpaced); the core refuses one that is not positive."""
+    if max_rows_per_second is None:
+        return None
+    if isinstance(max_rows_per_second, bool) or not isinstance(max_rows_per_second, (int, float)):
+        raise TypeError(
+            "max_rows_per_second must be a number of rows a second or None, got "
+            f"{type(max_rows_per_second).__name__}"
+        )
+    return float(max_rows_per_second)
+
+
 def _members_of(address: str | Sequence[str]) -> list[str]:
     """The members of a server or replica group given to :meth:`RemoteStore.add_server`: one
     address, a list or tuple of them, or one string of them joined with commas."""
@@ -235,7 +247,9 @@ class RemoteStore(BaseStore):
             raise TypeError(f"slots must be a dict like RemoteStore.slots, got {kind}")
         self._inner.publish_routing(json.dumps(slots))
 
-    def move_slots(self, slots: dict[str, Any]) -> dict[str, Any]:
+    def move_slots(
+        self, slots: dict[str, Any], *, max_rows_per_second: float | None = None
+    ) -> dict[str, Any]:
         """Move every hash slot whose owner differs in ``slots`` (the form of :attr:`slots`,
         over the same servers; its ``epoch`` is not used) to its new owner while workers train.
 
@@ -248,14 +262,22 @@ class RemoteStore(BaseStore):
         applied twice. Give a server no slot to empty it before it leaves, or its share when it
         joins (docs/CLUSTER.md, "Moving slots"). Returns ``{"slots", "rows", "batches",
         "epoch", "seconds", "max_frozen_seconds", "delta_rows"}``.
+
+        ``max_rows_per_second`` paces the move: after each batch it waits, with nothing
+        frozen, until the rows copied so far average at most that rate, leaving the cores and
+        the network to training (a longer move, a smaller slowdown). None (the default) runs
+        the batches back to back.
         """
         if not isinstance(slots, dict):
             kind = type(slots).__name__
             raise TypeError(f"slots must be a dict like RemoteStore.slots, got {kind}")
-        report: dict[str, Any] = self._inner.move_slots(json.dumps(slots))
+        rate = _pace(max_rows_per_second)
+        report: dict[str, Any] = self._inner.move_slots(json.dumps(slots), rate)
         return report
 
-    def add_server(self, address: str | Sequence[str]) -> dict[str, Any]:
+    def add_server(
+        self, address: str | Sequence[str], *, max_rows_per_second: float | None = None
+    ) -> dict[str, Any]:
         """Add a store server, or a replica group, to the cluster while workers train.
 
         ``address`` is the server's "host:port", or a replica group: a list or tuple of its
@@ -266,27 +288,34 @@ class RemoteStore(BaseStore):
         epoch), then about 1/N of the hash slots move to it from every other position as
         :meth:`move_slots` moves them. Running workers follow the new list without restarting,
         also when they were connected with replica groups; nothing is lost or applied twice;
-        durable servers keep the list across restarts. Refused, with nothing changed, for an
+        durable servers keep the list across restarts. A running BSP or SSP job goes on: the
+        new server is given the job as the others hold it, and every worker reports its steps
+        to it from the list change on. Refused, with nothing changed, for an
         address already in the list (of any group), a member that does not answer, a first
         member that is not a primary or a follower that does not follow it, and a server that
         holds rows or another cluster's routing (docs/CLUSTER.md, "When the list changes").
-        Returns the report of the move (as :meth:`move_slots`).
+        Returns the report of the move (as :meth:`move_slots`, which ``max_rows_per_second``
+        paces).
         """
         members = _members_of(address)
-        report: dict[str, Any] = self._inner.add_server(members)
+        rate = _pace(max_rows_per_second)
+        report: dict[str, Any] = self._inner.add_server(members, rate)
         return report
 
-    def remove_server(self, address: str | int) -> dict[str, Any]:
+    def remove_server(
+        self, address: str | int, *, max_rows_per_second: float | None = None
+    ) -> dict[str, Any]:
         """Remove a store server, or a whole replica group, from the cluster while workers train.
 
         ``address`` is the address of the server or of any member of its group, or the
         position's number in :attr:`servers`. Every hash slot it owns moves to the other
         positions (spread evenly) with its rows, then the list without it is published under
         the next routing epoch: it holds no rows afterwards and can be stopped (all members of
-        a group). Refused, with nothing changed, for an address not in the list, a position past
-        its end and the last server. A move that fails part way (a server died) leaves the slots
+        a group); a job's workers report their steps to the new list from then on. Refused,
+        with nothing changed, for an address not in the list, a position past its end and the
+        last server. A move that fails part way (a server died) leaves the slots
         moved so far where they are; run it again once the servers answer. Returns the report
-        of the move (as :meth:`move_slots`).
+        of the move (as :meth:`move_slots`, which ``max_rows_per_second`` paces).
         """
         if isinstance(address, bool) or not isinstance(address, (str, int)):
             raise TypeError(
@@ -298,7 +327,8 @@ class RemoteStore(BaseStore):
                 f"position {address} is not in the list (positions count from 0); nothing was "
                 "changed"
             )
-        report: dict[str, Any] = self._inner.remove_server(str(address).strip())
+        rate = _pace(max_rows_per_second)
+        report: dict[str, Any] = self._inner.remove_server(str(address).strip(), rate)
         return report
 
     @property

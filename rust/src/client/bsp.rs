@@ -63,8 +63,59 @@ impl Job {
             lease_seconds: c.lease.as_secs_f64(),
             continue_on_worker_loss: c.continue_on_loss,
             mean: c.mean,
+            ..Default::default()
         }
     }
+}
+
+/// The job the servers of a list run, as one carry request (decision 0125): the job most of
+/// them hold; every worker's clock as the furthest any of them holds it; a worker lost where
+/// every one of them holding the job lost it; a worker joined where any saw it; the steps
+/// applied everywhere. `None` when none runs a job.
+fn carried(views: &[ClockResponse]) -> Option<ClockRequest> {
+    let mut ids: Vec<&str> = views
+        .iter()
+        .map(|v| v.job.as_str())
+        .filter(|j| !j.is_empty())
+        .collect();
+    ids.sort_unstable();
+    let job = ids
+        .chunk_by(|a, b| a == b)
+        .max_by_key(|run| run.len())?
+        .first()
+        .copied()?;
+    let first = views.iter().find(|v| v.job == job)?;
+    let n = first.clocks.len();
+    let same: Vec<&ClockResponse> = views
+        .iter()
+        .filter(|v| v.job == job && v.clocks.len() == n)
+        .collect();
+    let mut clocks = vec![0u64; n];
+    let mut joined = Vec::new();
+    for v in &same {
+        for (c, &k) in clocks.iter_mut().zip(&v.clocks) {
+            *c = (*c).max(k);
+        }
+        joined.extend(v.joined.iter().copied());
+    }
+    joined.sort_unstable();
+    joined.dedup();
+    let lost = (0..n as u32)
+        .filter(|w| same.iter().all(|v| v.lost.contains(w)))
+        .collect();
+    Some(ClockRequest {
+        job: job.to_string(),
+        num_workers: n as u32,
+        lease_seconds: first.lease_seconds,
+        continue_on_worker_loss: first.continue_on_worker_loss,
+        mean: first.mean,
+        carry: true,
+        carried_clocks: clocks,
+        carried_lost: lost,
+        carried_joined: joined,
+        carried_applied: same.iter().map(|v| v.applied).min().unwrap_or(0),
+        ..Default::default()
+    })
 }
 
 impl Client {
@@ -154,7 +205,10 @@ impl Client {
             clock: AtomicU64::new(0),
             stop: AtomicBool::new(false),
         });
-        let answers = self.clock_all(job.request(0, true, None), self.config.timeout)?;
+        // A call routed over an older server list is answered "moved": sent again to the list
+        // the servers hold (decision 0125).
+        let answers =
+            self.rerouted(|| self.clock_all(job.request(0, true, None), self.config.timeout))?;
         let w = job.config.worker as usize;
         let clock = answers
             .iter()
@@ -165,7 +219,7 @@ impl Client {
         // Every server at the same clock: one that had lost the worker moved it to its applied
         // step, the others learn it here.
         if clock > 0 {
-            self.clock_all(job.request(clock, true, None), self.config.timeout)?;
+            self.rerouted(|| self.clock_all(job.request(clock, true, None), self.config.timeout))?;
         }
         let old = self
             .job
@@ -211,7 +265,9 @@ impl Client {
         let clock = job.clock.load(Ordering::Acquire) + 1;
         // On an error the clock stays: calling again reports the same clock (clocks only move
         // forward) and waits again, and pushes in between still belong to this step.
-        self.clock_all(job.request(clock, true, Some(wait)), timeout)
+        // Reported again to the new list when a server answers that its list changed: a server
+        // that joined takes part in the step, one that left keeps nobody waiting (0125).
+        self.rerouted(|| self.clock_all(job.request(clock, true, Some(wait)), timeout))
             .map_err(|e| {
                 super::waited(
                     e,
@@ -226,6 +282,41 @@ impl Client {
             })?;
         job.clock.store(clock, Ordering::Release);
         Ok(clock)
+    }
+}
+
+impl Client {
+    /// Gives server `to` (joining the list) the job the servers of the list run, as they hold
+    /// it now (decision 0125); nothing when they run none. `add_server` calls it before and
+    /// again after the publish of the list that names `to`: the second carry raises its clocks
+    /// to every report the old list took before the publish, and every later report reaches it
+    /// (a clock call routed over the old list is answered "moved" after the publish).
+    pub(super) fn carry_job(&self, to: &super::Server, timeout: Duration) -> Result<()> {
+        let read = ClockRequest::default();
+        let views = self.rt.block_on(async {
+            let calls = (0..self.n()).map(|i| {
+                self.call(i, read.clone(), timeout, true, |mut c, r| async move {
+                    c.clock(r).await
+                })
+            });
+            futures_join_all(calls).await
+        });
+        let views = views.into_iter().collect::<Result<Vec<_>>>()?;
+        let Some(carry) = carried(&views) else {
+            return Ok(());
+        };
+        let rt = &self.rt;
+        rt.block_on(self.call_server(
+            to,
+            None,
+            carry,
+            timeout,
+            true,
+            false,
+            |mut c, r| async move { c.clock(r).await },
+        ))
+        .map_err(|e| crate::net::error_of(&e, &to.name))?;
+        Ok(())
     }
 }
 
@@ -250,9 +341,53 @@ fn heartbeat(client: Weak<Client>, job: Weak<Job>) {
                 return;
             };
             let m = j.request(j.clock.load(Ordering::Acquire), false, None);
-            // A missed beat is retried at the next one.
-            let _ = c.clock_all(m, j.config.lease);
+            // A missed beat is retried at the next one; one answered "moved" (the list
+            // changed) at once, to the new list (a joining server keeps the lease too).
+            let _ = c.rerouted(|| c.clock_all(m.clone(), j.config.lease));
         });
     // Without the thread the worker still renews its lease with every call it makes.
     drop(spawned);
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn view(
+        job: &str,
+        clocks: Vec<u64>,
+        lost: Vec<u32>,
+        joined: Vec<u32>,
+        applied: u64,
+    ) -> ClockResponse {
+        ClockResponse {
+            job: job.into(),
+            clocks,
+            lost,
+            joined,
+            applied,
+            lease_seconds: 7.0,
+            mean: true,
+            ..Default::default()
+        }
+    }
+
+    #[test]
+    fn a_carry_takes_the_job_most_servers_run_at_its_furthest_clocks() {
+        assert!(carried(&[ClockResponse::default()]).is_none());
+        let c = carried(&[
+            view("j", vec![3, 2, 2], vec![1, 2], vec![0, 1], 2),
+            view("j", vec![2, 4, 2], vec![1], vec![2], 3),
+            view("other", vec![9], vec![], vec![0], 9),
+            ClockResponse::default(),
+        ])
+        .unwrap();
+        assert_eq!((c.job.as_str(), c.num_workers, c.carry), ("j", 3, true));
+        assert_eq!(c.carried_clocks, vec![3, 4, 2]);
+        // Lost where every server lost it; joined where any saw it; applied everywhere.
+        assert_eq!(c.carried_lost, vec![1]);
+        assert_eq!(c.carried_joined, vec![0, 1, 2]);
+        assert_eq!(c.carried_applied, 2);
+        assert!(c.mean && c.lease_seconds == 7.0 && !c.advance && !c.wait);
+    }
 }

@@ -197,7 +197,12 @@ impl Client {
     /// group), a member that does not answer or speaks another protocol, a first member that is
     /// not a primary or a follower that does not follow it, or a primary that holds rows or
     /// another cluster's routing.
-    pub fn add_server(&self, members: &[String]) -> Result<MoveReport> {
+    pub fn add_server(
+        &self,
+        members: &[String],
+        max_rows_per_second: Option<f64>,
+    ) -> Result<MoveReport> {
+        super::moves::check_pace(max_rows_per_second)?;
         let Some(addr) = members.first().cloned() else {
             return Err(invalid(
                 "add_server needs the server's address, or a replica group's members (its \
@@ -329,6 +334,9 @@ impl Client {
         }
         // Table definitions travel with the membership: every table, as the cluster has it.
         self.copy_definitions(&joining, &[], t)?;
+        // So does a running job (decision 0125): its workers report their clocks to the new
+        // server from the publish on, and it must know the job and where each worker is.
+        self.carry_job(&joining, t)?;
         // The list with the new server at its end, owning nothing: no row moves yet.
         let current = self.route().table.clone();
         let n = list.len();
@@ -336,6 +344,9 @@ impl Client {
         grown.push(joining_at);
         let joined = SlotTable::from_owners(current.epoch() + 1, n + 1, current.owners().to_vec())?;
         self.publish_over(&grown, joined.clone(), &[])?;
+        // Again from the old list, now that no clock call routed over it is taken any more:
+        // every clock it took before the publish reaches the new server.
+        self.carry_job(&joining, t)?;
         // Again, for the tables it lacks: one created meanwhile by a worker of the old list
         // reached only the servers that worker knew (decision 0110). A create that ends after
         // this finds the new list and creates over it (`tables.rs`); a server that still lacks
@@ -352,7 +363,7 @@ impl Client {
         // Its share of the slots, from every position.
         let share = SLOTS / (n + 1);
         let target = SlotTable::from_owners(0, n + 1, grow(joined.owners(), n, share))?;
-        self.move_slots(&target)
+        self.move_slots(&target, max_rows_per_second)
     }
 
     /// Removes a server, or a whole replica group, from the list while workers train: `which`
@@ -362,7 +373,12 @@ impl Client {
     /// anything for an address not in the list, a position past its end, or the last server;
     /// a move that fails half way (a server that died) leaves the slots moved so far moved and
     /// can be run again.
-    pub fn remove_server(&self, which: &str) -> Result<MoveReport> {
+    pub fn remove_server(
+        &self,
+        which: &str,
+        max_rows_per_second: Option<f64>,
+    ) -> Result<MoveReport> {
+        super::moves::check_pace(max_rows_per_second)?;
         self.drain();
         self.follow_held()?;
         let list = self.positions();
@@ -402,7 +418,7 @@ impl Client {
         }
         let current = self.route().table.clone();
         let target = SlotTable::from_owners(0, n, shrink(current.owners(), n, r))?;
-        let mut report = self.move_slots(&target)?;
+        let mut report = self.move_slots(&target, max_rows_per_second)?;
         // It owns nothing now: the list without it.
         let table = self.route().table.clone();
         if table.slots_per_server()[r] != 0 {

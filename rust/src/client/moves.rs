@@ -11,7 +11,7 @@
 //! the batch's slots only while it is frozen (the delta), then "moved", and follow
 //! (`reshard.rs`); nothing is lost or applied twice.
 
-use std::time::Instant;
+use std::time::{Duration, Instant};
 
 use super::Client;
 use crate::error::{invalid, Error, Result};
@@ -42,6 +42,17 @@ pub struct MoveReport {
     pub max_frozen_seconds: f64,
 }
 
+/// Refuses a pace that is not a positive number of rows a second (before anything changes).
+pub(super) fn check_pace(max_rows_per_second: Option<f64>) -> Result<()> {
+    match max_rows_per_second {
+        Some(r) if !(r.is_finite() && r > 0.0) => Err(invalid(format!(
+            "max_rows_per_second must be a positive number of rows a second, got {r}; nothing \
+             was changed"
+        ))),
+        _ => Ok(()),
+    }
+}
+
 /// Runs of the slots `set` holds.
 fn runs(set: &[usize]) -> SlotSet {
     let mut out = SlotSet::default();
@@ -61,8 +72,15 @@ impl Client {
     /// Moves every slot whose owner differs between the cluster's routing and `target` (a table
     /// over this client's server list; its epoch is not used: each batch is published under
     /// the next epoch) to its new owner while workers train, and returns what moved.
-    pub fn move_slots(&self, target: &SlotTable) -> Result<MoveReport> {
+    /// `max_rows_per_second` paces the move: after each batch it waits, with no slot frozen,
+    /// until the rows copied so far average at most that rate (None: batches back to back).
+    pub fn move_slots(
+        &self,
+        target: &SlotTable,
+        max_rows_per_second: Option<f64>,
+    ) -> Result<MoveReport> {
         let t0 = Instant::now();
+        check_pace(max_rows_per_second)?;
         let n = self.n();
         if target.servers() != n {
             return Err(invalid(format!(
@@ -131,6 +149,13 @@ impl Client {
                 })?;
                 report.batches += 1;
                 current = next;
+                if let Some(rate) = max_rows_per_second {
+                    // Paced: training has the cores to itself until the average is back down.
+                    let due = Duration::from_secs_f64(report.rows as f64 / rate);
+                    if let Some(wait) = due.checked_sub(t0.elapsed()) {
+                        std::thread::sleep(wait);
+                    }
+                }
             }
         }
         report.epoch = current.epoch();
@@ -283,7 +308,13 @@ impl Client {
                 |mut c, r| async move { c.bulk_load(r).await },
             )?;
         }
-        self.publish_routing(next.clone())?;
+        // The old owner first: one that refuses it (a promoted primary whose slots thawed
+        // under the move, decision 0125) leaves every other server at the current routing. Not
+        // for the first routing the servers hold: a server holding none checks a call routed by
+        // the new one against its layout hash and refuses it, where one holding the routing
+        // before answers "epoch_ahead" (retried) until the publish reaches it.
+        let first = (next.epoch() > 1).then_some(from);
+        self.publish_routing_after(next.clone(), first)?;
         Ok((rows, delta, frozen.elapsed().as_secs_f64()))
     }
 }

@@ -607,6 +607,16 @@ impl Client {
     /// no rows: what the servers held under the old owners stays where it is, so this is the
     /// last step of a move, after the rows are on their new owners.
     pub fn publish_routing(&self, table: SlotTable) -> Result<()> {
+        self.publish_routing_after(table, None)
+    }
+
+    /// [`publish_routing`](Self::publish_routing), to position `first` before the others (a
+    /// move's old owner, decision 0125): a routing it refuses reaches no other server.
+    pub(super) fn publish_routing_after(
+        &self,
+        table: SlotTable,
+        first: Option<usize>,
+    ) -> Result<()> {
         let list = self.positions();
         let n = list.len();
         if table.servers() != n {
@@ -622,17 +632,22 @@ impl Client {
                 table.epoch()
             )));
         }
-        let targets = (0..n)
-            .map(|i| {
-                (
-                    i,
-                    SetRoutingRequest {
-                        routing: Some(routing_over(&list, &table, i)),
-                    },
-                )
-            })
-            .collect();
-        self.fan_out(targets, |mut c, r| async move { c.set_routing(r).await })?;
+        let target = |i: usize| {
+            (
+                i,
+                SetRoutingRequest {
+                    routing: Some(routing_over(&list, &table, i)),
+                },
+            )
+        };
+        if let Some(f) = first.filter(|&f| f < n) {
+            self.fan_out(
+                vec![target(f)],
+                |mut c, r| async move { c.set_routing(r).await },
+            )?;
+        }
+        let rest = (0..n).filter(|&i| Some(i) != first).map(target).collect();
+        self.fan_out(rest, |mut c, r| async move { c.set_routing(r).await })?;
         self.adopt(table)
     }
 

@@ -151,7 +151,13 @@ impl PyStore {
         )?;
         let store = match dc {
             None => Store::new(config).map_err(err)?,
-            Some(dc) => run(py, move || Store::open(config, dc))?,
+            Some(dc) => run(py, move || {
+                let store = Store::open(config, dc)?;
+                // A follower's directory may hold acknowledged entries not committed to the
+                // replica yet (0126): whoever opens it sees them.
+                crate::server::repl::settle_follow_log(&store)?;
+                Ok(store)
+            })?,
         };
         Ok(Self::init(store))
     }

@@ -340,30 +340,44 @@ impl PyClient {
 
     /// Moves every slot whose owner differs in `slots` (JSON) to its new owner while workers
     /// train; returns what moved.
-    fn move_slots<'py>(&self, py: Python<'py>, slots: &str) -> PyResult<Bound<'py, PyDict>> {
+    #[pyo3(signature = (slots, max_rows_per_second=None))]
+    fn move_slots<'py>(
+        &self,
+        py: Python<'py>,
+        slots: &str,
+        max_rows_per_second: Option<f64>,
+    ) -> PyResult<Bound<'py, PyDict>> {
         let table = crate::net::routing::SlotTable::from_json(slots).map_err(super::err)?;
         let c = &self.inner;
-        let r = run(py, || c.move_slots(&table))?;
+        let r = run(py, || c.move_slots(&table, max_rows_per_second))?;
         move_report(py, r)
     }
 
     /// Adds a server, or a replica group (its primary first), to the list while workers train;
     /// returns what moved to it.
+    #[pyo3(signature = (members, max_rows_per_second=None))]
     fn add_server<'py>(
         &self,
         py: Python<'py>,
         members: Vec<String>,
+        max_rows_per_second: Option<f64>,
     ) -> PyResult<Bound<'py, PyDict>> {
         let c = &self.inner;
-        let r = run(py, || c.add_server(&members))?;
+        let r = run(py, || c.add_server(&members, max_rows_per_second))?;
         move_report(py, r)
     }
 
     /// Removes a server or replica group (named by any member's address or its position) from
     /// the list while workers train; returns what moved from it.
-    fn remove_server<'py>(&self, py: Python<'py>, which: &str) -> PyResult<Bound<'py, PyDict>> {
+    #[pyo3(signature = (which, max_rows_per_second=None))]
+    fn remove_server<'py>(
+        &self,
+        py: Python<'py>,
+        which: &str,
+        max_rows_per_second: Option<f64>,
+    ) -> PyResult<Bound<'py, PyDict>> {
         let c = &self.inner;
-        let r = run(py, || c.remove_server(which))?;
+        let r = run(py, || c.remove_server(which, max_rows_per_second))?;
         move_report(py, r)
     }
 

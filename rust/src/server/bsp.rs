@@ -117,6 +117,26 @@ struct Job {
 }
 
 impl Job {
+    /// Job `id` of `n` workers starting now: every clock at 0, nothing applied or pending.
+    fn start(id: &str, opts: JobOptions, n: usize, now: Instant) -> Self {
+        Self {
+            id: id.to_string(),
+            opts,
+            clocks: vec![0; n],
+            seen: vec![now; n],
+            joined: vec![false; n],
+            lost: vec![false; n],
+            applied: 0,
+            failed: None,
+            nonce: super::repl::random_id(),
+            logged: BTreeMap::new(),
+            pending: BTreeMap::new(),
+            rids: BTreeMap::new(),
+            marker: None,
+            holds: boundary::Holds::default(),
+        }
+    }
+
     fn min_live(&self) -> Option<u64> {
         self.clocks
             .iter()
@@ -140,6 +160,8 @@ pub struct JobView {
     pub lost: Vec<u32>,
     /// Steps applied.
     pub applied: u64,
+    /// The job's options (the defaults when the server has no job).
+    pub opts: Option<JobOptions>,
 }
 
 /// The synchronous-step state of a server.
@@ -674,7 +696,9 @@ impl Steps {
         self.job.lock().unwrap_or_else(|e| e.into_inner())
     }
 
-    fn notify(&self) {
+    /// Wakes every waiter to look again (a change of the job, or of the routing its clock
+    /// calls are checked against).
+    pub(super) fn notify(&self) {
         self.tick.send_modify(|t| *t = t.wrapping_add(1));
     }
 
@@ -697,7 +721,82 @@ impl Steps {
             joined: list(&j.joined),
             lost: list(&j.lost),
             applied: j.applied,
+            opts: Some(j.opts),
         }
+    }
+
+    /// Takes job `job` of `n` workers as the other servers of the list hold it, for a server
+    /// that joins the list while the job runs (decision 0125): `clocks`, the workers `lost` and
+    /// `joined`, and the steps `applied`. A job of another id is replaced (a joining server
+    /// holds no rows, so it has no step of it to apply); the same job has its clocks raised to
+    /// these (never lowered: they are what every worker reported elsewhere, and a report here
+    /// is as new), its lost workers replaced, and its applied steps raised when no step of its
+    /// own is pending up to them. Every clock is counted as let go (a snapshot's hold here
+    /// takes a later step). A carry to a follower is refused like a write.
+    #[allow(clippy::too_many_arguments)]
+    pub fn carry(
+        &self,
+        job: &str,
+        n: u32,
+        opts: JobOptions,
+        clocks: &[u64],
+        lost: &[u32],
+        joined: &[u32],
+        applied: u64,
+    ) -> Result<()> {
+        if job.is_empty() {
+            return Err(invalid("a carried job needs its id"));
+        }
+        if n == 0 || n > super::state::MAX_WORKERS || clocks.len() != n as usize {
+            return Err(invalid(format!(
+                "a carried job of {n} workers (at most {}) needs one clock per worker, got {}",
+                super::state::MAX_WORKERS,
+                clocks.len()
+            )));
+        }
+        if let Some(&w) = lost.iter().chain(joined).find(|&&w| w >= n) {
+            return Err(invalid(format!(
+                "a carried job names worker {w}, not in 0..num_workers = 0..{n}"
+            )));
+        }
+        self.refuse_following()?;
+        let mut g = self.lock();
+        let now = Instant::now();
+        let same = g
+            .as_ref()
+            .is_some_and(|j| j.id == job && j.clocks.len() == n as usize);
+        let reset = !same;
+        if reset {
+            *g = Some(Job::start(job, opts, n as usize, now));
+            if let Some(p) = &self.persist {
+                p.prune(0, true)?;
+            }
+        }
+        let j = g.as_mut().expect("job set above");
+        for (c, &k) in j.clocks.iter_mut().zip(clocks) {
+            *c = (*c).max(k);
+        }
+        for (w, l) in j.lost.iter_mut().enumerate() {
+            *l = lost.contains(&(w as u32));
+        }
+        for &w in joined {
+            j.joined[w as usize] = true;
+        }
+        if j.pending.keys().next().is_none_or(|&s| s > applied) && j.marker.is_none() {
+            j.applied = j.applied.max(applied);
+        }
+        j.seen.iter_mut().for_each(|s| *s = now);
+        j.holds.carried(&j.clocks);
+        if let Some(p) = &self.persist {
+            p.save_as(j, j.marker.clone(), reset)?;
+        }
+        eprintln!(
+            "event=job_carried job={job:?} clocks={:?} applied={} new={reset}",
+            j.clocks, j.applied
+        );
+        drop(g);
+        self.notify();
+        Ok(())
     }
 
     /// Worker `w` of job `job` reports clock `clock` (clocks only move forward). A job other
@@ -723,22 +822,7 @@ impl Steps {
                 )));
             }
             let now = Instant::now();
-            *g = Some(Job {
-                id: job.to_string(),
-                opts,
-                clocks: vec![0; n as usize],
-                seen: vec![now; n as usize],
-                joined: vec![false; n as usize],
-                lost: vec![false; n as usize],
-                applied: 0,
-                failed: None,
-                nonce: super::repl::random_id(),
-                logged: BTreeMap::new(),
-                pending: BTreeMap::new(),
-                rids: BTreeMap::new(),
-                marker: None,
-                holds: boundary::Holds::default(),
-            });
+            *g = Some(Job::start(job, opts, n as usize, now));
             reset = true;
             if let Some(p) = &self.persist {
                 p.prune(0, true)?;
@@ -1041,6 +1125,9 @@ impl Steps {
     /// Waits until every live worker's clock is at least `target` and, with `synced`, step
     /// `target` is applied, and no snapshot's hold keeps `clock` (the clock `w` advanced to)
     /// waiting. Renews `w`'s lease while it waits.
+    /// `moved`: whether the server list changed since the call was routed; the wait then ends
+    /// with an error (the caller answers "moved": the worker reports to the new list).
+    #[allow(clippy::too_many_arguments)]
     pub async fn wait(
         self: &Arc<Self>,
         store: &Arc<Store>,
@@ -1049,9 +1136,15 @@ impl Steps {
         target: u64,
         synced: bool,
         clock: Option<u64>,
+        moved: &(dyn Fn() -> bool + Sync),
     ) -> Result<()> {
         let mut rx = self.tick.subscribe();
         loop {
+            if moved() {
+                return Err(invalid(
+                    "the server list changed while the clock call waited",
+                ));
+            }
             let (done, newly_lost) = self.check(job, target, synced, clock)?;
             if done {
                 return Ok(());
@@ -1200,32 +1293,67 @@ pub(super) fn job_clocks(v: JobView) -> ClockResponse {
         joined: v.joined,
         lost: v.lost,
         applied: v.applied,
+        lease_seconds: v.opts.map_or(0.0, |o| o.lease.as_secs_f64()),
+        continue_on_worker_loss: v.opts.is_some_and(|o| o.continue_on_loss),
+        mean: v.opts.is_some_and(|o| o.mean),
     }
+}
+
+/// A job's options as a clock call gives them.
+fn options_of(r: &ClockRequest) -> Result<JobOptions> {
+    let lease = if r.lease_seconds > 0.0 && r.lease_seconds.is_finite() {
+        Duration::try_from_secs_f64(r.lease_seconds)
+            .map_err(|e| invalid(format!("lease_seconds {}: {e}", r.lease_seconds)))?
+    } else if r.lease_seconds == 0.0 {
+        DEFAULT_LEASE
+    } else {
+        return Err(invalid(format!(
+            "lease_seconds must be > 0, got {}",
+            r.lease_seconds
+        )));
+    };
+    Ok(JobOptions {
+        lease,
+        continue_on_loss: r.continue_on_worker_loss,
+        mean: r.mean,
+    })
 }
 
 impl super::Service {
     /// A clock call of a job: reports the clock, applies the steps it completed, and waits.
+    /// `epoch`: the routing epoch the call was routed by, if it carries one: a call routed
+    /// over an older server list than the held one is answered "moved" after its clock was
+    /// taken, and so is one waiting here when the list changes (decision 0125).
     pub(super) async fn job_clock(
         &self,
         r: ClockRequest,
+        epoch: Option<u64>,
     ) -> std::result::Result<ClockResponse, Status> {
         let inner = &self.0;
+        if r.carry {
+            if r.advance || r.wait {
+                return Err(status_of(&invalid(
+                    "a carried job (carry) neither reports a clock nor waits: advance and wait \
+                     must be false",
+                )));
+            }
+            let opts = options_of(&r).map_err(|e| status_of(&e))?;
+            inner
+                .steps
+                .carry(
+                    &r.job,
+                    r.num_workers,
+                    opts,
+                    &r.carried_clocks,
+                    &r.carried_lost,
+                    &r.carried_joined,
+                    r.carried_applied,
+                )
+                .map_err(|e| status_of(&e))?;
+            return Ok(job_clocks(inner.steps.view()));
+        }
         if r.advance {
-            let lease = if r.lease_seconds > 0.0 && r.lease_seconds.is_finite() {
-                Duration::from_secs_f64(r.lease_seconds)
-            } else if r.lease_seconds == 0.0 {
-                DEFAULT_LEASE
-            } else {
-                return Err(status_of(&invalid(format!(
-                    "lease_seconds must be > 0, got {}",
-                    r.lease_seconds
-                ))));
-            };
-            let opts = JobOptions {
-                lease,
-                continue_on_loss: r.continue_on_worker_loss,
-                mean: r.mean,
-            };
+            let opts = options_of(&r).map_err(|e| status_of(&e))?;
             inner
                 .steps
                 .advance(&r.job, r.worker, r.num_workers, r.clock, opts)
@@ -1239,10 +1367,17 @@ impl super::Service {
         if !r.advance {
             inner.steps.renew(&r.job, r.worker);
         }
+        if let Some(st) = inner.routing.list_moved(epoch) {
+            // Taken (the same clock is reported again to the new list, and a heartbeat's next
+            // renewal reaches every server of it: a joining server's lease of a worker
+            // computing a long step must not run out), not waited for here.
+            return Err(st);
+        }
         let clock = r.advance.then_some(r.clock);
         if r.wait {
             let target = r.clock.saturating_sub(r.staleness);
-            inner
+            let moved = || inner.routing.list_moved(epoch).is_some();
+            let waited = inner
                 .steps
                 .wait(
                     &inner.store,
@@ -1251,9 +1386,15 @@ impl super::Service {
                     target,
                     r.staleness == 0,
                     clock,
+                    &moved,
                 )
-                .await
-                .map_err(|e| status_of(&e))?;
+                .await;
+            if let Err(e) = waited {
+                return Err(inner
+                    .routing
+                    .list_moved(epoch)
+                    .unwrap_or_else(|| status_of(&e)));
+            }
         } else if r.advance {
             // Answered at once, unless a snapshot holds this clock.
             inner.steps.pass_hold(&r.job, r.worker, r.clock).await;
@@ -1272,6 +1413,37 @@ mod tests {
             continue_on_loss: false,
             mean: false,
         }
+    }
+
+    #[test]
+    fn a_carried_job_raises_clocks_and_a_bad_carry_changes_nothing() {
+        let s = Steps::default();
+        assert!(s.carry("", 2, opts(), &[1, 1], &[], &[], 0).is_err());
+        assert!(s.carry("j", 2, opts(), &[1], &[], &[], 0).is_err());
+        assert!(s.carry("j", 2, opts(), &[1, 1], &[2], &[], 0).is_err());
+        assert!(s.view().job.is_empty());
+        // A joining server takes the job where the others are, and clock calls above 0.
+        s.carry("j", 2, opts(), &[3, 2], &[], &[0, 1], 2).unwrap();
+        let v = s.view();
+        assert_eq!((v.clocks, v.joined, v.applied), (vec![3, 2], vec![0, 1], 2));
+        s.advance("j", 1, 2, 3, opts()).unwrap();
+        // Again: clocks are only raised, lost workers replaced.
+        s.carry("j", 2, opts(), &[2, 4], &[0], &[0, 1], 2).unwrap();
+        let v = s.view();
+        assert_eq!((v.clocks, v.lost), (vec![3, 4], vec![0]));
+        // A pending step is not skipped by a carried applied count.
+        s.add("j", 1, Some((1, 1)), 4, "t", 1, &[1], &[1.0])
+            .unwrap();
+        s.carry("j", 2, opts(), &[4, 4], &[], &[0, 1], 5).unwrap();
+        assert_eq!(s.view().applied, 2);
+        // Every carried clock counts as let go: a boundary hold takes a later step.
+        assert_eq!(
+            s.reserve("j", "h", None, Duration::from_secs(5)).unwrap().1,
+            5
+        );
+        // Another job is replaced.
+        s.carry("k", 3, opts(), &[1, 1, 1], &[], &[], 1).unwrap();
+        assert_eq!(s.view().job, "k");
     }
 
     #[test]

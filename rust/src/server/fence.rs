@@ -133,6 +133,9 @@ impl Group {
     /// primary it rejoined, or a primary whose recorded members are suspects until asked.
     pub fn open(store: Arc<Store>, config: ReplConfig) -> Result<Arc<Self>> {
         let st = storage_of(&store)?;
+        // Entries a follower acked and had not committed to LMDB when it ended, whatever role
+        // the store takes now.
+        super::repl::settle_follow_log(&store)?;
         let mut record: Record = st
             .read(|r| r.meta(GROUP_KEY))?
             .and_then(|v| serde_json::from_slice(&v).ok())
@@ -418,6 +421,8 @@ impl Group {
         let old = f.primary.clone();
         let start = || -> Result<(u64, Arc<Primary>)> {
             let st = storage_of(&self.store)?;
+            // What the follower's log held is in LMDB before it writes as primary.
+            super::repl::settle_follow_log(&self.store)?;
             let epoch = self.lock().record.epoch.max(heard) + 1;
             // A fresh replication id: no follower resumes from this server's log of before.
             st.write(|w| w.delete_meta(ID_KEY))?;

@@ -178,10 +178,18 @@ impl super::repl::Held for Link {
     }
 
     fn promoted(&self) -> Result<()> {
-        match self.0.upgrade() {
-            Some(inner) => inner.steps.take_over(&inner.store),
-            None => Ok(()),
+        let Some(inner) = self.0.upgrade() else {
+            return Ok(());
+        };
+        // Slots frozen for a move of the old primary's: the move cannot finish against it, and
+        // its driver meets the new epoch; writes to them go on here (decision 0125).
+        let thawed = inner
+            .frozen
+            .thaw_on_promotion(|k| inner.routing.owns_slot(k) != Some(false));
+        if thawed > 0 {
+            eprintln!("event=frozen_slots_thawed_on_promotion slots={thawed}");
         }
+        inner.steps.take_over(&inner.store)
     }
 }
 

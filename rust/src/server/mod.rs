@@ -11,6 +11,7 @@ pub mod bsp;
 mod bulk;
 pub mod conn;
 pub mod fence;
+mod follow_log;
 mod held;
 pub mod layout;
 mod load;
@@ -148,6 +149,8 @@ struct Inner {
     frozen: moves::Frozen,
     /// The request ids moves copied here (`held.rs`).
     copied: held::Copied,
+    /// The longest a freeze waits for a BSP job's step boundary ([`FREEZE_WAIT_ENV`]).
+    freeze_wait: Duration,
 }
 
 impl Inner {
@@ -410,8 +413,74 @@ async fn on_blocking<R: Send + 'static>(
     }
 }
 
-/// The longest a freeze waits for a BSP job's step boundary (under a client's call timeout).
+/// The longest a freeze waits for a BSP job's step boundary (under a client's call timeout),
+/// unless [`FREEZE_WAIT_ENV`] says otherwise.
 const FREEZE_WAIT: Duration = Duration::from_secs(20);
+
+/// The environment variable that sets the longest a freeze waits for a step boundary, in
+/// seconds (decision 0125): a shorter bound gives the moves of a job with long steps up sooner,
+/// a longer one (at most [`MAX_FREEZE_WAIT`]) waits for them.
+pub const FREEZE_WAIT_ENV: &str = "PSTORE_FREEZE_WAIT_SECONDS";
+
+/// The longest bound [`FREEZE_WAIT_ENV`] may set: under the client's default call timeout (30 s)
+/// with room for the freeze's own work.
+const MAX_FREEZE_WAIT: Duration = Duration::from_secs(25);
+
+/// The freeze's bound as `value` (of [`FREEZE_WAIT_ENV`], when set) gives it.
+fn freeze_wait_of(value: Option<&str>) -> Result<Duration> {
+    let Some(v) = value else {
+        return Ok(FREEZE_WAIT);
+    };
+    let bad = || {
+        invalid(format!(
+            "{FREEZE_WAIT_ENV}={v:?}: give the seconds a slot freeze waits for a BSP step \
+             boundary, a number above 0 and at most {} (default {})",
+            MAX_FREEZE_WAIT.as_secs(),
+            FREEZE_WAIT.as_secs()
+        ))
+    };
+    let s: f64 = v.trim().parse().map_err(|_| bad())?;
+    if !(s > 0.0 && s <= MAX_FREEZE_WAIT.as_secs_f64()) {
+        return Err(bad());
+    }
+    Ok(Duration::from_secs_f64(s))
+}
+
+/// Refuses a routing that gives away a slot whose move a promotion of this server
+/// interrupted (decision 0125): the move's copy on the new owner may lack the writes this
+/// server took since it thawed the slot; a move of the slot runs again instead.
+fn refuse_interrupted(s: &Inner, r: &SetRoutingRequest) -> Result<()> {
+    let gone = s.frozen.interrupted();
+    let Some(routing) = r.routing.as_ref().filter(|_| !gone.is_empty()) else {
+        return Ok(());
+    };
+    let Some(slots) = &routing.slots else {
+        return Ok(());
+    };
+    let table = crate::net::routing::SlotTable::from_proto(slots)?;
+    match gone
+        .iter()
+        .find(|&&k| table.owner_of_slot(k) != routing.index as usize)
+    {
+        Some(k) => Err(invalid(format!(
+            "routing epoch {}: slot {k} (of {} slots) was frozen for a move when this server \
+             was promoted to primary; it took writes since, which the move's copy lacks, so it \
+             stays this server's at this routing: move the slots again (move_slots)",
+            table.epoch(),
+            gone.len()
+        ))),
+        None => Ok(()),
+    }
+}
+
+/// Wakes a job's waiters when dropped (after a routing change).
+struct Wake<'a>(&'a bsp::Steps);
+
+impl Drop for Wake<'_> {
+    fn drop(&mut self) {
+        self.0.notify();
+    }
+}
 
 /// The service.
 #[derive(Clone)]
@@ -1323,7 +1392,7 @@ impl PStore for Service {
                     // meanwhile, so that the step's pushes arrive; then no aggregate is
                     // pending until the hold is dropped.
                     s.frozen.unfreeze(&set);
-                    _hold = s.steps.hold_for_freeze(&s.store, job, FREEZE_WAIT);
+                    _hold = s.steps.hold_for_freeze(&s.store, job, s.freeze_wait);
                     frozen = s.frozen.set(&set, true) as u32;
                     pending = s.steps.pending_in(&set);
                 }
@@ -1334,7 +1403,7 @@ impl PStore for Service {
                          {table:?} in these slots, and no step boundary came within {}s (a \
                          step's aggregate is not moved with its slots: the freeze waits for \
                          the step to be applied); nothing was frozen",
-                        FREEZE_WAIT.as_secs()
+                        s.freeze_wait.as_secs_f64()
                     )));
                 }
             }
@@ -1411,7 +1480,7 @@ impl PStore for Service {
     ) -> std::result::Result<Response<ClockResponse>, Status> {
         let t0 = Instant::now();
         let _busy = Busy::new(&self.0.inflight);
-        let access = if req.get_ref().advance {
+        let access = if req.get_ref().advance || req.get_ref().carry {
             Access::Write
         } else {
             Access::Read
@@ -1423,9 +1492,15 @@ impl PStore for Service {
                 // A job runs on the primary of a group (its followers keep its records).
                 self.primary_only("Clock", &req).await?;
             }
+            let epoch = routing::epoch_of(&req);
             let r = req.into_inner();
             if !r.job.is_empty() {
-                return self.job_clock(r).await;
+                return self.job_clock(r, epoch).await;
+            }
+            if r.carry {
+                return Err(status_of(&invalid(
+                    "a carried job (carry) needs its id (job)",
+                )));
             }
             if r.advance {
                 self.0
@@ -1529,6 +1604,10 @@ impl PStore for Service {
         req: Request<SetRoutingRequest>,
     ) -> std::result::Result<Response<Routing>, Status> {
         self.run("SetRouting", Access::Write, On::Blocking, req, |s, r| {
+            // A job's clock calls waiting here look again: one routed over an older list is
+            // answered "moved" (decision 0125).
+            let _wake = Wake(&s.steps);
+            refuse_interrupted(s, &r)?;
             // With writes held off; frozen slots given to another owner are "moved" from now on.
             s.frozen.publish(
                 || {
@@ -1602,6 +1681,7 @@ pub fn start(store: Arc<Store>, config: ServerConfig) -> Result<ServerHandle> {
         ));
     }
     config.replication.validate()?;
+    let freeze_wait = freeze_wait_of(std::env::var(FREEZE_WAIT_ENV).ok().as_deref())?;
     let mut repl = config.replication.clone();
     repl.lease = repl.lease.min(repl.ack_timeout / 2);
     if repl.token.is_none() {
@@ -1650,6 +1730,7 @@ pub fn start(store: Arc<Store>, config: ServerConfig) -> Result<ServerHandle> {
         routing: routing::Routes::load(&store)?,
         frozen: moves::Frozen::default(),
         copied: held::Copied::load(&store)?,
+        freeze_wait,
     });
     for id in inner.copied.ids() {
         inner.pushes.remember(id, bsp_accepted(0, 0));
@@ -1923,6 +2004,28 @@ impl Drop for ServerHandle {
     fn drop(&mut self) {
         if self.rt.is_some() {
             let _ = self.stop(Duration::ZERO);
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_freeze_wait_is_20_s_unless_the_environment_gives_a_good_bound() {
+        assert_eq!(freeze_wait_of(None).unwrap(), Duration::from_secs(20));
+        assert_eq!(freeze_wait_of(Some("2")).unwrap(), Duration::from_secs(2));
+        assert_eq!(
+            freeze_wait_of(Some(" 0.5 ")).unwrap(),
+            Duration::from_millis(500)
+        );
+        for bad in ["", "x", "0", "-1", "26", "nan", "inf"] {
+            let e = freeze_wait_of(Some(bad)).unwrap_err().to_string();
+            assert!(
+                e.contains(FREEZE_WAIT_ENV) && e.contains("at most 25"),
+                "{e}"
+            );
         }
     }
 }

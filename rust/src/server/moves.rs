@@ -78,6 +78,10 @@ pub(super) struct Slots {
     copying: Vec<bool>,
     /// Whether any slot is copying (a write checks nothing more when none is).
     any_copying: bool,
+    /// Slots this server owned frozen when it was promoted, thawed then (decision 0125): their
+    /// move's copy may lack the writes taken since, so a routing that gives one away is
+    /// refused until a move freezes (or thaws) it again.
+    interrupted: Vec<bool>,
 }
 
 /// The rows written, created or removed in copying slots, by table, and the dense tables
@@ -106,6 +110,7 @@ impl Default for Frozen {
                 frozen: vec![false; SLOTS],
                 copying: vec![false; SLOTS],
                 any_copying: false,
+                interrupted: vec![false; SLOTS],
             }),
             dirty: Mutex::new(Dirty::default()),
             budget: RwLock::new(vec![0; SLOTS]),
@@ -192,6 +197,12 @@ impl Frozen {
                 *f = freeze;
             }
         }
+        // A move of these slots starts again (or is given up): its own copy decides.
+        for (i, &s) in g.interrupted.iter_mut().zip(set) {
+            if s {
+                *i = false;
+            }
+        }
         if !freeze {
             self.end_copying(&mut g, set);
         }
@@ -220,9 +231,16 @@ impl Frozen {
         let mut g = self.write();
         let mut b = self.budget_write();
         self.dirty().clear(set);
-        for (c, &s) in g.copying.iter_mut().zip(set) {
+        let slots = &mut *g;
+        for ((c, i), &s) in slots
+            .copying
+            .iter_mut()
+            .zip(slots.interrupted.iter_mut())
+            .zip(set)
+        {
             if s {
                 *c = true;
+                *i = false;
             }
         }
         g.any_copying = g.copying.iter().any(|&c| c);
@@ -306,6 +324,37 @@ impl Frozen {
         Ok(out)
     }
 
+    /// This server was promoted (decision 0125): every frozen slot is thawed (and every copy
+    /// ended, its record forgotten: it was lost with the old primary's memory anyway), so that
+    /// writes to them are taken by the new primary instead of waiting for a move driver that
+    /// talked to the old one. The slots it `owns` among them are remembered as interrupted (see
+    /// [`interrupted`](Self::interrupted)). Returns how many were frozen.
+    pub(super) fn thaw_on_promotion(&self, owns: impl Fn(usize) -> bool) -> usize {
+        let mut g = self.write();
+        let mut b = self.budget_write();
+        let slots = &mut *g;
+        let mut n = 0;
+        for (k, f) in slots.frozen.iter_mut().enumerate() {
+            if *f {
+                n += 1;
+                *f = false;
+                slots.interrupted[k] = owns(k);
+            }
+        }
+        let every = vec![true; SLOTS];
+        self.end_copying(&mut g, &every);
+        mirror(&mut b, &g);
+        n
+    }
+
+    /// The slots whose move a promotion interrupted (thawed then, and frozen or thawed by no
+    /// move since): a routing must not give them away, since the new owner's copy may lack
+    /// what this server took since.
+    pub(super) fn interrupted(&self) -> Vec<usize> {
+        let g = self.read();
+        (0..SLOTS).filter(|&k| g.interrupted[k]).collect()
+    }
+
     /// The frozen slots.
     pub(super) fn slots(&self) -> Vec<bool> {
         self.read().frozen.clone()
@@ -317,6 +366,7 @@ impl Frozen {
         let mut b = self.budget_write();
         let n = g.frozen.len();
         g.frozen.copy_from_slice(&set[..n]);
+        g.interrupted.fill(false);
         mirror(&mut b, &g);
     }
 
@@ -860,6 +910,34 @@ mod tests {
         f.copy(&set);
         f.set(&set, true);
         assert!(f.dirty_ids("t", &set).unwrap().is_empty());
+    }
+
+    #[test]
+    fn a_promotion_thaws_frozen_slots_and_remembers_the_owned_ones_until_moved_again() {
+        let f = Frozen::default();
+        let all = &Routes::default();
+        let (a, b, set) = two_slots();
+        let mut other = vec![false; SLOTS];
+        other[slot_of(b)] = true;
+        f.copy(&set);
+        f.set(&set, true);
+        f.set(&other, true);
+        assert!(f.pass_ids("t", &[a], all).is_err());
+        // Slot of b is not this server's at its routing: thawed, not remembered.
+        let owned_a = |k: usize| k == slot_of(a);
+        assert_eq!(f.thaw_on_promotion(owned_a), 2);
+        assert_eq!(f.slots().iter().filter(|&&x| x).count(), 0);
+        drop(f.pass_ids("t", &[a, b], all).unwrap());
+        assert_eq!(f.interrupted(), vec![slot_of(a)]);
+        // The copy's record is gone with it.
+        assert!(f.dirty_ids("t", &set).is_err());
+        // A move of the slot starts again (or is given up): no longer interrupted.
+        f.copy(&set);
+        assert!(f.interrupted().is_empty());
+        f.set(&set, true);
+        assert_eq!(f.thaw_on_promotion(|_| true), 1);
+        f.set(&set, false);
+        assert!(f.interrupted().is_empty());
     }
 
     #[test]

@@ -30,6 +30,7 @@ use bytes::Bytes;
 use tokio::sync::{mpsc, watch};
 use tonic::Status;
 
+use super::follow_log::{self, FollowLog};
 use crate::durable::{CommitEntry, CommitSink, TableRecord};
 use crate::error::{invalid, storage, Error, Result};
 use crate::net::proto::p_store_client::PStoreClient;
@@ -45,6 +46,10 @@ use crate::table::TableHandle;
 pub const ID_KEY: &str = "replication/id";
 /// The meta key of what a follower's copy follows: `{"primary_id": .., "lsn": ..}`.
 pub const FOLLOW_KEY: &str = "replication/follow";
+/// A follower commits the rows of its log to LMDB at least this often (0126).
+const CHECKPOINT_AGE: Duration = Duration::from_secs(1);
+/// ... or once its log holds this many bytes.
+const CHECKPOINT_BYTES: u64 = 64 << 20;
 
 /// Replication settings of a server.
 #[derive(Debug, Clone)]
@@ -1007,6 +1012,8 @@ pub struct Follower {
     started: Instant,
     /// The server's held state, replaced by what the primary sends.
     pub(super) held: HeldLink,
+    /// The entries acked since the rows were last committed to LMDB (0126), once opened.
+    log: Mutex<Option<FollowLog>>,
 }
 
 #[derive(serde::Serialize, serde::Deserialize)]
@@ -1026,6 +1033,7 @@ impl Follower {
         let f = store
             .flusher()
             .ok_or_else(|| invalid("a follower needs a durable store (give it a path)"))?;
+        settle_follow_log(&store)?;
         let followed: Option<Followed> = f
             .storage()
             .read(|r| r.meta(FOLLOW_KEY))?
@@ -1047,6 +1055,7 @@ impl Follower {
             wake: tokio::sync::Notify::new(),
             started: Instant::now(),
             held: HeldLink::default(),
+            log: Mutex::new(None),
         });
         Ok(me)
     }
@@ -1082,16 +1091,63 @@ impl Follower {
         self.wake.notify_one();
         if let Some(h) = self.thread.lock().unwrap_or_else(|e| e.into_inner()).take() {
             let _ = h.join();
-            // What it applied is committed (each batch is flushed before its ack).
+            // What it applied goes to LMDB, and its log is removed (a log left behind, on an
+            // error, is settled when a follower or a server starts on this store again).
             let (id, lsn) = {
                 let s = self.lock();
                 (s.primary_id, s.lsn)
             };
             if id != 0 {
-                if let Err(e) = self.record_if_due(id, lsn, true) {
-                    eprintln!("pstore: recording the follower's position: {e}");
+                let done = self.checkpoint(id, lsn).and_then(|()| {
+                    let log = self.log_lock().take();
+                    log.map_or(Ok(()), FollowLog::remove)
+                });
+                if let Err(e) = done {
+                    eprintln!("pstore: committing the follower's log to its replica: {e}");
                 }
             }
+        }
+    }
+
+    fn log_lock(&self) -> MutexGuard<'_, Option<FollowLog>> {
+        self.log.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    /// Appends entries to the follower's log and syncs it, opening the log first if needed.
+    fn log_append(&self, batch: &[ReplicateMessage]) -> Result<()> {
+        let mut log = self.log_lock();
+        if log.is_none() {
+            let dir = self
+                .store
+                .path()
+                .ok_or_else(|| storage("the follower's store has no directory"))?;
+            *log = Some(FollowLog::create(dir)?);
+        }
+        match log.as_mut() {
+            Some(l) => l.append(batch),
+            None => Err(Error::Internal("the follower's log is not open".into())),
+        }
+    }
+
+    /// Whether the rows of the log are due in LMDB (and the log holds any).
+    fn checkpoint_due(&self) -> bool {
+        self.log_lock().as_ref().is_some_and(|l| {
+            l.bytes() > 0 && (l.age() >= CHECKPOINT_AGE || l.bytes() >= CHECKPOINT_BYTES)
+        })
+    }
+
+    /// Commits every row applied to LMDB, records `(primary_id, lsn)`, and empties the log.
+    fn checkpoint(&self, primary_id: u64, lsn: u64) -> Result<()> {
+        self.store.flush()?;
+        self.record(primary_id, lsn)?;
+        self.reset_log()
+    }
+
+    /// Empties the log: LMDB holds everything it held.
+    fn reset_log(&self) -> Result<()> {
+        match self.log_lock().as_mut() {
+            Some(l) => l.reset(),
+            None => Ok(()),
         }
     }
 
@@ -1173,6 +1229,7 @@ impl Follower {
             "last_error": s.last_error,
             "primary_epoch": s.primary_epoch,
             "siblings": s.siblings,
+            "log_bytes": self.log_lock().as_ref().map_or(0, FollowLog::bytes),
         })
     }
 
@@ -1309,7 +1366,22 @@ impl Follower {
     /// Applies messages in order; commits what they changed and records the LSN reached.
     /// What to ack (the primary's id and the LSN held): after entries, and after a heartbeat
     /// (so that a follower that is caught up while nothing commits is known to be).
+    ///
+    /// Entries of rows (no resync, no held or job state) are made durable in the follower's
+    /// log before they are applied, and reach LMDB at the next checkpoint (0126); any other
+    /// batch is committed to LMDB at once, with what the log held.
     fn apply(&self, batch: Vec<ReplicateMessage>) -> Result<Option<(u64, u64)>> {
+        let logged = !self.lock().resyncing
+            && batch
+                .iter()
+                .all(|m| !m.resync_start && !m.resync_done && m.held.is_none() && m.job.is_empty());
+        if logged
+            && batch
+                .iter()
+                .any(|m| !m.tables.is_empty() || !m.dropped.is_empty())
+        {
+            self.log_append(&batch)?;
+        }
         let mut reached = None;
         let mut beat = false;
         for m in batch {
@@ -1325,6 +1397,8 @@ impl Follower {
             }
             if m.resync_start {
                 self.record(0, 0)?;
+                // The log's entries are of the copy the resync replaces.
+                self.reset_log()?;
                 {
                     let mut s = self.lock();
                     s.resyncing = true;
@@ -1379,15 +1453,30 @@ impl Follower {
             let (id, lsn) = (s.primary_id, s.lsn);
             drop(s);
             if beat {
-                self.record_if_due(id, lsn, true)?;
+                // Idle: what the log holds goes to LMDB now.
+                if self.log_lock().as_ref().is_some_and(|l| l.bytes() > 0) {
+                    self.checkpoint(id, lsn)?;
+                } else {
+                    self.record_if_due(id, lsn, true)?;
+                }
             }
             return Ok(beat.then_some((id, lsn)));
         };
-        self.store.flush()?;
-        // The rows are committed: the ack may go. The LSN is recorded at most once a second
-        // (and at once after a resync, and when idle or stopping): a restart from an older
-        // record applies some entries again, which changes nothing.
-        self.record_if_due(id, lsn, false)?;
+        if logged {
+            // The entries are in the synced log: the ack may go. Their rows reach LMDB at the
+            // next checkpoint.
+            if self.checkpoint_due() {
+                self.checkpoint(id, lsn)?;
+            }
+        } else {
+            self.store.flush()?;
+            // The rows are committed: the ack may go. The LSN is recorded at most once a
+            // second (and at once after a resync, and when idle or stopping): a restart from
+            // an older record applies some entries again, which changes nothing. LMDB now
+            // holds what the log held.
+            self.record_if_due(id, lsn, false)?;
+            self.reset_log()?;
+        }
         let mut s = self.lock();
         s.primary_id = id;
         s.lsn = lsn;
@@ -1417,18 +1506,68 @@ impl Follower {
 
     /// Records in the replica what the copy follows.
     fn record(&self, primary_id: u64, lsn: u64) -> Result<()> {
-        let f = self
-            .store
-            .flusher()
-            .ok_or_else(|| storage("the follower's store is closed"))?;
-        let v = serde_json::to_vec(&Followed { primary_id, lsn })
-            .map_err(|e| Error::Internal(e.to_string()))?;
-        f.storage().write(|w| w.put_meta(FOLLOW_KEY, &v))?;
+        write_followed(&self.store, primary_id, lsn)?;
         let mut s = self.lock();
         s.recorded = (primary_id, lsn);
         s.recorded_at = Some(Instant::now());
         Ok(())
     }
+}
+
+/// Applies what a follower's log left in `store`'s directory (a follower that crashed, or
+/// failed to commit it when it stopped), commits it to LMDB with the position it reached, and
+/// removes the log (0126). Called before a follower or a server starts on the store.
+pub fn settle_follow_log(store: &Store) -> Result<()> {
+    let Some(dir) = store.path() else {
+        return Ok(());
+    };
+    let path = follow_log::path_in(dir);
+    if !path.exists() {
+        return Ok(());
+    }
+    let (entries, torn) = follow_log::read(&path)?;
+    let mut last = None;
+    let n = entries.len();
+    for m in &entries {
+        for name in &m.dropped {
+            drop_quietly(store, name)?;
+        }
+        for t in &m.tables {
+            apply_table(store, t)?;
+        }
+        if m.lsn > 0 {
+            last = Some((m.replication_id, m.lsn));
+        }
+    }
+    store.flush()?;
+    if let Some((primary_id, lsn)) = last {
+        write_followed(store, primary_id, lsn)?;
+        eprintln!(
+            "pstore: applied the {n} entries of the follower's log left in {} (to LSN {lsn}{})",
+            dir.display(),
+            if torn > 0 {
+                format!("; {torn} bytes of an entry never acknowledged dropped")
+            } else {
+                String::new()
+            }
+        );
+    }
+    std::fs::remove_file(&path).map_err(|e| {
+        storage(format!(
+            "removing the follower's log {}: {e}",
+            path.display()
+        ))
+    })
+}
+
+/// Records in `store`'s replica what its copy follows: the primary's id and the LSN reached.
+fn write_followed(store: &Store, primary_id: u64, lsn: u64) -> Result<()> {
+    let f = store
+        .flusher()
+        .ok_or_else(|| storage("the follower's store is closed"))?;
+    let v = serde_json::to_vec(&Followed { primary_id, lsn })
+        .map_err(|e| Error::Internal(e.to_string()))?;
+    f.storage().write(|w| w.put_meta(FOLLOW_KEY, &v))
 }
 
 fn drop_quietly(store: &Store, name: &str) -> Result<()> {
@@ -1883,7 +2022,9 @@ mod tests {
             let _ = store.close();
             drop(store);
             let f = follower(&root.join("b"));
-            assert_eq!((f.lsn(), f.lock().exact), (on_disk, false));
+            // Its log (0126) held the lost entry, which it had applied: it starts there, and
+            // the position is not exact (read back from disk).
+            assert_eq!((f.lsn(), f.lock().exact), (on_disk + 1, false));
             f
         } else {
             f

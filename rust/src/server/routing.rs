@@ -67,6 +67,9 @@ pub(super) struct Held {
     /// group of one).
     groups: Vec<Vec<String>>,
     index: usize,
+    /// The epoch from which this server list is held (after a restart: the held epoch). A
+    /// job's clock call routed by an earlier epoch went by another list (decision 0125).
+    list_epoch: u64,
 }
 
 impl Held {
@@ -87,6 +90,16 @@ impl Held {
             groups: self.groups.clone(),
         };
         serde_json::to_vec(&kept).map_err(|e| crate::Error::Internal(format!("routing: {e}")))
+    }
+
+    /// The list epoch of `new`, which replaces this routing: this one's when the list is the
+    /// same, else `new`'s own epoch.
+    fn list_since(&self, new: &Held) -> u64 {
+        if self.servers == new.servers {
+            self.list_epoch.min(new.table.epoch())
+        } else {
+            new.table.epoch()
+        }
     }
 
     /// The layout hash of this routing (what clients without the epoch metadata must send).
@@ -168,7 +181,7 @@ impl Routed for proto::DensePushRequest {
 pub(super) struct Routes(RwLock<Option<Arc<Held>>>);
 
 /// The epoch a call carries, if it carries one.
-fn epoch_of<T>(req: &Request<T>) -> Option<u64> {
+pub(super) fn epoch_of<T>(req: &Request<T>) -> Option<u64> {
     req.metadata()
         .get(EPOCH_KEY)
         .and_then(|v| v.to_str().ok())
@@ -227,9 +240,10 @@ impl Routes {
                  routing has epoch 1 or more",
             ));
         }
-        let new = check(table, r.servers, groups_of(r.groups), r.index)?;
+        let mut new = check(table, r.servers, groups_of(r.groups), r.index)?;
         let mut g = self.0.write().unwrap_or_else(|e| e.into_inner());
         if let Some(h) = g.as_ref() {
+            new.list_epoch = h.list_since(&new);
             let same = h.table == new.table
                 && h.servers == new.servers
                 && h.groups == new.groups
@@ -259,7 +273,7 @@ impl Routes {
     /// Replaces the held routing with `r` (none: holds none), as a follower takes its
     /// primary's (decision 0101): checked, kept first by a durable store, whatever its epoch.
     pub(super) fn replace(&self, store: &Store, r: Option<proto::Routing>) -> Result<()> {
-        let new = match r.filter(|r| r.slots.is_some()) {
+        let mut new = match r.filter(|r| r.slots.is_some()) {
             None => None,
             Some(r) => {
                 let slots = r.slots.as_ref().expect("filtered");
@@ -268,6 +282,9 @@ impl Routes {
             }
         };
         let mut g = self.0.write().unwrap_or_else(|e| e.into_inner());
+        if let (Some(h), Some(n)) = (g.as_ref(), new.as_mut()) {
+            n.list_epoch = h.list_since(n);
+        }
         if let Some(f) = store.flusher() {
             match &new {
                 Some(h) => {
@@ -298,6 +315,34 @@ impl Routes {
             h.as_ref()
                 .is_none_or(|h| h.table.owner_of_slot(k) == h.index)
         }
+    }
+
+    /// A job's clock call routed by `epoch` (the one it carried, if any) went by a server list
+    /// older than the one held (decision 0125): "moved", with the held epoch, so that the
+    /// client takes the routing and reports its clock to the servers of the new list (a server
+    /// that joined takes part in the job's later steps; one that left must not keep a worker
+    /// waiting). `None` when the list is the held one, or no routing or epoch is known.
+    pub(super) fn list_moved(&self, epoch: Option<u64>) -> Option<Status> {
+        let e = epoch?;
+        let h = self.held()?;
+        if e >= h.list_epoch {
+            return None;
+        }
+        let held = h.table.epoch();
+        let mut st = Status::failed_precondition(format!(
+            "moved: the server list changed at routing epoch {} ([{}]); this job's clock call \
+             was routed by epoch {e}, over an older list: fetch the routing (GetRouting) and \
+             report the clock to the servers of the new list",
+            h.list_epoch,
+            h.servers.join(", ")
+        ));
+        if let Ok(v) = MOVED.parse() {
+            st.metadata_mut().insert(ERROR_KIND, v);
+        }
+        if let Ok(v) = held.to_string().parse() {
+            st.metadata_mut().insert(MOVED_EPOCH_KEY, v);
+        }
+        Some(st)
     }
 
     /// Whether the layout check gives way to the routing check for `req`: this server holds a
@@ -453,6 +498,7 @@ fn check(
         )));
     }
     Ok(Held {
+        list_epoch: table.epoch(),
         table,
         servers,
         groups,
@@ -518,6 +564,47 @@ mod tests {
         assert!(k.groups.is_empty());
         let again: serde_json::Value = serde_json::from_slice(&h.kept().unwrap()).unwrap();
         assert_eq!(again, before);
+    }
+
+    #[test]
+    fn the_list_epoch_moves_with_the_list_and_an_older_clock_call_is_moved() {
+        let store = Store::new(crate::store::StoreConfig::default()).unwrap();
+        let routes = Routes::default();
+        let set = |epoch: u64, servers: &[&str], owner: u32| {
+            let n = servers.len();
+            let table =
+                SlotTable::from_owners(epoch, n, vec![owner; crate::net::routing::SLOTS]).unwrap();
+            let r = proto::SetRoutingRequest {
+                routing: Some(proto::Routing {
+                    slots: Some(table.to_proto()),
+                    servers: servers.iter().map(|s| s.to_string()).collect(),
+                    index: 0,
+                    groups: vec![],
+                }),
+            };
+            routes.set(&store, r, |_| Ok(())).unwrap();
+        };
+        // No routing held: nothing is moved.
+        assert!(routes.list_moved(Some(0)).is_none());
+        set(1, &["a:1", "c:1"], 0);
+        assert!(routes.list_moved(Some(0)).is_some());
+        // Slots moved over the same list: the list epoch stays.
+        set(2, &["a:1", "c:1"], 1);
+        assert!(routes.list_moved(Some(1)).is_none() && routes.list_moved(None).is_none());
+        // A server joined at epoch 3: a clock call routed by epoch 2 went by the old list.
+        set(3, &["a:1", "c:1", "d:1"], 1);
+        let st = routes.list_moved(Some(2)).unwrap();
+        assert_eq!(st.code(), tonic::Code::FailedPrecondition);
+        assert_eq!(st.metadata().get(ERROR_KIND).unwrap(), MOVED);
+        assert_eq!(st.metadata().get(MOVED_EPOCH_KEY).unwrap(), "3");
+        assert!(
+            st.message().contains("changed at routing epoch 3"),
+            "{}",
+            st.message()
+        );
+        assert!(routes.list_moved(Some(3)).is_none());
+        set(4, &["a:1", "c:1", "d:1"], 2);
+        assert!(routes.list_moved(Some(2)).is_some() && routes.list_moved(Some(3)).is_none());
     }
 
     #[test]

@@ -57,6 +57,12 @@ impl Holds {
         }
     }
 
+    /// A job carried here (decision 0125): the workers may have been let go from any of
+    /// `clocks` on the other servers.
+    pub(super) fn carried(&mut self, clocks: &[u64]) {
+        self.released = self.released.max(clocks.iter().copied().max().unwrap_or(0));
+    }
+
     /// The lowest boundary held (expired reservations dropped).
     fn boundary(&mut self) -> Option<u64> {
         let now = Instant::now();
