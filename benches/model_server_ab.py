@@ -13,6 +13,11 @@ turn (the order rotated each repetition), so the ratios are of one run. It repor
 rate, the ratio to the in-process median, p50/p99 latency, and the CPU time per call of this
 process (client) and of the server process (from /proc), which on a loaded machine tells more
 than the rates.
+
+With ``--floor``, a bare loopback transfer of each answer's bytes (``tcp_floor.py``: an 8-byte
+request, no lookup, no framing) runs beside them, and each batch also reports the bound it sets:
+a server that looks the rows up and then sends them reaches at most in-process p50 /
+(in-process p50 + floor p50) of the in-process rate on one client thread.
 """
 
 from __future__ import annotations
@@ -22,6 +27,7 @@ import os
 import socket
 import statistics
 import subprocess
+import sys
 import tempfile
 import time
 from collections.abc import Callable
@@ -31,6 +37,7 @@ from typing import Any
 import numpy as np
 from idle_flood import cpu_seconds
 from net import free_port
+from tcp_floor import TcpFloor
 
 import pstore
 from pstore import serving
@@ -77,6 +84,26 @@ def start(spec: str, art: Path) -> tuple[subprocess.Popen[bytes], str]:
     raise RuntimeError(f"{spec}: the model server did not listen within 60 s")
 
 
+FLOOR = "TCP floor"
+
+
+def start_floor(procs: list[subprocess.Popen[bytes]]) -> TcpFloor:
+    """`tcp_floor.py` in a child process (appended to `procs`), once it accepts connections."""
+    port = free_port()
+    here = Path(__file__).resolve().parent
+    proc = subprocess.Popen([sys.executable, str(here / "tcp_floor.py"), str(port)])
+    procs.append(proc)
+    deadline = time.monotonic() + 30
+    while True:
+        try:
+            socket.create_connection(("127.0.0.1", port), timeout=0.2).close()
+            return TcpFloor(f"127.0.0.1:{port}")
+        except OSError:
+            if proc.poll() is not None or time.monotonic() > deadline:
+                raise RuntimeError("the TCP floor server did not listen") from None
+            time.sleep(0.05)
+
+
 def server_cpu(pid: int | None) -> float:
     """CPU seconds of the server process `pid`; 0 for the in-process reference."""
     return 0.0 if pid is None else cpu_seconds(pid)
@@ -89,6 +116,7 @@ def main() -> None:
     p.add_argument("--reps", type=int, default=8)
     p.add_argument("--batches", default="1,256,4096")
     p.add_argument("--dir", type=Path, default=Path(tempfile.gettempdir()) / "pstore-model-ab")
+    p.add_argument("--floor", action="store_true", help="also time the bare loopback transfer")
     args = p.parse_args()
     args.dir.mkdir(parents=True, exist_ok=True)
     art = args.dir / f"artifact-{args.rows}"
@@ -106,10 +134,16 @@ def main() -> None:
             procs.append(proc)
             pids[name] = proc.pid
             readers[name] = pstore.connect([addr], timeout=60.0).table(TABLE).pull
+        floor = start_floor(procs) if args.floor else None
         rng = np.random.default_rng(71)
         check = (rng.zipf(1.05, 4096) % args.rows).astype(np.uint64)
         want = model.lookup(TABLE, check)
+        if floor is not None:
+            # The answer's bytes (float32 rows) and nothing else; added after the row checks.
+            readers[FLOOR] = lambda ids: floor.pull(len(ids) * DIM * 4)
         for name, f in readers.items():
+            if name == FLOOR:
+                continue
             if not np.array_equal(f(check), want):
                 raise AssertionError(f"{name}: rows differ from the in-process lookup's")
         # Every row read once by every reader: no first touches of pages in the timings.
@@ -149,6 +183,12 @@ def main() -> None:
                     f"batch {batch:5d}  {k:12s} {m / 1e6:7.3f} M ids/s  ratio {m / ref:5.2f}  "
                     f"p50 {ms[0]:7.3f} ms  p99 {ms[1]:7.3f} ms  CPU/call client {client:7.1f} "
                     f"µs server {server:7.1f} µs  per repetition {per_rep}"
+                )
+            if FLOOR in readers:
+                p50 = {k: statistics.median(lat[k]) for k in ("in process", FLOOR)}
+                print(
+                    f"batch {batch:5d}  bound of a lookup then a send: in-process p50 / "
+                    f"(in-process p50 + floor p50) = {p50['in process'] / sum(p50.values()):.2f}"
                 )
         print(f"load at end {os.getloadavg()}")
     finally:
