@@ -103,8 +103,11 @@ class ServerProcess:
         return self.returncode
 
 
-def start_pstore_server(pstore: ModuleType, search_dir: str, workdir: Path) -> ServerProcess:
-    """`python -m pstore serve` in memory on a free port, importing the benchmarked pstore.
+def start_pstore_server(
+    pstore: ModuleType, search_dir: str, workdir: Path, *, rows_port: bool = False
+) -> ServerProcess:
+    """`python -m pstore serve` in memory on a free port, importing the benchmarked pstore;
+    with `rows_port`, also on a rows port (`--rows-port 0`, decision 0128).
 
     The child runs in `workdir` (not the repository: `python -m` puts the working directory
     first on sys.path) with `search_dir` first on PYTHONPATH.
@@ -113,7 +116,7 @@ def start_pstore_server(pstore: ModuleType, search_dir: str, workdir: Path) -> S
     env = dict(os.environ)
     env["PYTHONPATH"] = os.pathsep.join(p for p in (search_dir, env.get("PYTHONPATH")) if p)
     argv = [sys.executable, "-m", "pstore", "serve", "--host", "127.0.0.1", "--port", str(port)]
-    argv += ["--log-interval", "0"]
+    argv += ["--log-interval", "0"] + (["--rows-port", "0"] if rows_port else [])
     server = ServerProcess("pstore-server", argv, workdir, f"127.0.0.1:{port}", env)
     wait_serving(pstore, server)
     return server

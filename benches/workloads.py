@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import functools
 import gc
+import importlib
+import inspect
 import itertools
 import os
 import shutil
@@ -1352,10 +1354,14 @@ def w6_network(ctx: Context) -> Section:
     servers: list[ServerProcess] = []
     local = pstore.Store()
     try:
-        log("W6: starting a pstore server")
-        server = start_pstore_server(pstore, pstore_search_dir(pstore), work)
+        # Its rows port (decision 0128), when the benchmarked pstore has one: pulls use it.
+        server_mod = importlib.import_module(pstore.__name__ + ".server")
+        rows = "rows_port" in inspect.signature(server_mod.Server).parameters
+        log(f"W6: starting a pstore server{' with a rows port' if rows else ''}")
+        server = start_pstore_server(pstore, pstore_search_dir(pstore), work, rows_port=rows)
         servers.append(server)
         sec.config["pstore_server"] = f"{server.address} pid {server.pid}"
+        sec.config["pstore_server_rows_port"] = rows
         log("W6: starting the bare-TCP floor server")
         floor_server = start_tcp_floor(work)
         servers.append(floor_server)

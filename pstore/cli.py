@@ -196,6 +196,7 @@ def _server_settings(args: argparse.Namespace, token_file: str | None) -> dict[s
         "metrics_tls": args.metrics_tls,
         "max_connections": args.max_connections,
         "handshake_timeout": args.handshake_timeout,
+        "rows_port": args.rows_port,
         "max_message": args.max_message,
         "log_interval": args.log_interval,
         "grace": args.grace,
@@ -761,7 +762,6 @@ def _cmd_serve_model(args: argparse.Namespace) -> int:
         default=args.default,
         host=args.host,
         port=args.port,
-        rows_port=args.rows_port,
         **_server_settings(args, args.token_file),
     )
 
@@ -782,8 +782,15 @@ def _cmd_export_onnx(args: argparse.Namespace) -> int:
 
 def _server_options(p: argparse.ArgumentParser, *, token: str, logs: str) -> None:
     """The options `pstore serve` and `pstore serve-model` share: metrics, tokens, TLS, message
-    size, logs and the stop's grace period."""
+    size, the rows port, logs and the stop's grace period."""
     p.add_argument("--metrics-port", type=int, default=None, help="serve Prometheus metrics")
+    p.add_argument(
+        "--rows-port",
+        type=int,
+        default=None,
+        help="also answer pulls on this plain TCP port of --host (0: any; not with TLS; "
+        "pstore.connect clients find and use it, docs/PROTOCOL.md 'Rows port')",
+    )
     p.add_argument(
         "--metrics-host", default=None, help="bind address of the metrics port (default: --host)"
     )
@@ -1037,13 +1044,6 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--follow", default=None, metavar="SNAPSHOT_ROOT", help="apply new snapshots")
     p.add_argument("--interval", type=float, default=10.0, help="seconds between --follow checks")
-    p.add_argument(
-        "--rows-port",
-        type=int,
-        default=None,
-        help="also answer pulls on this plain TCP port of --host (0: any; not with TLS; "
-        "pstore.connect clients find and use it, docs/PROTOCOL.md 'Rows port')",
-    )
     _server_options(p, token="a token ($PSTORE_TOKEN)", logs="lag")
     p.set_defaults(func=_cmd_serve_model)
 

@@ -87,6 +87,12 @@ class Server:
         them from the cluster file). A server that starts as primary asks each of them, before
         it accepts a write, whether it is primary of a newer epoch, and then follows it: a
         primary killed before it recorded its followers cannot come back as a second primary.
+    rows_port : int, optional
+        Also serve pulls on this plain TCP port of ``host`` (0: any free port; docs/PROTOCOL.md,
+        "Rows port"). :func:`pstore.connect` learns it from the server's status and sends a pull
+        that goes to this server alone there, answered by the same code as over gRPC (tokens,
+        routing and layout checks included) without HTTP/2; anything the port refuses or
+        cannot carry goes over gRPC. Not with TLS (the port is not encrypted).
     """
 
     def __init__(
@@ -112,8 +118,10 @@ class Server:
         replication_log_age: float | None = None,
         ack_timeout: float | None = None,
         members: Sequence[str] | None = None,
+        rows_port: int | None = None,
     ) -> None:
         self.store: Store | None = store
+        _check_port(rows_port, "rows_port")
         net = _net(
             metrics_host,
             metrics_token,
@@ -126,6 +134,7 @@ class Server:
             replication_log_age=replication_log_age,
             ack_timeout=ack_timeout,
             members=None if members is None else [str(m) for m in members],
+            rows_port=rows_port,
         )
         self._start(
             lambda cert, key: _native.Server(
@@ -173,6 +182,11 @@ class Server:
     def metrics_port(self) -> int | None:
         """The metrics port, if metrics are served."""
         return self._inner.metrics_port
+
+    @property
+    def rows_port(self) -> int | None:
+        """The rows port, if it serves one."""
+        return self._inner.rows_port
 
     @property
     def address(self) -> str:
@@ -325,6 +339,7 @@ def serve(
         lambda srv: {
             "path": store.path or "memory",
             "durability": store.durability or "memory",
+            "rows_port": srv.rows_port or "",
         },
         tick=tick,
         close=store.close,

@@ -233,6 +233,7 @@ def test_kill_9_of_the_primary_then_promotion_loses_no_push_and_applies_none_twi
 
 
 @pytest.mark.soak
+@pytest.mark.timeout(3600)  # 200 trials, each waits out a write lease
 def test_kill_9_failover_soak(tmp_path: Path) -> None:
     rng = np.random.default_rng(331)
     for i in range(200):

@@ -369,5 +369,6 @@ def test_kill_9_of_primary_and_follower_loses_no_push_the_follower_acknowledged(
 
 
 @pytest.mark.soak
+@pytest.mark.timeout(3600)  # 200 trials of a few seconds each
 def test_kill_9_of_the_primary_soak(tmp_path: Path) -> None:
     _kill_trials(tmp_path, 200)

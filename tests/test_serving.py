@@ -1463,7 +1463,9 @@ def test_rows_port_speaks_its_framing_and_survives_any_request(chain, tmp_path):
         # Not framable: an error, then the connection is closed.
         for req, words in (
             (b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n", "not a pstore rows request"),
-            (rows_request("user", ids, "rt", magic=b"PSq2"), "not a pstore rows request"),
+            (rows_request("user", ids, "rt", magic=b"PSq3"), "not a pstore rows request"),
+            # PSq2's 8 more bytes of head are the name's and the token's: not a head.
+            (rows_request("user", ids, "rt", magic=b"PSq2"), "reserved word"),
             (RQ_HEAD.pack(b"PSq1", 0, 1 << 20, 0, 1), "table name"),
             (RQ_HEAD.pack(b"PSq1", 0, 4, 1 << 30, 1), "token"),
             (RQ_HEAD.pack(b"PSq1", 0, 4, 2, 1 << 40), "too large"),

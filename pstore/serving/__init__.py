@@ -388,11 +388,6 @@ class ModelServer(Server):
             tls_key,
         )
 
-    @property
-    def rows_port(self) -> int | None:
-        """The rows port, if it serves one."""
-        return self._inner.rows_port
-
     def __repr__(self) -> str:
         return f"<ModelServer {self.address} {self.model.path!r} running={self.running}>"
 
@@ -525,7 +520,7 @@ def serve_model(
             "snapshot": info["snapshot"]["id"],
             "dtype": info["dtype"],
             "follow": "" if follow_root is None else os.fspath(follow_root),
-            "rows_port": srv._inner.rows_port or "",
+            "rows_port": srv.rows_port or "",
         },
         tick=tick,
         close=close,

@@ -341,16 +341,20 @@ impl Client {
                     crate::net::PROTOCOL
                 )));
             }
-            // A model server's rows port, for pulls that go to it alone (not over TLS: the
-            // port is plain TCP; not to a replica group, whose pulls may go to followers).
-            if st.role == "model"
+            // A server's rows port, for pulls that go to it alone (not over TLS: the port is
+            // plain TCP; not to a replica group, whose pulls may go to followers).
+            if (st.role == "model" || st.role == "store")
                 && st.rows_port != 0
                 && c.config.tls_ca.is_none()
                 && s.group.members.len() == 1
             {
                 c.rows.lock().unwrap_or_else(|e| e.into_inner()).insert(
                     s.name.clone(),
-                    Arc::new(rows::Endpoint::new(&s.name, st.rows_port)),
+                    Arc::new(rows::Endpoint::new(
+                        &s.name,
+                        st.rows_port,
+                        st.role == "store",
+                    )),
                 );
             }
         }
@@ -1010,6 +1014,18 @@ impl Client {
         }
         let token = self.config.token.as_deref();
         let d = self.config.wire;
+        // What `request` puts in a gRPC call's metadata (a model server reads none of it).
+        let meta: Vec<(&str, &str)> = if port.store {
+            [
+                (crate::server::layout::LAYOUT_KEY, &route.layout),
+                (crate::server::routing::EPOCH_KEY, &route.epoch),
+            ]
+            .into_iter()
+            .filter_map(|(k, v)| Some((k, v.to_str().ok()?)))
+            .collect()
+        } else {
+            Vec::new()
+        };
         let mut generation = u64::MAX;
         // An empty batch is one (empty) request: its answer tells the generation.
         for k in 0..ids.len().div_ceil(per).max(1) {
@@ -1023,9 +1039,13 @@ impl Client {
                 dtype: d,
                 ids: part,
                 dim,
+                meta: &meta,
             };
             match port.pull(&ask, o, self.config.timeout) {
                 rows::Pulled::Transport => return None,
+                // A store server's refusal: the same pull over gRPC meets it and handles it
+                // (a "moved" routing refresh, a retry), writing every row again.
+                rows::Pulled::Failed(_) | rows::Pulled::Dim(_) if port.store => return None,
                 rows::Pulled::Failed(s) => return Some(Err(error_of(&s, name))),
                 rows::Pulled::Dim(got) => {
                     return Some(Err(shape(format!(
@@ -1036,9 +1056,12 @@ impl Client {
                 rows::Pulled::Rows(g) => generation = generation.min(g),
             }
         }
-        // Not remembered for a push of the same ids (as `pull_routed` does): a model server
-        // refuses every push, and hashing the batch's ids cost a tenth of this path's client
-        // CPU.
+        // A store server's table version, remembered for the push of the same ids as
+        // `pull_routed` does. Not a model server's generation: it refuses every push, and
+        // hashing the batch's ids cost a tenth of this path's client CPU.
+        if port.store {
+            self.remember_versions(table, ids, vec![generation]);
+        }
         Some(Ok(vec![generation]))
     }
 

@@ -1,10 +1,10 @@
-//! Pulls from a model server's rows port (`net/rows.rs`, decision 0120): a blocking socket per
-//! call on the calling thread, the request in one write, a float32 answer read straight into
-//! the caller's output. Connections are kept for the next call.
+//! Pulls from a server's rows port (`net/rows.rs`, decisions 0120 and 0128): a blocking socket
+//! per call on the calling thread, the request in one write, a float32 answer read straight
+//! into the caller's output. Connections are kept for the next call.
 //!
 //! Whatever goes wrong with the transport (refused, reset, timed out, a foreign answer) is not
 //! the caller's error: the pull goes over gRPC instead (with its retries), and the port is left
-//! alone for a while.
+//! alone for a while. A store server's refusal goes over gRPC too (`Endpoint::store`).
 
 use std::io::{Read, Write};
 use std::mem::MaybeUninit;
@@ -32,6 +32,10 @@ const CONNECT: Duration = Duration::from_secs(1);
 /// A server's rows port.
 pub(super) struct Endpoint {
     addr: String,
+    /// A store server's port: a refusal ("moved", a routing or layout check, ...) is not
+    /// answered here but by the same pull over gRPC, whose retries and routing refreshes
+    /// handle it; its pulls carry the routing's metadata.
+    pub(super) store: bool,
     idle: Mutex<Vec<Conn>>,
     /// Until when the port is not used (its transport failed).
     rest: Mutex<Option<Instant>>,
@@ -50,6 +54,8 @@ pub(super) struct Ask<'a> {
     pub(super) dtype: Dtype,
     pub(super) ids: &'a [u64],
     pub(super) dim: usize,
+    /// The metadata a gRPC `Pull` would carry (key, value).
+    pub(super) meta: &'a [(&'a str, &'a str)],
 }
 
 /// How a pull on the rows port ended.
@@ -95,11 +101,13 @@ unsafe fn recv_raw(sock: &TcpStream, dst: *mut u8, len: usize) -> std::io::Resul
 }
 
 impl Endpoint {
-    /// The rows port `port` of the server named `server` (`host:port`).
-    pub(super) fn new(server: &str, port: u32) -> Self {
+    /// The rows port `port` of the server named `server` (`host:port`); `store`: a store
+    /// server's.
+    pub(super) fn new(server: &str, port: u32, store: bool) -> Self {
         let host = server.rsplit_once(':').map_or(server, |(h, _)| h);
         Self {
             addr: format!("{host}:{port}"),
+            store,
             idle: Mutex::new(Vec::new()),
             rest: Mutex::new(None),
         }
@@ -194,8 +202,9 @@ impl Endpoint {
             dtype,
             ids,
             dim,
+            meta,
         } = *ask;
-        encode_request(&mut conn.req, table, token, dtype as i32, ids);
+        encode_request(&mut conn.req, table, token, meta, dtype as i32, ids);
         conn.sock.write_all(&conn.req).ok()?;
         if conn.req.capacity() > 1 << 20 {
             conn.req = Vec::new();

@@ -1,5 +1,6 @@
-//! The rows protocol: a model server's pulls over a plain TCP connection (decision 0120,
-//! docs/PROTOCOL.md "Rows port"), beside `pstore.v1` over gRPC.
+//! The rows protocol: pulls over a plain TCP connection, from a model server (decision 0120)
+//! or a store server (decision 0128; docs/PROTOCOL.md "Rows port"), beside `pstore.v1` over
+//! gRPC.
 //!
 //! A batch of 4096 rows is about 0.25 ms of table work in process; over gRPC the HTTP/2
 //! framing, the runtime's hand-offs, the answer's extra copies and the zero fill cost several
@@ -12,7 +13,10 @@
 //!
 //! Request: a 24-byte head, `b"PSq1"`, the wire dtype (u32, `pstore.v1.Dtype`), the table
 //! name's length (u32), the token's length (u32), the number of ids (u64); then the name
-//! (UTF-8), the token, and the ids (u64 each).
+//! (UTF-8), the token, and the ids (u64 each). A request with `b"PSq2"` has 8 more bytes of
+//! head, the length of its metadata (u32) and a u32 0, and its metadata after the token: pairs
+//! of a key and a value (each a u32 length and its ASCII bytes), the gRPC metadata a `Pull` over
+//! gRPC would carry (a store server's routing epoch and layout).
 //!
 //! Answer: a 32-byte head, `b"PSa1"`, the gRPC status code (u32, 0: OK), the dtype (u32), the
 //! row width (u32), the generation read (u64, a pull's `seq` and `version`), the length of what
@@ -24,6 +28,12 @@ use crate::net::{ERROR_KIND, MAX_MESSAGE_BYTES};
 
 /// The first bytes of a request.
 pub const REQUEST_MAGIC: [u8; 4] = *b"PSq1";
+/// The first bytes of a request with metadata.
+pub const REQUEST_MAGIC_META: [u8; 4] = *b"PSq2";
+/// Bytes of head a request with metadata has after the first [`REQUEST_HEAD`].
+pub const META_HEAD: usize = 8;
+/// The most bytes of metadata a request may carry.
+pub const MAX_META: usize = 4096;
 /// The first bytes of an answer.
 pub const ANSWER_MAGIC: [u8; 4] = *b"PSa1";
 /// Bytes of a request's head.
@@ -46,26 +56,45 @@ pub struct RequestHead {
     pub token: usize,
     /// Ids in the request.
     pub ids: u64,
+    /// Whether [`META_HEAD`] bytes of head follow (`b"PSq2"`).
+    pub meta: bool,
 }
 
-/// The request for `ids` of `table`, head and body, appended to `out` (cleared first).
+/// The request for `ids` of `table`, head and body, appended to `out` (cleared first); with
+/// `meta` (key, value pairs), a `b"PSq2"` request that carries them.
 pub fn encode_request(
     out: &mut Vec<u8>,
     table: &str,
     token: Option<&str>,
+    meta: &[(&str, &str)],
     dtype: i32,
     ids: &[u64],
 ) {
     let token = token.unwrap_or("").as_bytes();
+    let pairs: usize = meta.iter().map(|(k, v)| 8 + k.len() + v.len()).sum();
     out.clear();
-    out.reserve(REQUEST_HEAD + table.len() + token.len() + ids.len() * 8);
-    out.extend_from_slice(&REQUEST_MAGIC);
+    out.reserve(REQUEST_HEAD + META_HEAD + table.len() + token.len() + pairs + ids.len() * 8);
+    out.extend_from_slice(if meta.is_empty() {
+        &REQUEST_MAGIC
+    } else {
+        &REQUEST_MAGIC_META
+    });
     out.extend_from_slice(&(dtype as u32).to_le_bytes());
     out.extend_from_slice(&(table.len() as u32).to_le_bytes());
     out.extend_from_slice(&(token.len() as u32).to_le_bytes());
     out.extend_from_slice(&(ids.len() as u64).to_le_bytes());
+    if !meta.is_empty() {
+        out.extend_from_slice(&(pairs as u32).to_le_bytes());
+        out.extend_from_slice(&0u32.to_le_bytes());
+    }
     out.extend_from_slice(table.as_bytes());
     out.extend_from_slice(token);
+    for (k, v) in meta {
+        for part in [k, v] {
+            out.extend_from_slice(&(part.len() as u32).to_le_bytes());
+            out.extend_from_slice(part.as_bytes());
+        }
+    }
     if cfg!(target_endian = "little") {
         // SAFETY: any u64 is valid as 8 bytes; the length is in bytes.
         out.extend_from_slice(unsafe {
@@ -90,11 +119,12 @@ fn u64_at(b: &[u8], at: usize) -> u64 {
 
 /// A request's head, or what is wrong with it (then the connection cannot be read on).
 pub fn parse_request_head(b: &[u8; REQUEST_HEAD]) -> Result<RequestHead, String> {
-    if b[..4] != REQUEST_MAGIC {
+    if b[..4] != REQUEST_MAGIC && b[..4] != REQUEST_MAGIC_META {
         return Err(format!(
-            "not a pstore rows request (it starts with {:?}, not {:?})",
+            "not a pstore rows request (it starts with {:?}, not {:?} or {:?})",
             String::from_utf8_lossy(&b[..4]),
-            String::from_utf8_lossy(&REQUEST_MAGIC)
+            String::from_utf8_lossy(&REQUEST_MAGIC),
+            String::from_utf8_lossy(&REQUEST_MAGIC_META)
         ));
     }
     let h = RequestHead {
@@ -102,6 +132,7 @@ pub fn parse_request_head(b: &[u8; REQUEST_HEAD]) -> Result<RequestHead, String>
         table: u32_at(b, 8) as usize,
         token: u32_at(b, 12) as usize,
         ids: u64_at(b, 16),
+        meta: b[..4] == REQUEST_MAGIC_META,
     };
     if h.table > MAX_TABLE {
         return Err(format!(
@@ -118,6 +149,43 @@ pub fn parse_request_head(b: &[u8; REQUEST_HEAD]) -> Result<RequestHead, String>
     Ok(h)
 }
 
+/// The length of a `b"PSq2"` request's metadata from the rest of its head, or what is wrong
+/// with it (then the connection cannot be read on).
+pub fn parse_meta_head(b: &[u8; META_HEAD]) -> Result<usize, String> {
+    let (len, zero) = (u32_at(b, 0) as usize, u32_at(b, 4));
+    if zero != 0 {
+        return Err(format!("a request head's reserved word is {zero}, not 0"));
+    }
+    if len > MAX_META {
+        return Err(format!("{len} bytes of metadata (at most {MAX_META})"));
+    }
+    Ok(len)
+}
+
+/// A request's metadata: its (key, value) pairs, or what is wrong with them.
+pub fn parse_meta(b: &[u8]) -> Result<Vec<(&str, &str)>, String> {
+    let mut out = Vec::new();
+    let mut at = 0;
+    let part = |at: &mut usize| -> Result<&str, String> {
+        let n = (*at + 4 <= b.len())
+            .then(|| u32_at(b, *at) as usize)
+            .filter(|&n| *at + 4 + n <= b.len())
+            .ok_or("the metadata ends inside a key or a value")?;
+        let text = std::str::from_utf8(&b[*at + 4..*at + 4 + n])
+            .ok()
+            .filter(|t| t.is_ascii())
+            .ok_or("a metadata key or value is not ASCII")?;
+        *at += 4 + n;
+        Ok(text)
+    };
+    while at < b.len() {
+        let k = part(&mut at)?;
+        let v = part(&mut at)?;
+        out.push((k, v));
+    }
+    Ok(out)
+}
+
 /// An answer's head.
 #[derive(Debug, Clone, Copy, PartialEq)]
 pub struct AnswerHead {
@@ -127,7 +195,7 @@ pub struct AnswerHead {
     pub dtype: i32,
     /// The row width.
     pub dim: u32,
-    /// The artifact generation read.
+    /// The artifact generation read (a store server: the table version).
     pub generation: u64,
     /// Bytes after the head.
     pub len: u64,
@@ -227,7 +295,7 @@ mod tests {
     #[test]
     fn requests_and_answers_round_trip() {
         let mut b = Vec::new();
-        encode_request(&mut b, "emb", Some("tok"), 1, &[7, u64::MAX]);
+        encode_request(&mut b, "emb", Some("tok"), &[], 1, &[7, u64::MAX]);
         assert_eq!(b.len(), REQUEST_HEAD + 3 + 3 + 16);
         let head: [u8; REQUEST_HEAD] = b[..REQUEST_HEAD].try_into().unwrap();
         let h = parse_request_head(&head).unwrap();
@@ -237,7 +305,8 @@ mod tests {
                 dtype: 1,
                 table: 3,
                 token: 3,
-                ids: 2
+                ids: 2,
+                meta: false,
             }
         );
         assert_eq!(&b[REQUEST_HEAD..REQUEST_HEAD + 6], b"embtok");
@@ -252,6 +321,30 @@ mod tests {
         assert!(parse_request_head(&long)
             .unwrap_err()
             .contains("table name"));
+
+        // With metadata: 8 more bytes of head, the pairs after the token.
+        encode_request(&mut b, "t", None, &[("x-a", "1"), ("k", "")], 0, &[3]);
+        let head: [u8; REQUEST_HEAD] = b[..REQUEST_HEAD].try_into().unwrap();
+        let h = parse_request_head(&head).unwrap();
+        assert!(h.meta);
+        let more: [u8; META_HEAD] = b[REQUEST_HEAD..REQUEST_HEAD + META_HEAD]
+            .try_into()
+            .unwrap();
+        let n = parse_meta_head(&more).unwrap();
+        let at = REQUEST_HEAD + META_HEAD + 1;
+        assert_eq!(
+            parse_meta(&b[at..at + n]).unwrap(),
+            vec![("x-a", "1"), ("k", "")]
+        );
+        assert_eq!(&b[at + n..], &3u64.to_le_bytes());
+        assert!(parse_meta(&b[at..at + n - 1]).is_err());
+        assert!(parse_meta(&[1, 0, 0, 0, 0xff, 0, 0, 0, 0]).is_err());
+        let mut big = more;
+        big[..4].copy_from_slice(&(MAX_META as u32 + 1).to_le_bytes());
+        assert!(parse_meta_head(&big).unwrap_err().contains("metadata"));
+        big = more;
+        big[4] = 1;
+        assert!(parse_meta_head(&big).unwrap_err().contains("reserved"));
 
         let a = AnswerHead {
             code: 0,

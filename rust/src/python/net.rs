@@ -71,7 +71,7 @@ struct Net {
     /// The group's other members (`pstore serve --member`).
     #[serde(default)]
     members: Vec<String>,
-    /// A model server's rows port on the gRPC host (0: any free port).
+    /// The rows port on the gRPC host (0: any free port; `server/rows.rs`).
     rows_port: Option<u16>,
 }
 

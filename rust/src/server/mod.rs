@@ -151,6 +151,8 @@ struct Inner {
     copied: held::Copied,
     /// The longest a freeze waits for a BSP job's step boundary ([`FREEZE_WAIT_ENV`]).
     freeze_wait: Duration,
+    /// The rows port, 0 if none (`rows.rs`, decision 0128).
+    rows_port: u32,
 }
 
 impl Inner {
@@ -1649,7 +1651,7 @@ impl PStore for Service {
                 role: "store".to_string(),
                 model_json: String::new(),
                 replication_json: s.replication_json(),
-                rows_port: 0,
+                rows_port: s.rows_port,
             })
         })
         .await
@@ -1669,18 +1671,14 @@ pub struct ServerHandle {
     store: Option<Arc<Store>>,
     /// A durable server's group (a follower's thread), stopped by `stop`.
     group: Option<Arc<fence::Group>>,
-    /// A model server's rows port, closed by `stop`.
+    /// The rows port (`rows.rs`), closed by `stop`.
     rows: Option<rows::RowsPort>,
 }
 
 /// Starts serving `store`; returns once the ports are bound.
 pub fn start(store: Arc<Store>, config: ServerConfig) -> Result<ServerHandle> {
-    if config.rows_addr.is_some() {
-        return Err(invalid(
-            "a rows port is served by model servers only (pstore serve-model)",
-        ));
-    }
     config.replication.validate()?;
+    let rows_listener = rows::listen(&config)?;
     let freeze_wait = freeze_wait_of(std::env::var(FREEZE_WAIT_ENV).ok().as_deref())?;
     let mut repl = config.replication.clone();
     repl.lease = repl.lease.min(repl.ack_timeout / 2);
@@ -1731,6 +1729,7 @@ pub fn start(store: Arc<Store>, config: ServerConfig) -> Result<ServerHandle> {
         frozen: moves::Frozen::default(),
         copied: held::Copied::load(&store)?,
         freeze_wait,
+        rows_port: rows_listener.as_ref().map_or(Ok(0), rows::port_of)?,
     });
     for id in inner.copied.ids() {
         inner.pushes.remember(id, bsp_accepted(0, 0));
@@ -1748,11 +1747,59 @@ pub fn start(store: Arc<Store>, config: ServerConfig) -> Result<ServerHandle> {
         Arc::clone(&inner.inflight),
         Some(store),
     );
+    if let (Ok(h), Some(l)) = (&mut h, rows_listener) {
+        let (svc, rt) = (Service(Arc::clone(&inner)), h.runtime()?);
+        let handler: Arc<rows::Handler> = Arc::new(move |c, _| rows_pull(&svc, &rt, c));
+        h.rows = Some(rows::serve(l, config.limits, config.max_message, handler)?);
+    }
     if let (Ok(h), Some(g)) = (&mut h, group) {
         g.spawn(&h.addr().to_string())?;
         h.group = Some(g);
     }
     h
+}
+
+/// A pull on the rows port (decision 0128): the request as a gRPC `Pull` with the metadata and
+/// token the rows request carries, answered by the same handler on the calling thread; the
+/// rows go to the socket from the answer's own buffer.
+fn rows_pull(
+    svc: &Service,
+    rt: &tokio::runtime::Handle,
+    c: &rows::Call<'_>,
+) -> std::result::Result<rows::Rows, Status> {
+    let mut req = Request::new(PullRequest {
+        table: c.table.to_string(),
+        ids: wire::encode_ids(c.ids),
+        dtype: c.dtype,
+    });
+    let bad = |what: &str| Status::invalid_argument(format!("rows port: {what}"));
+    for &(k, v) in c.meta {
+        let key = tonic::metadata::AsciiMetadataKey::from_bytes(k.as_bytes())
+            .map_err(|_| bad(&format!("{k:?} is not a metadata key")))?;
+        let value = tonic::metadata::AsciiMetadataValue::try_from(v)
+            .map_err(|_| bad(&format!("the value of {k:?} is not a metadata value")))?;
+        req.metadata_mut().insert(key, value);
+    }
+    if let Some(t) = c.token {
+        let v = std::str::from_utf8(t)
+            .ok()
+            .and_then(|t| format!("Bearer {t}").parse().ok())
+            .ok_or_else(|| Status::unauthenticated("the token is not ASCII"))?;
+        req.metadata_mut().insert("authorization", v);
+    }
+    let mut answer = rt.block_on(PStore::pull(svc, req))?;
+    let rows = match answer.extensions_mut().remove::<splice::SplicedRows>() {
+        Some(r) => r.0,
+        None => std::mem::take(&mut answer.get_mut().rows),
+    };
+    let a = answer.into_inner();
+    Ok(rows::Rows {
+        dtype: a.dtype,
+        dim: a.dim,
+        generation: a.version,
+        bytes: rows.len(),
+        own: Some(rows),
+    })
 }
 
 /// A TLS acceptor for the metrics port from the gRPC port's PEM certificate chain and key.
@@ -1940,7 +1987,15 @@ impl ServerHandle {
         self.metrics_addr
     }
 
-    /// The rows port's address, if it serves one (model servers, `rows.rs`).
+    /// A handle of the server's runtime (for the rows port's threads).
+    fn runtime(&self) -> Result<tokio::runtime::Handle> {
+        self.rt
+            .as_ref()
+            .map(|r| r.handle().clone())
+            .ok_or_else(|| Error::Internal("the server's runtime is gone".into()))
+    }
+
+    /// The rows port's address, if it serves one (`rows.rs`).
     pub fn rows_addr(&self) -> Option<SocketAddr> {
         self.rows.as_ref().map(rows::RowsPort::addr)
     }

@@ -16,7 +16,7 @@ use super::{
     ServerConfig, ServerHandle,
 };
 use crate::durable::TableRecord;
-use crate::error::{invalid, Error, Result};
+use crate::error::{Error, Result};
 use crate::net::proto::p_store_server::PStore;
 use crate::net::proto::*;
 use crate::net::{status_of, wire, PROTOCOL};
@@ -204,6 +204,7 @@ impl Inner {
             dim: dim as u32,
             generation,
             bytes,
+            own: None,
         })
     }
 
@@ -528,20 +529,8 @@ pub fn start(
 ) -> Result<ServerHandle> {
     // The artifact must be readable now, not at the first call.
     artifact.state()?;
-    if config.rows_addr.is_some() && config.tls.is_some() {
-        return Err(invalid(
-            "the rows port is plain TCP: it cannot be served with TLS (leave rows_port unset)",
-        ));
-    }
-    let rows_listener = config.rows_addr.map(rows::bind).transpose()?;
-    let rows_port = match &rows_listener {
-        Some(l) => l
-            .local_addr()
-            .map_err(|e| Error::Internal(e.to_string()))?
-            .port()
-            .into(),
-        None => 0,
-    };
+    let rows_listener = rows::listen(&config)?;
+    let rows_port = rows_listener.as_ref().map_or(Ok(0), rows::port_of)?;
     let inner = Arc::new(Inner {
         artifact,
         fallback,

@@ -1,7 +1,8 @@
-//! A model server's rows port (`net/rows.rs`, decision 0120): one blocking thread per
+//! A server's rows port (`net/rows.rs`, decisions 0120 and 0128): one blocking thread per
 //! connection reads a request, has the handler look its rows up into the connection's answer
-//! buffer, and sends head and rows with one write. The buffer is kept across calls (no fill,
-//! no page faults); the request is handled on the thread that read it.
+//! buffer (a model server) or answer them in a buffer of its own (a store server, whose `Pull`
+//! fills one), and sends head and rows with one write. The buffer is kept across calls (no
+//! fill, no page faults); the request is handled on the thread that read it.
 //!
 //! A request the server cannot frame (a foreign protocol, a name or token over the limits, ids
 //! over the message limit) is answered with an error and its connection closed; any other
@@ -20,7 +21,10 @@ use tonic::Status;
 
 use super::conn::Limits;
 use crate::error::{invalid, Error, Result};
-use crate::net::rows::{encode_error, parse_request_head, AnswerHead, ANSWER_HEAD, REQUEST_HEAD};
+use crate::net::rows::{
+    encode_error, parse_meta, parse_meta_head, parse_request_head, AnswerHead, ANSWER_HEAD,
+    META_HEAD, REQUEST_HEAD,
+};
 
 /// Floats of the answer buffer in front of the rows: the answer's head.
 pub const HEAD_WORDS: usize = ANSWER_HEAD / 4;
@@ -39,6 +43,8 @@ pub struct Call<'a> {
     pub dtype: i32,
     /// The ids.
     pub ids: &'a [u64],
+    /// The request's metadata (key, value), as a `Pull` over gRPC carries it.
+    pub meta: &'a [(&'a str, &'a str)],
 }
 
 /// What the handler wrote after [`HEAD_WORDS`] floats of the buffer.
@@ -51,6 +57,8 @@ pub struct Rows {
     pub generation: u64,
     /// Bytes of rows written.
     pub bytes: usize,
+    /// The rows in a buffer of their own (then nothing was written after the head's floats).
+    pub own: Option<bytes::Bytes>,
 }
 
 /// Looks a call's rows up into `buf` (after its first [`HEAD_WORDS`] floats, growing it as
@@ -72,6 +80,24 @@ pub struct RowsPort {
 pub fn bind(addr: SocketAddr) -> Result<TcpListener> {
     TcpListener::bind(addr)
         .map_err(|e| invalid(format!("cannot listen on {addr} (rows port): {e}")))
+}
+
+/// The rows port `config` asks for, bound (None: it asks for none). Refused with TLS: the port
+/// is plain TCP.
+pub fn listen(config: &super::ServerConfig) -> Result<Option<TcpListener>> {
+    if config.rows_addr.is_some() && config.tls.is_some() {
+        return Err(invalid(
+            "the rows port is plain TCP: it cannot be served with TLS (leave rows_port unset)",
+        ));
+    }
+    config.rows_addr.map(bind).transpose()
+}
+
+/// The port `l` listens on.
+pub fn port_of(l: &TcpListener) -> Result<u32> {
+    l.local_addr()
+        .map(|a| a.port().into())
+        .map_err(|e| Error::Internal(e.to_string()))
 }
 
 /// Serves `listener` until stopped.
@@ -208,6 +234,23 @@ fn bytes_of_mut<T: Copy>(v: &mut [T]) -> &mut [u8] {
     unsafe { std::slice::from_raw_parts_mut(v.as_mut_ptr().cast::<u8>(), std::mem::size_of_val(v)) }
 }
 
+/// Writes `head` then `body`, with as few calls as the socket takes.
+fn write_both(sock: &mut TcpStream, head: &[u8], body: &[u8]) -> std::io::Result<()> {
+    let (mut h, mut b) = (head, body);
+    while !h.is_empty() || !b.is_empty() {
+        let n = match sock.write_vectored(&[std::io::IoSlice::new(h), std::io::IoSlice::new(b)]) {
+            Ok(0) => return Err(std::io::ErrorKind::WriteZero.into()),
+            Ok(n) => n,
+            Err(e) if e.kind() == std::io::ErrorKind::Interrupted => continue,
+            Err(e) => return Err(e),
+        };
+        let from_head = n.min(h.len());
+        h = &h[from_head..];
+        b = &b[n - from_head..];
+    }
+    Ok(())
+}
+
 /// Answers the requests of one connection until it closes or fails.
 fn serve_conn(mut sock: TcpStream, handshake: Duration, max_message: usize, handler: &Handler) {
     let _ = sock.set_nodelay(true);
@@ -233,11 +276,25 @@ fn serve_conn(mut sock: TcpStream, handshake: Duration, max_message: usize, hand
                 return;
             }
         };
+        let mut meta_len = 0;
+        if h.meta {
+            let mut more = [0u8; META_HEAD];
+            if sock.read_exact(&mut more).is_err() {
+                return;
+            }
+            match parse_meta_head(&more) {
+                Ok(n) => meta_len = n,
+                Err(m) => {
+                    refuse(&mut sock, &Status::invalid_argument(m));
+                    return;
+                }
+            }
+        }
         let id_bytes = usize::try_from(h.ids)
             .ok()
             .and_then(|n| n.checked_mul(8))
             .unwrap_or(usize::MAX);
-        let size = id_bytes.saturating_add(h.table + h.token + 16);
+        let size = id_bytes.saturating_add(h.table + h.token + meta_len + 16);
         if size > max_message {
             // tonic's code and words for a request over the limit.
             refuse(
@@ -249,7 +306,7 @@ fn serve_conn(mut sock: TcpStream, handshake: Duration, max_message: usize, hand
             );
             return;
         }
-        text.resize(h.table + h.token, 0);
+        text.resize(h.table + h.token + meta_len, 0);
         ids.resize(id_bytes / 8, 0);
         if sock.read_exact(&mut text).is_err() || sock.read_exact(bytes_of_mut(&mut ids)).is_err() {
             return;
@@ -259,14 +316,18 @@ fn serve_conn(mut sock: TcpStream, handshake: Duration, max_message: usize, hand
                 *id = u64::from_le(*id);
             }
         }
-        let answer = match std::str::from_utf8(&text[..h.table]) {
-            Err(_) => Err(Status::invalid_argument("the table name is not UTF-8")),
-            Ok(table) => handler(
+        let (name, rest) = text.split_at(h.table);
+        let (token, meta) = rest.split_at(h.token);
+        let answer = match (std::str::from_utf8(name), parse_meta(meta)) {
+            (Err(_), _) => Err(Status::invalid_argument("the table name is not UTF-8")),
+            (_, Err(m)) => Err(Status::invalid_argument(m)),
+            (Ok(table), Ok(meta)) => handler(
                 &Call {
-                    token: (h.token > 0).then(|| &text[h.table..]),
+                    token: (h.token > 0).then_some(token),
                     table,
                     dtype: h.dtype,
                     ids: &ids,
+                    meta: &meta,
                 },
                 &mut buf,
             ),
@@ -281,13 +342,18 @@ fn serve_conn(mut sock: TcpStream, handshake: Duration, max_message: usize, hand
                     len: r.bytes as u64,
                 }
                 .encode();
-                let out = bytes_of_mut(&mut buf);
-                out[..ANSWER_HEAD].copy_from_slice(&head);
-                let ok = sock.write_all(&out[..ANSWER_HEAD + r.bytes]).is_ok();
-                if r.bytes > KEEP_BYTES {
-                    buf = Vec::new();
+                match &r.own {
+                    Some(rows) => write_both(&mut sock, &head, rows).is_ok(),
+                    None => {
+                        let out = bytes_of_mut(&mut buf);
+                        out[..ANSWER_HEAD].copy_from_slice(&head);
+                        let ok = sock.write_all(&out[..ANSWER_HEAD + r.bytes]).is_ok();
+                        if r.bytes > KEEP_BYTES {
+                            buf = Vec::new();
+                        }
+                        ok
+                    }
                 }
-                ok
             }
             Err(s) => refuse(&mut sock, &s),
         };

@@ -1,0 +1,213 @@
+"""A store server's rows port (decision 0128): pulls that go to one server alone travel over
+plain TCP, answered by the same code as a gRPC Pull (tokens, routing and layout checks, row
+creation, table versions), and anything the port refuses goes over gRPC."""
+
+from __future__ import annotations
+
+import socket
+import struct
+
+import numpy as np
+import pytest
+from _netutil import ServerProcess, stop_all
+from test_serving import (
+    RQ_HEAD,
+    closed,
+    error_text,
+    rows_answer,
+    rows_port_clients,
+    rows_request,
+)
+
+import pstore
+from pstore import init, optim
+from pstore.server import Server
+
+DIM = 8
+
+
+def test_pulls_over_the_rows_port_equal_the_grpc_pulls_and_create_the_same_rows(rng):
+    """One store served twice, with and without a rows port: every pull (new ids created,
+    repeats, an empty batch, float16 and bfloat16 on the wire, batches split by the message
+    limit) reads the same rows through either, and the client used the port."""
+    store = pstore.Store(num_shards=4, threads=2)
+    with (
+        Server(store, rows_port=0, max_message=1 << 16) as fast,
+        Server(store, max_message=1 << 16) as plain,
+    ):
+        assert fast.rows_port and plain.rows_port is None
+        a = pstore.connect([fast.address], timeout=30.0, max_message=48 << 10)
+        b = pstore.connect([plain.address], timeout=30.0, max_message=48 << 10)
+        ta = a.create_sparse_table("t", DIM, optimizer=optim.SGD(lr=0.5), seed=3)
+        tb = b.table("t")
+        seen: set[int] = set()
+        for _ in range(6):
+            ids = rng.integers(0, 5000, size=int(rng.integers(1, 3000)), dtype=np.uint64)
+            got = ta.pull(ids)  # creates the new ids' rows over the rows port
+            seen.update(ids.tolist())
+            assert len(store.table("t")) == len(seen)
+            np.testing.assert_array_equal(got, tb.pull(ids))
+            np.testing.assert_array_equal(got, store.table("t").pull(ids))
+            ta.push(ids, rng.standard_normal((len(ids), DIM)).astype(np.float32))
+        assert ta.pull(np.array([], np.uint64)).shape == (0, DIM)
+        assert rows_port_clients(fast.rows_port) >= 1
+        for wire in ("float16", "bfloat16"):
+            c = pstore.connect([fast.address], max_message=48 << 10, wire_dtype=wire)
+            d = pstore.connect([plain.address], max_message=48 << 10, wire_dtype=wire)
+            ids = np.arange(0, 4000, 7, dtype=np.uint64)
+            np.testing.assert_array_equal(c.table("t").pull(ids), d.table("t").pull(ids))
+        assert len(store.table("t")) == len(tb)
+
+
+def test_a_pull_over_the_rows_port_gives_its_version_to_the_push_after_it():
+    """The push after a pull carries the table version the pull read (the staleness check):
+    with `drop`, a push computed from rows three pushes old is dropped."""
+    with Server(pstore.Store(), rows_port=0) as srv:
+        a = pstore.connect([srv.address])
+        b = pstore.connect([srv.address])
+        ids = np.array([7], np.uint64)
+        one = np.ones((1, 1), np.float32)
+        ta = a.create_sparse_table(
+            "s",
+            1,
+            optimizer=optim.SGD(lr=1.0),
+            initializer=init.Zeros(),
+            stale_policy="drop",
+            max_staleness=2,
+        )
+        tb = b.table("s")
+        ta.pull(ids)
+        for _ in range(3):
+            tb.pull(ids)
+            tb.push(ids, one)
+        ta.push(ids, one)  # three versions behind: dropped
+        assert tb.pull(ids)[0, 0] == pytest.approx(-3.0)
+        assert ta.stats()["staleness"]["dropped"]
+        assert rows_port_clients(srv.rows_port) >= 1
+
+
+def test_tokens_on_the_rows_port_are_those_of_grpc():
+    """A read-only token pulls without creating rows; a missing or wrong token is refused with
+    gRPC's status and the connection goes on; a write token creates the rows."""
+    store = pstore.Store()
+    with Server(store, token="w", read_token="r", rows_port=0) as srv:
+        pstore.connect([srv.address], "w").create_sparse_table("t", DIM, seed=1)
+        ids = np.arange(10, dtype=np.uint64)
+        reader = pstore.connect([srv.address], "r")
+        rows = reader.table("t").pull(ids)
+        assert len(store.table("t")) == 0  # read as initial values, nothing created
+        assert rows_port_clients(srv.rows_port) >= 1
+        np.testing.assert_array_equal(rows, store.table("t").pull(ids))
+        store.table("t").remove(ids)
+        with socket.create_connection(("127.0.0.1", srv.rows_port), timeout=30) as s:
+            for token, words in (("", "token"), ("wrong", "token"), ("r", "")):
+                s.sendall(rows_request("t", ids, token))
+                code, _, dim, _, body = rows_answer(s)
+                if words:
+                    assert code == 16 and words in error_text(body)[0], error_text(body)
+                else:
+                    assert (code, dim) == (0, DIM)
+                    np.testing.assert_array_equal(np.frombuffer(body, "<f4").reshape(-1, DIM), rows)
+        assert len(store.table("t")) == 0
+        pstore.connect([srv.address], "w").table("t").pull(ids)
+        assert len(store.table("t")) == 10
+
+
+def test_a_reader_behind_a_join_is_moved_on_the_rows_port_and_reads_the_new_owners_rows():
+    """A reader (a read-only token: its pulls create no rows, so no ownership check refuses
+    them) of one server pulls over its rows port; a server joins and half the slots move to it.
+    The reader's next pull, by its old routing, is refused on the port ("moved": ids the old
+    owner no longer owns), goes over gRPC, meets "moved" there, takes the new routing and reads
+    every row where it now lives, pushes made since the move included."""
+    env = {"PSTORE_TOKEN": "w", "PSTORE_READ_TOKEN": "r"}
+    procs = [ServerProcess("--rows-port", "0", env=env) for _ in range(2)]
+    try:
+        admin = procs[0].wait_ready("w")
+        procs[1].wait_ready("w")
+        port = int(procs[0].stderr_tail().split("rows_port=")[1].split()[0])
+        t = admin.create_sparse_table("t", DIM, optimizer=optim.SGD(lr=1.0), seed=5)
+        ids = np.arange(2000, dtype=np.uint64)
+        t.push(ids, np.ones((len(ids), DIM), np.float32))
+        reader = pstore.connect([procs[0].address], "r")
+        before = reader.table("t").pull(ids)
+        assert rows_port_clients(port) >= 1
+        np.testing.assert_array_equal(before, t.pull(ids))
+        admin.add_server(procs[1].address)
+        t.push(ids, np.ones((len(ids), DIM), np.float32))  # half of them on the new owner
+        after = t.pull(ids)
+        np.testing.assert_array_equal(after, before - 1.0)
+        np.testing.assert_array_equal(reader.table("t").pull(ids), after)
+        assert reader.servers == [procs[0].address, procs[1].address]
+    finally:
+        assert stop_all(procs) == [0, 0]
+
+
+def test_a_store_servers_rows_port_frames_its_metadata_and_survives_any_request():
+    """The rows port of `pstore serve --rows-port`: a request with metadata (`PSq2`) whose
+    metadata cannot be framed gets an error and its connection closed; one whose keys or values
+    are not metadata gets gRPC's INVALID_ARGUMENT and the connection goes on; the server then
+    answers clients as before. The port is in the start log."""
+    p = ServerProcess("--rows-port", "0")
+    try:
+        c = p.wait_ready()
+        port = int(p.stderr_tail().split("rows_port=")[1].split()[0])
+        c.create_sparse_table("t", DIM)
+        head = RQ_HEAD.pack(b"PSq2", 0, 1, 0, 1)
+        for extra, words in (
+            (struct.pack("<II", 5000, 0), "metadata"),
+            (struct.pack("<II", 4, 1), "reserved"),
+        ):
+            with socket.create_connection(("127.0.0.1", port), timeout=30) as s:
+                s.sendall(head + extra)
+                code, _, _, _, body = rows_answer(s)
+                assert code == 3 and words in error_text(body)[0]
+                assert closed(s)
+        with socket.create_connection(("127.0.0.1", port), timeout=30) as s:
+            for meta in (
+                struct.pack("<I", 3) + b"a b" + struct.pack("<I", 1) + b"1",
+                struct.pack("<I", 9),  # a key cut short
+            ):
+                s.sendall(
+                    RQ_HEAD.pack(b"PSq2", 0, 1, 0, 1)
+                    + struct.pack("<II", len(meta), 0)
+                    + b"t"
+                    + meta
+                    + struct.pack("<Q", 1)
+                )
+                code, _, _, _, body = rows_answer(s)
+                assert code == 3, error_text(body)
+        np.testing.assert_array_equal(
+            c.table("t").pull(np.arange(5, dtype=np.uint64)).shape, (5, DIM)
+        )
+    finally:
+        assert stop_all([p]) == [0]
+
+
+def test_the_rows_port_is_refused_with_tls(tmp_path):
+    cert, key = tmp_path / "c.pem", tmp_path / "k.pem"
+    cert.write_text("not a certificate")
+    key.write_text("not a key")
+    with pytest.raises(pstore.InvalidArgumentError, match="plain TCP"):
+        Server(pstore.Store(), rows_port=0, tls_cert=cert, tls_key=key)
+
+
+def test_a_durable_servers_rows_port_answers_from_its_pool(tmp_path, rng):
+    """A durable store's pulls run on its pool, not on the calling thread: the rows port
+    answers them the same, before and after a restart of the store."""
+    ids = rng.integers(0, 10_000, size=3000, dtype=np.uint64)
+    grads = rng.standard_normal((len(ids), DIM)).astype(np.float32)
+    store = pstore.Store(path=tmp_path / "s", durability="sync")
+    with Server(store, rows_port=0) as srv:
+        t = pstore.connect([srv.address]).create_sparse_table("t", DIM, seed=9)
+        first = t.pull(ids)
+        t.push(ids, grads)
+        second = t.pull(ids)
+        assert rows_port_clients(srv.rows_port) >= 1
+        port = srv.port  # the same address after the restart: the same server list
+    store.close()
+    store = pstore.Store(path=tmp_path / "s")
+    np.testing.assert_array_equal(store.table("t").pull(ids), second)
+    assert not np.array_equal(first, second)
+    with Server(store, port=port, rows_port=0) as srv:
+        np.testing.assert_array_equal(pstore.connect([srv.address]).table("t").pull(ids), second)
+    store.close()
