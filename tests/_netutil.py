@@ -123,9 +123,12 @@ class ServerProcess:
                 )
             try:
                 return pstore.connect([self.address], token, timeout=2.0, retries=0)
-            except pstore.ServerError:
+            except pstore.ServerError as e:
                 if time.monotonic() > deadline:
-                    raise
+                    raise RuntimeError(
+                        f"server {self.address} (pid {self.proc.pid}) did not answer within "
+                        f"{timeout}s; its stderr ends:\n{self.stderr_tail()}"
+                    ) from e
                 time.sleep(0.05)
 
     def stderr_tail(self, limit: int = 4000) -> str:
