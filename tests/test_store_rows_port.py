@@ -10,14 +10,7 @@ import struct
 import numpy as np
 import pytest
 from _netutil import ServerProcess, stop_all
-from test_serving import (
-    RQ_HEAD,
-    closed,
-    error_text,
-    rows_answer,
-    rows_port_clients,
-    rows_request,
-)
+from _rows import RQ_HEAD, closed, error_text, rows_answer, rows_port_clients, rows_request
 
 import pstore
 from pstore import init, optim
