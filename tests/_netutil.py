@@ -125,6 +125,8 @@ class ServerProcess:
                 return pstore.connect([self.address], token, timeout=2.0, retries=0)
             except pstore.ServerError as e:
                 if time.monotonic() > deadline:
+                    # Stopped, so that the failed test leaves no server behind.
+                    self.stop(signal.SIGKILL)
                     raise RuntimeError(
                         f"server {self.address} (pid {self.proc.pid}) did not answer within "
                         f"{timeout}s; its stderr ends:\n{self.stderr_tail()}"

@@ -38,7 +38,11 @@ def _group(tmp_path: Path, name: str = "g", *primary_args: str) -> tuple[ServerP
         "--follow",
         primary.address,
     )
-    follower.wait_ready()
+    try:
+        follower.wait_ready()
+    except BaseException:
+        primary.stop()
+        raise
     return primary, follower
 
 
