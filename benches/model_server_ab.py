@@ -27,7 +27,6 @@ import os
 import socket
 import statistics
 import subprocess
-import sys
 import tempfile
 import time
 from collections.abc import Callable
@@ -36,7 +35,7 @@ from typing import Any
 
 import numpy as np
 from idle_flood import cpu_seconds
-from net import free_port
+from net import ServerProcess, free_port, start_tcp_floor
 from tcp_floor import TcpFloor
 
 import pstore
@@ -87,23 +86,6 @@ def start(spec: str, art: Path) -> tuple[subprocess.Popen[bytes], str]:
 FLOOR = "TCP floor"
 
 
-def start_floor(procs: list[subprocess.Popen[bytes]]) -> TcpFloor:
-    """`tcp_floor.py` in a child process (appended to `procs`), once it accepts connections."""
-    port = free_port()
-    here = Path(__file__).resolve().parent
-    proc = subprocess.Popen([sys.executable, str(here / "tcp_floor.py"), str(port)])
-    procs.append(proc)
-    deadline = time.monotonic() + 30
-    while True:
-        try:
-            socket.create_connection(("127.0.0.1", port), timeout=0.2).close()
-            return TcpFloor(f"127.0.0.1:{port}")
-        except OSError:
-            if proc.poll() is not None or time.monotonic() > deadline:
-                raise RuntimeError("the TCP floor server did not listen") from None
-            time.sleep(0.05)
-
-
 def server_cpu(pid: int | None) -> float:
     """CPU seconds of the server process `pid`; 0 for the in-process reference."""
     return 0.0 if pid is None else cpu_seconds(pid)
@@ -127,6 +109,7 @@ def main() -> None:
     }
     pids: dict[str, int] = {}
     procs = []
+    floor_server: ServerProcess | None = None
     try:
         for arg in args.servers:
             name, spec = arg.split("=", 1)
@@ -134,7 +117,10 @@ def main() -> None:
             procs.append(proc)
             pids[name] = proc.pid
             readers[name] = pstore.connect([addr], timeout=60.0).table(TABLE).pull
-        floor = start_floor(procs) if args.floor else None
+        floor = None
+        if args.floor:
+            floor_server = start_tcp_floor(args.dir)
+            floor = TcpFloor(floor_server.address)
         rng = np.random.default_rng(71)
         check = (rng.zipf(1.05, 4096) % args.rows).astype(np.uint64)
         want = model.lookup(TABLE, check)
@@ -195,6 +181,8 @@ def main() -> None:
         for proc in procs:
             proc.terminate()
             proc.wait()
+        if floor_server is not None:
+            floor_server.stop()
         model.close()
 
 
