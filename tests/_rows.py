@@ -67,3 +67,35 @@ def closed(sock) -> bool:
         return sock.recv(1) == b""
     except ConnectionResetError:
         return True
+
+
+def _varint(n: int) -> bytes:
+    out = bytearray()
+    while True:
+        b, n = n & 0x7F, n >> 7
+        out.append(b | (0x80 if n else 0))
+        if not n:
+            return bytes(out)
+
+
+def _field(num: int, data: bytes) -> bytes:
+    """A length-delimited protobuf field."""
+    return _varint(num << 3 | 2) + _varint(len(data)) + data
+
+
+def push_message(table: str, ids, grads, client: int = 0, seq: int = 0) -> bytes:
+    """A `pstore.v1.PushRequest` (float32), with a request id when `client` is given."""
+    msg = (
+        _field(1, table.encode())
+        + _field(2, np.asarray(ids, "<u8").tobytes())
+        + _field(3, np.asarray(grads, "<f4").tobytes())
+    )
+    if client:
+        msg += _field(5, struct.pack("<BQBQ", 1 << 3 | 1, client, 2 << 3 | 1, seq))
+    return msg
+
+
+def call_request(body: bytes, token: str = "", meta: bytes = b"", method: int = 1) -> bytes:
+    """A call (`PSc1`) on the rows port: method 1 is Push."""
+    t = token.encode()
+    return RQ_HEAD.pack(b"PSc1", method, len(t), len(meta), len(body)) + t + meta + body

@@ -94,13 +94,30 @@ class _Ref:
         self.w[rows] = (wf - step_size * mf / (np.sqrt(vf) / bc2 + eps)).astype(np.float32)
 
 
+@pytest.fixture(scope="module")
+def rows_server() -> Iterator[list[str]]:
+    """One server with a rows port: the workers' pulls and pushes go over it."""
+    procs = start_servers(1, "--rows-port", "0")
+    try:
+        yield [procs[0].address]
+    finally:
+        stop_all(procs)
+
+
 @pytest.mark.parametrize(
-    "workers,opt,aggregate",
-    [(2, "adagrad", "sum"), (3, "adam", "sum"), (4, "adagrad", "mean"), (4, "adam", "mean")],
+    "workers,opt,aggregate,where",
+    [
+        (2, "adagrad", "sum", "servers"),
+        (3, "adam", "sum", "servers"),
+        (4, "adagrad", "mean", "servers"),
+        (4, "adam", "mean", "servers"),
+        (3, "adam", "sum", "rows_server"),
+    ],
 )
 def test_bsp_applies_one_aggregated_step_per_row(
-    servers: list[str], workers: int, opt: str, aggregate: str
+    request: pytest.FixtureRequest, workers: int, opt: str, aggregate: str, where: str
 ) -> None:
+    servers: list[str] = request.getfixturevalue(where)
     name, job = f"emb_{workers}_{opt}_{aggregate}", uuid.uuid4().hex
 
     def worker(w: int) -> tuple[list[np.ndarray], list[np.ndarray]]:

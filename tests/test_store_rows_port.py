@@ -1,16 +1,28 @@
-"""A store server's rows port (decision 0128): pulls that go to one server alone travel over
-plain TCP, answered by the same code as a gRPC Pull (tokens, routing and layout checks, row
-creation, table versions), and anything the port refuses goes over gRPC."""
+"""A store server's rows port (decisions 0128, 0129): pulls and pushes that go to one server
+alone travel over plain TCP, answered by the same code as a gRPC Pull or Push (tokens, routing
+and layout checks, row creation, table versions, request ids), and anything the port refuses
+goes over gRPC."""
 
 from __future__ import annotations
 
+import re
 import socket
 import struct
+import urllib.request
 
 import numpy as np
 import pytest
 from _netutil import ServerProcess, stop_all
-from _rows import RQ_HEAD, closed, error_text, rows_answer, rows_port_clients, rows_request
+from _rows import (
+    RQ_HEAD,
+    call_request,
+    closed,
+    error_text,
+    push_message,
+    rows_answer,
+    rows_port_clients,
+    rows_request,
+)
 
 import pstore
 from pstore import init, optim
@@ -204,3 +216,119 @@ def test_a_durable_servers_rows_port_answers_from_its_pool(tmp_path, rng):
     with Server(store, port=port, rows_port=0) as srv:
         np.testing.assert_array_equal(pstore.connect([srv.address]).table("t").pull(ids), second)
     store.close()
+
+
+def _counted(metrics_port: int, name: str, method: str) -> int:
+    with urllib.request.urlopen(f"http://127.0.0.1:{metrics_port}/metrics", timeout=10) as r:
+        text = r.read().decode()
+    m = re.search(rf'^{name}{{method="{method}"}} (\d+)$', text, re.M)
+    return int(m.group(1)) if m else 0
+
+
+def test_pushes_over_the_rows_port_equal_the_grpc_pushes(rng):
+    """Two stores, one served with a rows port and one without, take the same pushes (Adam,
+    repeated ids, batches split by the message limit, float32 and bfloat16 on the wire): their
+    rows stay bit-identical, and every push message of the first came on its rows port."""
+    sa, sb = pstore.Store(num_shards=4, threads=2), pstore.Store(num_shards=4, threads=2)
+    with (
+        Server(sa, rows_port=0, metrics_port=0, max_message=1 << 16) as fast,
+        Server(sb, max_message=1 << 16) as plain,
+    ):
+        for wire in ("float32", "bfloat16"):
+            a = pstore.connect([fast.address], max_message=48 << 10, wire_dtype=wire)
+            b = pstore.connect([plain.address], max_message=48 << 10, wire_dtype=wire)
+            name = f"t_{wire}"
+            ta = a.create_sparse_table(name, DIM, optimizer=optim.Adam(lr=0.1), seed=3)
+            tb = b.create_sparse_table(name, DIM, optimizer=optim.Adam(lr=0.1), seed=3)
+            for k in range(6):
+                # Repeated ids in one message; a batch of several messages has each id once (a
+                # push's messages to one server go one at a time on the port, at once over
+                # gRPC: two updates of one row by Adam in either order differ).
+                ids = (
+                    rng.integers(0, 3000, size=int(rng.integers(1, 1000)), dtype=np.uint64)
+                    if k % 2
+                    else rng.permutation(3000)[: int(rng.integers(1500, 3000))].astype(np.uint64)
+                )
+                g = rng.standard_normal((len(ids), DIM)).astype(np.float32)
+                ta.push(ids, g)
+                tb.push(ids, g)
+                every = np.arange(3000, dtype=np.uint64)
+                np.testing.assert_array_equal(
+                    sa.table(name).pull(every), sb.table(name).pull(every)
+                )
+            assert sa.table(name).stats()["seq"] == sb.table(name).stats()["seq"]
+        pushes = _counted(fast.metrics_port, "pstore_requests_total", "Push")
+        assert pushes >= 10
+        assert _counted(fast.metrics_port, "pstore_rows_port_requests_total", "Push") == pushes
+
+
+def test_a_push_sent_twice_on_the_rows_port_is_applied_once_and_bad_calls_change_nothing():
+    """A push whose answer was lost, sent again with its request id, is answered as applied and
+    not applied twice. A message that is not a push, an unknown method, a missing token get
+    gRPC's status and the connection goes on; a call whose head cannot be read, or that is over
+    the message limit, is answered and its connection closed. The rows are as before."""
+    store = pstore.Store()
+    with Server(store, token="w", rows_port=0, max_message=1 << 16) as srv:
+        pstore.connect([srv.address], "w").create_sparse_table(
+            "t", 1, optimizer=optim.SGD(lr=1.0), initializer=init.Zeros()
+        )
+        ids = np.arange(4, dtype=np.uint64)
+        one = push_message("t", ids, np.ones(4), client=77, seq=1)
+        with socket.create_connection(("127.0.0.1", srv.rows_port), timeout=30) as s:
+            for _ in range(2):
+                s.sendall(call_request(one, "w"))
+                code, _, _, _, body = rows_answer(s)
+                assert code == 0 and body[:2] == b"\x08\x01", (code, body)  # applied: true
+            np.testing.assert_array_equal(store.table("t").pull(ids)[:, 0], [-1.0] * 4)
+            for request, want, words in (
+                (call_request(b"\xff\xff\xff", "w"), 3, "malformed push"),
+                (call_request(one, "w", method=9), 12, "no method 9"),
+                (call_request(push_message("t", ids, np.ones(4), 77, 2)), 16, "token"),
+                (call_request(push_message("t", ids, [1, 2, np.nan, 4], 77, 3), "w"), 3, "NaN"),
+                (call_request(push_message("nope", ids, np.ones(4), 77, 4), "w"), 5, "nope"),
+            ):
+                s.sendall(request)
+                code, _, _, _, body = rows_answer(s)
+                assert code == want and words in error_text(body)[0], error_text(body)
+        for request, want, words in (
+            (RQ_HEAD.pack(b"PSc1", 1, 5000, 0, 0), 3, "token"),
+            (RQ_HEAD.pack(b"PSc1", 1, 0, 5000, 0), 3, "metadata"),
+            (RQ_HEAD.pack(b"PSc1", 1, 0, 0, 1 << 20), 11, "too large"),
+        ):
+            with socket.create_connection(("127.0.0.1", srv.rows_port), timeout=30) as s:
+                s.sendall(request)
+                code, _, _, _, body = rows_answer(s)
+                assert code == want and words in error_text(body)[0], error_text(body)
+                assert closed(s)
+        np.testing.assert_array_equal(store.table("t").pull(ids)[:, 0], [-1.0] * 4)
+        assert store.table("t").stats()["seq"] == 1
+
+
+def test_a_writer_behind_a_join_pushes_on_the_rows_port_and_the_moved_parts_over_grpc():
+    """A writer of one server pushes over its rows port; a server joins and half the slots move
+    to it. The writer's next push, split by its old routing, is refused on the port ("moved"),
+    goes over gRPC, meets "moved" there, takes the new routing and is applied once on each
+    owner."""
+    procs = [ServerProcess("--rows-port", "0") for _ in range(2)]
+    try:
+        admin = procs[0].wait_ready()
+        procs[1].wait_ready()
+        port = int(procs[0].stderr_tail().split("rows_port=")[1].split()[0])
+        t = admin.create_sparse_table(
+            "t", DIM, optimizer=optim.SGD(lr=1.0), initializer=init.Zeros()
+        )
+        ids = np.arange(2000, dtype=np.uint64)
+        ones = np.ones((len(ids), DIM), np.float32)
+        writer = pstore.connect([procs[0].address])
+        writer.table("t").push(ids, ones)
+        assert rows_port_clients(port) >= 1
+        admin.add_server(procs[1].address)
+        writer.table("t").push(ids, ones)
+        assert writer.servers == [procs[0].address, procs[1].address]
+        np.testing.assert_array_equal(t.pull(ids), np.full((len(ids), DIM), -2.0, np.float32))
+        per_server = [
+            next(x["rows"] for x in st["tables"] if x["name"] == "t") for st in admin.status()
+        ]
+        assert sum(per_server) == len(ids) and min(per_server) > 0
+    finally:
+        assert stop_all(procs) == [0, 0]

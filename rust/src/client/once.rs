@@ -172,6 +172,8 @@ impl Client {
         let (job, worker, step) = self
             .step_tag()
             .map_or((String::new(), 0, None), |(j, w, s)| (j, w, Some(s)));
+        // A push to one server that serves a rows port goes there (decision 0129).
+        let port = self.push_port(&route);
         let mut targets = Vec::new();
         for (i, pos) in route.table.split(ids).into_iter().enumerate() {
             let mut chunks = self.chunks(&pos, 8 + dim * wire::width(d));
@@ -211,7 +213,13 @@ impl Client {
             m.request_id = Some(*r);
         }
         // Parts refused as moved go again, split by the new table (`reshard.rs`).
-        let results = self.rt.block_on(self.send_push_parts(targets, &route, dim));
+        let (mut results, targets) = match &port {
+            Some(p) => self.push_on_port(p, &route, targets),
+            None => (Vec::new(), targets),
+        };
+        if !targets.is_empty() {
+            results.extend(self.rt.block_on(self.send_push_parts(targets, &route, dim)));
+        }
         // Each server's parts applied (true) or not (false), in the order first met.
         let mut ok: Vec<(String, bool)> = Vec::new();
         let mut first_err = None;

@@ -6,17 +6,20 @@
 //! the caller's error: the pull goes over gRPC instead (with its retries), and the port is left
 //! alone for a while. A store server's refusal goes over gRPC too (`Endpoint::store`).
 
-use std::io::{Read, Write};
+use std::io::Read;
 use std::mem::MaybeUninit;
 use std::net::{TcpStream, ToSocketAddrs};
-use std::os::fd::AsRawFd;
 use std::sync::Mutex;
 use std::time::{Duration, Instant};
 
 use tonic::Status;
 
 use crate::net::proto::Dtype;
-use crate::net::rows::{decode_error, encode_request, AnswerHead, ANSWER_HEAD};
+use crate::net::proto::{PushRequest, PushResponse};
+use crate::net::rows::{
+    decode_error, encode_meta, encode_request, recv_raw, write_parts, AnswerHead, CallHead,
+    ANSWER_HEAD, METHOD_PUSH,
+};
 use crate::net::wire;
 
 /// How long a port whose transport failed is not used.
@@ -70,36 +73,6 @@ pub(super) enum Pulled {
     Transport,
 }
 
-/// Reads exactly `len` bytes into `dst`.
-///
-/// SAFETY: `dst` must be valid for writes of `len` bytes.
-unsafe fn recv_raw(sock: &TcpStream, dst: *mut u8, len: usize) -> std::io::Result<()> {
-    let mut got = 0;
-    while got < len {
-        // SAFETY: the caller's `dst` is writable for `len` bytes; the kernel writes at most
-        // `len - got` bytes from `dst + got`.
-        let n = unsafe {
-            libc::recv(
-                sock.as_raw_fd(),
-                dst.add(got).cast::<libc::c_void>(),
-                len - got,
-                0,
-            )
-        };
-        match n {
-            0 => return Err(std::io::ErrorKind::UnexpectedEof.into()),
-            n if n > 0 => got += n as usize,
-            _ => {
-                let e = std::io::Error::last_os_error();
-                if e.kind() != std::io::ErrorKind::Interrupted {
-                    return Err(e);
-                }
-            }
-        }
-    }
-    Ok(())
-}
-
 impl Endpoint {
     /// The rows port `port` of the server named `server` (`host:port`); `store`: a store
     /// server's.
@@ -145,99 +118,241 @@ impl Endpoint {
         Err(last.unwrap_or_else(|| std::io::ErrorKind::NotFound.into()))
     }
 
-    /// Pulls `ask` into `out`: on a kept connection, and once more on a new one if that fails;
-    /// a second failure rests the port.
-    pub(super) fn pull(
+    /// Sends `n` requests on one connection, each after the answer to the one before:
+    /// `send(conn, k)` writes request k, `recv(conn, k)` reads its answer and says whether the
+    /// exchange goes on. On a kept connection, and once more on a new one if that fails (every
+    /// request again: a pull writes its rows again, a push's request ids make a second copy an
+    /// answer, not a second application); false when the transport failed (the port then
+    /// rests).
+    fn exchange(
         &self,
-        ask: &Ask<'_>,
-        out: &mut [MaybeUninit<f32>],
+        n: usize,
         timeout: Duration,
-    ) -> Pulled {
+        mut send: impl FnMut(&mut Conn, usize) -> Option<()>,
+        mut recv: impl FnMut(&mut Conn, usize) -> Option<Step>,
+    ) -> bool {
         let kept = self.idle.lock().unwrap_or_else(|e| e.into_inner()).pop();
         let fresh = kept.is_none();
         let mut conn = match kept.map_or_else(|| self.connect(timeout), Ok) {
             Ok(c) => c,
             Err(_) => return self.failed(),
         };
-        let mut r = self.call(&mut conn, ask, out);
+        let mut run = |conn: &mut Conn| -> Option<bool> {
+            for k in 0..n {
+                send(conn, k)?;
+                let step = recv(conn, k)?;
+                if step != Step::Next {
+                    return Some(step == Step::Stop);
+                }
+            }
+            Some(true)
+        };
+        let mut r = run(&mut conn);
         if r.is_none() && !fresh {
             // A kept connection the server may have closed meanwhile.
             conn = match self.connect(timeout) {
                 Ok(c) => c,
                 Err(_) => return self.failed(),
             };
-            r = self.call(&mut conn, ask, out);
+            r = run(&mut conn);
         }
-        match r {
-            None => self.failed(),
-            Some((p, reusable)) => {
-                if reusable {
-                    let mut idle = self.idle.lock().unwrap_or_else(|e| e.into_inner());
-                    if idle.len() < KEEP {
-                        idle.push(conn);
-                    }
-                }
-                p
-            }
-        }
-    }
-
-    fn failed(&self) -> Pulled {
-        *self.rest.lock().unwrap_or_else(|e| e.into_inner()) = Some(Instant::now() + REST);
-        self.idle.lock().unwrap_or_else(|e| e.into_inner()).clear();
-        Pulled::Transport
-    }
-
-    /// One request and its answer; `None` when the transport failed, else how it ended and
-    /// whether the connection can take another call.
-    fn call(
-        &self,
-        conn: &mut Conn,
-        ask: &Ask<'_>,
-        out: &mut [MaybeUninit<f32>],
-    ) -> Option<(Pulled, bool)> {
-        let Ask {
-            table,
-            token,
-            dtype,
-            ids,
-            dim,
-            meta,
-        } = *ask;
-        encode_request(&mut conn.req, table, token, meta, dtype as i32, ids);
-        conn.sock.write_all(&conn.req).ok()?;
+        let Some(reusable) = r else {
+            return self.failed();
+        };
         if conn.req.capacity() > 1 << 20 {
             conn.req = Vec::new();
         }
-        let mut head = [0u8; ANSWER_HEAD];
-        conn.sock.read_exact(&mut head).ok()?;
-        let h = AnswerHead::parse(&head).ok()?;
-        if h.code != 0 {
-            if h.len > MAX_ERROR {
-                return None;
+        if reusable {
+            let mut idle = self.idle.lock().unwrap_or_else(|e| e.into_inner());
+            if idle.len() < KEEP {
+                idle.push(conn);
             }
-            let mut body = vec![0u8; h.len as usize];
-            conn.sock.read_exact(&mut body).ok()?;
-            return Some((Pulled::Failed(decode_error(h.code, &body)), true));
         }
-        if h.dim as usize != dim {
-            // The rows are not read: the connection is not used again.
-            return Some((Pulled::Dim(h.dim), false));
+        true
+    }
+
+    /// Pulls `asks` into `out`, one after the other, each answer received into the next part
+    /// of `out`: the oldest generation read, or how the first part that did not answer rows
+    /// ended.
+    pub(super) fn pull(
+        &self,
+        asks: &[Ask<'_>],
+        out: &mut [MaybeUninit<f32>],
+        timeout: Duration,
+    ) -> Pulled {
+        let mut at = Vec::with_capacity(asks.len());
+        let mut end = 0;
+        for a in asks {
+            at.push(end);
+            end += a.ids.len() * a.dim;
         }
-        let dt = wire::dtype(h.dtype).ok()?;
-        let want = ids.len() * dim * wire::width(dt);
-        if h.len != want as u64 {
+        if end > out.len() {
+            return Pulled::Transport;
+        }
+        let mut result = Pulled::Rows(u64::MAX);
+        let ok = self.exchange(
+            asks.len(),
+            timeout,
+            |conn, k| {
+                let a = &asks[k];
+                encode_request(
+                    &mut conn.req,
+                    a.table,
+                    a.token,
+                    a.meta,
+                    a.dtype as i32,
+                    a.ids,
+                );
+                write_parts(&mut conn.sock, &[&conn.req]).ok()
+            },
+            |conn, k| {
+                if k == 0 {
+                    result = Pulled::Rows(u64::MAX);
+                }
+                let a = &asks[k];
+                let (p, step) = read_rows(conn, a, &mut out[at[k]..at[k] + a.ids.len() * a.dim])?;
+                match (p, &mut result) {
+                    (Pulled::Rows(g), Pulled::Rows(min)) => *min = (*min).min(g),
+                    (p, _) => result = p,
+                }
+                Some(step)
+            },
+        );
+        if ok {
+            result
+        } else {
+            Pulled::Transport
+        }
+    }
+
+    /// Pushes `parts` (each a whole `Push` message; their gradients go to the socket from
+    /// their own buffers, not copied into the request), one after the other: each part's
+    /// answer or refusal; None when the transport failed (nothing is known of the parts).
+    pub(super) fn push(
+        &self,
+        parts: &[PushRequest],
+        token: Option<&str>,
+        meta: &[(&str, &str)],
+        timeout: Duration,
+    ) -> Option<Vec<std::result::Result<PushResponse, Status>>> {
+        use prost::Message;
+        let token = token.unwrap_or("").as_bytes();
+        let mut answers: Vec<std::result::Result<PushResponse, Status>> = Vec::new();
+        let ok = self.exchange(
+            parts.len(),
+            timeout,
+            |conn, k| {
+                let m = &parts[k];
+                let grads = &m.grads;
+                let rest = PushRequest {
+                    grads: bytes::Bytes::new(),
+                    ..m.clone()
+                };
+                // The gradients' field after the others (protobuf takes fields in any order).
+                let mut tail = Vec::with_capacity(11);
+                if !grads.is_empty() {
+                    prost::encoding::encode_key(
+                        3,
+                        prost::encoding::WireType::LengthDelimited,
+                        &mut tail,
+                    );
+                    prost::encoding::encode_varint(grads.len() as u64, &mut tail);
+                }
+                let r = &mut conn.req;
+                r.clear();
+                r.extend_from_slice(&[0; crate::net::rows::REQUEST_HEAD]);
+                r.extend_from_slice(token);
+                let before = r.len();
+                encode_meta(r, meta);
+                let meta_len = r.len() - before;
+                rest.encode(r).ok()?;
+                r.extend_from_slice(&tail);
+                let body = r.len() - before - meta_len - token.len() + grads.len();
+                let head = CallHead {
+                    method: METHOD_PUSH,
+                    token: token.len(),
+                    meta: meta_len,
+                    body: body as u64,
+                };
+                r[..crate::net::rows::REQUEST_HEAD].copy_from_slice(&head.encode());
+                write_parts(&mut conn.sock, &[&conn.req, grads]).ok()
+            },
+            |conn, k| {
+                if k == 0 {
+                    answers.clear();
+                }
+                let mut head = [0u8; ANSWER_HEAD];
+                conn.sock.read_exact(&mut head).ok()?;
+                let h = AnswerHead::parse(&head).ok()?;
+                if h.len > MAX_ERROR {
+                    return None;
+                }
+                let mut body = vec![0u8; h.len as usize];
+                conn.sock.read_exact(&mut body).ok()?;
+                answers.push(if h.code != 0 {
+                    Err(decode_error(h.code, &body))
+                } else {
+                    Ok(PushResponse::decode(body.as_slice()).ok()?)
+                });
+                Some(Step::Next)
+            },
+        );
+        (ok && answers.len() == parts.len()).then_some(answers)
+    }
+
+    fn failed(&self) -> bool {
+        *self.rest.lock().unwrap_or_else(|e| e.into_inner()) = Some(Instant::now() + REST);
+        self.idle.lock().unwrap_or_else(|e| e.into_inner()).clear();
+        false
+    }
+}
+
+/// How an answer of an exchange ended.
+#[derive(Clone, Copy, PartialEq)]
+enum Step {
+    /// Read whole: the next request follows.
+    Next,
+    /// Read whole, but the exchange ends here (the connection can be kept).
+    Stop,
+    /// Not read (or not whole): the exchange ends here and the connection is not used again.
+    Abandon,
+}
+
+/// Reads the answer to pull `ask` into `out`; `None` when the transport failed.
+fn read_rows(
+    conn: &mut Conn,
+    ask: &Ask<'_>,
+    out: &mut [MaybeUninit<f32>],
+) -> Option<(Pulled, Step)> {
+    let (ids, dim) = (ask.ids, ask.dim);
+    let mut head = [0u8; ANSWER_HEAD];
+    conn.sock.read_exact(&mut head).ok()?;
+    let h = AnswerHead::parse(&head).ok()?;
+    if h.code != 0 {
+        if h.len > MAX_ERROR {
             return None;
         }
-        if dt == Dtype::Float32 && cfg!(target_endian = "little") {
-            // SAFETY: `out` holds ids.len() * dim floats, `want` bytes; the kernel writes them.
-            unsafe { recv_raw(&conn.sock, out.as_mut_ptr().cast::<u8>(), want) }.ok()?;
-        } else {
-            let mut body = vec![0u8; want];
-            conn.sock.read_exact(&mut body).ok()?;
-            let pos: Vec<u32> = (0..ids.len() as u32).collect();
-            wire::scatter_rows(&bytes::Bytes::from(body), dt, &pos, dim, out).ok()?;
-        }
-        Some((Pulled::Rows(h.generation), true))
+        let mut body = vec![0u8; h.len as usize];
+        conn.sock.read_exact(&mut body).ok()?;
+        return Some((Pulled::Failed(decode_error(h.code, &body)), Step::Stop));
     }
+    if h.dim as usize != dim {
+        // The rows are not read: the connection is not used again.
+        return Some((Pulled::Dim(h.dim), Step::Abandon));
+    }
+    let dt = wire::dtype(h.dtype).ok()?;
+    let want = ids.len() * dim * wire::width(dt);
+    if h.len != want as u64 {
+        return None;
+    }
+    if dt == Dtype::Float32 && cfg!(target_endian = "little") {
+        // SAFETY: `out` holds ids.len() * dim floats, `want` bytes; the kernel writes them.
+        unsafe { recv_raw(&conn.sock, out.as_mut_ptr().cast::<u8>(), want) }.ok()?;
+    } else {
+        let mut body = vec![0u8; want];
+        conn.sock.read_exact(&mut body).ok()?;
+        let pos: Vec<u32> = (0..ids.len() as u32).collect();
+        wire::scatter_rows(&bytes::Bytes::from(body), dt, &pos, dim, out).ok()?;
+    }
+    Some((Pulled::Rows(h.generation), Step::Next))
 }

@@ -18,6 +18,12 @@
 //! of a key and a value (each a u32 length and its ASCII bytes), the gRPC metadata a `Pull` over
 //! gRPC would carry (a store server's routing epoch and layout).
 //!
+//! A call (decision 0129): a 24-byte head, `b"PSc1"`, the method (u32, [`METHOD_PUSH`]), the
+//! token's length (u32), the metadata's length (u32), the message's length (u64); then the
+//! token, the metadata (pairs as above) and the method's request message (protobuf, as gRPC
+//! carries it in its frames). Its answer's head has dtype, width and generation 0 and is
+//! followed by the answer's message (protobuf).
+//!
 //! Answer: a 32-byte head, `b"PSa1"`, the gRPC status code (u32, 0: OK), the dtype (u32), the
 //! row width (u32), the generation read (u64, a pull's `seq` and `version`), the length of what
 //! follows (u64). After an OK head: the rows, as `PullResponse.rows` holds them. After an
@@ -44,6 +50,132 @@ pub const ANSWER_HEAD: usize = 32;
 pub const MAX_TABLE: usize = 4096;
 /// The longest token a request may carry.
 pub const MAX_TOKEN: usize = 4096;
+
+/// The first bytes of a call.
+pub const CALL_MAGIC: [u8; 4] = *b"PSc1";
+/// A call's method: `Push`.
+pub const METHOD_PUSH: u32 = 1;
+
+/// A call's head.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct CallHead {
+    /// What is called ([`METHOD_PUSH`]).
+    pub method: u32,
+    /// Bytes of the token.
+    pub token: usize,
+    /// Bytes of metadata.
+    pub meta: usize,
+    /// Bytes of the request message.
+    pub body: u64,
+}
+
+impl CallHead {
+    /// The head's bytes.
+    pub fn encode(&self) -> [u8; REQUEST_HEAD] {
+        let mut b = [0u8; REQUEST_HEAD];
+        b[..4].copy_from_slice(&CALL_MAGIC);
+        b[4..8].copy_from_slice(&self.method.to_le_bytes());
+        b[8..12].copy_from_slice(&(self.token as u32).to_le_bytes());
+        b[12..16].copy_from_slice(&(self.meta as u32).to_le_bytes());
+        b[16..24].copy_from_slice(&self.body.to_le_bytes());
+        b
+    }
+
+    /// The call head in `b` (whose first bytes are [`CALL_MAGIC`]), or what is wrong with it
+    /// (then the connection cannot be read on).
+    pub fn parse(b: &[u8; REQUEST_HEAD]) -> Result<Self, String> {
+        let h = Self {
+            method: u32_at(b, 4),
+            token: u32_at(b, 8) as usize,
+            meta: u32_at(b, 12) as usize,
+            body: u64_at(b, 16),
+        };
+        if h.token > MAX_TOKEN {
+            return Err(format!(
+                "a token of {} bytes (at most {MAX_TOKEN})",
+                h.token
+            ));
+        }
+        if h.meta > MAX_META {
+            return Err(format!("{} bytes of metadata (at most {MAX_META})", h.meta));
+        }
+        Ok(h)
+    }
+}
+
+/// The metadata pairs, encoded as requests carry them, appended to `out`.
+pub fn encode_meta(out: &mut Vec<u8>, meta: &[(&str, &str)]) {
+    for (k, v) in meta {
+        for part in [k, v] {
+            out.extend_from_slice(&(part.len() as u32).to_le_bytes());
+            out.extend_from_slice(part.as_bytes());
+        }
+    }
+}
+
+/// Writes `parts` in order, with as few calls as the socket takes.
+pub fn write_parts(sock: &mut std::net::TcpStream, parts: &[&[u8]]) -> std::io::Result<()> {
+    use std::io::{IoSlice, Write};
+    let mut at = 0;
+    let mut first = parts.first().copied().unwrap_or(&[]);
+    while at < parts.len() {
+        let mut slices = Vec::with_capacity(parts.len() - at);
+        slices.push(IoSlice::new(first));
+        slices.extend(parts[at + 1..].iter().map(|p| IoSlice::new(p)));
+        let mut n = match sock.write_vectored(&slices) {
+            Ok(0) if slices.iter().any(|s| !s.is_empty()) => {
+                return Err(std::io::ErrorKind::WriteZero.into())
+            }
+            Ok(n) => n,
+            Err(e) if e.kind() == std::io::ErrorKind::Interrupted => continue,
+            Err(e) => return Err(e),
+        };
+        // Skips what was written: whole parts, then into the first one left.
+        while at < parts.len() && n >= first.len() {
+            n -= first.len();
+            at += 1;
+            first = parts.get(at).copied().unwrap_or(&[]);
+        }
+        first = &first[n..];
+    }
+    Ok(())
+}
+
+/// Reads exactly `len` bytes into `dst`, which need not be initialised.
+///
+/// # Safety
+/// `dst` must be valid for writes of `len` bytes.
+pub unsafe fn recv_raw(
+    sock: &std::net::TcpStream,
+    dst: *mut u8,
+    len: usize,
+) -> std::io::Result<()> {
+    use std::os::fd::AsRawFd;
+    let mut got = 0;
+    while got < len {
+        // SAFETY: the caller's `dst` is writable for `len` bytes; the kernel writes at most
+        // `len - got` bytes from `dst + got`.
+        let n = unsafe {
+            libc::recv(
+                sock.as_raw_fd(),
+                dst.add(got).cast::<libc::c_void>(),
+                len - got,
+                0,
+            )
+        };
+        match n {
+            0 => return Err(std::io::ErrorKind::UnexpectedEof.into()),
+            n if n > 0 => got += n as usize,
+            _ => {
+                let e = std::io::Error::last_os_error();
+                if e.kind() != std::io::ErrorKind::Interrupted {
+                    return Err(e);
+                }
+            }
+        }
+    }
+    Ok(())
+}
 
 /// A request's head.
 #[derive(Debug, Clone, Copy, PartialEq)]
@@ -89,12 +221,7 @@ pub fn encode_request(
     }
     out.extend_from_slice(table.as_bytes());
     out.extend_from_slice(token);
-    for (k, v) in meta {
-        for part in [k, v] {
-            out.extend_from_slice(&(part.len() as u32).to_le_bytes());
-            out.extend_from_slice(part.as_bytes());
-        }
-    }
+    encode_meta(out, meta);
     if cfg!(target_endian = "little") {
         // SAFETY: any u64 is valid as 8 bytes; the length is in bytes.
         out.extend_from_slice(unsafe {
@@ -121,10 +248,11 @@ fn u64_at(b: &[u8], at: usize) -> u64 {
 pub fn parse_request_head(b: &[u8; REQUEST_HEAD]) -> Result<RequestHead, String> {
     if b[..4] != REQUEST_MAGIC && b[..4] != REQUEST_MAGIC_META {
         return Err(format!(
-            "not a pstore rows request (it starts with {:?}, not {:?} or {:?})",
+            "not a pstore rows request (it starts with {:?}, not {:?}, {:?} or {:?})",
             String::from_utf8_lossy(&b[..4]),
             String::from_utf8_lossy(&REQUEST_MAGIC),
-            String::from_utf8_lossy(&REQUEST_MAGIC_META)
+            String::from_utf8_lossy(&REQUEST_MAGIC_META),
+            String::from_utf8_lossy(&CALL_MAGIC)
         ));
     }
     let h = RequestHead {

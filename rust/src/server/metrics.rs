@@ -28,6 +28,8 @@ struct Method {
 #[derive(Default)]
 pub struct Metrics {
     methods: Mutex<BTreeMap<&'static str, Method>>,
+    /// Of those, the requests that came on the rows port, by method.
+    rows_port: Mutex<BTreeMap<&'static str, u64>>,
 }
 
 /// A table's numbers at scrape time.
@@ -128,9 +130,27 @@ impl Metrics {
         }
     }
 
+    /// Counts one request of `method` that came on the rows port (it is observed as any
+    /// other call too).
+    pub fn rows_port_request(&self, method: &'static str) {
+        let mut m = self.rows_port.lock().unwrap_or_else(|e| e.into_inner());
+        *m.entry(method).or_default() += 1;
+    }
+
     /// The exposition text.
     pub fn render(&self, s: &Sample) -> String {
         let mut o = String::new();
+        {
+            let r = self.rows_port.lock().unwrap_or_else(|e| e.into_inner());
+            o.push_str(
+                "# HELP pstore_rows_port_requests_total Requests that came on the rows port, by \
+                 method (counted in pstore_requests_total too).\n",
+            );
+            o.push_str("# TYPE pstore_rows_port_requests_total counter\n");
+            for (k, n) in r.iter() {
+                let _ = writeln!(o, "pstore_rows_port_requests_total{{method=\"{k}\"}} {n}");
+            }
+        }
         let m = self.methods.lock().unwrap_or_else(|e| e.into_inner());
         o.push_str("# HELP pstore_requests_total Requests answered, by method.\n");
         o.push_str("# TYPE pstore_requests_total counter\n");

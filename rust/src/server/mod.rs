@@ -1749,8 +1749,12 @@ pub fn start(store: Arc<Store>, config: ServerConfig) -> Result<ServerHandle> {
     );
     if let (Ok(h), Some(l)) = (&mut h, rows_listener) {
         let (svc, rt) = (Service(Arc::clone(&inner)), h.runtime()?);
-        let handler: Arc<rows::Handler> = Arc::new(move |c, _| rows_pull(&svc, &rt, c));
-        h.rows = Some(rows::serve(l, config.limits, config.max_message, handler)?);
+        let (svc2, rt2) = (Service(Arc::clone(&inner)), rt.clone());
+        let handlers = rows::Handlers {
+            pull: Arc::new(move |c, _| rows_pull(&svc, &rt, c)),
+            call: Some(Arc::new(move |c| rows_call(&svc2, &rt2, c))),
+        };
+        h.rows = Some(rows::serve(l, config.limits, config.max_message, handlers)?);
     }
     if let (Ok(h), Some(g)) = (&mut h, group) {
         g.spawn(&h.addr().to_string())?;
@@ -1767,26 +1771,16 @@ fn rows_pull(
     rt: &tokio::runtime::Handle,
     c: &rows::Call<'_>,
 ) -> std::result::Result<rows::Rows, Status> {
-    let mut req = Request::new(PullRequest {
-        table: c.table.to_string(),
-        ids: wire::encode_ids(c.ids),
-        dtype: c.dtype,
-    });
-    let bad = |what: &str| Status::invalid_argument(format!("rows port: {what}"));
-    for &(k, v) in c.meta {
-        let key = tonic::metadata::AsciiMetadataKey::from_bytes(k.as_bytes())
-            .map_err(|_| bad(&format!("{k:?} is not a metadata key")))?;
-        let value = tonic::metadata::AsciiMetadataValue::try_from(v)
-            .map_err(|_| bad(&format!("the value of {k:?} is not a metadata value")))?;
-        req.metadata_mut().insert(key, value);
-    }
-    if let Some(t) = c.token {
-        let v = std::str::from_utf8(t)
-            .ok()
-            .and_then(|t| format!("Bearer {t}").parse().ok())
-            .ok_or_else(|| Status::unauthenticated("the token is not ASCII"))?;
-        req.metadata_mut().insert("authorization", v);
-    }
+    let req = rows_request(
+        PullRequest {
+            table: c.table.to_string(),
+            ids: wire::encode_ids(c.ids),
+            dtype: c.dtype,
+        },
+        c.meta,
+        c.token,
+    )?;
+    svc.0.metrics.rows_port_request("Pull");
     let mut answer = rt.block_on(PStore::pull(svc, req))?;
     let rows = match answer.extensions_mut().remove::<splice::SplicedRows>() {
         Some(r) => r.0,
@@ -1800,6 +1794,55 @@ fn rows_pull(
         bytes: rows.len(),
         own: Some(rows),
     })
+}
+
+/// `msg` as a gRPC request with the metadata and token a rows request carries.
+fn rows_request<T>(
+    msg: T,
+    meta: &[(&str, &str)],
+    token: Option<&[u8]>,
+) -> std::result::Result<Request<T>, Status> {
+    let mut req = Request::new(msg);
+    let bad = |what: &str| Status::invalid_argument(format!("rows port: {what}"));
+    for &(k, v) in meta {
+        let key = tonic::metadata::AsciiMetadataKey::from_bytes(k.as_bytes())
+            .map_err(|_| bad(&format!("{k:?} is not a metadata key")))?;
+        let value = tonic::metadata::AsciiMetadataValue::try_from(v)
+            .map_err(|_| bad(&format!("the value of {k:?} is not a metadata value")))?;
+        req.metadata_mut().insert(key, value);
+    }
+    if let Some(t) = token {
+        let v = std::str::from_utf8(t)
+            .ok()
+            .and_then(|t| format!("Bearer {t}").parse().ok())
+            .ok_or_else(|| Status::unauthenticated("the token is not ASCII"))?;
+        req.metadata_mut().insert("authorization", v);
+    }
+    Ok(req)
+}
+
+/// A call on the rows port (decision 0129): a push, decoded from the port's buffer (its
+/// gradients are not copied) and answered by the gRPC handler on the calling thread.
+fn rows_call(
+    svc: &Service,
+    rt: &tokio::runtime::Handle,
+    c: &rows::UnaryCall<'_>,
+) -> std::result::Result<Vec<u8>, Status> {
+    use prost::Message;
+    if c.method != crate::net::rows::METHOD_PUSH {
+        return Err(Status::unimplemented(format!(
+            "rows port: no method {} (1: Push)",
+            c.method
+        )));
+    }
+    let msg = PushRequest::decode(c.body.clone())
+        .map_err(|e| Status::invalid_argument(format!("rows port: a malformed push: {e}")))?;
+    let req = rows_request(msg, c.meta, c.token)?;
+    svc.0.metrics.rows_port_request("Push");
+    Ok(rt
+        .block_on(PStore::push(svc, req))?
+        .into_inner()
+        .encode_to_vec())
 }
 
 /// A TLS acceptor for the metrics port from the gRPC port's PEM certificate chain and key.

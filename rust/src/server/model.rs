@@ -558,7 +558,11 @@ pub fn start(
     if let Some(l) = rows_listener {
         let i = Arc::clone(&inner);
         let handler: Arc<rows::Handler> = Arc::new(move |c, buf| i.rows_call(c, buf));
-        handle.rows = Some(rows::serve(l, config.limits, config.max_message, handler)?);
+        let handlers = rows::Handlers {
+            pull: handler,
+            call: None,
+        };
+        handle.rows = Some(rows::serve(l, config.limits, config.max_message, handlers)?);
     }
     Ok(handle)
 }

@@ -4,6 +4,10 @@
 //! fills one), and sends head and rows with one write. The buffer is kept across calls (no
 //! fill, no page faults); the request is handled on the thread that read it.
 //!
+//! A store server also takes calls (`PSc1`, decision 0129): a push's protobuf message read
+//! into a buffer kept across calls and decoded in place (the gradients stay where the socket
+//! put them), answered by the same `Push` handler as over gRPC.
+//!
 //! A request the server cannot frame (a foreign protocol, a name or token over the limits, ids
 //! over the message limit) is answered with an error and its connection closed; any other
 //! failure is an error answer and the connection goes on.
@@ -22,8 +26,8 @@ use tonic::Status;
 use super::conn::Limits;
 use crate::error::{invalid, Error, Result};
 use crate::net::rows::{
-    encode_error, parse_meta, parse_meta_head, parse_request_head, AnswerHead, ANSWER_HEAD,
-    META_HEAD, REQUEST_HEAD,
+    encode_error, parse_meta, parse_meta_head, parse_request_head, recv_raw, write_parts,
+    AnswerHead, CallHead, ANSWER_HEAD, CALL_MAGIC, META_HEAD, REQUEST_HEAD,
 };
 
 /// Floats of the answer buffer in front of the rows: the answer's head.
@@ -66,6 +70,32 @@ pub struct Rows {
 pub type Handler =
     dyn Fn(&Call<'_>, &mut Vec<f32>) -> std::result::Result<Rows, Status> + Send + Sync + 'static;
 
+/// A call as the rows port received it (`PSc1`).
+pub struct UnaryCall<'a> {
+    /// The method ([`crate::net::rows::METHOD_PUSH`]).
+    pub method: u32,
+    /// The request's token, if it carries one.
+    pub token: Option<&'a [u8]>,
+    /// The request's metadata (key, value), as the same call over gRPC carries it.
+    pub meta: &'a [(&'a str, &'a str)],
+    /// The request message (protobuf).
+    pub body: bytes::Bytes,
+}
+
+/// Answers a call with its answer message (protobuf), or fails with the status the gRPC path
+/// would answer.
+pub type CallHandler =
+    dyn Fn(&UnaryCall<'_>) -> std::result::Result<Vec<u8>, Status> + Send + Sync + 'static;
+
+/// What a port answers: pulls, and calls when it takes any.
+#[derive(Clone)]
+pub struct Handlers {
+    /// Pulls (`PSq1`, `PSq2`).
+    pub pull: Arc<Handler>,
+    /// Calls (`PSc1`); None: every call is refused (a model server takes pulls only).
+    pub call: Option<Arc<CallHandler>>,
+}
+
 /// The port's listener and connections; [`RowsPort::stop`] (or dropping it) closes them all.
 pub struct RowsPort {
     addr: SocketAddr,
@@ -105,7 +135,7 @@ pub fn serve(
     listener: TcpListener,
     limits: Limits,
     max_message: usize,
-    handler: Arc<Handler>,
+    handler: Handlers,
 ) -> Result<RowsPort> {
     let addr = listener
         .local_addr()
@@ -174,7 +204,7 @@ fn accept_loop(
     listener: TcpListener,
     limits: Limits,
     max_message: usize,
-    handler: Arc<Handler>,
+    handler: Handlers,
     stop: Arc<AtomicBool>,
     conns: Arc<Mutex<HashMap<u64, TcpStream>>>,
 ) {
@@ -208,12 +238,12 @@ fn accept_loop(
                 Err(_) => continue,
             };
         }
-        let (h, cs) = (Arc::clone(&handler), Arc::clone(&conns));
+        let (h, cs) = (handler.clone(), Arc::clone(&conns));
         let timeout = Duration::from_secs_f64(limits.handshake_timeout);
         let spawned = std::thread::Builder::new()
             .name("pstore-rows-conn".into())
             .spawn(move || {
-                serve_conn(sock, timeout, max_message, &*h);
+                serve_conn(sock, timeout, max_message, &h);
                 cs.lock().unwrap_or_else(|e| e.into_inner()).remove(&id);
             });
         if spawned.is_err() {
@@ -234,25 +264,8 @@ fn bytes_of_mut<T: Copy>(v: &mut [T]) -> &mut [u8] {
     unsafe { std::slice::from_raw_parts_mut(v.as_mut_ptr().cast::<u8>(), std::mem::size_of_val(v)) }
 }
 
-/// Writes `head` then `body`, with as few calls as the socket takes.
-fn write_both(sock: &mut TcpStream, head: &[u8], body: &[u8]) -> std::io::Result<()> {
-    let (mut h, mut b) = (head, body);
-    while !h.is_empty() || !b.is_empty() {
-        let n = match sock.write_vectored(&[std::io::IoSlice::new(h), std::io::IoSlice::new(b)]) {
-            Ok(0) => return Err(std::io::ErrorKind::WriteZero.into()),
-            Ok(n) => n,
-            Err(e) if e.kind() == std::io::ErrorKind::Interrupted => continue,
-            Err(e) => return Err(e),
-        };
-        let from_head = n.min(h.len());
-        h = &h[from_head..];
-        b = &b[n - from_head..];
-    }
-    Ok(())
-}
-
 /// Answers the requests of one connection until it closes or fails.
-fn serve_conn(mut sock: TcpStream, handshake: Duration, max_message: usize, handler: &Handler) {
+fn serve_conn(mut sock: TcpStream, handshake: Duration, max_message: usize, handlers: &Handlers) {
     let _ = sock.set_nodelay(true);
     // The first request must come within the handshake timeout; later ones may wait.
     let _ = sock.set_read_timeout(Some(handshake));
@@ -260,6 +273,7 @@ fn serve_conn(mut sock: TcpStream, handshake: Duration, max_message: usize, hand
     let mut text = Vec::new();
     let mut ids: Vec<u64> = Vec::new();
     let mut buf: Vec<f32> = Vec::new();
+    let mut body = bytes::BytesMut::new();
     let mut first = true;
     loop {
         if sock.read_exact(&mut head).is_err() {
@@ -268,6 +282,19 @@ fn serve_conn(mut sock: TcpStream, handshake: Duration, max_message: usize, hand
         if first {
             first = false;
             let _ = sock.set_read_timeout(None);
+        }
+        if head[..4] == CALL_MAGIC {
+            match serve_call(
+                &mut sock,
+                &head,
+                max_message,
+                handlers,
+                &mut text,
+                &mut body,
+            ) {
+                Some(true) => continue,
+                _ => return,
+            }
         }
         let h = match parse_request_head(&head) {
             Ok(h) => h,
@@ -321,7 +348,7 @@ fn serve_conn(mut sock: TcpStream, handshake: Duration, max_message: usize, hand
         let answer = match (std::str::from_utf8(name), parse_meta(meta)) {
             (Err(_), _) => Err(Status::invalid_argument("the table name is not UTF-8")),
             (_, Err(m)) => Err(Status::invalid_argument(m)),
-            (Ok(table), Ok(meta)) => handler(
+            (Ok(table), Ok(meta)) => (handlers.pull)(
                 &Call {
                     token: (h.token > 0).then_some(token),
                     table,
@@ -343,7 +370,7 @@ fn serve_conn(mut sock: TcpStream, handshake: Duration, max_message: usize, hand
                 }
                 .encode();
                 match &r.own {
-                    Some(rows) => write_both(&mut sock, &head, rows).is_ok(),
+                    Some(rows) => write_parts(&mut sock, &[&head, rows]).is_ok(),
                     None => {
                         let out = bytes_of_mut(&mut buf);
                         out[..ANSWER_HEAD].copy_from_slice(&head);
@@ -364,4 +391,79 @@ fn serve_conn(mut sock: TcpStream, handshake: Duration, max_message: usize, hand
             return;
         }
     }
+}
+
+/// Reads the rest of a call whose head is `head` and answers it: `Some(true)` when the
+/// connection can go on, `Some(false)` when it must close after the answer sent, `None` when
+/// it failed. `text` and `body` are the connection's buffers.
+fn serve_call(
+    sock: &mut TcpStream,
+    head: &[u8; REQUEST_HEAD],
+    max_message: usize,
+    handlers: &Handlers,
+    text: &mut Vec<u8>,
+    body: &mut bytes::BytesMut,
+) -> Option<bool> {
+    let h = match CallHead::parse(head) {
+        Ok(h) => h,
+        Err(m) => {
+            refuse(sock, &Status::invalid_argument(m));
+            return Some(false);
+        }
+    };
+    let size = usize::try_from(h.body).unwrap_or(usize::MAX);
+    if size > max_message {
+        refuse(
+            sock,
+            &Status::out_of_range(format!(
+                "Error, decoded message length too large: found {size} bytes, the limit is: \
+                 {max_message} bytes"
+            )),
+        );
+        return Some(false);
+    }
+    text.resize(h.token + h.meta, 0);
+    sock.read_exact(text).ok()?;
+    // The message goes where the socket puts it, in a buffer the last call's message freed
+    // (`reserve` takes it back once nothing holds it).
+    body.clear();
+    body.reserve(size);
+    // SAFETY: `reserve` made room for `size` bytes after the (empty) buffer's start; the
+    // kernel writes them all before the length is set.
+    unsafe {
+        recv_raw(sock, body.as_mut_ptr(), size).ok()?;
+        body.set_len(size);
+    }
+    let message = body.split().freeze();
+    let (token, meta) = text.split_at(h.token);
+    let answer = match (&handlers.call, parse_meta(meta)) {
+        (None, _) => Err(Status::unimplemented(
+            "this server's rows port answers pulls only",
+        )),
+        (_, Err(m)) => Err(Status::invalid_argument(m)),
+        (Some(call), Ok(meta)) => call(&UnaryCall {
+            method: h.method,
+            token: (h.token > 0).then_some(token),
+            meta: &meta,
+            body: message,
+        }),
+    };
+    let sent = match answer {
+        Ok(a) => {
+            let head = AnswerHead {
+                code: 0,
+                dtype: 0,
+                dim: 0,
+                generation: 0,
+                len: a.len() as u64,
+            }
+            .encode();
+            write_parts(sock, &[&head, &a]).is_ok()
+        }
+        Err(s) => refuse(sock, &s),
+    };
+    if size > KEEP_BYTES {
+        *body = bytes::BytesMut::new();
+    }
+    sent.then_some(true)
 }
