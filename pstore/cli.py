@@ -788,8 +788,8 @@ def _server_options(p: argparse.ArgumentParser, *, token: str, logs: str) -> Non
         "--rows-port",
         type=int,
         default=None,
-        help="also answer pulls on this plain TCP port of --host (0: any; not with TLS; "
-        "pstore.connect clients find and use it, docs/PROTOCOL.md 'Rows port')",
+        help="also answer pulls (a store server: and pushes) on this plain TCP port of --host (0: "
+        "any; not with TLS; pstore.connect clients find and use it, docs/PROTOCOL.md 'Rows port')",
     )
     p.add_argument(
         "--metrics-host", default=None, help="bind address of the metrics port (default: --host)"

@@ -88,11 +88,12 @@ class Server:
         it accepts a write, whether it is primary of a newer epoch, and then follows it: a
         primary killed before it recorded its followers cannot come back as a second primary.
     rows_port : int, optional
-        Also serve pulls on this plain TCP port of ``host`` (0: any free port; docs/PROTOCOL.md,
-        "Rows port"). :func:`pstore.connect` learns it from the server's status and sends a pull
-        that goes to this server alone there, answered by the same code as over gRPC (tokens,
-        routing and layout checks included) without HTTP/2; anything the port refuses or
-        cannot carry goes over gRPC. Not with TLS (the port is not encrypted).
+        Also serve pulls and pushes on this plain TCP port of ``host`` (0: any free port;
+        docs/PROTOCOL.md, "Rows port"). :func:`pstore.connect` learns it from the server's status
+        and sends a pull or push that goes to this server alone there, answered by the same code
+        as over gRPC (tokens, routing and layout checks, request ids included) without HTTP/2;
+        anything the port refuses or cannot carry goes over gRPC. Not with TLS (the port is not
+        encrypted).
     """
 
     def __init__(

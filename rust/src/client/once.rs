@@ -200,6 +200,7 @@ impl Client {
                         job: job.clone(),
                         worker,
                         split_from: Vec::new(),
+                        pad: bytes::Bytes::new(),
                     },
                 ));
             }

@@ -243,39 +243,34 @@ impl Endpoint {
             timeout,
             |conn, k| {
                 let m = &parts[k];
-                let grads = &m.grads;
                 let rest = PushRequest {
+                    ids: bytes::Bytes::new(),
                     grads: bytes::Bytes::new(),
                     ..m.clone()
                 };
-                // The gradients' field after the others (protobuf takes fields in any order).
-                let mut tail = Vec::with_capacity(11);
-                if !grads.is_empty() {
-                    prost::encoding::encode_key(
-                        3,
-                        prost::encoding::WireType::LengthDelimited,
-                        &mut tail,
-                    );
-                    prost::encoding::encode_varint(grads.len() as u64, &mut tail);
-                }
                 let r = &mut conn.req;
                 r.clear();
                 r.extend_from_slice(&[0; crate::net::rows::REQUEST_HEAD]);
                 r.extend_from_slice(token);
-                let before = r.len();
                 encode_meta(r, meta);
-                let meta_len = r.len() - before;
+                let body = r.len();
                 rest.encode(r).ok()?;
-                r.extend_from_slice(&tail);
-                let body = r.len() - before - meta_len - token.len() + grads.len();
+                // The ids, then the gradients, each after a pad that puts it where the server
+                // reads it in place (8- and 4-byte aligned from the message's start, which
+                // the server's buffer aligns); they go to the socket from their own buffers.
+                let at = r.len() - body;
+                field_head(r, at, 2, m.ids.len(), 8);
+                let mut mid = Vec::with_capacity(32);
+                field_head(&mut mid, r.len() - body + m.ids.len(), 3, m.grads.len(), 4);
+                let len = r.len() - body + m.ids.len() + mid.len() + m.grads.len();
                 let head = CallHead {
                     method: METHOD_PUSH,
                     token: token.len(),
-                    meta: meta_len,
-                    body: body as u64,
+                    meta: body - crate::net::rows::REQUEST_HEAD - token.len(),
+                    body: len as u64,
                 };
                 r[..crate::net::rows::REQUEST_HEAD].copy_from_slice(&head.encode());
-                write_parts(&mut conn.sock, &[&conn.req, grads]).ok()
+                write_parts(&mut conn.sock, &[&conn.req, &m.ids, &mid, &m.grads]).ok()
             },
             |conn, k| {
                 if k == 0 {
@@ -305,6 +300,25 @@ impl Endpoint {
         self.idle.lock().unwrap_or_else(|e| e.into_inner()).clear();
         false
     }
+}
+
+/// Appends the head of protobuf field `num` (length-delimited, `len` bytes) to `out`, after a
+/// `pad` field sized so that the field's bytes start a multiple of `align` bytes from the
+/// message's start; `at` is where `out`'s end sits in the message. Nothing for an empty field.
+fn field_head(out: &mut Vec<u8>, at: usize, num: u32, len: usize, align: usize) {
+    use prost::encoding::{encode_key, encode_varint, encoded_len_varint, key_len, WireType};
+    if len == 0 {
+        return;
+    }
+    const PAD: u32 = 127;
+    // A pad field is its key, a one-byte length and that many bytes.
+    let head = key_len(num) + encoded_len_varint(len as u64);
+    let fill = (align - (at + key_len(PAD) + 1 + head) % align) % align;
+    encode_key(PAD, WireType::LengthDelimited, out);
+    encode_varint(fill as u64, out);
+    out.resize(out.len() + fill, 0);
+    encode_key(num, WireType::LengthDelimited, out);
+    encode_varint(len as u64, out);
 }
 
 /// How an answer of an exchange ended.
@@ -355,4 +369,50 @@ fn read_rows(
         wire::scatter_rows(&bytes::Bytes::from(body), dt, &pos, dim, out).ok()?;
     }
     Some((Pulled::Rows(h.generation), Step::Next))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use prost::Message;
+
+    #[test]
+    fn padded_fields_start_aligned_and_decode_as_the_message() {
+        for table in ["", "t", "a longer table name"] {
+            for n in [0usize, 1, 3, 4096] {
+                let m = PushRequest {
+                    table: table.into(),
+                    ids: (0..n as u64).flat_map(u64::to_le_bytes).collect(),
+                    grads: (0..n * 3).map(|i| i as u8).collect(),
+                    request_id: Some(crate::net::proto::RequestId { client: 1, seq: 2 }),
+                    ..Default::default()
+                };
+                let rest = PushRequest {
+                    ids: bytes::Bytes::new(),
+                    grads: bytes::Bytes::new(),
+                    ..m.clone()
+                };
+                let mut out = rest.encode_to_vec();
+                let at = out.len();
+                field_head(&mut out, at, 2, m.ids.len(), 8);
+                let ids_at = out.len();
+                out.extend_from_slice(&m.ids);
+                let at = out.len();
+                field_head(&mut out, at, 3, m.grads.len(), 4);
+                let grads_at = out.len();
+                out.extend_from_slice(&m.grads);
+                if n > 0 {
+                    assert_eq!((ids_at % 8, grads_at % 4), (0, 0));
+                }
+                let back = PushRequest::decode(bytes::Bytes::from(out)).unwrap();
+                assert_eq!(
+                    PushRequest {
+                        pad: bytes::Bytes::new(),
+                        ..back
+                    },
+                    m
+                );
+            }
+        }
+    }
 }

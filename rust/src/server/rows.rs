@@ -37,6 +37,11 @@ pub const HEAD_WORDS: usize = ANSWER_HEAD / 4;
 /// float32 answer is 1 MiB): an idle connection holds at most this much.
 const KEEP_BYTES: usize = 2 << 20;
 
+/// Call messages up to this many bytes keep their buffer for the next call: pstore's client
+/// sends pushes in messages of at most 4 MiB of ids and gradients (`CHUNK_BYTES`), each of
+/// which would otherwise fault a fresh buffer in.
+const KEEP_CALL_BYTES: usize = 5 << 20;
+
 /// One pull as the rows port received it.
 pub struct Call<'a> {
     /// The request's token, if it carries one.
@@ -462,7 +467,7 @@ fn serve_call(
         }
         Err(s) => refuse(sock, &s),
     };
-    if size > KEEP_BYTES {
+    if size > KEEP_CALL_BYTES {
         *body = bytes::BytesMut::new();
     }
     sent.then_some(true)
