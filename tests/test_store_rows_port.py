@@ -332,3 +332,41 @@ def test_a_writer_behind_a_join_pushes_on_the_rows_port_and_the_moved_parts_over
         assert sum(per_server) == len(ids) and min(per_server) > 0
     finally:
         assert stop_all(procs) == [0, 0]
+
+
+def test_a_list_of_several_servers_pulls_and_pushes_on_every_rows_port(rng):
+    """Two servers with rows ports and two without, as two lists of two: the same pulls (new
+    rows created, a batch with no id on one server) and pushes (Adagrad, repeated ids) leave
+    both lists' rows bit-identical, every pull and push of the first list came on the ports, and
+    a pull's versions carry to the push after it as over gRPC."""
+    stores = [pstore.Store(num_shards=2) for _ in range(4)]
+    servers = [Server(s, rows_port=0, metrics_port=0) for s in stores[:2]]
+    servers += [Server(s) for s in stores[2:]]
+    try:
+        a = pstore.connect([s.address for s in servers[:2]])
+        b = pstore.connect([s.address for s in servers[2:]])
+        ta = a.create_sparse_table("t", DIM, optimizer=optim.Adagrad(lr=0.1), seed=4)
+        tb = b.create_sparse_table("t", DIM, optimizer=optim.Adagrad(lr=0.1), seed=4)
+        every = np.arange(5000, dtype=np.uint64)
+        for k in range(6):
+            ids = rng.integers(0, 5000, size=int(rng.integers(1, 3000)), dtype=np.uint64)
+            if k == 3:  # ids of the first server only: the second answers its version alone
+                ids = every[stores[0].table("t").contains(every)][:50]
+                assert len(ids) and not stores[1].table("t").contains(ids).any()
+            np.testing.assert_array_equal(ta.pull(ids), tb.pull(ids))
+            g = rng.standard_normal((len(ids), DIM)).astype(np.float32)
+            ta.push(ids, g)
+            tb.push(ids, g)
+        # Every push carried the versions its pull read, as over gRPC (staleness counted).
+        assert ta.stats()["staleness"] == tb.stats()["staleness"]
+        assert ta.stats()["staleness"]["pushes"] == 6
+        np.testing.assert_array_equal(ta.pull(every), tb.pull(every))
+        assert [len(s.table("t")) for s in stores[:2]] == [len(s.table("t")) for s in stores[2:]]
+        for srv in servers[:2]:
+            for method in ("Pull", "Push"):
+                n = _counted(srv.metrics_port, "pstore_requests_total", method)
+                assert n >= 6
+                assert _counted(srv.metrics_port, "pstore_rows_port_requests_total", method) == n
+    finally:
+        for srv in servers:
+            srv.stop()

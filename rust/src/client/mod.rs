@@ -33,6 +33,7 @@ mod members;
 mod moves;
 pub use group::{promote, Promoted};
 mod once;
+mod ports;
 mod reshard;
 mod rows;
 mod tables;
@@ -226,28 +227,6 @@ fn is_retryable(s: &Status) -> bool {
         s.code(),
         Code::Unavailable | Code::DeadlineExceeded | Code::Unknown
     ) && crate::net::tls_hint(s).is_none()
-}
-
-/// The answers to the parts of a push, each with the name of the server that answered it.
-type PushResults = Vec<(String, Result<PushResponse>)>;
-
-/// The metadata a gRPC call by `route` to its first server carries (`Client::request`,
-/// `Group::stamp`), as text for that server's rows port.
-fn rows_meta(route: &reshard::Route) -> Vec<(&'static str, String)> {
-    let mut out: Vec<(&'static str, String)> = [
-        (crate::server::layout::LAYOUT_KEY, &route.layout),
-        (crate::server::routing::EPOCH_KEY, &route.epoch),
-    ]
-    .into_iter()
-    .filter_map(|(k, v)| Some((k, v.to_str().ok()?.to_string())))
-    .collect();
-    if let Some(s) = route.servers.first() {
-        let e = s.group.epoch();
-        if e > 0 {
-            out.push((crate::server::fence::EPOCH_KEY, e.to_string()));
-        }
-    }
-    out
 }
 
 fn random_id() -> u64 {
@@ -959,11 +938,12 @@ impl Client {
         let mut targets = Vec::new();
         let mut parts = Vec::new();
         let route = self.route();
-        // One server: its rows port if it serves one, in requests of the size gRPC's would be.
-        if route.servers.len() == 1 {
+        // The servers' rows ports when they serve them, in requests of the size gRPC's would
+        // be (`ports.rs`).
+        {
             let limit = (self.config.max_message * 7 / 8).min(CHUNK_BYTES);
             let per = (limit / (8 + dim * wire::width(d))).max(1);
-            if let Some(v) = self.pull_rows_port(table, dim, &route, ids, out, per) {
+            if let Some(v) = self.pull_rows_ports(table, dim, &route, ids, out, per) {
                 return v;
             }
         }
@@ -1008,117 +988,6 @@ impl Client {
         }
         self.remember_versions(table, ids, versions.clone());
         Ok(versions)
-    }
-
-    /// A pull that goes to the one server of the list, on its rows port if it serves one
-    /// (`rows.rs`), in requests of at most `per` ids one after the other on one connection,
-    /// each answer received into its part of `out`: `None` when it has none or the port's
-    /// transport failed (the caller then pulls over gRPC and writes every row again), else the
-    /// pull's result with the oldest generation its parts read (as over gRPC).
-    fn pull_rows_port(
-        &self,
-        table: &str,
-        dim: usize,
-        route: &reshard::Route,
-        ids: &[u64],
-        out: &mut [std::mem::MaybeUninit<f32>],
-        per: usize,
-    ) -> Option<Result<Vec<u64>>> {
-        let name = &route.servers.first()?.name;
-        let port = self
-            .rows
-            .lock()
-            .unwrap_or_else(|e| e.into_inner())
-            .get(name)
-            .cloned()?;
-        if !port.usable() {
-            return None;
-        }
-        let token = self.config.token.as_deref();
-        let d = self.config.wire;
-        // A model server reads no metadata.
-        let owned = if port.store {
-            rows_meta(route)
-        } else {
-            Vec::new()
-        };
-        let meta: Vec<(&str, &str)> = owned.iter().map(|(k, v)| (*k, v.as_str())).collect();
-        // Parts of at most `per` ids. An empty batch is one (empty) request: its answer tells
-        // the generation.
-        let asks: Vec<rows::Ask<'_>> = (0..ids.len().div_ceil(per).max(1))
-            .map(|k| rows::Ask {
-                table,
-                token,
-                dtype: d,
-                ids: &ids[(k * per).min(ids.len())..((k + 1) * per).min(ids.len())],
-                dim,
-                meta: &meta,
-            })
-            .collect();
-        let generation = match port.pull(&asks, out, self.config.timeout) {
-            rows::Pulled::Transport => return None,
-            // A store server's refusal: the same pull over gRPC meets it and handles it
-            // (a "moved" routing refresh, a retry), writing every row again.
-            rows::Pulled::Failed(_) | rows::Pulled::Dim(_) if port.store => return None,
-            rows::Pulled::Failed(s) => return Some(Err(error_of(&s, name))),
-            rows::Pulled::Dim(got) => {
-                return Some(Err(shape(format!(
-                    "table {table:?} has dim {got} on server {name}, the client expected {dim}"
-                ))))
-            }
-            rows::Pulled::Rows(g) => g,
-        };
-        // A store server's table version, remembered for the push of the same ids as
-        // `pull_routed` does. Not a model server's generation: it refuses every push, and
-        // hashing the batch's ids cost a tenth of this path's client CPU.
-        if port.store {
-            self.remember_versions(table, ids, vec![generation]);
-        }
-        Some(Ok(vec![generation]))
-    }
-
-    /// The rows port a push by `route` goes to: its one server's, when that is a store
-    /// server's port in use.
-    fn push_port(&self, route: &reshard::Route) -> Option<Arc<rows::Endpoint>> {
-        let name = &route
-            .servers
-            .first()
-            .filter(|_| route.servers.len() == 1)?
-            .name;
-        let rows = self.rows.lock().unwrap_or_else(|e| e.into_inner());
-        rows.get(name).filter(|p| p.store && p.usable()).cloned()
-    }
-
-    /// Sends the parts of a push (`targets`, all for `route`'s one server) on its rows port:
-    /// the answers it gave, and the parts it did not apply (refused, or the transport failed),
-    /// which the caller sends over gRPC with the same request ids, whose retries, routing
-    /// refreshes and failover handle them (a part the port applied but whose answer was lost
-    /// is answered from the server's record of request ids, not applied again).
-    fn push_on_port(
-        &self,
-        port: &rows::Endpoint,
-        route: &reshard::Route,
-        targets: Vec<(usize, PushRequest)>,
-    ) -> (PushResults, Vec<(usize, PushRequest)>) {
-        let Some(server) = route.servers.first() else {
-            return (Vec::new(), targets);
-        };
-        let owned = rows_meta(route);
-        let meta: Vec<(&str, &str)> = owned.iter().map(|(k, v)| (*k, v.as_str())).collect();
-        let parts: Vec<PushRequest> = targets.iter().map(|(_, m)| m.clone()).collect();
-        let token = self.config.token.as_deref();
-        let Some(answers) = port.push(&parts, token, &meta, self.config.timeout) else {
-            return (Vec::new(), targets);
-        };
-        let mut done = Vec::new();
-        let mut left = Vec::new();
-        for (t, a) in targets.into_iter().zip(answers) {
-            match a {
-                Ok(r) => done.push((server.name.clone(), Ok(r))),
-                Err(_) => left.push(t),
-            }
-        }
-        (done, left)
     }
 
     /// Remembers the seq server `i` answered a pull of `table` with.

@@ -172,8 +172,8 @@ impl Client {
         let (job, worker, step) = self
             .step_tag()
             .map_or((String::new(), 0, None), |(j, w, s)| (j, w, Some(s)));
-        // A push to one server that serves a rows port goes there (decision 0129).
-        let port = self.push_port(&route);
+        // A push to store servers that serve rows ports goes there (decision 0129).
+        let ports = self.push_ports(&route);
         let mut targets = Vec::new();
         for (i, pos) in route.table.split(ids).into_iter().enumerate() {
             let mut chunks = self.chunks(&pos, 8 + dim * wire::width(d));
@@ -214,8 +214,8 @@ impl Client {
             m.request_id = Some(*r);
         }
         // Parts refused as moved go again, split by the new table (`reshard.rs`).
-        let (mut results, targets) = match &port {
-            Some(p) => self.push_on_port(p, &route, targets),
+        let (mut results, targets) = match &ports {
+            Some(p) => self.push_on_ports(p, &route, targets),
             None => (Vec::new(), targets),
         };
         if !targets.is_empty() {

@@ -1,0 +1,315 @@
+//! Pulls and pushes on the servers' rows ports (`rows.rs`; decisions 0120, 0128, 0129).
+//!
+//! A list of one server (a model server or a store server) or of several store servers, every
+//! one of them a single member (no replica group; not over TLS) serving a rows port: each
+//! server's part goes on its own port, the first server's on the calling thread and the others'
+//! at once on the runtime's blocking threads. A pull any port did not answer with rows goes
+//! over gRPC whole; a push part any port did not apply goes over gRPC with its request id.
+
+use std::mem::MaybeUninit;
+use std::sync::Arc;
+use std::time::Duration;
+
+use super::{error_of, reshard, rows, Client};
+use crate::error::{shape, Result};
+use crate::net::proto::{Dtype, PushRequest, PushResponse};
+
+/// The answers to the parts of a push, each with the name of the server that answered it.
+pub(super) type PushResults = Vec<(String, Result<PushResponse>)>;
+
+/// The metadata a gRPC call by `route` to its server `i` carries (`Client::request`,
+/// `Group::stamp`), as text for that server's rows port.
+fn rows_meta(route: &reshard::Route, i: usize) -> Vec<(&'static str, String)> {
+    let mut out: Vec<(&'static str, String)> = [
+        (crate::server::layout::LAYOUT_KEY, &route.layout),
+        (crate::server::routing::EPOCH_KEY, &route.epoch),
+    ]
+    .into_iter()
+    .filter_map(|(k, v)| Some((k, v.to_str().ok()?.to_string())))
+    .collect();
+    if let Some(s) = route.servers.get(i) {
+        let e = s.group.epoch();
+        if e > 0 {
+            out.push((crate::server::fence::EPOCH_KEY, e.to_string()));
+        }
+    }
+    out
+}
+
+fn borrowed<'a>(meta: &'a [(&'static str, String)]) -> Vec<(&'static str, &'a str)> {
+    meta.iter().map(|(k, v)| (*k, v.as_str())).collect()
+}
+
+/// One server's part of a pull: its ids, in requests of at most `per` ids.
+struct PullPart<'a> {
+    table: &'a str,
+    token: Option<&'a str>,
+    dtype: Dtype,
+    dim: usize,
+    per: usize,
+    timeout: Duration,
+}
+
+impl PullPart<'_> {
+    /// Pulls `ids` on `port` into `out` (`ids.len() * dim` floats). An empty batch is one
+    /// (empty) request: its answer tells the generation.
+    fn pull(
+        &self,
+        port: &rows::Endpoint,
+        meta: &[(&str, &str)],
+        ids: &[u64],
+        out: &mut [MaybeUninit<f32>],
+    ) -> rows::Pulled {
+        let per = self.per.max(1);
+        let asks: Vec<rows::Ask<'_>> = (0..ids.len().div_ceil(per).max(1))
+            .map(|k| rows::Ask {
+                table: self.table,
+                token: self.token,
+                dtype: self.dtype,
+                ids: &ids[(k * per).min(ids.len())..((k + 1) * per).min(ids.len())],
+                dim: self.dim,
+                meta,
+            })
+            .collect();
+        port.pull(&asks, out, self.timeout)
+    }
+
+    /// [`pull`](Self::pull) into a buffer of its own: the generation read and the rows, or
+    /// None when the port did not answer rows.
+    fn pull_owned(
+        &self,
+        port: &rows::Endpoint,
+        meta: &[(&str, &str)],
+        ids: &[u64],
+    ) -> Option<(u64, Vec<f32>)> {
+        let n = ids.len() * self.dim;
+        let mut buf: Vec<f32> = Vec::with_capacity(n);
+        match self.pull(port, meta, ids, &mut buf.spare_capacity_mut()[..n]) {
+            rows::Pulled::Rows(g) => {
+                // SAFETY: a pull that answered rows wrote every float of its output.
+                unsafe { buf.set_len(n) };
+                Some((g, buf))
+            }
+            _ => None,
+        }
+    }
+}
+
+impl Client {
+    /// The rows ports of `route`'s servers, when every one of them serves one in use (several
+    /// servers: store servers only).
+    fn ports_of(&self, route: &reshard::Route) -> Option<Vec<Arc<rows::Endpoint>>> {
+        let rows = self.rows.lock().unwrap_or_else(|e| e.into_inner());
+        let ports = route
+            .servers
+            .iter()
+            .map(|s| rows.get(&s.name).filter(|p| p.usable()).cloned())
+            .collect::<Option<Vec<_>>>()?;
+        (!ports.is_empty() && (ports.len() == 1 || ports.iter().all(|p| p.store))).then_some(ports)
+    }
+
+    /// A pull on the rows ports of `route`'s servers, each server's ids in requests of at most
+    /// `per` ids one after the other on one connection: `None` when they do not all serve one
+    /// or a port did not answer rows (the caller then pulls over gRPC and writes every row
+    /// again; a model server's refusal is the caller's error), else the pull's result with the
+    /// oldest version each server's parts read (as over gRPC).
+    pub(super) fn pull_rows_ports(
+        &self,
+        table: &str,
+        dim: usize,
+        route: &reshard::Route,
+        ids: &[u64],
+        out: &mut [MaybeUninit<f32>],
+        per: usize,
+    ) -> Option<Result<Vec<u64>>> {
+        let ports = self.ports_of(route)?;
+        let part = PullPart {
+            table,
+            token: self.config.token.as_deref(),
+            dtype: self.config.wire,
+            dim,
+            per,
+            timeout: self.config.timeout,
+        };
+        if ports.len() == 1 {
+            let (port, name) = (&ports[0], &route.servers[0].name);
+            // A model server reads no metadata.
+            let owned = if port.store {
+                rows_meta(route, 0)
+            } else {
+                Vec::new()
+            };
+            let generation = match part.pull(port, &borrowed(&owned), ids, out) {
+                rows::Pulled::Transport => return None,
+                // A store server's refusal: the same pull over gRPC meets it and handles it
+                // (a "moved" routing refresh, a retry), writing every row again.
+                rows::Pulled::Failed(_) | rows::Pulled::Dim(_) if port.store => return None,
+                rows::Pulled::Failed(s) => return Some(Err(error_of(&s, name))),
+                rows::Pulled::Dim(got) => {
+                    return Some(Err(shape(format!(
+                        "table {table:?} has dim {got} on server {name}, the client expected \
+                         {dim}"
+                    ))))
+                }
+                rows::Pulled::Rows(g) => g,
+            };
+            // A store server's table version, remembered for the push of the same ids as
+            // `pull_routed` does. Not a model server's generation: it refuses every push, and
+            // hashing the batch's ids cost a tenth of this path's client CPU.
+            if port.store {
+                self.remember_versions(table, ids, vec![generation]);
+            }
+            return Some(Ok(vec![generation]));
+        }
+        // Several store servers: each server's ids gathered, pulled into a buffer of its own
+        // on its port, then scattered into `out`. A server that owns slots but none of these
+        // ids still answers its version (as over gRPC); one that owns none is not asked.
+        let split = route.table.split(ids);
+        let gathered: Vec<Option<Vec<u64>>> = split
+            .iter()
+            .enumerate()
+            .map(|(i, pos)| {
+                (!pos.is_empty() || route.owns_slots[i])
+                    .then(|| pos.iter().map(|&p| ids[p as usize]).collect())
+            })
+            .collect();
+        let mut handles = Vec::new();
+        for (i, g) in gathered.iter().enumerate().skip(1) {
+            let Some(g) = g else { continue };
+            let (port, g) = (Arc::clone(&ports[i]), g.clone());
+            let (table, token) = (table.to_string(), self.config.token.clone());
+            let (dtype, timeout) = (self.config.wire, self.config.timeout);
+            let meta = rows_meta(route, i);
+            handles.push((
+                i,
+                self.rt.spawn_blocking(move || {
+                    let part = PullPart {
+                        table: &table,
+                        token: token.as_deref(),
+                        dtype,
+                        dim,
+                        per,
+                        timeout,
+                    };
+                    part.pull_owned(&port, &borrowed(&meta), &g)
+                }),
+            ));
+        }
+        let first = gathered[0]
+            .as_ref()
+            .map(|g| part.pull_owned(&ports[0], &borrowed(&rows_meta(route, 0)), g));
+        let rest = self.rt.block_on(super::futures_join_all(
+            handles
+                .into_iter()
+                .map(|(i, h)| async move { (i, h.await.ok().flatten()) }),
+        ));
+        let mut versions = vec![u64::MAX; ports.len()];
+        let mut answers = Vec::with_capacity(ports.len());
+        if let Some(f) = first {
+            answers.push((0, f?));
+        }
+        for (i, a) in rest {
+            answers.push((i, a?));
+        }
+        for (i, (g, buf)) in answers {
+            for (j, &p) in split[i].iter().enumerate() {
+                let (src, at) = (&buf[j * dim..(j + 1) * dim], p as usize * dim);
+                for (o, &x) in out[at..at + dim].iter_mut().zip(src) {
+                    o.write(x);
+                }
+            }
+            versions[i] = g;
+        }
+        self.remember_versions(table, ids, versions.clone());
+        Some(Ok(versions))
+    }
+
+    /// The rows ports a push by `route` goes to: its servers', when each serves one in use
+    /// and is a store server.
+    pub(super) fn push_ports(&self, route: &reshard::Route) -> Option<Vec<Arc<rows::Endpoint>>> {
+        self.ports_of(route).filter(|p| p.iter().all(|p| p.store))
+    }
+
+    /// Sends the parts of a push (`targets`, each for a server of `route`) on the servers'
+    /// rows ports (`ports`, by position), each server's parts one after the other, the servers
+    /// at once: the answers they gave, and the parts they did not apply (refused, or the
+    /// transport failed), which the caller sends over gRPC with the same request ids, whose
+    /// retries, routing refreshes and failover handle them (a part a port applied but whose
+    /// answer was lost is answered from the server's record of request ids, not applied
+    /// again).
+    pub(super) fn push_on_ports(
+        &self,
+        ports: &[Arc<rows::Endpoint>],
+        route: &reshard::Route,
+        targets: Vec<(usize, PushRequest)>,
+    ) -> (PushResults, Vec<(usize, PushRequest)>) {
+        let mut by_server: Vec<Vec<(usize, PushRequest)>> = vec![Vec::new(); ports.len()];
+        let mut left = Vec::new();
+        for t in targets {
+            match by_server.get_mut(t.0) {
+                Some(parts) => parts.push(t),
+                None => left.push(t),
+            }
+        }
+        let send = |port: &rows::Endpoint,
+                    meta: &[(&'static str, String)],
+                    token: Option<&str>,
+                    timeout: Duration,
+                    parts: &[(usize, PushRequest)]| {
+            let msgs: Vec<PushRequest> = parts.iter().map(|(_, m)| m.clone()).collect();
+            port.push(&msgs, token, &borrowed(meta), timeout)
+        };
+        let mut handles = Vec::new();
+        for (i, parts) in by_server.iter().enumerate().skip(1) {
+            if parts.is_empty() {
+                continue;
+            }
+            let (port, parts) = (Arc::clone(&ports[i]), parts.clone());
+            let (meta, token, timeout) = (
+                rows_meta(route, i),
+                self.config.token.clone(),
+                self.config.timeout,
+            );
+            handles.push((
+                i,
+                self.rt
+                    .spawn_blocking(move || send(&port, &meta, token.as_deref(), timeout, &parts)),
+            ));
+        }
+        let first = (!by_server[0].is_empty()).then(|| {
+            send(
+                &ports[0],
+                &rows_meta(route, 0),
+                self.config.token.as_deref(),
+                self.config.timeout,
+                &by_server[0],
+            )
+        });
+        let rest = self.rt.block_on(super::futures_join_all(
+            handles
+                .into_iter()
+                .map(|(i, h)| async move { (i, h.await.ok().flatten()) }),
+        ));
+        let mut answered: Vec<Option<Vec<std::result::Result<PushResponse, tonic::Status>>>> =
+            vec![None; ports.len()];
+        answered[0] = first.flatten();
+        for (i, a) in rest {
+            answered[i] = a;
+        }
+        let mut done = Vec::new();
+        for ((parts, answers), server) in by_server.into_iter().zip(answered).zip(&route.servers) {
+            match answers {
+                None => left.extend(parts),
+                Some(answers) => {
+                    for (t, a) in parts.into_iter().zip(answers) {
+                        match a {
+                            Ok(r) => done.push((server.name.clone(), Ok(r))),
+                            Err(_) => left.push(t),
+                        }
+                    }
+                }
+            }
+        }
+        (done, left)
+    }
+}
