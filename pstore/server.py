@@ -90,10 +90,10 @@ class Server:
     rows_port : int, optional
         Also serve pulls and pushes on this plain TCP port of ``host`` (0: any free port;
         docs/PROTOCOL.md, "Rows port"). :func:`pstore.connect` learns it from the server's status
-        and sends a pull or push that goes to this server alone there, answered by the same code
-        as over gRPC (tokens, routing and layout checks, request ids included) without HTTP/2;
-        anything the port refuses or cannot carry goes over gRPC. Not with TLS (the port is not
-        encrypted).
+        and sends its pulls and pushes there when every server of its list serves one (each
+        server's part on its own port), answered by the same code as over gRPC (tokens, routing
+        and layout checks, request ids included) without HTTP/2; anything the port refuses or
+        cannot carry goes over gRPC. Not with TLS (the port is not encrypted).
     """
 
     def __init__(

@@ -95,11 +95,11 @@ class _Ref:
 
 
 @pytest.fixture(scope="module")
-def rows_server() -> Iterator[list[str]]:
-    """One server with a rows port: the workers' pulls and pushes go over it."""
-    procs = start_servers(1, "--rows-port", "0")
+def rows_servers() -> Iterator[list[str]]:
+    """Two servers with rows ports: the workers' pulls and pushes go over them."""
+    procs = start_servers(2, "--rows-port", "0")
     try:
-        yield [procs[0].address]
+        yield [p.address for p in procs]
     finally:
         stop_all(procs)
 
@@ -111,7 +111,7 @@ def rows_server() -> Iterator[list[str]]:
         (3, "adam", "sum", "servers"),
         (4, "adagrad", "mean", "servers"),
         (4, "adam", "mean", "servers"),
-        (3, "adam", "sum", "rows_server"),
+        (3, "adam", "sum", "rows_servers"),
     ],
 )
 def test_bsp_applies_one_aggregated_step_per_row(
