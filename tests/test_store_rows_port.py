@@ -308,7 +308,7 @@ def test_a_writer_behind_a_join_pushes_on_the_rows_port_and_the_moved_parts_over
     """A writer of one server pushes over its rows port; a server joins and half the slots move
     to it. The writer's next push, split by its old routing, is refused on the port ("moved"),
     goes over gRPC, meets "moved" there, takes the new routing and is applied once on each
-    owner."""
+    owner; the writer then finds the new server's rows port and pushes on both."""
     procs = [ServerProcess("--rows-port", "0") for _ in range(2)]
     try:
         admin = procs[0].wait_ready()
@@ -326,6 +326,11 @@ def test_a_writer_behind_a_join_pushes_on_the_rows_port_and_the_moved_parts_over
         writer.table("t").push(ids, ones)
         assert writer.servers == [procs[0].address, procs[1].address]
         np.testing.assert_array_equal(t.pull(ids), np.full((len(ids), DIM), -2.0, np.float32))
+        joined = int(procs[1].stderr_tail().split("rows_port=")[1].split()[0])
+        before = rows_port_clients(joined)  # the admin's, whose pull found the port
+        writer.table("t").push(ids, ones)
+        assert rows_port_clients(joined) == before + 1
+        np.testing.assert_array_equal(t.pull(ids), np.full((len(ids), DIM), -3.0, np.float32))
         per_server = [
             next(x["rows"] for x in st["tables"] if x["name"] == "t") for st in admin.status()
         ]

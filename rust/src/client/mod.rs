@@ -218,8 +218,9 @@ pub struct Client {
     /// When this client last asked the other servers early about a position it could not
     /// reach, by the position's name (`reshard.rs`, [`Client::ask_early`]).
     asked: Mutex<HashMap<String, Instant>>,
-    /// The rows ports of model servers that serve one, by server name (`rows.rs`).
-    rows: Mutex<HashMap<String, Arc<rows::Endpoint>>>,
+    /// The rows port of each server met, by name (`ports.rs`): None for one that serves none
+    /// (or is a replica group, or over TLS).
+    rows: Mutex<HashMap<String, Option<Arc<rows::Endpoint>>>>,
 }
 
 fn is_retryable(s: &Status) -> bool {
@@ -342,22 +343,11 @@ impl Client {
                     crate::net::PROTOCOL
                 )));
             }
-            // A server's rows port, for pulls that go to it alone (not over TLS: the port is
-            // plain TCP; not to a replica group, whose pulls may go to followers).
-            if (st.role == "model" || st.role == "store")
-                && st.rows_port != 0
-                && c.config.tls_ca.is_none()
-                && s.group.members.len() == 1
-            {
-                c.rows.lock().unwrap_or_else(|e| e.into_inner()).insert(
-                    s.name.clone(),
-                    Arc::new(rows::Endpoint::new(
-                        &s.name,
-                        st.rows_port,
-                        st.role == "store",
-                    )),
-                );
-            }
+            let port = c.port_of_status(s, st);
+            c.rows
+                .lock()
+                .unwrap_or_else(|e| e.into_inner())
+                .insert(s.name.clone(), port);
         }
         // The servers' routing over this list, when they hold one, is the cluster's table: it
         // replaces the one given (decision 0102). A routing over another list is not taken: the

@@ -10,9 +10,9 @@ use std::mem::MaybeUninit;
 use std::sync::Arc;
 use std::time::Duration;
 
-use super::{error_of, reshard, rows, Client};
+use super::{error_of, reshard, rows, Client, Server};
 use crate::error::{shape, Result};
-use crate::net::proto::{Dtype, PushRequest, PushResponse};
+use crate::net::proto::{Dtype, PushRequest, PushResponse, StatusRequest, StatusResponse};
 
 /// The answers to the parts of a push, each with the name of the server that answered it.
 pub(super) type PushResults = Vec<(String, Result<PushResponse>)>;
@@ -96,15 +96,58 @@ impl PullPart<'_> {
 }
 
 impl Client {
+    /// The rows port of server `s` as its status `st` names it: one for calls that go to it
+    /// (not over TLS: the port is plain TCP; not to a replica group, whose pulls may go to
+    /// followers and whose primary may change).
+    pub(super) fn port_of_status(
+        &self,
+        s: &Server,
+        st: &StatusResponse,
+    ) -> Option<Arc<rows::Endpoint>> {
+        ((st.role == "model" || st.role == "store")
+            && st.rows_port != 0
+            && self.config.tls_ca.is_none()
+            && s.group.members.len() == 1)
+            .then(|| {
+                Arc::new(rows::Endpoint::new(
+                    &s.name,
+                    st.rows_port,
+                    st.role == "store",
+                ))
+            })
+    }
+
     /// The rows ports of `route`'s servers, when every one of them serves one in use (several
-    /// servers: store servers only).
+    /// servers: store servers only). A server first met after `connect` (one that joined the
+    /// list) is asked its status once; one that does not answer is taken to serve none.
     fn ports_of(&self, route: &reshard::Route) -> Option<Vec<Arc<rows::Endpoint>>> {
-        let rows = self.rows.lock().unwrap_or_else(|e| e.into_inner());
-        let ports = route
-            .servers
-            .iter()
-            .map(|s| rows.get(&s.name).filter(|p| p.usable()).cloned())
-            .collect::<Option<Vec<_>>>()?;
+        let mut ports = Vec::with_capacity(route.servers.len());
+        for s in &route.servers {
+            let known = self
+                .rows
+                .lock()
+                .unwrap_or_else(|e| e.into_inner())
+                .get(&s.name)
+                .cloned();
+            let port = match known {
+                Some(p) => p,
+                None => {
+                    let st = self.rt.block_on(self.call_server(
+                        s,
+                        None,
+                        StatusRequest {},
+                        self.config.timeout,
+                        true,
+                        false,
+                        |mut c, r| async move { c.status(r).await },
+                    ));
+                    let p = st.ok().and_then(|st| self.port_of_status(s, &st));
+                    let mut rows = self.rows.lock().unwrap_or_else(|e| e.into_inner());
+                    rows.entry(s.name.clone()).or_insert(p).clone()
+                }
+            };
+            ports.push(port.filter(|p| p.usable())?);
+        }
         (!ports.is_empty() && (ports.len() == 1 || ports.iter().all(|p| p.store))).then_some(ports)
     }
 
