@@ -221,6 +221,9 @@ pub struct Client {
     /// The rows port of each server met, by name (`ports.rs`): None for one that serves none
     /// (or is a replica group, or over TLS).
     rows: Mutex<HashMap<String, Option<Arc<rows::Endpoint>>>>,
+    /// When a server first met after `connect` last failed to answer its status (its rows
+    /// port is asked again after a rest; `ports.rs`).
+    ports_asked: Mutex<HashMap<String, Instant>>,
 }
 
 fn is_retryable(s: &Status) -> bool {
@@ -323,6 +326,7 @@ impl Client {
             list_changes: AtomicU64::new(0),
             asked: Mutex::new(HashMap::new()),
             rows: Mutex::new(HashMap::new()),
+            ports_asked: Mutex::new(HashMap::new()),
         });
         let token = c.config.token.clone();
         let follow = c.config.read_from_follower;

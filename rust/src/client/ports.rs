@@ -14,6 +14,9 @@ use super::{error_of, reshard, rows, Client, Server};
 use crate::error::{shape, Result};
 use crate::net::proto::{Dtype, PushRequest, PushResponse, StatusRequest, StatusResponse};
 
+/// How long a server whose status could not be read is not asked again for its rows port.
+const ASK_AGAIN: Duration = Duration::from_secs(5);
+
 /// The answers to the parts of a push, each with the name of the server that answered it.
 pub(super) type PushResults = Vec<(String, Result<PushResponse>)>;
 
@@ -119,7 +122,8 @@ impl Client {
 
     /// The rows ports of `route`'s servers, when every one of them serves one in use (several
     /// servers: store servers only). A server first met after `connect` (one that joined the
-    /// list) is asked its status once; one that does not answer is taken to serve none.
+    /// list) is asked its status once; while it does not answer, again after [`ASK_AGAIN`]
+    /// (its calls go over gRPC meanwhile).
     fn ports_of(&self, route: &reshard::Route) -> Option<Vec<Arc<rows::Endpoint>>> {
         let mut ports = Vec::with_capacity(route.servers.len());
         for s in &route.servers {
@@ -132,6 +136,12 @@ impl Client {
             let port = match known {
                 Some(p) => p,
                 None => {
+                    {
+                        let asked = self.ports_asked.lock().unwrap_or_else(|e| e.into_inner());
+                        if asked.get(&s.name).is_some_and(|t| t.elapsed() < ASK_AGAIN) {
+                            return None;
+                        }
+                    }
                     let st = self.rt.block_on(self.call_server(
                         s,
                         None,
@@ -141,7 +151,12 @@ impl Client {
                         false,
                         |mut c, r| async move { c.status(r).await },
                     ));
-                    let p = st.ok().and_then(|st| self.port_of_status(s, &st));
+                    let Ok(st) = st else {
+                        let mut asked = self.ports_asked.lock().unwrap_or_else(|e| e.into_inner());
+                        asked.insert(s.name.clone(), std::time::Instant::now());
+                        return None;
+                    };
+                    let p = self.port_of_status(s, &st);
                     let mut rows = self.rows.lock().unwrap_or_else(|e| e.into_inner());
                     rows.entry(s.name.clone()).or_insert(p).clone()
                 }
