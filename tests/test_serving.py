@@ -25,21 +25,13 @@ import zlib
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import _rows
 import lmdb
 import numpy as np
 import pytest
 from _data import F32, grads, mix64, random_ids, u64
 from _netutil import child_env, free_port
-from _rows import (
-    RQ_HEAD,
-    call_request,
-    closed,
-    error_text,
-    push_message,
-    rows_answer,
-    rows_port_clients,
-    rows_request,
-)
+from _rows import RQ_HEAD, closed, error_text, rows_answer, rows_port_clients, rows_request
 from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 from hypothesis.extra import numpy as hnp
@@ -1399,7 +1391,11 @@ def test_rows_port_speaks_its_framing_and_survives_any_request(chain, tmp_path):
                 (rows_request("user", ids, "wrong"), 16, "wrong token"),
                 (rows_request("user", np.resize(have, (1 << 20) // 32 + 1), "rt"), 3, "limit"),
                 # A push (a call), which only a store server's port takes.
-                (call_request(push_message("user", have[:2], np.ones(16)), "rt"), 12, "pulls only"),
+                (
+                    _rows.call_request(_rows.push_message("user", have[:2], np.ones(16)), "rt"),
+                    12,
+                    "pulls only",
+                ),
             ):
                 # Sent a byte at a time for one of them: framing does not depend on the cuts.
                 if code == 5:
