@@ -43,17 +43,18 @@ fn borrowed<'a>(meta: &'a [(&'static str, String)]) -> Vec<(&'static str, &'a st
     meta.iter().map(|(k, v)| (*k, v.as_str())).collect()
 }
 
-/// One server's part of a pull: its ids, in requests of at most `per` ids.
-struct PullPart<'a> {
-    table: &'a str,
-    token: Option<&'a str>,
+/// How one server's part of a pull is asked for: its ids in requests of at most `per` ids.
+#[derive(Clone)]
+struct PullPart {
+    table: String,
+    token: Option<String>,
     dtype: Dtype,
     dim: usize,
     per: usize,
     timeout: Duration,
 }
 
-impl PullPart<'_> {
+impl PullPart {
     /// Pulls `ids` on `port` into `out` (`ids.len() * dim` floats). An empty batch is one
     /// (empty) request: its answer tells the generation.
     fn pull(
@@ -66,8 +67,8 @@ impl PullPart<'_> {
         let per = self.per.max(1);
         let asks: Vec<rows::Ask<'_>> = (0..ids.len().div_ceil(per).max(1))
             .map(|k| rows::Ask {
-                table: self.table,
-                token: self.token,
+                table: &self.table,
+                token: self.token.as_deref(),
                 dtype: self.dtype,
                 ids: &ids[(k * per).min(ids.len())..((k + 1) * per).min(ids.len())],
                 dim: self.dim,
@@ -98,7 +99,36 @@ impl PullPart<'_> {
     }
 }
 
+/// Work for one server of a list, run by [`Client::at_once`].
+type Job<R> = Box<dyn FnOnce() -> Option<R> + Send>;
+
 impl Client {
+    /// Runs each server's job at once: the first on the calling thread, the others on the
+    /// runtime's blocking threads (kept between calls, so none is started per call). Each
+    /// position with its job's result (None: the job failed or panicked).
+    fn at_once<R: Send + 'static>(
+        &self,
+        mut jobs: Vec<(usize, Job<R>)>,
+    ) -> Vec<(usize, Option<R>)> {
+        if jobs.is_empty() {
+            return Vec::new();
+        }
+        let (i0, first) = jobs.remove(0);
+        let handles: Vec<_> = jobs
+            .into_iter()
+            .map(|(i, job)| (i, self.rt.spawn_blocking(job)))
+            .collect();
+        let mut out = vec![(i0, first())];
+        out.extend(
+            self.rt.block_on(super::futures_join_all(
+                handles
+                    .into_iter()
+                    .map(|(i, h)| async move { (i, h.await.ok().flatten()) }),
+            )),
+        );
+        out
+    }
+
     /// The rows port of server `s` as its status `st` names it: one for calls that go to it
     /// (not over TLS: the port is plain TCP; not to a replica group, whose pulls may go to
     /// followers and whose primary may change).
@@ -182,8 +212,8 @@ impl Client {
     ) -> Option<Result<Vec<u64>>> {
         let ports = self.ports_of(route)?;
         let part = PullPart {
-            table,
-            token: self.config.token.as_deref(),
+            table: table.to_string(),
+            token: self.config.token.clone(),
             dtype: self.config.wire,
             dim,
             per,
@@ -223,53 +253,22 @@ impl Client {
         // on its port, then scattered into `out`. A server that owns slots but none of these
         // ids still answers its version (as over gRPC); one that owns none is not asked.
         let split = route.table.split(ids);
-        let gathered: Vec<Option<Vec<u64>>> = split
+        let jobs = split
             .iter()
             .enumerate()
+            .filter(|&(i, pos)| !pos.is_empty() || route.owns_slots[i])
             .map(|(i, pos)| {
-                (!pos.is_empty() || route.owns_slots[i])
-                    .then(|| pos.iter().map(|&p| ids[p as usize]).collect())
+                let g: Vec<u64> = pos.iter().map(|&p| ids[p as usize]).collect();
+                let (port, part, meta) = (Arc::clone(&ports[i]), part.clone(), rows_meta(route, i));
+                let job: Job<(u64, Vec<f32>)> =
+                    Box::new(move || part.pull_owned(&port, &borrowed(&meta), &g));
+                (i, job)
             })
             .collect();
-        let mut handles = Vec::new();
-        for (i, g) in gathered.iter().enumerate().skip(1) {
-            let Some(g) = g else { continue };
-            let (port, g) = (Arc::clone(&ports[i]), g.clone());
-            let (table, token) = (table.to_string(), self.config.token.clone());
-            let (dtype, timeout) = (self.config.wire, self.config.timeout);
-            let meta = rows_meta(route, i);
-            handles.push((
-                i,
-                self.rt.spawn_blocking(move || {
-                    let part = PullPart {
-                        table: &table,
-                        token: token.as_deref(),
-                        dtype,
-                        dim,
-                        per,
-                        timeout,
-                    };
-                    part.pull_owned(&port, &borrowed(&meta), &g)
-                }),
-            ));
-        }
-        let first = gathered[0]
-            .as_ref()
-            .map(|g| part.pull_owned(&ports[0], &borrowed(&rows_meta(route, 0)), g));
-        let rest = self.rt.block_on(super::futures_join_all(
-            handles
-                .into_iter()
-                .map(|(i, h)| async move { (i, h.await.ok().flatten()) }),
-        ));
+        let answers = self.at_once(jobs);
         let mut versions = vec![u64::MAX; ports.len()];
-        let mut answers = Vec::with_capacity(ports.len());
-        if let Some(f) = first {
-            answers.push((0, f?));
-        }
-        for (i, a) in rest {
-            answers.push((i, a?));
-        }
-        for (i, (g, buf)) in answers {
+        for (i, a) in answers {
+            let (g, buf) = a?;
             for (j, &p) in split[i].iter().enumerate() {
                 let (src, at) = (&buf[j * dim..(j + 1) * dim], p as usize * dim);
                 for (o, &x) in out[at..at + dim].iter_mut().zip(src) {
@@ -309,49 +308,21 @@ impl Client {
                 None => left.push(t),
             }
         }
-        let send = |port: &rows::Endpoint,
-                    meta: &[(&'static str, String)],
-                    token: Option<&str>,
-                    timeout: Duration,
-                    parts: &[(usize, PushRequest)]| {
-            let msgs: Vec<PushRequest> = parts.iter().map(|(_, m)| m.clone()).collect();
-            port.push(&msgs, token, &borrowed(meta), timeout)
-        };
-        let mut handles = Vec::new();
-        for (i, parts) in by_server.iter().enumerate().skip(1) {
-            if parts.is_empty() {
-                continue;
-            }
-            let (port, parts) = (Arc::clone(&ports[i]), parts.clone());
-            let (meta, token, timeout) = (
-                rows_meta(route, i),
-                self.config.token.clone(),
-                self.config.timeout,
-            );
-            handles.push((
-                i,
-                self.rt
-                    .spawn_blocking(move || send(&port, &meta, token.as_deref(), timeout, &parts)),
-            ));
-        }
-        let first = (!by_server[0].is_empty()).then(|| {
-            send(
-                &ports[0],
-                &rows_meta(route, 0),
-                self.config.token.as_deref(),
-                self.config.timeout,
-                &by_server[0],
-            )
-        });
-        let rest = self.rt.block_on(super::futures_join_all(
-            handles
-                .into_iter()
-                .map(|(i, h)| async move { (i, h.await.ok().flatten()) }),
-        ));
-        let mut answered: Vec<Option<Vec<std::result::Result<PushResponse, tonic::Status>>>> =
-            vec![None; ports.len()];
-        answered[0] = first.flatten();
-        for (i, a) in rest {
+        let jobs = by_server
+            .iter()
+            .enumerate()
+            .filter(|(_, parts)| !parts.is_empty())
+            .map(|(i, parts)| {
+                let msgs: Vec<PushRequest> = parts.iter().map(|(_, m)| m.clone()).collect();
+                let (port, meta) = (Arc::clone(&ports[i]), rows_meta(route, i));
+                let (token, timeout) = (self.config.token.clone(), self.config.timeout);
+                let job: Job<Vec<std::result::Result<PushResponse, tonic::Status>>> =
+                    Box::new(move || port.push(&msgs, token.as_deref(), &borrowed(&meta), timeout));
+                (i, job)
+            })
+            .collect();
+        let mut answered: Vec<Option<_>> = vec![None; ports.len()];
+        for (i, a) in self.at_once(jobs) {
             answered[i] = a;
         }
         let mut done = Vec::new();

@@ -289,7 +289,7 @@ fn serve_conn(mut sock: TcpStream, handshake: Duration, max_message: usize, hand
             let _ = sock.set_read_timeout(None);
         }
         if head[..4] == CALL_MAGIC {
-            match serve_call(
+            if serve_call(
                 &mut sock,
                 &head,
                 max_message,
@@ -297,9 +297,9 @@ fn serve_conn(mut sock: TcpStream, handshake: Duration, max_message: usize, hand
                 &mut text,
                 &mut body,
             ) {
-                Some(true) => continue,
-                _ => return,
+                continue;
             }
+            return;
         }
         let h = match parse_request_head(&head) {
             Ok(h) => h,
@@ -328,14 +328,7 @@ fn serve_conn(mut sock: TcpStream, handshake: Duration, max_message: usize, hand
             .unwrap_or(usize::MAX);
         let size = id_bytes.saturating_add(h.table + h.token + meta_len + 16);
         if size > max_message {
-            // tonic's code and words for a request over the limit.
-            refuse(
-                &mut sock,
-                &Status::out_of_range(format!(
-                    "Error, decoded message length too large: found {size} bytes, the limit \
-                     is: {max_message} bytes"
-                )),
-            );
+            refuse(&mut sock, &too_large(size, max_message));
             return;
         }
         text.resize(h.table + h.token + meta_len, 0);
@@ -398,9 +391,16 @@ fn serve_conn(mut sock: TcpStream, handshake: Duration, max_message: usize, hand
     }
 }
 
-/// Reads the rest of a call whose head is `head` and answers it: `Some(true)` when the
-/// connection can go on, `Some(false)` when it must close after the answer sent, `None` when
-/// it failed. `text` and `body` are the connection's buffers.
+/// tonic's code and words for a request over the limit.
+fn too_large(size: usize, max_message: usize) -> Status {
+    Status::out_of_range(format!(
+        "Error, decoded message length too large: found {size} bytes, the limit is: \
+         {max_message} bytes"
+    ))
+}
+
+/// Reads the rest of a call whose head is `head` and answers it; true when the connection
+/// can take another request. `text` and `body` are the connection's buffers.
 fn serve_call(
     sock: &mut TcpStream,
     head: &[u8; REQUEST_HEAD],
@@ -408,27 +408,23 @@ fn serve_call(
     handlers: &Handlers,
     text: &mut Vec<u8>,
     body: &mut bytes::BytesMut,
-) -> Option<bool> {
+) -> bool {
     let h = match CallHead::parse(head) {
         Ok(h) => h,
         Err(m) => {
             refuse(sock, &Status::invalid_argument(m));
-            return Some(false);
+            return false;
         }
     };
     let size = usize::try_from(h.body).unwrap_or(usize::MAX);
     if size > max_message {
-        refuse(
-            sock,
-            &Status::out_of_range(format!(
-                "Error, decoded message length too large: found {size} bytes, the limit is: \
-                 {max_message} bytes"
-            )),
-        );
-        return Some(false);
+        refuse(sock, &too_large(size, max_message));
+        return false;
     }
     text.resize(h.token + h.meta, 0);
-    sock.read_exact(text).ok()?;
+    if sock.read_exact(text).is_err() {
+        return false;
+    }
     // The message goes where the socket puts it, in a buffer the last call's message freed
     // (`reserve` takes it back once nothing holds it).
     body.clear();
@@ -436,7 +432,9 @@ fn serve_call(
     // SAFETY: `reserve` made room for `size` bytes after the (empty) buffer's start; the
     // kernel writes them all before the length is set.
     unsafe {
-        recv_raw(sock, body.as_mut_ptr(), size).ok()?;
+        if recv_raw(sock, body.as_mut_ptr(), size).is_err() {
+            return false;
+        }
         body.set_len(size);
     }
     let message = body.split().freeze();
@@ -470,5 +468,5 @@ fn serve_call(
     if size > KEEP_CALL_BYTES {
         *body = bytes::BytesMut::new();
     }
-    sent.then_some(true)
+    sent
 }
