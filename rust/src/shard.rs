@@ -487,7 +487,7 @@ impl Shard {
     /// called at consecutive positions. Each shard's fields are read once per call into a
     /// [`View`], and a row is located once (its address travels down the pipeline): a pull
     /// from the cache spends its time in the copy, not in bookkeeping.
-    #[inline]
+    #[inline(always)]
     pub fn for_each_found_across<'a>(
         shards: &[&'a Shard],
         ids: &[u64],

@@ -46,13 +46,13 @@ pub(super) unsafe fn copy_floats(src: &[f32], dst: *mut f32) {
     // In each arm `src.len()` is the width, so `dst` is valid for it (the caller's promise).
     match src.len() {
         // SAFETY: as said above the match.
-        16 => return unsafe { copy_fixed::<1>(src, dst) },
+        16 => return unsafe { copy_fixed::<16>(src, dst) },
         // SAFETY: as said above the match.
-        32 => return unsafe { copy_fixed::<2>(src, dst) },
+        32 => return unsafe { copy_fixed::<32>(src, dst) },
         // SAFETY: as said above the match.
-        64 => return unsafe { copy_fixed::<4>(src, dst) },
+        64 => return unsafe { copy_fixed::<64>(src, dst) },
         // SAFETY: as said above the match.
-        128 => return unsafe { copy_fixed::<8>(src, dst) },
+        128 => return unsafe { copy_fixed::<128>(src, dst) },
         _ => {}
     }
     let (blocks, rest) = src.as_chunks::<16>();
@@ -65,17 +65,19 @@ pub(super) unsafe fn copy_floats(src: &[f32], dst: *mut f32) {
     unsafe { std::ptr::copy_nonoverlapping(rest.as_ptr(), dst.add(done), rest.len()) };
 }
 
-/// Copies the `B * 16` floats of `src` (which holds exactly that many) to `dst`.
+/// Copies the `N` floats of `src` (which holds exactly that many, `N` a multiple of 16) to `dst`,
+/// in blocks of 16: straight-line moves, as wide as the caller's target features allow.
 ///
 /// # Safety
 /// As [`copy_floats`].
 #[inline(always)]
-unsafe fn copy_fixed<const B: usize>(src: &[f32], dst: *mut f32) {
-    debug_assert_eq!(src.len(), B * 16);
+pub(super) unsafe fn copy_fixed<const N: usize>(src: &[f32], dst: *mut f32) {
+    debug_assert_eq!(src.len(), N);
+    debug_assert_eq!(N % 16, 0);
     let src = src.as_ptr().cast::<[f32; 16]>();
     let dst = dst.cast::<[f32; 16]>();
-    for i in 0..B {
-        // SAFETY: block `i < B` lies inside the `B * 16` floats of `src` and of `dst`.
+    for i in 0..N / 16 {
+        // SAFETY: block `i < N / 16` lies inside the `N` floats of `src` and of `dst`.
         unsafe { dst.add(i).write_unaligned(src.add(i).read_unaligned()) };
     }
 }

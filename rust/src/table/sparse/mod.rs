@@ -18,7 +18,7 @@ use std::sync::{Arc, Mutex, RwLock, RwLockReadGuard, RwLockWriteGuard};
 
 pub(crate) use changes::Taken;
 pub use config::{EvictPolicy, Lifecycle, SparseTableConfig};
-use kernels::{add_f64, copy_floats, copy_floats_streaming, stream_min_bytes, Fence};
+use kernels::{add_f64, copy_fixed, copy_floats, copy_floats_streaming, stream_min_bytes, Fence};
 pub(crate) use lazy::Backing;
 pub use lazy::RowSource;
 
@@ -46,6 +46,73 @@ const RANGES_PER_THREAD: usize = 4;
 const MIN_RANGE: usize = 512;
 /// A shard's part of a push at least this long is checked for distinct rows (which need no sort).
 const DISTINCT_MIN: usize = 32;
+
+/// One range of an in-order pull (see `SparseTable::pull_in_order`): `ids` are the batch's ids
+/// from position `base` on, read from `shards`, their rows written to `out` (`dim` floats a row).
+#[derive(Clone, Copy)]
+struct Range<'s, 'a> {
+    shards: &'s [&'a Shard],
+    ids: &'s [u64],
+    base: usize,
+    dim: usize,
+    out: Disjoint<f32>,
+}
+
+/// Copies each found row's weights of range `r` to its place in the output, and adds the
+/// positions of the ids without a row to `miss`.
+///
+/// The visit is compiled once for each common width, so that the copy is a fixed run of moves
+/// and the width no load, and, where the CPU has AVX2, with 32-byte moves.
+fn visit_in_order(r: Range<'_, '_>, miss: &mut Vec<u32>) {
+    #[cfg(target_arch = "x86_64")]
+    if std::arch::is_x86_feature_detected!("avx2") {
+        // SAFETY: the CPU has AVX2 (checked just above).
+        return unsafe { visit_in_order_avx2(r, miss) };
+    }
+    visit_widths(r, miss)
+}
+
+/// [`visit_in_order`] compiled with AVX2.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2")]
+fn visit_in_order_avx2(r: Range<'_, '_>, miss: &mut Vec<u32>) {
+    visit_widths(r, miss)
+}
+
+#[inline(always)]
+fn visit_widths(r: Range<'_, '_>, miss: &mut Vec<u32>) {
+    match r.dim {
+        16 => visit_width::<16>(r, miss),
+        32 => visit_width::<32>(r, miss),
+        64 => visit_width::<64>(r, miss),
+        128 => visit_width::<128>(r, miss),
+        _ => visit_width::<0>(r, miss),
+    }
+}
+
+/// [`visit_widths`] for rows of `D` weights when `D` is not 0 (a multiple of 16, known when
+/// compiled), of `r.dim` when it is.
+#[inline(always)]
+fn visit_width<const D: usize>(r: Range<'_, '_>, miss: &mut Vec<u32>) {
+    let dim = if D == 0 { r.dim } else { D };
+    Shard::for_each_found_across(r.shards, r.ids, dim, |k, row| match row {
+        None => miss.push((r.base + k) as u32),
+        Some(row) => {
+            let w = as_f32(&row[HEADER..HEADER + dim]);
+            let dst = r.out.get().wrapping_add((r.base + k) * dim);
+            // SAFETY: `base + k` is a position of the batch, so the row lies inside the output,
+            // and only this task writes it (see `Disjoint`); `w` holds `dim` floats, `D` of them
+            // when `D` is not 0.
+            unsafe {
+                if D == 0 {
+                    copy_floats(w, dst)
+                } else {
+                    copy_fixed::<D>(w, dst)
+                }
+            };
+        }
+    })
+}
 
 /// True when no slot but `NO_SLOT` occurs twice in `slots` (all below `end`).
 fn distinct_slots(slots: &[u32], end: u32) -> bool {
@@ -390,15 +457,14 @@ impl SparseTable {
             let visit = |t: usize| {
                 let (a, b) = ((t * per).min(n), ((t + 1) * per).min(n));
                 let mut miss = Vec::new();
-                Shard::for_each_found_across(&shards, &ids[a..b], dim, |k, row| match row {
-                    None => miss.push((a + k) as u32),
-                    Some(row) => {
-                        let dst = out.get().wrapping_add((a + k) * dim);
-                        // SAFETY: `a + k < ids.len()`, so the row lies inside the output, and
-                        // only this task writes it (see `Disjoint`).
-                        unsafe { copy_floats(as_f32(&row[HEADER..HEADER + dim]), dst) };
-                    }
-                });
+                let range = Range {
+                    shards: &shards,
+                    ids: &ids[a..b],
+                    base: a,
+                    dim,
+                    out,
+                };
+                visit_in_order(range, &mut miss);
                 if !miss.is_empty() {
                     missing
                         .lock()
@@ -839,22 +905,27 @@ mod tests {
     use super::*;
     use crate::init::Initializer;
 
-    #[test]
-    fn pull_existing_creates_nothing() {
-        // Unknown ids read as their initial value; known ids as their row; the table keeps its
-        // rows, bytes, seq and rows_created. A creating pull then gives the same values.
-        let exec = crate::executor::Executor::new(2, 1 << 20).unwrap();
-        let config = SparseTableConfig {
-            dim: 8,
+    /// A table of `dim` floats, SGD, rows drawn from N(0, 1) with `seed`.
+    fn normal_config(dim: usize, seed: u64) -> SparseTableConfig {
+        SparseTableConfig {
+            dim,
             optimizer: Default::default(),
             initializer: Initializer::Normal {
                 mean: 0.0,
                 std: 1.0,
             },
-            seed: 5,
+            seed,
             lifecycle: Default::default(),
             refuse_nonfinite: false,
-        };
+        }
+    }
+
+    #[test]
+    fn pull_existing_creates_nothing() {
+        // Unknown ids read as their initial value; known ids as their row; the table keeps its
+        // rows, bytes, seq and rows_created. A creating pull then gives the same values.
+        let exec = crate::executor::Executor::new(2, 1 << 20).unwrap();
+        let config = normal_config(8, 5);
         let common = Common::new("t".to_string(), config.optimizer.lr, Arc::clone(&exec));
         let t = Arc::new(SparseTable::new(common, config, 16, None).unwrap());
         t.push(&[1, 2], &[0.5; 16]).unwrap();
@@ -884,21 +955,12 @@ mod tests {
         // The same pulls by the grouped path with and without streaming stores and by the
         // in-order path (split over two threads, and on one), each on a table of its own that
         // the pull itself fills (new ids created, pushed ones read, duplicates), for a width
-        // that streams whole (64), one that does not (63) and a narrow one.
+        // that streams whole (64), one that does not (63), a narrow one, and the other widths
+        // the in-order visit is compiled for (32, 128).
         let exec = crate::executor::Executor::new(2, 1 << 20).unwrap();
         let one = crate::executor::Executor::new(1, 1 << 20).unwrap();
-        for dim in [64usize, 63, 16] {
-            let config = SparseTableConfig {
-                dim,
-                optimizer: Default::default(),
-                initializer: Initializer::Normal {
-                    mean: 0.0,
-                    std: 1.0,
-                },
-                seed: 3,
-                lifecycle: Default::default(),
-                refuse_nonfinite: false,
-            };
+        for dim in [64usize, 63, 16, 32, 128] {
+            let config = normal_config(dim, 3);
             let ids: Vec<u64> = (0..20_000u64).map(|i| (i * 7919) % 15_000).collect();
             let grads: Vec<f32> = (0..5_000 * dim).map(|i| (i % 13) as f32 - 6.0).collect();
             let pulled = |how: usize| {
@@ -942,6 +1004,71 @@ mod tests {
                     "dim {dim}, id {}",
                     ids[k * 997]
                 );
+            }
+        }
+    }
+
+    #[test]
+    fn the_in_order_visit_copies_the_same_rows_for_every_width_with_and_without_avx2() {
+        // `visit_in_order` (AVX2 where the CPU has it, a width of its own for 16/32/64/128)
+        // against `visit_widths` called from here (compiled without AVX2) and against the rows
+        // one by one: the same bits, the same missing positions, offset by `base`.
+        let exec = crate::executor::Executor::new(1, 1 << 20).unwrap();
+        for dim in [16usize, 32, 64, 128, 40, 1] {
+            let config = normal_config(dim, 5);
+            let common = Common::new(format!("v{dim}"), config.optimizer.lr, Arc::clone(&exec));
+            let t = SparseTable::new(common, config, 8, None).unwrap();
+            let present: Vec<u64> = (0..3_000u64).map(|i| i * 0x9E37_79B9_7F4A_7C15).collect();
+            t.pull(&present).unwrap();
+            // Every third id has no row; ids repeat.
+            let ids: Vec<u64> = (0..5_000u64)
+                .map(|i| {
+                    if i % 3 == 0 {
+                        u64::MAX - i
+                    } else {
+                        present[(i * 7 % 3_000) as usize]
+                    }
+                })
+                .collect();
+            let guards: Vec<_> = (0..t.shards.len()).map(|s| t.read(s)).collect();
+            let shards: Vec<&Shard> = guards.iter().map(|g| &**g).collect();
+            let base = 17;
+            let visit = |plain: bool| {
+                let mut out = vec![f32::NAN; (base + ids.len()) * dim];
+                let mut miss = Vec::new();
+                let range = Range {
+                    shards: &shards,
+                    ids: &ids,
+                    base,
+                    dim,
+                    out: Disjoint(out.as_mut_ptr()),
+                };
+                if plain {
+                    visit_widths(range, &mut miss);
+                } else {
+                    visit_in_order(range, &mut miss);
+                }
+                let bits: Vec<u32> = out.iter().map(|v| v.to_bits()).collect();
+                (bits, miss)
+            };
+            let (fast, plain) = (visit(false), visit(true));
+            assert_eq!(fast, plain, "dim {dim}");
+            let want_miss: Vec<u32> = (0..ids.len())
+                .filter(|i| i % 3 == 0)
+                .map(|i| (base + i) as u32)
+                .collect();
+            assert_eq!(fast.1, want_miss, "dim {dim}");
+            drop(guards);
+            for (k, &id) in ids
+                .iter()
+                .enumerate()
+                .filter(|(k, _)| k % 3 != 0)
+                .step_by(97)
+            {
+                let row = t.pull(&[id]).unwrap();
+                let at = (base + k) * dim;
+                let got: Vec<u32> = row.iter().map(|v| v.to_bits()).collect();
+                assert_eq!(&fast.0[at..at + dim], &got[..], "dim {dim}, position {k}");
             }
         }
     }
