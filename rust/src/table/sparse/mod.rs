@@ -1018,7 +1018,9 @@ mod tests {
             let config = normal_config(dim, 5);
             let common = Common::new(format!("v{dim}"), config.optimizer.lr, Arc::clone(&exec));
             let t = SparseTable::new(common, config, 8, None).unwrap();
-            let present: Vec<u64> = (0..3_000u64).map(|i| i * 0x9E37_79B9_7F4A_7C15).collect();
+            let present: Vec<u64> = (0..3_000u64)
+                .map(|i| i.wrapping_mul(0x9E37_79B9_7F4A_7C15))
+                .collect();
             t.pull(&present).unwrap();
             // Every third id has no row; ids repeat.
             let ids: Vec<u64> = (0..5_000u64)
