@@ -79,6 +79,7 @@ fn visit_in_order_avx2(r: Range<'_, '_>, miss: &mut Vec<u32>) {
     visit_widths(r, miss)
 }
 
+/// [`visit_in_order`] with the target features of its caller: the visit of `r.dim`'s width.
 #[inline(always)]
 fn visit_widths(r: Range<'_, '_>, miss: &mut Vec<u32>) {
     match r.dim {
