@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import random
 import shlex
 import shutil
 import signal
@@ -58,8 +59,35 @@ def run_in_loopback_namespace(
     )
 
 
+def _ephemeral_low() -> int:
+    """The lowest port the kernel gives to outgoing connections (Linux: 32768 by default)."""
+    try:
+        return int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 32768
+
+
+_PORTS = random.Random()
+"""Draws the servers' ports (seeded from the OS: two test processes draw differently)."""
+
+
 def free_port() -> int:
-    """A port that was free a moment ago on 127.0.0.1."""
+    """A port that was free a moment ago on 127.0.0.1.
+
+    Drawn below the kernel's ephemeral range: a port taken from that range (by binding port 0)
+    could be given to an outgoing connection (of a client, or of the servers among themselves)
+    before the server meant for it binds it, and the server would fail with "Address already in
+    use". A port below it is taken only by a server binding it on purpose."""
+    low = _ephemeral_low()
+    if low > 20_000:
+        for _ in range(200):
+            port = _PORTS.randrange(20_000, low)
+            with socket.socket() as s:
+                try:
+                    s.bind(("127.0.0.1", port))
+                except OSError:
+                    continue
+                return port
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return int(s.getsockname()[1])
@@ -163,11 +191,27 @@ def _unlink(name: str) -> None:
 
 
 def start_servers(n: int, *args: str, token: str | None = None) -> list[ServerProcess]:
-    """`n` servers, ready."""
+    """`n` servers, ready. A server whose port was taken before it bound it is started again on
+    another (at most 3 times); if one still fails, every server started here is stopped before
+    the error is raised, so that the failed test leaves none behind."""
     env = {"PSTORE_TOKEN": token} if token else None
     procs = [ServerProcess(*args, env=env) for _ in range(n)]
-    for p in procs:
-        p.wait_ready(token)
+    try:
+        for i in range(n):
+            for attempt in range(3):
+                try:
+                    procs[i].wait_ready(token)
+                    break
+                except RuntimeError:
+                    taken = "Address already in use" in procs[i].stderr_tail()
+                    if not taken or attempt == 2:
+                        raise
+                    procs[i].stop(signal.SIGKILL)
+                    procs[i] = ServerProcess(*args, env=env)
+    except BaseException:
+        for p in procs:
+            p.stop(signal.SIGKILL)
+        raise
     return procs
 
 
