@@ -218,12 +218,8 @@ pub struct Client {
     /// When this client last asked the other servers early about a position it could not
     /// reach, by the position's name (`reshard.rs`, [`Client::ask_early`]).
     asked: Mutex<HashMap<String, Instant>>,
-    /// The rows port of each server met, by name (`ports.rs`): None for one that serves none
-    /// (or is a replica group, or over TLS).
-    rows: Mutex<HashMap<String, Option<Arc<rows::Endpoint>>>>,
-    /// When a server first met after `connect` last failed to answer its status (its rows
-    /// port is asked again after a rest; `ports.rs`).
-    ports_asked: Mutex<HashMap<String, Instant>>,
+    /// What this client knows of each server's rows port, by name (`ports.rs`).
+    rows: Mutex<HashMap<String, ports::RowsPort>>,
 }
 
 fn is_retryable(s: &Status) -> bool {
@@ -326,7 +322,6 @@ impl Client {
             list_changes: AtomicU64::new(0),
             asked: Mutex::new(HashMap::new()),
             rows: Mutex::new(HashMap::new()),
-            ports_asked: Mutex::new(HashMap::new()),
         });
         let token = c.config.token.clone();
         let follow = c.config.read_from_follower;
@@ -351,7 +346,7 @@ impl Client {
             c.rows
                 .lock()
                 .unwrap_or_else(|e| e.into_inner())
-                .insert(s.name.clone(), port);
+                .insert(s.name.clone(), ports::RowsPort::Known(port));
         }
         // The servers' routing over this list, when they hold one, is the cluster's table: it
         // replaces the one given (decision 0102). A routing over another list is not taken: the

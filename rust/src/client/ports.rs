@@ -8,7 +8,7 @@
 
 use std::mem::MaybeUninit;
 use std::sync::Arc;
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use super::{error_of, reshard, rows, Client, Server};
 use crate::error::{shape, Result};
@@ -16,6 +16,16 @@ use crate::net::proto::{Dtype, PushRequest, PushResponse, StatusRequest, StatusR
 
 /// How long a server whose status could not be read is not asked again for its rows port.
 const ASK_AGAIN: Duration = Duration::from_secs(5);
+
+/// What a client knows of a server's rows port.
+#[derive(Clone)]
+pub(super) enum RowsPort {
+    /// Read from its status: the port, or None when calls to it use none (it serves none, is a
+    /// replica group, or is reached over TLS).
+    Known(Option<Arc<rows::Endpoint>>),
+    /// Its status could not be read then; asked again after [`ASK_AGAIN`].
+    Unanswered(Instant),
+}
 
 /// The answers to the parts of a push, each with the name of the server that answered it.
 pub(super) type PushResults = Vec<(String, Result<PushResponse>)>;
@@ -164,14 +174,9 @@ impl Client {
                 .get(&s.name)
                 .cloned();
             let port = match known {
-                Some(p) => p,
-                None => {
-                    {
-                        let asked = self.ports_asked.lock().unwrap_or_else(|e| e.into_inner());
-                        if asked.get(&s.name).is_some_and(|t| t.elapsed() < ASK_AGAIN) {
-                            return None;
-                        }
-                    }
+                Some(RowsPort::Known(p)) => p,
+                Some(RowsPort::Unanswered(t)) if t.elapsed() < ASK_AGAIN => return None,
+                _ => {
                     let st = self.rt.block_on(self.call_server(
                         s,
                         None,
@@ -181,14 +186,20 @@ impl Client {
                         false,
                         |mut c, r| async move { c.status(r).await },
                     ));
-                    let Ok(st) = st else {
-                        let mut asked = self.ports_asked.lock().unwrap_or_else(|e| e.into_inner());
-                        asked.insert(s.name.clone(), std::time::Instant::now());
-                        return None;
-                    };
-                    let p = self.port_of_status(s, &st);
+                    let p = st.ok().map(|st| self.port_of_status(s, &st));
                     let mut rows = self.rows.lock().unwrap_or_else(|e| e.into_inner());
-                    rows.entry(s.name.clone()).or_insert(p).clone()
+                    match (rows.get(&s.name), p) {
+                        // Another call read its status meanwhile.
+                        (Some(RowsPort::Known(known)), _) => known.clone(),
+                        (_, Some(p)) => {
+                            rows.insert(s.name.clone(), RowsPort::Known(p.clone()));
+                            p
+                        }
+                        (_, None) => {
+                            rows.insert(s.name.clone(), RowsPort::Unanswered(Instant::now()));
+                            return None;
+                        }
+                    }
                 }
             };
             ports.push(port.filter(|p| p.usable())?);
