@@ -285,6 +285,27 @@ class ReferenceGather:
         return out
 
 
+class ReferenceLookup:
+    """The hashed-lookup limit of a pull: the reference kernel's open-addressing index of
+    {id, position} slots at load 0.3 over the same rows (``ReferenceRows.index``), each id hashed,
+    probed and copied with the misses overlapped (rust/src/reference.rs). No locks, no row
+    header, the whole id in the slot: the least a hashed table's pull can cost. Its output is
+    kept across calls, as ReferenceGather's is."""
+
+    def __init__(self, rows: Any, dim: int, threads: int) -> None:
+        self.rows, self.dim, self.threads = rows, dim, threads
+        self.out: dict[int, np.ndarray] = {}
+
+    def pull(self, ids: np.ndarray) -> np.ndarray:
+        out = self.out.get(len(ids))
+        if out is None:
+            out = self.out[len(ids)] = np.zeros((len(ids), self.dim), dtype=np.float32)
+        missing = self.rows.lookup(ids, out, self.threads, True)
+        if missing:
+            raise RuntimeError(f"the reference index has no row for {missing} ids")
+        return out
+
+
 class ReferenceAdagrad:
     """The memory limit of an Adagrad push: the reference kernel's read-modify-write of the
     weights and accumulators (2 x dim words per row) at the batch's positions, no table logic."""

@@ -53,6 +53,7 @@ from peers import (
     RedisRows,
     ReferenceAdagrad,
     ReferenceGather,
+    ReferenceLookup,
     TorchEmbeddingPull,
     TorchSparseStep,
 )
@@ -265,6 +266,9 @@ def w1_pull(ctx: Context) -> Section:
         f"ref_gather_{t}t{'' if pf else '_noprefetch'}": ReferenceGather(ref_rows, dim, t, pf)
         for t, pf in ((2, True), (2, False), (1, True), (1, False))
     }
+    log("W1: indexing the reference rows by id (the hashed-lookup limit)")
+    sec.config["reference_index_huge_pages"] = ref_rows.index(ids_of(np.arange(n, dtype=np.int64)))
+    lookup_peers = {f"ref_hashed_{t}t": ReferenceLookup(ref_rows, dim, t) for t in (2, 1)}
     torch_peer = TorchEmbeddingPull(torch, table) if torch is not None else None
     skipped = {} if torch is not None else {"torch_embedding": "torch not installed"}
     targets = {"numpy_take": (">=1.0x", 1.0), "dict_take": (">=5x", 5.0)}
@@ -284,6 +288,8 @@ def w1_pull(ctx: Context) -> Section:
             }
             for ref_name, ref_peer in ref_peers.items():
                 fns[ref_name] = _loop(ref_peer.pull, pos)
+            for ref_name, lookup_peer in lookup_peers.items():
+                fns[ref_name] = _loop(lookup_peer.pull, ids)
             targets["ref_gather_2t"] = ref_goal[batch]
             if torch_peer is not None:
                 fns["torch_embedding"] = _loop(torch_peer.pull, pos)

@@ -378,6 +378,14 @@ class ReferenceRows:
         threads: int = 1,
         prefetch: bool = True,
     ) -> None: ...
+    def index(self, ids: npt.NDArray[np.uint64]) -> bool: ...
+    def lookup(
+        self,
+        ids: npt.NDArray[np.uint64],
+        out: npt.NDArray[np.float32],
+        threads: int = 1,
+        prefetch: bool = True,
+    ) -> int: ...
     def adagrad(
         self,
         positions: npt.NDArray[np.uint64],

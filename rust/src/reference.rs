@@ -11,15 +11,28 @@
 //! helper threads that watch for the next batch, exactly as a table's pull and push run, so the
 //! ratio of a table to these kernels measures the table's own work and not a difference in
 //! thread hand-offs. With `prefetch` they ask for the row lines a fixed distance ahead.
+//!
+//! [`DenseRows::index`] adds the least a hashed table needs: an open-addressing index of
+//! 16-byte `{id, position}` slots at a load of 0.3 (on huge pages where allowed), and
+//! [`DenseRows::lookup`] is the *hashed-lookup limit*: for each id, hash, probe, then copy the
+//! row, with the misses overlapped (the slot's line prefetched [`SLOT_AHEAD`] ids ahead, the
+//! probe and the row's lines [`AHEAD`] ids ahead of the copy). It is what the gather costs once
+//! ids are not positions, with no locks, no row header and the whole id in the slot: a table's
+//! design can approach it, not pass it.
 //! `benches/workloads.py` (W1, W2) runs them in the same process as the peers.
 
 use std::sync::{Arc, Mutex};
 
+use crate::buffer::Buffer;
 use crate::error::{invalid, shape, Result};
 use crate::executor::Executor;
 
 /// Positions ahead of the copy whose row lines are prefetched.
 const AHEAD: usize = 8;
+/// Ids ahead of the copy whose index slot is prefetched (the hashed lookup).
+const SLOT_AHEAD: usize = 16;
+/// The hashed lookup's index load: ids per slot.
+const LOAD: f64 = 0.3;
 /// Tasks a gather is cut into per thread, so a helper that joins late still finds work.
 const TASKS_PER_THREAD: usize = 4;
 /// The fewest positions a gather task copies.
@@ -33,8 +46,46 @@ pub struct DenseRows {
     words: usize,
     stride: usize,
     huge: bool,
+    /// The hashed lookup's index, once [`DenseRows::index`] made it.
+    index: Option<HashIndex>,
     /// The executors the kernels have run on, one per thread count, started on first use.
     pools: Mutex<Vec<Arc<Executor>>>,
+}
+
+/// Open addressing over `slots` slots of two words, `{id, position + 1}` (0: empty), probed
+/// linearly from a slot chosen by the high bits of a multiplied hash (no power of two needed).
+struct HashIndex {
+    words: Buffer<u64>,
+    slots: usize,
+}
+
+impl HashIndex {
+    fn home(&self, id: u64) -> usize {
+        let h = id.wrapping_mul(0x9E37_79B9_7F4A_7C15);
+        ((u128::from(h) * self.slots as u128) >> 64) as usize
+    }
+
+    /// The position of `id`'s row, probing from `slot`.
+    #[inline(always)]
+    fn find(&self, id: u64, mut slot: usize) -> Option<u64> {
+        loop {
+            let (key, at) = (self.words[2 * slot], self.words[2 * slot + 1]);
+            if at == 0 {
+                return None;
+            }
+            if key == id {
+                return Some(at - 1);
+            }
+            slot += 1;
+            if slot == self.slots {
+                slot = 0;
+            }
+        }
+    }
+
+    fn slot_ptr(&self, slot: usize) -> *const f32 {
+        self.words[2 * slot..].as_ptr().cast()
+    }
 }
 
 // SAFETY: the mapping is owned by this value alone; `&self` methods only read it and `&mut self`
@@ -99,6 +150,7 @@ impl DenseRows {
             words,
             stride,
             huge,
+            index: None,
             pools: Mutex::new(Vec::new()),
         };
         for i in 0..n {
@@ -191,6 +243,143 @@ impl DenseRows {
             }
         });
         Ok(())
+    }
+
+    /// Indexes the rows by id for [`DenseRows::lookup`]: row `i` gets `ids[i]` (one id a row,
+    /// all distinct). Returns whether the index is on huge pages.
+    pub fn index(&mut self, ids: &[u64]) -> Result<bool> {
+        if ids.len() != self.n {
+            return Err(shape(format!("{} ids for {} rows", ids.len(), self.n)));
+        }
+        let slots = ((self.n as f64 / LOAD).ceil() as usize).max(1);
+        let mut index = HashIndex {
+            words: Buffer::zeroed(2 * slots),
+            slots,
+        };
+        for (i, &id) in ids.iter().enumerate() {
+            let mut slot = index.home(id);
+            while index.words[2 * slot + 1] != 0 {
+                if index.words[2 * slot] == id {
+                    return Err(invalid(format!("id {id} is given to two rows")));
+                }
+                slot = (slot + 1) % slots;
+            }
+            index.words[2 * slot] = id;
+            index.words[2 * slot + 1] = i as u64 + 1;
+        }
+        let huge = index.words.huge_page_bytes() > 0;
+        self.index = Some(index);
+        Ok(huge)
+    }
+
+    /// `out[i] = rows[row of ids[i]][..dim]`, over `threads` threads, through the index
+    /// ([`DenseRows::index`]); an id without a row gets zeros. Returns how many had none.
+    /// With `prefetch` the misses overlap: the slot's line is asked for [`SLOT_AHEAD`] ids
+    /// ahead, the probe and the row's lines [`AHEAD`] ids ahead of the copy.
+    pub fn lookup(
+        &self,
+        ids: &[u64],
+        dim: usize,
+        out: &mut [f32],
+        threads: usize,
+        prefetch: bool,
+    ) -> Result<usize> {
+        let Some(index) = &self.index else {
+            return Err(invalid(
+                "the reference rows have no index: call index(ids) first",
+            ));
+        };
+        if dim == 0 || dim > self.words || out.len() != ids.len() * dim {
+            return Err(shape(format!(
+                "out holds {} values for {} ids of dim {dim}",
+                out.len(),
+                ids.len()
+            )));
+        }
+        let pool = self.pool(threads)?;
+        let per = ids
+            .len()
+            .div_ceil(pool.threads() * TASKS_PER_THREAD)
+            .max(MIN_TASK);
+        let tasks = ids.len().div_ceil(per);
+        let out_at = out.as_mut_ptr() as usize;
+        let missing = std::sync::atomic::AtomicUsize::new(0);
+        pool.run_shared(tasks, &|t| {
+            let ids = &ids[t * per..((t + 1) * per).min(ids.len())];
+            // SAFETY: task `t` alone writes the output rows of ids `t * per ..`, which lie in
+            // `out` (its length is `ids.len() * dim`, checked), and `out` outlives the call.
+            let o = unsafe {
+                std::slice::from_raw_parts_mut(
+                    (out_at as *mut f32).add(t * per * dim),
+                    ids.len() * dim,
+                )
+            };
+            let lost = if prefetch {
+                self.lookup_pipelined(index, ids, dim, o)
+            } else {
+                self.lookup_plain(index, ids, dim, o)
+            };
+            missing.fetch_add(lost, std::sync::atomic::Ordering::Relaxed);
+        });
+        Ok(missing.into_inner())
+    }
+
+    /// Copies row `at` (or zeros for none) into `o`.
+    #[inline(always)]
+    fn copy_row(&self, at: Option<u64>, o: &mut [f32]) -> usize {
+        match at {
+            Some(p) => {
+                // SAFETY: positions in the index are rows of this mapping (`index` stored
+                // `i < n`); the row's first `o.len() <= words` words are only read here.
+                let row = unsafe {
+                    std::slice::from_raw_parts(self.ptr.add(p as usize * self.stride), o.len())
+                };
+                o.copy_from_slice(row);
+                0
+            }
+            None => {
+                o.fill(0.0);
+                1
+            }
+        }
+    }
+
+    fn lookup_plain(&self, index: &HashIndex, ids: &[u64], dim: usize, o: &mut [f32]) -> usize {
+        let mut lost = 0;
+        for (i, &id) in ids.iter().enumerate() {
+            let at = index.find(id, index.home(id));
+            lost += self.copy_row(at, &mut o[i * dim..(i + 1) * dim]);
+        }
+        lost
+    }
+
+    /// The rolling pipeline: id `i + SLOT_AHEAD`'s slot line is prefetched, id `i + AHEAD` is
+    /// probed and its row's lines prefetched, id `i`'s row is copied.
+    fn lookup_pipelined(&self, index: &HashIndex, ids: &[u64], dim: usize, o: &mut [f32]) -> usize {
+        const RING: usize = 32;
+        const _: () = assert!(SLOT_AHEAD < RING && AHEAD < SLOT_AHEAD);
+        let n = ids.len();
+        let mut home = [0usize; RING];
+        let mut at = [None::<u64>; RING];
+        let mut lost = 0;
+        for k in 0..(n + SLOT_AHEAD) {
+            if k < n {
+                let slot = index.home(ids[k]);
+                home[k % RING] = slot;
+                prefetch(index.slot_ptr(slot));
+            }
+            if let Some(j) = k.checked_sub(SLOT_AHEAD - AHEAD).filter(|&j| j < n) {
+                let found = index.find(ids[j], home[j % RING]);
+                if let Some(p) = found {
+                    self.lines(p, dim);
+                }
+                at[j % RING] = found;
+            }
+            if let Some(i) = k.checked_sub(SLOT_AHEAD) {
+                lost += self.copy_row(at[i % RING], &mut o[i * dim..(i + 1) * dim]);
+            }
+        }
+        lost
     }
 
     /// One Adagrad step per position (`acc += g * g; w -= lr * g / (sqrt(acc) + eps)`), the
@@ -294,6 +483,52 @@ mod tests {
         let mut out = vec![0f32; 3];
         assert!(rows.gather(&[100], 3, &mut out, 1, false).is_err());
         assert!(rows.gather(&[1], 3, &mut out[..2], 1, false).is_err());
+    }
+
+    #[test]
+    fn lookup_copies_the_rows_of_the_ids_and_zeros_for_unknown_ids() {
+        let (n, dim) = (1000usize, 5usize);
+        let init: Vec<f32> = (0..n * dim).map(|x| x as f32).collect();
+        let mut rows = DenseRows::new(n, 8, dim, &init, 0.0).unwrap();
+        let mut out = vec![0f32; dim];
+        assert!(rows.lookup(&[1], dim, &mut out, 1, true).is_err());
+        // Ids that share high bits and low bits, so probes run into each other.
+        let ids: Vec<u64> = (0..n as u64).map(|i| (i << 40) | (i % 7)).collect();
+        rows.index(&ids).unwrap();
+        let mut batch: Vec<u64> = (0..5000u64)
+            .map(|k| ids[(k * 7919 % n as u64) as usize])
+            .collect();
+        batch[17] = 3; // no row has id 3
+        batch[4000] = u64::MAX;
+        for threads in [1, 2, 3] {
+            for pf in [false, true] {
+                for len in [0, 1, 9, 17, 33, batch.len()] {
+                    let mut out = vec![-1f32; len * dim];
+                    let lost = rows
+                        .lookup(&batch[..len], dim, &mut out, threads, pf)
+                        .unwrap();
+                    let mut want_lost = 0;
+                    for (i, &id) in batch[..len].iter().enumerate() {
+                        let got = &out[i * dim..(i + 1) * dim];
+                        match ids.iter().position(|&x| x == id) {
+                            Some(p) => assert_eq!(got, &init[p * dim..(p + 1) * dim]),
+                            None => {
+                                want_lost += 1;
+                                assert!(got.iter().all(|&v| v == 0.0));
+                            }
+                        }
+                    }
+                    assert_eq!(
+                        lost, want_lost,
+                        "{threads} threads, prefetch {pf}, {len} ids"
+                    );
+                }
+            }
+        }
+        let mut dup = ids.clone();
+        dup[5] = dup[6];
+        assert!(rows.index(&dup).is_err());
+        assert!(rows.index(&ids[1..]).is_err());
     }
 
     #[test]

@@ -60,6 +60,36 @@ impl PyReferenceRows {
         run(py, || rows.gather(pos, dim, out_s, threads, prefetch))
     }
 
+    /// Indexes the rows by id (row i gets ids[i], all distinct) for `lookup`; returns whether
+    /// the index is on huge pages.
+    fn index(&self, py: Python<'_>, ids: PyReadonlyArray1<'_, u64>) -> PyResult<bool> {
+        let ids = slice(&ids, "ids")?;
+        let mut guard = self.lock();
+        let rows: &mut DenseRows = &mut guard;
+        run(py, || rows.index(ids))
+    }
+
+    /// `out[i] = rows[row of ids[i]][:dim]` through the index, zeros for an id without a row;
+    /// returns how many had none (the hashed-lookup limit).
+    #[pyo3(signature = (ids, out, threads=1, prefetch=true))]
+    fn lookup(
+        &self,
+        py: Python<'_>,
+        ids: PyReadonlyArray1<'_, u64>,
+        mut out: PyReadwriteArray2<'_, f32>,
+        threads: usize,
+        prefetch: bool,
+    ) -> PyResult<usize> {
+        let dim = out.shape()[1];
+        let ids = slice(&ids, "ids")?;
+        let out_s = out
+            .as_slice_mut()
+            .map_err(|_| super::err(Error::Shape("out must be C-contiguous".into())))?;
+        let guard = self.lock();
+        let rows: &DenseRows = &guard;
+        run(py, || rows.lookup(ids, dim, out_s, threads, prefetch))
+    }
+
     /// One Adagrad step per position (weights in words 0..dim, accumulators in dim..2*dim).
     #[pyo3(signature = (positions, grads, lr, threads=1, prefetch=true))]
     fn adagrad(
