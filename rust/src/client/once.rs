@@ -16,6 +16,7 @@
 use std::collections::{HashMap, VecDeque};
 use std::sync::Mutex;
 
+use super::ports::PushSource;
 use super::Client;
 use crate::error::{Error, Result};
 use crate::hash::mix64;
@@ -181,14 +182,15 @@ impl Client {
             if chunks.is_empty() && route.owns_slots[i] {
                 chunks.push(Vec::new());
             }
-            for (k, c) in chunks.iter().enumerate() {
+            for (k, c) in chunks.into_iter().enumerate() {
                 targets.push((
                     i,
                     PushRequest {
                         ack_all: self.config.ack_all,
                         table: table.to_string(),
-                        ids: wire::encode_ids_at(ids, c),
-                        grads: wire::encode_rows_at(grads, dim, c, d),
+                        // Written from `src` by the part's route (below).
+                        ids: bytes::Bytes::new(),
+                        grads: bytes::Bytes::new(),
                         dtype: d as i32,
                         request_id: None,
                         pulled_seq: None,
@@ -202,6 +204,7 @@ impl Client {
                         split_from: Vec::new(),
                         pad: bytes::Bytes::new(),
                     },
+                    c,
                 ));
             }
         }
@@ -210,13 +213,25 @@ impl Client {
             Some(r) => r,
             None => (0..targets.len()).filter_map(|_| self.next_id()).collect(),
         };
-        for ((_, m), r) in targets.iter_mut().zip(&rids) {
+        for ((_, m, _), r) in targets.iter_mut().zip(&rids) {
             m.request_id = Some(*r);
         }
+        let src = PushSource {
+            ids,
+            grads,
+            dim,
+            dtype: d,
+        };
         // Parts refused as moved go again, split by the new table (`reshard.rs`).
         let (mut results, targets) = match &ports {
-            Some(p) => self.push_on_ports(p, &route, targets),
-            None => (Vec::new(), targets),
+            Some(p) => self.push_on_ports(p, &route, targets, &src),
+            None => (
+                Vec::new(),
+                targets
+                    .into_iter()
+                    .map(|(i, m, pos)| (i, src.fill(m, &pos)))
+                    .collect(),
+            ),
         };
         if !targets.is_empty() {
             results.extend(self.rt.block_on(self.send_push_parts(targets, &route, dim)));

@@ -6,6 +6,7 @@
 //! at once on the runtime's blocking threads. A pull any port did not answer with rows goes
 //! over gRPC whole; a push part any port did not apply goes over gRPC with its request id.
 
+use std::borrow::Cow;
 use std::mem::MaybeUninit;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -13,6 +14,7 @@ use std::time::{Duration, Instant};
 use super::{error_of, reshard, rows, Client, Server};
 use crate::error::{shape, Result};
 use crate::net::proto::{Dtype, PushRequest, PushResponse, StatusRequest, StatusResponse};
+use crate::net::wire;
 
 /// How long a server whose status could not be read is not asked again for its rows port.
 const ASK_AGAIN: Duration = Duration::from_secs(5);
@@ -298,19 +300,32 @@ impl Client {
         self.ports_of(route).filter(|p| p.iter().all(|p| p.store))
     }
 
-    /// Sends the parts of a push (`targets`, each for a server of `route`) on the servers'
-    /// rows ports (`ports`, by position), each server's parts one after the other, the servers
-    /// at once: the answers they gave, and the parts they did not apply (refused, or the
-    /// transport failed), which the caller sends over gRPC with the same request ids, whose
-    /// retries, routing refreshes and failover handle them (a part a port applied but whose
-    /// answer was lost is answered from the server's record of request ids, not applied
-    /// again).
+    /// Sends the parts of a push (`targets`, each for a server of `route`, with the positions
+    /// of `src`'s ids it carries) on the servers' rows ports (`ports`, by position), each
+    /// server's parts on one connection without waiting for the answers between them, the
+    /// servers at once: the answers they gave, and the parts they did not apply (refused, or
+    /// the transport failed), with their ids and gradients, which the caller sends over gRPC
+    /// with the same request ids, whose retries, routing refreshes and failover handle them (a
+    /// part a port applied but whose answer was lost is answered from the server's record of
+    /// request ids, not applied again).
+    ///
+    /// A list of one server is pushed on the calling thread, each part's ids and gradients
+    /// written to the socket straight from `src` when they are a run of it in float32 (the
+    /// batch in order, cut by the message limit): no copy of the gradients on the client.
     pub(super) fn push_on_ports(
         &self,
         ports: &[Arc<rows::Endpoint>],
         route: &reshard::Route,
-        targets: Vec<(usize, PushRequest)>,
+        targets: Vec<(usize, PushRequest, Vec<u32>)>,
+        src: &PushSource<'_>,
     ) -> (PushResults, Vec<(usize, PushRequest)>) {
+        if ports.len() == 1 && route.servers.len() == 1 {
+            return self.push_on_one_port(&ports[0], route, targets, src);
+        }
+        let targets: Vec<(usize, PushRequest)> = targets
+            .into_iter()
+            .map(|(i, m, pos)| (i, src.fill(m, &pos)))
+            .collect();
         let mut by_server: Vec<Vec<(usize, PushRequest)>> = vec![Vec::new(); ports.len()];
         let mut left = Vec::new();
         for t in targets {
@@ -328,7 +343,17 @@ impl Client {
                 let (port, meta) = (Arc::clone(&ports[i]), rows_meta(route, i));
                 let (token, timeout) = (self.config.token.clone(), self.config.timeout);
                 let job: Job<Vec<std::result::Result<PushResponse, tonic::Status>>> =
-                    Box::new(move || port.push(&msgs, token.as_deref(), &borrowed(&meta), timeout));
+                    Box::new(move || {
+                        let views: Vec<rows::PushPart<'_>> = msgs
+                            .iter()
+                            .map(|m| rows::PushPart {
+                                msg: m,
+                                ids: &m.ids,
+                                grads: &m.grads,
+                            })
+                            .collect();
+                        port.push(&views, token.as_deref(), &borrowed(&meta), timeout)
+                    });
                 (i, job)
             })
             .collect();
@@ -351,5 +376,96 @@ impl Client {
             }
         }
         (done, left)
+    }
+
+    /// [`push_on_ports`](Self::push_on_ports) for a list of one server, on the calling thread.
+    fn push_on_one_port(
+        &self,
+        port: &rows::Endpoint,
+        route: &reshard::Route,
+        targets: Vec<(usize, PushRequest, Vec<u32>)>,
+        src: &PushSource<'_>,
+    ) -> (PushResults, Vec<(usize, PushRequest)>) {
+        // A part's bytes: a run of `src` where they can be, else gathered here.
+        let bytes: Vec<_> = targets
+            .iter()
+            .map(|(_, _, pos)| match src.run(pos) {
+                Some((ids, grads)) => (Cow::Borrowed(ids), Cow::Borrowed(grads)),
+                None => (
+                    Cow::Owned(wire::encode_ids_at(src.ids, pos).into()),
+                    Cow::Owned(wire::encode_rows_at(src.grads, src.dim, pos, src.dtype).into()),
+                ),
+            })
+            .collect();
+        let parts: Vec<rows::PushPart<'_>> = targets
+            .iter()
+            .zip(&bytes)
+            .map(|((_, m, _), (ids, grads))| rows::PushPart { msg: m, ids, grads })
+            .collect();
+        let meta = rows_meta(route, 0);
+        let token = self.config.token.as_deref();
+        let answers = port.push(&parts, token, &borrowed(&meta), self.config.timeout);
+        drop(parts);
+        let mut done = Vec::new();
+        let mut left = Vec::new();
+        let name = &route.servers[0].name;
+        match answers {
+            Some(answers) => {
+                for ((i, m, pos), a) in targets.into_iter().zip(answers) {
+                    match a {
+                        Ok(r) => done.push((name.clone(), Ok(r))),
+                        Err(_) => left.push((i, src.fill(m, &pos))),
+                    }
+                }
+            }
+            None => left.extend(
+                targets
+                    .into_iter()
+                    .map(|(i, m, pos)| (i, src.fill(m, &pos))),
+            ),
+        }
+        (done, left)
+    }
+}
+
+/// A push's ids and gradients (`dim` floats an id, sent as `dtype`), which its parts carry by
+/// position.
+pub(super) struct PushSource<'a> {
+    pub(super) ids: &'a [u64],
+    pub(super) grads: &'a [f32],
+    pub(super) dim: usize,
+    pub(super) dtype: Dtype,
+}
+
+impl PushSource<'_> {
+    /// `m` with the ids and gradients at positions `pos`.
+    pub(super) fn fill(&self, mut m: PushRequest, pos: &[u32]) -> PushRequest {
+        m.ids = wire::encode_ids_at(self.ids, pos);
+        m.grads = wire::encode_rows_at(self.grads, self.dim, pos, self.dtype);
+        m
+    }
+
+    /// The wire bytes of the ids and gradients at `pos`, when they are a run of positions and
+    /// the wire carries the floats as they are (float32, little-endian): slices of the batch.
+    fn run(&self, pos: &[u32]) -> Option<(&[u8], &[u8])> {
+        if self.dtype != Dtype::Float32 || cfg!(target_endian = "big") {
+            return None;
+        }
+        let (a, b) = match (pos.first(), pos.last()) {
+            (Some(&a), Some(&b)) => (a as usize, b as usize + 1),
+            _ => (0, 0),
+        };
+        if b - a != pos.len() || pos.windows(2).any(|w| w[1] != w[0] + 1) {
+            return None;
+        }
+        let ids = &self.ids[a..b];
+        let grads = &self.grads[a * self.dim..b * self.dim];
+        // SAFETY: u64 and f32 memory is valid as bytes; the lengths are in bytes.
+        Some(unsafe {
+            (
+                std::slice::from_raw_parts(ids.as_ptr().cast::<u8>(), ids.len() * 8),
+                std::slice::from_raw_parts(grads.as_ptr().cast::<u8>(), grads.len() * 4),
+            )
+        })
     }
 }

@@ -49,6 +49,15 @@ struct Conn {
     req: Vec<u8>,
 }
 
+/// A push part as it goes to the rows port: its message (whose own `ids` and `grads` are not
+/// read) and the wire bytes of its ids and gradients, which go to the socket from where they
+/// are (the caller's arrays, for a part that is a run of them).
+pub(super) struct PushPart<'a> {
+    pub(super) msg: &'a PushRequest,
+    pub(super) ids: &'a [u8],
+    pub(super) grads: &'a [u8],
+}
+
 /// A pull on the rows port: `ids` of `table`, rows `dim` wide, in `dtype` on the wire.
 #[derive(Clone, Copy)]
 pub(super) struct Ask<'a> {
@@ -118,15 +127,22 @@ impl Endpoint {
         Err(last.unwrap_or_else(|| std::io::ErrorKind::NotFound.into()))
     }
 
-    /// Sends `n` requests on one connection, each after the answer to the one before:
-    /// `send(conn, k)` writes request k, `recv(conn, k)` reads its answer and says whether the
-    /// exchange goes on. On a kept connection, and once more on a new one if that fails (every
-    /// request again: a pull writes its rows again, a push's request ids make a second copy an
-    /// answer, not a second application); false when the transport failed (the port then
-    /// rests).
+    /// Sends `n` requests on one connection, request k once the answers before k - `ahead`
+    /// are read (0: each after the answer to the one before): `send(conn, k)` writes request
+    /// k, `recv(conn, k)` reads its answer and says whether the exchange goes on (an exchange
+    /// that ends with requests still unanswered does not keep its connection). On a kept
+    /// connection, and once more on a new one if that fails (every request again: a pull
+    /// writes its rows again, a push's request ids make a second copy an answer, not a second
+    /// application); false when the transport failed (the port then rests).
+    ///
+    /// Requests sent ahead wait in the sockets' buffers while the server answers the one
+    /// before, so `ahead` is only for answers the server can always write while the client is
+    /// still writing (a push's few bytes): a server blocked writing a large answer would stop
+    /// reading, and a client blocked writing a request would never read that answer.
     fn exchange(
         &self,
         n: usize,
+        ahead: usize,
         timeout: Duration,
         mut send: impl FnMut(&mut Conn, usize) -> Option<()>,
         mut recv: impl FnMut(&mut Conn, usize) -> Option<Step>,
@@ -138,11 +154,15 @@ impl Endpoint {
             Err(_) => return self.failed(),
         };
         let mut run = |conn: &mut Conn| -> Option<bool> {
+            let mut sent = 0;
             for k in 0..n {
-                send(conn, k)?;
+                while sent < n && sent <= k + ahead {
+                    send(conn, sent)?;
+                    sent += 1;
+                }
                 let step = recv(conn, k)?;
                 if step != Step::Next {
-                    return Some(step == Step::Stop);
+                    return Some(step == Step::Stop && sent == k + 1);
                 }
             }
             Some(true)
@@ -192,6 +212,7 @@ impl Endpoint {
         let mut result = Pulled::Rows(u64::MAX);
         let ok = self.exchange(
             asks.len(),
+            0,
             timeout,
             |conn, k| {
                 let a = &asks[k];
@@ -225,12 +246,13 @@ impl Endpoint {
         }
     }
 
-    /// Pushes `parts` (each a whole `Push` message; their gradients go to the socket from
-    /// their own buffers, not copied into the request), one after the other: each part's
-    /// answer or refusal; None when the transport failed (nothing is known of the parts).
+    /// Pushes `parts` (each a whole `Push` message; their ids and gradients go to the socket
+    /// from where they are, not copied into the request), all sent before the first answer is
+    /// read (the server applies them in order): each part's answer or refusal; None when the
+    /// transport failed (nothing is known of the parts).
     pub(super) fn push(
         &self,
-        parts: &[PushRequest],
+        parts: &[PushPart<'_>],
         token: Option<&str>,
         meta: &[(&str, &str)],
         timeout: Duration,
@@ -238,7 +260,10 @@ impl Endpoint {
         use prost::Message;
         let token = token.unwrap_or("").as_bytes();
         let mut answers: Vec<std::result::Result<PushResponse, Status>> = Vec::new();
+        // Every part goes out before the first answer is read: the server applies part k
+        // while part k + 1 arrives (its answers are a few bytes each).
         let ok = self.exchange(
+            parts.len(),
             parts.len(),
             timeout,
             |conn, k| {
@@ -246,7 +271,7 @@ impl Endpoint {
                 let rest = PushRequest {
                     ids: bytes::Bytes::new(),
                     grads: bytes::Bytes::new(),
-                    ..m.clone()
+                    ..m.msg.clone()
                 };
                 let r = &mut conn.req;
                 r.clear();
@@ -270,7 +295,7 @@ impl Endpoint {
                     body: len as u64,
                 };
                 r[..crate::net::rows::REQUEST_HEAD].copy_from_slice(&head.encode());
-                write_parts(&mut conn.sock, &[&conn.req, &m.ids, &mid, &m.grads]).ok()
+                write_parts(&mut conn.sock, &[&conn.req, m.ids, &mid, m.grads]).ok()
             },
             |conn, k| {
                 if k == 0 {
