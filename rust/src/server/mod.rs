@@ -110,12 +110,6 @@ enum On {
     Blocking,
 }
 
-/// Marks a call that came on the rows port: the connection's own thread (not a runtime or
-/// pool thread) waits for its answer, so its work runs there, whatever `On` says: no hand-off
-/// to the pool and back (two thread wake-ups a call), and the thread may wait for any lock.
-#[derive(Clone, Copy)]
-struct OnCallingThread;
-
 /// Pulls of up to this many ids are gathered on the runtime thread that received them, in an
 /// in-memory store (the table gathers them on one thread anyway: see `PARALLEL_MIN_IDS` in
 /// `table/sparse`).
@@ -626,13 +620,12 @@ impl Service {
             checked = self.primary_only(method, &req).await;
         }
         let checked = checked.and_then(|()| self.0.routing.check(&req));
-        let calling = req.extensions().get::<OnCallingThread>().is_some();
         let out = match checked {
             Err(s) => Err(s),
             Ok(()) => {
                 let inner = Arc::clone(&self.0);
                 let msg = req.into_inner();
-                if calling || (on == On::Here && self.0.in_memory) {
+                if on == On::Here && self.0.in_memory {
                     guarded(|| f(&inner, msg))
                 } else if on != On::Blocking && self.0.in_memory {
                     // Straight onto the store's pool: one hand-off instead of two (runtime ->
@@ -1810,7 +1803,6 @@ fn rows_request<T>(
     token: Option<&[u8]>,
 ) -> std::result::Result<Request<T>, Status> {
     let mut req = Request::new(msg);
-    req.extensions_mut().insert(OnCallingThread);
     let bad = |what: &str| Status::invalid_argument(format!("rows port: {what}"));
     for &(k, v) in meta {
         let key = tonic::metadata::AsciiMetadataKey::from_bytes(k.as_bytes())
