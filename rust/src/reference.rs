@@ -211,23 +211,7 @@ impl DenseRows {
         prefetch: bool,
     ) -> Result<()> {
         self.check(pos, dim, out.len(), "out")?;
-        let pool = self.pool(threads)?;
-        let per = pos
-            .len()
-            .div_ceil(pool.threads() * TASKS_PER_THREAD)
-            .max(MIN_TASK);
-        let tasks = pos.len().div_ceil(per);
-        let out_at = out.as_mut_ptr() as usize;
-        pool.run_shared(tasks, &|t| {
-            let p = &pos[t * per..((t + 1) * per).min(pos.len())];
-            // SAFETY: task `t` alone writes the output rows of positions `t * per ..`, which lie
-            // in `out` (its length is `pos.len() * dim`, checked), and `out` outlives the call.
-            let o = unsafe {
-                std::slice::from_raw_parts_mut(
-                    (out_at as *mut f32).add(t * per * dim),
-                    p.len() * dim,
-                )
-            };
+        self.in_tasks(pos, dim, out, threads, &|p, o| {
             for (i, &at) in p.iter().enumerate() {
                 if prefetch {
                     if let Some(&ahead) = p.get(i + AHEAD) {
@@ -241,6 +225,40 @@ impl DenseRows {
                 };
                 o[i * dim..(i + 1) * dim].copy_from_slice(row);
             }
+        })?;
+        Ok(())
+    }
+
+    /// Runs `f(keys, out_rows)` over `keys` cut into tasks on `threads` threads: each task gets
+    /// a run of the keys and the output rows (`dim` floats a key) they fill, its own.
+    fn in_tasks(
+        &self,
+        keys: &[u64],
+        dim: usize,
+        out: &mut [f32],
+        threads: usize,
+        f: &(dyn Fn(&[u64], &mut [f32]) + Sync),
+    ) -> Result<()> {
+        debug_assert_eq!(out.len(), keys.len() * dim);
+        let pool = self.pool(threads)?;
+        let per = keys
+            .len()
+            .div_ceil(pool.threads() * TASKS_PER_THREAD)
+            .max(MIN_TASK);
+        let tasks = keys.len().div_ceil(per);
+        let out_at = out.as_mut_ptr() as usize;
+        pool.run_shared(tasks, &|t| {
+            let k = &keys[t * per..((t + 1) * per).min(keys.len())];
+            // SAFETY: task `t` alone writes the output rows of keys `t * per ..`, which lie in
+            // `out` (its length is `keys.len() * dim`, checked by the callers), and `out`
+            // outlives the call.
+            let o = unsafe {
+                std::slice::from_raw_parts_mut(
+                    (out_at as *mut f32).add(t * per * dim),
+                    k.len() * dim,
+                )
+            };
+            f(k, o);
         });
         Ok(())
     }
@@ -296,31 +314,15 @@ impl DenseRows {
                 ids.len()
             )));
         }
-        let pool = self.pool(threads)?;
-        let per = ids
-            .len()
-            .div_ceil(pool.threads() * TASKS_PER_THREAD)
-            .max(MIN_TASK);
-        let tasks = ids.len().div_ceil(per);
-        let out_at = out.as_mut_ptr() as usize;
         let missing = std::sync::atomic::AtomicUsize::new(0);
-        pool.run_shared(tasks, &|t| {
-            let ids = &ids[t * per..((t + 1) * per).min(ids.len())];
-            // SAFETY: task `t` alone writes the output rows of ids `t * per ..`, which lie in
-            // `out` (its length is `ids.len() * dim`, checked), and `out` outlives the call.
-            let o = unsafe {
-                std::slice::from_raw_parts_mut(
-                    (out_at as *mut f32).add(t * per * dim),
-                    ids.len() * dim,
-                )
-            };
+        self.in_tasks(ids, dim, out, threads, &|ids, o| {
             let lost = if prefetch {
                 self.lookup_pipelined(index, ids, dim, o)
             } else {
                 self.lookup_plain(index, ids, dim, o)
             };
             missing.fetch_add(lost, std::sync::atomic::Ordering::Relaxed);
-        });
+        })?;
         Ok(missing.into_inner())
     }
 
