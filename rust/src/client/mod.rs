@@ -1021,14 +1021,11 @@ impl Client {
     fn check_grads(&self, table: &str, grads: &[f32], dim: usize) -> Result<()> {
         crate::table::check_finite_slice(table, grads, dim)?;
         // Every finite float32 fits float32: only the 16-bit wire types read the values again.
-        let fits = |x: f32| match self.config.wire {
-            Dtype::Float32 => true,
-            Dtype::Float16 => half::f16::from_f32(x).is_finite(),
-            Dtype::Bfloat16 => half::bf16::from_f32(x).is_finite(),
+        let fits = match self.config.wire {
+            Dtype::Float32 => return Ok(()),
+            Dtype::Float16 => |x: f32| half::f16::from_f32(x).is_finite(),
+            Dtype::Bfloat16 => |x: f32| half::bf16::from_f32(x).is_finite(),
         };
-        if self.config.wire == Dtype::Float32 {
-            return Ok(());
-        }
         if let Some(i) = grads.iter().position(|&g| !fits(g)) {
             return Err(Error::NonFinite(format!(
                 "table {table:?}: gradient {} at row {}, column {} overflows {} on the wire; \

@@ -455,7 +455,7 @@ impl PushSource<'_> {
             (Some(&a), Some(&b)) => (a as usize, b as usize + 1),
             _ => (0, 0),
         };
-        if b - a != pos.len() || pos.windows(2).any(|w| w[1] != w[0] + 1) {
+        if b.checked_sub(a) != Some(pos.len()) || pos.windows(2).any(|w| w[1] != w[0] + 1) {
             return None;
         }
         let ids = &self.ids[a..b];
@@ -467,5 +467,43 @@ impl PushSource<'_> {
                 std::slice::from_raw_parts(grads.as_ptr().cast::<u8>(), grads.len() * 4),
             )
         })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_push_part_is_sent_from_the_batch_only_when_it_is_a_float32_run_of_it() {
+        let ids: Vec<u64> = (0..6).map(|i| 100 + i).collect();
+        let grads: Vec<f32> = (0..12).map(|x| x as f32).collect();
+        let src = |dtype| PushSource {
+            ids: &ids,
+            grads: &grads,
+            dim: 2,
+            dtype,
+        };
+        let f32s = src(Dtype::Float32);
+        let (i, g) = f32s.run(&[2, 3, 4]).unwrap();
+        assert_eq!(i, &wire::encode_ids_at(&ids, &[2, 3, 4])[..]);
+        assert_eq!(
+            g,
+            &wire::encode_rows_at(&grads, 2, &[2, 3, 4], Dtype::Float32)[..]
+        );
+        assert_eq!(f32s.run(&[]).map(|(i, g)| (i.len(), g.len())), Some((0, 0)));
+        for not_a_run in [
+            &[4u32, 3][..],
+            &[1, 3],
+            &[3, 2, 4],
+            &[0, 1, 1],
+            &[0, 2, 1, 3],
+        ] {
+            assert!(f32s.run(not_a_run).is_none(), "{not_a_run:?}");
+        }
+        assert!(src(Dtype::Bfloat16).run(&[0, 1]).is_none());
+        // What goes over gRPC instead carries the same bytes.
+        let m = f32s.fill(PushRequest::default(), &[2, 3, 4]);
+        assert_eq!((&m.ids[..], &m.grads[..]), (i, g));
     }
 }
