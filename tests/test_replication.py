@@ -27,12 +27,22 @@ def _status(remote: pstore.RemoteStore) -> dict:
     return rep
 
 
+def _tables(remote: pstore.RemoteStore) -> list[str]:
+    return sorted(t["name"] for t in remote.status()[0]["tables"])
+
+
 def _wait_caught_up(primary: pstore.RemoteStore, follower: pstore.RemoteStore) -> None:
-    """Until the follower holds the primary's newest commit (and says so)."""
+    """Until the follower holds the primary's newest commit (and says so) and its tables (a
+    table's definition travels in a message of its own, with no LSN: a table declared since
+    the last commit is not counted by the LSN)."""
     deadline = time.monotonic() + 60
     while True:
         p, f = _status(primary), _status(follower)
-        if f["lsn"] == p["lsn"] and f["primary_id"] == p["replication_id"]:
+        if (
+            f["lsn"] == p["lsn"]
+            and f["primary_id"] == p["replication_id"]
+            and _tables(follower) == _tables(primary)
+        ):
             return
         if time.monotonic() > deadline:
             raise AssertionError(f"the follower did not catch up: primary {p}, follower {f}")
