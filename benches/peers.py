@@ -267,25 +267,37 @@ class RedisRows:
         pipe.execute()
 
 
-class ReferenceGather:
+class _KeptOutput:
+    """An output array per batch length, made once and kept across calls (already mapped: a
+    new array per call would time the kernel's page faults, which every other contender pays)."""
+
+    def __init__(self, dim: int) -> None:
+        self.dim = dim
+        self._out: dict[int, np.ndarray] = {}
+
+    def out(self, n: int) -> np.ndarray:
+        out = self._out.get(n)
+        if out is None:
+            out = self._out[n] = np.zeros((n, self.dim), dtype=np.float32)
+        return out
+
+
+class ReferenceGather(_KeptOutput):
     """The memory limit of a pull: pstore's reference kernel (rust/src/reference.rs) copies the
     rows at given positions out of a 64-byte aligned arena on huge pages, with no table logic,
-    into an output it keeps across calls (already mapped: a new array per call would time the
-    kernel's page faults, which every other contender pays)."""
+    into an output it keeps across calls."""
 
     def __init__(self, rows: Any, dim: int, threads: int, prefetch: bool) -> None:
-        self.rows, self.dim, self.threads, self.prefetch = rows, dim, threads, prefetch
-        self.out: dict[int, np.ndarray] = {}
+        super().__init__(dim)
+        self.rows, self.threads, self.prefetch = rows, threads, prefetch
 
     def pull(self, pos: np.ndarray) -> np.ndarray:
-        out = self.out.get(len(pos))
-        if out is None:
-            out = self.out[len(pos)] = np.zeros((len(pos), self.dim), dtype=np.float32)
+        out = self.out(len(pos))
         self.rows.gather(pos.astype(np.uint64, copy=False), out, self.threads, self.prefetch)
         return out
 
 
-class ReferenceLookup:
+class ReferenceLookup(_KeptOutput):
     """The hashed-lookup limit of a pull: the reference kernel's open-addressing index of
     {id, position} slots at load 0.3 over the same rows (``ReferenceRows.index``), each id hashed,
     probed and copied with the misses overlapped (rust/src/reference.rs). No locks, no row
@@ -293,13 +305,11 @@ class ReferenceLookup:
     kept across calls, as ReferenceGather's is."""
 
     def __init__(self, rows: Any, dim: int, threads: int) -> None:
-        self.rows, self.dim, self.threads = rows, dim, threads
-        self.out: dict[int, np.ndarray] = {}
+        super().__init__(dim)
+        self.rows, self.threads = rows, threads
 
     def pull(self, ids: np.ndarray) -> np.ndarray:
-        out = self.out.get(len(ids))
-        if out is None:
-            out = self.out[len(ids)] = np.zeros((len(ids), self.dim), dtype=np.float32)
+        out = self.out(len(ids))
         missing = self.rows.lookup(ids, out, self.threads, True)
         if missing:
             raise RuntimeError(f"the reference index has no row for {missing} ids")

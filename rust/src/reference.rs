@@ -179,13 +179,18 @@ impl DenseRows {
         Ok(p)
     }
 
-    fn check(&self, pos: &[u64], dim: usize, values: usize, name: &str) -> Result<()> {
-        if dim == 0 || dim > self.words || values != pos.len() * dim {
+    /// `values` (in `name`) are `dim` floats for each of `keys` rows, and `dim` fits a row.
+    fn check_shape(&self, keys: usize, dim: usize, values: usize, name: &str) -> Result<()> {
+        if dim == 0 || dim > self.words || values != keys * dim {
             return Err(shape(format!(
-                "{name} holds {values} values for {} positions of dim {dim}",
-                pos.len()
+                "{name} holds {values} values for {keys} rows of dim {dim}"
             )));
         }
+        Ok(())
+    }
+
+    /// Every position is a row.
+    fn check_positions(&self, pos: &[u64]) -> Result<()> {
         if let Some(&p) = pos.iter().find(|&&p| p as usize >= self.n) {
             return Err(invalid(format!("position {p} is past the {} rows", self.n)));
         }
@@ -210,7 +215,7 @@ impl DenseRows {
         threads: usize,
         prefetch: bool,
     ) -> Result<()> {
-        self.check(pos, dim, out.len(), "out")?;
+        self.check_positions(pos)?;
         self.in_tasks(pos, dim, out, threads, &|p, o| {
             for (i, &at) in p.iter().enumerate() {
                 if prefetch {
@@ -230,7 +235,8 @@ impl DenseRows {
     }
 
     /// Runs `f(keys, out_rows)` over `keys` cut into tasks on `threads` threads: each task gets
-    /// a run of the keys and the output rows (`dim` floats a key) they fill, its own.
+    /// a run of the keys and the output rows (`dim` floats a key) they fill, its own. Refuses
+    /// an `out` that is not `dim` floats a key.
     fn in_tasks(
         &self,
         keys: &[u64],
@@ -239,7 +245,7 @@ impl DenseRows {
         threads: usize,
         f: &(dyn Fn(&[u64], &mut [f32]) + Sync),
     ) -> Result<()> {
-        debug_assert_eq!(out.len(), keys.len() * dim);
+        self.check_shape(keys.len(), dim, out.len(), "out")?;
         let pool = self.pool(threads)?;
         let per = keys
             .len()
@@ -250,8 +256,8 @@ impl DenseRows {
         pool.run_shared(tasks, &|t| {
             let k = &keys[t * per..((t + 1) * per).min(keys.len())];
             // SAFETY: task `t` alone writes the output rows of keys `t * per ..`, which lie in
-            // `out` (its length is `keys.len() * dim`, checked by the callers), and `out`
-            // outlives the call.
+            // `out` (its length is `keys.len() * dim`, checked above), and `out` outlives the
+            // call.
             let o = unsafe {
                 std::slice::from_raw_parts_mut(
                     (out_at as *mut f32).add(t * per * dim),
@@ -307,13 +313,6 @@ impl DenseRows {
                 "the reference rows have no index: call index(ids) first",
             ));
         };
-        if dim == 0 || dim > self.words || out.len() != ids.len() * dim {
-            return Err(shape(format!(
-                "out holds {} values for {} ids of dim {dim}",
-                out.len(),
-                ids.len()
-            )));
-        }
         let missing = std::sync::atomic::AtomicUsize::new(0);
         self.in_tasks(ids, dim, out, threads, &|ids, o| {
             let lost = if prefetch {
@@ -397,7 +396,8 @@ impl DenseRows {
         threads: usize,
         prefetch: bool,
     ) -> Result<()> {
-        self.check(pos, dim, grads.len(), "grads")?;
+        self.check_shape(pos.len(), dim, grads.len(), "grads")?;
+        self.check_positions(pos)?;
         if 2 * dim > self.words {
             return Err(shape(format!(
                 "Adagrad needs {} words per row; the rows have {}",
