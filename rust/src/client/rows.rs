@@ -17,8 +17,8 @@ use tonic::Status;
 use crate::net::proto::Dtype;
 use crate::net::proto::{PushRequest, PushResponse};
 use crate::net::rows::{
-    decode_error, encode_meta, encode_request, recv_raw, write_parts, AnswerHead, CallHead,
-    ANSWER_HEAD, METHOD_PUSH,
+    decode_error, encode_meta, encode_request, recv_raw, send_some, write_parts, AnswerHead,
+    CallHead, ANSWER_HEAD, METHOD_PUSH,
 };
 use crate::net::wire;
 
@@ -47,6 +47,9 @@ pub(super) struct Endpoint {
 struct Conn {
     sock: TcpStream,
     req: Vec<u8>,
+    /// A pull request sent ahead whose end the socket did not take yet: its position in the
+    /// exchange and the bytes of `req` sent.
+    unsent: Option<(usize, usize)>,
 }
 
 /// A push part as it goes to the rows port: its message (whose own `ids` and `grads` are not
@@ -119,6 +122,7 @@ impl Endpoint {
                     return Ok(Conn {
                         sock,
                         req: Vec::new(),
+                        unsent: None,
                     });
                 }
                 Err(e) => last = Some(e),
@@ -136,9 +140,11 @@ impl Endpoint {
     /// application); false when the transport failed (the port then rests).
     ///
     /// Requests sent ahead wait in the sockets' buffers while the server answers the one
-    /// before, so `ahead` is only for answers the server can always write while the client is
-    /// still writing (a push's few bytes): a server blocked writing a large answer would stop
-    /// reading, and a client blocked writing a request would never read that answer.
+    /// before. A server blocked writing a large answer stops reading, and a client blocked
+    /// writing a request would never read that answer: `send` may block on a request sent
+    /// ahead only when its answers are a few bytes the server can always write (a push's);
+    /// otherwise (a pull's rows) it writes what the socket takes at once and the rest once the
+    /// answer before is read.
     fn exchange(
         &self,
         n: usize,
@@ -210,11 +216,16 @@ impl Endpoint {
             return Pulled::Transport;
         }
         let mut result = Pulled::Rows(u64::MAX);
+        // Each request goes out before the answer to the one before is read, so the server
+        // looks the next part's rows up while this part's are on their way. What the socket
+        // does not take at once waits until that answer is read: the server reads request k
+        // only after writing answer k - 1 whole.
         let ok = self.exchange(
             asks.len(),
-            0,
+            1,
             timeout,
             |conn, k| {
+                finish_unsent(conn)?;
                 let a = &asks[k];
                 encode_request(
                     &mut conn.req,
@@ -224,11 +235,21 @@ impl Endpoint {
                     a.dtype as i32,
                     a.ids,
                 );
-                write_parts(&mut conn.sock, &[&conn.req]).ok()
+                if k == 0 {
+                    return write_parts(&mut conn.sock, &[&conn.req]).ok();
+                }
+                let sent = send_some(&conn.sock, &conn.req).ok()?;
+                if sent < conn.req.len() {
+                    conn.unsent = Some((k, sent));
+                }
+                Some(())
             },
             |conn, k| {
                 if k == 0 {
                     result = Pulled::Rows(u64::MAX);
+                }
+                if conn.unsent.is_some_and(|(j, _)| j == k) {
+                    finish_unsent(conn)?;
                 }
                 let a = &asks[k];
                 let (p, step) = read_rows(conn, a, &mut out[at[k]..at[k] + a.ids.len() * a.dim])?;
@@ -344,6 +365,15 @@ fn field_head(out: &mut Vec<u8>, at: usize, num: u32, len: usize, align: usize) 
     out.resize(out.len() + fill, 0);
     encode_key(num, WireType::LengthDelimited, out);
     encode_varint(len as u64, out);
+}
+
+/// Sends the rest of a request sent ahead, if the socket did not take all of it; only once
+/// the answers before that request are read.
+fn finish_unsent(conn: &mut Conn) -> Option<()> {
+    if let Some((_, at)) = conn.unsent.take() {
+        write_parts(&mut conn.sock, &[&conn.req[at..]]).ok()?;
+    }
+    Some(())
 }
 
 /// How an answer of an exchange ended.

@@ -141,6 +141,35 @@ pub fn write_parts(sock: &mut std::net::TcpStream, parts: &[&[u8]]) -> std::io::
     Ok(())
 }
 
+/// Writes as much of `buf` as the socket takes without waiting: the bytes written (0 when
+/// its buffers are full).
+pub fn send_some(sock: &std::net::TcpStream, buf: &[u8]) -> std::io::Result<usize> {
+    use std::os::fd::AsRawFd;
+    let mut at = 0;
+    while at < buf.len() {
+        // SAFETY: the kernel reads at most `buf.len() - at` bytes from `buf + at`.
+        let n = unsafe {
+            libc::send(
+                sock.as_raw_fd(),
+                buf[at..].as_ptr().cast::<libc::c_void>(),
+                buf.len() - at,
+                libc::MSG_DONTWAIT | libc::MSG_NOSIGNAL,
+            )
+        };
+        if n >= 0 {
+            at += n as usize;
+            continue;
+        }
+        let e = std::io::Error::last_os_error();
+        match e.kind() {
+            std::io::ErrorKind::WouldBlock => break,
+            std::io::ErrorKind::Interrupted => {}
+            _ => return Err(e),
+        }
+    }
+    Ok(at)
+}
+
 /// Reads exactly `len` bytes into `dst`, which need not be initialised.
 ///
 /// # Safety
