@@ -114,7 +114,7 @@ pub fn values<'a>(b: &'a Bytes, d: Dtype, expected: usize, what: &str) -> Result
 static POOL: Mutex<Vec<Vec<u32>>> = Mutex::new(Vec::new());
 const POOL_BYTES: usize = 64 << 20;
 
-fn pooled(n: usize) -> Vec<u32> {
+pub(crate) fn pooled(n: usize) -> Vec<u32> {
     let mut pool = POOL.lock().unwrap_or_else(|e| e.into_inner());
     // The smallest kept buffer that is large enough, if it is not more than twice too large.
     let best = pool
@@ -129,7 +129,7 @@ fn pooled(n: usize) -> Vec<u32> {
     }
 }
 
-fn give_back(mut v: Vec<u32>) {
+pub(crate) fn give_back(mut v: Vec<u32>) {
     v.clear();
     let mut pool = POOL.lock().unwrap_or_else(|e| e.into_inner());
     let kept: usize = pool.iter().map(|v| v.capacity() * 4).sum();

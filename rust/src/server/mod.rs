@@ -598,6 +598,30 @@ impl Service {
     }
 
     /// Checks the token, runs `f` on the blocking pool, and counts the call.
+    /// The checks a call passes before its work runs: its token, the layout, the primary (a
+    /// follower refuses what only a primary does), the routing.
+    async fn admit<T: routing::Routed>(
+        &self,
+        method: &'static str,
+        access: Access,
+        req: &Request<T>,
+    ) -> std::result::Result<(), Status> {
+        self.check(req, access)?;
+        if !matches!(method, "Status" | "GetRouting" | "SetRouting") {
+            self.layout_check(req)?;
+        }
+        self.primary_only(method, req).await?;
+        self.0.routing.check(req)
+    }
+
+    /// Whether a pull of `req` creates the rows it does not find: not for a read-only
+    /// principal (unknown ids read as their initial value), nor on a follower (its rows are
+    /// its primary's).
+    fn pull_creates<T>(&self, req: &Request<T>) -> bool {
+        !matches!(authenticate(&self.0.tokens, req), Ok(Some(Access::Read)))
+            && self.0.follower().is_none()
+    }
+
     async fn run<T, R>(
         &self,
         method: &'static str,
@@ -612,15 +636,7 @@ impl Service {
     {
         let t0 = Instant::now();
         let _busy = Busy::new(&self.0.inflight);
-        let mut checked = self.check(&req, access).and_then(|()| match method {
-            "Status" | "GetRouting" | "SetRouting" => Ok(()),
-            _ => self.layout_check(&req),
-        });
-        if checked.is_ok() {
-            checked = self.primary_only(method, &req).await;
-        }
-        let checked = checked.and_then(|()| self.0.routing.check(&req));
-        let out = match checked {
+        let out = match self.admit(method, access, &req).await {
             Err(s) => Err(s),
             Ok(()) => {
                 let inner = Arc::clone(&self.0);
@@ -648,6 +664,71 @@ impl Service {
         self.0.metrics.observe(method, t0.elapsed(), code);
         out.map(Response::new)
     }
+}
+
+/// A pull's work, after its checks: its rows in the answer's own buffer, or, with `stream`
+/// (a float32 pull on the rows port, decision 0133), into the stream's buffer a slice of
+/// about the given bytes at a time, each slice a pull of its own, the answer's rows then left
+/// empty. `create`: rows not found are created (else they read as their initial value).
+fn pull_work(
+    s: &Inner,
+    r: PullRequest,
+    create: bool,
+    stream: Option<(&rows::Streamed, usize)>,
+) -> Result<PullResponse> {
+    let t = sparse(&s.store, &r.table)?;
+    let d = wire::dtype(r.dtype)?;
+    let ids = wire::ids(&r.ids)?;
+    let dim = t.dim();
+    // Refused before any row is created.
+    s.fits(ids.len() * dim * wire::width(d), "pull")?;
+    // Rows are created only on a slot this server still owns (see `moves`).
+    let _pass = if create {
+        Some(s.frozen.pass_owned(&r.table, &ids, &s.routing)?)
+    } else {
+        None
+    };
+    let seq = t.seq();
+    let version = versions::get(&*t);
+    let pull = |ids: &[u64], out: &mut [std::mem::MaybeUninit<f32>]| {
+        if create {
+            t.pull_into(ids, out)
+        } else {
+            t.pull_existing_into(ids, out)
+        }
+    };
+    let rows = match (d, stream) {
+        (Dtype::Float32, Some((st, bytes))) => {
+            let per = (bytes / (dim * 4).max(1)).max(1);
+            let out = st.begin(d as i32, dim as u32, version, ids.len() * dim);
+            for (k, part) in ids.chunks(per).enumerate() {
+                let at = k * per * dim;
+                // SAFETY: `begin` made room for ids.len() * dim floats at `out`; this slice's
+                // rows lie inside them, and nothing else reads or writes them until `advance`
+                // passes them.
+                let dst = unsafe {
+                    std::slice::from_raw_parts_mut(
+                        out.add(at).cast::<std::mem::MaybeUninit<f32>>(),
+                        part.len() * dim,
+                    )
+                };
+                pull(part, dst)?;
+                st.advance((at + part.len() * dim) * 4);
+            }
+            bytes::Bytes::new()
+        }
+        // Rows are written straight into the answer's buffer.
+        (Dtype::Float32, _) => wire::fill_f32(ids.len() * dim, |out| pull(&ids, out))?,
+        (_, _) if create => wire::encode_values(&t.pull(&ids)?, d),
+        (_, _) => wire::encode_values(&t.pull_existing(&ids)?, d),
+    };
+    Ok(PullResponse {
+        rows,
+        dtype: d as i32,
+        dim: dim as u32,
+        seq,
+        version,
+    })
 }
 
 /// Runs a request's work here, its error or a panic as the call's status.
@@ -949,47 +1030,14 @@ impl PStore for Service {
         &self,
         req: Request<PullRequest>,
     ) -> std::result::Result<Response<PullResponse>, Status> {
-        // A read-only principal never creates a row: unknown ids read as their initial value.
-        // Nor does a follower: its rows are its primary's.
-        let create = !matches!(authenticate(&self.0.tokens, &req), Ok(Some(Access::Read)))
-            && self.0.follower().is_none();
+        let create = self.pull_creates(&req);
         let on = if req.get_ref().ids.len() <= INLINE_PULL_IDS * 8 {
             On::Here
         } else {
             On::Pool
         };
         self.run("Pull", Access::Read, on, req, move |s, r| {
-            let t = sparse(&s.store, &r.table)?;
-            let d = wire::dtype(r.dtype)?;
-            let ids = wire::ids(&r.ids)?;
-            // Refused before any row is created.
-            s.fits(ids.len() * t.dim() * wire::width(d), "pull")?;
-            // Rows are created only on a slot this server still owns (see `moves`).
-            let _pass = if create {
-                Some(s.frozen.pass_owned(&r.table, &ids, &s.routing)?)
-            } else {
-                None
-            };
-            let seq = t.seq();
-            let version = versions::get(&*t);
-            let rows = match (d, create) {
-                // Rows are written straight into the answer's buffer.
-                (Dtype::Float32, true) => {
-                    wire::fill_f32(ids.len() * t.dim(), |out| t.pull_into(&ids, out))?
-                }
-                (Dtype::Float32, false) => {
-                    wire::fill_f32(ids.len() * t.dim(), |out| t.pull_existing_into(&ids, out))?
-                }
-                (_, true) => wire::encode_values(&t.pull(&ids)?, d),
-                (_, false) => wire::encode_values(&t.pull_existing(&ids)?, d),
-            };
-            Ok(PullResponse {
-                rows,
-                dtype: d as i32,
-                dim: t.dim() as u32,
-                seq,
-                version,
-            })
+            pull_work(s, r, create, None)
         })
         .await
         .map(splice_rows)
@@ -1751,7 +1799,7 @@ pub fn start(store: Arc<Store>, config: ServerConfig) -> Result<ServerHandle> {
         let (svc, rt) = (Service(Arc::clone(&inner)), h.runtime()?);
         let (svc2, rt2) = (Service(Arc::clone(&inner)), rt.clone());
         let handlers = rows::Handlers {
-            pull: Arc::new(move |c, _| rows_pull(&svc, &rt, c)),
+            pull: Arc::new(move |c, _, out| rows_pull(&svc, &rt, c, out)),
             call: Some(Arc::new(move |c| rows_call(&svc2, &rt2, c))),
         };
         h.rows = Some(rows::serve(l, config.limits, config.max_message, handlers)?);
@@ -1763,13 +1811,24 @@ pub fn start(store: Arc<Store>, config: ServerConfig) -> Result<ServerHandle> {
     h
 }
 
+/// A rows-port pull of this many bytes of float32 rows is sent as its rows are looked up
+/// (decision 0133). Not a larger one: the client sends the parts of a large pull one ahead
+/// (`client/rows.rs`), so the pool looks the next part up while this one is sent, with all
+/// its threads, where a slice at a time looks up on one.
+const STREAM_BYTES: std::ops::RangeInclusive<usize> = (512 << 10)..=(2 << 20);
+/// The rows of such a pull are looked up in slices of about this many bytes, each sent once
+/// it is done.
+const STREAM_SLICE_BYTES: usize = 128 << 10;
+
 /// A pull on the rows port (decision 0128): the request as a gRPC `Pull` with the metadata and
 /// token the rows request carries, answered by the same handler on the calling thread; the
-/// rows go to the socket from the answer's own buffer.
+/// rows go to the socket from the answer's own buffer. A large float32 pull is sent by
+/// [`rows_pull_streamed`] instead.
 fn rows_pull(
     svc: &Service,
     rt: &tokio::runtime::Handle,
     c: &rows::Call<'_>,
+    out: &mut rows::Out<'_>,
 ) -> std::result::Result<rows::Rows, Status> {
     let req = rows_request(
         PullRequest {
@@ -1781,6 +1840,13 @@ fn rows_pull(
         c.token,
     )?;
     svc.0.metrics.rows_port_request("Pull");
+    let dim = sparse(&svc.0.store, c.table).map_or(0, |t| t.dim());
+    if c.dtype == Dtype::Float32 as i32
+        && cfg!(target_endian = "little")
+        && STREAM_BYTES.contains(&(c.ids.len() * dim * 4))
+    {
+        return rows_pull_streamed(svc, rt, req, c.ids.len(), out);
+    }
     let mut answer = rt.block_on(PStore::pull(svc, req))?;
     let rows = match answer.extensions_mut().remove::<splice::SplicedRows>() {
         Some(r) => r.0,
@@ -1794,6 +1860,109 @@ fn rows_pull(
         bytes: rows.len(),
         own: Some(rows),
     })
+}
+
+/// Ends a streamed pull whose work was dropped before it ran (a pool stopping).
+struct EndsStream(Arc<rows::Streamed>);
+
+impl Drop for EndsStream {
+    fn drop(&mut self) {
+        self.0
+            .finish(Err(Status::unavailable("the server is stopping")));
+    }
+}
+
+/// A float32 pull of `n` ids on the rows port, sent as its rows are looked up: the same
+/// checks as a gRPC `Pull`, then the lookup runs on the store's pool a slice at a time while
+/// this thread sends the slices done (the head with the first). A failure before the first
+/// row is answered as any refusal; after it, the connection is closed (the client pulls over
+/// gRPC, which answers the failure).
+fn rows_pull_streamed(
+    svc: &Service,
+    rt: &tokio::runtime::Handle,
+    req: Request<PullRequest>,
+    n: usize,
+    out: &mut rows::Out<'_>,
+) -> std::result::Result<rows::Rows, Status> {
+    let t0 = Instant::now();
+    let _busy = Busy::new(&svc.0.inflight);
+    let create = svc.pull_creates(&req);
+    let st = Arc::new(rows::Streamed::default());
+    let r = rt
+        .block_on(svc.admit("Pull", Access::Read, &req))
+        .map(|()| {
+            let (inner, ends, msg) = (
+                Arc::clone(&svc.0),
+                EndsStream(Arc::clone(&st)),
+                req.into_inner(),
+            );
+            let work = move || {
+                let r =
+                    guarded(|| pull_work(&inner, msg, create, Some((&ends.0, STREAM_SLICE_BYTES))));
+                ends.0.finish(r.map(drop));
+            };
+            // As `run` places a pull's work: on the pool only for an in-memory store.
+            if svc.0.in_memory {
+                svc.0.store.spawn(work);
+            } else {
+                drop(rt.spawn_blocking(work));
+            }
+        });
+    let r = r.and_then(|()| send_streamed(&st, n, out));
+    let code = r.as_ref().err().map(|s| code_name(s.code()));
+    svc.0.metrics.observe("Pull", t0.elapsed(), code);
+    r
+}
+
+/// Sends the rows of `st` (`n` ids) as they are done: the answer, or the pull's failure.
+fn send_streamed(
+    st: &rows::Streamed,
+    n: usize,
+    out: &mut rows::Out<'_>,
+) -> std::result::Result<rows::Rows, Status> {
+    let mut sent = 0;
+    loop {
+        let p = st.wait(sent);
+        let Some((dtype, dim, generation)) = p.head else {
+            return Err(match p.end {
+                Some(Err(s)) => s,
+                _ => Status::internal("a streamed pull ended without rows"),
+            });
+        };
+        let total = n * dim as usize * 4;
+        let new = &p.rows[sent..];
+        let ok = if sent == 0 {
+            let head = crate::net::rows::AnswerHead {
+                code: 0,
+                dtype,
+                dim,
+                generation,
+                len: total as u64,
+            }
+            .encode();
+            out.send(&[&head, new])
+        } else {
+            out.send(&[new])
+        };
+        if !ok {
+            return Err(Status::unavailable("the connection failed"));
+        }
+        sent = p.rows.len();
+        match p.end {
+            Some(Ok(())) if sent == total => {
+                return Ok(rows::Rows {
+                    dtype,
+                    dim,
+                    generation,
+                    bytes: total,
+                    own: None,
+                })
+            }
+            Some(Ok(())) => return Err(Status::internal("a streamed pull ended short")),
+            Some(Err(s)) => return Err(s),
+            None => {}
+        }
+    }
 }
 
 /// `msg` as a gRPC request with the metadata and token a rows request carries.

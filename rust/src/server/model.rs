@@ -557,7 +557,7 @@ pub fn start(
     )?;
     if let Some(l) = rows_listener {
         let i = Arc::clone(&inner);
-        let handler: Arc<rows::Handler> = Arc::new(move |c, buf| i.rows_call(c, buf));
+        let handler: Arc<rows::Handler> = Arc::new(move |c, buf, _| i.rows_call(c, buf));
         let handlers = rows::Handlers {
             pull: handler,
             call: None,

@@ -17,7 +17,7 @@ use std::io::{Read, Write};
 use std::net::{Shutdown, SocketAddr, TcpListener, TcpStream};
 use std::os::fd::AsRawFd;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
-use std::sync::{Arc, Mutex};
+use std::sync::{Arc, Condvar, Mutex};
 use std::thread::JoinHandle;
 use std::time::Duration;
 
@@ -71,9 +71,120 @@ pub struct Rows {
 }
 
 /// Looks a call's rows up into `buf` (after its first [`HEAD_WORDS`] floats, growing it as
-/// needed), or fails with the status the gRPC path would answer.
-pub type Handler =
-    dyn Fn(&Call<'_>, &mut Vec<f32>) -> std::result::Result<Rows, Status> + Send + Sync + 'static;
+/// needed), or fails with the status the gRPC path would answer. A handler may instead send
+/// the answer itself through the [`Out`] (a store server's large pull, sent as its rows are
+/// looked up): then nothing more is sent, and a failure after the first byte closes the
+/// connection (the client, short of an answer, pulls over gRPC).
+pub type Handler = dyn Fn(&Call<'_>, &mut Vec<f32>, &mut Out<'_>) -> std::result::Result<Rows, Status>
+    + Send
+    + Sync
+    + 'static;
+
+/// The connection's socket, for a handler that sends its answer itself.
+pub struct Out<'a> {
+    sock: &'a mut TcpStream,
+    /// Some bytes of the answer went out (or were attempted).
+    started: bool,
+    /// A write failed.
+    broken: bool,
+}
+
+impl Out<'_> {
+    /// Writes `parts` in order; false when the connection failed (nothing more can be sent).
+    pub fn send(&mut self, parts: &[&[u8]]) -> bool {
+        self.started = true;
+        if !self.broken && write_parts(self.sock, parts).is_err() {
+            self.broken = true;
+        }
+        !self.broken
+    }
+}
+
+/// The float32 rows of one pull, looked up on the store's pool a slice at a time while the
+/// connection's thread sends the slices already done (decision 0133). The lookup side calls
+/// [`begin`](Self::begin), then [`advance`](Self::advance) after each slice, and the pull's
+/// end is reported by [`finish`](Self::finish); the connection's side waits with
+/// [`wait`](Self::wait). The buffer lives as long as either side holds the `Arc`.
+#[derive(Default)]
+pub struct Streamed {
+    state: Mutex<Filled>,
+    cond: Condvar,
+}
+
+#[derive(Default)]
+struct Filled {
+    /// The answer's dtype, row width and generation, set once its checks passed.
+    head: Option<(i32, u32, u64)>,
+    /// The rows' buffer: its capacity holds them all; the lookup writes past `done` only, the
+    /// connection reads before `done` only.
+    rows: Vec<u32>,
+    /// Bytes of rows written, from the start.
+    done: usize,
+    /// How the pull ended (None: still going); only the first end counts.
+    end: Option<std::result::Result<(), Status>>,
+}
+
+/// What [`Streamed::wait`] saw.
+pub struct Progress<'a> {
+    /// The answer's dtype, row width and generation; None: the pull ended before any row.
+    pub head: Option<(i32, u32, u64)>,
+    /// The rows' bytes written so far, from the start.
+    pub rows: &'a [u8],
+    /// How the pull ended, once it has.
+    pub end: Option<std::result::Result<(), Status>>,
+}
+
+impl Streamed {
+    /// Sets the answer's head and makes room for `floats` rows' floats: where to write them.
+    /// Each float must be written before [`advance`](Self::advance) passes it.
+    pub fn begin(&self, dtype: i32, dim: u32, generation: u64, floats: usize) -> *mut f32 {
+        let mut s = self.state.lock().unwrap_or_else(|e| e.into_inner());
+        s.rows = crate::net::wire::pooled(floats);
+        s.head = Some((dtype, dim, generation));
+        self.cond.notify_all();
+        s.rows.as_mut_ptr().cast::<f32>()
+    }
+
+    /// The first `bytes` bytes of rows are written.
+    pub fn advance(&self, bytes: usize) {
+        let mut s = self.state.lock().unwrap_or_else(|e| e.into_inner());
+        s.done = bytes.min(s.rows.capacity() * 4);
+        self.cond.notify_all();
+    }
+
+    /// The pull ended (the first end reported counts).
+    pub fn finish(&self, end: std::result::Result<(), Status>) {
+        let mut s = self.state.lock().unwrap_or_else(|e| e.into_inner());
+        if s.end.is_none() {
+            s.end = Some(end);
+        }
+        self.cond.notify_all();
+    }
+
+    /// Waits until more than `sent` bytes of rows are written or the pull ended.
+    pub fn wait(&self, sent: usize) -> Progress<'_> {
+        let mut s = self.state.lock().unwrap_or_else(|e| e.into_inner());
+        while s.end.is_none() && (s.head.is_none() || s.done <= sent) {
+            s = self.cond.wait(s).unwrap_or_else(|e| e.into_inner());
+        }
+        // SAFETY: the buffer is allocated once (`begin`) and freed only when `self` drops,
+        // which the returned borrow outlives; its first `done` bytes are written and are not
+        // written again.
+        let rows = unsafe { std::slice::from_raw_parts(s.rows.as_ptr().cast::<u8>(), s.done) };
+        Progress {
+            head: s.head,
+            rows,
+            end: s.end.clone(),
+        }
+    }
+}
+
+impl Drop for Streamed {
+    fn drop(&mut self) {
+        let s = self.state.get_mut().unwrap_or_else(|e| e.into_inner());
+        crate::net::wire::give_back(std::mem::take(&mut s.rows));
+    }
+}
 
 /// A call as the rows port received it (`PSc1`).
 pub struct UnaryCall<'a> {
@@ -343,6 +454,11 @@ fn serve_conn(mut sock: TcpStream, handshake: Duration, max_message: usize, hand
         }
         let (name, rest) = text.split_at(h.table);
         let (token, meta) = rest.split_at(h.token);
+        let mut out = Out {
+            sock: &mut sock,
+            started: false,
+            broken: false,
+        };
         let answer = match (std::str::from_utf8(name), parse_meta(meta)) {
             (Err(_), _) => Err(Status::invalid_argument("the table name is not UTF-8")),
             (_, Err(m)) => Err(Status::invalid_argument(m)),
@@ -355,8 +471,19 @@ fn serve_conn(mut sock: TcpStream, handshake: Duration, max_message: usize, hand
                     meta: &meta,
                 },
                 &mut buf,
+                &mut out,
             ),
         };
+        if out.started {
+            // The handler sent the answer itself: whole when it answered rows, else cut short.
+            if answer.is_err() || out.broken {
+                return;
+            }
+            if ids.len() > KEEP_BYTES / 8 {
+                ids = Vec::new();
+            }
+            continue;
+        }
         let sent = match answer {
             Ok(r) => {
                 let head = AnswerHead {
