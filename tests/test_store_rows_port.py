@@ -64,6 +64,71 @@ def test_pulls_over_the_rows_port_equal_the_grpc_pulls_and_create_the_same_rows(
         assert len(store.table("t")) == len(tb)
 
 
+def _metric(metrics_port: int, name: str) -> int:
+    with urllib.request.urlopen(f"http://127.0.0.1:{metrics_port}/metrics", timeout=10) as r:
+        m = re.search(rf"^{name} (\d+)$", r.read().decode(), re.M)
+    assert m, name
+    return int(m.group(1))
+
+
+def test_pulls_of_half_a_mib_to_two_mib_stream_over_the_rows_port_and_equal_grpc(rng, tmp_path):
+    """Pulls of 512 KiB to 2 MiB of float32 rows are sent as their rows are looked up, a slice
+    at a time (decision 0133): new ids are created as over gRPC, repeated ids read one row, a
+    read-only token creates nothing, a durable store's pulls (on tokio's blocking threads)
+    read the same; each such pull is counted as streamed, and no other is."""
+    wide = 64  # 256-byte rows: 2048 ids are 512 KiB
+    store = pstore.Store(num_shards=4, threads=2)
+    with (
+        Server(store, token="w", read_token="r", rows_port=0, metrics_port=0) as fast,
+        Server(store, token="w", read_token="r") as plain,
+    ):
+        ta = pstore.connect([fast.address], "w").create_sparse_table(
+            "wide", wide, optimizer=optim.SGD(lr=0.5), seed=5
+        )
+        tb = pstore.connect([plain.address], "w").table("wide")
+        seen: set[int] = set()
+        for n in (2048, 3001, 5000, 8192, 1000):  # the last (250 KiB) is not streamed
+            ids = rng.integers(0, 20_000, size=n, dtype=np.uint64)
+            got = ta.pull(ids)  # creates the new ids' rows, slice by slice
+            seen.update(ids.tolist())
+            assert len(store.table("wide")) == len(seen)
+            np.testing.assert_array_equal(got, tb.pull(ids))
+            np.testing.assert_array_equal(got, store.table("wide").pull(ids))
+            ta.push(ids, rng.standard_normal((n, wide)).astype(np.float32))
+        fresh = np.arange(100_000, 104_096, dtype=np.uint64)
+        rows = pstore.connect([fast.address], "r").table("wide").pull(fresh)
+        assert not store.table("wide").contains(fresh).any()  # read as initial values
+        slow = pstore.connect([plain.address], "r").table("wide")
+        np.testing.assert_array_equal(rows, slow.pull(fresh))
+        assert _metric(fast.metrics_port, "pstore_rows_port_streamed_pulls_total") == 5
+        assert rows_port_clients(fast.rows_port) >= 1
+    durable = pstore.Store(path=tmp_path / "d", durability="sync")
+    with Server(durable, rows_port=0, metrics_port=0) as srv:
+        t = pstore.connect([srv.address]).create_sparse_table("wide", wide, seed=2)
+        ids = rng.integers(0, 10_000, size=4096, dtype=np.uint64)
+        np.testing.assert_array_equal(t.pull(ids), durable.table("wide").pull(ids))
+        assert _metric(srv.metrics_port, "pstore_rows_port_streamed_pulls_total") == 1
+    durable.close()
+
+
+def test_a_pull_of_several_requests_on_the_rows_port_sends_each_ahead_of_the_last_answer():
+    """A pull larger than one message goes on the rows port as several requests, each sent
+    before the answer to the one before is read. Requests larger than the sockets' buffers
+    (2.8 MiB of ids each, rows of one float) go out in part before that answer and the rest
+    after it. Every request came on the port (none fell back to gRPC), and the rows are those
+    of gRPC."""
+    store = pstore.Store(num_shards=4, threads=2)
+    with Server(store, rows_port=0, metrics_port=0) as fast, Server(store) as plain:
+        ta = pstore.connect([fast.address]).create_sparse_table("narrow", 1, seed=8)
+        tb = pstore.connect([plain.address]).table("narrow")
+        ids = np.arange(1_000_000, dtype=np.uint64)[::-1].copy()
+        got = ta.pull(ids)  # three requests of about 2.8 MiB of ids each
+        np.testing.assert_array_equal(got, tb.pull(ids))
+        pulls = _counted(fast.metrics_port, "pstore_requests_total", "Pull")
+        assert pulls == 3
+        assert _counted(fast.metrics_port, "pstore_rows_port_requests_total", "Pull") == pulls
+
+
 def test_a_pull_over_the_rows_port_gives_its_version_to_the_push_after_it():
     """The push after a pull carries the table version the pull read (the staleness check):
     with `drop`, a push computed from rows three pushes old is dropped."""

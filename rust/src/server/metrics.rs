@@ -30,6 +30,8 @@ pub struct Metrics {
     methods: Mutex<BTreeMap<&'static str, Method>>,
     /// Of those, the requests that came on the rows port, by method.
     rows_port: Mutex<BTreeMap<&'static str, u64>>,
+    /// Of the rows port's pulls, those sent as their rows were looked up.
+    streamed: std::sync::atomic::AtomicU64,
 }
 
 /// A table's numbers at scrape time.
@@ -137,6 +139,12 @@ impl Metrics {
         *m.entry(method).or_default() += 1;
     }
 
+    /// Counts one pull of the rows port sent as its rows were looked up (decision 0133).
+    pub fn rows_port_streamed(&self) {
+        self.streamed
+            .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+    }
+
     /// The exposition text.
     pub fn render(&self, s: &Sample) -> String {
         let mut o = String::new();
@@ -150,6 +158,13 @@ impl Metrics {
             for (k, n) in r.iter() {
                 let _ = writeln!(o, "pstore_rows_port_requests_total{{method=\"{k}\"}} {n}");
             }
+            o.push_str(
+                "# HELP pstore_rows_port_streamed_pulls_total Pulls on the rows port sent as \
+                 their rows were looked up (counted in pstore_rows_port_requests_total too).\n",
+            );
+            o.push_str("# TYPE pstore_rows_port_streamed_pulls_total counter\n");
+            let n = self.streamed.load(std::sync::atomic::Ordering::Relaxed);
+            let _ = writeln!(o, "pstore_rows_port_streamed_pulls_total {n}");
         }
         let m = self.methods.lock().unwrap_or_else(|e| e.into_inner());
         o.push_str("# HELP pstore_requests_total Requests answered, by method.\n");

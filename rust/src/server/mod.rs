@@ -1886,6 +1886,7 @@ fn rows_pull_streamed(
 ) -> std::result::Result<rows::Rows, Status> {
     let t0 = Instant::now();
     let _busy = Busy::new(&svc.0.inflight);
+    svc.0.metrics.rows_port_streamed();
     let create = svc.pull_creates(&req);
     let st = Arc::new(rows::Streamed::default());
     let r = rt

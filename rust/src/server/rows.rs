@@ -597,3 +597,139 @@ fn serve_call(
     }
     sent
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::net::rows::encode_request;
+
+    /// A handler that sends `table`'s answer itself: "whole" in three writes, "cut" stopping
+    /// after its head and some rows with a failure; "refused" fails before sending anything.
+    fn handlers() -> Handlers {
+        let pull: Arc<Handler> = Arc::new(|c: &Call<'_>, _: &mut Vec<f32>, out: &mut Out<'_>| {
+            let rows: Vec<u8> = c
+                .ids
+                .iter()
+                .flat_map(|&i| (i as f32).to_le_bytes())
+                .collect();
+            let head = AnswerHead {
+                code: 0,
+                dtype: 0,
+                dim: 1,
+                generation: 7,
+                len: rows.len() as u64,
+            }
+            .encode();
+            let third = rows.len() / 3;
+            match c.table {
+                "whole" => {
+                    out.send(&[&head, &rows[..third]]);
+                    out.send(&[&rows[third..2 * third]]);
+                    out.send(&[&rows[2 * third..]]);
+                    Ok(Rows {
+                        dtype: 0,
+                        dim: 1,
+                        generation: 7,
+                        bytes: rows.len(),
+                        own: None,
+                    })
+                }
+                "cut" => {
+                    out.send(&[&head, &rows[..third]]);
+                    Err(Status::internal("failed after the first rows"))
+                }
+                _ => Err(Status::not_found("no such table")),
+            }
+        });
+        Handlers { pull, call: None }
+    }
+
+    /// Sends a pull of `ids` of `table` and reads its answer's head and `len` bytes (fewer
+    /// when the connection closes first).
+    fn ask(sock: &mut TcpStream, table: &str, ids: &[u64]) -> (AnswerHead, Vec<u8>) {
+        let mut req = Vec::new();
+        encode_request(&mut req, table, None, &[], 0, ids);
+        sock.write_all(&req).unwrap();
+        let mut head = [0u8; ANSWER_HEAD];
+        sock.read_exact(&mut head).unwrap();
+        let h = AnswerHead::parse(&head).unwrap();
+        let mut body = Vec::new();
+        let _ = sock.take(h.len).read_to_end(&mut body);
+        (h, body)
+    }
+
+    #[test]
+    fn an_answer_sent_by_its_handler_is_whole_or_closes_the_connection() {
+        let l = bind("127.0.0.1:0".parse().unwrap()).unwrap();
+        let port = serve(l, Limits::default(), 1 << 20, handlers()).unwrap();
+        let mut sock = TcpStream::connect(port.addr()).unwrap();
+        sock.set_read_timeout(Some(Duration::from_secs(10)))
+            .unwrap();
+        let ids: Vec<u64> = (0..3000).collect();
+        let want: Vec<u8> = ids.iter().flat_map(|&i| (i as f32).to_le_bytes()).collect();
+        for table in ["whole", "refused", "whole"] {
+            let (h, body) = ask(&mut sock, table, &ids);
+            if table == "whole" {
+                assert_eq!((h.code, h.generation), (0, 7));
+                assert_eq!(body, want);
+            } else {
+                // A refusal before any byte is an error answer; the connection goes on.
+                assert_ne!(h.code, 0);
+                assert!(String::from_utf8_lossy(&body).contains("no such table"));
+            }
+        }
+        // Cut short: the rows that went out, then the end of the connection.
+        let (h, body) = ask(&mut sock, "cut", &ids);
+        assert_eq!((h.code, h.len), (0, want.len() as u64));
+        assert_eq!(body, want[..want.len() / 3]);
+        let mut more = [0u8; 1];
+        assert_eq!(sock.read(&mut more).unwrap(), 0);
+    }
+
+    #[test]
+    fn streamed_rows_reach_the_sender_in_order_and_an_end_before_any_row_is_its_failure() {
+        let st = Arc::new(Streamed::default());
+        let n = 10_000usize;
+        let filler = {
+            let st = Arc::clone(&st);
+            std::thread::spawn(move || {
+                let out = st.begin(0, 4, 9, n);
+                for k in 0..10 {
+                    for i in k * n / 10..(k + 1) * n / 10 {
+                        // SAFETY: `begin` made room for n floats; positions past `advance`
+                        // are this thread's.
+                        unsafe { out.add(i).write(i as f32) };
+                    }
+                    st.advance((k + 1) * n / 10 * 4);
+                    std::thread::sleep(Duration::from_millis(1));
+                }
+                st.finish(Ok(()));
+                st.finish(Err(Status::internal("a later end does not count")));
+            })
+        };
+        let (mut got, mut waits) = (Vec::new(), 0);
+        loop {
+            let p = st.wait(got.len());
+            waits += 1;
+            assert_eq!(p.head, Some((0, 4, 9)));
+            got.extend_from_slice(&p.rows[got.len()..]);
+            if let Some(end) = p.end {
+                assert!(end.is_ok());
+                break;
+            }
+        }
+        filler.join().unwrap();
+        let want: Vec<u8> = (0..n).flat_map(|i| (i as f32).to_le_bytes()).collect();
+        assert_eq!(got, want);
+        assert!(
+            waits > 1,
+            "the rows came in one piece: nothing was streamed"
+        );
+
+        let failed = Streamed::default();
+        failed.finish(Err(Status::not_found("no such table")));
+        let p = failed.wait(0);
+        assert!(p.head.is_none() && p.rows.is_empty());
+        assert_eq!(p.end.unwrap().unwrap_err().code(), tonic::Code::NotFound);
+    }
+}
