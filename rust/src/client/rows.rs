@@ -1,6 +1,7 @@
-//! Pulls from a server's rows port (`net/rows.rs`, decisions 0120 and 0128): a blocking socket
-//! per call on the calling thread, the request in one write, a float32 answer read straight
-//! into the caller's output. Connections are kept for the next call.
+//! Pulls from a server's rows port (`net/rows.rs`, decisions 0120, 0128 and 0133): a blocking
+//! socket per call on the calling thread, each request written before the answer to the one
+//! before is read, a float32 answer read straight into the caller's output. Connections are
+//! kept for the next call.
 //!
 //! Whatever goes wrong with the transport (refused, reset, timed out, a foreign answer) is not
 //! the caller's error: the pull goes over gRPC instead (with its retries), and the port is left

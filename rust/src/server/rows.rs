@@ -2,7 +2,9 @@
 //! connection reads a request, has the handler look its rows up into the connection's answer
 //! buffer (a model server) or answer them in a buffer of its own (a store server, whose `Pull`
 //! fills one), and sends head and rows with one write. The buffer is kept across calls (no
-//! fill, no page faults); the request is handled on the thread that read it.
+//! fill, no page faults); the request is handled on the thread that read it. A handler may send
+//! the answer itself (`Out`): a store server's pull of 512 KiB to 2 MiB goes out a slice at a
+//! time as its pool looks the rows up (`Streamed`, decision 0133).
 //!
 //! A store server also takes calls (`PSc1`, decision 0129): a push's protobuf message read
 //! into a buffer kept across calls and decoded in place (the gradients stay where the socket
