@@ -198,9 +198,9 @@ impl Endpoint {
         true
     }
 
-    /// Pulls `asks` into `out`, one after the other, each answer received into the next part
-    /// of `out`: the oldest generation read, or how the first part that did not answer rows
-    /// ended.
+    /// Pulls `asks` into `out`, in order, each request sent before the answer to the one
+    /// before is read and each answer received into the next part of `out`: the oldest
+    /// generation read, or how the first part that did not answer rows ended.
     pub(super) fn pull(
         &self,
         asks: &[Ask<'_>],

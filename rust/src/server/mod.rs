@@ -597,7 +597,6 @@ impl Service {
         }
     }
 
-    /// Checks the token, runs `f` on the blocking pool, and counts the call.
     /// The checks a call passes before its work runs: its token, the layout, the primary (a
     /// follower refuses what only a primary does), the routing.
     async fn admit<T: routing::Routed>(
@@ -622,6 +621,8 @@ impl Service {
             && self.0.follower().is_none()
     }
 
+    /// Checks the call ([`admit`](Self::admit)), runs `f` where `on` says, and counts the
+    /// call.
     async fn run<T, R>(
         &self,
         method: &'static str,
@@ -1886,7 +1887,6 @@ fn rows_pull_streamed(
 ) -> std::result::Result<rows::Rows, Status> {
     let t0 = Instant::now();
     let _busy = Busy::new(&svc.0.inflight);
-    svc.0.metrics.rows_port_streamed();
     let create = svc.pull_creates(&req);
     let st = Arc::new(rows::Streamed::default());
     let r = rt
@@ -1902,6 +1902,7 @@ fn rows_pull_streamed(
                     guarded(|| pull_work(&inner, msg, create, Some((&ends.0, STREAM_SLICE_BYTES))));
                 ends.0.finish(r.map(drop));
             };
+            svc.0.metrics.rows_port_streamed();
             // As `run` places a pull's work: on the pool only for an in-memory store.
             if svc.0.in_memory {
                 svc.0.store.spawn(work);
@@ -1930,6 +1931,10 @@ fn send_streamed(
                 _ => Status::internal("a streamed pull ended without rows"),
             });
         };
+        if let (0, Some(Err(s))) = (p.rows.len(), &p.end) {
+            // Failed before its first row: an answer like any refusal.
+            return Err(s.clone());
+        }
         let total = n * dim as usize * 4;
         let new = &p.rows[sent..];
         let ok = if sent == 0 {

@@ -138,9 +138,11 @@ pub struct Progress<'a> {
 
 impl Streamed {
     /// Sets the answer's head and makes room for `floats` rows' floats: where to write them.
-    /// Each float must be written before [`advance`](Self::advance) passes it.
+    /// Each float must be written before [`advance`](Self::advance) passes it. Called once.
     pub fn begin(&self, dtype: i32, dim: u32, generation: u64, floats: usize) -> *mut f32 {
         let mut s = self.state.lock().unwrap_or_else(|e| e.into_inner());
+        // A second buffer would free the first under the rows the sender holds.
+        assert!(s.head.is_none(), "a streamed pull begins once");
         s.rows = crate::net::wire::pooled(floats);
         s.head = Some((dtype, dim, generation));
         self.cond.notify_all();
