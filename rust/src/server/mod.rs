@@ -1935,18 +1935,16 @@ fn send_streamed(
             // Failed before its first row: an answer like any refusal.
             return Err(s.clone());
         }
-        let total = n * dim as usize * 4;
+        let answer = rows::Rows {
+            dtype,
+            dim,
+            generation,
+            bytes: n * dim as usize * 4,
+            own: None,
+        };
         let new = &p.rows[sent..];
         let ok = if sent == 0 {
-            let head = crate::net::rows::AnswerHead {
-                code: 0,
-                dtype,
-                dim,
-                generation,
-                len: total as u64,
-            }
-            .encode();
-            out.send(&[&head, new])
+            out.send(&[&answer.head(), new])
         } else {
             out.send(&[new])
         };
@@ -1955,15 +1953,7 @@ fn send_streamed(
         }
         sent = p.rows.len();
         match p.end {
-            Some(Ok(())) if sent == total => {
-                return Ok(rows::Rows {
-                    dtype,
-                    dim,
-                    generation,
-                    bytes: total,
-                    own: None,
-                })
-            }
+            Some(Ok(())) if sent == answer.bytes => return Ok(answer),
             Some(Ok(())) => return Err(Status::internal("a streamed pull ended short")),
             Some(Err(s)) => return Err(s),
             None => {}

@@ -72,6 +72,20 @@ pub struct Rows {
     pub own: Option<bytes::Bytes>,
 }
 
+impl Rows {
+    /// The head of the answer that carries these rows.
+    pub fn head(&self) -> [u8; ANSWER_HEAD] {
+        AnswerHead {
+            code: 0,
+            dtype: self.dtype,
+            dim: self.dim,
+            generation: self.generation,
+            len: self.bytes as u64,
+        }
+        .encode()
+    }
+}
+
 /// Looks a call's rows up into `buf` (after its first [`HEAD_WORDS`] floats, growing it as
 /// needed), or fails with the status the gRPC path would answer. A handler may instead send
 /// the answer itself through the [`Out`] (a store server's large pull, sent as its rows are
@@ -490,14 +504,7 @@ fn serve_conn(mut sock: TcpStream, handshake: Duration, max_message: usize, hand
         }
         let sent = match answer {
             Ok(r) => {
-                let head = AnswerHead {
-                    code: 0,
-                    dtype: r.dtype,
-                    dim: r.dim,
-                    generation: r.generation,
-                    len: r.bytes as u64,
-                }
-                .encode();
+                let head = r.head();
                 match &r.own {
                     Some(rows) => write_parts(&mut sock, &[&head, rows]).is_ok(),
                     None => {
@@ -616,27 +623,21 @@ mod tests {
                 .iter()
                 .flat_map(|&i| (i as f32).to_le_bytes())
                 .collect();
-            let head = AnswerHead {
-                code: 0,
+            let answer = Rows {
                 dtype: 0,
                 dim: 1,
                 generation: 7,
-                len: rows.len() as u64,
-            }
-            .encode();
+                bytes: rows.len(),
+                own: None,
+            };
+            let head = answer.head();
             let third = rows.len() / 3;
             match c.table {
                 "whole" => {
                     out.send(&[&head, &rows[..third]]);
                     out.send(&[&rows[third..2 * third]]);
                     out.send(&[&rows[2 * third..]]);
-                    Ok(Rows {
-                        dtype: 0,
-                        dim: 1,
-                        generation: 7,
-                        bytes: rows.len(),
-                        own: None,
-                    })
+                    Ok(answer)
                 }
                 "cut" => {
                     out.send(&[&head, &rows[..third]]);
