@@ -8,6 +8,7 @@ from __future__ import annotations
 import re
 import socket
 import struct
+import threading
 import urllib.request
 
 import numpy as np
@@ -109,6 +110,57 @@ def test_pulls_of_half_a_mib_to_two_mib_stream_over_the_rows_port_and_equal_grpc
         np.testing.assert_array_equal(t.pull(ids), durable.table("wide").pull(ids))
         assert _metric(srv.metrics_port, "pstore_rows_port_streamed_pulls_total") == 1
     durable.close()
+
+
+def test_streamed_pulls_beside_pushes_never_read_a_half_updated_row(rng):
+    """Two threads pull 4096 ids (1 MiB of rows, streamed) over the rows port while a third
+    pushes gradients that are the same across each row: every row read is one value repeated
+    (a row read half updated, or a slice sent before it was written, would not be), and the
+    values only grow."""
+    wide, n = 64, 4096
+    store = pstore.Store(num_shards=4, threads=2)
+    with Server(store, rows_port=0, metrics_port=0) as srv:
+        table = pstore.connect([srv.address]).create_sparse_table(
+            "t", wide, optimizer=optim.SGD(lr=1.0), initializer=init.Zeros()
+        )
+        ids = np.arange(20_000, dtype=np.uint64)
+        table.pull(ids)
+        stop = threading.Event()
+        bad: list[str] = []
+
+        def push() -> None:
+            c = pstore.connect([srv.address]).table("t")
+            r = np.random.default_rng(1)
+            while not stop.is_set():
+                batch = r.choice(ids, size=n, replace=False)
+                c.push(batch, np.repeat(-r.random((n, 1), dtype=np.float32), wide, axis=1))
+
+        def pull(seed: int) -> None:
+            c = pstore.connect([srv.address]).table("t")
+            r = np.random.default_rng(seed)
+            last = np.zeros(len(ids), np.float32)
+            while not stop.is_set() and not bad:
+                batch = r.choice(ids, size=n, replace=False)
+                rows = c.pull(batch)
+                if not (rows == rows[:, :1]).all():
+                    bad.append(
+                        f"a row of differing values: {rows[(rows != rows[:, :1]).any(1)][0]}"
+                    )
+                if (rows[:, 0] < last[batch.astype(np.int64)]).any():
+                    bad.append("a row read older than one read before")
+                last[batch.astype(np.int64)] = rows[:, 0]
+
+        threads = [threading.Thread(target=push)]
+        threads += [threading.Thread(target=pull, args=(s,)) for s in (2, 3)]
+        for t in threads:
+            t.start()
+        stop.wait(3.0)
+        stop.set()
+        for t in threads:
+            t.join(60)
+        assert not bad, bad[0]
+        assert _metric(srv.metrics_port, "pstore_rows_port_streamed_pulls_total") >= 20
+        assert rows_port_clients(srv.rows_port) >= 1
 
 
 def test_a_pull_of_several_requests_on_the_rows_port_sends_each_ahead_of_the_last_answer():
