@@ -21,14 +21,12 @@ import pstore
 DIM = 8
 
 
-def _status(remote: pstore.RemoteStore) -> dict:
-    rep = remote.status()[0]["replication"]
+def _status(remote: pstore.RemoteStore, tables: bool = False) -> dict:
+    """The server's replication status; with `tables`, its table names too (``"tables"``)."""
+    st = remote.status()[0]
+    rep = st["replication"]
     assert rep is not None
-    return rep
-
-
-def _tables(remote: pstore.RemoteStore) -> list[str]:
-    return sorted(t["name"] for t in remote.status()[0]["tables"])
+    return {**rep, "tables": sorted(t["name"] for t in st["tables"])} if tables else rep
 
 
 def _wait_caught_up(primary: pstore.RemoteStore, follower: pstore.RemoteStore) -> None:
@@ -37,11 +35,11 @@ def _wait_caught_up(primary: pstore.RemoteStore, follower: pstore.RemoteStore) -
     the last commit is not counted by the LSN)."""
     deadline = time.monotonic() + 60
     while True:
-        p, f = _status(primary), _status(follower)
+        p, f = _status(primary, tables=True), _status(follower, tables=True)
         if (
             f["lsn"] == p["lsn"]
             and f["primary_id"] == p["replication_id"]
-            and _tables(follower) == _tables(primary)
+            and f["tables"] == p["tables"]
         ):
             return
         if time.monotonic() > deadline:

@@ -451,13 +451,11 @@ impl PushSource<'_> {
         if self.dtype != Dtype::Float32 || cfg!(target_endian = "big") {
             return None;
         }
-        let (a, b) = match (pos.first(), pos.last()) {
-            (Some(&a), Some(&b)) => (a as usize, b as usize + 1),
-            _ => (0, 0),
-        };
-        if b.checked_sub(a) != Some(pos.len()) || pos.windows(2).any(|w| w[1] != w[0] + 1) {
+        if pos.windows(2).any(|w| w[0].checked_add(1) != Some(w[1])) {
             return None;
         }
+        let a = pos.first().map_or(0, |&a| a as usize);
+        let b = a + pos.len();
         let ids = &self.ids[a..b];
         let grads = &self.grads[a * self.dim..b * self.dim];
         // SAFETY: u64 and f32 memory is valid as bytes; the lengths are in bytes.

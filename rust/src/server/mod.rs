@@ -699,8 +699,8 @@ fn pull_work(
         }
     };
     let rows = match (d, stream) {
-        (Dtype::Float32, Some((st, bytes))) => {
-            let per = (bytes / (dim * 4).max(1)).max(1);
+        (Dtype::Float32, Some((st, slice_bytes))) => {
+            let per = (slice_bytes / (dim * 4).max(1)).max(1);
             let out = st.begin(d as i32, dim as u32, version, ids.len() * dim);
             for (k, part) in ids.chunks(per).enumerate() {
                 let at = k * per * dim;

@@ -492,17 +492,11 @@ fn serve_conn(mut sock: TcpStream, handshake: Duration, max_message: usize, hand
                 &mut out,
             ),
         };
-        if out.started {
-            // The handler sent the answer itself: whole when it answered rows, else cut short.
-            if answer.is_err() || out.broken {
-                return;
-            }
-            if ids.len() > KEEP_BYTES / 8 {
-                ids = Vec::new();
-            }
-            continue;
-        }
+        // A handler that sent the answer itself sent it whole when it answered rows, else
+        // cut it short (the connection is then closed).
+        let (started, broken) = (out.started, out.broken);
         let sent = match answer {
+            _ if started => answer.is_ok() && !broken,
             Ok(r) => {
                 let head = r.head();
                 match &r.own {
