@@ -325,3 +325,23 @@ class ReferenceAdagrad:
 
     def push(self, pos: np.ndarray, grads: np.ndarray) -> None:
         self.rows.adagrad(pos.astype(np.uint64, copy=False), grads, self.lr, self.threads, True)
+
+
+class ReferenceAdam:
+    """The memory limit of an Adam push: the reference kernel's read-modify-write of the
+    weights and both moments (3 x dim words per row) at the batch's positions, bias-corrected
+    by this peer's count of its pushes (one count for all rows, as torch's SparseAdam keeps
+    it), no table logic."""
+
+    def __init__(self, rows: Any, lr: float, beta1: float, beta2: float, eps: float,
+                 threads: int) -> None:  # fmt: skip
+        self.rows, self.threads = rows, threads
+        self.lr, self.beta1, self.beta2, self.eps = lr, beta1, beta2, eps
+        self.step = 0
+
+    def push(self, pos: np.ndarray, grads: np.ndarray) -> None:
+        self.step += 1
+        self.rows.adam(
+            pos.astype(np.uint64, copy=False), grads, self.lr, self.beta1, self.beta2,
+            self.eps, self.step, self.threads, True,
+        )  # fmt: skip

@@ -52,6 +52,7 @@ from peers import (
     NumpyTake,
     RedisRows,
     ReferenceAdagrad,
+    ReferenceAdam,
     ReferenceGather,
     ReferenceLookup,
     TorchEmbeddingPull,
@@ -365,13 +366,20 @@ def w2_push(ctx: Context) -> Section:
                 peers[torch_name[name]] = peer
         if name in ("Adagrad", "Adam"):
             targets[torch_name[name]] = (">=3x", 3.0)
-        if name == "Adagrad":
-            log("W2 Adagrad: building the reference rows (dense read-modify-write)")
+        if name in ("Adagrad", "Adam"):
+            log(f"W2 {name}: building the reference rows (dense read-modify-write)")
+            # Weights, then the state: Adagrad's accumulators (starting at init_acc), or
+            # Adam's first and second moments (starting at 0).
+            state, fill = (1, kw["init_acc"]) if name == "Adagrad" else (2, 0.0)
             ref_rows = ctx.pstore._native.ReferenceRows(
-                rng.random((n, dim), dtype=np.float32), 2 * dim, kw["init_acc"]
+                rng.random((n, dim), dtype=np.float32), (1 + state) * dim, fill
             )
             for t in (2, 1):
-                peers[f"ref_rmw_{t}t"] = ReferenceAdagrad(ref_rows, kw["lr"], t)
+                peers[f"ref_rmw_{t}t"] = (
+                    ReferenceAdagrad(ref_rows, kw["lr"], t)
+                    if name == "Adagrad"
+                    else ReferenceAdam(ref_rows, kw["lr"], kw["beta1"], kw["beta2"], kw["eps"], t)
+                )
             targets["ref_rmw_2t"] = (">=0.5x", 0.5)
         if name == "SGD":
             peers["numpy_add_at"] = NumpyAddAt(rng.random((n, dim), dtype=np.float32), kw["lr"])

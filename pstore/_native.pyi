@@ -394,6 +394,18 @@ class ReferenceRows:
         threads: int = 1,
         prefetch: bool = True,
     ) -> None: ...
+    def adam(
+        self,
+        positions: npt.NDArray[np.uint64],
+        grads: npt.NDArray[np.float32],
+        lr: float,
+        beta1: float,
+        beta2: float,
+        eps: float,
+        step: int,
+        threads: int = 1,
+        prefetch: bool = True,
+    ) -> None: ...
 
 def promote(
     address: str,

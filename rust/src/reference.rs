@@ -5,8 +5,9 @@
 //! 64-byte boundary and the mapping on transparent huge pages where the kernel allows
 //! (`MADV_HUGEPAGE`). [`DenseRows::gather`] copies the first `dim` words of the rows at the given
 //! positions into an output, the *dense-gather limit* every pull figure is set against;
-//! [`DenseRows::adagrad`] is the read-modify-write limit of a push: each position's row holds
-//! `dim` weights then `dim` accumulators and gets one Adagrad step. Both run on a persistent
+//! [`DenseRows::adagrad`] and [`DenseRows::adam`] are the read-modify-write limits of a push:
+//! each position's row holds `dim` weights then the optimizer's state (`dim` accumulators, or
+//! `dim` first and `dim` second moments) and gets one step. They run on a persistent
 //! [`Executor`] of `threads` threads, kept per thread count: the caller and `threads - 1`
 //! helper threads that watch for the next batch, exactly as a table's pull and push run, so the
 //! ratio of a table to these kernels measures the table's own work and not a difference in
@@ -384,9 +385,8 @@ impl DenseRows {
     }
 
     /// One Adagrad step per position (`acc += g * g; w -= lr * g / (sqrt(acc) + eps)`), the
-    /// weights in words `0..dim` of a row and the accumulators in `dim..2 * dim`. Thread `t`
-    /// applies the positions `p` with `p % threads == t`, so no row has two writers and
-    /// repeated positions apply in batch order.
+    /// weights in words `0..dim` of a row and the accumulators in `dim..2 * dim`, on
+    /// `threads` threads as [`DenseRows::in_place`] splits them.
     pub fn adagrad(
         &mut self,
         pos: &[u64],
@@ -397,11 +397,83 @@ impl DenseRows {
         prefetch: bool,
     ) -> Result<()> {
         self.check_shape(pos.len(), dim, grads.len(), "grads")?;
+        let avx = avx();
+        self.in_place(pos, 2 * dim, "Adagrad", threads, prefetch, &|row, i| {
+            let (w, acc) = row.split_at_mut(dim);
+            let g = &grads[i * dim..(i + 1) * dim];
+            #[cfg(target_arch = "x86_64")]
+            if avx {
+                // SAFETY: the CPU has AVX (`avx()`).
+                return unsafe { adagrad_avx(w, acc, g, lr) };
+            }
+            adagrad_row(w, acc, g, lr);
+        })
+    }
+
+    /// One Adam step per position, the weights in words `0..dim` of a row, the first moments
+    /// in `dim..2 * dim` and the second moments in `2 * dim..3 * dim`, bias-corrected by the
+    /// batch's `step` (from 1; one count for all rows, as torch's `SparseAdam` keeps it):
+    /// `m = b1 m + (1 - b1) g; v = b2 v + (1 - b2) g g;
+    /// w -= lr / (1 - b1^t) * m / (sqrt(v) / sqrt(1 - b2^t) + eps)`, in float32. On `threads`
+    /// threads as [`DenseRows::in_place`] splits them.
+    #[allow(clippy::too_many_arguments)]
+    pub fn adam(
+        &mut self,
+        pos: &[u64],
+        dim: usize,
+        grads: &[f32],
+        lr: f32,
+        (beta1, beta2, eps): (f32, f32, f32),
+        step: u32,
+        threads: usize,
+        prefetch: bool,
+    ) -> Result<()> {
+        self.check_shape(pos.len(), dim, grads.len(), "grads")?;
+        if step == 0 {
+            return Err(invalid("Adam's step counts from 1".to_string()));
+        }
+        let t = step.min(i32::MAX as u32) as i32;
+        let step_size = lr / (1.0 - beta1.powi(t));
+        let bc2 = 1.0 / (1.0 - beta2.powi(t)).sqrt();
+        let c = AdamStep {
+            beta1,
+            beta2,
+            eps,
+            step_size,
+            bc2,
+        };
+        let avx = avx();
+        self.in_place(pos, 3 * dim, "Adam", threads, prefetch, &|row, i| {
+            let (w, mv) = row.split_at_mut(dim);
+            let (m, v) = mv.split_at_mut(dim);
+            let g = &grads[i * dim..(i + 1) * dim];
+            #[cfg(target_arch = "x86_64")]
+            if avx {
+                // SAFETY: the CPU has AVX (`avx()`).
+                return unsafe { adam_avx(w, m, v, g, &c) };
+            }
+            adam_row(w, m, v, g, &c);
+        })
+    }
+
+    /// Runs `update(row, i)` on the first `words` words of row `pos[i]` for every `i`, on
+    /// `threads` threads: thread `t` takes the positions `p` with `p % threads == t`, so no
+    /// row has two writers and repeated positions apply in batch order. With `prefetch`, the
+    /// lines of the row `AHEAD` of a thread's own are asked for. `what` names the update in
+    /// the error for rows too short for it.
+    fn in_place(
+        &mut self,
+        pos: &[u64],
+        words: usize,
+        what: &str,
+        threads: usize,
+        prefetch: bool,
+        update: &(dyn Fn(&mut [f32], usize) + Sync),
+    ) -> Result<()> {
         self.check_positions(pos)?;
-        if 2 * dim > self.words {
+        if words > self.words {
             return Err(shape(format!(
-                "Adagrad needs {} words per row; the rows have {}",
-                2 * dim,
+                "{what} needs {words} words per row; the rows have {}",
                 self.words
             )));
         }
@@ -416,24 +488,19 @@ impl DenseRows {
             for (k, &i) in mine.iter().enumerate() {
                 if prefetch {
                     if let Some(&ahead) = mine.get(k + AHEAD) {
-                        this.lines(pos[ahead], 2 * dim);
+                        this.lines(pos[ahead], words);
                     }
                 }
                 // SAFETY: `pos[i] < n` (checked) and rows with `p % threads == t` are written
                 // by task `t` alone, so this is the only reference to the row while it lives;
-                // `2 * dim <= words`, and `&mut self` keeps every other user of the rows out.
+                // `words <= self.words`, and `&mut self` keeps every other user of the rows out.
                 let row = unsafe {
                     std::slice::from_raw_parts_mut(
                         (base as *mut f32).add(pos[i] as usize * stride),
-                        2 * dim,
+                        words,
                     )
                 };
-                let (w, acc) = row.split_at_mut(dim);
-                let g = &grads[i * dim..(i + 1) * dim];
-                for j in 0..dim {
-                    acc[j] += g[j] * g[j];
-                    w[j] -= lr * g[j] / (acc[j].sqrt() + 1e-10);
-                }
+                update(row, i);
             }
         });
         Ok(())
@@ -450,6 +517,55 @@ impl DenseRows {
                 .to_vec(),
         )
     }
+}
+
+/// Whether the kernels' row updates run compiled for AVX (eight float32 lanes): the same code
+/// as the portable one, so both give the same results.
+fn avx() -> bool {
+    #[cfg(target_arch = "x86_64")]
+    return std::arch::is_x86_feature_detected!("avx");
+    #[cfg(not(target_arch = "x86_64"))]
+    false
+}
+
+/// One Adagrad step of a row, over zipped slices (no index checks: the compiler vectorizes it).
+#[inline(always)]
+fn adagrad_row(w: &mut [f32], acc: &mut [f32], g: &[f32], lr: f32) {
+    for ((w, a), &g) in w.iter_mut().zip(acc.iter_mut()).zip(g) {
+        *a += g * g;
+        *w -= lr * g / (a.sqrt() + 1e-10);
+    }
+}
+
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx")]
+fn adagrad_avx(w: &mut [f32], acc: &mut [f32], g: &[f32], lr: f32) {
+    adagrad_row(w, acc, g, lr);
+}
+
+/// An Adam step's constants: `step_size = lr / (1 - beta1^t)`, `bc2 = 1 / sqrt(1 - beta2^t)`.
+struct AdamStep {
+    beta1: f32,
+    beta2: f32,
+    eps: f32,
+    step_size: f32,
+    bc2: f32,
+}
+
+/// One Adam step of a row, over zipped slices (vectorized like [`adagrad_row`]).
+#[inline(always)]
+fn adam_row(w: &mut [f32], m: &mut [f32], v: &mut [f32], g: &[f32], c: &AdamStep) {
+    for (((w, m), v), &g) in w.iter_mut().zip(m.iter_mut()).zip(v.iter_mut()).zip(g) {
+        *m = c.beta1 * *m + (1.0 - c.beta1) * g;
+        *v = c.beta2 * *v + (1.0 - c.beta2) * g * g;
+        *w -= c.step_size * *m / (v.sqrt() * c.bc2 + c.eps);
+    }
+}
+
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx")]
+fn adam_avx(w: &mut [f32], m: &mut [f32], v: &mut [f32], g: &[f32], c: &AdamStep) {
+    adam_row(w, m, v, g, c);
 }
 
 #[cfg(test)]
@@ -558,5 +674,49 @@ mod tests {
                 );
             }
         }
+    }
+
+    #[test]
+    fn adam_matches_a_sequential_reference_with_repeated_positions() {
+        let init = vec![0.5f32; 10 * 2];
+        let pos: Vec<u64> = vec![3, 1, 3, 7, 3, 1];
+        let grads: Vec<f32> = (0..pos.len() * 2).map(|x| 0.1 * (x as f32 - 4.0)).collect();
+        let (lr, b1, b2, eps) = (0.01f32, 0.9f32, 0.999f32, 1e-8f32);
+        let mut want = [[0.5f32, 0.5, 0.0, 0.0, 0.0, 0.0]; 10];
+        for step in 1..=2u32 {
+            let t = step as i32;
+            let (c1, c2) = (1.0 - b1.powi(t), (1.0 - b2.powi(t)).sqrt());
+            for (i, &p) in pos.iter().enumerate() {
+                let r = &mut want[p as usize];
+                for j in 0..2 {
+                    let g = grads[i * 2 + j];
+                    r[2 + j] = b1 * r[2 + j] + (1.0 - b1) * g;
+                    r[4 + j] = b2 * r[4 + j] + (1.0 - b2) * g * g;
+                    r[j] -= lr / c1 * r[2 + j] / (r[4 + j].sqrt() * (1.0 / c2) + eps);
+                }
+            }
+        }
+        for threads in [1, 2, 4] {
+            let mut rows = DenseRows::new(10, 6, 2, &init, 0.0).unwrap();
+            for step in 1..=2 {
+                rows.adam(&pos, 2, &grads, lr, (b1, b2, eps), step, threads, true)
+                    .unwrap();
+            }
+            for (p, w) in want.iter().enumerate() {
+                assert_eq!(
+                    rows.row(p).unwrap(),
+                    w.to_vec(),
+                    "row {p}, {threads} threads"
+                );
+            }
+            assert!(rows
+                .adam(&pos, 2, &grads, lr, (b1, b2, eps), 0, threads, true)
+                .is_err());
+        }
+        // Rows of 5 words hold no Adam step of dim 2 (3 x 2 words).
+        let mut short = DenseRows::new(10, 5, 2, &init, 0.0).unwrap();
+        assert!(short
+            .adam(&pos, 2, &grads, lr, (b1, b2, eps), 1, 1, true)
+            .is_err());
     }
 }

@@ -107,6 +107,42 @@ impl PyReferenceRows {
         let rows: &mut DenseRows = &mut guard;
         run(py, || rows.adagrad(pos, dim, g, lr, threads, prefetch))
     }
+
+    /// One Adam step per position (weights in words 0..dim, first moments in dim..2*dim,
+    /// second moments in 2*dim..3*dim), bias-corrected by `step` (from 1, one count for all
+    /// rows).
+    #[pyo3(signature = (positions, grads, lr, beta1, beta2, eps, step, threads=1, prefetch=true))]
+    #[allow(clippy::too_many_arguments)]
+    fn adam(
+        &self,
+        py: Python<'_>,
+        positions: PyReadonlyArray1<'_, u64>,
+        grads: PyReadonlyArray2<'_, f32>,
+        lr: f32,
+        beta1: f32,
+        beta2: f32,
+        eps: f32,
+        step: u32,
+        threads: usize,
+        prefetch: bool,
+    ) -> PyResult<()> {
+        let dim = grads.shape()[1];
+        let (pos, g) = (slice(&positions, "positions")?, slice(&grads, "grads")?);
+        let mut guard = self.lock();
+        let rows: &mut DenseRows = &mut guard;
+        run(py, || {
+            rows.adam(
+                pos,
+                dim,
+                g,
+                lr,
+                (beta1, beta2, eps),
+                step,
+                threads,
+                prefetch,
+            )
+        })
+    }
 }
 
 impl PyReferenceRows {
