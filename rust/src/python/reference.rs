@@ -101,11 +101,9 @@ impl PyReferenceRows {
         threads: usize,
         prefetch: bool,
     ) -> PyResult<()> {
-        let dim = grads.shape()[1];
-        let (pos, g) = (slice(&positions, "positions")?, slice(&grads, "grads")?);
-        let mut guard = self.lock();
-        let rows: &mut DenseRows = &mut guard;
-        run(py, || rows.adagrad(pos, dim, g, lr, threads, prefetch))
+        self.update(py, positions, grads, |rows, pos, dim, g| {
+            rows.adagrad(pos, dim, g, lr, threads, prefetch)
+        })
     }
 
     /// One Adam step per position (weights in words 0..dim, first moments in dim..2*dim,
@@ -126,21 +124,9 @@ impl PyReferenceRows {
         threads: usize,
         prefetch: bool,
     ) -> PyResult<()> {
-        let dim = grads.shape()[1];
-        let (pos, g) = (slice(&positions, "positions")?, slice(&grads, "grads")?);
-        let mut guard = self.lock();
-        let rows: &mut DenseRows = &mut guard;
-        run(py, || {
-            rows.adam(
-                pos,
-                dim,
-                g,
-                lr,
-                (beta1, beta2, eps),
-                step,
-                threads,
-                prefetch,
-            )
+        self.update(py, positions, grads, |rows, pos, dim, g| {
+            let betas = (beta1, beta2, eps);
+            rows.adam(pos, dim, g, lr, betas, step, threads, prefetch)
         })
     }
 }
@@ -148,6 +134,22 @@ impl PyReferenceRows {
 impl PyReferenceRows {
     fn lock(&self) -> std::sync::MutexGuard<'_, DenseRows> {
         self.rows.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    /// Runs an optimizer step `step(rows, positions, dim, grads)` with the GIL released, `dim`
+    /// read off the gradients' shape.
+    fn update(
+        &self,
+        py: Python<'_>,
+        positions: PyReadonlyArray1<'_, u64>,
+        grads: PyReadonlyArray2<'_, f32>,
+        step: impl FnOnce(&mut DenseRows, &[u64], usize, &[f32]) -> crate::error::Result<()> + Send,
+    ) -> PyResult<()> {
+        let dim = grads.shape()[1];
+        let (pos, g) = (slice(&positions, "positions")?, slice(&grads, "grads")?);
+        let mut guard = self.lock();
+        let rows: &mut DenseRows = &mut guard;
+        run(py, || step(rows, pos, dim, g))
     }
 }
 
